@@ -1,0 +1,25 @@
+"""Every error zerotier raises on purpose derives from ZerotierError.
+
+Messages follow one rule: say what happened, where (config path, file, offset,
+tier), and what the user can do about it.
+"""
+
+
+class ZerotierError(Exception):
+    """Base class of all errors raised by zerotier."""
+
+
+class ConfigError(ZerotierError, ValueError):
+    """A configuration key or value is invalid. The message names the key path."""
+
+
+class BudgetError(ZerotierError, MemoryError):
+    """A tier budget cannot hold what was asked of it."""
+
+
+class TierIOError(ZerotierError, OSError):
+    """An I/O operation on a tier failed (ENOSPC, EIO, short read, checksum...)."""
+
+
+class NativeUnavailableError(ZerotierError, RuntimeError):
+    """The native library was required but could not be loaded."""
