@@ -9,7 +9,7 @@ sets ZEROTIER_NATIVE=0.
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-COMMON = ["-O3", "-std=c++17", "-pthread", "-fvisibility=hidden", "-fno-math-errno"]
+COMMON = ["-O3", "-std=c++17", "-pthread", "-fvisibility=hidden", "-fno-math-errno", "-Wno-maybe-uninitialized"]
 
 
 class BuildCLibs(build_ext):
