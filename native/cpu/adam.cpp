@@ -236,13 +236,13 @@ ZT_AVX2 int64_t adam_avx2(const ZtAdamArgs& a, const Coef& c, int64_t begin, int
 // ---- AVX-512 (F, BW, VL) -------------------------------------------------------
 #define ZT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
 
+template <bool FULL>
 ZT_AVX512 inline __m512 avx512_load_grad(const void* g, int dt, int64_t i, __mmask16 k) {
-  if (dt == ZT_BF16) {
-    __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t*)g + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  if (dt == ZT_F16) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t*)g + i));
-  return _mm512_maskz_loadu_ps(k, (const float*)g + i);
+  if (dt == ZT_F32) return FULL ? _mm512_loadu_ps((const float*)g + i) : _mm512_maskz_loadu_ps(k, (const float*)g + i);
+  const uint16_t* src = (const uint16_t*)g + i;
+  __m256i h = FULL ? _mm256_loadu_si256((const __m256i*)src) : _mm256_maskz_loadu_epi16(k, src);
+  if (dt == ZT_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16
 }
 
 ZT_AVX512 inline __m256i avx512_to_bf16(__m512 p) {
@@ -254,35 +254,44 @@ ZT_AVX512 inline __m256i avx512_to_bf16(__m512 p) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
-ZT_AVX512 int64_t adam_avx512(const ZtAdamArgs& a, const Coef& c, int64_t begin, int64_t end) {
-  const __m512 vb2 = _mm512_set1_ps(c.b2), v1mb1 = _mm512_set1_ps(c.one_minus_b1),
-               v1mb2 = _mm512_set1_ps(c.one_minus_b2), veps = _mm512_set1_ps(c.eps),
-               vwd = _mm512_set1_ps(c.wd), vdecay = _mm512_set1_ps(c.decay),
-               vstep = _mm512_set1_ps(c.step_size), vbc2 = _mm512_set1_ps(c.bc2_sqrt),
-               vscale = _mm512_set1_ps(c.scale), vinf = _mm512_set1_ps(INFINITY);
-  int64_t nonfinite = 0;
-  for (int64_t i = begin; i < end; i += 16) {
-    // Full vectors use an all-ones mask; the tail is handled by the same code masked.
-    __mmask16 k = (end - i >= 16) ? (__mmask16)0xffff : (__mmask16)((1u << (end - i)) - 1);
-    __m512 g = _mm512_mul_ps(avx512_load_grad(a.grad, a.grad_dtype, i, k), vscale);
-    nonfinite += __builtin_popcount(_mm512_mask_cmp_ps_mask(k, _mm512_abs_ps(g), vinf, _CMP_NLT_UQ));
-    __m512 p = _mm512_maskz_loadu_ps(k, a.param + i);
-    if (c.decoupled) p = _mm512_mul_ps(p, vdecay);
-    else g = _mm512_fmadd_ps(vwd, p, g);
-    __m512 m = _mm512_maskz_loadu_ps(k, a.exp_avg + i);
-    m = _mm512_fmadd_ps(v1mb1, _mm512_sub_ps(g, m), m);
-    __m512 v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a.exp_avg_sq + i), vb2,
-                               _mm512_mul_ps(v1mb2, _mm512_mul_ps(g, g)));
-    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), vbc2), veps);
-    p = _mm512_fnmadd_ps(vstep, _mm512_div_ps(m, denom), p);
+// One vector of 16 lanes. FULL=true uses plain loads/stores; the tail uses masks
+// (masked stores are slow on some CPUs, e.g. AMD Zen 4, so only the tail pays).
+template <bool FULL>
+ZT_AVX512 inline int adam_avx512_vec(const ZtAdamArgs& a, const Coef& c, int64_t i, __mmask16 k) {
+  const __m512 vscale = _mm512_set1_ps(c.scale);
+  __m512 g = _mm512_mul_ps(avx512_load_grad<FULL>(a.grad, a.grad_dtype, i, k), vscale);
+  int bad = __builtin_popcount(_mm512_mask_cmp_ps_mask(k, _mm512_abs_ps(g), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ));
+  __m512 p = FULL ? _mm512_loadu_ps(a.param + i) : _mm512_maskz_loadu_ps(k, a.param + i);
+  __m512 m = FULL ? _mm512_loadu_ps(a.exp_avg + i) : _mm512_maskz_loadu_ps(k, a.exp_avg + i);
+  __m512 v = FULL ? _mm512_loadu_ps(a.exp_avg_sq + i) : _mm512_maskz_loadu_ps(k, a.exp_avg_sq + i);
+  if (c.decoupled) p = _mm512_mul_ps(p, _mm512_set1_ps(c.decay));
+  else g = _mm512_fmadd_ps(_mm512_set1_ps(c.wd), p, g);
+  m = _mm512_fmadd_ps(_mm512_set1_ps(c.one_minus_b1), _mm512_sub_ps(g, m), m);
+  v = _mm512_fmadd_ps(v, _mm512_set1_ps(c.b2), _mm512_mul_ps(_mm512_set1_ps(c.one_minus_b2), _mm512_mul_ps(g, g)));
+  __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c.bc2_sqrt)), _mm512_set1_ps(c.eps));
+  p = _mm512_fnmadd_ps(_mm512_set1_ps(c.step_size), _mm512_div_ps(m, denom), p);
+  if (FULL) {
+    _mm512_storeu_ps(a.param + i, p);
+    _mm512_storeu_ps(a.exp_avg + i, m);
+    _mm512_storeu_ps(a.exp_avg_sq + i, v);
+  } else {
     _mm512_mask_storeu_ps(a.param + i, k, p);
     _mm512_mask_storeu_ps(a.exp_avg + i, k, m);
     _mm512_mask_storeu_ps(a.exp_avg_sq + i, k, v);
-    if (a.out_dtype == ZT_BF16)
-      _mm256_mask_storeu_epi16((uint16_t*)a.param_out + i, k, avx512_to_bf16(p));
-    else if (a.out_dtype == ZT_F16)
-      _mm256_mask_storeu_epi16((uint16_t*)a.param_out + i, k, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
   }
+  if (a.out_dtype != ZT_NONE) {
+    __m256i h = a.out_dtype == ZT_BF16 ? avx512_to_bf16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT);
+    if (FULL) _mm256_storeu_si256((__m256i*)((uint16_t*)a.param_out + i), h);
+    else _mm256_mask_storeu_epi16((uint16_t*)a.param_out + i, k, h);
+  }
+  return bad;
+}
+
+ZT_AVX512 int64_t adam_avx512(const ZtAdamArgs& a, const Coef& c, int64_t begin, int64_t end) {
+  int64_t nonfinite = 0;
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) nonfinite += adam_avx512_vec<true>(a, c, i, (__mmask16)0xffff);
+  if (i < end) nonfinite += adam_avx512_vec<false>(a, c, i, (__mmask16)((1u << (end - i)) - 1));
   return nonfinite;
 }
 #endif  // ZT_X86
