@@ -4,45 +4,86 @@ Each component's constructor receives only its own section (e.g. the NVMe store
 gets `IOConfig` and `TiersConfig`, never the whole `Config`).
 
 Sizes are stored as int bytes, or the string "auto" where "auto" is allowed.
-Parsing/validation (dict / TOML / JSON / YAML sources, "24GiB" sizes, unknown-key
-suggestions) lives in `Config.from_dict` / `Config.load` below.
+Sources: `Config.from_dict`, `Config.load` (.toml / .json / .yaml), or
+`Config.coerce` (any of those, a path, or None for the defaults). `docs/config.md`
+lists every key.
+
+[Note: validation on construction]
+Every section validates and normalizes itself in `__post_init__` (sizes such as
+"24GiB" become int bytes, ints given for floats become floats, lists become
+tuples), driven by the field type hints plus the value rules in `_FIELD_RULES`.
+`Config.__post_init__` adds the rules that span sections. So a `Config` obtained
+any way - from a file, a dict, direct construction, `dataclasses.replace` - is
+valid, and every error names the key path, e.g. `tiers.host`.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
+import json
+import math
+import os
+import re
+import types
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from fractions import Fraction
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal, Mapping, Union, get_args, get_origin, get_type_hints
 
-Size = Union[int, Literal["auto"]]
+from .errors import ConfigError
+
+_BYTES = "bytes"  # Annotated marker: an int count of bytes, writable as "24GiB" in config sources
+Bytes = Annotated[int, _BYTES]
+Size = Union[Bytes, Literal["auto"]]
 Placement = Literal["auto", "device", "host", "nvme"]
 
 
+class _Section:
+    """Base of every config section: validates and normalizes its fields when built.
+
+    See [Note: validation on construction] at the top of this module.
+    """
+
+    def __post_init__(self) -> None:
+        section = _SECTION_NAMES[type(self)]
+        hints = _type_hints(type(self))
+        for f in dataclasses.fields(self):
+            path = f"{section}.{f.name}"
+            value = _convert(getattr(self, f.name), hints[f.name], path)
+            _check_field_rule(path, value)
+            object.__setattr__(self, f.name, value)  # frozen: normalizing here is the only write
+        for check in _SECTION_CHECKS.get(section, ()):
+            check(self)
+
+
 @dataclass(frozen=True)
-class ZeroConfig:
+class ZeroConfig(_Section):
     stage: int = 0                        # 0 = plain data parallel, 1/2/3 = ZeRO stages
-    reduce_bucket_size: int = 25 << 20    # bytes per gradient reduce(-scatter) bucket
-    allgather_bucket_size: int = 25 << 20 # bytes per parameter all-gather bucket
+    reduce_bucket_size: Bytes = 25 << 20  # bytes per gradient reduce(-scatter) bucket
+    allgather_bucket_size: Bytes = 25 << 20  # bytes per parameter all-gather bucket
     persistence_threshold: int = 100_000  # params with fewer elements are never partitioned (stage 3)
     overlap_comm: bool = True             # run collectives on their own stream/thread
     timeout_s: float = 600.0              # collective timeout
 
 
 @dataclass(frozen=True)
-class TiersConfig:
+class TiersConfig(_Section):
     device: Size = "auto"                 # accelerator (or CPU "device" pool) budget
     host: Size = "auto"                   # pinned host memory budget
-    nvme: Size = 0                        # NVMe budget; 0 disables the tier
+    nvme: Size = "auto"                   # NVMe budget; auto = free space at nvme_path; 0 disables the tier
     nvme_path: str | None = None          # directory for swap files (a per-run subdir is made)
 
 
 @dataclass(frozen=True)
-class OffloadConfig:
+class OffloadConfig(_Section):
     params: Placement = "auto"
     gradients: Placement = "auto"
     optimizer: Placement = "auto"
 
 
 @dataclass(frozen=True)
-class PrecisionConfig:
+class PrecisionConfig(_Section):
     param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     master_dtype: Literal["fp32"] = "fp32"
     grad_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -54,7 +95,7 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerConfig(_Section):
     type: Literal["adamw", "adam"] = "adamw"   # adam = L2 weight decay added to the gradient
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -68,32 +109,32 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(_Section):
     grad_accum_steps: int = 1
     max_grad_norm: float | None = None     # global grad-norm clipping; None disables
 
 
 @dataclass(frozen=True)
-class PrefetchConfig:
+class PrefetchConfig(_Section):
     enabled: bool = True
     lookahead: int = 2                     # modules ahead of the one running
     max_bytes: Size = 256 << 20            # bytes in flight for prefetch
 
 
 @dataclass(frozen=True)
-class IOConfig:
+class IOConfig(_Section):
     backend: Literal["auto", "io_uring", "threads", "aiofiles"] = "auto"
-    block_size: int = 1 << 20              # bytes per submitted I/O request
+    block_size: Bytes = 1 << 20            # bytes per submitted I/O request
     queue_depth: int = 32                  # requests in flight per engine
     threads: int = 4                       # pthread-pool backend worker count
     o_direct: bool = True                  # falls back to buffered I/O (one warning) if unsupported
-    alignment: int = 4096                  # file offsets/sizes/buffers aligned to this
+    alignment: Bytes = 4096                # file offsets/sizes/buffers aligned to this
     checksum: Literal["none", "crc32c"] = "none"
     max_inflight_bytes: Size = 1 << 30     # tier manager bound on bytes in flight
 
 
 @dataclass(frozen=True)
-class ProfileConfig:
+class ProfileConfig(_Section):
     enabled: bool = False
     trace_path: str | None = None          # Chrome/Perfetto trace JSON written here
     sample_interval_ms: float = 10.0       # residency sampling period
@@ -111,3 +152,394 @@ class Config:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     io: IOConfig = field(default_factory=IOConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    def __post_init__(self) -> None:
+        for name, section_cls in _SECTIONS.items():
+            section = getattr(self, name)
+            if not isinstance(section, section_cls):
+                raise ConfigError(
+                    f"{name}: expected a {section_cls.__name__}, got {type(section).__name__}"
+                    " (use Config.from_dict to build from plain dicts)"
+                )
+        _check_nvme_placement(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Config:
+        """Build from `{section: {key: value}}`; sections and keys left out keep their defaults.
+
+        A section may also be given as its dataclass instance, or as None (= defaults).
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config must be a mapping of sections, got {type(data).__name__}")
+        sections = {}
+        for name, value in data.items():
+            section_cls = _SECTIONS.get(name)
+            if section_cls is None:
+                raise _unknown_key_error(str(name), "", _SECTIONS)
+            sections[name] = _section_from_value(section_cls, name, value)
+        return cls(**sections)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Config:
+        """Read a .toml, .json, .yaml or .yml file; errors are prefixed with the file name."""
+        path = Path(path)
+        reader = _FILE_READERS.get(path.suffix.lower())
+        if reader is None:
+            raise ConfigError(
+                f"{path}: unknown config file extension {path.suffix!r}; use .toml, .json, .yaml or .yml"
+            )
+        try:
+            data = reader(path)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+        if data is None:  # an empty YAML file
+            data = {}
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+    @classmethod
+    def coerce(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str] | None) -> Config:
+        """The one entry point for user-facing APIs: a Config, a dict, a file path, or None (defaults)."""
+        if source is None:
+            return cls()
+        if isinstance(source, Config):
+            return source
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        if isinstance(source, (str, os.PathLike)):
+            return cls.load(source)
+        raise ConfigError(
+            f"cannot make a Config from {type(source).__name__}; pass a Config, a dict, "
+            "a path to a .toml/.json/.yaml file, or None for the defaults"
+        )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain JSON-serializable dict (sizes as int bytes, tuples as lists); from_dict accepts it back."""
+        plain: dict[str, dict[str, Any]] = {}
+        for name in _SECTIONS:
+            section = getattr(self, name)
+            values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+            plain[name] = {key: list(v) if isinstance(v, tuple) else v for key, v in values.items()}
+        return plain
+
+
+def _section_from_value(section_cls: type, name: str, value: Any) -> Any:
+    if value is None:
+        return section_cls()
+    if isinstance(value, section_cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"config section '{name}' must be a table of keys, got {type(value).__name__}")
+    valid = {f.name: f for f in dataclasses.fields(section_cls)}
+    for key in value:
+        if key not in valid:
+            raise _unknown_key_error(str(key), name, valid)
+    return section_cls(**value)
+
+
+def _unknown_key_error(key: str, section: str, valid: Mapping[str, Any]) -> ConfigError:
+    prefix = f"{section}." if section else ""
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ";"
+    return ConfigError(f"unknown config key '{prefix}{key}'{hint} valid keys: {', '.join(sorted(valid))}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def _read_toml(path: Path) -> Any:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise ConfigError(f"{path}: reading TOML on Python 3.10 needs tomli: pip install tomli") from None
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def _read_json(path: Path) -> Any:
+    with open(path, "rb") as f:
+        try:
+            return json.load(f)
+        except ValueError as exc:
+            raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError(
+            f"{path}: reading YAML needs PyYAML: pip install pyyaml (or use a .toml or .json file)"
+        ) from None
+    with open(path, "rb") as f:
+        try:
+            return yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+
+
+_FILE_READERS: dict[str, Callable[[Path], Any]] = {
+    ".toml": _read_toml,
+    ".json": _read_json,
+    ".yaml": _read_yaml,
+    ".yml": _read_yaml,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes: IEC units (KiB, MiB, ...) and bare letters (K, M, ...) are binary; SI units (KB, MB, ...)
+# are decimal. Case does not matter. "1.5TB" == 1_500_000_000_000; "4k" == 4096.
+
+_SIZE_UNITS = {"": 1, "b": 1}
+for _power, _letter in enumerate("kmgtp", start=1):
+    _SIZE_UNITS[_letter] = _SIZE_UNITS[_letter + "ib"] = 1024**_power
+    _SIZE_UNITS[_letter + "b"] = 1000**_power
+_SIZE_RE = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)", re.IGNORECASE)
+
+
+def parse_size(value: Any, path: str = "size", *, allow_auto: bool = False) -> int | Literal["auto"]:
+    """Bytes as an int from an int, an integral float, or a string like "24GiB", "1.5TB", "4k", "0".
+
+    "auto" is returned unchanged when `allow_auto`. Raises ConfigError naming `path` otherwise.
+    """
+    expected = "expected an int or a string like '24GiB' / '1.5TB'" + (" / 'auto'" if allow_auto else "")
+    invalid = f"{path}: invalid size {value!r}: {expected}"
+    if isinstance(value, bool):
+        raise ConfigError(invalid)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "auto":
+            if allow_auto:
+                return "auto"
+            raise ConfigError(f"{path}: 'auto' is not allowed here; give a size like '24GiB'")
+        match = _SIZE_RE.fullmatch(text)
+        if match is None:
+            raise ConfigError(invalid)
+        number, unit = match.groups()
+        if unit.lower() not in _SIZE_UNITS:
+            raise ConfigError(
+                f"{invalid}; units: B, K/KiB, M/MiB, G/GiB, T/TiB, P/PiB (binary), KB, MB, GB, TB, PB (decimal)"
+            )
+        exact = Fraction(number) * _SIZE_UNITS[unit.lower()]
+    elif isinstance(value, int):
+        exact = Fraction(value)
+    elif isinstance(value, float) and math.isfinite(value):
+        exact = Fraction(value)
+    else:
+        raise ConfigError(invalid)
+    if exact < 0:
+        raise ConfigError(f"{path}: size must be >= 0, got {value!r}")
+    if exact.denominator != 1:
+        raise ConfigError(f"{path}: size {value!r} is not a whole number of bytes ({float(exact)} B)")
+    return int(exact)
+
+
+def format_size(nbytes: int | float | str) -> str:
+    """Human-readable binary size for messages: 512 -> '512 B', 1.5 * 2**30 -> '1.50 GiB'.
+
+    "auto" (an unresolved Size) is returned as is.
+    """
+    if isinstance(nbytes, str):
+        return nbytes
+    if abs(nbytes) < 1024:
+        return f"{nbytes:.0f} B"
+    scaled = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        scaled /= 1024
+        if abs(scaled) < 1024 or unit == "PiB":
+            break
+    return f"{scaled:.2f} {unit}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion by type hint: the schema's annotations say what each key accepts.
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls, include_extras=True)
+
+
+def _is_bytes(hint: Any) -> bool:
+    return get_origin(hint) is Annotated and _BYTES in get_args(hint)[1:]
+
+
+def _convert(value: Any, hint: Any, path: str) -> Any:
+    """Check `value` against type `hint` and return it normalized; ConfigError naming `path` if it does not fit."""
+    origin, args = get_origin(hint), get_args(hint)
+    if _is_bytes(hint):
+        return parse_size(value, path)
+    if origin in (Union, types.UnionType):
+        if any(_is_bytes(arm) for arm in args):  # Size
+            return parse_size(value, path, allow_auto=Literal["auto"] in args)
+        for arm in args:
+            try:
+                return _convert(value, arm, path)
+            except ConfigError:
+                continue
+    elif origin is Literal:
+        if any(type(value) is type(choice) and value == choice for choice in args):
+            return value
+        choices = ", ".join(repr(choice) for choice in args)
+        raise ConfigError(f"{path}: must be one of {choices}, got {value!r}")
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)) and len(value) == len(args):
+            return tuple(_convert(item, arm, f"{path}[{i}]") for i, (item, arm) in enumerate(zip(value, args)))
+    elif hint is type(None):
+        if value is None:
+            return None
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        number = _as_float(value)
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"{path}: must be a finite number, got {value!r}")
+            return number
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a schema annotation this function does not know
+        raise TypeError(f"{path}: unsupported config annotation {hint!r}")
+    raise ConfigError(f"{path}: expected {_describe(hint)}, got {value!r}")
+
+
+def _as_float(value: Any) -> float | None:
+    """Numbers, and numeric strings: PyYAML reads `lr: 1e-3` (no decimal point) as the string '1e-3'."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _describe(hint: Any) -> str:
+    if _is_bytes(hint):
+        return "a size like '24GiB'"
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(arm) for arm in args)
+    if origin is Literal:
+        return " or ".join(repr(choice) for choice in args)
+    if origin is tuple:
+        return f"a list of {len(args)} items [{', '.join(_describe(arm) for arm in args)}]"
+    names = {bool: "true or false", int: "an int", float: "a number", str: "a string", type(None): "null / left out"}
+    return names.get(hint, repr(hint))
+
+
+# ---------------------------------------------------------------------------------------------
+# Value rules: what the type hints cannot say. Each is (holds(value), what the value must be).
+
+
+def _positive(v: Any) -> bool:
+    return v > 0
+
+
+def _non_negative(v: Any) -> bool:
+    return v >= 0
+
+
+def _at_least_one(v: Any) -> bool:
+    return v >= 1
+
+
+def _power_of_two_from_512(v: int) -> bool:
+    return v >= 512 and v & (v - 1) == 0
+
+
+def _not_blank(v: str | None) -> bool:
+    return v is None or v.strip() != ""
+
+
+_FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "zero.stage": (lambda v: v in (0, 1, 2, 3), "must be 0, 1, 2 or 3"),
+    "zero.reduce_bucket_size": (_positive, "must be > 0"),
+    "zero.allgather_bucket_size": (_positive, "must be > 0"),
+    "zero.persistence_threshold": (_non_negative, "must be >= 0"),
+    "zero.timeout_s": (_positive, "must be > 0"),
+    "tiers.nvme_path": (_not_blank, "must be a directory path, or left out"),
+    "precision.loss_scale": (lambda v: v == "dynamic" or v > 0, "must be > 0 or 'dynamic'"),
+    "precision.initial_scale_power": (_non_negative, "must be >= 0"),
+    "precision.loss_scale_window": (_at_least_one, "must be >= 1"),
+    "precision.hysteresis": (_at_least_one, "must be >= 1"),
+    "precision.min_loss_scale": (_positive, "must be > 0"),
+    "optimizer.lr": (_non_negative, "must be >= 0"),
+    "optimizer.betas": (lambda v: all(0 <= beta < 1 for beta in v), "must be two numbers in [0, 1)"),
+    "optimizer.eps": (_positive, "must be > 0"),
+    "optimizer.weight_decay": (_non_negative, "must be >= 0"),
+    "optimizer.threads": (lambda v: v == "auto" or v >= 1, "must be >= 1 or 'auto'"),
+    "optimizer.subgroup_size": (_at_least_one, "must be >= 1"),
+    "train.grad_accum_steps": (_at_least_one, "must be >= 1"),
+    "train.max_grad_norm": (lambda v: v is None or v > 0, "must be > 0, or left out to disable clipping"),
+    "prefetch.lookahead": (_non_negative, "must be >= 0"),
+    "io.block_size": (_positive, "must be > 0"),
+    "io.queue_depth": (_at_least_one, "must be >= 1"),
+    "io.threads": (_at_least_one, "must be >= 1"),
+    "io.alignment": (_power_of_two_from_512, "must be a power of two >= 512"),
+    "profile.trace_path": (_not_blank, "must be a file path, or left out"),
+    "profile.sample_interval_ms": (_positive, "must be > 0"),
+}
+
+
+def _check_field_rule(path: str, value: Any) -> None:
+    rule = _FIELD_RULES.get(path)
+    if rule is not None and not rule[0](value):
+        raise ConfigError(f"{path}: {rule[1]}, got {value!r}")
+
+
+def _check_nvme_budget_has_path(tiers: TiersConfig) -> None:
+    if tiers.nvme != "auto" and tiers.nvme > 0 and tiers.nvme_path is None:
+        raise ConfigError(
+            f"tiers.nvme = {format_size(tiers.nvme)} needs tiers.nvme_path: set it to a directory on the NVMe drive"
+        )
+
+
+def _check_io_block_size(io: IOConfig) -> None:
+    if io.block_size % io.alignment:
+        raise ConfigError(f"io.block_size: must be a multiple of io.alignment ({io.alignment}), got {io.block_size}")
+    if io.max_inflight_bytes != "auto" and io.max_inflight_bytes < io.block_size:
+        raise ConfigError(
+            f"io.max_inflight_bytes: must be at least io.block_size ({format_size(io.block_size)}),"
+            f" got {format_size(io.max_inflight_bytes)}"
+        )
+
+
+_SECTION_CHECKS: dict[str, tuple[Callable[[Any], None], ...]] = {
+    "tiers": (_check_nvme_budget_has_path,),
+    "io": (_check_io_block_size,),
+}
+
+
+def _check_nvme_placement(cfg: Config) -> None:
+    for f in dataclasses.fields(cfg.offload):
+        if getattr(cfg.offload, f.name) != "nvme":
+            continue
+        if cfg.tiers.nvme_path is None:
+            raise ConfigError(
+                f"offload.{f.name} = 'nvme' needs tiers.nvme_path: set it to a directory on the NVMe drive"
+            )
+        if cfg.tiers.nvme == 0:
+            raise ConfigError(
+                f"offload.{f.name} = 'nvme' but tiers.nvme = 0 disables the NVMe tier:"
+                " set tiers.nvme to a size such as '500GiB', or 'auto'"
+            )
+
+
+_SECTIONS: dict[str, type] = {f.name: _type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+_SECTION_NAMES: dict[type, str] = {cls: name for name, cls in _SECTIONS.items()}

@@ -1,0 +1,106 @@
+"""`zerotier env`: the report's shape, its text form, and the CLI's help."""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zerotier
+from zerotier import cli, envinfo
+
+REPORT_KEYS = {"versions", "cuda", "cpu", "memory", "native", "simd_level", "io_uring", "nvme_path"}
+
+
+def test_env_json_subprocess(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "zerotier.cli", "env", "--json", "--nvme-path", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    report = json.loads(done.stdout)
+    assert set(report) == REPORT_KEYS
+    assert report["versions"]["zerotier"] == zerotier.__version__
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["versions"]["python"] == platform.python_version()
+    assert set(report["cpu"]["simd_flags"]) == set(envinfo.SIMD_FLAGS)
+    assert report["cpu"]["logical_cores"] >= report["cpu"]["physical_cores"] >= 1
+    assert report["memory"]["total_bytes"] >= report["memory"]["available_bytes"] > 0
+    assert set(report["native"]) == {"_zt_cpu", "_zt_io"}
+    assert isinstance(report["simd_level"], str)
+    assert set(report["io_uring"]) == {"usable", "reason"}
+    assert report["nvme_path"]["path"] == str(tmp_path)
+    assert 0 < report["nvme_path"]["free_bytes"] <= report["nvme_path"]["total_bytes"]
+    if not torch.cuda.is_available():
+        assert report["cuda"]["devices"] == []
+
+
+def test_env_text_lists_versions_and_aligns_values(capsys, tmp_path):
+    assert cli.main(["env", "--nvme-path", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = dict(line.split(None, 1) for line in lines if line.split()[0] in ("zerotier", "torch", "python"))
+    assert rows == {"zerotier": zerotier.__version__, "torch": torch.__version__,
+                    "python": platform.python_version()}
+    value_columns = {len(line) - len(line.split("  ", 1)[1].lstrip()) for line in lines}  # keys: no "  "
+    assert len(value_columns) == 1, lines
+    assert any(line.startswith("nvme path") and str(tmp_path) in line and "free of" in line for line in lines)
+    if not torch.cuda.is_available():
+        assert any(line.startswith("cuda devices") and "none" in line for line in lines)
+
+
+def test_env_reports_a_missing_nvme_path(capsys, tmp_path):
+    missing = tmp_path / "not-there"
+    assert cli.main(["env", "--nvme-path", str(missing)]) == 0
+    out = capsys.readouterr().out
+    assert f"error: {missing} does not exist" in out
+
+
+def test_env_survives_missing_optional_components(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zerotier.optim", None)
+    monkeypatch.setitem(sys.modules, "zerotier.io", None)
+    report = envinfo.collect(".")
+    assert report["simd_level"].startswith("unavailable: ")
+    assert report["io_uring"]["usable"] is None
+    assert report["io_uring"]["reason"].startswith("unavailable: ")
+    assert "zerotier" in report["versions"]
+
+
+def test_env_reports_a_broken_part_without_hiding_the_rest(monkeypatch):
+    def broken() -> dict:
+        raise RuntimeError("no /proc/cpuinfo")
+
+    monkeypatch.setattr(envinfo, "_cpu", broken)
+    report = envinfo.collect(".")
+    assert report["cpu"] == {"error": "RuntimeError: no /proc/cpuinfo"}
+    assert "total_bytes" in report["memory"]
+    rows = dict(cli._env_rows(report))
+    assert rows["cpu"] == "RuntimeError: no /proc/cpuinfo"
+
+
+def test_help_describes_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    top = capsys.readouterr().out
+    for command in cli.COMMANDS:
+        assert command.name in top and command.summary.split()[0] in top
+
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            assert action.help, f"zerotier {name} {action.option_strings} has no help text"
+
+    with pytest.raises(SystemExit):
+        cli.main(["env", "--help"])
+    env_help = capsys.readouterr().out
+    assert "--json" in env_help and "--nvme-path" in env_help
+
+
+def test_no_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2
+    assert "COMMAND" in capsys.readouterr().err

@@ -1,0 +1,153 @@
+"""What this node offers zerotier: versions, accelerators, CPU, RAM, native code, I/O, disk.
+
+`collect()` gathers a plain JSON-serializable dict (sizes in int bytes); `zerotier env`
+prints it. Every part is gathered on its own: a part that fails reports
+`{"error": "..."}` instead of hiding the rest, since this report is what users run
+when something is broken.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import zerotier
+
+# CPU features the native Adam kernels and bf16/fp16 conversions can use.
+SIMD_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "fma", "f16c")
+
+
+def collect(nvme_path: str | os.PathLike[str] = ".") -> dict[str, Any]:
+    """The environment report; `nvme_path` is where swap files would go (free space is reported)."""
+    return {
+        "versions": _part(_versions),
+        "cuda": _part(_cuda),
+        "cpu": _part(_cpu),
+        "memory": _part(_memory),
+        "native": _part(_native_libraries),
+        "simd_level": _simd_level_in_use(),
+        "io_uring": _io_uring(),
+        "nvme_path": _part(lambda: _disk(Path(nvme_path))),
+    }
+
+
+def _part(gather: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return gather()
+    except Exception as exc:  # noqa: BLE001 - one broken probe must not hide the others
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _versions() -> dict[str, Any]:
+    import torch
+
+    return {
+        "zerotier": zerotier.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def _cuda() -> dict[str, Any]:
+    import torch
+
+    devices = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            free_bytes, total_bytes = torch.cuda.mem_get_info(index)
+            devices.append({
+                "index": index,
+                "name": props.name,
+                "capability": f"{props.major}.{props.minor}",
+                "total_bytes": total_bytes,
+                "free_bytes": free_bytes,
+            })
+    return {"torch_cuda_version": torch.version.cuda, "devices": devices}
+
+
+@functools.cache
+def cpu_info() -> dict[str, Any]:
+    """py-cpuinfo's report, gathered once per process (it takes about a second)."""
+    import cpuinfo
+
+    return cpuinfo.get_cpu_info()
+
+
+def _cpu() -> dict[str, Any]:
+    import psutil
+
+    info = cpu_info()
+    flags = set(info.get("flags", ()))
+    return {
+        "model": (info.get("brand_raw") or platform.processor() or "unknown").strip(),
+        "arch": info.get("arch_string_raw") or platform.machine(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "logical_cores": psutil.cpu_count(logical=True),
+        "simd_flags": {flag: flag in flags for flag in SIMD_FLAGS},
+    }
+
+
+def _memory() -> dict[str, Any]:
+    import psutil
+
+    ram = psutil.virtual_memory()
+    return {"total_bytes": ram.total, "available_bytes": ram.available}
+
+
+def _native_libraries() -> dict[str, str]:
+    from zerotier import _native
+
+    return _native.status()
+
+
+def _simd_level_in_use() -> str:
+    """The kernel flavour the optimizer actually runs ("avx512", "avx2", "scalar", "python")."""
+    try:
+        from zerotier.optim import simd_level
+
+        return str(simd_level())
+    except Exception as exc:  # noqa: BLE001 - optimizer package missing or broken
+        return f"unavailable: {type(exc).__name__}: {exc}"
+
+
+def _io_uring() -> dict[str, Any]:
+    try:
+        from zerotier.io import probe_io_uring
+
+        usable, reason = probe_io_uring()
+        return {"usable": bool(usable), "reason": str(reason)}
+    except Exception as exc:  # noqa: BLE001 - I/O package missing or broken
+        return {"usable": None, "reason": f"unavailable: {type(exc).__name__}: {exc}"}
+
+
+def _disk(path: Path) -> dict[str, Any]:
+    path = path.expanduser().absolute()
+    if not path.exists():
+        return {"path": str(path), "error": f"{path} does not exist"}
+    usage = shutil.disk_usage(path)
+    return {
+        "path": str(path),
+        "total_bytes": usage.total,
+        "free_bytes": usage.free,
+        **_mount_of(path),
+    }
+
+
+def _mount_of(path: Path) -> dict[str, str]:
+    """Filesystem type and device holding `path` (tmpfs, for one, has no O_DIRECT)."""
+    import psutil
+
+    real = os.path.realpath(path)
+    best = None
+    for part in psutil.disk_partitions(all=True):
+        inside = real == part.mountpoint or real.startswith(part.mountpoint.rstrip("/") + "/")
+        if inside and (best is None or len(part.mountpoint) > len(best.mountpoint)):
+            best = part
+    if best is None:
+        return {}
+    return {"filesystem": best.fstype, "device": best.device, "mountpoint": best.mountpoint}
