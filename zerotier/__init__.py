@@ -2,3 +2,5 @@
 __version__ = "0.1.0"
 
 from .errors import BudgetError, ConfigError, TierIOError, ZerotierError  # noqa: F401
+from .config import Config  # noqa: E402,F401
+from .engine import Engine, initialize  # noqa: E402,F401

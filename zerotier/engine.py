@@ -1,0 +1,366 @@
+"""The offload engine: hooks a model's forward/backward and drives tiers, prefetch and the optimizer.
+
+    engine = zerotier.initialize(model, config)
+    loss = engine(batch)          # forward (the module's own hooks fetch parameters)
+    engine.backward(loss)         # scaled, accumulated; grads stream to their tier
+    engine.step()                 # every micro-batch; updates at accumulation boundaries
+
+The engine does no math and no I/O of its own: placement comes from the planner,
+bytes move through the NVMe store, the optimizer is `UnitOptimizer`, the order of
+fetches from `PrefetchScheduler`. See docs/design.md.
+
+[Note: fetch and release]
+Parameters placed on host or NVMe are *released* outside their module's use:
+`p.data` is an empty tensor. A forward pre-hook fetches the module's units
+(waiting on a prefetch if one is in flight); the forward post-hook releases
+them and wraps the module's outputs in `_FetchOnBackward`, whose backward
+fetches them again just before autograd needs them. A post-accumulate-grad
+hook moves each gradient into its unit's fp32 `grad_flat` and, once every
+parameter of the unit has its gradient, releases the unit. Autograd's saved
+references are the Parameter objects themselves, so swapping `p.data` back in
+before their backward runs is what makes this correct.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .config import Config
+from .errors import ConfigError, ZerotierError
+from .optim import _kernels
+from .optim.offload import UnitOptimizer
+from .planner import make_plan
+from .scaler import LossScaler
+from .schedule import PrefetchScheduler
+from .state import DTYPES, Location, Unit, build_units
+
+
+def initialize(model: torch.nn.Module, config=None) -> "Engine":
+    """Wrap `model` for training under `config` (dict, file path or Config)."""
+    return Engine(model, Config.coerce(config))
+
+
+class _LRHolder(torch.optim.Optimizer):
+    """Holds lr in `param_groups` so torch.optim.lr_scheduler works with `engine.optimizer`."""
+
+    def __init__(self, lr: float):
+        super().__init__([torch.zeros(0, requires_grad=True)], {"lr": lr})
+
+    def step(self, closure=None):  # the update itself is the engine's
+        return None
+
+
+class _FetchOnBackward(torch.autograd.Function):
+    """Identity in forward; in backward, fetch the units before their module's gradients run."""
+
+    @staticmethod
+    def forward(ctx, engine, units, *tensors):
+        ctx.engine, ctx.units = engine, units
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for unit in ctx.units:
+            ctx.engine._demand(unit)
+        return (None, None, *grads)
+
+
+def _map_tensors(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(o, fn) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for k in obj:
+            out[k] = _map_tensors(obj[k], fn)
+        return out
+    return obj
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, cfg: Config):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"zerotier.initialize expects an nn.Module, got {type(model).__name__}")
+        self.cfg = cfg
+        self.module = model
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.units = build_units(model)
+        if not self.units:
+            raise ConfigError("the model has no trainable parameters (all are frozen or there are none); "
+                              "there is nothing for zerotier to train")
+        self.lp_dtype = DTYPES[cfg.precision.param_dtype]
+        self.plan = make_plan([u.numel for u in self.units], cfg.tiers, cfg.offload, cfg.precision,
+                              cfg.prefetch, self.device)
+        self.store = None
+        if Location.NVME in self.plan.placement.values():
+            from .tiers.nvme import NVMeStore  # only runs that use NVMe open a run directory
+            self.store = NVMeStore(cfg.tiers, cfg.io)
+        self.scaler = LossScaler(cfg.precision)
+        self.optimizer = _LRHolder(cfg.optimizer.lr)
+        self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, self.store, self._write_params)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self._backward_since_step = False
+        self._in_backward = False
+        self._inflight: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        # Fetch workers: on CPU they are the "copy streams"; on CUDA they issue H2D
+        # copies on `copy_stream`, ordered against compute by an event per fetch.
+        self._fetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerotier-fetch")
+        self.copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        for unit in self.units:
+            self._place(unit)
+        self._move_unmanaged_to_device()
+        offloaded = [u for u in self.units if u.param_loc is not Location.DEVICE]
+        self.scheduler = PrefetchScheduler(
+            cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.units], [u.name for u in self.units],
+            self._prefetch, self._inflight_bytes)
+        self._hooks = []
+        self._register_hooks(offloaded)
+
+    # ------------------------------------------------------------ placement
+
+    def _place(self, unit: Unit) -> None:
+        placement = self.plan.placement
+        unit.param_loc, unit.grad_loc, unit.optim_loc = placement["params"], placement["gradients"], \
+            placement["optimizer"]
+        master = torch.cat([p.detach().reshape(-1).float().cpu() for p in unit.params])
+        self.unit_optimizer.init_state(unit, master, self.device)
+        lp = master.to(self.lp_dtype)
+        if unit.param_loc is Location.DEVICE:
+            unit.device_flat = lp.to(self.device)
+            for p, view in unit.views(unit.device_flat):
+                p.data = view
+        else:
+            if unit.param_loc is Location.HOST:
+                unit.host_param = lp.pin_memory() if self.device.type == "cuda" else lp
+            else:
+                self.store.write(unit.param_key, lp).wait()
+            self._release(unit)
+        grad_device = self.device if unit.grad_loc is Location.DEVICE else torch.device("cpu")
+        unit.grad_flat = torch.zeros(unit.numel, dtype=torch.float32, device=grad_device)
+
+    def _move_unmanaged_to_device(self) -> None:
+        managed = {id(p) for u in self.units for p in u.params}
+        for module in self.module.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) not in managed:
+                    p.data = p.data.to(self.device)
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.to(self.device)
+
+    def _write_params(self, unit: Unit, master: torch.Tensor) -> None:
+        """param-copyback: the updated fp32 master becomes the unit's low-precision params."""
+        if unit.param_loc is Location.DEVICE:
+            unit.device_flat.copy_(master)
+        elif unit.param_loc is Location.HOST:
+            unit.host_param.copy_(master)
+        else:
+            self.store.write(unit.param_key, master.to(self.lp_dtype)).wait()
+
+    # ------------------------------------------------------------ fetch / release
+
+    def _load(self, unit: Unit):
+        """Bring a unit's low-precision params to the compute device (runs on a fetch worker)."""
+        if unit.param_loc is Location.NVME:
+            host = torch.empty(unit.numel, dtype=self.lp_dtype)
+            got = self.store.read(unit.param_key, host).wait()
+            if got != unit.numel * self.lp_dtype.itemsize:
+                raise ZerotierError(f"short read of {unit.param_key}: {got} bytes")
+        else:
+            host = unit.host_param
+        if self.device.type == "cpu":
+            return host, None  # the CPU computes on host memory directly
+        with torch.cuda.stream(self.copy_stream):
+            flat = host.to(self.device, non_blocking=host.is_pinned())
+            ready = torch.cuda.Event()
+            ready.record()
+        return flat, ready
+
+    def _prefetch(self, index: int) -> None:
+        unit = self.units[index]
+        with self._lock:
+            if unit.device_flat is not None or index in self._inflight:
+                return
+            self._inflight[index] = self._fetcher.submit(self._load, unit)
+
+    def _inflight_bytes(self) -> int:
+        with self._lock:
+            return sum(self.units[i].numel * self.lp_dtype.itemsize
+                       for i, f in self._inflight.items() if not f.done())
+
+    def _demand(self, unit: Unit) -> None:
+        """Compute needs `unit` now: make it resident (waiting on a prefetch if any)."""
+        if torch.is_grad_enabled() and self.module.training or self._in_backward:
+            self.scheduler.on_demand(unit.index)
+        if unit.device_flat is not None:
+            return
+        with self._lock:
+            future = self._inflight.pop(unit.index, None)
+        flat, ready = future.result() if future is not None else self._load(unit)
+        if ready is not None:
+            # [Note: fetch and release] the copy ran on copy_stream; compute waits for
+            # it, and record_stream keeps the block from reuse until compute is done.
+            torch.cuda.current_stream().wait_event(ready)
+            flat.record_stream(torch.cuda.current_stream())
+        unit.device_flat = flat
+        for p, view in unit.views(flat):
+            p.data = view
+
+    def _release(self, unit: Unit) -> None:
+        if unit.param_loc is Location.DEVICE:
+            return
+        empty = torch.empty(0, dtype=self.lp_dtype, device=self.device)
+        for p in unit.params:
+            p.data = empty
+        unit.device_flat = None
+
+    # ------------------------------------------------------------ hooks
+
+    def _register_hooks(self, offloaded: list[Unit]) -> None:
+        by_module: dict[str, list[Unit]] = {}
+        for unit in offloaded:
+            for name in unit.modules:
+                by_module.setdefault(name, []).append(unit)
+        root = self.module
+        for name, module in self.module.named_modules():
+            units = by_module.get(name, [])
+            if units or module is root:
+                self._hooks.append(module.register_forward_pre_hook(self._pre_forward(module is root, units)))
+            if units:
+                self._hooks.append(module.register_forward_hook(self._post_forward(units)))
+        for unit in self.units:
+            for i, p in enumerate(unit.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, i)))
+
+    def _pre_forward(self, is_root: bool, units: list[Unit]):
+        def hook(module, args):
+            if is_root and torch.is_grad_enabled() and module.training and not self._in_backward:
+                self.scheduler.begin_pass()
+            for unit in units:
+                self._demand(unit)
+        return hook
+
+    def _post_forward(self, units: list[Unit]):
+        def hook(module, args, output):
+            if torch.is_grad_enabled():
+                def wrap(t):
+                    return _FetchOnBackward.apply(self, units, t)[0] if t.requires_grad else t
+                output = _map_tensors(output, wrap)
+            for unit in units:
+                self._release(unit)
+            return output
+        return hook
+
+    def _grad_hook(self, unit: Unit, i: int):
+        offset, numel = unit.offsets[i], unit.shapes[i].numel()
+
+        def hook(p: torch.Tensor) -> None:
+            # grad-offload: fold the fresh gradient into the unit's fp32 accumulator.
+            unit.grad_flat[offset: offset + numel].add_(p.grad.reshape(-1).to(unit.grad_flat.device))
+            p.grad = None
+            unit.grads_seen += 1
+            if unit.grads_seen >= len(unit.params):
+                self._release(unit)
+        return hook
+
+    # ------------------------------------------------------------ training API
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss` of one micro-batch (divided by grad_accum_steps, times the loss scale)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ZerotierError("engine.backward(loss) needs the scalar loss tensor of this micro-batch")
+        scale = self.scaler.scale / self.cfg.train.grad_accum_steps
+        self._in_backward = True
+        try:
+            (loss * scale).backward()
+        finally:
+            self._in_backward = False
+            for unit in self.units:
+                unit.grads_seen = 0
+                self._release(unit)
+        self._backward_since_step = True
+
+    def step(self) -> bool:
+        """Call after every micro-batch's backward. Returns True when the parameters were updated."""
+        if not self._backward_since_step:
+            raise ZerotierError("engine.step() called before engine.backward(loss): there are no gradients "
+                                "to apply")
+        self._backward_since_step = False
+        self.micro_steps += 1
+        if self.micro_steps % self.cfg.train.grad_accum_steps:
+            return False
+        inv_scale = 1.0 / self.scaler.scale
+        total_norm = math.sqrt(sum(self._grad_sumsq(u) for u in self.units)) * inv_scale
+        overflow = not math.isfinite(total_norm)
+        if overflow and self.scaler.dynamic:
+            self.scaler.update(overflow=True)
+            self.zero_grad()
+            return False
+        clip = 1.0
+        if self.cfg.train.max_grad_norm is not None:
+            clip = min(1.0, self.cfg.train.max_grad_norm / (total_norm + 1e-6))
+        self.last_grad_norm = total_norm
+        self.optimizer.step()
+        self.unit_optimizer.step(self.optimizer.param_groups[0]["lr"], grad_scale=clip * inv_scale)
+        self.scaler.update(overflow=False)
+        self.global_steps += 1
+        self.zero_grad()
+        return True
+
+    @staticmethod
+    def _grad_sumsq(unit: Unit) -> float:
+        if unit.grad_flat.device.type == "cpu":
+            return _kernels.grad_sumsq(unit.grad_flat)
+        return float(unit.grad_flat.double().square().sum())
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.grad_flat.zero_()
+            for p in unit.params:
+                p.grad = None
+
+    def parameters_fp32(self) -> dict[str, torch.Tensor]:
+        """Full-precision weights by parameter name (copies; reads NVMe-resident masters)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        out = {}
+        for unit in self.units:
+            master = self.unit_optimizer.read_state(unit)["master"].cpu()
+            for p, view in unit.views(master):
+                out[names[id(p)]] = view.clone()
+        return out
+
+    def close(self) -> None:
+        """Remove hooks, stop fetch workers and delete this run's NVMe files. Idempotent."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._fetcher.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,115 @@
+"""The engine's optimizer: AdamW over units whose state lives on device, host or NVMe.
+
+[Note: NVMe optimizer pipeline]
+NVMe-resident units are stepped through three host staging sets (master,
+exp_avg, exp_avg_sq each): while Adam runs on unit i, unit i+1 is being read
+and unit i-1 written back. Before reading unit i+1 into a set, the write that
+last used that set (unit i-2) must have completed. Tickets keep the staging
+tensors alive until their I/O finishes.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import OptimizerConfig
+from ..io import aligned_empty
+from ..state import Location, Unit
+from . import _kernels
+
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class UnitOptimizer:
+    """Adam(W) step over every unit, wherever its state lives.
+
+    `write_params(unit, master, lp_out)` is the engine's callback that copies the
+    updated parameters back to their tier (param-copyback).
+    """
+
+    def __init__(self, units: list[Unit], cfg: OptimizerConfig, store, write_params):
+        self.units = units
+        self.cfg = cfg
+        self.store = store
+        self.write_params = write_params
+        self.step_count = 0
+        self.threads = None if cfg.threads == "auto" else int(cfg.threads)
+        self._staging: list[dict[str, torch.Tensor]] = []  # allocated on the first NVMe step
+
+    # ------------------------------------------------------------------ init
+
+    def init_state(self, unit: Unit, master: torch.Tensor, device: torch.device) -> None:
+        """Place fp32 master weights (a copy of the initial params) and zero moments."""
+        if unit.optim_loc is Location.NVME:
+            zeros = torch.zeros(unit.numel)
+            for key, src in (("master", master), ("exp_avg", zeros), ("exp_avg_sq", zeros)):
+                self.store.write(f"{unit.key}.{key}", src).wait()
+            return
+        where = device if unit.optim_loc is Location.DEVICE else torch.device("cpu")
+        unit.master = master.to(where, copy=True)
+        unit.exp_avg = torch.zeros(unit.numel, device=where)
+        unit.exp_avg_sq = torch.zeros(unit.numel, device=where)
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, lr: float, grad_scale: float) -> None:
+        self.step_count += 1
+        for unit in self.units:
+            if unit.optim_loc is not Location.NVME:
+                self._adam(unit, unit.master, unit.exp_avg, unit.exp_avg_sq, lr, grad_scale)
+                self.write_params(unit, unit.master)
+        self._step_nvme([u for u in self.units if u.optim_loc is Location.NVME], lr, grad_scale)
+
+    def _adam(self, unit: Unit, master, exp_avg, exp_avg_sq, lr, grad_scale) -> None:
+        grad = unit.grad_flat
+        if grad.device != master.device:
+            grad = grad.to(master.device)
+        beta1, beta2 = self.cfg.betas
+        kwargs = dict(step=self.step_count, lr=lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps,
+                      weight_decay=self.cfg.weight_decay, decoupled=self.cfg.type == "adamw",
+                      bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
+        if master.device.type == "cpu":
+            _kernels.adam_step(master, exp_avg, exp_avg_sq, grad, simd=self.cfg.simd, threads=self.threads, **kwargs)
+        else:  # optimizer state on the accelerator: the same math in torch ops
+            _kernels.adam_step_reference(master, exp_avg, exp_avg_sq, grad, **kwargs)
+
+    def _step_nvme(self, units: list[Unit], lr: float, grad_scale: float) -> None:
+        if not units:
+            return
+        if not self._staging:  # [Note: NVMe optimizer pipeline]: 3 sets sized for the largest unit
+            largest = max(u.numel for u in units)
+            self._staging = [{k: aligned_empty(4 * largest).view(torch.float32) for k in STATE_KEYS}
+                             for _ in range(3)]
+        writes: list[list] = [[], [], []]  # per staging set: tickets of its last write-back
+
+        def read(i: int):
+            slot = i % 3
+            for t in writes[slot]:  # the set's previous write (unit i-3... i-1) must land first
+                t.wait()
+            writes[slot] = []
+            bufs = {k: v[: units[i].numel] for k, v in self._staging[slot].items()}
+            return bufs, [self.store.read(f"{units[i].key}.{k}", bufs[k]) for k in STATE_KEYS]
+
+        pending = read(0)
+        for i, unit in enumerate(units):
+            bufs, tickets = pending
+            if i + 1 < len(units):
+                pending = read(i + 1)  # overlaps the Adam math below
+            for t in tickets:
+                t.wait()
+            self._adam(unit, bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"], lr, grad_scale)
+            self.write_params(unit, bufs["master"])
+            writes[i % 3] = [self.store.write(f"{unit.key}.{k}", bufs[k]) for k in STATE_KEYS]
+        for slot in writes:
+            for t in slot:
+                t.wait()
+
+    # ------------------------------------------------------------------ access
+
+    def read_state(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """fp32 master/exp_avg/exp_avg_sq of a unit as CPU tensors (copies when on NVMe)."""
+        if unit.optim_loc is not Location.NVME:
+            return {k: getattr(unit, k) for k in STATE_KEYS}
+        out = {k: torch.empty(unit.numel) for k in STATE_KEYS}
+        for k in STATE_KEYS:
+            self.store.read(f"{unit.key}.{k}", out[k]).wait()
+        return out

@@ -1,0 +1,3 @@
+from .prefetch import PrefetchScheduler
+
+__all__ = ["PrefetchScheduler"]
