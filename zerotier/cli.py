@@ -118,9 +118,83 @@ def _env_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
 
 # ---------------------------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------------------------
+# zerotier plan
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", required=True, metavar="N",
+                        help="trainable parameters of the model, e.g. 7B, 350M or 1200000")
+    parser.add_argument("--layers", type=int, default=32,
+                        help="transformer layers; the model is treated as 4 equal units per layer (default 32)")
+    parser.add_argument("--config", metavar="FILE",
+                        help="zerotier config (TOML/JSON/YAML) giving tiers, offload, precision and prefetch")
+    parser.add_argument("--device", metavar="SIZE", help="device budget, e.g. 24GiB (overrides the config)")
+    parser.add_argument("--host", metavar="SIZE", help="host budget, e.g. 200GiB (overrides the config)")
+    parser.add_argument("--nvme", metavar="SIZE", help="NVMe budget, e.g. 2TiB (overrides the config)")
+    parser.add_argument("--nvme-path", metavar="DIR", help="NVMe directory (overrides the config)")
+
+
+def _count(text: str) -> int:
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+    text = text.strip().upper()
+    try:
+        if text[-1] in scale:
+            return int(float(text[:-1]) * scale[text[-1]])
+        return int(text)
+    except (ValueError, IndexError):
+        raise ZerotierError(f"--params: cannot read {text!r}; use a count like 7B, 350M or 1200000") from None
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from zerotier.config import Config
+    from zerotier.planner import make_plan
+
+    cfg = Config.coerce(args.config).to_dict()
+    for key in ("device", "host", "nvme", "nvme_path"):
+        value = getattr(args, key)
+        if value is not None:
+            cfg["tiers"][key] = value
+    cfg = Config.from_dict(cfg)
+    total, units = _count(args.params), 4 * args.layers
+    numels = [total // units] * units
+    numels[-1] += total - sum(numels)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device)
+    print(plan.summary())
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# zerotier demo
+
+
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train (default 20)")
+    parser.add_argument("--nvme-path", metavar="DIR", default=None,
+                        help="directory for the optimizer's swap files (default: the system temp dir)")
+    parser.add_argument("--params", choices=["device", "host", "nvme"], default="host",
+                        help="tier for the model's parameters between uses (default host)")
+    parser.add_argument("--optimizer", choices=["device", "host", "nvme"], default="nvme",
+                        help="tier for fp32 master weights and Adam moments (default nvme)")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from zerotier import demo
+
+    demo.run(steps=args.steps, nvme_path=args.nvme_path, params=args.params, optimizer=args.optimizer)
+    return 0
+
+
 COMMANDS: list[Command] = [
     Command("env", "report versions, devices, CPU features, RAM, native code, io_uring and disk space",
             _env_arguments, _run_env),
+    Command("plan", "predict where each kind of training state goes, whether it fits, and swap time per step",
+            _plan_arguments, _run_plan),
+    Command("demo", "train a small GPT with parameters on host and optimizer state on NVMe",
+            _demo_arguments, _run_demo),
 ]
 
 

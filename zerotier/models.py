@@ -43,6 +43,11 @@ class TinyGPT(nn.Module):
         if tie_weights:
             self.head.weight = self.tok.weight
         self.checkpointing = checkpointing
+        for module in self.modules():  # GPT-2 initialisation: small weights, sane initial loss
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None):
         x = self.tok(idx) + self.pos[: idx.shape[1]]
