@@ -1,0 +1,21 @@
+"""Shared pytest hooks.
+
+Tests marked `@pytest.mark.cuda` need a CUDA device; on machines without one they are
+skipped with the reason "needs CUDA" (they run on the lent GPU machine).
+"""
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not cuda_items:
+        return
+    import torch  # only when a cuda test was collected
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+    for item in cuda_items:
+        item.add_marker(skip)

@@ -1,0 +1,291 @@
+"""Fault paths of the NVMe tier and the manager: every error names the tier and the file,
+leaves in-memory state intact, and leaves the store usable for other keys."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from zerotier.config import IOConfig, TiersConfig
+from zerotier.errors import BudgetError, TierIOError
+from zerotier.tiers import NVMeStore, TierManager
+
+
+def cfgs(path, nvme=1 << 30, **io):
+    return TiersConfig(device=256 << 20, host=256 << 20, nvme=nvme, nvme_path=str(path)), IOConfig(**io)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = NVMeStore(*cfgs(tmp_path, checksum="crc32c"))
+    yield s
+    s.close()
+
+
+def assert_names_file_and_tier(exc, path):
+    msg = str(exc.value if hasattr(exc, "value") else exc)
+    assert "nvme tier" in msg, msg
+    assert str(path) in msg, msg
+
+
+def still_usable(store):
+    x = torch.randn(5000)
+    store.write("healthy", x).wait()
+    y = torch.empty_like(x)
+    store.read("healthy", y).wait()
+    assert torch.equal(x, y)
+    store.free("healthy")
+
+
+# --------------------------------------------------------------------------- writes
+
+@pytest.mark.parametrize("code,hint", [(errno.ENOSPC, "free space on"), (errno.EIO, "I/O error")])
+def test_write_fault_new_key(store, tmp_path, code, hint):
+    x = torch.randn(10_000)
+    before = x.clone()
+    store.engine.inject_fault(op="write", errno=code)
+    t = store.write("w", x)
+    with pytest.raises(TierIOError) as ei:
+        t.wait()
+    assert ei.value.errno == code
+    assert_names_file_and_tier(ei, store.run_dir / "w.swp")
+    assert hint in str(ei.value) and "offset 0" in str(ei.value)
+    if code == errno.ENOSPC:
+        assert f"free space on {tmp_path} or lower tiers.nvme" in str(ei.value)
+    with pytest.raises(TierIOError):  # the outcome is cached: same error again
+        t.wait()
+    assert torch.equal(x, before)                 # source untouched
+    assert not store.contains("w") and store.used == 0
+    assert list(store.run_dir.glob("w*")) == []   # no half-written file left
+    assert store.stats()["errors"] == 1
+    still_usable(store)
+
+
+def test_write_fault_on_rewrite_keeps_old_version(store):
+    old, new = torch.randn(3000), torch.randn(3000)
+    store.write("k", old).wait()
+    store.engine.inject_fault(op="write", errno=errno.ENOSPC)
+    with pytest.raises(TierIOError, match="No space left"):
+        store.write("k", new).wait()
+    out = torch.empty_like(old)
+    store.read("k", out).wait()
+    assert torch.equal(out, old) and store.used == 12288
+    assert sorted(p.name for p in store.run_dir.iterdir() if p.suffix != ".json") == [".lock", "k.swp"]
+
+
+def test_short_write(store):
+    store.engine.inject_fault(op="write", short=True)
+    with pytest.raises(TierIOError, match="short write") as ei:
+        store.write("s", torch.randn(4096)).wait()  # 16 KiB: half goes through
+    assert_names_file_and_tier(ei, store.run_dir / "s.swp")
+    assert not store.contains("s") and store.used == 0
+    still_usable(store)
+
+
+# ---------------------------------------------------------------------------- reads
+
+def test_read_eio(store):
+    x = torch.randn(10_000)
+    store.write("r", x).wait()
+    store.engine.inject_fault(op="read", errno=errno.EIO)
+    y = torch.zeros_like(x)
+    with pytest.raises(TierIOError) as ei:
+        store.read("r", y).wait()
+    assert ei.value.errno == errno.EIO and "I/O error" in str(ei.value)
+    assert_names_file_and_tier(ei, store.path_of("r"))
+    store.read("r", y).wait()  # the fault was transient: the shard is intact
+    assert torch.equal(x, y)
+    still_usable(store)
+
+
+def test_short_read_after_truncate(store):
+    x = torch.randn(10_000)  # 40000 B -> 40960 B file
+    store.write("t", x).wait()
+    path = store.path_of("t")
+    os.truncate(path, 20_000)
+    with pytest.raises(TierIOError) as ei:
+        store.read("t", torch.empty_like(x)).wait()
+    msg = str(ei.value)
+    assert "short read: got 20000 of 40960 B" in msg and "file truncated?" in msg
+    assert_names_file_and_tier(ei, path)
+    still_usable(store)
+
+
+def test_short_read_injected(store):
+    x = torch.randn(8192)
+    store.write("i", x).wait()
+    store.engine.inject_fault(op="read", short=True)
+    with pytest.raises(TierIOError, match="short read: got 16384 of 32768 B"):
+        store.read("i", torch.empty_like(x)).wait()
+
+
+@pytest.mark.parametrize("checksum", ["crc32c"])
+def test_checksum_mismatch(tmp_path, checksum):
+    with NVMeStore(*cfgs(tmp_path, checksum=checksum)) as s:
+        x = torch.randn(10_000)
+        s.write("c", x).wait()
+        path = s.path_of("c")
+        with open(path, "r+b") as f:  # flip one bit in the middle of the data
+            f.seek(12345)
+            b = f.read(1)
+            f.seek(12345)
+            f.write(bytes([b[0] ^ 0x10]))
+        with pytest.raises(TierIOError) as ei:
+            s.read("c", torch.empty_like(x)).wait()
+        assert ei.value.errno == errno.EBADMSG
+        assert "checksum mismatch" in str(ei.value) and s.checksum_algo.split()[0] in str(ei.value)
+        assert_names_file_and_tier(ei, path)
+        still_usable(s)
+
+
+def test_corruption_in_padding_is_not_an_error(tmp_path):
+    with NVMeStore(*cfgs(tmp_path, checksum="crc32c")) as s:
+        x = torch.randn(10)  # 40 B of data, 4056 B of padding
+        s.write("p", x).wait()
+        with open(s.path_of("p"), "r+b") as f:
+            f.seek(4000)
+            f.write(b"\xff")
+        y = torch.empty_like(x)
+        s.read("p", y).wait()
+        assert torch.equal(x, y)
+
+
+def test_file_removed_behind_our_back(store):
+    store.write("gone", torch.randn(100)).wait()
+    path = store.path_of("gone")
+    os.unlink(path)
+    with pytest.raises(TierIOError) as ei:
+        store.read("gone", torch.empty(100))
+    assert ei.value.errno == errno.ENOENT and "vanished" in str(ei.value)
+    assert_names_file_and_tier(ei, path)
+
+
+# ------------------------------------------------------------------- setup failures
+
+def test_missing_nvme_path(tmp_path):
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(TierIOError) as ei:
+        NVMeStore(*cfgs(missing))
+    assert ei.value.errno == errno.ENOENT
+    assert "create it or fix tiers.nvme_path" in str(ei.value)
+    assert_names_file_and_tier(ei, missing)
+
+
+def test_nvme_path_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(TierIOError) as ei:
+        NVMeStore(*cfgs(f))
+    assert ei.value.errno == errno.ENOTDIR and "not a directory" in str(ei.value)
+    assert_names_file_and_tier(ei, f)
+
+
+def _assert_not_writable(exc, path):
+    assert exc.value.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+    assert "not writable" in str(exc.value)
+    assert_names_file_and_tier(exc, path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses permission bits; "
+                    "test_read_only_dir_immutable/_sysfs cover read-only dirs as root")
+def test_read_only_dir_permission_bits(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    try:
+        with pytest.raises(TierIOError) as ei:
+            NVMeStore(*cfgs(ro))
+        _assert_not_writable(ei, ro)
+    finally:
+        ro.chmod(0o700)
+
+
+def test_read_only_dir_immutable(tmp_path):
+    """As root, an immutable directory (chattr +i) refuses new entries even to root."""
+    ro = tmp_path / "imm"
+    ro.mkdir()
+    chattr = shutil.which("chattr")
+    if chattr is None or subprocess.run([chattr, "+i", str(ro)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i unavailable here (needs CAP_LINUX_IMMUTABLE and ext4/xfs/btrfs)")
+    try:
+        with pytest.raises(TierIOError) as ei:
+            NVMeStore(*cfgs(ro))
+        _assert_not_writable(ei, ro)
+    finally:
+        subprocess.run([chattr, "-i", str(ro)], check=True)
+    assert list(ro.iterdir()) == []
+
+
+def test_read_only_dir_sysfs():
+    """sysfs refuses mkdir to everyone, root included."""
+    if not os.path.isdir("/sys/kernel"):
+        pytest.skip("no /sys here")
+    with pytest.raises(TierIOError) as ei:
+        NVMeStore(*cfgs("/sys/kernel"))
+    _assert_not_writable(ei, "/sys/kernel")
+
+
+# -------------------------------------------------------------------------- manager
+
+@pytest.fixture
+def mgr(tmp_path):
+    m = TierManager(*cfgs(tmp_path, checksum="crc32c"), device="cpu")
+    yield m
+    m.close()
+
+
+def test_move_to_nvme_fails_shard_stays_on_host(mgr):
+    x = torch.randn(50_000)
+    s = mgr.place("opt.m", x, "host")
+    host_before = mgr.host.stats()["in_use"]
+    mgr.nvme.engine.inject_fault(op="write", errno=errno.ENOSPC)
+    t = mgr.move(s, "nvme")
+    with pytest.raises(TierIOError) as ei:
+        t.wait()
+    assert "nvme tier" in str(ei.value) and "opt.m.swp" in str(ei.value)
+    assert any("stays" in n or "intact on host" in n for n in getattr(ei.value, "__notes__", []))
+    assert s.location == "host" and s.pending is None and s.nvme_key is None
+    assert torch.equal(mgr.get(s), x)
+    assert mgr.host.stats()["in_use"] == host_before and mgr.nvme.used == 0
+    assert mgr.stats()["inflight_bytes"] == 0
+    mgr.move(s, "nvme").wait()  # works once the fault is gone
+    assert s.location == "nvme"
+
+
+def test_move_from_nvme_fails_shard_stays_on_nvme(mgr):
+    x = torch.randn(50_000)
+    s = mgr.place("p", x, "nvme")
+    for dst in ("host", "device"):
+        mgr.nvme.engine.inject_fault(op="read", errno=errno.EIO)
+        with pytest.raises(TierIOError, match="nvme tier"):
+            mgr.move(s, dst).wait()
+        assert s.location == "nvme" and mgr.nvme.contains("p")
+        assert mgr.host.stats()["in_use"] == 0 and mgr.device.used == 0
+    mgr.move(s, "device").wait()
+    assert torch.equal(mgr.get(s), x)
+
+
+def test_staged_device_to_nvme_failure(mgr):
+    x = torch.randn(50_000)
+    s = mgr.place("d", x, "device")
+    mgr.nvme.engine.inject_fault(op="write", errno=errno.EIO)
+    with pytest.raises(TierIOError, match="d.swp"):
+        mgr.move(s, "nvme").wait()
+    assert s.location == "device" and torch.equal(mgr.get(s), x)
+    assert mgr.host.stats()["in_use"] == 0 and mgr.nvme.used == 0
+
+
+def test_move_budget_error_leaves_shard(tmp_path):
+    tiers = TiersConfig(device=1 << 20, host=8 << 20, nvme=1 << 30, nvme_path=str(tmp_path))
+    with TierManager(tiers, IOConfig(), device="cpu") as m:
+        x = torch.randn(512 * 1024)  # 2 MiB: does not fit the 1 MiB device tier
+        s = m.place("big", x, "host")
+        with pytest.raises(BudgetError) as ei:
+            m.move(s, "device")
+        msg = str(ei.value)
+        assert msg.startswith("device tier") and "(2097152 B)" in msg and "tiers.device" in msg
+        assert s.location == "host" and torch.equal(m.get(s), x)
+        assert m.stats()["inflight_bytes"] == 0

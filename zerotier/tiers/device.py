@@ -1,0 +1,179 @@
+"""Device tier: budgeted tensors on the compute device, and async host<->device copies.
+
+On a CUDA machine the tier is a budget over the caching allocator plus two copy
+streams; on a CPU-only machine the "device" is a budgeted pool of RAM and the copy
+streams become worker threads. The same calling code serves both: every copy
+returns a ticket with wait()/done()/__await__.
+
+[Note: copy streams and events]
+`h2d_stream` carries host->device copies (swap-in, prefetch); `d2h_stream` carries
+device->host copies (swap-out, gradient offload). Both overlap compute on the
+current stream and each other. Each copy first makes its stream wait for the
+current stream (the tensor was allocated/produced there), then records an event
+after the copy; tensor and event travel together in an EventTicket, which keeps
+both sides of the copy alive until the event has completed. The device tensor is
+also `record_stream`-ed on the copy stream so the caching allocator cannot hand
+its memory to another stream before the copy is done, even if it is freed early.
+A consumer on another stream either calls `ticket.wait()` (host blocks) or
+`ticket.wait_on(stream)` (the stream waits, the host does not).
+`non_blocking=True` is used only when the host side is pinned: from pageable
+memory CUDA would stage through its own buffer and run synchronously anyway.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..errors import ZerotierError
+from .base import BudgetedTier, FutureTicket, align_up
+
+# Accounting granularity on CUDA: the caching allocator rounds blocks up to 512 B.
+_CUDA_ROUND = 512
+
+
+class EventTicket:
+    """A CUDA copy in flight: the event recorded after it, and the tensors it touches."""
+
+    def __init__(self, event: "torch.cuda.Event", nbytes: int, keepalive: tuple) -> None:
+        self._event = event
+        self._nbytes = nbytes
+        self._keepalive: tuple | None = keepalive  # both sides of the copy, until done
+
+    def done(self) -> bool:
+        if self._event.query():
+            self._keepalive = None
+            return True
+        return False
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is None:
+            self._event.synchronize()
+        else:
+            deadline = time.monotonic() + timeout
+            while not self._event.query():
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"device copy of {self._nbytes} B not done after {timeout} s")
+                time.sleep(50e-6)
+        self._keepalive = None
+        return self._nbytes
+
+    def wait_on(self, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Make `stream` (default: the current one) wait for the copy; the host does not block."""
+        (stream or torch.cuda.current_stream()).wait_event(self._event)
+
+    def __await__(self):
+        while not self._event.query():
+            yield from asyncio.sleep(50e-6).__await__()
+        return self.wait()
+
+
+class DeviceTier(BudgetedTier):
+    """Budgeted allocations on `device` ("cuda[:N]" or "cpu") plus async copies."""
+
+    def __init__(self, budget: int, device: torch.device | str | None = None) -> None:
+        super().__init__("device", budget, hint="Raise tiers.device, or offload more state to host/nvme "
+                                                "(offload.params / offload.gradients / offload.optimizer).")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ZerotierError(f"device tier: {device} requested but torch.cuda is unavailable")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        elif device.type != "cpu":
+            raise ZerotierError(f"device tier: unsupported device {device} (use cuda or cpu)")
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self._lock = threading.Lock()
+        self._live: dict[int, int] = {}  # data_ptr -> accounted bytes, for free()
+        if self.is_cuda:
+            # [Note: copy streams and events]: swap-in and swap-out each get a stream,
+            # so they overlap compute on the current stream and each other.
+            self.h2d_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+            self._pool = None
+        else:
+            # CPU "streams": two workers, so one swap-in and one swap-out overlap.
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zt-device-copy")
+
+    def _accounted(self, nbytes: int) -> int:
+        return align_up(nbytes, _CUDA_ROUND) if self.is_cuda else nbytes
+
+    def alloc(self, shape, dtype: torch.dtype, what: str = "") -> torch.Tensor:
+        """An uninitialised tensor on the device, counted against tiers.device."""
+        shape = tuple(shape)
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = self._accounted(numel * dtype.itemsize)
+        self.reserve(nbytes, what or f"{dtype} {list(shape)} tensor")
+        try:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+        except BaseException:  # CUDA OOM or the OS refusing: undo the reservation
+            self.release(nbytes)
+            raise
+        if nbytes:
+            with self._lock:
+                self._live[t.data_ptr()] = nbytes
+        return t
+
+    def free(self, t: torch.Tensor) -> None:
+        """Release t's bytes from the budget; memory returns once every reference is dropped."""
+        if t.numel() == 0:
+            return
+        with self._lock:
+            nbytes = self._live.pop(t.data_ptr(), None)
+        if nbytes is None:
+            raise ZerotierError(f"device tier: free() of a tensor it did not allocate "
+                                f"({t.dtype} {list(t.shape)} at {t.data_ptr():#x})")
+        self.release(nbytes)
+
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor):
+        """dst (device) <- src (host). Keep neither side in use until the ticket is done."""
+        return self._copy(dst, src, inbound=True)
+
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor):
+        """dst (host) <- src (device)."""
+        return self._copy(dst, src, inbound=False)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, inbound: bool):
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(f"device tier: copy {src.dtype} {list(src.shape)} -> "
+                             f"{dst.dtype} {list(dst.shape)}: shapes/dtypes differ")
+        nbytes = src.numel() * src.element_size()
+        (self.count_in if inbound else self.count_out)(nbytes)
+        if not self.is_cuda:
+            fut = self._pool.submit(_cpu_copy, dst, src, nbytes)
+            return FutureTicket(fut, keepalive=(dst, src))
+        host, dev = (src, dst) if inbound else (dst, src)
+        stream = self.h2d_stream if inbound else self.d2h_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # dev was made on the current stream
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=host.is_pinned())
+            event = torch.cuda.Event()
+            event.record(stream)
+        dev.record_stream(stream)
+        return EventTicket(event, nbytes, keepalive=(dst, src))
+
+    def stats(self) -> dict[str, int]:
+        out = super().stats()
+        with self._lock:
+            out["live_tensors"] = len(self._live)
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        elif self.is_cuda:
+            self.h2d_stream.synchronize()
+            self.d2h_stream.synchronize()
+
+
+def _cpu_copy(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> int:
+    dst.copy_(src)
+    return nbytes

@@ -1,0 +1,279 @@
+"""Host tier: a budgeted pool of aligned (and, on CUDA machines, pinned) host memory.
+
+[Note: host pool]
+Blocks are `aligned_empty` tensors whose sizes are rounded up to `alignment`, so the
+same block can serve O_DIRECT file I/O and async H2D/D2H copies. On a CUDA machine
+each block is page-locked in place with cudaHostRegister: we pin exactly the bytes
+we allocate, instead of torch's pinned caching allocator, which rounds every request
+up to a power of two (a 1.1 GiB shard would cost 2 GiB of pinned RAM). Pinning is
+slow (it touches every page), so freed blocks are cached by size and reused: a
+training loop that allocates the same shard sizes every step stops growing after
+the first one. The budget counts every byte the pool holds, cached blocks included;
+when a new block would not fit, cached blocks are released first.
+
+[Note: deferred free]
+A block must not be reused while an async copy or a file write still reads it.
+`free(buf, after=ticket)` parks the block until `ticket.done()`; only then does it
+return to the free lists.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ZerotierError
+from ..io import aligned_empty
+from .base import BudgetedTier, TicketLike, align_up, format_size
+
+log = logging.getLogger(__name__)
+
+# Reuse a cached block for a smaller request only if it is at most this many times the
+# rounded request: close enough to cost little, far enough to avoid new pins.
+_BEST_FIT_SLACK = 2
+
+
+@dataclass(eq=False)
+class _Block:
+    """One aligned allocation (uint8 tensor of `size` bytes), pinned or not."""
+
+    data: torch.Tensor
+    size: int
+    pinned: bool
+
+
+@dataclass(eq=False)
+class HostBuffer:
+    """A typed view of a pool block. `tensor` is 1-D with nbytes // itemsize elements.
+
+    The block may be larger than nbytes (rounded to the alignment): `block` exposes the
+    whole aligned region so file I/O can read/write full aligned lengths without a
+    staging copy. After `HostPool.free(buf)` the memory belongs to the pool again:
+    drop every view taken from it.
+    """
+
+    tensor: torch.Tensor
+    nbytes: int
+    what: str
+    _block: _Block = field(repr=False)
+    _freed: bool = field(default=False, repr=False)
+
+    @property
+    def block(self) -> torch.Tensor:
+        """The whole aligned uint8 block (capacity >= nbytes)."""
+        return self._block.data
+
+    @property
+    def capacity(self) -> int:
+        return self._block.size
+
+    @property
+    def pinned(self) -> bool:
+        return self._block.pinned
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def view(self, shape=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The first nbytes as `dtype` (default: the alloc dtype) reshaped to `shape`."""
+        t = self.tensor if dtype is None or dtype == self.tensor.dtype else \
+            self.block[: self.nbytes].view(dtype)
+        return t if shape is None else t.view(shape)
+
+
+class HostPool(BudgetedTier):
+    """Budgeted, size-class-cached pool of aligned host memory (see [Note: host pool]).
+
+    `pin=True` page-locks blocks when CUDA is available; on CPU-only machines it
+    degrades to ordinary aligned memory (the copies it feeds are synchronous there).
+    """
+
+    def __init__(self, budget: int, alignment: int = 4096, pin: bool = True) -> None:
+        super().__init__("host", budget, hint="Raise tiers.host, or move optimizer state to nvme "
+                                              "(offload.optimizer = \"nvme\").")
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"host pool alignment must be a power of two, got {alignment}")
+        self.alignment = alignment
+        self.pin = bool(pin) and torch.cuda.is_available()
+        if pin and not self.pin:
+            log.info("host pool: CUDA unavailable, using pageable (unpinned) aligned memory")
+        self._lock = threading.Lock()
+        self._free: dict[int, list[_Block]] = {}     # size -> cached blocks of that size
+        self._free_sizes: list[int] = []             # sorted keys of _free with non-empty lists
+        self._cached_bytes = 0
+        self._parked: list[tuple[_Block, TicketLike]] = []  # [Note: deferred free]
+        self._parked_bytes = 0
+        self._in_use = 0
+        self._live = 0
+        self._alloc_calls = 0
+        self._reuses = 0
+        self._pin_failures = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+
+    def alloc(self, nbytes: int, dtype: torch.dtype = torch.uint8, what: str = "") -> HostBuffer:
+        """A buffer of nbytes viewed as `dtype`; BudgetError when the pool cannot hold it."""
+        itemsize = dtype.itemsize
+        if nbytes < 0 or nbytes % itemsize:
+            raise ValueError(f"host pool: {nbytes} B is not a whole number of {dtype} elements")
+        if self._closed:
+            raise ZerotierError("host pool is closed")
+        size = max(align_up(nbytes, self.alignment), self.alignment)
+        self._reap()
+        with self._lock:
+            self._alloc_calls += 1
+            block = self._take_cached_locked(size)
+            if block is not None:
+                self._reuses += 1
+            else:
+                block = self._new_block_locked(size, what or f"{format_size(nbytes)} host buffer")
+            self._in_use += block.size
+            self._live += 1
+        tensor = block.data[:nbytes].view(dtype)
+        return HostBuffer(tensor=tensor, nbytes=nbytes, what=what, _block=block)
+
+    def free(self, buf: HostBuffer, after: TicketLike | None = None) -> None:
+        """Return buf's block to the pool, once `after` (if given) has completed."""
+        wait_for = after is not None and not after.done()  # outside the lock: see _reap()
+        with self._lock:
+            if buf._freed:
+                raise ZerotierError(f"host pool: double free of buffer {buf.what or ''} ({buf.nbytes} B)")
+            buf._freed = True
+            block = buf._block
+            self._in_use -= block.size
+            self._live -= 1
+            if self._closed:
+                self._drop_block(block)
+            elif wait_for:
+                self._parked.append((block, after))
+                self._parked_bytes += block.size
+            else:
+                self._cache_locked(block)
+
+    def trim(self) -> int:
+        """Release every cached (free) block to the system; returns bytes released."""
+        self._reap()
+        with self._lock:
+            return self._trim_locked(self._cached_bytes)
+
+    def stats(self) -> dict[str, int]:
+        """Base figures (current = bytes held: in use + cached + parked) plus pool details."""
+        self._reap()
+        with self._lock:
+            out = super().stats()
+            out.update(in_use=self._in_use, cached=self._cached_bytes, parked=self._parked_bytes,
+                       live_buffers=self._live, alloc_calls=self._alloc_calls, reuses=self._reuses,
+                       pinned=int(self.pin), pin_failures=self._pin_failures)
+            return out
+
+    def close(self) -> None:
+        """Release cached blocks; blocks still in use are released when freed."""
+        with self._lock:
+            self._closed = True
+            parked = list(self._parked)
+        for _block, ticket in parked:  # not under the lock: see _reap()
+            try:
+                ticket.wait()
+            except Exception:  # noqa: BLE001 - the owner of the ticket reports it
+                pass
+        self._reap()
+        with self._lock:
+            self._trim_locked(self._cached_bytes)
+
+    # ----------------------------------------------------------------- internals
+
+    def _take_cached_locked(self, size: int) -> _Block | None:
+        i = bisect.bisect_left(self._free_sizes, size)
+        if i == len(self._free_sizes) or self._free_sizes[i] > size * _BEST_FIT_SLACK:
+            return None
+        best = self._free_sizes[i]
+        blocks = self._free[best]
+        block = blocks.pop()
+        if not blocks:
+            del self._free[best]
+            self._free_sizes.pop(i)
+        self._cached_bytes -= block.size
+        return block
+
+    def _cache_locked(self, block: _Block) -> None:
+        blocks = self._free.get(block.size)
+        if blocks is None:
+            blocks = self._free[block.size] = []
+            bisect.insort(self._free_sizes, block.size)
+        blocks.append(block)
+        self._cached_bytes += block.size
+
+    def _reap(self) -> None:
+        """Return parked blocks whose ticket has completed to the free lists.
+
+        done() may run the ticket's completion bookkeeping, which may free other pool
+        buffers: it must be called without holding the pool lock.
+        """
+        with self._lock:
+            parked = list(self._parked)
+        finished = [(block, ticket) for block, ticket in parked if ticket.done()]
+        if not finished:
+            return
+        with self._lock:
+            for item in finished:
+                if item not in self._parked:  # another thread reaped it
+                    continue
+                self._parked.remove(item)
+                self._parked_bytes -= item[0].size
+                self._cache_locked(item[0])
+
+    def _trim_locked(self, want: int) -> int:
+        """Drop cached blocks, largest first, until `want` bytes are released (or none left)."""
+        released = 0
+        while released < want and self._free_sizes:
+            size = self._free_sizes[-1]
+            blocks = self._free[size]
+            block = blocks.pop()
+            if not blocks:
+                del self._free[size]
+                self._free_sizes.pop()
+            self._cached_bytes -= block.size
+            self._drop_block(block)
+            released += block.size
+        return released
+
+    def _new_block_locked(self, size: int, what: str) -> _Block:
+        if not self.try_reserve(size):
+            # Give cached blocks back first; only what is in use (or parked) can refuse us.
+            self._trim_locked(self.used + size - self.budget)
+            if not self.try_reserve(size):
+                self.reserve(size, what)  # raises BudgetError with the standard message
+        try:
+            data = aligned_empty(size, self.alignment)
+        except RuntimeError as exc:  # the OS refused: report it like a budget problem
+            self.release(size)
+            raise MemoryError(f"host tier: allocating {format_size(size)} for {what} failed: {exc}. "
+                              f"Lower tiers.host or free host memory.") from exc
+        pinned = self._pin(data) if self.pin else False
+        return _Block(data=data, size=size, pinned=pinned)
+
+    def _pin(self, data: torch.Tensor) -> bool:
+        cudart = torch.cuda.cudart()
+        try:
+            torch.cuda.check_error(cudart.cudaHostRegister(data.data_ptr(), data.numel(), 0))
+            return True
+        except Exception as exc:  # noqa: BLE001 - degrade, but say so once
+            self._pin_failures += 1
+            if self._pin_failures == 1:
+                warnings.warn(f"host tier: cudaHostRegister of {format_size(data.numel())} failed ({exc}); "
+                              f"using pageable memory for this block (copies will be synchronous). "
+                              f"Check `ulimit -l` or lower tiers.host.", RuntimeWarning, stacklevel=4)
+            return False
+
+    def _drop_block(self, block: _Block) -> None:
+        if block.pinned:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(block.data.data_ptr()))
+            block.pinned = False
+        self.release(block.size)
+        block.data = None  # type: ignore[assignment]  # memory returns when views are dropped

@@ -1,0 +1,1004 @@
+"""NVMe tier: one swap file per shard inside a locked, per-run directory.
+
+[Note: NVMe layout]
+    <tiers.nvme_path>/zerotier-<pid>-<random>/     mode 0700, one per store (run)
+        .lock         flock(LOCK_EX|LOCK_NB) held for the store's lifetime
+        owner.json    {"magic", pid, hostname, boot_id, pid_start, start_time, kept}
+        <key>.swp     one file per shard, O_CREAT|O_EXCL|O_NOFOLLOW, 0600,
+                      size = nbytes rounded up to io.alignment (O_DIRECT needs it)
+        index.json    only after close(keep=True): the in-memory index, for resume
+
+One file per shard keeps the store simple to reason about: no allocator, no
+fragmentation, space returns to the filesystem on unlink, a corrupt or truncated
+file damages one shard only. docs/tiers.md compares it with a slab + extent
+allocator. The run directory is created under a hidden temporary name and renamed
+into place once locked and labelled, so a scanner never sees a half-made one.
+
+[Note: NVMe file recycling]
+Writing into a file's already-allocated blocks is much faster than writing a fresh
+file (measured on the dev VM's virtio disk, O_DIRECT 64 MiB: ~5.5 GB/s overwrite vs
+~1.4-2.2 GB/s fresh, because the filesystem must allocate and convert extents).
+Training rewrites the same shard sizes every step, so a freed file is not unlinked but
+renamed to `%free-<n>.swp` and reused by the next write of exactly the same file size
+(renamed onto `<key>.swp` when that write completes). Recycled files keep counting
+against tiers.nvme (they hold disk space); when a write needs their room they are
+unlinked first, and `trim()` / `close()` unlink them all. A file with a read in flight
+is never recycled (it is unlinked instead), so no read can see a later write.
+
+[Note: NVMe state on error]
+A failed write leaves the previous version of the shard (if any) in place: a key
+that already exists is rewritten to a temporary file that is renamed over the old
+one only when the write has completed. Source tensors are only ever read. Any
+failure (ENOSPC, EIO, short read, checksum mismatch) raises TierIOError naming the
+tier, the file, the offset and the remedy, and the store stays usable for other
+keys.
+
+[Note: buffers in flight]
+Every ticket returned by write()/read() holds the buffer the I/O engine reads or
+fills (and the file descriptor) until the I/O has completed; the bookkeeping
+(commit to the index, checksum check, copy out of a staging buffer, fd close) runs
+exactly once, in whichever thread first observes completion (wait(), done(),
+close()). In the zero-copy write path the engine reads straight from the caller's
+tensor: do not modify it until the ticket completes.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import stat
+import threading
+import time
+import warnings
+import weakref
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import IOConfig, TiersConfig
+from ..errors import ConfigError, TierIOError, ZerotierError
+from ..io import aligned_empty, open_direct, open_engine
+from .base import BudgetedTier, ChainTicket, DoneTicket, align_up, format_size
+from .host import HostBuffer
+
+log = logging.getLogger(__name__)
+
+MAGIC = "zerotier-nvme-run-dir/v1"
+RUN_PREFIX = "zerotier-"
+_OWNER = "owner.json"
+_LOCK = ".lock"
+_INDEX = "index.json"
+_SUFFIX = ".swp"
+_TMP_SUFFIX = ".tmp"
+_RECYCLED_PREFIX = "%free-"  # never produced by _file_stem ('%' is always followed by 2 hex digits)
+_CLAIM = object()  # placeholder in NVMeStore._pending_writes while a write is being issued
+
+
+# ------------------------------------------------------------------- checksums
+
+def _checksum_impl(name: str) -> tuple[Callable[[memoryview], int] | None, str]:
+    """(function, honest algorithm name) for io.checksum; crc32c needs the `crc32c` package,
+    otherwise zlib's CRC-32 (IEEE polynomial) stands in and is named as such."""
+    if name == "none":
+        return None, "none"
+    if name != "crc32c":
+        raise ConfigError(f"io.checksum: unknown algorithm {name!r} (use 'none' or 'crc32c')")
+    try:
+        import crc32c  # type: ignore[import-not-found]  # hardware CRC32C, releases the GIL
+        return crc32c.crc32c, "crc32c"
+    except ImportError:
+        return zlib.crc32, "crc32 (zlib; install `crc32c` for CRC32C)"
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 view of a contiguous tensor (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _storage_room(t: torch.Tensor) -> int:
+    """Bytes addressable from t.data_ptr() to the end of its storage."""
+    return t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+
+
+# --------------------------------------------------------------- run directory
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _pid_start(pid: int) -> int | None:
+    """Start time of pid in clock ticks since boot (tells a reused pid apart), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_owner(dir_fd: int) -> dict | None:
+    """owner.json of a run dir opened as dir_fd, or None if missing/unreadable/not ours."""
+    try:
+        fd = os.open(_OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            owner = json.loads(f.read(1 << 16))
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) and owner.get("magic") == MAGIC else None
+
+
+def _write_owner(dir_fd: int, owner: dict) -> None:
+    """Replace owner.json atomically (write a temporary name, fsync, rename)."""
+    tmp = f"{_OWNER}.{os.getpid()}{_TMP_SUFFIX}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                 dir_fd=dir_fd)
+    with os.fdopen(fd, "wb") as f:
+        f.write(json.dumps(owner, indent=1).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, _OWNER, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _is_our_file(name: str) -> bool:
+    """Names a run dir may hold; removal never touches anything else."""
+    return name in (_OWNER, _LOCK, _INDEX) or name.endswith(_SUFFIX) or name.endswith(_TMP_SUFFIX)
+
+
+def _remove_contents(dir_fd: int) -> list[str]:
+    """Unlink our files in the directory; return the names left behind (not ours)."""
+    left = []
+    for name in os.listdir(dir_fd):
+        if _is_our_file(name):
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except IsADirectoryError:
+                left.append(name)
+            except FileNotFoundError:
+                pass
+        else:
+            left.append(name)
+    return left
+
+
+def _check_parent(parent: Path) -> None:
+    """tiers.nvme_path must be an existing directory we can create entries in."""
+    try:
+        st = os.stat(parent)
+    except FileNotFoundError:
+        raise TierIOError(errno.ENOENT, f"nvme tier: tiers.nvme_path {parent} does not exist; "
+                                        f"create it or fix tiers.nvme_path") from None
+    except OSError as exc:
+        raise TierIOError(exc.errno, f"nvme tier: cannot stat tiers.nvme_path {parent}: {exc.strerror}; "
+                                     f"fix tiers.nvme_path") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise TierIOError(errno.ENOTDIR, f"nvme tier: tiers.nvme_path {parent} is not a directory; "
+                                         f"point tiers.nvme_path at a directory on the NVMe drive")
+
+
+class RunDir:
+    """The per-run directory: created (or attached for resume) locked, removed on close.
+
+    Holds no reference to the store, so it can be cleaned up by weakref.finalize
+    at garbage collection or interpreter exit.
+    """
+
+    def __init__(self, path: Path, lock_fd: int, owner: dict) -> None:
+        self.path = path
+        self._lock_fd: int | None = lock_fd
+        self._owner = owner
+        self._pid = os.getpid()
+
+    # ----------------------------------------------------------------- creation
+
+    @staticmethod
+    def _owner_record() -> dict:
+        return {"magic": MAGIC, "pid": os.getpid(), "hostname": socket.gethostname(),
+                "boot_id": _boot_id(), "pid_start": _pid_start(os.getpid()),
+                "start_time": time.time(), "kept": False}
+
+    @classmethod
+    def create(cls, parent: Path) -> "RunDir":
+        _check_parent(parent)
+        final = parent / f"{RUN_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        staging = parent / f".{final.name}{_TMP_SUFFIX}"
+        try:
+            os.mkdir(staging, 0o700)
+        except OSError as exc:
+            hint = (f"{parent} is not writable: fix its permissions, mount it read-write, "
+                    f"or point tiers.nvme_path elsewhere"
+                    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else
+                    f"free space on {parent} or fix tiers.nvme_path"
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "fix tiers.nvme_path")
+            raise TierIOError(exc.errno, f"nvme tier: cannot create run directory {staging}: "
+                                         f"{exc.strerror}; {hint}") from None
+        lock_fd = -1
+        try:
+            os.chmod(staging, 0o700)  # mkdir's mode is filtered by the umask; be exact
+            lock_fd = os.open(staging / _LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                              | os.O_CLOEXEC, 0o600)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            owner = cls._owner_record()
+            dir_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                _write_owner(dir_fd, owner)
+            finally:
+                os.close(dir_fd)
+            os.rename(staging, final)  # appears locked and labelled, never half-made
+        except OSError as exc:
+            if lock_fd >= 0:
+                os.close(lock_fd)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise TierIOError(exc.errno, f"nvme tier: cannot set up run directory {final}: "
+                                         f"{exc.strerror}; check tiers.nvme_path") from None
+        log.info("nvme tier: run directory %s", final)
+        return cls(final, lock_fd, owner)
+
+    @classmethod
+    def attach(cls, path: Path) -> "RunDir":
+        """Take over an existing run dir (resume). Refused while another store holds its lock."""
+        path = Path(path)
+        try:
+            dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise TierIOError(exc.errno, f"nvme tier: cannot open run directory {path}: {exc.strerror}; "
+                                         f"pass the directory of a previous run (not a symlink)") from None
+        try:
+            owner = _read_owner(dir_fd)
+            if owner is None:
+                raise TierIOError(errno.EINVAL, f"nvme tier: {path} is not a zerotier run directory "
+                                                f"({_OWNER} missing or without the zerotier marker)")
+            try:
+                lock_fd = os.open(_LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError as exc:
+                raise TierIOError(exc.errno, f"nvme tier: run directory {path} has no usable lock file "
+                                             f"({exc.strerror})") from None
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(lock_fd)
+                raise TierIOError(errno.EBUSY, f"nvme tier: run directory {path} is in use by pid "
+                                               f"{owner.get('pid')} on host {owner.get('hostname')} "
+                                               f"(its lock is held); two stores cannot share a run "
+                                               f"directory: close the first store or give this one "
+                                               f"its own tiers.nvme_path") from None
+            new_owner = cls._owner_record()
+            new_owner["resumed_from_pid"] = owner.get("pid")
+            _write_owner(dir_fd, new_owner)
+        finally:
+            os.close(dir_fd)
+        return cls(path, lock_fd, new_owner)
+
+    # ------------------------------------------------------------------ removal
+
+    def keep(self, index: dict) -> None:
+        """Leave the directory for a later attach(): write index.json, mark kept, unlock."""
+        if self._lock_fd is None or os.getpid() != self._pid:
+            return
+        dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            tmp = _INDEX + _TMP_SUFFIX
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600, dir_fd=dir_fd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(json.dumps(index).encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, _INDEX, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            _write_owner(dir_fd, dict(self._owner, kept=True))
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self._unlock()
+
+    def load_index(self) -> dict:
+        try:
+            return json.loads((self.path / _INDEX).read_bytes())
+        except FileNotFoundError:
+            return {}
+
+    def remove(self) -> None:
+        """Delete the run dir: only in the creating process, while we hold its lock,
+        and only files we create; anything else is left with a warning."""
+        if self._lock_fd is None or os.getpid() != self._pid:
+            return  # already removed/kept, or a forked child: not ours to delete
+        try:
+            dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("nvme tier: run directory %s vanished before cleanup (%s)", self.path, exc.strerror)
+            self._unlock()
+            return
+        try:
+            owner = _read_owner(dir_fd)
+            if owner is None or owner.get("pid") != self._pid:
+                warnings.warn(f"nvme tier: not removing {self.path}: its {_OWNER} no longer names this "
+                              f"process", RuntimeWarning, stacklevel=2)
+                return
+            left = _remove_contents(dir_fd)
+        finally:
+            os.close(dir_fd)
+        if left:
+            warnings.warn(f"nvme tier: left {self.path} in place: it holds files zerotier did not "
+                          f"create ({', '.join(sorted(left)[:5])})", RuntimeWarning, stacklevel=2)
+        else:
+            try:
+                os.rmdir(self.path)
+            except OSError as exc:
+                log.warning("nvme tier: could not remove %s: %s", self.path, exc.strerror)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the last fd releases the flock
+            self._lock_fd = None
+
+
+def scan_stale(parent: Path) -> dict[str, list[Path]]:
+    """Look for run dirs of dead runs under parent; remove the provably-ours ones.
+
+    A directory is removed only if all hold: a real directory owned by our uid, an
+    owner.json with our marker, written on this host, whose lock we can take now,
+    and whose owner pid is dead (or reused since: different boot or start time).
+    Everything else is reported and kept. Returns {"removed": [...], "kept": [...]}.
+    """
+    report: dict[str, list[Path]] = {"removed": [], "kept": []}
+    try:
+        # zerotier-* run dirs, and .zerotier-*.tmp ones a crash left half-made
+        names = sorted(n for n in os.listdir(parent) if n.startswith(RUN_PREFIX)
+                       or (n.startswith("." + RUN_PREFIX) and n.endswith(_TMP_SUFFIX)))
+    except OSError:
+        return report
+    host, boot = socket.gethostname(), _boot_id()
+
+    def keep(path: Path, why: str, warn: bool = True) -> None:
+        report["kept"].append(path)
+        if warn:
+            warnings.warn(f"nvme tier: found {path} ({why}); leaving it in place. Remove it by hand "
+                          f"if it is not in use.", RuntimeWarning, stacklevel=3)
+        else:
+            log.info("nvme tier: %s: %s", path, why)
+
+    for name in names:
+        path = parent / name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            keep(path, "not a directory")
+            continue
+        if st.st_uid != os.geteuid():
+            keep(path, f"owned by uid {st.st_uid}, not us")
+            continue
+        try:
+            dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            keep(path, f"cannot open: {exc.strerror}")
+            continue
+        lock_fd = -1
+        try:
+            owner = _read_owner(dir_fd)
+            if owner is None:
+                # A hidden one may be a run dir another process is creating right now.
+                keep(path, "no zerotier owner marker: not provably a zerotier run directory",
+                     warn=not name.startswith("."))
+                continue
+            pid = owner.get("pid")
+            if owner.get("kept"):
+                keep(path, f"kept for resume by pid {pid}; attach with NVMeStore(run_dir=...)", warn=False)
+                continue
+            if owner.get("hostname") != host:
+                keep(path, f"owned by pid {pid} on host {owner.get('hostname')}: cannot tell if it is alive")
+                continue
+            try:
+                lock_fd = os.open(_LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                keep(path, f"in use by live pid {pid} (lock held)", warn=False)
+                continue
+            except OSError as exc:
+                keep(path, f"lock file unusable ({exc.strerror})")
+                continue
+            same_boot = owner.get("boot_id") == boot and boot != ""
+            alive = (same_boot and isinstance(pid, int) and _pid_alive(pid)
+                     and _pid_start(pid) == owner.get("pid_start"))
+            if alive:
+                keep(path, f"owner pid {pid} is alive but does not hold the lock")
+                continue
+            left = _remove_contents(dir_fd)
+            if left:
+                keep(path, f"stale (pid {pid} is dead) but holds files zerotier did not create: "
+                           f"{', '.join(sorted(left)[:5])}")
+                continue
+            os.rmdir(path)
+            report["removed"].append(path)
+            warnings.warn(f"nvme tier: removed stale run directory {path} (owner pid {pid} on this host "
+                          f"is dead)", RuntimeWarning, stacklevel=2)
+        except OSError as exc:
+            keep(path, f"error while checking: {exc.strerror}")
+        finally:
+            if lock_fd >= 0:
+                os.close(lock_fd)
+            os.close(dir_fd)
+    return report
+
+
+# ----------------------------------------------------------------------- store
+
+@dataclass(frozen=True)
+class NVMeEntry:
+    """What the index remembers about one committed shard file."""
+
+    key: str
+    file: str            # file name inside the run dir
+    dtype: str           # e.g. "torch.bfloat16"
+    shape: tuple
+    nbytes: int          # logical bytes
+    file_bytes: int      # nbytes rounded up to io.alignment: what the file holds and the budget counts
+    checksum: int | None
+    checksum_algo: str
+
+
+def _dtype_from_str(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _file_stem(key: str) -> str:
+    """Filesystem-safe, injective name for a key ('%XX' escapes; long keys hashed)."""
+    safe = "".join(chr(b) if chr(b).isascii() and (chr(b).isalnum() or chr(b) in "._-") else f"%{b:02X}"
+                   for b in key.encode())
+    if len(safe) > 180:
+        safe = f"{safe[:120]}~{hashlib.sha256(key.encode()).hexdigest()[:32]}"
+    return safe
+
+
+_HINTS = {
+    errno.ENOSPC: "free space on {dir} or lower tiers.nvme",
+    errno.EDQUOT: "disk quota exceeded: free space on {dir} or lower tiers.nvme",
+    errno.EIO: "the drive reported an I/O error: check it (dmesg, smartctl) or move tiers.nvme_path "
+               "to a healthy disk",
+    errno.EROFS: "{dir} is not writable (read-only filesystem): fix tiers.nvme_path",
+    errno.EACCES: "{dir} is not writable: fix its permissions or tiers.nvme_path",
+    errno.EPERM: "{dir} is not writable: fix its permissions or tiers.nvme_path",
+    errno.ENOENT: "the swap file vanished: something removed files from the run directory",
+}
+
+
+class NVMeStore(BudgetedTier):
+    """The NVMe tier (see [Note: NVMe layout]). Thread-safe.
+
+    write(key, src) -> ticket     read(key, dst) -> ticket     free(key)
+    contains(key), nbytes(key), entry(key), keys(), stats(), close(keep=False)
+
+    Tickets return the shard's logical byte count from wait().
+    """
+
+    def __init__(self, tiers_cfg: TiersConfig, io_cfg: IOConfig, *, run_dir: str | os.PathLike | None = None,
+                 engine=None) -> None:
+        if tiers_cfg.nvme_path is None and run_dir is None:
+            raise ConfigError("tiers.nvme_path: the nvme tier needs a directory (tiers.nvme is "
+                              f"{tiers_cfg.nvme!r}); set tiers.nvme_path or set tiers.nvme = 0")
+        parent = Path(tiers_cfg.nvme_path) if run_dir is None else Path(run_dir).parent
+        _check_parent(parent)
+        budget = tiers_cfg.nvme
+        if budget == "auto":  # 90% of what the filesystem has free right now
+            budget = int(shutil.disk_usage(parent).free * 0.9)
+        self.parent = parent
+        super().__init__("nvme", int(budget), hint=f"Raise tiers.nvme (free space on {parent}: "
+                                                   f"{format_size(shutil.disk_usage(parent).free)}) "
+                                                   f"or keep less state on nvme.")
+        self.io_cfg = io_cfg
+        self.alignment = io_cfg.alignment
+        self._checksum, self.checksum_algo = _checksum_impl(io_cfg.checksum)
+        self.stale = scan_stale(parent) if run_dir is None else {"removed": [], "kept": []}
+        self._run = RunDir.create(parent) if run_dir is None else RunDir.attach(Path(run_dir))
+        self.run_dir = self._run.path
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)       # signals changes of _pending_writes
+        self._index: dict[str, NVMeEntry] = {}
+        # key -> its write in flight (or _CLAIM while being issued): one write per key at a time
+        self._pending_writes: dict[str, object] = {}
+        self._inflight: set[ChainTicket] = set()           # every ticket not finished yet
+        self._gen = 0
+        self._closed = False
+        self._errors = 0
+        # [Note: NVMe file recycling]: file size -> names of freed files kept for reuse
+        self._recycled: dict[int, list[str]] = {}
+        self._recycled_bytes = 0
+        self._readers: dict[str, int] = {}   # key -> reads in flight (their files are not recycled)
+        self._reuses = 0
+        try:
+            self.engine = engine if engine is not None else open_engine(io_cfg)
+            if run_dir is not None:
+                self._load_index()
+        except BaseException:
+            self._run.remove()
+            raise
+        # Cleanup at garbage collection / interpreter exit, without referencing self.
+        self._finalizer = weakref.finalize(self, _finalize_store, self._run, self.engine)
+
+    # -------------------------------------------------------------- public API
+
+    def write(self, key: str, src: torch.Tensor | HostBuffer, *, what: str = "") -> ChainTicket:
+        """Write src (any dtype/shape/device) as shard `key`; replaces an existing key.
+
+        Zero-copy when src is an aligned contiguous CPU tensor with room for the
+        aligned length (or a HostBuffer); otherwise src is copied into an aligned
+        staging buffer first. BudgetError (nothing written) if tiers.nvme is exceeded.
+        """
+        self._check_key(key)
+        tensor = src.view() if isinstance(src, HostBuffer) else src
+        nbytes = tensor.numel() * tensor.element_size()
+        file_bytes = align_up(nbytes, self.alignment)
+        self._claim(key)  # waits for an earlier write of this key: writes commit in order
+        fd = -1
+        try:
+            # The file's bytes are accounted from here on: a recycled file's already are.
+            recycled = self._take_recycled(file_bytes) if file_bytes else None
+            if recycled is None:
+                self._reserve_file(file_bytes, what or f"shard '{key}'")
+            try:
+                buf = self._source_bytes(src, tensor, nbytes, file_bytes)
+                checksum = self._checksum(buf[:nbytes].numpy()) if self._checksum else None
+                with self._lock:
+                    self._check_open()
+                    replacing = key in self._index
+                    self._gen += 1
+                    gen = self._gen
+                stem = _file_stem(key)
+                # A rewrite or a recycled file is written under another name and renamed
+                # onto <key>.swp on success; a new key's fresh file is written in place.
+                if recycled is not None:
+                    name, flags = recycled, os.O_WRONLY
+                elif replacing:
+                    name, flags = f"{stem}{_SUFFIX}.{gen}{_TMP_SUFFIX}", os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                else:
+                    name, flags = f"{stem}{_SUFFIX}", os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                path = self.run_dir / name
+                fd = self._open(path, flags, key, "create" if flags & os.O_CREAT else "open")
+                entry = NVMeEntry(key=key, file=f"{stem}{_SUFFIX}", dtype=str(tensor.dtype),
+                                  shape=tuple(tensor.shape), nbytes=nbytes, file_bytes=file_bytes,
+                                  checksum=checksum, checksum_algo=self.checksum_algo)
+                inner = self.engine.write(fd, buf, 0, path=str(path)) if file_bytes else DoneTicket(0)
+            except BaseException:
+                if fd >= 0:
+                    os.close(fd)
+                    _unlink_quiet(path)
+                elif recycled is not None:
+                    _unlink_quiet(self.run_dir / recycled)
+                self.release(file_bytes)
+                raise
+        except BaseException:
+            self._unclaim(key, None)
+            raise
+
+        def finish(outcome: int | BaseException) -> int:
+            # Runs once, when the write has completed (see [Note: buffers in flight]).
+            os.close(fd)
+            err = None
+            if isinstance(outcome, BaseException):
+                err = self._io_error("write", key, path, outcome)
+            elif outcome != file_bytes:
+                err = TierIOError(errno.EIO, self._msg("write", key, path, outcome,
+                                  f"short write: {outcome} of {file_bytes} B written",
+                                  "disk full or failing? free space on {dir} or check the drive"))
+            final = self.run_dir / entry.file
+            try:
+                with self._lock:
+                    self._inflight.discard(ticket)
+                    old = self._index.get(key)
+                    if err is None and path != final:
+                        err = self._commit_rename(key, path, final, old)
+                    if err is not None:
+                        self._errors += 1
+                        _unlink_quiet(path)
+                        self.release(file_bytes)
+                        raise err
+                    self._index[key] = entry
+            finally:
+                self._unclaim(key, ticket)
+            self.count_in(nbytes)
+            return nbytes
+
+        ticket = ChainTicket(inner, finish)
+        with self._cond:
+            self._inflight.add(ticket)
+            if self._pending_writes.get(key) is _CLAIM:  # (finish may have run already)
+                self._pending_writes[key] = ticket
+            self._cond.notify_all()
+        return ticket
+
+    def read(self, key: str, dst: torch.Tensor | HostBuffer) -> ChainTicket:
+        """Fill dst with shard `key`. dst must hold exactly the shard's bytes; its dtype
+        must match the shard's (or be uint8). The length read and (io.checksum) the
+        checksum are verified before wait() returns."""
+        self._check_key(key)
+        self._wait_write(key)
+        with self._lock:
+            self._check_open()
+            entry = self._index.get(key)
+        if entry is None:
+            raise KeyError(f"nvme tier: no shard {key!r} in {self.run_dir}")
+        tensor = dst.view() if isinstance(dst, HostBuffer) else dst
+        dst_bytes = tensor.numel() * tensor.element_size()
+        if dst_bytes != entry.nbytes:
+            raise ValueError(f"nvme tier: shard {key!r} holds {entry.nbytes} B ({entry.dtype} "
+                             f"{list(entry.shape)}), destination has {dst_bytes} B")
+        if tensor.dtype not in (_dtype_from_str(entry.dtype), torch.uint8):
+            raise ValueError(f"nvme tier: shard {key!r} is {entry.dtype}, destination is {tensor.dtype}")
+        # Read straight into dst only when the aligned length fits in memory dst owns.
+        if isinstance(dst, HostBuffer) and dst.capacity >= entry.file_bytes and \
+                dst.block.data_ptr() % self.alignment == 0:
+            buf, staged = dst.block[: entry.file_bytes], False
+        elif (tensor.device.type == "cpu" and tensor.is_contiguous() and entry.nbytes == entry.file_bytes
+              and tensor.data_ptr() % self.alignment == 0):
+            buf, staged = _byte_view(tensor), False
+        else:
+            buf, staged = aligned_empty(entry.file_bytes, self.alignment), True
+        path = self.run_dir / entry.file
+        fd = self._open(path, os.O_RDONLY, key, "open")
+        with self._lock:
+            self._readers[key] = self._readers.get(key, 0) + 1
+
+        def finish(outcome: int | BaseException) -> int:
+            os.close(fd)
+            with self._lock:
+                self._inflight.discard(ticket)
+                self._end_read(key)
+            try:
+                if isinstance(outcome, BaseException):
+                    raise self._io_error("read", key, path, outcome)
+                if outcome != entry.file_bytes:
+                    raise TierIOError(errno.EIO, self._msg(
+                        "read", key, path, outcome,
+                        f"short read: got {outcome} of {entry.file_bytes} B",
+                        "file truncated? something modified the run directory or the drive "
+                        "lost data; the shard cannot be recovered from nvme"))
+                if entry.checksum is not None:
+                    impl = self._checksum_for(entry.checksum_algo)
+                    got = impl(buf[: entry.nbytes].numpy())
+                    if got != entry.checksum:
+                        raise TierIOError(errno.EBADMSG, self._msg(
+                            "read", key, path, 0,
+                            f"{entry.checksum_algo} checksum mismatch: file has {got:#010x}, "
+                            f"written {entry.checksum:#010x}",
+                            "the file was corrupted on disk or modified behind zerotier's back"))
+            except TierIOError:
+                with self._lock:
+                    self._errors += 1
+                raise
+            if staged:
+                _byte_view(tensor).copy_(buf[: entry.nbytes]) if tensor.is_contiguous() else \
+                    tensor.copy_(buf[: entry.nbytes].view(tensor.dtype).view(tensor.shape))
+            self.count_out(entry.nbytes)
+            return entry.nbytes
+
+        try:
+            inner = self.engine.read(fd, buf, 0, path=str(path)) if entry.file_bytes else DoneTicket(0)
+        except BaseException:
+            os.close(fd)
+            with self._lock:
+                self._end_read(key)
+            raise
+        ticket = ChainTicket(inner, finish)
+        with self._lock:
+            self._inflight.add(ticket)
+        return ticket
+
+    def free(self, key: str) -> None:
+        """Drop shard `key`: unlink its file (space returns now) and release its budget."""
+        self._wait_write(key)
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is None:
+                raise KeyError(f"nvme tier: no shard {key!r} in {self.run_dir}")
+            kept = self._recycle_name_for(key) if entry.file_bytes else None
+            if kept is not None:
+                try:
+                    os.rename(self.run_dir / entry.file, self.run_dir / kept)
+                    self._recycled.setdefault(entry.file_bytes, []).append(kept)
+                    self._recycled_bytes += entry.file_bytes
+                    return
+                except OSError:
+                    pass
+        _unlink_quiet(self.run_dir / entry.file)  # in-flight reads keep their fd: still safe
+        self.release(entry.file_bytes)
+
+    def trim(self) -> int:
+        """Unlink every recycled file (returning its space to the filesystem); bytes released."""
+        with self._lock:
+            return self._trim_locked(self._recycled_bytes)
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._index or key in self._pending_writes
+
+    __contains__ = contains
+
+    def entry(self, key: str) -> NVMeEntry:
+        """The committed index entry for key (waits for a pending write of it)."""
+        self._wait_write(key)
+        with self._lock:
+            if key not in self._index:
+                raise KeyError(f"nvme tier: no shard {key!r} in {self.run_dir}")
+            return self._index[key]
+
+    def nbytes(self, key: str) -> int:
+        return self.entry(key).nbytes
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return sorted(self._index)
+
+    def path_of(self, key: str) -> Path:
+        """The swap file of a committed shard (for tests and diagnostics)."""
+        return self.run_dir / self.entry(key).file
+
+    def stats(self) -> dict[str, int]:
+        """Base figures (current = bytes of all files: shards + recycled) plus store details."""
+        out = super().stats()
+        with self._lock:
+            out.update(files=len(self._index), inflight=len(self._inflight), errors=self._errors,
+                       recycled=self._recycled_bytes,
+                       recycled_files=sum(len(v) for v in self._recycled.values()),
+                       reuses=self._reuses)
+        return out
+
+    def close(self, keep: bool = False) -> None:
+        """Wait for in-flight I/O, close the engine, remove the run dir (or keep it for
+        NVMeStore(run_dir=...) with keep=True). Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._drain()
+        self._finalizer.detach()
+        try:
+            self.engine.close()
+        finally:
+            self._drain()  # tickets issued while close() began: the engine has finished them
+            with self._lock:
+                self._trim_locked(self._recycled_bytes)
+                index = {k: asdict(e) for k, e in self._index.items()}
+                for e in self._index.values():
+                    self.release(e.file_bytes)
+                self._index.clear()
+            if keep:
+                self._run.keep(index)
+            else:
+                self._run.remove()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                inflight = list(self._inflight)
+            if not inflight:
+                return
+            for t in inflight:
+                _quiet_wait(t)
+
+    def __enter__(self) -> "NVMeStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- internals
+
+    # [Note: NVMe file recycling] -------------------------------------------------
+
+    def _recycle_name_for(self, key: str) -> str | None:
+        """A fresh recycled-file name, or None if key's file may still be read (lock held)."""
+        if self._readers.get(key):
+            return None
+        self._gen += 1
+        return f"{_RECYCLED_PREFIX}{self._gen}{_SUFFIX}"
+
+    def _commit_rename(self, key: str, path: Path, final: Path, old: NVMeEntry | None) -> OSError | None:
+        """Move a completed write onto <key>.swp; the old version's file (if any) is kept
+        for reuse, or released. Lock held; readers of key wait for this write to commit."""
+        kept = self._recycle_name_for(key) if old is not None else None
+        try:
+            if kept is not None:
+                os.rename(final, self.run_dir / kept)
+            os.rename(path, final)
+        except OSError as exc:
+            if kept is not None and not final.exists():
+                try:  # put the old version back under its name
+                    os.rename(self.run_dir / kept, final)
+                except OSError:
+                    pass
+            return self._io_error("rename", key, path, exc)
+        if old is not None:
+            if kept is not None:
+                self._recycled.setdefault(old.file_bytes, []).append(kept)
+                self._recycled_bytes += old.file_bytes
+            else:  # the rename above replaced (unlinked) it
+                self.release(old.file_bytes)
+        return None
+
+    def _take_recycled(self, file_bytes: int) -> str | None:
+        with self._lock:
+            names = self._recycled.get(file_bytes)
+            if not names:
+                return None
+            name = names.pop()
+            if not names:
+                del self._recycled[file_bytes]
+            self._recycled_bytes -= file_bytes
+            self._reuses += 1
+            return name
+
+    def _reserve_file(self, nbytes: int, what: str) -> None:
+        """reserve(), unlinking recycled files first if the budget needs their room."""
+        if self.try_reserve(nbytes):
+            return
+        with self._lock:
+            self._trim_locked(self.used + nbytes - self.budget)
+        self.reserve(nbytes, what)  # raises BudgetError with the standard message
+
+    def _trim_locked(self, want: int) -> int:
+        released = 0
+        for size in sorted(self._recycled, reverse=True):
+            names = self._recycled[size]
+            while names and released < want:
+                _unlink_quiet(self.run_dir / names.pop())
+                self._recycled_bytes -= size
+                self.release(size)
+                released += size
+            if not names:
+                del self._recycled[size]
+        return released
+
+    def _end_read(self, key: str) -> None:
+        n = self._readers.get(key, 0) - 1
+        if n > 0:
+            self._readers[key] = n
+        else:
+            self._readers.pop(key, None)
+
+    def _claim(self, key: str) -> None:
+        """Mark key as being written; first wait for a write of it already in flight."""
+        while True:
+            with self._cond:
+                self._check_open()
+                prev = self._pending_writes.get(key)
+                if prev is None:
+                    self._pending_writes[key] = _CLAIM
+                    return
+                if prev is _CLAIM:
+                    self._cond.wait()
+                    continue
+            _quiet_wait(prev)  # its finish() removes it
+
+    def _unclaim(self, key: str, ticket) -> None:
+        with self._cond:
+            if self._pending_writes.get(key) in (_CLAIM, ticket):
+                del self._pending_writes[key]
+            self._cond.notify_all()
+
+    def _wait_write(self, key: str) -> None:
+        """Wait for the write of key in flight, if any (its error belongs to its caller)."""
+        with self._cond:
+            while self._pending_writes.get(key) is _CLAIM:
+                self._cond.wait()
+            prev = self._pending_writes.get(key)
+        if prev is not None:
+            _quiet_wait(prev)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ZerotierError(f"nvme tier: store {self.run_dir} is closed")
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"nvme tier: shard keys are non-empty strings, got {key!r}")
+
+    def _source_bytes(self, src, tensor: torch.Tensor, nbytes: int, file_bytes: int) -> torch.Tensor:
+        """An aligned uint8 CPU tensor of file_bytes whose first nbytes are src's bytes."""
+        if isinstance(src, HostBuffer) and src.capacity >= file_bytes and \
+                src.block.data_ptr() % self.alignment == 0:
+            return src.block[:file_bytes]
+        if (tensor.device.type == "cpu" and tensor.is_contiguous()
+                and tensor.data_ptr() % self.alignment == 0 and _storage_room(tensor) >= file_bytes):
+            # Zero copy: the padding tail is whatever follows in src's own storage.
+            return torch.empty(0, dtype=torch.uint8).set_(
+                tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(), (file_bytes,))
+        staging = aligned_empty(file_bytes, self.alignment)
+        staging[:nbytes].copy_(_byte_view(tensor.contiguous()) if tensor.device.type == "cpu"
+                               else _byte_view(tensor.detach().contiguous().cpu()))
+        staging[nbytes:].zero_()
+        return staging
+
+    def _open(self, path: Path, flags: int, key: str, op: str) -> int:
+        try:
+            # O_NOFOLLOW | O_CLOEXEC (| O_DIRECT, falling back to buffered with one warning)
+            fd, _direct = open_direct(str(path), flags, 0o600, direct=self.io_cfg.o_direct)
+        except OSError as exc:
+            raise self._io_error(op, key, path, exc) from None
+        return fd
+
+    def _io_error(self, op: str, key: str, path: Path, exc: BaseException) -> BaseException:
+        """Re-state a low-level failure with tier, key, file, offset and remedy; keep errno."""
+        if not isinstance(exc, OSError):
+            return exc
+        code = exc.errno
+        reason = os.strerror(code) if code else str(exc)
+        hint = _HINTS.get(code, "check the drive and tiers.nvme_path")
+        err = TierIOError(code if code is not None else errno.EIO,
+                          self._msg(op, key, path, 0, reason, hint))
+        err.__cause__ = exc
+        return err
+
+    def _msg(self, op: str, key: str, path: Path, offset: int, what: str, hint: str) -> str:
+        hint = hint.format(dir=self.parent)
+        return f"nvme tier: {op} of shard {key!r} at offset {offset} of {path} failed: {what}" + \
+            (f"; {hint}" if hint else "")
+
+    def _checksum_for(self, algo: str) -> Callable[[memoryview], int]:
+        if algo == self.checksum_algo and self._checksum is not None:
+            return self._checksum
+        impl, have = _checksum_impl("crc32c")
+        if have != algo:  # a resumed shard written with the other implementation
+            raise ZerotierError(f"nvme tier: shard checksums were written with {algo}, this process "
+                                f"has {have}; install the same crc32c package or set io.checksum")
+        return impl
+
+    def _load_index(self) -> None:
+        for key, e in self._run.load_index().items():
+            entry = NVMeEntry(**{**e, "shape": tuple(e["shape"])})
+            self.reserve(entry.file_bytes, f"resumed shard '{key}'")
+            self._index[key] = entry
+
+
+def _quiet_wait(ticket) -> None:
+    """Wait for a ticket whose failure is reported to its own caller, not to us."""
+    try:
+        ticket.wait()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _finalize_store(run: RunDir, engine) -> None:
+    """weakref.finalize hook: the store was dropped without close() (GC or exit)."""
+    try:
+        engine.close()
+    finally:
+        run.remove()
