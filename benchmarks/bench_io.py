@@ -1,0 +1,247 @@
+"""Write-then-read throughput of zerotier's I/O engine backends vs fio, in one run.
+
+For each shard size, `--total` bytes are written as one file per shard (like one swap
+file per tensor shard) and read back, with O_DIRECT (no page cache), by:
+
+  io_uring  zerotier native engine, io_uring backend
+  threads   zerotier native engine, pthread pool of pread/pwrite
+  aiofiles  zerotier pure-Python fallback
+  fio       fio --ioengine=io_uring --direct=1, same block size and queue depth
+
+and reports GB/s (1e9 bytes/s) and CPU-seconds per GB (process user+system time, all
+threads; fio: its child processes less their start-up), plus ratios against fio measured
+in the same run. Each timed phase starts after os.sync(), so one run's deferred filesystem
+work (journal, discards of deleted files) is not billed to the next.
+
+    python benchmarks/bench_io.py --total 1GiB --dir /mnt/nvme/tmp
+    python benchmarks/bench_io.py --quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from zerotier.config import IOConfig
+from zerotier.io import aligned_empty, open_direct, open_engine, probe_io_uring
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20,
+          "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return f"{n}B"
+
+
+def cpu_seconds(who=resource.RUSAGE_SELF) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def settle() -> None:
+    """Flush dirty metadata and let the filesystem finish freeing deleted files (with
+    `-o discard`, ext4 issues the discards at journal commit) so that work is not billed
+    to whichever run comes next."""
+    os.sync()
+
+
+@dataclass
+class Result:
+    gbps: float
+    cpu_per_gb: float
+
+
+def run_engine(backend: str, cfg: IOConfig, directory: str, total: int, shard: int,
+               verify: bool) -> tuple[Result, Result]:
+    """Write `total` bytes as `total // shard` files, then read them back."""
+    n_shards = total // shard
+    # Enough shards in flight to keep the queue full across shard boundaries.
+    window = max(2, -(-2 * cfg.queue_depth * cfg.block_size // shard))
+    window = min(window, n_shards)
+    bufs = [aligned_empty(shard, cfg.alignment) for _ in range(window)]
+    for i, b in enumerate(bufs):
+        b.copy_(torch.randint(0, 256, (shard,), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(i)))
+    paths = [os.path.join(directory, f"{backend}.{i}") for i in range(n_shards)]
+    results = []
+    with open_engine(cfg) as eng:
+        assert eng.backend == backend, (eng.backend, backend)
+        for op in ("write", "read"):
+            flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if op == "write" else os.O_RDONLY
+            inflight: list[tuple[int, object]] = []  # (fd, ticket), FIFO
+            settle()
+            t0, c0 = time.perf_counter(), cpu_seconds()
+            for i, path in enumerate(paths):
+                if len(inflight) == window:
+                    fd, t = inflight.pop(0)
+                    assert t.wait() == shard
+                    os.close(fd)
+                fd, direct = open_direct(path, flags)
+                buf = bufs[i % window]
+                t = eng.write(fd, buf, 0, path) if op == "write" else eng.read(fd, buf, 0, path)
+                inflight.append((fd, t))
+            for fd, t in inflight:
+                assert t.wait() == shard
+                os.close(fd)
+            wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+            gb = total / 1e9
+            results.append(Result(gb / wall, cpu / gb))
+    if verify:  # the last `window` shards were read into the buffers: check one
+        i = n_shards - 1
+        expect = torch.randint(0, 256, (shard,), dtype=torch.uint8,
+                               generator=torch.Generator().manual_seed(i % window))
+        assert torch.equal(bufs[i % window], expect), f"{backend}: read-back mismatch"
+    for p in paths:
+        os.unlink(p)
+    settle()
+    return results[0], results[1]
+
+
+def _fio(cfg: IOConfig, directory: str, rw: str, total: int, shard: int) -> tuple[dict, float]:
+    """Run one fio job; (its JSON stats for `rw`, CPU seconds of the fio processes)."""
+    cmd = ["fio", "--name=ztbench", f"--directory={directory}", "--ioengine=io_uring",
+           "--direct=1", f"--rw={rw}", f"--bs={cfg.block_size}", f"--iodepth={cfg.queue_depth}",
+           f"--size={total}", f"--nrfiles={total // shard}", f"--filesize={shard}",
+           "--fallocate=none", "--output-format=json"]
+    settle()
+    c0 = cpu_seconds(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    cpu = cpu_seconds(resource.RUSAGE_CHILDREN) - c0
+    return json.loads(out[out.index("{"):])["jobs"][0][rw], cpu
+
+
+def fio_startup_cpu(cfg: IOConfig, directory: str) -> float:
+    """CPU seconds fio spends outside the transfer (start-up, parsing, reporting): the
+    cheapest of a few one-block jobs. Subtracted from fio's figures so CPU/GB compares
+    the transfer itself, as our numbers (taken inside one running process) do."""
+    best = min(_fio(cfg, directory, "write", cfg.block_size, cfg.block_size)[1] for _ in range(3))
+    os.unlink(os.path.join(directory, "ztbench.0.0"))
+    return best
+
+
+def run_fio(cfg: IOConfig, directory: str, total: int, shard: int,
+            startup_cpu: float) -> tuple[Result, Result]:
+    n_shards = total // shard
+    results = []
+    for rw in ("write", "read"):
+        job, cpu = _fio(cfg, directory, rw, total, shard)
+        gb = job["io_bytes"] / 1e9
+        results.append(Result(job["bw_bytes"] / 1e9, max(0.0, cpu - startup_cpu) / gb))
+    for i in range(n_shards):
+        try:
+            os.unlink(os.path.join(directory, f"ztbench.0.{i}"))
+        except FileNotFoundError:
+            pass
+    settle()
+    return results[0], results[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--total", type=parse_size, default=parse_size("4GiB"), help="bytes per phase")
+    ap.add_argument("--dir", default=None, help="directory on the drive to test (default: a temp dir)")
+    ap.add_argument("--sizes", default="1,4,16,64", help="shard sizes in MiB, comma separated")
+    ap.add_argument("--block", type=parse_size, default=IOConfig().block_size, help="I/O block size")
+    ap.add_argument("--qd", type=int, default=IOConfig().queue_depth, help="queue depth")
+    ap.add_argument("--threads", type=int, default=IOConfig().threads, help="threads backend workers")
+    ap.add_argument("--backends", default="io_uring,threads,aiofiles,fio")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per backend; best figure kept")
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run (64 MiB, 1,4 MiB shards)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.total, args.sizes = 64 << 20, "1,4"
+
+    sizes = [int(s) << 20 for s in args.sizes.split(",") if s.strip()]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    ok, why = probe_io_uring()
+    if "io_uring" in backends and not ok:
+        print(f"note: skipping io_uring backend: {why}")
+        backends.remove("io_uring")
+    if "fio" in backends and shutil.which("fio") is None:
+        print("note: fio not found on PATH; install it for the reference numbers "
+              "(Debian/Ubuntu: `apt-get install fio`, Fedora: `dnf install fio`)")
+        backends.remove("fio")
+
+    base = args.dir or tempfile.gettempdir()
+    directory = tempfile.mkdtemp(prefix="zt-bench-io-", dir=base)
+    probe_fd, direct = open_direct(os.path.join(directory, "probe"), os.O_RDWR | os.O_CREAT)
+    os.close(probe_fd)
+    os.unlink(os.path.join(directory, "probe"))
+    print(f"dir={directory} o_direct={direct} total={fmt_size(args.total)} block={fmt_size(args.block)} "
+          f"qd={args.qd} threads={args.threads} cpus={os.cpu_count()}")
+    if not direct:
+        print("warning: no O_DIRECT here, numbers include the page cache")
+
+    rows = []
+    fio_cpu0 = None
+    try:
+        for shard in sizes:
+            if args.total % shard:
+                print(f"skip shard {fmt_size(shard)}: does not divide --total")
+                continue
+            found: dict[str, tuple[Result, Result]] = {}
+            for rep in range(args.repeat):  # backends interleaved: drift hits all alike
+                for b in backends:
+                    cfg = IOConfig(backend=b if b != "fio" else "auto", block_size=args.block,
+                                   queue_depth=args.qd, threads=args.threads)
+                    if b == "fio":
+                        if fio_cpu0 is None:
+                            fio_cpu0 = fio_startup_cpu(cfg, directory)
+                            print(f"  fio start-up CPU (subtracted): {fio_cpu0:.3f} s")
+                        w, r = run_fio(cfg, directory, args.total, shard, fio_cpu0)
+                    else:
+                        w, r = run_engine(b, cfg, directory, args.total, shard, verify=True)
+                    print(f"  {fmt_size(shard):>6} {b:9s} write {w.gbps:6.2f} GB/s "
+                          f"{w.cpu_per_gb:6.3f} CPU-s/GB | read {r.gbps:6.2f} GB/s "
+                          f"{r.cpu_per_gb:6.3f} CPU-s/GB", flush=True)
+                    if b in found:  # keep the best of the repeats, per figure
+                        w0, r0 = found[b]
+                        w = Result(max(w.gbps, w0.gbps), min(w.cpu_per_gb, w0.cpu_per_gb))
+                        r = Result(max(r.gbps, r0.gbps), min(r.cpu_per_gb, r0.cpu_per_gb))
+                    found[b] = (w, r)
+            rows.append((shard, found, found.get("fio")))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    print()
+    hdr = (f"{'shard':>6} {'backend':9s} {'wr GB/s':>8} {'wr CPU/GB':>9} {'rd GB/s':>8} {'rd CPU/GB':>9}"
+           f" {'wr/fio':>7} {'rd/fio':>7} {'wrCPU/fio':>9} {'rdCPU/fio':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for shard, found, ref in rows:
+        for b, (w, r) in found.items():
+            line = (f"{fmt_size(shard):>6} {b:9s} {w.gbps:8.2f} {w.cpu_per_gb:9.3f} {r.gbps:8.2f} "
+                    f"{r.cpu_per_gb:9.3f}")
+            if ref is not None:
+                fw, fr = ref
+                line += (f" {w.gbps / fw.gbps:7.2f} {r.gbps / fr.gbps:7.2f}"
+                         f" {w.cpu_per_gb / fw.cpu_per_gb:9.2f} {r.cpu_per_gb / fr.cpu_per_gb:9.2f}")
+            print(line)
+    print("\nGB = 1e9 bytes; CPU/GB = process user+sys CPU seconds per GB moved (fio: its child"
+          " processes, less their start-up CPU). Writes go to fresh files (no preallocation),"
+          " reads are O_DIRECT." + (f" Best of {args.repeat} runs." if args.repeat > 1 else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

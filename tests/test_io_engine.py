@@ -1,0 +1,513 @@
+"""The async file I/O engine (zerotier.io) on every backend: io_uring, threads, aiofiles.
+
+Data goes through real files with O_DIRECT where the filesystem supports it (pytest's
+tmp_path, else a directory under the repo's build/ area, else buffered with a note).
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import gc
+import os
+import threading
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerotier.io as zio
+from zerotier import _native
+from zerotier.config import IOConfig
+from zerotier.errors import ConfigError, TierIOError, ZerotierError
+from zerotier.io import aligned_empty, open_direct, open_engine, probe_io_uring
+
+REPO = Path(__file__).resolve().parents[1]
+BACKENDS = ["io_uring", "threads", "aiofiles"]
+# Small blocks and a shallow queue so modest buffers still split into many chunks and
+# the queue-depth limit is exercised.
+SMALL = dict(block_size=64 << 10, queue_depth=4, threads=3)
+
+
+def _kernel_version() -> tuple[int, int]:
+    major, minor = os.uname().release.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def _io_uring_sysctl() -> int | None:
+    try:
+        return int(Path("/proc/sys/kernel/io_uring_disabled").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _require_backend(backend: str) -> None:
+    """Skip only for an explicit, printed reason: native disabled/missing, or io_uring
+    refused by this kernel (the probe says why)."""
+    if backend == "aiofiles":
+        return
+    if not zio.native_available():
+        pytest.skip(f"native library unavailable: {_native.status()['_zt_io']}")
+    if backend == "io_uring":
+        ok, why = probe_io_uring()
+        if not ok:
+            print(f"io_uring unusable here: {why}")
+            pytest.skip(f"io_uring unusable here: {why}")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    _require_backend(request.param)
+    return request.param
+
+
+@pytest.fixture
+def engine(backend):
+    with open_engine(IOConfig(backend=backend, **SMALL)) as eng:
+        assert eng.backend == backend
+        yield eng
+
+
+@pytest.fixture
+def data_dir(tmp_path) -> tuple[Path, bool]:
+    """(directory, o_direct_supported)."""
+    if zio.supports_o_direct(tmp_path):
+        yield tmp_path, True
+        return
+    alt = REPO / "build" / "pytest-io" / uuid.uuid4().hex
+    alt.mkdir(parents=True)
+    try:
+        if zio.supports_o_direct(alt):
+            yield alt, True
+        else:
+            print(f"no O_DIRECT under {tmp_path} nor {alt}: testing buffered I/O")
+            yield tmp_path, False
+    finally:
+        for p in alt.iterdir():
+            p.unlink()
+        alt.rmdir()
+
+
+def _open(data_dir, name="f", flags=os.O_RDWR | os.O_CREAT) -> tuple[int, str]:
+    d, direct_ok = data_dir
+    path = str(d / name)
+    fd, direct = open_direct(path, flags)
+    assert direct == direct_ok
+    return fd, path
+
+
+def _rand(nbytes: int, seed: int) -> torch.Tensor:
+    buf = aligned_empty(nbytes)
+    g = torch.Generator().manual_seed(seed)
+    buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8, generator=g))
+    return buf
+
+
+def _slow_read(eng_backend: str, data_dir):
+    """An engine plus a read that takes many ms (4096 sequential 4 KiB chunks)."""
+    eng = open_engine(IOConfig(backend=eng_backend, block_size=4096, queue_depth=1, threads=1))
+    fd, path = _open(data_dir, "slow")
+    os.ftruncate(fd, 16 << 20)
+    buf = aligned_empty(16 << 20)
+    return eng, fd, path, buf
+
+
+# --- probing and selection -------------------------------------------------------------
+
+def test_probe_io_uring_shape_and_expectation():
+    ok, why = probe_io_uring()
+    assert isinstance(ok, bool) and isinstance(why, str) and why
+    print(f"probe_io_uring() -> {ok}, {why!r}")
+    # Where nothing should stop io_uring, a failing probe is a bug, not a skip —
+    # unless a seccomp filter (containers) forbids it, which the reason then says.
+    if (_native.native_enabled() and zio.native_available()
+            and _io_uring_sysctl() == 0 and _kernel_version() >= (5, 6)):
+        assert ok or "not permitted" in why, why
+
+
+def test_auto_picks_io_uring_when_probe_ok():
+    _require_backend("io_uring")
+    with open_engine(IOConfig(backend="auto")) as eng:
+        assert eng.backend == "io_uring"
+        assert "io_uring" in eng.describe()
+
+
+def test_native_disabled_selects_aiofiles(monkeypatch):
+    monkeypatch.setenv("ZEROTIER_NATIVE", "0")
+    assert probe_io_uring() == (False, "native engine disabled")
+    with open_engine(IOConfig(backend="auto")) as eng:
+        assert eng.backend == "aiofiles"
+    with pytest.warns(RuntimeWarning, match="ZEROTIER_NATIVE=0"):
+        zio._warned.discard("forced")
+        with open_engine(IOConfig(backend="threads")) as eng:
+            assert eng.backend == "aiofiles"
+    buf = aligned_empty(100)  # pure torch: works without native code
+    assert buf.data_ptr() % 4096 == 0 and buf.numel() == 4096
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="io.block_size"):
+        open_engine(IOConfig(block_size=4096 + 512))
+    with pytest.raises(ConfigError, match="io.queue_depth"):
+        open_engine(IOConfig(queue_depth=0))
+    with pytest.raises(ConfigError, match="io.backend"):
+        open_engine(IOConfig(backend="libaio"))  # type: ignore[arg-type]
+
+
+# --- aligned buffers and O_DIRECT ---------------------------------------------------------
+
+@pytest.mark.parametrize("nbytes,alignment", [(0, 4096), (1, 4096), (4096, 4096),
+                                              (5000, 512), (123_457, 65536)])
+def test_aligned_empty(nbytes, alignment):
+    t = aligned_empty(nbytes, alignment)
+    assert t.dtype == torch.uint8 and t.device.type == "cpu" and t.is_contiguous()
+    assert t.numel() == -(-nbytes // alignment) * alignment
+    assert t.data_ptr() % alignment == 0
+    assert zio.is_aligned(t, alignment)
+    with pytest.raises(ValueError):
+        aligned_empty(10, 3000)
+
+
+def test_open_direct_real(data_dir):
+    fd, _ = _open(data_dir, "d")  # asserts direct == what the probe found
+    os.close(fd)
+
+
+def test_open_direct_falls_back_once_per_filesystem(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct_open(path, flags, mode=0o777):
+        if flags & os.O_DIRECT:
+            if flags & os.O_CREAT:  # like kernels that create the file, then refuse
+                os.close(real_open(path, (flags & ~os.O_DIRECT) | os.O_CREAT, mode))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", no_direct_open)
+    monkeypatch.setattr(zio, "_no_direct_fs", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fd1, direct1 = open_direct(tmp_path / "a", os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        fd2, direct2 = open_direct(tmp_path / "b", os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    os.close(fd1), os.close(fd2)
+    assert (direct1, direct2) == (False, False)
+    msgs = [str(w.message) for w in caught if "O_DIRECT" in str(w.message)]
+    assert len(msgs) == 1, msgs
+    assert oct(os.stat(tmp_path / "a").st_mode & 0o777) == oct(0o600)
+
+
+def test_open_direct_refuses_symlinks(tmp_path):
+    (tmp_path / "target").write_bytes(b"x")
+    os.symlink(tmp_path / "target", tmp_path / "link")
+    with pytest.raises(OSError) as exc:
+        open_direct(tmp_path / "link", os.O_RDONLY)
+    assert exc.value.errno == errno.ELOOP
+
+
+# --- round trips ------------------------------------------------------------------------
+
+SIZES = [4096, 8192, 60 << 10, 64 << 10, (64 << 10) + 4096, 3 * (64 << 10) + 12288, 1 << 20]
+OFFSETS = [0, 4096, 1 << 20, (5 << 20) + 8192]
+
+
+def test_roundtrip_sizes_offsets(engine, data_dir):
+    fd, path = _open(data_dir)
+    try:
+        cases = [(n, o, _rand(n, seed=i)) for i, (n, o) in
+                 enumerate((n, o) for n in SIZES for o in OFFSETS)]
+        for n, o, src in cases:  # write one at a time: overlapping ranges, last one wins
+            assert engine.write(fd, src, o, path).wait() == n
+            dst = aligned_empty(n)
+            dst.fill_(0xAB)
+            assert engine.read(fd, dst, o, path).wait() == n
+            assert torch.equal(src, dst), (n, o)
+    finally:
+        os.close(fd)
+
+
+def test_roundtrip_typed_tensors(engine, data_dir):
+    fd, path = _open(data_dir)
+    try:
+        for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.int64]):
+            n_elem = (256 << 10) // torch.tensor([], dtype=dtype).element_size()
+            src = aligned_empty(256 << 10).view(dtype)
+            src.copy_(torch.randn(n_elem).to(dtype))
+            assert engine.write(fd, src, i << 20, path).wait() == 256 << 10
+            dst = aligned_empty(256 << 10).view(dtype)
+            assert engine.read(fd, dst, i << 20, path).wait() == 256 << 10
+            assert torch.equal(src.view(torch.uint8), dst.view(torch.uint8))
+    finally:
+        os.close(fd)
+
+
+def test_many_in_flight(engine, data_dir):
+    fd, path = _open(data_dir)
+    n, count = 160 << 10, 64  # 3 chunks each: 192 chunks behind queue depth 4
+    try:
+        srcs = [_rand(n, seed=100 + i) for i in range(count)]
+        writes = [engine.write(fd, s, i * n, path) for i, s in enumerate(srcs)]
+        assert [t.wait(timeout=30) for t in writes] == [n] * count
+        dsts = [aligned_empty(n) for _ in range(count)]
+        reads = [engine.read(fd, d, i * n, path) for i, d in enumerate(dsts)]
+        # done() only moves False -> True, and gets there without wait().
+        seen_done = [False] * count
+        while not all(seen_done):
+            for i, t in enumerate(reads):
+                d = t.done()
+                assert d or not seen_done[i]
+                seen_done[i] = d
+        assert all(t.wait(0) == n for t in reads)
+        for s, d in zip(srcs, dsts):
+            assert torch.equal(s, d)
+    finally:
+        os.close(fd)
+
+
+def test_concurrent_submitters(engine, data_dir):
+    fd, path = _open(data_dir)
+    n, per_thread, nthreads = 64 << 10, 16, 4
+    errors: list[BaseException] = []
+
+    def worker(k: int):
+        try:
+            for j in range(per_thread):
+                off = (k * per_thread + j) * n
+                src = _rand(n, seed=off)
+                assert engine.write(fd, src, off, path).wait() == n
+                dst = aligned_empty(n)
+                assert engine.read(fd, dst, off, path).wait() == n
+                assert torch.equal(src, dst)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(nthreads)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    os.close(fd)
+    assert not errors, errors
+
+
+# --- errors, short transfers, faults ----------------------------------------------------
+
+def test_bad_fd_raises_ebadf(engine):
+    buf = aligned_empty(8192)
+    for op in (engine.read, engine.write):
+        t = op(-1, buf, 4096, "/nowhere/shard.bin")
+        with pytest.raises(TierIOError) as exc:
+            t.wait()
+        e = exc.value
+        assert e.errno == errno.EBADF and isinstance(e, OSError)
+        assert e.filename == "/nowhere/shard.bin"
+        assert "offset 4096" in str(e) and op.__name__ in str(e)
+        assert t.done()
+        with pytest.raises(TierIOError):  # the failure is sticky
+            t.wait()
+
+
+def test_write_to_readonly_fd_fails(engine, data_dir):
+    fd, path = _open(data_dir)
+    os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(TierIOError) as exc:
+            engine.write(fd, aligned_empty(4096), 0, path).wait()
+        assert exc.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+
+
+def test_short_read_past_eof(engine, data_dir):
+    fd, path = _open(data_dir)
+    size = 3 * (64 << 10) + 4096  # file ends inside the 4th chunk
+    try:
+        assert engine.write(fd, _rand(size, seed=7), 0, path).wait() == size
+        buf = aligned_empty(8 * (64 << 10))
+        assert engine.read(fd, buf, 0, path).wait() == size
+        assert engine.read(fd, buf, 8192, path).wait() == size - 8192
+        assert engine.read(fd, buf, size, path).wait() == 0
+        assert engine.read(fd, buf, 1 << 30, path).wait() == 0
+        os.ftruncate(fd, size + 100)  # unaligned EOF: O_DIRECT returns a partial block
+        assert engine.read(fd, buf, 0, path).wait() == size + 100
+    finally:
+        os.close(fd)
+
+
+def test_misaligned_direct_io_is_einval_with_hint(engine, data_dir):
+    if not data_dir[1]:
+        pytest.skip("no O_DIRECT filesystem available")
+    fd, path = _open(data_dir)
+    try:
+        with pytest.raises(TierIOError) as exc:
+            engine.write(fd, aligned_empty(8192)[1:4097], 0, path).wait()
+        assert exc.value.errno == errno.EINVAL and "aligned" in str(exc.value)
+    finally:
+        os.close(fd)
+
+
+def test_injected_faults(engine, data_dir):
+    fd, path = _open(data_dir)
+    n = 256 << 10
+    try:
+        src = _rand(n, seed=3)
+        engine.inject_fault(op="write", errno=errno.ENOSPC)
+        with pytest.raises(TierIOError) as exc:
+            engine.write(fd, src, 0, path).wait()
+        assert exc.value.errno == errno.ENOSPC and exc.value.filename == path
+        assert engine.write(fd, src, 0, path).wait() == n  # only the next one failed
+
+        engine.inject_fault(op="read", errno=errno.EIO, count=2)
+        dst = aligned_empty(n)
+        for _ in range(2):
+            with pytest.raises(TierIOError) as exc:
+                engine.read(fd, dst, 0, path).wait()
+            assert exc.value.errno == errno.EIO
+        assert engine.read(fd, dst, 0, path).wait() == n
+
+        engine.inject_fault(op="read", short=True)
+        dst.zero_()
+        assert engine.read(fd, dst, 0, path).wait() == n // 2
+        assert torch.equal(dst[: n // 2], src[: n // 2])
+        assert not dst[n // 2:].any()
+
+        engine.inject_fault(op="any", errno=errno.EIO, count=5)
+        engine.clear_faults()
+        assert engine.read(fd, dst, 0, path).wait() == n
+    finally:
+        os.close(fd)
+
+
+def test_done_and_timeout_on_a_slow_request(backend, data_dir):
+    eng, fd, path, buf = _slow_read(backend, data_dir)
+    try:
+        t = eng.read(fd, buf, 0, path)
+        assert not t.done()
+        with pytest.raises(TimeoutError):
+            t.wait(timeout=0)
+        assert t.wait(timeout=30) == 16 << 20
+        assert t.done()
+    finally:
+        eng.close()
+        os.close(fd)
+
+
+# --- lifetime and shutdown --------------------------------------------------------------
+
+def test_close_waits_and_is_idempotent(backend, data_dir):
+    eng, fd, path, buf = _slow_read(backend, data_dir)
+    t = eng.read(fd, buf, 0, path)
+    eng.close()
+    assert t.done() and t.wait() == 16 << 20
+    eng.close()
+    with pytest.raises(ZerotierError, match="closed"):
+        eng.read(fd, buf, 0, path)
+    os.close(fd)
+
+
+def test_close_cancel(backend, data_dir):
+    eng, fd, path, buf = _slow_read(backend, data_dir)
+    t = eng.read(fd, buf, 0, path)
+    eng.close(cancel=True)
+    with pytest.raises(TierIOError) as exc:
+        t.wait()
+    assert exc.value.errno == errno.ECANCELED
+    os.close(fd)
+
+
+def test_dropped_ticket_keeps_buffer_alive(engine, data_dir):
+    fd, path = _open(data_dir)
+    n = 1 << 20
+    try:
+        engine.write(fd, _rand(n, seed=11), 0, path)  # ticket and buffer dropped at once
+        gc.collect()
+        junk = [torch.full((n,), 0x5A, dtype=torch.uint8) for _ in range(8)]  # reuse memory
+        del junk
+        dst = aligned_empty(n)
+        for _ in range(2):  # a later submit sweeps the orphan
+            engine.read(fd, dst, n, path).wait()
+        engine.close()
+        if hasattr(engine, "_inflight"):
+            assert not engine._inflight
+        check = open_engine(IOConfig(backend="aiofiles"))
+        assert check.read(fd, dst, 0, path).wait() == n
+        check.close()
+        assert torch.equal(dst, _rand(n, seed=11))
+    finally:
+        os.close(fd)
+
+
+def test_zero_byte_request(engine, data_dir):
+    fd, path = _open(data_dir)
+    try:
+        empty = aligned_empty(0)
+        assert engine.write(fd, empty, 0, path).wait() == 0
+        assert engine.read(fd, empty, 0, path).wait() == 0
+    finally:
+        os.close(fd)
+
+
+def test_rejects_bad_buffers(engine):
+    with pytest.raises(ValueError, match="contiguous"):
+        engine.read(0, aligned_empty(8192).view(2, 4096).t(), 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        engine.read(0, aligned_empty(4096), -4096)
+    with pytest.raises(TypeError):
+        engine.read(0, bytearray(4096), 0)  # type: ignore[arg-type]
+
+
+# --- asyncio ----------------------------------------------------------------------------
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend_name", BACKENDS)
+async def test_asyncio_gather(backend_name, data_dir):
+    _require_backend(backend_name)
+    fd, path = _open(data_dir)
+    n, count = 128 << 10, 64
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    tick_task = asyncio.create_task(ticker())
+    try:
+        with open_engine(IOConfig(backend=backend_name, **SMALL)) as eng:
+            srcs = [_rand(n, seed=500 + i) for i in range(count)]
+            assert await asyncio.gather(*(eng.write(fd, s, i * n, path)
+                                          for i, s in enumerate(srcs))) == [n] * count
+            dsts = [aligned_empty(n) for _ in range(count)]
+            assert await asyncio.gather(*(eng.read(fd, d, i * n, path)
+                                          for i, d in enumerate(dsts))) == [n] * count
+            assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
+
+            t = eng.read(-1, dsts[0], 0, path)
+            with pytest.raises(TierIOError) as exc:
+                await t
+            assert exc.value.errno == errno.EBADF
+            assert await zio.CompletedTicket(42, "read", 0, 42, 0) == 42
+    finally:
+        tick_task.cancel()
+        os.close(fd)
+    assert ticks > 1  # the loop kept running while tickets were pending
+
+
+@pytest.mark.asyncio
+async def test_asyncio_await_from_second_loop_thread(data_dir):
+    """A ticket awaited on a loop other than the one serving the engine's bridge."""
+    _require_backend("io_uring")
+    fd, path = _open(data_dir)
+    try:
+        with open_engine(IOConfig(backend="io_uring", **SMALL)) as eng:
+            src = _rand(1 << 20, seed=9)
+            assert await eng.write(fd, src, 0, path) == 1 << 20  # binds the bridge here
+            dst = aligned_empty(1 << 20)
+            got = await asyncio.to_thread(asyncio.run, _await(eng.read(fd, dst, 0, path)))
+            assert got == 1 << 20 and torch.equal(src, dst)
+    finally:
+        os.close(fd)
+
+
+async def _await(t):
+    return await t

@@ -1,0 +1,347 @@
+"""ctypes bindings of `_zt_io` (native/io/io_engine.cpp): the only module that talks to it.
+
+`NativeEngine` drives the C engine (io_uring or pthread-pool backend). Every foreign call
+goes through `ctypes.CDLL`, which releases the GIL for its duration, so a thread blocked
+in `zt_io_wait` never stalls other Python threads.
+
+[Note: in-flight table] The C engine reads/writes caller memory until a request is
+observed complete. `NativeEngine._inflight` maps each native request id to the tensor it
+touches and is the single owner of that reference: it is dropped only once the native side
+reported the request complete (by `Ticket.wait`/`done`, the orphan sweep, or `close`).
+So a caller may drop a Ticket without waiting and the buffer still outlives the I/O.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno as errno_mod
+import os
+import threading
+import weakref
+from collections import deque
+from functools import lru_cache
+import torch
+
+from .. import _native
+from ..config import IOConfig
+from ..errors import NativeUnavailableError, ZerotierError
+from .ticket import IOEngine, Ticket
+
+BACKENDS = {"io_uring": 0, "threads": 1}
+OPS = {"read": 0, "write": 1}
+_ABI_VERSION = 1
+_WAIT_SLICE_MS = 250  # block in native wait in slices so Ctrl-C is seen in the main thread
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    vp, i64, u64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int
+    sigs = {
+        "zt_io_create": (vp, [c_int, c_int, c_int, u64, ctypes.c_char_p, c_int]),
+        "zt_io_submit": (i64, [vp, c_int, c_int, vp, u64, u64]),
+        "zt_io_wait": (c_int, [vp, i64, i64, ctypes.POINTER(i64)]),
+        "zt_io_poll": (c_int, [vp, i64, ctypes.POINTER(i64)]),
+        "zt_io_cancel": (c_int, [vp]),
+        "zt_io_notify_fd": (c_int, [vp]),
+        "zt_io_inflight": (i64, [vp]),
+        "zt_io_info": (c_int, [vp, ctypes.c_char_p, c_int]),
+        "zt_io_destroy": (None, [vp]),
+        "zt_io_uring_probe": (c_int, [ctypes.c_char_p, c_int]),
+        "zt_io_abi_version": (c_int, []),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+_declared: dict[int, ctypes.CDLL] = {}
+
+
+def library() -> ctypes.CDLL | None:
+    """The declared `_zt_io` library, or None (ZEROTIER_NATIVE=0 or not built)."""
+    lib = _native.load("_zt_io")
+    if lib is None:
+        return None
+    if id(lib) not in _declared:
+        try:
+            _declare(lib)
+        except AttributeError:  # an old placeholder build without the engine symbols
+            return None
+        if lib.zt_io_abi_version() != _ABI_VERSION:
+            return None
+        _declared[id(lib)] = lib
+    return lib
+
+
+def require_library() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        _native.require("_zt_io")  # raises with the loader's reason if it is that
+        raise NativeUnavailableError(
+            "native library _zt_io is stale (missing engine symbols or ABI mismatch): "
+            "rebuild with `python setup.py build_ext --inplace`")
+    return lib
+
+
+@lru_cache(maxsize=None)
+def _probe_cached(lib_id: int) -> tuple[bool, str]:
+    lib = _declared[lib_id]
+    why = ctypes.create_string_buffer(256)
+    ok = bool(lib.zt_io_uring_probe(why, len(why)))
+    return ok, why.value.decode(errors="replace")
+
+
+def probe_io_uring() -> tuple[bool, str]:
+    """(usable, reason): a full io_uring round trip (setup, mmap, opcode probe, NOP)."""
+    if not _native.native_enabled():
+        return False, "native engine disabled"
+    lib = library()
+    if lib is None:
+        return False, "native library _zt_io unavailable: " + _native.status()["_zt_io"]
+    return _probe_cached(id(lib))
+
+
+class NativeTicket(Ticket):
+    """A request of the C engine; its result is fetched (and cached) on first completion."""
+
+    __slots__ = ("_engine", "_rid")
+
+    def __init__(self, engine: "NativeEngine", rid: int, op: str, fd: int, nbytes: int,
+                 offset: int, path: str):
+        super().__init__(op, fd, nbytes, offset, path)
+        self._engine = engine
+        self._rid = rid
+
+    def _poll(self) -> int | None:
+        return self._engine._poll(self._rid)
+
+    def _block(self, timeout: float | None) -> int | None:
+        return self._engine._wait(self._rid, timeout)
+
+    async def _await_result(self) -> int:
+        return await self._engine._async_result(self)
+
+    def __del__(self):
+        # Dropped unwaited: hand the id to the engine, which keeps the buffer alive until
+        # the request completes (see [Note: in-flight table]).
+        if self._result is None:
+            eng = self._engine
+            if eng is not None:
+                eng._orphans.append(self._rid)
+
+
+class _AsyncBridge:
+    """Wakes asyncio waiters of one engine from the engine's completion eventfd.
+
+    One reader per engine, registered on one running loop; it polls the waiting tickets
+    when the eventfd fires and each ticket's done-callback resolves its future on the
+    future's own loop (call_soon_threadsafe), so waiters from an earlier loop are carried
+    over when the bridge moves to a new loop (pytest-asyncio makes a loop per test).
+    """
+
+    def __init__(self, notify_fd: int):
+        self.fd = os.dup(notify_fd)  # ours to close, independent of the engine's lifetime
+        os.set_blocking(self.fd, False)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.waiting: set[Ticket] = set()
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Serve `loop` (the running loop). False if another live loop owns the bridge."""
+        if self.loop is loop:
+            return True
+        old = self.loop
+        if old is not None and not old.is_closed() and old.is_running():
+            return False
+        if old is not None and not old.is_closed():
+            old.remove_reader(self.fd)
+        loop.add_reader(self.fd, self._on_ready)
+        self.loop = loop
+        return True
+
+    def _on_ready(self):
+        try:
+            os.read(self.fd, 8)  # reset the eventfd counter
+        except BlockingIOError:
+            pass
+        for t in list(self.waiting):
+            if t.done():  # sets the result, which runs the ticket's done-callbacks
+                self.waiting.discard(t)
+
+    def close(self):
+        loop, self.loop = self.loop, None
+        fd, self.fd = self.fd, -1
+        if fd < 0:
+            return
+
+        def _detach():
+            if loop is not None and not loop.is_closed():
+                loop.remove_reader(fd)
+            os.close(fd)
+
+        if loop is not None and loop.is_running() and not _in_loop_thread(loop):
+            loop.call_soon_threadsafe(_detach)
+        else:
+            _detach()
+
+
+def _collect_result(ticket: Ticket) -> int:
+    ticket._collect()
+    return ticket._result  # type: ignore[return-value]
+
+
+def _in_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+class NativeEngine(IOEngine):
+    """The C engine behind the IOEngine API. backend: "io_uring" or "threads"."""
+
+    def __init__(self, cfg: IOConfig, backend: str):
+        super().__init__(cfg)
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"unknown native backend {backend!r}; expected one of {sorted(BACKENDS)}")
+        self._lib = require_library()
+        why = ctypes.create_string_buffer(256)
+        handle = self._lib.zt_io_create(BACKENDS[backend], cfg.queue_depth, cfg.threads,
+                                        cfg.block_size, why, len(why))
+        if not handle:
+            raise NativeUnavailableError(
+                f"cannot start the {backend} I/O engine: {why.value.decode(errors='replace')}")
+        self.backend = backend
+        self._h = ctypes.c_void_p(handle)
+        self._inflight: dict[int, torch.Tensor] = {}      # rid -> buffer, see the module note
+        self._tickets: weakref.WeakValueDictionary[int, NativeTicket] = (
+            weakref.WeakValueDictionary())                # rid -> live Ticket (for close)
+        self._orphans: deque[int] = deque()               # rids whose Ticket died unwaited
+        self._lock = threading.Lock()                     # _closed; submission vs close
+        self._closed = False
+        self._bridge: _AsyncBridge | None = None
+
+    def describe(self) -> str:
+        out = ctypes.create_string_buffer(256)
+        if self._closed:
+            return f"{self.backend} (closed)"
+        self._lib.zt_io_info(self._h, out, len(out))
+        return out.value.decode()
+
+    # --- submission -------------------------------------------------------------------
+    def _submit(self, op: str, fd: int, buf: torch.Tensor, nbytes: int, offset: int,
+                path: str) -> Ticket:
+        with self._lock:
+            if self._closed:
+                raise ZerotierError(f"I/O engine ({self.backend}) is closed")
+            if self._orphans:
+                self._sweep_orphans()
+            rid = self._lib.zt_io_submit(self._h, OPS[op], fd, buf.data_ptr(), nbytes, offset)
+            if rid < 0:  # refused before any I/O (ENOMEM, EINVAL): surface as a failed ticket
+                return self._failed_ticket(-rid, op, fd, nbytes, offset, path)
+            self._inflight[rid] = buf
+            ticket = NativeTicket(self, rid, op, fd, nbytes, offset, path)
+            self._tickets[rid] = ticket
+            return ticket
+
+    def _sweep_orphans(self):
+        # deque append/popleft are atomic: a Ticket.__del__ (GC can run anywhere, in any
+        # thread) may append while we sweep without losing an entry.
+        res = ctypes.c_int64()
+        for _ in range(len(self._orphans)):
+            rid = self._orphans.popleft()
+            if self._lib.zt_io_poll(self._h, rid, ctypes.byref(res)) == 0:
+                self._orphans.append(rid)  # still running
+            else:
+                self._inflight.pop(rid, None)
+
+    # --- completion (called by NativeTicket under its own lock) ---------------------------
+    def _poll(self, rid: int) -> int | None:
+        if self._closed:
+            return None
+        res = ctypes.c_int64()
+        rc = self._lib.zt_io_poll(self._h, rid, ctypes.byref(res))
+        if rc == 0:
+            return None
+        self._inflight.pop(rid, None)
+        return res.value if rc == 1 else -errno_mod.ENOENT
+
+    def _wait(self, rid: int, timeout: float | None) -> int | None:
+        """Block until done (result) or `timeout` seconds pass (None)."""
+        res = ctypes.c_int64()
+        if timeout is None:
+            while True:
+                rc = self._lib.zt_io_wait(self._h, rid, _WAIT_SLICE_MS, ctypes.byref(res))
+                if rc != 1:
+                    break
+        else:
+            ms = max(0, int(timeout * 1000 + 0.999))
+            rc = self._lib.zt_io_wait(self._h, rid, ms, ctypes.byref(res))
+            if rc == 1:
+                return None
+        self._inflight.pop(rid, None)
+        return res.value if rc == 0 else -errno_mod.ENOENT
+
+    async def _async_result(self, ticket: NativeTicket) -> int:
+        loop = asyncio.get_running_loop()
+        if self._bridge is None:
+            with self._lock:
+                if self._closed:
+                    return await loop.run_in_executor(None, _collect_result, ticket)
+                if self._bridge is None:
+                    fd = self._lib.zt_io_notify_fd(self._h)
+                    if fd < 0:
+                        raise OSError(-fd, "cannot create the I/O engine's completion eventfd")
+                    self._bridge = _AsyncBridge(fd)
+        bridge = self._bridge
+        if not bridge.attach(loop):
+            # Another thread's loop serves the bridge: park this await on an executor thread.
+            return await loop.run_in_executor(None, _collect_result, ticket)
+        fut = loop.create_future()
+
+        def resolve(_t: Ticket, fut=fut, loop=loop):
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+        ticket.add_done_callback(resolve)
+        bridge.waiting.add(ticket)
+        if ticket.done():  # completed before the eventfd existed / was watched
+            bridge.waiting.discard(ticket)
+        await fut
+        return ticket._result  # set before the callback that resolved `fut` ran
+
+    # --- shutdown -----------------------------------------------------------------------
+    def close(self, cancel: bool = False) -> None:
+        """Finish (or with cancel=True, cancel not-yet-issued chunks of) all in-flight
+        requests, record their results in their Tickets, stop the engine. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            if cancel:
+                self._lib.zt_io_cancel(self._h)
+            for rid in list(self._inflight):
+                t = self._tickets.get(rid)
+                if t is not None:
+                    t._collect()  # waits under the ticket's lock; caches the result
+                else:
+                    self._wait(rid, None)
+            self._closed = True
+            self._inflight.clear()
+            self._orphans.clear()
+            if self._bridge is not None:
+                self._bridge.close()
+                self._bridge = None
+            self._lib.zt_io_destroy(self._h)
+            self._h = ctypes.c_void_p()
+
+    def pending(self) -> int:
+        """Requests submitted and not yet complete."""
+        return 0 if self._closed else int(self._lib.zt_io_inflight(self._h))
+
+    def __del__(self):
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:  # interpreter shutdown: nothing sensible left to do
+            pass
+

@@ -1,0 +1,344 @@
+"""Tickets (handles of in-flight I/O) and the IOEngine base class that issues them.
+
+A Ticket is the issue/wait split of one read or write: `engine.read(...)` returns at once;
+`ticket.wait()` (threads) or `await ticket` (asyncio) returns the bytes transferred or
+raises `TierIOError`. Every backend implements the three hooks `_poll`, `_block` and
+`_await_result`; the base class caches the first result, so waiting twice is cheap and
+every waiter sees the same outcome.
+
+Result convention, shared with the native engine: an int >= 0 is the number of bytes valid
+from the start of the buffer (less than requested means a short transfer, e.g. EOF: the
+caller decides), an int < 0 is -errno.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno as errno_mod
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..config import IOConfig
+from ..errors import TierIOError
+
+_EINVAL_HINT = (" (O_DIRECT needs the buffer address, file offset and length aligned to the "
+                "device's logical block size; use zerotier.io.aligned_empty and aligned offsets)")
+
+
+class Ticket:
+    """Handle of one submitted read/write.
+
+    Attributes: `op` ("read"/"write"), `fd`, `nbytes` (bytes requested), `offset`, `path`
+    (for messages; "" if unknown).
+
+    - `done()` never blocks.
+    - `wait(timeout=None)` returns bytes transferred (may be < nbytes for a short read),
+      raises `TierIOError` (errno set, message naming path, op and offset) on failure and
+      the builtin `TimeoutError` if `timeout` seconds pass first.
+    - `await ticket` is `wait()` without blocking the event loop.
+    - `add_done_callback(fn)` calls `fn(ticket)` once the result is known (in the thread
+      that observed it; immediately if already known). Keep callbacks tiny.
+    """
+
+    __slots__ = ("op", "fd", "nbytes", "offset", "path", "_result", "_lock", "_cb_lock",
+                 "_callbacks", "__weakref__")
+
+    def __init__(self, op: str, fd: int, nbytes: int, offset: int, path: str = ""):
+        self.op, self.fd, self.nbytes, self.offset, self.path = op, fd, nbytes, offset, path
+        self._result: int | None = None
+        self._lock = threading.Lock()      # held while fetching the result from the backend
+        self._cb_lock = threading.Lock()   # guards _callbacks vs _set (never held for long)
+        self._callbacks: list[Callable[[Ticket], None]] | None = None
+
+    # --- backend hooks ----------------------------------------------------------------
+    def _poll(self) -> int | None:
+        """The result if the backend has it now, else None. Must not block."""
+        raise NotImplementedError
+
+    def _block(self, timeout: float | None) -> int | None:
+        """Block up to `timeout` s (None: forever); the result, or None on timeout."""
+        raise NotImplementedError
+
+    async def _await_result(self) -> int:
+        """Wait without blocking the running event loop; returns the result."""
+        raise NotImplementedError
+
+    # --- public API ---------------------------------------------------------------------
+    def done(self) -> bool:
+        if self._result is not None:
+            return True
+        if not self._lock.acquire(blocking=False):  # another thread is fetching it
+            return False
+        try:
+            if self._result is None:
+                r = self._poll()
+                if r is not None:
+                    self._set(r)
+        finally:
+            self._lock.release()
+        return self._result is not None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._result is None:
+            deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+            if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+                raise TimeoutError(self._describe(f"not done after {timeout} s"))
+            try:
+                if self._result is None:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    r = self._block(left)
+                    if r is None:
+                        raise TimeoutError(self._describe(f"not done after {timeout} s"))
+                    self._set(r)
+            finally:
+                self._lock.release()
+        return self._check()
+
+    def __await__(self):
+        return self._await().__await__()
+
+    async def _await(self) -> int:
+        if not self.done():
+            r = await self._await_result()
+            if self._result is None:
+                self._set(r)
+        return self._check()
+
+    def add_done_callback(self, fn: Callable[["Ticket"], None]) -> None:
+        with self._cb_lock:
+            if self._result is None:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    # --- internals ----------------------------------------------------------------------
+    def _set(self, result: int) -> None:
+        with self._cb_lock:
+            if self._result is not None:
+                return
+            self._result = int(result)
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            try:
+                fn(self)
+            except Exception as exc:  # a broken callback must not lose the result
+                warnings.warn(f"Ticket done-callback {fn!r} raised {exc!r}", RuntimeWarning)
+
+    def _collect(self) -> None:
+        """Block until the result is cached, without raising (used by engine.close)."""
+        with self._lock:
+            if self._result is None:
+                self._set(self._block(None))
+
+    def _check(self) -> int:
+        r = self._result
+        assert r is not None
+        if r < 0:
+            raise self.error(-r)
+        return r
+
+    def error(self, err: int) -> TierIOError:
+        """The TierIOError for errno `err` on this ticket's request."""
+        # OSError appends ": '<path>'" itself (filename), so the text leaves it out.
+        msg = (f"{os.strerror(err)} during {self.op} of {self.nbytes} bytes "
+               f"at offset {self.offset} (fd {self.fd})")
+        if err == errno_mod.EINVAL:
+            msg += _EINVAL_HINT
+        return TierIOError(err, msg, self.path or None)
+
+    def _describe(self, extra: str = "") -> str:
+        where = f" of {self.path!r}" if self.path else ""
+        s = f"{self.op} of {self.nbytes} bytes at offset {self.offset}{where} (fd {self.fd})"
+        return f"{s}: {extra}" if extra else s
+
+    def __repr__(self) -> str:
+        state = "pending" if self._result is None else f"result={self._result}"
+        return f"<{type(self).__name__} {self._describe()} {state}>"
+
+
+class CompletedTicket(Ticket):
+    """A ticket whose result is known at creation (injected faults, refused submits)."""
+
+    __slots__ = ()
+
+    def __init__(self, result: int, op: str, fd: int, nbytes: int, offset: int, path: str = ""):
+        super().__init__(op, fd, nbytes, offset, path)
+        self._result = int(result)
+
+    def _poll(self) -> int | None:
+        return self._result
+
+    def _block(self, timeout: float | None) -> int | None:
+        return self._result
+
+    async def _await_result(self) -> int:
+        return self._result  # type: ignore[return-value]
+
+
+class FutureTicket(Ticket):
+    """A ticket backed by a concurrent.futures.Future resolving to bytes or -errno."""
+
+    __slots__ = ("_fut", "_keep")
+
+    def __init__(self, fut: concurrent.futures.Future, op: str, fd: int, nbytes: int,
+                 offset: int, path: str = "", keep: object = None):
+        super().__init__(op, fd, nbytes, offset, path)
+        self._fut = fut
+        self._keep = keep  # the buffer: alive at least as long as the ticket
+        fut.add_done_callback(lambda _f: self.done())  # run done-callbacks promptly
+
+    def _from_future(self) -> int:
+        try:
+            return int(self._fut.result())
+        except concurrent.futures.CancelledError:
+            return -errno_mod.ECANCELED
+
+    def _poll(self) -> int | None:
+        return self._from_future() if self._fut.done() else None
+
+    def _block(self, timeout: float | None) -> int | None:
+        try:
+            self._fut.result(timeout)
+        except (concurrent.futures.TimeoutError, TimeoutError):
+            return None
+        except concurrent.futures.CancelledError:
+            pass
+        return self._from_future()
+
+    async def _await_result(self) -> int:
+        try:
+            await asyncio.shield(asyncio.wrap_future(self._fut))
+        except concurrent.futures.CancelledError:
+            if not self._fut.cancelled():  # our awaiter was cancelled, not the I/O
+                raise
+        return self._from_future()
+
+
+@dataclass
+class _Fault:
+    op: str          # "read", "write" or "any"
+    errno: int
+    short: bool
+    count: int
+
+
+def _buffer_nbytes(buf: torch.Tensor) -> int:
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"I/O buffer must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.device.type != "cpu":
+        raise ValueError(f"I/O buffer must be a CPU tensor, got device {buf.device}")
+    if not buf.is_contiguous():
+        raise ValueError("I/O buffer must be contiguous")
+    return buf.numel() * buf.element_size()
+
+
+class IOEngine:
+    """Positioned reads/writes of CPU tensors on caller-opened file descriptors.
+
+    Use `zerotier.io.open_engine(cfg)` to get one. `backend` names the implementation
+    ("io_uring", "threads", "aiofiles"). Requests larger than `cfg.block_size` are split
+    into chunks of that size, at most `cfg.queue_depth` in flight; a Ticket completes when
+    all its chunks do. The engine keeps the tensor alive until the request completes.
+    `close()` waits for in-flight requests (`close(cancel=True)` cancels those chunks not
+    yet issued, whose tickets then fail with ECANCELED); it is idempotent, and the engine
+    is a context manager.
+
+    Fault injection (for tests of the layers above; works on every backend):
+    `engine.inject_fault(op="read", errno=errno.EIO, count=1, short=False)` makes the next
+    `count` matching operations (op "read", "write" or "any") fail with `errno` without
+    touching the file, or, with `short=True`, transfer only the first half of the buffer
+    (rounded down to `cfg.alignment`) and report that byte count, as a short read/write
+    would. Faults queue in FIFO order; `clear_faults()` drops the remaining ones.
+    """
+
+    backend: str = "?"
+
+    def __init__(self, cfg: IOConfig):
+        self.cfg = cfg
+        self._faults: list[_Fault] = []
+        self._fault_lock = threading.Lock()
+
+    # --- public API ---------------------------------------------------------------------
+    def read(self, fd: int, buf: torch.Tensor, offset: int, path: str = "") -> Ticket:
+        """Read buf.nbytes bytes at file `offset` into the contiguous CPU tensor `buf`."""
+        return self._issue("read", fd, buf, offset, path)
+
+    def write(self, fd: int, buf: torch.Tensor, offset: int, path: str = "") -> Ticket:
+        """Write the bytes of the contiguous CPU tensor `buf` at file `offset`."""
+        return self._issue("write", fd, buf, offset, path)
+
+    def inject_fault(self, op: str = "read", errno: int = errno_mod.EIO, count: int = 1,
+                     short: bool = False) -> None:
+        """Make the next `count` `op` operations fail with `errno` (or go short). See class doc."""
+        if op not in ("read", "write", "any"):
+            raise ValueError(f"op must be 'read', 'write' or 'any', got {op!r}")
+        if count < 1:
+            raise ValueError("count must be >= 1")
+        if not short and errno <= 0:
+            raise ValueError("errno must be a positive errno value")
+        with self._fault_lock:
+            self._faults.append(_Fault(op, int(errno), bool(short), int(count)))
+
+    def clear_faults(self) -> None:
+        with self._fault_lock:
+            self._faults.clear()
+
+    def close(self, cancel: bool = False) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.backend
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"
+
+    # --- backend hook -------------------------------------------------------------------
+    def _submit(self, op: str, fd: int, buf: torch.Tensor, nbytes: int, offset: int,
+                path: str) -> Ticket:
+        """Start transferring the first `nbytes` bytes of `buf`; never blocks on I/O."""
+        raise NotImplementedError
+
+    # --- internals ----------------------------------------------------------------------
+    def _issue(self, op: str, fd: int, buf: torch.Tensor, offset: int, path: str) -> Ticket:
+        nbytes = _buffer_nbytes(buf)
+        offset, fd = int(offset), int(fd)
+        if offset < 0:
+            raise ValueError(f"file offset must be >= 0, got {offset}")
+        fault = self._take_fault(op)
+        if fault is not None:
+            if not fault.short:
+                return self._failed_ticket(fault.errno, op, fd, nbytes, offset, path)
+            align = max(1, self.cfg.alignment)
+            nbytes = (nbytes // 2) // align * align
+        return self._submit(op, fd, buf, nbytes, offset, path)
+
+    def _take_fault(self, op: str) -> _Fault | None:
+        if not self._faults:
+            return None
+        with self._fault_lock:
+            for f in self._faults:
+                if f.op in (op, "any"):
+                    f.count -= 1
+                    if f.count == 0:
+                        self._faults.remove(f)
+                    return f
+        return None
+
+    @staticmethod
+    def _failed_ticket(err: int, op: str, fd: int, nbytes: int, offset: int,
+                       path: str) -> Ticket:
+        return CompletedTicket(-err, op, fd, nbytes, offset, path)
