@@ -206,3 +206,69 @@ def test_lr_scheduler_drives_engine_lr():
         sched.step()
     assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
     engine.close()
+
+
+def run_without_clipping(model, config=None, steps=6, accum=2):
+    """Plain loop or engine run with clipping off (the early-step path's precondition)."""
+    data = list(batches(VOCAB, SEQ, BATCH, steps * accum))
+    if config is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+        for i, (x, y) in enumerate(data):
+            (model(x, y) / accum).backward()
+            if (i + 1) % accum == 0:
+                opt.step()
+                opt.zero_grad()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, 0
+    cfg = {"optimizer": {"lr": LR, "weight_decay": 0.01}, "train": {"grad_accum_steps": accum}, **config}
+    early = 0
+    with zerotier.initialize(model, cfg) as engine:
+        for x, y in data:
+            engine.backward(engine(x, y))
+            early += sum(u.stepped_early for u in engine.units)
+            engine.step()
+        return engine.parameters_fp32(), early
+
+
+@pytest.mark.parametrize("name", ["optimizer-host", "params-host", "params-nvme"])
+def test_update_during_backward_is_exact(name, tmp_path):
+    ref, _ = run_without_clipping(make_model())
+    ours, early = run_without_clipping(make_model(), {"offload": PLACEMENTS[name],
+                                                      "tiers": {"nvme_path": str(tmp_path)}})
+    assert early > 0, "with no clipping and static loss scale, units must be stepped during backward"
+    for key in ref:
+        torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_unit_without_gradient_is_not_updated():
+    """Like torch.optim.AdamW skipping params whose .grad is None: no decay, no moment update."""
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x).square().mean()
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    before = model.unused.weight.detach().clone()
+    with zerotier.initialize(model, {"optimizer": {"weight_decay": 0.1}}) as engine:
+        engine.backward(engine(torch.randn(2, 4)))
+        engine.step()
+        assert torch.equal(engine.parameters_fp32()["unused.weight"], before)
+        assert engine.units[1].step == 0 and engine.units[0].step == 1
+
+
+def test_device_tier_peak_stays_within_budget(tmp_path):
+    model = make_model()
+    n = sum(p.numel() for p in set(model.parameters()))
+    budget = 3 * n  # well below the 16 B/param of training state: params, grads and optimizer go off-device
+    with zerotier.initialize(model, {"tiers": {"device": budget, "host": "1GiB", "nvme_path": str(tmp_path)},
+                                     "prefetch": {"lookahead": 2}}) as engine:
+        assert engine.plan.placement["params"].value != "device"
+        for x, y in batches(VOCAB, SEQ, BATCH, 4):
+            engine.backward(engine(x, y))
+            engine.step()
+        stats = engine.device_tier.stats()
+        assert 0 < stats["peak"] <= stats["budget"] == budget
+        assert stats["current"] == 0  # nothing resident between steps

@@ -19,6 +19,17 @@ hook moves each gradient into its unit's fp32 `grad_flat` and, once every
 parameter of the unit has its gradient, releases the unit. Autograd's saved
 references are the Parameter objects themselves, so swapping `p.data` back in
 before their backward runs is what makes this correct.
+
+[Note: early step]
+When no global operation stands between a gradient and its update — no
+clipping, no dynamic loss scale (whose overflow check needs every gradient),
+and this backward ends an accumulation window — a unit's Adam update starts on
+the optimizer thread as soon as all its gradients are final (its last
+post-accumulate-grad hook), overlapping the rest of backward. It is exact: the
+update uses the same gradient, lr and step count as it would after backward,
+and no later part of this backward reads the unit's parameters (autograd runs a
+leaf's AccumulateGrad once, after every use). engine.step() waits for these
+updates, then steps the remaining units.
 """
 from __future__ import annotations
 
@@ -37,6 +48,7 @@ from .planner import make_plan
 from .scaler import LossScaler
 from .schedule import PrefetchScheduler
 from .state import DTYPES, Location, Unit, build_units
+from .tiers.device import DeviceTier
 
 
 def initialize(model: torch.nn.Module, config=None) -> "Engine":
@@ -103,13 +115,20 @@ class Engine:
         if Location.NVME in self.plan.placement.values():
             from .tiers.nvme import NVMeStore  # only runs that use NVMe open a run directory
             self.store = NVMeStore(cfg.tiers, cfg.io)
+        # Every tensor the engine keeps on the compute device is counted here (tiers.device).
+        self.device_tier = DeviceTier(self.plan.budgets["device"], self.device)
         self.scaler = LossScaler(cfg.precision)
         self.optimizer = _LRHolder(cfg.optimizer.lr)
-        self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, self.store, self._write_params)
+        self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, self.store, self._fused_out,
+                                            self._write_params)
+        # The "optimizer stream": one thread running early Adam updates during backward.
+        self._optim_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-optim")
+        self._early: list[Future] = []
         self.micro_steps = 0
         self.global_steps = 0
         self._backward_since_step = False
         self._in_backward = False
+        self._early_step_ok = False
         self._inflight: dict[int, Future] = {}
         self._lock = threading.Lock()
         # Fetch workers: on CPU they are the "copy streams"; on CUDA they issue H2D
@@ -133,10 +152,12 @@ class Engine:
         unit.param_loc, unit.grad_loc, unit.optim_loc = placement["params"], placement["gradients"], \
             placement["optimizer"]
         master = torch.cat([p.detach().reshape(-1).float().cpu() for p in unit.params])
-        self.unit_optimizer.init_state(unit, master, self.device)
+        self.unit_optimizer.init_state(unit, master, lambda n, what: self._alloc(unit.optim_loc, n, torch.float32,
+                                                                                 what))
         lp = master.to(self.lp_dtype)
         if unit.param_loc is Location.DEVICE:
-            unit.device_flat = lp.to(self.device)
+            unit.device_flat = self.device_tier.alloc((unit.numel,), self.lp_dtype, unit.param_key)
+            unit.device_flat.copy_(lp)
             for p, view in unit.views(unit.device_flat):
                 p.data = view
         else:
@@ -145,8 +166,12 @@ class Engine:
             else:
                 self.store.write(unit.param_key, lp).wait()
             self._release(unit)
-        grad_device = self.device if unit.grad_loc is Location.DEVICE else torch.device("cpu")
-        unit.grad_flat = torch.zeros(unit.numel, dtype=torch.float32, device=grad_device)
+        unit.grad_flat = self._alloc(unit.grad_loc, unit.numel, torch.float32, f"{unit.key}.grad").zero_()
+
+    def _alloc(self, loc: Location, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        if loc is Location.DEVICE:
+            return self.device_tier.alloc((numel,), dtype, what)
+        return torch.empty(numel, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def _move_unmanaged_to_device(self) -> None:
         managed = {id(p) for u in self.units for p in u.params}
@@ -158,8 +183,20 @@ class Engine:
                 if b is not None:
                     module._buffers[name] = b.to(self.device)
 
-    def _write_params(self, unit: Unit, master: torch.Tensor) -> None:
+    def _fused_out(self, unit: Unit) -> torch.Tensor | None:
+        """Where the Adam kernel can write new bf16/fp16 params directly (same pass), if anywhere."""
+        if self.lp_dtype == torch.float32:
+            return None
+        if unit.param_loc is Location.HOST:
+            return unit.host_param
+        if unit.param_loc is Location.DEVICE and self.device.type == "cpu":
+            return unit.device_flat
+        return None
+
+    def _write_params(self, unit: Unit, master: torch.Tensor, fused: bool) -> None:
         """param-copyback: the updated fp32 master becomes the unit's low-precision params."""
+        if fused:
+            return
         if unit.param_loc is Location.DEVICE:
             unit.device_flat.copy_(master)
         elif unit.param_loc is Location.HOST:
@@ -171,20 +208,27 @@ class Engine:
 
     def _load(self, unit: Unit):
         """Bring a unit's low-precision params to the compute device (runs on a fetch worker)."""
-        if unit.param_loc is Location.NVME:
-            host = torch.empty(unit.numel, dtype=self.lp_dtype)
-            got = self.store.read(unit.param_key, host).wait()
-            if got != unit.numel * self.lp_dtype.itemsize:
-                raise ZerotierError(f"short read of {unit.param_key}: {got} bytes")
-        else:
-            host = unit.host_param
-        if self.device.type == "cpu":
-            return host, None  # the CPU computes on host memory directly
-        with torch.cuda.stream(self.copy_stream):
-            flat = host.to(self.device, non_blocking=host.is_pinned())
-            ready = torch.cuda.Event()
-            ready.record()
-        return flat, ready
+        flat = self.device_tier.alloc((unit.numel,), self.lp_dtype, unit.param_key)
+        try:
+            if unit.param_loc is Location.NVME and self.device.type == "cpu":
+                self.store.read(unit.param_key, flat).wait()  # straight into the device buffer
+                return flat, None
+            if unit.param_loc is Location.NVME:
+                host = torch.empty(unit.numel, dtype=self.lp_dtype)
+                self.store.read(unit.param_key, host).wait()
+            else:
+                host = unit.host_param
+            if self.device.type == "cpu":
+                flat.copy_(host)
+                return flat, None
+            with torch.cuda.stream(self.copy_stream):
+                flat.copy_(host, non_blocking=host.is_pinned())
+                ready = torch.cuda.Event()
+                ready.record()
+            return flat, ready
+        except BaseException:
+            self.device_tier.free(flat)
+            raise
 
     def _prefetch(self, index: int) -> None:
         unit = self.units[index]
@@ -217,11 +261,12 @@ class Engine:
             p.data = view
 
     def _release(self, unit: Unit) -> None:
-        if unit.param_loc is Location.DEVICE:
+        if unit.param_loc is Location.DEVICE or unit.device_flat is None:
             return
         empty = torch.empty(0, dtype=self.lp_dtype, device=self.device)
         for p in unit.params:
             p.data = empty
+        self.device_tier.free(unit.device_flat)
         unit.device_flat = None
 
     # ------------------------------------------------------------ hooks
@@ -268,10 +313,28 @@ class Engine:
             # grad-offload: fold the fresh gradient into the unit's fp32 accumulator.
             unit.grad_flat[offset: offset + numel].add_(p.grad.reshape(-1).to(unit.grad_flat.device))
             p.grad = None
+            unit.has_grad = True
             unit.grads_seen += 1
             if unit.grads_seen >= len(unit.params):
                 self._release(unit)
+                if self._early_step_ok:
+                    self._start_early_step(unit)
         return hook
+
+    def _start_early_step(self, unit: Unit) -> None:
+        """[Note: early step] update `unit` on the optimizer thread while backward goes on."""
+        unit.stepped_early = True
+        if self.device.type == "cuda":  # the gradient add above was queued on the compute stream
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            done = None
+
+        def run():
+            if done is not None:
+                done.synchronize()
+            self.unit_optimizer.step_unit(unit, self.optimizer.param_groups[0]["lr"], 1.0 / self.scaler.scale)
+        self._early.append(self._optim_thread.submit(run))
 
     # ------------------------------------------------------------ training API
 
@@ -290,11 +353,14 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZerotierError("engine.backward(loss) needs the scalar loss tensor of this micro-batch")
         scale = self.scaler.scale / self.cfg.train.grad_accum_steps
+        self._early_step_ok = (self.cfg.train.max_grad_norm is None and not self.scaler.dynamic
+                               and (self.micro_steps + 1) % self.cfg.train.grad_accum_steps == 0)
         self._in_backward = True
         try:
             (loss * scale).backward()
         finally:
             self._in_backward = False
+            self._early_step_ok = False
             for unit in self.units:
                 unit.grads_seen = 0
                 self._release(unit)
@@ -309,6 +375,9 @@ class Engine:
         self.micro_steps += 1
         if self.micro_steps % self.cfg.train.grad_accum_steps:
             return False
+        early, self._early = self._early, []
+        for future in early:
+            future.result()  # re-raises an error from the optimizer thread
         inv_scale = 1.0 / self.scaler.scale
         total_norm = math.sqrt(sum(self._grad_sumsq(u) for u in self.units)) * inv_scale
         overflow = not math.isfinite(total_norm)
@@ -321,7 +390,8 @@ class Engine:
             clip = min(1.0, self.cfg.train.max_grad_norm / (total_norm + 1e-6))
         self.last_grad_norm = total_norm
         self.optimizer.step()
-        self.unit_optimizer.step(self.optimizer.param_groups[0]["lr"], grad_scale=clip * inv_scale)
+        pending = [u for u in self.units if u.has_grad and not u.stepped_early]
+        self.unit_optimizer.step(pending, self.optimizer.param_groups[0]["lr"], grad_scale=clip * inv_scale)
         self.scaler.update(overflow=False)
         self.global_steps += 1
         self.zero_grad()
@@ -336,6 +406,7 @@ class Engine:
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.grad_flat.zero_()
+            unit.has_grad = unit.stepped_early = False
             for p in unit.params:
                 p.grad = None
 
@@ -355,6 +426,7 @@ class Engine:
             h.remove()
         self._hooks = []
         self._fetcher.shutdown(wait=True)
+        self._optim_thread.shutdown(wait=True)
         if self.store is not None:
             self.store.close()
             self.store = None

@@ -49,6 +49,9 @@ class Unit:
     # fp32 gradient accumulated over micro-batches
     grad_flat: torch.Tensor | None = None
     grads_seen: int = 0                        # post-accumulate hooks fired this backward
+    has_grad: bool = False                     # received a gradient since the last optimizer step
+    stepped_early: bool = False                # updated during backward (see engine [Note: early step])
+    step: int = 0                              # optimizer steps applied (torch's per-param `step`)
     # optimizer state when not on NVMe
     master: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None

@@ -6,12 +6,19 @@ exp_avg, exp_avg_sq each): while Adam runs on unit i, unit i+1 is being read
 and unit i-1 written back. Before reading unit i+1 into a set, the write that
 last used that set (unit i-2) must have completed. Tickets keep the staging
 tensors alive until their I/O finishes.
+
+Each unit keeps its own step count (like torch's per-parameter `step`): a unit
+that received no gradient in an optimizer step is not updated at all, exactly
+as torch.optim.AdamW skips parameters whose `.grad` is None.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from ..config import OptimizerConfig
+from ..errors import ConfigError
 from ..io import aligned_empty
 from ..state import Location, Unit
 from . import _kernels
@@ -20,70 +27,90 @@ STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
 class UnitOptimizer:
-    """Adam(W) step over every unit, wherever its state lives.
+    """Adam(W) step over units, wherever their state lives.
 
-    `write_params(unit, master, lp_out)` is the engine's callback that copies the
-    updated parameters back to their tier (param-copyback).
+    `fused_out(unit)` returns a bf16/fp16 CPU tensor the kernel should write the
+    new low-precision parameters into (param-copyback fused into the Adam pass),
+    or None; `write_params(unit, master, fused)` then completes the copy-back.
     """
 
-    def __init__(self, units: list[Unit], cfg: OptimizerConfig, store, write_params):
+    def __init__(self, units: list[Unit], cfg: OptimizerConfig, store,
+                 fused_out: Callable[[Unit], torch.Tensor | None],
+                 write_params: Callable[[Unit, torch.Tensor, bool], None]):
+        if cfg.delayed_update:
+            raise ConfigError("optimizer.delayed_update = true is not implemented yet; the exact update "
+                              "already overlaps backward where possible. Remove the key or set it to false")
         self.units = units
         self.cfg = cfg
         self.store = store
+        self.fused_out = fused_out
         self.write_params = write_params
-        self.step_count = 0
         self.threads = None if cfg.threads == "auto" else int(cfg.threads)
         self._staging: list[dict[str, torch.Tensor]] = []  # allocated on the first NVMe step
 
     # ------------------------------------------------------------------ init
 
-    def init_state(self, unit: Unit, master: torch.Tensor, device: torch.device) -> None:
-        """Place fp32 master weights (a copy of the initial params) and zero moments."""
+    def init_state(self, unit: Unit, master: torch.Tensor, alloc: Callable[[int, str], torch.Tensor]) -> None:
+        """Place fp32 master weights (a copy of the initial params) and zero moments.
+
+        `alloc(numel, what)` returns an fp32 tensor on the optimizer's tier (device/host)."""
         if unit.optim_loc is Location.NVME:
             zeros = torch.zeros(unit.numel)
             for key, src in (("master", master), ("exp_avg", zeros), ("exp_avg_sq", zeros)):
                 self.store.write(f"{unit.key}.{key}", src).wait()
             return
-        where = device if unit.optim_loc is Location.DEVICE else torch.device("cpu")
-        unit.master = master.to(where, copy=True)
-        unit.exp_avg = torch.zeros(unit.numel, device=where)
-        unit.exp_avg_sq = torch.zeros(unit.numel, device=where)
+        for key in STATE_KEYS:
+            t = alloc(unit.numel, f"{unit.key}.{key}")
+            t.copy_(master) if key == "master" else t.zero_()
+            setattr(unit, key, t)
 
     # ------------------------------------------------------------------ step
 
-    def step(self, lr: float, grad_scale: float) -> None:
-        self.step_count += 1
-        for unit in self.units:
+    def step(self, units: list[Unit], lr: float, grad_scale: float) -> None:
+        """Update `units` (those with gradients, not already stepped early)."""
+        for unit in units:
             if unit.optim_loc is not Location.NVME:
-                self._adam(unit, unit.master, unit.exp_avg, unit.exp_avg_sq, lr, grad_scale)
-                self.write_params(unit, unit.master)
-        self._step_nvme([u for u in self.units if u.optim_loc is Location.NVME], lr, grad_scale)
+                self.step_unit(unit, lr, grad_scale)
+        self._step_nvme([u for u in units if u.optim_loc is Location.NVME], lr, grad_scale)
+
+    def step_unit(self, unit: Unit, lr: float, grad_scale: float) -> None:
+        """Update one unit now (also used during backward, on the optimizer thread)."""
+        if unit.optim_loc is Location.NVME:
+            self._step_nvme([unit], lr, grad_scale)
+            return
+        self._adam(unit, unit.master, unit.exp_avg, unit.exp_avg_sq, lr, grad_scale)
 
     def _adam(self, unit: Unit, master, exp_avg, exp_avg_sq, lr, grad_scale) -> None:
+        unit.step += 1
         grad = unit.grad_flat
         if grad.device != master.device:
             grad = grad.to(master.device)
         beta1, beta2 = self.cfg.betas
-        kwargs = dict(step=self.step_count, lr=lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps,
+        kwargs = dict(step=unit.step, lr=lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps,
                       weight_decay=self.cfg.weight_decay, decoupled=self.cfg.type == "adamw",
                       bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
+        out = self.fused_out(unit) if master.device.type == "cpu" else None
         if master.device.type == "cpu":
-            _kernels.adam_step(master, exp_avg, exp_avg_sq, grad, simd=self.cfg.simd, threads=self.threads, **kwargs)
+            _kernels.adam_step(master, exp_avg, exp_avg_sq, grad, param_out=out, simd=self.cfg.simd,
+                               threads=self.threads, **kwargs)
         else:  # optimizer state on the accelerator: the same math in torch ops
             _kernels.adam_step_reference(master, exp_avg, exp_avg_sq, grad, **kwargs)
+        self.write_params(unit, master, out is not None)
 
     def _step_nvme(self, units: list[Unit], lr: float, grad_scale: float) -> None:
         if not units:
             return
-        if not self._staging:  # [Note: NVMe optimizer pipeline]: 3 sets sized for the largest unit
-            largest = max(u.numel for u in units)
+        largest = max(u.numel for u in units)
+        if not self._staging or self._staging[0]["master"].numel() < largest:
+            # [Note: NVMe optimizer pipeline]: 3 sets sized for the largest unit
+            largest = max(u.numel for u in self.units if u.optim_loc is Location.NVME)
             self._staging = [{k: aligned_empty(4 * largest).view(torch.float32) for k in STATE_KEYS}
                              for _ in range(3)]
         writes: list[list] = [[], [], []]  # per staging set: tickets of its last write-back
 
         def read(i: int):
             slot = i % 3
-            for t in writes[slot]:  # the set's previous write (unit i-3... i-1) must land first
+            for t in writes[slot]:  # the set's previous write-back (unit i-3) must land first
                 t.wait()
             writes[slot] = []
             bufs = {k: v[: units[i].numel] for k, v in self._staging[slot].items()}
@@ -97,7 +124,6 @@ class UnitOptimizer:
             for t in tickets:
                 t.wait()
             self._adam(unit, bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"], lr, grad_scale)
-            self.write_params(unit, bufs["master"])
             writes[i % 3] = [self.store.write(f"{unit.key}.{k}", bufs[k]) for k in STATE_KEYS]
         for slot in writes:
             for t in slot:
@@ -106,7 +132,7 @@ class UnitOptimizer:
     # ------------------------------------------------------------------ access
 
     def read_state(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """fp32 master/exp_avg/exp_avg_sq of a unit as CPU tensors (copies when on NVMe)."""
+        """fp32 master/exp_avg/exp_avg_sq of a unit (copies on the CPU when on NVMe)."""
         if unit.optim_loc is not Location.NVME:
             return {k: getattr(unit, k) for k in STATE_KEYS}
         out = {k: torch.empty(unit.numel) for k in STATE_KEYS}
