@@ -1,0 +1,448 @@
+"""The swap-traffic profiler: trace shape and nesting, summary vs trace, stalls, verdicts, CLI, plot, labels.
+
+Most tests craft events with explicit perf_counter_ns times (`record`, `record_wait`,
+`record_compute`) so numbers are exact; the threaded test uses the live begin/end API.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+
+from zerotier import cli
+from zerotier.config import ProfileConfig
+from zerotier.errors import ZerotierError
+from zerotier.profiler import REASONS, ROLES, TIERS, Profiler, load_trace, plot_trace, summarize
+
+MS = 1_000_000  # ns
+TRANSFER_ARGS = {"tensor", "role", "src", "dst", "bytes", "reason", "stall_us", "stream"}
+
+
+def make_profiler(**kw) -> Profiler:
+    kw.setdefault("record_function", False)
+    residency = kw.pop("residency", None)
+    peak_rates = kw.pop("peak_rates", None)
+    return Profiler(ProfileConfig(enabled=True, **kw), residency=residency, peak_rates=peak_rates if peak_rates
+                    is not None else {})
+
+
+def at(prof: Profiler, ms: float) -> int:
+    """perf_counter_ns of `ms` milliseconds after the profiler's time 0."""
+    return prof.t0_ns + int(ms * MS)
+
+
+def xfer(prof, name, src, dst, start_ms, end_ms, reason="prefetch", role="param", nbytes=1 << 20, stream="worker",
+         stall_ms=0.0):
+    prof.record(name, role, src, dst, nbytes, reason, at(prof, start_ms), at(prof, end_ms), stream=stream,
+                stall_ns=int(stall_ms * MS))
+
+
+def span(prof, kind, start_ms, end_ms, thread="main", numel=0):
+    prof.record_compute(kind, at(prof, start_ms), at(prof, end_ms), numel=numel, thread=thread)
+
+
+def check_well_formed(trace: dict) -> None:
+    """Every event has its fields; X events nest on every (pid, tid); every used track is named."""
+    named = set()
+    tracks = defaultdict(list)
+    for e in trace["traceEvents"]:
+        assert {"name", "ph", "pid", "tid"} <= set(e), e
+        if e["ph"] == "M":
+            assert e["name"] in {"process_name", "process_sort_index", "thread_name", "thread_sort_index"}
+            if e["name"] == "thread_name":
+                named.add((e["pid"], e["tid"]))
+        elif e["ph"] == "X":
+            assert {"ts", "dur", "cat", "args"} <= set(e), e
+            assert e["dur"] >= 0 and e["ts"] >= 0
+            tracks[(e["pid"], e["tid"])].append(e)
+            if e["cat"] == "transfer":
+                args = e["args"]
+                assert set(args) == TRANSFER_ARGS
+                assert args["reason"] in REASONS and args["role"] in ROLES
+                assert args["src"] in TIERS and args["dst"] in TIERS and args["src"] != args["dst"]
+                assert args["bytes"] >= 0 and args["stall_us"] >= 0
+            else:
+                assert e["cat"] in {"compute", "stall"}
+        else:
+            assert e["ph"] == "C" and e["cat"] in {"residency", "bandwidth"}
+            assert all(isinstance(v, (int, float)) for v in e["args"].values())
+    assert set(tracks) <= named
+    for key, events in tracks.items():
+        events.sort(key=lambda e: (e["ts"], -(e["ts"] + e["dur"])))
+        open_ends: list[float] = []
+        for e in events:
+            while open_ends and open_ends[-1] <= e["ts"]:
+                open_ends.pop()
+            end = e["ts"] + e["dur"]
+            assert not open_ends or end <= open_ends[-1], f"partial overlap on track {key}: {e}"
+            open_ends.append(end)
+
+
+def busy_profile() -> Profiler:
+    """A small crafted step: forward with prefetches, backward with grad offload, NVMe optimizer."""
+    prof = make_profiler(peak_rates={"h2d": 10e9, "d2h": 10e9, "nvme_read": 5e9, "nvme_write": 2e9})
+    span(prof, "forward", 0, 10)
+    span(prof, "backward", 10, 30)
+    for i in range(4):
+        xfer(prof, f"u{i:05d}.param", "nvme", "host", 2 * i, 2 * i + 3, nbytes=(i + 1) << 20)
+        xfer(prof, f"u{i:05d}.param", "host", "device", 2 * i + 3, 2 * i + 4, nbytes=(i + 1) << 20)
+        xfer(prof, f"u{i:05d}.grad", "device", "host", 12 + 4 * i, 13 + 4 * i, reason="grad-offload", role="grad",
+             nbytes=(i + 1) << 22, stream="cuda:d2h")
+    prof.record_wait("u00003.param", at(prof, 9), at(prof, 10), thread="main")
+    span(prof, "step", 30, 45)
+    for i, key in enumerate(("master", "exp_avg", "exp_avg_sq")):
+        xfer(prof, f"u00000.{key}", "nvme", "host", 30 + i, 33 + i, reason="optimizer-read", role=key, nbytes=4 << 20)
+        xfer(prof, f"u00000.{key}", "host", "nvme", 38 + i, 42 + i, reason="optimizer-write", role=key,
+             nbytes=4 << 20)
+    span(prof, "optimizer", 35, 38, numel=3 << 20)
+    prof.prefetch_issued("u00001.param")
+    prof.prefetch_issued("u00002.param")
+    prof.prefetch_used("u00001.param", True)
+    prof.prefetch_used("u00003.param", False)
+    prof.prefetch_wasted("u00002.param")
+    prof.sample({"device": (1 << 20, 8 << 20), "host": (4 << 20, 64 << 20)}, t_ns=at(prof, 0))
+    prof.sample({"device": (3 << 20, 8 << 20), "host": (2 << 20, 64 << 20)}, t_ns=at(prof, 20))
+    return prof
+
+
+# ---------------------------------------------------------------------------------------------
+# recording and the trace
+
+
+def test_threads_trace_parses_is_complete_and_nests(tmp_path):
+    samples = []
+
+    def residency():
+        samples.append(1)
+        return {"device": (len(samples) << 20, 64 << 20), "host": (1 << 30, 4 << 30)}
+
+    path = tmp_path / "trace.json"
+    prof = make_profiler(residency=residency, sample_interval_ms=1.0, trace_path=str(path))
+    per_thread = 50
+
+    def worker(k: int) -> None:
+        for i in range(per_thread):
+            name = f"u{k:02d}{i:03d}.param"
+            with prof.transfer(name, "param", "host", "device", 4096, "prefetch"):
+                pass
+            tok = prof.begin(f"u{k:02d}{i:03d}.master", "master", "nvme", "host", 8192, "optimizer-read")
+            prof.end(tok)
+            prof.prefetch_issued(name)
+
+    threads = [threading.Thread(target=worker, args=(k,), name=f"zerotier-fetch_{k}") for k in range(4)]
+    with prof.compute("forward"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            with prof.waiting("u00000.param"):
+                t.join()
+    # async tickets issued by one thread, completing out of order: they partly overlap
+    now = time.perf_counter_ns()
+    for i in range(5):
+        prof.record(f"u09{i:03d}.exp_avg", "exp_avg", "host", "nvme", 1 << 16, "optimizer-write",
+                    now + i * 1000, now + i * 1000 + 2500 + (i % 2) * 3000, stream="nvme-io")
+    time.sleep(0.01)
+    assert prof.close() == str(path)
+    assert prof.close() is None  # idempotent
+
+    with open(path) as f:
+        trace = json.load(f)
+    check_well_formed(trace)
+    transfers = [e for e in trace["traceEvents"] if e.get("cat") == "transfer"]
+    assert len(transfers) == 4 * per_thread * 2 + 5
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert {f"zerotier-fetch_{k}" for k in range(4)} <= names
+    assert "nvme-io" in names and "nvme-io #2" in names  # overlapping tickets went to a second lane
+    residency_events = [e for e in trace["traceEvents"] if e.get("cat") == "residency"]
+    assert len(residency_events) >= 2 * 2 and {e["name"] for e in residency_events} == {"residency device",
+                                                                                          "residency host"}
+    assert trace["zerotier"]["prefetch"]["issued"] == 4 * per_thread
+    summary = summarize(trace)
+    assert summary.stall_s > 0 and summary.transfers == len(transfers)
+
+
+def test_interleaved_spans_on_one_thread_are_split_into_nested_lanes():
+    prof = make_profiler()
+    xfer(prof, "a", "host", "device", 0, 10, stream="s")
+    xfer(prof, "b", "host", "device", 5, 15, stream="s")      # partial overlap with a
+    xfer(prof, "c", "host", "device", 6, 8, stream="s")       # nests in a (and b)
+    xfer(prof, "d", "host", "device", 10, 12, stream="s")     # starts where a ends
+    xfer(prof, "e", "host", "device", 12.5, 12.5, stream="s")  # zero length
+    span(prof, "backward", 0, 10)
+    span(prof, "forward", 5, 20)                              # a caller's interleaved begin/end
+    trace = prof.trace()
+    check_well_formed(trace)
+    lanes = {e["tid"] for e in trace["traceEvents"] if e.get("cat") == "transfer"}
+    assert len(lanes) == 2
+
+
+def test_transfer_validation_and_disabled_config():
+    prof = make_profiler()
+    with pytest.raises(ValueError, match="reason 'swap'"):
+        prof.begin("x", "param", "host", "device", 1, "swap")
+    with pytest.raises(ValueError, match="role 'weights'"):
+        prof.record("x", "weights", "host", "device", 1, "demand", 0, 1)
+    with pytest.raises(ValueError, match="'host' -> 'host'"):
+        prof.record("x", "param", "host", "host", 1, "demand", 0, 1)
+    with pytest.raises(ValueError, match="is before start_ns"):
+        prof.record("x", "param", "host", "device", 1, "demand", 10, 9)
+    with pytest.raises(ValueError, match="compute kind"):
+        prof.compute_begin("loss")
+    with pytest.raises(ValueError, match="no residency callable"):
+        prof.sample()
+    assert Profiler.from_config(ProfileConfig()) is None
+    assert isinstance(Profiler.from_config(ProfileConfig(enabled=True, record_function=False)), Profiler)
+
+
+def test_sampler_error_is_reported_not_raised():
+    def broken():
+        raise RuntimeError("no stats")
+
+    prof = make_profiler(residency=broken, sample_interval_ms=1.0)
+    with pytest.warns(RuntimeWarning, match="residency sampling stopped: RuntimeError: no stats"):
+        time.sleep(0.05)
+        prof.close()
+    assert prof.trace()["zerotier"]["sampler_error"] == "RuntimeError: no stats"
+
+
+def test_hot_path_costs_microseconds():
+    prof = make_profiler()
+    n = 20_000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        token = prof.begin("u00003.param", "param", "host", "device", 4096, "prefetch")
+        prof.end(token)
+    per_pair_us = (time.perf_counter() - t0) / n * 1e6
+    assert per_pair_us < 25, f"{per_pair_us:.1f} µs per begin/end pair"  # ~1-2 µs here; loose for noisy CI
+
+
+# ---------------------------------------------------------------------------------------------
+# summary
+
+
+def test_summary_matches_the_trace_and_the_saved_trace(tmp_path):
+    prof = busy_profile()
+    trace = prof.trace()
+    summary = prof.report()
+    transfers = [e["args"] for e in trace["traceEvents"] if e.get("cat") == "transfer"]
+    per_link = defaultdict(int)
+    for a in transfers:
+        per_link[f"{a['src']}->{a['dst']}"] += a["bytes"]
+    assert {k.link: k.bytes for k in summary.links} == per_link
+    assert summary.total_bytes == sum(per_link.values()) and summary.transfers == len(transfers) == 18
+    assert {r.reason: r.bytes for r in summary.reasons} == {
+        reason: sum(a["bytes"] for a in transfers if a["reason"] == reason) for reason in {a["reason"] for a in
+                                                                                         transfers}}
+    assert [r.reason for r in summary.reasons] == ["prefetch", "optimizer-read", "optimizer-write", "grad-offload"]
+    # grads: 4, 8, 12, 16 MiB; the largest (u00003.grad) leads
+    assert summary.top_tensors[0].name == "u00003.grad" and summary.top_tensors[0].bytes == 16 << 20
+    assert [t.bytes for t in summary.top_tensors] == sorted((t.bytes for t in summary.top_tensors), reverse=True)
+    assert len(summary.top_tensors) == 10
+    assert summary.top_tensors[2].reasons == ("optimizer-read", "optimizer-write")  # 8 MiB, after u00002.grad
+    # nvme->host: u0000k.param (k+1 MiB, 3 ms each, overlapping) + 3 x 4 MiB optimizer reads
+    nvme_read = next(k for k in summary.links if k.link == "nvme->host")
+    assert nvme_read.bytes == (1 + 2 + 3 + 4 << 20) + (12 << 20)
+    assert nvme_read.busy_s == pytest.approx((9 + 5) / 1e3)       # [0, 9] and [30, 35] ms
+    assert nvme_read.gbps == pytest.approx(nvme_read.bytes / 14e-3 / 1e9)
+    assert nvme_read.peak_gbps == 5.0 and nvme_read.pct_of_peak == pytest.approx(20 * nvme_read.gbps)
+    assert summary.wall_s == pytest.approx(0.045)
+    assert (summary.prefetch_issued, summary.prefetch_hits, summary.prefetch_misses, summary.prefetch_wasted) == \
+        (2, 1, 1, 1)
+    assert summary.prefetch_hit_rate == 0.5
+    assert {r.tier: (r.peak_bytes, r.budget_bytes) for r in summary.residency} == \
+        {"device": (3 << 20, 8 << 20), "host": (4 << 20, 64 << 20)}
+    assert summary.optimizer_params_per_s == pytest.approx((3 << 20) / 3e-3)
+
+    for name in ("trace.json", "trace.json.gz"):
+        path = tmp_path / name
+        prof.save(str(path))
+        assert summarize(load_trace(str(path))) == summary
+    json.dumps(summary.to_dict())
+    table = summary.table()
+    for text in ("nvme->host", "optimizer-read", "u00003.grad", "50.0% hit rate", "verdict:", "peak GB/s"):
+        assert text in table
+
+
+def test_stall_attribution():
+    prof = make_profiler()
+    span(prof, "forward", 0, 100)
+    # prefetch on a worker from 0-10 ms; compute waits on it 5-12 ms: 5 ms overlap + 2 ms tail -> 7 ms
+    xfer(prof, "u1.param", "host", "device", 0, 10)
+    prof.record_wait("u1.param", at(prof, 5), at(prof, 12), thread="main")
+    # a demand fetch made by the compute thread itself, inside forward: all 4 ms are stall
+    xfer(prof, "u2.param", "host", "device", 20, 24, reason="demand", stream="main")
+    # the same, but also inside an explicit wait: counted once
+    prof.record_wait("u3.param", at(prof, 30), at(prof, 36), thread="main")
+    xfer(prof, "u3.param", "nvme", "host", 30, 33, reason="demand", stream="main")
+    xfer(prof, "u3.param", "host", "device", 33, 35, reason="demand", stream="main")
+    # the caller knew the stall; a wait on a tensor never transferred is unmatched but counts
+    xfer(prof, "u4.master", "nvme", "host", 40, 50, reason="optimizer-read", role="master", stall_ms=1.5)
+    prof.record_wait("nothing", at(prof, 60), at(prof, 61), thread="main")
+    trace = prof.trace()
+    stall = {(e["args"]["tensor"], e["args"]["dst"]): e["args"]["stall_us"] / 1e3
+             for e in trace["traceEvents"] if e.get("cat") == "transfer"}
+    assert stall == pytest.approx({("u1.param", "device"): 7.0, ("u2.param", "device"): 4.0,
+                                   ("u3.param", "host"): 3.0, ("u3.param", "device"): 3.0,
+                                   ("u4.master", "host"): 1.5})
+    matched = [e["args"]["matched"] for e in trace["traceEvents"] if e.get("cat") == "stall"]
+    assert matched == [True, True, False]
+    summary = summarize(trace)
+    assert summary.stall_s == pytest.approx((7 + 4 + 6 + 1.5 + 1) / 1e3)
+    assert {t.name: t.stall_s for t in summary.top_tensors}["u3.param"] == pytest.approx(6e-3)
+
+
+def test_overlap_counts_only_compute_on_other_threads_outside_stalls():
+    prof = make_profiler()
+    span(prof, "forward", 0, 10)
+    span(prof, "step", 20, 40)                              # a marker: hides nothing
+    xfer(prof, "a", "host", "device", 5, 15)                # 5 of 10 ms under forward
+    xfer(prof, "b", "host", "device", 0, 4, stream="main")  # the compute thread's own copy: not hidden
+    xfer(prof, "c", "nvme", "host", 25, 35)                 # under "step" only
+    prof.record_wait("x", at(prof, 8), at(prof, 9), thread="main")   # 1 ms of forward was a stall
+    summary = prof.report()
+    assert summary.overlap_pct == pytest.approx(100 * 4 / (10 + 4 + 10))
+    assert summary.busy_s["compute"] == pytest.approx((10 - 4 - 1) / 1e3)
+
+
+@pytest.mark.parametrize("verdict, build", [
+    ("compute-bound", lambda p: (span(p, "forward", 0, 40), span(p, "backward", 40, 90),
+                                 xfer(p, "a", "host", "device", 0, 20), xfer(p, "b", "nvme", "host", 30, 60))),
+    ("PCIe-bound", lambda p: (span(p, "forward", 0, 20), xfer(p, "a", "host", "device", 0, 50),
+                              xfer(p, "g", "device", "host", 40, 70, reason="grad-offload", role="grad"))),
+    ("NVMe-bound", lambda p: (span(p, "backward", 0, 20), span(p, "optimizer", 20, 40),
+                              xfer(p, "m", "nvme", "host", 0, 30, reason="optimizer-read", role="master"),
+                              xfer(p, "m", "host", "nvme", 30, 70, reason="optimizer-write", role="master"))),
+    ("CPU-optimizer-bound", lambda p: (span(p, "forward", 0, 10), span(p, "optimizer", 10, 60, numel=1000),
+                                       xfer(p, "m", "nvme", "host", 10, 30, reason="optimizer-read",
+                                            role="exp_avg_sq"))),
+])
+def test_verdict(verdict, build):
+    prof = make_profiler()
+    build(prof)
+    summary = prof.report()
+    assert summary.verdict == verdict
+    assert summary.verdict_line.startswith(f"verdict: {verdict}:")
+    assert summary.table().splitlines()[-1] == summary.verdict_line
+
+
+def test_verdict_of_an_empty_profile_and_stalls_do_not_count_as_compute():
+    prof = make_profiler()
+    assert prof.report().verdict == "no activity"
+    # 50 ms of forward, of which 40 ms waiting on a 40 ms PCIe copy: PCIe-bound, not compute-bound
+    span(prof, "forward", 0, 50)
+    xfer(prof, "a", "host", "device", 5, 45)
+    prof.record_wait("a", at(prof, 5), at(prof, 45), thread="main")
+    assert prof.report().verdict == "PCIe-bound"
+
+
+def test_peak_rates_from_zerotier_bench(monkeypatch):
+    import types
+
+    fake = types.ModuleType("zerotier.bench")
+    fake.load_rates = lambda: {"h2d": 25e9, "d2h": 20e9, "nvme_read": 7e9, "nvme_write": 4e9, "cpu_adam": 1.9e9}
+    monkeypatch.setitem(sys.modules, "zerotier.bench", fake)
+    prof = Profiler(ProfileConfig(enabled=True, record_function=False))
+    xfer(prof, "a", "host", "device", 0, 1)
+    link = prof.report().links[0]
+    assert link.peak_gbps == 25.0 and prof.trace()["zerotier"]["peak_rates"]["cpu_adam"] == 1.9e9
+
+    monkeypatch.setitem(sys.modules, "zerotier.bench", None)  # no bench module: no peaks, no error
+    prof = Profiler(ProfileConfig(enabled=True, record_function=False))
+    xfer(prof, "a", "host", "device", 0, 1)
+    assert prof.report().links[0].peak_gbps is None and "-" in prof.report().table()
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI and plot
+
+
+def test_cli_profile_prints_the_table(tmp_path):
+    path = tmp_path / "trace.json"
+    busy_profile().save(str(path))
+    done = subprocess.run([sys.executable, "-m", "zerotier.cli", "profile", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == summarize(load_trace(str(path))).table()
+    assert "verdict: compute-bound" in done.stdout
+
+
+def test_cli_profile_json_and_errors(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    busy_profile().save(str(path))
+    assert cli.main(["profile", str(path), "--json", "--top", "3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "compute-bound" and len(report["top_tensors"]) == 3
+
+    assert cli.main(["profile", str(tmp_path / "missing.json")]) == 1
+    assert "cannot read trace" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"traceEvents": []}))
+    assert cli.main(["profile", str(other)]) == 1
+    assert "not a zerotier trace" in capsys.readouterr().err
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_plot_png_or_clear_error(tmp_path):
+    prof = busy_profile()
+    out = tmp_path / "profile.png"
+    if _has_matplotlib():
+        assert prof.report().plot(str(out)) == str(out)
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        trace_path = tmp_path / "trace.json"
+        prof.save(str(trace_path))
+        out2 = tmp_path / "cli.png"
+        assert cli.main(["profile", str(trace_path), "--plot", str(out2)]) == 0
+        assert out2.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        with pytest.raises(ZerotierError, match=r"pip install matplotlib \(or pip install zerotier\[plot\]\)"):
+            prof.report().plot(str(out))
+        assert not out.exists()
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)   # import fails as if not installed
+    with pytest.raises(ZerotierError, match="pip install matplotlib"):
+        plot_trace(busy_profile().trace(), str(tmp_path / "x.png"))
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.profiler labels
+
+
+def test_record_function_labels_appear_in_torch_profiler():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = make_profiler(record_function=True)
+    quiet = make_profiler(record_function=False)
+    outside = prof.begin("u00001.param", "param", "host", "device", 64, "prefetch")
+    assert outside[-1] is None  # no torch profiler running: no label, no cost
+    prof.end(outside)
+    with profile(activities=[ProfilerActivity.CPU]) as tp:
+        with prof.compute("forward"):
+            with prof.transfer("u00003.param", "param", "host", "device", 4 * 64, "prefetch"):
+                torch.ones(64).add_(1)
+            with prof.waiting("u00004.param"):
+                pass
+        token = prof.begin("u00005.master", "master", "nvme", "host", 64, "optimizer-read")
+        prof.end(token)
+        with quiet.transfer("u00009.param", "param", "host", "device", 64, "demand"):
+            pass
+    labels = {e.name for e in tp.events()}
+    assert {"zerotier::prefetch u00003.param host->device", "zerotier::forward", "zerotier::stall u00004.param",
+            "zerotier::optimizer-read u00005.master nvme->host"} <= labels
+    assert not any("u00009" in label for label in labels)
+    assert len(prof.trace()["traceEvents"]) > 0

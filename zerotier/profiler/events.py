@@ -1,0 +1,325 @@
+"""Recording swap traffic: the calls the engine makes while profiling is on.
+
+[Note: profiler hot path]
+With profiling off the engine holds `profiler = None` and every call site is one
+statement guarded by `if prof is not None:`, so the cost is one comparison.
+With profiling on, each call reads `time.perf_counter_ns()` and appends one tuple
+to a list: `list.append` is atomic under the GIL, so worker threads record
+without locks, and nothing is built (no dicts, no strings) until the trace is
+exported. A "token" returned by a `*_begin` call is a plain tuple the caller
+hands back to the matching `*_end`. The one optional extra is the
+torch.profiler label (`record_function`), emitted only while a torch profiler
+is actually running.
+
+Times are `perf_counter_ns()` values. Callers that measure a transfer themselves
+(an async I/O ticket's issue and completion, a CUDA copy timed with events) pass
+them to `record(...)` / `record_wait(...)` in that same clock.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from contextlib import contextmanager
+from typing import Callable, Iterator, Mapping
+
+from ..config import ProfileConfig
+
+TIERS = ("device", "host", "nvme")
+# Why a transfer happened; docs/profiler.md says where the engine uses each one.
+REASONS = ("demand", "prefetch", "evict", "optimizer-read", "optimizer-write", "grad-offload", "param-copyback")
+ROLES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "optimizer-state")
+# Compute spans: forward/backward/device-optimizer count as compute, optimizer as CPU-optimizer
+# time, step is an enclosing marker only (see [Note: verdict] in summary.py).
+COMPUTE_KINDS = ("forward", "backward", "optimizer", "device-optimizer", "step")
+
+_TIERS, _REASONS, _ROLES, _KINDS = frozenset(TIERS), frozenset(REASONS), frozenset(ROLES), frozenset(COMPUTE_KINDS)
+
+Residency = Callable[[], Mapping[str, "tuple[int, int]"]]   # {tier: (current_bytes, budget_bytes)}
+
+_now = time.perf_counter_ns
+_thread = threading.current_thread
+
+
+class Profiler:
+    """Records transfers between tiers, compute spans, stalls, prefetch outcomes and residency.
+
+    `residency`, when given, is called every `cfg.sample_interval_ms` on a daemon thread
+    and must return {tier: (current_bytes, budget_bytes)}. `peak_rates` are this node's
+    peak rates in bytes/s (keys h2d, d2h, nvme_read, nvme_write; cpu_adam in params/s);
+    when None, `zerotier.bench.load_rates()` is tried when the trace is exported; {} means
+    none (no "of peak" column).
+    """
+
+    def __init__(self, cfg: ProfileConfig, residency: Residency | None = None,
+                 peak_rates: Mapping[str, float] | None = None):
+        self.cfg = cfg
+        self.t0_ns = _now()                  # trace time 0
+        self.wall_t0 = time.time()           # the same instant, as wall-clock seconds
+        self._residency = residency
+        self._peak_rates = dict(peak_rates) if peak_rates is not None else None
+        # (name, role, src, dst, nbytes, reason, stream, start_ns, end_ns, stall_ns)
+        self._transfers: list[tuple] = []
+        self._computes: list[tuple] = []     # (label, kind, thread, start_ns, end_ns, numel)
+        self._waits: list[tuple] = []        # (name, thread, start_ns, end_ns)
+        self._prefetch: list[tuple] = []     # (outcome, name): issued / hit / miss / wasted
+        self._samples: list[tuple] = []      # (t_ns, {tier: (current_bytes, budget_bytes)})
+        self._sampler_error: str | None = None
+        self._rf = _torch_labels() if cfg.record_function else None
+        self._closed = False
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+        if residency is not None:
+            self._sampler = threading.Thread(target=self._sample_loop, name="zerotier-profile-sampler",
+                                             daemon=True)
+            self._sampler.start()
+
+    @classmethod
+    def from_config(cls, cfg: ProfileConfig, residency: Residency | None = None,
+                    peak_rates: Mapping[str, float] | None = None) -> "Profiler | None":
+        """A Profiler when `cfg.enabled`, else None (what the engine stores when profiling is off)."""
+        return cls(cfg, residency, peak_rates) if cfg.enabled else None
+
+    # ------------------------------------------------------------------ transfers
+
+    def begin(self, name: str, role: str, src: str, dst: str, nbytes: int, reason: str,
+              stream: str | None = None) -> tuple:
+        """A transfer that this thread performs starts; returns the token for `end`.
+
+        Its track is this thread, or `stream` (e.g. "cuda:copy" for a copy this thread only
+        enqueues): a transfer on a thread's own track inside its compute spans is stall."""
+        _check(role, src, dst, reason)
+        rf = self._label(f"zerotier::{reason} {name} {src}->{dst}")
+        return (name, role, src, dst, nbytes, reason, stream or _thread().name, _now(), rf)
+
+    def end(self, token: tuple, stall_ns: int = 0) -> None:
+        """The transfer of `token` is complete. `stall_ns`: compute time spent waiting on it, if known here."""
+        self._transfers.append(token[:8] + (_now(), stall_ns))
+        if token[8] is not None:
+            token[8].__exit__(None, None, None)
+
+    @contextmanager
+    def transfer(self, name: str, role: str, src: str, dst: str, nbytes: int, reason: str,
+                 stream: str | None = None) -> Iterator[None]:
+        """`with prof.transfer(...):` around a synchronous copy; `begin`/`end` as a context manager."""
+        token = self.begin(name, role, src, dst, nbytes, reason, stream)
+        try:
+            yield
+        finally:
+            self.end(token)
+
+    def record(self, name: str, role: str, src: str, dst: str, nbytes: int, reason: str,
+               start_ns: int, end_ns: int, stream: str | None = None, stall_ns: int = 0) -> None:
+        """A transfer whose start and end the caller measured (perf_counter_ns clock), e.g. an async ticket.
+
+        Its track is `stream`, by default "<calling thread> async": an asynchronous transfer is
+        not work of the calling thread (see [Note: stall attribution] in trace.py)."""
+        _check(role, src, dst, reason)
+        _check_times(start_ns, end_ns)
+        self._transfers.append((name, role, src, dst, nbytes, reason, stream or f"{_thread().name} async",
+                                start_ns, end_ns, stall_ns))
+
+    # ------------------------------------------------------------------ stalls
+
+    def wait_begin(self, name: str) -> tuple:
+        """Compute starts waiting for tensor `name` (a prefetch in flight, a demand fetch, an I/O ticket)."""
+        return (name, _thread().name, _now(), self._label(f"zerotier::stall {name}"))
+
+    def wait_end(self, token: tuple) -> None:
+        self._waits.append(token[:3] + (_now(),))
+        if token[3] is not None:
+            token[3].__exit__(None, None, None)
+
+    @contextmanager
+    def waiting(self, name: str) -> Iterator[None]:
+        token = self.wait_begin(name)
+        try:
+            yield
+        finally:
+            self.wait_end(token)
+
+    def record_wait(self, name: str, start_ns: int, end_ns: int, thread: str | None = None) -> None:
+        """Compute waited on `name` from `start_ns` to `end_ns` (measured by the caller)."""
+        _check_times(start_ns, end_ns)
+        self._waits.append((name, thread or _thread().name, start_ns, end_ns))
+
+    # ------------------------------------------------------------------ compute spans
+
+    def compute_begin(self, kind: str, label: str | None = None, numel: int = 0) -> tuple:
+        """A compute span starts on this thread: forward, backward, optimizer (CPU optimizer math),
+        device-optimizer (optimizer math on the accelerator) or step (an enclosing marker).
+        `numel`: elements an optimizer span updates (for params/s against the cpu_adam peak)."""
+        if kind not in _KINDS:
+            raise ValueError(f"profiler: compute kind {kind!r} is not one of {', '.join(COMPUTE_KINDS)}")
+        label = label or kind
+        return (label, kind, _thread().name, _now(), numel, self._label(f"zerotier::{label}"))
+
+    def compute_end(self, token: tuple) -> None:
+        self._computes.append(token[:4] + (_now(), token[4]))
+        if token[5] is not None:
+            token[5].__exit__(None, None, None)
+
+    def record_compute(self, kind: str, start_ns: int, end_ns: int, label: str | None = None, numel: int = 0,
+                       thread: str | None = None) -> None:
+        """A compute span the caller timed itself (e.g. device work timed with CUDA events)."""
+        if kind not in _KINDS:
+            raise ValueError(f"profiler: compute kind {kind!r} is not one of {', '.join(COMPUTE_KINDS)}")
+        _check_times(start_ns, end_ns)
+        self._computes.append((label or kind, kind, thread or _thread().name, start_ns, end_ns, numel))
+
+    @contextmanager
+    def compute(self, kind: str, label: str | None = None, numel: int = 0) -> Iterator[None]:
+        token = self.compute_begin(kind, label, numel)
+        try:
+            yield
+        finally:
+            self.compute_end(token)
+
+    # ------------------------------------------------------------------ prefetch outcomes
+
+    def prefetch_issued(self, name: str) -> None:
+        """An asynchronous fetch of `name` was started ahead of its use."""
+        self._prefetch.append(("issued", name))
+
+    def prefetch_used(self, name: str, hit: bool) -> None:
+        """Compute demanded `name`: hit = a prefetch had been issued for it (done or still in flight;
+        its stall shows lateness), miss = compute had to start the fetch itself."""
+        self._prefetch.append(("hit" if hit else "miss", name))
+
+    def prefetch_wasted(self, name: str) -> None:
+        """A prefetched copy of `name` was dropped without being used (order changed, evicted first)."""
+        self._prefetch.append(("wasted", name))
+
+    # ------------------------------------------------------------------ residency
+
+    def sample(self, values: Mapping[str, "tuple[int, int]"] | None = None, t_ns: int | None = None) -> None:
+        """Record residency: `values` {tier: (current_bytes, budget_bytes)}, or the residency callable's;
+        at `t_ns` (perf_counter_ns), or now."""
+        if values is None:
+            if self._residency is None:
+                raise ValueError("profiler.sample() needs values: this Profiler was given no residency callable")
+            values = self._residency()
+        self._samples.append((_now() if t_ns is None else t_ns, {tier: (int(cur), int(budget)) for tier, (cur, budget) in values.items()}))
+
+    def _sample_loop(self) -> None:
+        interval = self.cfg.sample_interval_ms / 1e3
+        while not self._stop.wait(interval):
+            try:
+                self.sample()
+            except Exception as exc:  # never take training down; say so once and stop sampling
+                self._sampler_error = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"zerotier profiler: residency sampling stopped: {self._sampler_error}",
+                              RuntimeWarning, stacklevel=1)
+                return
+
+    # ------------------------------------------------------------------ outputs
+
+    def peak_rates(self) -> dict[str, float] | None:
+        """This node's peak rates: the ones given, else `zerotier.bench.load_rates()`, else None."""
+        if self._peak_rates is None:
+            self._peak_rates = _bench_rates() or {}
+        return self._peak_rates or None
+
+    def snapshot(self) -> dict:
+        """Copies of the raw records (lists of tuples, see __init__) for the exporter."""
+        return {"transfers": list(self._transfers), "computes": list(self._computes), "waits": list(self._waits),
+                "prefetch": list(self._prefetch), "samples": list(self._samples),
+                "sampler_error": self._sampler_error}
+
+    def trace(self) -> dict:
+        """The Chrome/Perfetto trace of everything recorded so far (see trace.py)."""
+        from .trace import build_trace
+
+        return build_trace(self)
+
+    def report(self, top: int = 10):
+        """Summary of everything recorded so far, computed from `trace()` (so a saved trace gives the same)."""
+        from .summary import summarize
+
+        return summarize(self.trace(), top=top)
+
+    def save(self, path: str | None = None) -> str:
+        """Write the trace JSON (gzip when the name ends in .gz) to `path` or cfg.trace_path; returns the path."""
+        from .trace import save_trace
+
+        path = path or self.cfg.trace_path
+        if path is None:
+            raise ValueError("profiler.save() needs a path: profile.trace_path is not set")
+        save_trace(self.trace(), path)
+        return path
+
+    def plot(self, path: str) -> str:
+        from .plot import plot_trace
+
+        return plot_trace(self.trace(), path)
+
+    def close(self) -> str | None:
+        """Stop the sampler, take a last sample, write cfg.trace_path if set (returns it). Idempotent."""
+        if self._closed:
+            return None
+        self._closed = True
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join()
+            if self._sampler_error is None:
+                try:
+                    self.sample()
+                except Exception as exc:
+                    self._sampler_error = f"{type(exc).__name__}: {exc}"
+        return self.save() if self.cfg.trace_path else None
+
+    def __enter__(self) -> "Profiler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _label(self, text: str):
+        """An entered torch record_function for `text` while a torch profiler runs, else None."""
+        if self._rf is None or not self._rf[0]():
+            return None
+        rf = self._rf[1](text)
+        rf.__enter__()
+        return rf
+
+
+def _check(role: str, src: str, dst: str, reason: str) -> None:
+    if reason not in _REASONS:
+        raise ValueError(f"profiler: reason {reason!r} is not one of {', '.join(REASONS)}")
+    if role not in _ROLES:
+        raise ValueError(f"profiler: role {role!r} is not one of {', '.join(ROLES)}")
+    if src not in _TIERS or dst not in _TIERS or src == dst:
+        raise ValueError(f"profiler: a transfer goes between two different tiers of {', '.join(TIERS)};"
+                         f" got {src!r} -> {dst!r}")
+
+
+def _check_times(start_ns: int, end_ns: int) -> None:
+    if end_ns < start_ns:
+        raise ValueError(f"profiler: end_ns {end_ns} is before start_ns {start_ns} (both perf_counter_ns)")
+
+
+def _torch_labels():
+    """(is a torch profiler running?, record_function) or None when torch is unavailable."""
+    try:
+        import torch
+        from torch.autograd.profiler import record_function
+    except ImportError:
+        return None
+    enabled = getattr(torch.autograd, "_profiler_enabled", None) or (lambda: True)
+    return enabled, record_function
+
+
+def _bench_rates() -> dict[str, float] | None:
+    """`zerotier bench` results of this node, if that module exists and has measured any."""
+    try:
+        from zerotier.bench import load_rates
+
+        rates = load_rates()
+    except Exception:  # no bench module yet, or no readable results: profile without peaks
+        return None
+    if not isinstance(rates, Mapping):
+        return None
+    return {str(k): float(v) for k, v in rates.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}

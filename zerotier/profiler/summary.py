@@ -1,0 +1,294 @@
+"""The summary of a trace: bytes and bandwidth per link, stalls, overlap, prefetch, residency, verdict.
+
+Computed from the trace dict alone (`summarize(trace)`), so a saved trace gives the
+same Summary as the live Profiler. Times are seconds, bandwidths GB/s (1e9 bytes/s).
+
+[Note: verdict]
+Four resources can bound a step. Over the profiled window (first to last X event),
+each one's busy time is the length of the union of its intervals:
+
+  compute        forward, backward and device-optimizer spans, minus stalls
+  CPU optimizer  optimizer spans (optimizer math on the CPU), minus stalls
+  PCIe           transfers between host and device
+  NVMe           transfers to or from nvme (nvme->device counts here, not as PCIe)
+
+Stalls (compute waiting on a transfer) are cut out of the compute spans they sit in.
+"step" spans are markers and count for nothing. The verdict names the resource with
+the largest busy time: when everything else overlaps perfectly, the step cannot be
+shorter than that resource's work, so it is the one to speed up or offload less to.
+Ties go to compute, then CPU optimizer, NVMe, PCIe.
+
+Overlap is the share of transfer time (summed over transfers) that falls inside
+compute or optimizer spans with stalls cut out: time the transfer was hidden.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from ..config import format_size
+from . import intervals as iv
+from .trace import TraceData, read_trace
+
+# Peak-rate key (zerotier bench / planner.DEFAULT_RATES, bytes/s) that bounds each link.
+LINK_PEAK = {"host->device": "h2d", "device->host": "d2h", "nvme->host": "nvme_read", "host->nvme": "nvme_write",
+             "nvme->device": "nvme_read", "device->nvme": "nvme_write"}
+RESOURCES = ("compute", "cpu-optimizer", "nvme", "pcie")        # verdict tie-break order
+VERDICTS = {"compute": "compute-bound", "cpu-optimizer": "CPU-optimizer-bound", "nvme": "NVMe-bound",
+            "pcie": "PCIe-bound"}
+_RESOURCE_NAMES = {"compute": "compute", "cpu-optimizer": "CPU optimizer", "nvme": "NVMe", "pcie": "PCIe"}
+_HINTS = {
+    "compute": "transfers are hidden; more offload would cost little",
+    "cpu-optimizer": "keep more optimizer state on the device, or give CPU Adam more cores (optimizer.threads)",
+    "nvme": "move optimizer state or parameters from nvme to host memory, or use a faster drive / io settings",
+    "pcie": "raise prefetch.lookahead, keep hot parameters on the device, or use pinned host memory",
+}
+_COMPUTE_KINDS = {"forward", "backward", "device-optimizer"}
+
+
+@dataclass(frozen=True)
+class LinkStats:
+    link: str                   # "src->dst"
+    transfers: int
+    bytes: int
+    busy_s: float               # union of this link's transfer intervals
+    gbps: float                 # bytes / busy_s, GB/s
+    peak_gbps: float | None     # this node's measured peak for the link, when known
+
+    @property
+    def pct_of_peak(self) -> float | None:
+        return 100.0 * self.gbps / self.peak_gbps if self.peak_gbps else None
+
+
+@dataclass(frozen=True)
+class ReasonStats:
+    reason: str
+    transfers: int
+    bytes: int
+    stall_s: float
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    name: str
+    role: str
+    transfers: int
+    bytes: int
+    stall_s: float
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TierResidency:
+    tier: str
+    peak_bytes: int
+    budget_bytes: int           # the largest budget sampled
+    samples: int
+
+    @property
+    def pct_of_budget(self) -> float | None:
+        return 100.0 * self.peak_bytes / self.budget_bytes if self.budget_bytes else None
+
+
+@dataclass(frozen=True)
+class Summary:
+    wall_s: float                              # profiled window: first to last X event
+    transfers: int
+    total_bytes: int
+    transfer_s: float                          # summed durations of all transfers
+    links: tuple[LinkStats, ...]               # by bytes, largest first
+    reasons: tuple[ReasonStats, ...]           # in REASONS order, those that occurred
+    stall_s: float                             # compute waiting on transfers
+    overlap_pct: float | None                  # share of transfer_s hidden under compute (None: no transfers)
+    prefetch_issued: int
+    prefetch_hits: int
+    prefetch_misses: int
+    prefetch_wasted: int
+    top_tensors: tuple[TensorStats, ...]       # by bytes moved
+    residency: tuple[TierResidency, ...]
+    busy_s: dict[str, float]                   # per resource of [Note: verdict]
+    optimizer_params_per_s: float | None       # elements / duration of the optimizer spans that gave numel
+    optimizer_peak_params_per_s: float | None  # cpu_adam peak, when known
+    verdict: str                               # compute-bound / PCIe-bound / NVMe-bound / CPU-optimizer-bound
+    verdict_line: str
+    trace: dict = field(default=None, compare=False, repr=False)  # what it was computed from (for plot)
+
+    @property
+    def prefetch_hit_rate(self) -> float | None:
+        used = self.prefetch_hits + self.prefetch_misses
+        return self.prefetch_hits / used if used else None
+
+    def shares(self) -> dict[str, float]:
+        """Busy share of the profiled window per resource, 0..1."""
+        return {r: (t / self.wall_s if self.wall_s > 0 else 0.0) for r, t in self.busy_s.items()}
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able form (the JSON summary)."""
+        out = asdict(self)
+        out.pop("trace")
+        out["prefetch_hit_rate"] = self.prefetch_hit_rate
+        return out
+
+    def plot(self, path: str) -> str:
+        """PNG of residency per tier and bandwidth per link over time (needs matplotlib)."""
+        from .plot import plot_trace
+
+        return plot_trace(self.trace, path)
+
+    def table(self) -> str:
+        return _table(self)
+
+
+def summarize(trace: dict, top: int = 10) -> Summary:
+    """Summary of a trace dict (from `Profiler.trace()` or `load_trace(path)`)."""
+    data = read_trace(trace)
+    xs = data.transfers
+    start_us, end_us = data.meta["window_us"]
+    wall_us = end_us - start_us
+
+    busy_us, hidden_under = _busy(data)
+    peaks = data.meta.get("peak_rates") or {}
+    by_link: dict[str, list[dict]] = defaultdict(list)
+    for t in xs:
+        by_link[f"{t['src']}->{t['dst']}"].append(t)
+    links = []
+    for link, items in by_link.items():
+        nbytes = sum(t["bytes"] for t in items)
+        busy = iv.length(iv.union((t["ts"], t["ts"] + t["dur"]) for t in items)) / 1e6
+        peak = peaks.get(LINK_PEAK.get(link, ""))
+        links.append(LinkStats(link, len(items), nbytes, busy, nbytes / busy / 1e9 if busy > 0 else 0.0,
+                               peak / 1e9 if peak else None))
+    links.sort(key=lambda s: (-s.bytes, s.link))
+
+    order = {r: i for i, r in enumerate(data.meta["vocabulary"]["reasons"])}
+    by_reason: dict[str, list[dict]] = defaultdict(list)
+    for t in xs:
+        by_reason[t["reason"]].append(t)
+    reasons = tuple(ReasonStats(r, len(v), sum(t["bytes"] for t in v), sum(t["stall_us"] for t in v) / 1e6)
+                    for r, v in sorted(by_reason.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+    by_tensor: dict[str, list[dict]] = defaultdict(list)
+    for t in xs:
+        by_tensor[t["tensor"]].append(t)
+    tensors = [TensorStats(name, v[0]["role"], len(v), sum(t["bytes"] for t in v),
+                           sum(t["stall_us"] for t in v) / 1e6,
+                           tuple(sorted({t["reason"] for t in v}, key=lambda r: order.get(r, len(order)))))
+               for name, v in by_tensor.items()]
+    tensors.sort(key=lambda s: (-s.bytes, s.name))
+
+    transfer_us = sum(t["dur"] for t in xs)
+    hidden_us = sum(iv.overlap(t["ts"], t["ts"] + t["dur"], hidden_under(t["stream"])) for t in xs)
+    stall_us = sum(t["stall_us"] for t in xs) + sum(e - s for s, e, _, found, _ in data.stalls if not found)
+
+    residency = tuple(TierResidency(tier, max(u for _, u, _ in v), max(b for _, _, b in v), len(v))
+                      for tier, v in sorted(data.residency.items()))
+
+    counted = [(e - s, n) for s, e, kind, n, _ in data.computes if kind == "optimizer" and n > 0]
+    opt_us = sum(d for d, _ in counted)
+    opt_rate = sum(n for _, n in counted) / (opt_us / 1e6) if opt_us > 0 else None
+    pf = data.meta["prefetch"]
+    busy_s = {r: busy_us[r] / 1e6 for r in RESOURCES}
+    verdict, line = _verdict(busy_s, wall_us / 1e6)
+    return Summary(
+        wall_s=wall_us / 1e6, transfers=len(xs), total_bytes=sum(t["bytes"] for t in xs), transfer_s=transfer_us / 1e6,
+        links=tuple(links), reasons=reasons, stall_s=stall_us / 1e6,
+        overlap_pct=100.0 * hidden_us / transfer_us if transfer_us > 0 else None,
+        prefetch_issued=pf["issued"], prefetch_hits=pf["hits"], prefetch_misses=pf["misses"],
+        prefetch_wasted=pf["wasted"], top_tensors=tuple(tensors[:top]), residency=residency, busy_s=busy_s,
+        optimizer_params_per_s=opt_rate, optimizer_peak_params_per_s=peaks.get("cpu_adam"),
+        verdict=verdict, verdict_line=line, trace=trace)
+
+
+def _busy(data: TraceData):
+    """Busy µs per resource ([Note: verdict]) and, per stream, the compute time that hides its transfers.
+
+    A thread's compute spans lose the time it stalled (its waits) and the time it ran
+    transfers itself: a copy made by the compute thread hides nothing.
+    """
+    spans = lambda items: [(s, e) for s, e, *_ in items]  # noqa: E731
+    by_stream: dict[str, list] = defaultdict(list)
+    for t in data.transfers:
+        by_stream[t["stream"]].append((t["ts"], t["ts"] + t["dur"]))
+    compute: dict[str, iv.Intervals] = {}
+    optimizer: dict[str, iv.Intervals] = {}
+    for thread in sorted({c[4] for c in data.computes}):
+        lost = iv.union(spans(w for w in data.stalls if w[4] == thread) + by_stream.get(thread, []))
+        compute[thread] = iv.subtract(iv.union(spans(c for c in data.computes
+                                                     if c[4] == thread and c[2] in _COMPUTE_KINDS)), lost)
+        optimizer[thread] = iv.subtract(iv.union(spans(c for c in data.computes
+                                                       if c[4] == thread and c[2] == "optimizer")), lost)
+    xs = data.transfers
+    busy_us = {
+        "compute": iv.length(iv.union(x for v in compute.values() for x in v)),
+        "cpu-optimizer": iv.length(iv.union(x for v in optimizer.values() for x in v)),
+        "nvme": iv.length(iv.union((t["ts"], t["ts"] + t["dur"]) for t in xs if "nvme" in (t["src"], t["dst"]))),
+        "pcie": iv.length(iv.union((t["ts"], t["ts"] + t["dur"]) for t in xs
+                                   if {t["src"], t["dst"]} == {"host", "device"})),
+    }
+    cache: dict[str, iv.Intervals] = {}
+
+    def hidden_under(stream: str) -> iv.Intervals:
+        if stream not in cache:
+            cache[stream] = iv.union(x for thread in compute if thread != stream
+                                     for x in compute[thread] + optimizer[thread])
+        return cache[stream]
+    return busy_us, hidden_under
+
+
+def _verdict(busy_s: dict[str, float], wall_s: float) -> tuple[str, str]:
+    """[Note: verdict]: the resource with the largest busy time."""
+    if wall_s <= 0 or not any(busy_s.values()):
+        return "no activity", "verdict: nothing recorded (no transfers or compute spans in the profiled window)"
+    bound = max(RESOURCES, key=lambda r: (busy_s[r], -RESOURCES.index(r)))
+    others = ", ".join(f"{_RESOURCE_NAMES[r]} {100 * busy_s[r] / wall_s:.0f}%" for r in RESOURCES if r != bound)
+    what = "transfers" if bound in ("nvme", "pcie") else "spans"
+    return VERDICTS[bound], (f"verdict: {VERDICTS[bound]}: {_RESOURCE_NAMES[bound]} {what} busy "
+                             f"{100 * busy_s[bound] / wall_s:.0f}% of the profiled {wall_s:.3f} s ({others}); "
+                             f"{_HINTS[bound]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Terminal table
+
+
+def _table(s: Summary) -> str:
+    pct = lambda v: "-" if v is None else f"{v:.0f}%"   # noqa: E731
+    lines = [f"zerotier swap profile: {s.wall_s:.3f} s profiled, {s.transfers:,} transfers, "
+             f"{format_size(s.total_bytes)} moved"]
+    if s.links:
+        lines.append(f"  {'link':<14} {'transfers':>9} {'bytes':>11} {'busy ms':>9} {'GB/s':>7} {'peak GB/s':>9}"
+                     f" {'of peak':>7}")
+        for k in s.links:
+            peak = f"{k.peak_gbps:.2f}" if k.peak_gbps else "-"
+            lines.append(f"  {k.link:<14} {k.transfers:>9,} {format_size(k.bytes):>11} {1e3 * k.busy_s:>9.1f} "
+                         f"{k.gbps:>7.2f} {peak:>9} {pct(k.pct_of_peak):>7}")
+        lines.append(f"  {'reason':<15} {'transfers':>8} {'bytes':>11} {'stall ms':>9}")
+        for r in s.reasons:
+            lines.append(f"  {r.reason:<15} {r.transfers:>8,} {format_size(r.bytes):>11} {1e3 * r.stall_s:>9.1f}")
+    stall_pct = 100 * s.stall_s / s.wall_s if s.wall_s > 0 else 0.0
+    overlap = "-" if s.overlap_pct is None else f"{s.overlap_pct:.1f}%"
+    lines.append(f"  stall {1e3 * s.stall_s:.1f} ms ({stall_pct:.1f}% of profiled time); "
+                 f"overlap {overlap} of transfer time hidden under compute")
+    rate = s.prefetch_hit_rate
+    lines.append(f"  prefetch {s.prefetch_issued:,} issued, {s.prefetch_hits:,} hits, {s.prefetch_misses:,} misses"
+                 f" ({'-' if rate is None else f'{100 * rate:.1f}%'} hit rate), {s.prefetch_wasted:,} wasted")
+    if s.optimizer_params_per_s is not None:
+        peak = s.optimizer_peak_params_per_s
+        vs = f" ({100 * s.optimizer_params_per_s / peak:.0f}% of the cpu_adam peak {peak / 1e6:,.0f})" if peak else ""
+        lines.append(f"  CPU optimizer {s.optimizer_params_per_s / 1e6:,.1f} M params/s{vs}")
+    if s.residency:
+        lines.append(f"  {'tier':<8} {'peak resident':>13} {'budget':>11} {'peak %':>7}")
+        for r in s.residency:
+            lines.append(f"  {r.tier:<8} {format_size(r.peak_bytes):>13} {format_size(r.budget_bytes):>11} "
+                         f"{pct(r.pct_of_budget):>7}")
+    if s.top_tensors:
+        lines.append(f"  top {len(s.top_tensors)} tensors by traffic")
+        lines.append(f"  {'#':>3}  {'tensor':<20} {'role':<11} {'transfers':>9} {'bytes':>11} {'stall ms':>9}  reasons")
+        for i, t in enumerate(s.top_tensors, 1):
+            lines.append(f"  {i:>3}  {t.name:<20} {t.role:<11} {t.transfers:>9,} {format_size(t.bytes):>11} "
+                         f"{1e3 * t.stall_s:>9.1f}  {', '.join(t.reasons)}")
+    shares = s.shares()
+    lines.append("  busy " + ", ".join(f"{_RESOURCE_NAMES[r]} {100 * shares[r]:.0f}%" for r in RESOURCES)
+                 + " of profiled time")
+    lines.append(s.verdict_line)
+    return "\n".join(lines)
