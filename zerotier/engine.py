@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .config import Config
+from .config import Config, format_size
 from .errors import ConfigError, ZerotierError
 from .optim import _kernels
 from .optim.offload import UnitOptimizer
@@ -48,6 +48,8 @@ from .planner import make_plan
 from .scaler import LossScaler
 from .schedule import PrefetchScheduler
 from .state import DTYPES, Location, Unit, build_units
+from .profiler import Profiler
+from .tiers.base import BudgetedTier
 from .tiers.device import DeviceTier
 
 
@@ -117,10 +119,14 @@ class Engine:
             self.store = NVMeStore(cfg.tiers, cfg.io)
         # Every tensor the engine keeps on the compute device is counted here (tiers.device).
         self.device_tier = DeviceTier(self.plan.budgets["device"], self.device)
+        self.host_tier = BudgetedTier("host", self.plan.budgets["host"],
+                                      hint="Raise tiers.host, or move optimizer state to nvme.")
+        # None when profiling is off: every call site is one `if prof is not None:` (zero cost).
+        self.profiler = Profiler.from_config(cfg.profile, self._residency)
         self.scaler = LossScaler(cfg.precision)
         self.optimizer = _LRHolder(cfg.optimizer.lr)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, self.store, self._fused_out,
-                                            self._write_params)
+                                            self._write_params, self.profiler)
         # The "optimizer stream": one thread running early Adam updates during backward.
         self._optim_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-optim")
         self._early: list[Future] = []
@@ -162,6 +168,7 @@ class Engine:
                 p.data = view
         else:
             if unit.param_loc is Location.HOST:
+                self.host_tier.reserve(unit.numel * self.lp_dtype.itemsize, unit.param_key)
                 unit.host_param = lp.pin_memory() if self.device.type == "cuda" else lp
             else:
                 self.store.write(unit.param_key, lp).wait()
@@ -171,7 +178,14 @@ class Engine:
     def _alloc(self, loc: Location, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         if loc is Location.DEVICE:
             return self.device_tier.alloc((numel,), dtype, what)
+        self.host_tier.reserve(numel * dtype.itemsize, what)  # freed only at close(): lives for the run
         return torch.empty(numel, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+    def _residency(self) -> dict[str, tuple[int, int]]:
+        tiers = {"device": self.device_tier, "host": self.host_tier}
+        if self.store is not None:
+            tiers["nvme"] = self.store
+        return {name: (t.used, t.budget) for name, t in tiers.items()}
 
     def _move_unmanaged_to_device(self) -> None:
         managed = {id(p) for u in self.units for p in u.params}
@@ -195,20 +209,36 @@ class Engine:
 
     def _write_params(self, unit: Unit, master: torch.Tensor, fused: bool) -> None:
         """param-copyback: the updated fp32 master becomes the unit's low-precision params."""
+        prof = self.profiler
+        src = "device" if master.device.type != "cpu" else "host"
+        dst = unit.param_loc.value
+        nbytes = unit.numel * self.lp_dtype.itemsize
+        token = prof.begin(unit.param_key, "param", src, dst, nbytes, "param-copyback") \
+            if prof is not None and src != dst else None
         if fused:
-            return
-        if unit.param_loc is Location.DEVICE:
+            pass  # the Adam kernel already wrote the new low-precision params
+        elif unit.param_loc is Location.DEVICE:
             unit.device_flat.copy_(master)
         elif unit.param_loc is Location.HOST:
             unit.host_param.copy_(master)
         else:
             self.store.write(unit.param_key, master.to(self.lp_dtype)).wait()
+        if src != dst and unit.param_loc is Location.DEVICE:
+            self.device_tier.count_in(nbytes)
+        if token is not None:
+            prof.end(token)
 
     # ------------------------------------------------------------ fetch / release
 
-    def _load(self, unit: Unit):
-        """Bring a unit's low-precision params to the compute device (runs on a fetch worker)."""
+    def _load(self, unit: Unit, reason: str):
+        """Bring a unit's low-precision params to the compute device (a fetch worker for
+        reason="prefetch", the compute thread for reason="demand")."""
         flat = self.device_tier.alloc((unit.numel,), self.lp_dtype, unit.param_key)
+        nbytes = unit.numel * self.lp_dtype.itemsize
+        self.device_tier.count_in(nbytes)
+        prof = self.profiler
+        token = prof.begin(unit.param_key, "param", unit.param_loc.value, "device", nbytes, reason) \
+            if prof is not None else None
         try:
             if unit.param_loc is Location.NVME and self.device.type == "cpu":
                 self.store.read(unit.param_key, flat).wait()  # straight into the device buffer
@@ -229,13 +259,18 @@ class Engine:
         except BaseException:
             self.device_tier.free(flat)
             raise
+        finally:
+            if token is not None:
+                prof.end(token)
 
     def _prefetch(self, index: int) -> None:
         unit = self.units[index]
         with self._lock:
             if unit.device_flat is not None or index in self._inflight:
                 return
-            self._inflight[index] = self._fetcher.submit(self._load, unit)
+            self._inflight[index] = self._fetcher.submit(self._load, unit, "prefetch")
+        if self.profiler is not None:
+            self.profiler.prefetch_issued(unit.param_key)
 
     def _inflight_bytes(self) -> int:
         with self._lock:
@@ -250,7 +285,13 @@ class Engine:
             return
         with self._lock:
             future = self._inflight.pop(unit.index, None)
-        flat, ready = future.result() if future is not None else self._load(unit)
+        prof = self.profiler
+        if prof is not None:
+            prof.prefetch_used(unit.param_key, hit=future is not None)
+            waited = prof.wait_begin(unit.param_key)
+        flat, ready = future.result() if future is not None else self._load(unit, "demand")
+        if prof is not None:
+            prof.wait_end(waited)
         if ready is not None:
             # [Note: fetch and release] the copy ran on copy_stream; compute waits for
             # it, and record_stream keeps the block from reuse until compute is done.
@@ -311,7 +352,15 @@ class Engine:
 
         def hook(p: torch.Tensor) -> None:
             # grad-offload: fold the fresh gradient into the unit's fp32 accumulator.
+            prof = self.profiler
+            offload = unit.grad_loc is Location.HOST
+            token = prof.begin(unit.key + ".grad", "grad", "device", "host", numel * p.grad.element_size(),
+                               "grad-offload") if prof is not None and offload else None
             unit.grad_flat[offset: offset + numel].add_(p.grad.reshape(-1).to(unit.grad_flat.device))
+            if offload:
+                self.device_tier.count_out(numel * p.grad.element_size())
+            if token is not None:
+                prof.end(token)
             p.grad = None
             unit.has_grad = True
             unit.grads_seen += 1
@@ -339,7 +388,10 @@ class Engine:
     # ------------------------------------------------------------ training API
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        if self.profiler is None:
+            return self.module(*args, **kwargs)
+        with self.profiler.compute("forward"):
+            return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -356,9 +408,12 @@ class Engine:
         self._early_step_ok = (self.cfg.train.max_grad_norm is None and not self.scaler.dynamic
                                and (self.micro_steps + 1) % self.cfg.train.grad_accum_steps == 0)
         self._in_backward = True
+        span = self.profiler.compute_begin("backward") if self.profiler is not None else None
         try:
             (loss * scale).backward()
         finally:
+            if span is not None:
+                self.profiler.compute_end(span)
             self._in_backward = False
             self._early_step_ok = False
             for unit in self.units:
@@ -420,6 +475,25 @@ class Engine:
                 out[names[id(p)]] = view.clone()
         return out
 
+    def report(self):
+        """Swap-traffic summary of the run so far (needs profile.enabled = true)."""
+        if self.profiler is None:
+            raise ZerotierError("engine.report() needs profiling: set profile.enabled = true in the config")
+        return self.profiler.report()
+
+    def swap_summary(self) -> str:
+        """A terminal table of what moved between tiers: the profiler's table when profiling
+        is on, else the tiers' own byte counters."""
+        if self.profiler is not None:
+            return self.report().table()
+        lines = ["swap summary (tier byte counters; set profile.enabled = true for the full table):"]
+        tiers = [self.device_tier] + ([self.store] if self.store is not None else [])
+        for tier in tiers:
+            st = tier.stats()
+            lines.append(f"  {tier.name:7s} in {format_size(st['bytes_in']):>11s}  out {format_size(st['bytes_out']):>11s}"
+                         f"  peak {format_size(st['peak']):>11s} of {format_size(st['budget'])}")
+        return "\n".join(lines)
+
     def close(self) -> None:
         """Remove hooks, stop fetch workers and delete this run's NVMe files. Idempotent."""
         for h in self._hooks:
@@ -427,6 +501,8 @@ class Engine:
         self._hooks = []
         self._fetcher.shutdown(wait=True)
         self._optim_thread.shutdown(wait=True)
+        if self.profiler is not None:
+            self.profiler.close()  # writes profile.trace_path, if set
         if self.store is not None:
             self.store.close()
             self.store = None

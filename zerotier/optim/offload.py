@@ -13,6 +13,7 @@ as torch.optim.AdamW skips parameters whose `.grad` is None.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -26,6 +27,25 @@ from . import _kernels
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
+class _Profiled:
+    """An I/O ticket plus what the profiler needs to record it once it has completed.
+    The end time is when the waiter saw completion (an upper bound of the I/O's end)."""
+
+    def __init__(self, ticket, name, role, src, dst, nbytes, reason, start_ns):
+        self.ticket, self.name, self.role, self.src, self.dst = ticket, name, role, src, dst
+        self.nbytes, self.reason, self.start_ns = nbytes, reason, start_ns
+        self.recorded = False
+
+    def wait(self):
+        return self.ticket.wait()
+
+    def record(self, prof) -> None:
+        if not self.recorded:
+            self.recorded = True
+            prof.record(self.name, self.role, self.src, self.dst, self.nbytes, self.reason, self.start_ns,
+                        time.perf_counter_ns(), stream="nvme-io")
+
+
 class UnitOptimizer:
     """Adam(W) step over units, wherever their state lives.
 
@@ -36,7 +56,7 @@ class UnitOptimizer:
 
     def __init__(self, units: list[Unit], cfg: OptimizerConfig, store,
                  fused_out: Callable[[Unit], torch.Tensor | None],
-                 write_params: Callable[[Unit, torch.Tensor, bool], None]):
+                 write_params: Callable[[Unit, torch.Tensor, bool], None], profiler=None):
         if cfg.delayed_update:
             raise ConfigError("optimizer.delayed_update = true is not implemented yet; the exact update "
                               "already overlaps backward where possible. Remove the key or set it to false")
@@ -45,6 +65,7 @@ class UnitOptimizer:
         self.store = store
         self.fused_out = fused_out
         self.write_params = write_params
+        self.profiler = profiler  # None when profiling is off
         self.threads = None if cfg.threads == "auto" else int(cfg.threads)
         self._staging: list[dict[str, torch.Tensor]] = []  # allocated on the first NVMe step
 
@@ -90,11 +111,16 @@ class UnitOptimizer:
                       weight_decay=self.cfg.weight_decay, decoupled=self.cfg.type == "adamw",
                       bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
         out = self.fused_out(unit) if master.device.type == "cpu" else None
+        prof = self.profiler
+        span = prof.compute_begin("optimizer" if master.device.type == "cpu" else "device-optimizer",
+                                  label=unit.key, numel=unit.numel) if prof is not None else None
         if master.device.type == "cpu":
             _kernels.adam_step(master, exp_avg, exp_avg_sq, grad, param_out=out, simd=self.cfg.simd,
                                threads=self.threads, **kwargs)
         else:  # optimizer state on the accelerator: the same math in torch ops
             _kernels.adam_step_reference(master, exp_avg, exp_avg_sq, grad, **kwargs)
+        if span is not None:
+            prof.compute_end(span)
         self.write_params(unit, master, out is not None)
 
     def _step_nvme(self, units: list[Unit], lr: float, grad_scale: float) -> None:
@@ -110,24 +136,42 @@ class UnitOptimizer:
 
         def read(i: int):
             slot = i % 3
-            for t in writes[slot]:  # the set's previous write-back (unit i-3) must land first
-                t.wait()
+            self._wait(writes[slot])  # the set's previous write-back (unit i-3) must land first
             writes[slot] = []
             bufs = {k: v[: units[i].numel] for k, v in self._staging[slot].items()}
-            return bufs, [self.store.read(f"{units[i].key}.{k}", bufs[k]) for k in STATE_KEYS]
+            return bufs, self._io(units[i], bufs, "optimizer-read")
 
         pending = read(0)
         for i, unit in enumerate(units):
             bufs, tickets = pending
             if i + 1 < len(units):
                 pending = read(i + 1)  # overlaps the Adam math below
-            for t in tickets:
-                t.wait()
+            self._wait(tickets)
             self._adam(unit, bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"], lr, grad_scale)
-            writes[i % 3] = [self.store.write(f"{unit.key}.{k}", bufs[k]) for k in STATE_KEYS]
+            writes[i % 3] = self._io(unit, bufs, "optimizer-write")
         for slot in writes:
-            for t in slot:
-                t.wait()
+            self._wait(slot)
+
+    def _io(self, unit: Unit, bufs: dict[str, torch.Tensor], reason: str) -> list:
+        """Submit reads or writes of a unit's three state tensors; tickets carry profiler info."""
+        submit = self.store.read if reason == "optimizer-read" else self.store.write
+        tickets = [submit(f"{unit.key}.{k}", bufs[k]) for k in STATE_KEYS]
+        if self.profiler is None:
+            return tickets
+        start = time.perf_counter_ns()
+        src, dst = ("nvme", "host") if reason == "optimizer-read" else ("host", "nvme")
+        return [_Profiled(t, f"{unit.key}.{k}", k, src, dst, bufs[k].numel() * 4, reason, start)
+                for t, k in zip(tickets, STATE_KEYS)]
+
+    def _wait(self, tickets: list) -> None:
+        prof = self.profiler
+        token = prof.wait_begin(tickets[0].name) if prof is not None and tickets else None
+        for t in tickets:
+            t.wait()
+            if prof is not None:
+                t.record(prof)
+        if token is not None:
+            prof.wait_end(token)
 
     # ------------------------------------------------------------------ access
 

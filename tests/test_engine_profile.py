@@ -1,0 +1,55 @@
+"""The profiler wired into the engine: its bytes equal the tiers' own accounting."""
+import json
+
+import pytest
+import torch
+
+import zerotier
+from zerotier.models import TinyGPT, batches
+
+PLACEMENTS = {
+    "optimizer-host": {"params": "device", "gradients": "host", "optimizer": "host"},
+    "optimizer-nvme": {"params": "device", "gradients": "host", "optimizer": "nvme"},
+    "params-host": {"params": "host", "gradients": "host", "optimizer": "host"},
+    "params-nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
+}
+
+
+def pair_bytes(summary, src, dst):
+    return sum(link.bytes for link in summary.links if link.link == f"{src}->{dst}")
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_profiler_bytes_equal_tier_accounting(name, tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
+    trace = tmp_path / "trace.json"
+    cfg = {"offload": PLACEMENTS[name], "tiers": {"nvme_path": str(tmp_path)},
+           "profile": {"enabled": True, "trace_path": str(trace)}, "train": {"max_grad_norm": 1.0}}
+    engine = zerotier.initialize(model, cfg)
+    store0 = engine.store.stats() if engine.store else {"bytes_in": 0, "bytes_out": 0}
+    for x, y in batches(64, 16, 2, 3):
+        engine.backward(engine(x, y))
+        engine.step()
+    summary = engine.report()
+    dev = engine.device_tier.stats()
+    assert pair_bytes(summary, "device", "host") == dev["bytes_out"] > 0  # gradients offloaded
+    assert sum(pair_bytes(summary, s, "device") for s in ("host", "nvme")) == dev["bytes_in"]
+    if engine.store is not None:
+        st = engine.store.stats()
+        assert pair_bytes(summary, "host", "nvme") == st["bytes_in"] - store0["bytes_in"] > 0
+        assert pair_bytes(summary, "nvme", "host") + pair_bytes(summary, "nvme", "device") \
+            == st["bytes_out"] - store0["bytes_out"] > 0
+    assert "verdict" in summary.table().lower()
+    engine.close()
+    saved = json.loads(trace.read_text())
+    assert saved["traceEvents"], "close() writes the trace to profile.trace_path"
+
+
+def test_profiling_off_allocates_no_profiler():
+    engine = zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=1, heads=2, seq=16), {})
+    assert engine.profiler is None
+    with pytest.raises(zerotier.ZerotierError, match="profile.enabled"):
+        engine.report()
+    assert "swap summary" in engine.swap_summary()
+    engine.close()
