@@ -6,12 +6,19 @@ file per tensor shard) and read back, with O_DIRECT (no page cache), by:
   io_uring  zerotier native engine, io_uring backend
   threads   zerotier native engine, pthread pool of pread/pwrite
   aiofiles  zerotier pure-Python fallback
-  fio       fio --ioengine=io_uring --direct=1, same block size and queue depth
+  pythreads plain Python: os.pwrite / os.preadv of aligned buffers from a ThreadPoolExecutor
+            (`--threads` workers, one shard file per task, `--py-chunk` bytes per call)
+  fio       fio --ioengine=io_uring --direct=1, same block size and file sizes, best of
+            `--fio-qd` queue depths (default 1, 8 and 32), per direction
 
 and reports GB/s (1e9 bytes/s) and CPU-seconds per GB (process user+system time, all
-threads; fio: its child processes less their start-up), plus ratios against fio measured
-in the same run. Each timed phase starts after os.sync(), so one run's deferred filesystem
-work (journal, discards of deleted files) is not billed to the next.
+threads; fio: its child processes less their start-up), plus ratios measured in the same
+run and PASS/MISS against the targets for the native engine (each native backend):
+  GB/s  >= 0.95 x best fio       (write and read)
+  GB/s  >= 1.0  x aiofiles       (write and read)
+  CPU-s/GB <= 0.5 x aiofiles'    (write and read)
+Each timed phase starts after os.sync(), so one run's deferred filesystem work (journal,
+discards of deleted files) is not billed to the next.
 
     python benchmarks/bench_io.py --total 1GiB --dir /mnt/nvme/tmp
     python benchmarks/bench_io.py --quick
@@ -19,6 +26,7 @@ work (journal, discards of deleted files) is not billed to the next.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -28,7 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from queue import SimpleQueue
 
 import torch
 
@@ -117,6 +127,65 @@ def run_engine(backend: str, cfg: IOConfig, directory: str, total: int, shard: i
     return results[0], results[1]
 
 
+def run_pythreads(cfg: IOConfig, directory: str, total: int, shard: int, chunk: int,
+                  verify: bool) -> tuple[Result, Result]:
+    """Plain Python: a ThreadPoolExecutor of `cfg.threads` workers, one task per shard file,
+    os.pwrite / os.preadv of `chunk` bytes at a time on O_DIRECT fds, aligned buffers."""
+    n_shards = total // shard
+    workers = min(cfg.threads, n_shards)
+    step = min(chunk, shard)
+    bufs = [aligned_empty(shard, cfg.alignment) for _ in range(workers)]
+    for i, b in enumerate(bufs):
+        b.copy_(torch.randint(0, 256, (shard,), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(i)))
+    sums = [int(b.sum(dtype=torch.int64)) for b in bufs]
+    views = [memoryview(b.numpy()) for b in bufs]
+    free: SimpleQueue[int] = SimpleQueue()  # read buffers: one per running task
+    for i in range(workers):
+        free.put(i)
+    paths = [os.path.join(directory, f"pythreads.{i}") for i in range(n_shards)]
+
+    def write(i: int) -> None:  # shard i holds pattern i % workers; concurrent readers of it are fine
+        fd, _ = open_direct(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            mv = views[i % workers]
+            for off in range(0, shard, step):
+                if os.pwrite(fd, mv[off:off + step], off) != step:
+                    raise OSError(f"short write to {paths[i]} at {off}")
+        finally:
+            os.close(fd)
+
+    def read(i: int) -> None:
+        b = free.get()
+        try:
+            fd, _ = open_direct(paths[i], os.O_RDONLY)
+            try:
+                mv = views[b]
+                for off in range(0, shard, step):
+                    if os.preadv(fd, [mv[off:off + step]], off) != step:
+                        raise OSError(f"short read of {paths[i]} at {off}")
+            finally:
+                os.close(fd)
+            if verify and i == n_shards - 1:
+                assert int(bufs[b].sum(dtype=torch.int64)) == sums[i % workers], "pythreads: read-back mismatch"
+        finally:
+            free.put(b)
+
+    results = []
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench-py") as pool:
+        for fn in (write, read):
+            settle()
+            t0, c0 = time.perf_counter(), cpu_seconds()
+            for f in [pool.submit(fn, i) for i in range(n_shards)]:
+                f.result()
+            wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+            results.append(Result(total / 1e9 / wall, cpu / (total / 1e9)))
+    for p in paths:
+        os.unlink(p)
+    settle()
+    return results[0], results[1]
+
+
 def _fio(cfg: IOConfig, directory: str, rw: str, total: int, shard: int) -> tuple[dict, float]:
     """Run one fio job; (its JSON stats for `rw`, CPU seconds of the fio processes)."""
     cmd = ["fio", "--name=ztbench", f"--directory={directory}", "--ioengine=io_uring",
@@ -139,6 +208,22 @@ def fio_startup_cpu(cfg: IOConfig, directory: str) -> float:
     return best
 
 
+def run_fio_best(cfg: IOConfig, directory: str, total: int, shard: int, startup_cpu: float,
+                 depths: list[int]) -> tuple[Result, Result, str]:
+    """fio at each queue depth in `depths`; the best GB/s per direction (with its CPU/GB)."""
+    best_w = best_r = None
+    qd_w = qd_r = 0
+    for qd in depths:
+        w, r = run_fio(dataclasses.replace(cfg, queue_depth=qd), directory, total, shard, startup_cpu)
+        print(f"  {fmt_size(shard):>6} fio qd{qd:<5d} write {w.gbps:6.2f} GB/s {w.cpu_per_gb:6.3f} CPU-s/GB | "
+              f"read {r.gbps:6.2f} GB/s {r.cpu_per_gb:6.3f} CPU-s/GB", flush=True)
+        if best_w is None or w.gbps > best_w.gbps:
+            best_w, qd_w = w, qd
+        if best_r is None or r.gbps > best_r.gbps:
+            best_r, qd_r = r, qd
+    return best_w, best_r, f"write qd{qd_w}, read qd{qd_r}"
+
+
 def run_fio(cfg: IOConfig, directory: str, total: int, shard: int,
             startup_cpu: float) -> tuple[Result, Result]:
     n_shards = total // shard
@@ -156,6 +241,79 @@ def run_fio(cfg: IOConfig, directory: str, total: int, shard: int,
     return results[0], results[1]
 
 
+# Targets for the native engine (see the module docstring): (name, figure, ref backend, op, bound)
+TARGETS = [("wr>=0.95xfio", "gbps", "fio", 0, 0.95), ("rd>=0.95xfio", "gbps", "fio", 1, 0.95),
+           ("wr>=1.0xaio", "gbps", "aiofiles", 0, 1.0), ("rd>=1.0xaio", "gbps", "aiofiles", 1, 1.0),
+           ("wrCPU<=0.5xaio", "cpu", "aiofiles", 0, 0.5), ("rdCPU<=0.5xaio", "cpu", "aiofiles", 1, 0.5)]
+
+
+def print_table(rows, ref_name: str) -> None:
+    """GB/s, CPU/GB and ratios against `ref_name` measured in the same run."""
+    if not any(ref_name in found for _, found in rows):
+        print(f"(no {ref_name} figures: ratios against it left out)")
+        return
+    ref = ref_name[:5]
+    hdr = (f"{'shard':>6} {'backend':9s} {'wr GB/s':>8} {'wr CPU/GB':>9} {'rd GB/s':>8} {'rd CPU/GB':>9}"
+           f" {'wr/' + ref:>9} {'rd/' + ref:>9} {'wrCPU/' + ref:>11} {'rdCPU/' + ref:>11}")
+    print(f"\nratios vs {ref_name}:")
+    print(hdr)
+    print("-" * len(hdr))
+    for shard, found in rows:
+        base = found.get(ref_name)
+        for b, (w, r) in found.items():
+            line = (f"{fmt_size(shard):>6} {b:9s} {w.gbps:8.2f} {w.cpu_per_gb:9.3f} {r.gbps:8.2f} "
+                    f"{r.cpu_per_gb:9.3f}")
+            if base is not None:
+                fw, fr = base
+                line += (f" {w.gbps / fw.gbps:9.2f} {r.gbps / fr.gbps:9.2f}"
+                         f" {_ratio(w.cpu_per_gb, fw.cpu_per_gb):>11} {_ratio(r.cpu_per_gb, fr.cpu_per_gb):>11}")
+            print(line)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else "-"
+
+
+def print_targets(rows) -> None:
+    """PASS/MISS per native backend, shard size and target; a summary line per backend."""
+    natives = [b for b in ("io_uring", "threads") if any(b in found for _, found in rows)]
+    if not natives:
+        return
+    print("\ntargets for the native engine (ratio, PASS/MISS; fio = best queue depth, aio = aiofiles):")
+    hdr = f"{'shard':>6} {'backend':9s} " + " ".join(f"{name:>15s}" for name, *_ in TARGETS)
+    print(hdr)
+    print("-" * len(hdr))
+    misses: dict[str, list[str]] = {b: [] for b in natives}
+    checked: dict[str, int] = {b: 0 for b in natives}
+    for shard, found in rows:
+        for b in natives:
+            if b not in found:
+                continue
+            cells = []
+            for name, figure, ref_name, op, bound in TARGETS:
+                if ref_name not in found:
+                    cells.append(f"{'n/a':>15s}")
+                    continue
+                mine, ref = found[b][op], found[ref_name][op]
+                if figure == "gbps":
+                    ratio = mine.gbps / ref.gbps
+                    ok = ratio >= bound
+                else:
+                    ratio = mine.cpu_per_gb / ref.cpu_per_gb if ref.cpu_per_gb > 0 else float("inf")
+                    ok = ratio <= bound
+                checked[b] += 1
+                if not ok:
+                    misses[b].append(f"{fmt_size(shard)} {name} ({ratio:.3f})")
+                cells.append(f"{ratio:9.3f} {'PASS' if ok else 'MISS':>5s}")
+            print(f"{fmt_size(shard):>6} {b:9s} " + " ".join(cells))
+    print()
+    for b in natives:
+        if not checked[b]:
+            continue
+        verdict = "PASS" if not misses[b] else f"MISS ({len(misses[b])} of {checked[b]}): " + "; ".join(misses[b])
+        print(f"{b}: {verdict}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--total", type=parse_size, default=parse_size("4GiB"), help="bytes per phase")
@@ -164,7 +322,10 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=parse_size, default=IOConfig().block_size, help="I/O block size")
     ap.add_argument("--qd", type=int, default=IOConfig().queue_depth, help="queue depth")
     ap.add_argument("--threads", type=int, default=IOConfig().threads, help="threads backend workers")
-    ap.add_argument("--backends", default="io_uring,threads,aiofiles,fio")
+    ap.add_argument("--backends", default="io_uring,threads,aiofiles,pythreads,fio")
+    ap.add_argument("--fio-qd", default="1,8,32", help="fio queue depths; the best per direction is kept")
+    ap.add_argument("--py-chunk", type=parse_size, default=parse_size("16MiB"),
+                    help="pythreads: bytes per os.pwrite/os.preadv call (default 16MiB)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend; best figure kept")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (64 MiB, 1,4 MiB shards)")
     args = ap.parse_args(argv)
@@ -172,6 +333,7 @@ def main(argv=None) -> int:
         args.total, args.sizes = 64 << 20, "1,4"
 
     sizes = [int(s) << 20 for s in args.sizes.split(",") if s.strip()]
+    fio_depths = [int(q) for q in args.fio_qd.split(",") if q.strip()]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     ok, why = probe_io_uring()
     if "io_uring" in backends and not ok:
@@ -194,6 +356,7 @@ def main(argv=None) -> int:
 
     rows = []
     fio_cpu0 = None
+    fio_best: dict[int, str] = {}
     try:
         for shard in sizes:
             if args.total % shard:
@@ -202,13 +365,16 @@ def main(argv=None) -> int:
             found: dict[str, tuple[Result, Result]] = {}
             for rep in range(args.repeat):  # backends interleaved: drift hits all alike
                 for b in backends:
-                    cfg = IOConfig(backend=b if b != "fio" else "auto", block_size=args.block,
+                    cfg = IOConfig(backend=b if b in ("io_uring", "threads", "aiofiles") else "auto", block_size=args.block,
                                    queue_depth=args.qd, threads=args.threads)
                     if b == "fio":
                         if fio_cpu0 is None:
                             fio_cpu0 = fio_startup_cpu(cfg, directory)
                             print(f"  fio start-up CPU (subtracted): {fio_cpu0:.3f} s")
-                        w, r = run_fio(cfg, directory, args.total, shard, fio_cpu0)
+                        w, r, which = run_fio_best(cfg, directory, args.total, shard, fio_cpu0, fio_depths)
+                        fio_best[shard] = which
+                    elif b == "pythreads":
+                        w, r = run_pythreads(cfg, directory, args.total, shard, args.py_chunk, verify=True)
                     else:
                         w, r = run_engine(b, cfg, directory, args.total, shard, verify=True)
                     print(f"  {fmt_size(shard):>6} {b:9s} write {w.gbps:6.2f} GB/s "
@@ -219,27 +385,20 @@ def main(argv=None) -> int:
                         w = Result(max(w.gbps, w0.gbps), min(w.cpu_per_gb, w0.cpu_per_gb))
                         r = Result(max(r.gbps, r0.gbps), min(r.cpu_per_gb, r0.cpu_per_gb))
                     found[b] = (w, r)
-            rows.append((shard, found, found.get("fio")))
+            rows.append((shard, found))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
     print()
-    hdr = (f"{'shard':>6} {'backend':9s} {'wr GB/s':>8} {'wr CPU/GB':>9} {'rd GB/s':>8} {'rd CPU/GB':>9}"
-           f" {'wr/fio':>7} {'rd/fio':>7} {'wrCPU/fio':>9} {'rdCPU/fio':>9}")
-    print(hdr)
-    print("-" * len(hdr))
-    for shard, found, ref in rows:
-        for b, (w, r) in found.items():
-            line = (f"{fmt_size(shard):>6} {b:9s} {w.gbps:8.2f} {w.cpu_per_gb:9.3f} {r.gbps:8.2f} "
-                    f"{r.cpu_per_gb:9.3f}")
-            if ref is not None:
-                fw, fr = ref
-                line += (f" {w.gbps / fw.gbps:7.2f} {r.gbps / fr.gbps:7.2f}"
-                         f" {w.cpu_per_gb / fw.cpu_per_gb:9.2f} {r.cpu_per_gb / fr.cpu_per_gb:9.2f}")
-            print(line)
+    print_table(rows, "fio")
+    print_table(rows, "aiofiles")
+    if fio_best:
+        print("\nfio = best of queue depths " + ",".join(map(str, fio_depths)) + ": "
+              + "; ".join(f"{fmt_size(k)} {v}" for k, v in fio_best.items()))
     print("\nGB = 1e9 bytes; CPU/GB = process user+sys CPU seconds per GB moved (fio: its child"
           " processes, less their start-up CPU). Writes go to fresh files (no preallocation),"
           " reads are O_DIRECT." + (f" Best of {args.repeat} runs." if args.repeat > 1 else ""))
+    print_targets(rows)
     return 0
 
 

@@ -123,47 +123,181 @@ def _env_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", required=True, metavar="N",
-                        help="trainable parameters of the model, e.g. 7B, 350M or 1200000")
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--params", metavar="N",
+                       help="trainable parameters of the model, e.g. 7B, 350M, 7.5e9 or 1200000")
+    model.add_argument("--model", metavar="MODULE:FACTORY",
+                       help="a callable returning an nn.Module, e.g. zerotier.models:TinyGPT; built on the "
+                            "meta device if it takes a `device` keyword, else normally; its trainable "
+                            "parameters and per-module units are counted as the engine does")
     parser.add_argument("--layers", type=int, default=32,
-                        help="transformer layers; the model is treated as 4 equal units per layer (default 32)")
+                        help="with --params: transformer layers; the model is treated as 4 equal units per "
+                             "layer (default 32)")
     parser.add_argument("--config", metavar="FILE",
                         help="zerotier config (TOML/JSON/YAML) giving tiers, offload, precision and prefetch")
-    parser.add_argument("--device", metavar="SIZE", help="device budget, e.g. 24GiB (overrides the config)")
-    parser.add_argument("--host", metavar="SIZE", help="host budget, e.g. 200GiB (overrides the config)")
-    parser.add_argument("--nvme", metavar="SIZE", help="NVMe budget, e.g. 2TiB (overrides the config)")
+    parser.add_argument("--world-size", type=int, default=1, metavar="N",
+                        help="data-parallel ranks; budgets are per rank (default 1)")
+    parser.add_argument("--ranks-per-node", type=int, metavar="N",
+                        help="ranks sharing this node's CPU and NVMe, for the step-time prediction "
+                             "(default: the world size, i.e. one node)")
+    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3),
+                        help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters "
+                             "(default: zero.stage of the config, 0)")
+    parser.add_argument("--param-dtype", choices=("fp32", "bf16", "fp16"),
+                        help="dtype of the training parameters (default: precision.param_dtype of the config)")
+    parser.add_argument("--accounting", choices=("engine", "paper"), default="engine",
+                        help="gradient bytes: 'engine' counts zerotier's fp32 gradient accumulators "
+                             "(4 B/param, what it allocates), 'paper' the ZeRO paper's param-dtype gradients "
+                             "(2+2+12 B/param in bf16/fp16) (default engine)")
+    parser.add_argument("--offload", action="append", default=[], metavar="KIND=TIER",
+                        help="place a kind of state (params, gradients, optimizer) on a tier (auto, device, "
+                             "host, nvme); repeatable, overrides the config")
+    parser.add_argument("--device", metavar="SIZE", help="device budget per rank, e.g. 24GiB (overrides the config)")
+    parser.add_argument("--host", metavar="SIZE", help="host budget per rank, e.g. 200GiB (overrides the config)")
+    parser.add_argument("--nvme", metavar="SIZE", help="NVMe budget per rank, e.g. 2TiB (overrides the config)")
     parser.add_argument("--nvme-path", metavar="DIR", help="NVMe directory (overrides the config)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object: per_rank_bytes, tiers (bytes needed per tier), placement, "
+                             "fits, missing, predicted_step_s (null without `zerotier bench` results)")
 
 
 def _count(text: str) -> int:
+    from decimal import Decimal, InvalidOperation
+
     scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-    text = text.strip().upper()
+    text = text.strip().upper().replace("_", "")
     try:
-        if text[-1] in scale:
-            return int(float(text[:-1]) * scale[text[-1]])
-        return int(text)
-    except (ValueError, IndexError):
-        raise ZerotierError(f"--params: cannot read {text!r}; use a count like 7B, 350M or 1200000") from None
+        value = Decimal(text[:-1]) * scale[text[-1]] if text and text[-1] in scale else Decimal(text)
+    except InvalidOperation:
+        value = Decimal(-1)
+    if not value.is_finite() or value < 1 or value != int(value):
+        raise ZerotierError(f"--params: cannot read {text!r}; use a count like 7B, 350M, 7.5e9 or 1200000")
+    return int(value)
+
+
+def _factory_units(spec: str) -> list[int]:
+    """Build `module:factory` (on the meta device when it takes `device=`) and return the
+    numel of each unit as zerotier.state.build_units groups them."""
+    import importlib
+    import inspect
+
+    import torch
+
+    from zerotier.state import build_units
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ZerotierError(f"--model: expected MODULE:FACTORY (e.g. zerotier.models:TinyGPT), got {spec!r}")
+    try:
+        factory = importlib.import_module(module_name)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except (ImportError, AttributeError) as exc:
+        raise ZerotierError(f"--model: cannot load {spec!r}: {exc}") from None
+    try:
+        takes_device = "device" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        takes_device = False
+    model = factory(device="meta") if takes_device else factory()
+    if not isinstance(model, torch.nn.Module):
+        raise ZerotierError(f"--model: {spec} returned {type(model).__name__}, not a torch.nn.Module")
+    numels = [unit.numel for unit in build_units(model)]
+    if not numels:
+        raise ZerotierError(f"--model: {spec} has no trainable parameters")
+    return numels
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     import torch
 
     from zerotier.config import Config
-    from zerotier.planner import make_plan
+    from zerotier.planner import PlanDoesNotFit, make_plan
+    from zerotier.state import DTYPES
 
     cfg = Config.coerce(args.config).to_dict()
     for key in ("device", "host", "nvme", "nvme_path"):
         value = getattr(args, key)
         if value is not None:
             cfg["tiers"][key] = value
+    for item in args.offload:
+        kind, sep, tier = item.partition("=")
+        if not sep or kind not in cfg["offload"]:
+            raise ZerotierError(f"--offload: expected KIND=TIER with KIND one of {', '.join(cfg['offload'])}, "
+                                f"got {item!r}")
+        cfg["offload"][kind] = tier
+    if args.param_dtype:
+        cfg["precision"]["param_dtype"] = args.param_dtype
+    if args.stage is not None:
+        cfg["zero"]["stage"] = args.stage
     cfg = Config.from_dict(cfg)
-    total, units = _count(args.params), 4 * args.layers
-    numels = [total // units] * units
-    numels[-1] += total - sum(numels)
+    if args.world_size < 1:
+        raise ZerotierError(f"--world-size: must be >= 1, got {args.world_size}")
+    if args.model:
+        numels = _factory_units(args.model)
+    else:
+        total, units = _count(args.params), 4 * max(args.layers, 1)
+        units = min(units, total)
+        numels = [total // units] * units
+        numels[-1] += total - sum(numels)
+    grad_bytes = DTYPES[cfg.precision.param_dtype].itemsize if args.accounting == "paper" else None
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device)
-    print(plan.summary())
+    try:
+        plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device,
+                         world_size=args.world_size, stage=cfg.zero.stage, grad_bytes=grad_bytes,
+                         ranks_per_node=args.ranks_per_node)
+    except PlanDoesNotFit as exc:
+        if args.json:  # the object on stdout, the message on stderr (by main), exit status 1
+            print(json.dumps({"numel": sum(numels), "world_size": args.world_size, "stage": cfg.zero.stage,
+                              "per_rank_bytes": exc.per_rank_bytes, "tiers": None,
+                              "placement": {k: v.value for k, v in exc.placement.items()},
+                              "fits": False, "missing": {"kind": exc.kind, "options": exc.options},
+                              "predicted_step_s": None}, indent=2))
+        raise
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.summary())
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# zerotier bench
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("what", nargs="?", default="all", choices=("all", "mem", "pcie", "io", "adam"),
+                        help="what to measure: all (default), mem (memory bandwidth), pcie (host<->GPU "
+                             "copies), io (NVMe read/write with zerotier's engine), adam (CPU Adam)")
+    parser.add_argument("--path", "--nvme-path", dest="path", default=".", metavar="DIR",
+                        help="directory on the drive to test; a temp subdir is made and removed "
+                             "(default: the current directory)")
+    parser.add_argument("--size", metavar="SIZE",
+                        help="bytes per measurement for mem, pcie and io, e.g. 2GiB "
+                             "(default 1GiB, pcie 512MiB; with --quick 256MiB mem, 64MiB pcie and io)")
+    parser.add_argument("--params", metavar="N", help="parameters for the adam measurement (default 50M; --quick 2M)")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a rough figure in a few seconds")
+    parser.add_argument("--json", action="store_true",
+                        help="print the results as JSON (one section: its object, e.g. read_GBps/write_GBps)")
+    parser.add_argument("--save", metavar="FILE",
+                        help="merge the results into FILE (default $ZEROTIER_BENCH_FILE, else "
+                             "~/.cache/zerotier/bench.json), where `zerotier plan` reads them")
+    parser.add_argument("--no-save", action="store_true", help="do not save the results")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from zerotier import bench
+    from zerotier.config import parse_size
+
+    sections = bench.SECTIONS if args.what == "all" else (args.what,)
+    size = parse_size(args.size, "--size") if args.size is not None else None
+    if size == 0:
+        raise ZerotierError("--size: must be > 0")
+    params = _count(args.params) if args.params is not None else None
+    results = bench.run(sections, size=size, params=params, quick=args.quick, path=args.path)
+    if args.json:
+        print(json.dumps(results[args.what] if args.what != "all" else results, indent=2))
+    else:
+        print(bench.format_table(results))
+    if not args.no_save:
+        where = bench.save(results, args.save)
+        print(f"saved to {where}" + (" (`zerotier plan` uses it)" if not args.json else ""), file=sys.stderr)
     return 0
 
 
@@ -172,19 +306,51 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train (default 20)")
+    parser.add_argument("--steps", type=int, default=120, help="optimizer steps to train (default 120, ~1 min)")
     parser.add_argument("--nvme-path", metavar="DIR", default=None,
                         help="directory for the optimizer's swap files (default: the system temp dir)")
-    parser.add_argument("--params", choices=["device", "host", "nvme"], default="host",
-                        help="tier for the model's parameters between uses (default host)")
-    parser.add_argument("--optimizer", choices=["device", "host", "nvme"], default="nvme",
-                        help="tier for fp32 master weights and Adam moments (default nvme)")
+    parser.add_argument("--device-budget", default="24MiB", metavar="SIZE",
+                        help="tiers.device; the default is smaller than the model's training state")
+    parser.add_argument("--optimizer-tier", choices=["auto", "device", "host", "nvme"], default="nvme",
+                        help="offload.optimizer: where fp32 master weights and Adam moments live (default nvme)")
+    parser.add_argument("--trace", metavar="FILE", default=None,
+                        help="also write a Perfetto/Chrome trace of the swap traffic (see `zerotier profile`)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from zerotier import demo
 
-    demo.run(steps=args.steps, nvme_path=args.nvme_path, params=args.params, optimizer=args.optimizer)
+    argv = ["--steps", str(args.steps), "--device-budget", args.device_budget,
+            "--optimizer-tier", args.optimizer_tier]
+    if args.nvme_path:
+        argv += ["--nvme-path", args.nvme_path]
+    if args.trace:
+        argv += ["--trace", args.trace]
+    demo.run(argv)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# zerotier profile
+
+
+def _profile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", metavar="TRACE.json",
+                        help="trace written with profile.trace_path or Profiler.save() (.json or .json.gz)")
+    parser.add_argument("--plot", metavar="OUT.png",
+                        help="also draw residency per tier and bandwidth per link over time (needs matplotlib)")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object instead of a table")
+    parser.add_argument("--top", type=int, default=10, metavar="N", help="tensors listed by traffic (default 10)")
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from zerotier.profiler import load_trace, plot_trace, summarize
+
+    trace = load_trace(args.trace)
+    summary = summarize(trace, top=args.top)
+    print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.table())
+    if args.plot:
+        print(f"plot written to {plot_trace(trace, args.plot)}", file=sys.stderr)
     return 0
 
 
@@ -193,8 +359,11 @@ COMMANDS: list[Command] = [
             _env_arguments, _run_env),
     Command("plan", "predict where each kind of training state goes, whether it fits, and swap time per step",
             _plan_arguments, _run_plan),
-    Command("demo", "train a small GPT with parameters on host and optimizer state on NVMe",
+    Command("bench", "measure this node's memory, PCIe, NVMe and CPU Adam rates; saved for `zerotier plan`",
+            _bench_arguments, _run_bench),
+    Command("demo", "train a small GPT (examples/train_gpt.py) with optimizer state on NVMe; ends with the swap table",
             _demo_arguments, _run_demo),
+    Command("profile", "summarize a saved swap-traffic trace; --plot draws it", _profile_arguments, _run_profile),
 ]
 
 

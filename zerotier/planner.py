@@ -1,58 +1,175 @@
 """Budgets + model -> placement: does the run fit, where does each kind of state go,
 and roughly how long will a step take.
 
-Bytes per parameter (N = trainable parameters, L = bytes of the param dtype):
-  low-precision params   L*N   on their tier; off-device ones also need a device
-                               working set of (lookahead + 2) x largest unit
-  fp32 gradients         4*N   accumulation buffer (device or host)
-  fp32 master + m + v   12*N   (device, host or nvme; nvme also needs 3 host
-                               staging sets of 12 x largest unit for the pipeline)
+[Note: bytes per parameter]
+Per rank, with N = world size, Psi = trainable parameters, L = bytes of the param dtype,
+G = bytes per gradient element:
+
+  kind        bytes            sharded over the N ranks from   (ZeRO paper, Rajbhandari et al.)
+  params      L * Psi          stage 3                          "P_os+g+p"
+  gradients   G * Psi          stage 2                          "P_os+g"
+  optimizer  12 * Psi          stage 1 (fp32 master + m + v)    "P_os", K = 12
+
+`model_state_bytes` is that table summed; a sharded kind holds ceil(Psi / N) elements on
+the largest rank. G has two accountings:
+  engine (default)  G = 4: zerotier accumulates gradients in fp32 `grad_flat` buffers
+                    (exact over micro-batches, see design.md), so that is what it allocates;
+  paper             G = L: the ZeRO paper's fp16 gradients (2 + 2 + K bytes per parameter),
+                    for comparing with published figures (`grad_bytes=` / `--accounting paper`).
+
+Working sets come on top of the model state, on the tier that pays for them:
+  params off the device, or sharded (stage 3): (lookahead + 2) x largest unit on the device
+      (the gathered full units being computed and prefetched); params on NVMe: the same
+      again on the host as staging
+  optimizer on NVMe: 3 host staging sets of 12 x largest unit shard (read i+1 / step i /
+      write i-1) + a 4 B/element gradient staging flat
 
 `auto` fills the fastest tier first, by access frequency: parameters (read in
 forward and backward) before gradients (written in backward) before optimizer
-state (touched once per step). A plan that does not fit raises BudgetError at
-initialize(), naming what does not fit and how much more of which tier helps.
+state (touched once per step). A plan that does not fit raises PlanDoesNotFit (a
+BudgetError) at initialize(), naming what does not fit and how much more of which
+tier helps.
+
+[Note: step-time prediction]
+`_predict` sums the seconds a step spends on optimizer math and swap traffic, serially
+(no overlap credited: an upper bound for a well-pipelined run; forward/backward compute
+and collectives are not included). Rates come from `zerotier bench` results saved on
+this node (`zerotier.bench.load_rates()`) where present, else DEFAULT_RATES; the Plan
+records which (`rate_sources`). The CPU, its memory bus and the NVMe drive are shared by
+the ranks on one node (`ranks_per_node`, default: all of them, the product's one-node
+case), so their per-rank time is the node's work divided by the node's rate; host<->device
+copies are per GPU.
 """
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
 
 from .config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, format_size
-from .errors import BudgetError
+from .errors import BudgetError, ConfigError
 from .state import DTYPES, Location
 
-# Bandwidths assumed when none were measured on this node (GB/s, params/s);
+# Bandwidths assumed when none were measured on this node (bytes/s, params/s);
 # `zerotier bench` measures the real ones. Figures: GUIDE.md section 3 and PCIe 4 x16.
 DEFAULT_RATES = {"h2d": 20e9, "d2h": 20e9, "nvme_read": 7e9, "nvme_write": 4.5e9, "cpu_adam": 1.9e9,
                  "device_adam": 50e9}
 
 KINDS = ("params", "gradients", "optimizer")  # in auto-placement priority order
+TIERS = ("device", "host", "nvme")
+OPTIMIZER_BYTES = 12       # K: fp32 master + exp_avg + exp_avg_sq
+ENGINE_GRAD_BYTES = 4      # the engine's fp32 gradient accumulators
+SHARDED_FROM_STAGE = {"params": 3, "gradients": 2, "optimizer": 1}
+
+
+class PlanDoesNotFit(BudgetError):
+    """A BudgetError with the shortfall as data (for `zerotier plan --json`).
+
+    kind: the first kind of state that fits nowhere; options: one dict per tier it could
+    go to, {"tier": where, "more": {tier: bytes short}}; placement: the kinds placed
+    before it; per_rank_bytes: model-state bytes per rank (placement-independent).
+    """
+
+    def __init__(self, message: str, kind: str, options: list[dict], placement: dict[str, Location],
+                 per_rank_bytes: int):
+        super().__init__(message)
+        self.kind, self.options, self.placement, self.per_rank_bytes = kind, options, placement, per_rank_bytes
+
+
+def _check_sharding(stage: int, world_size: int) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+
+
+def shard_numel(numel: int, kind: str, stage: int, world_size: int) -> int:
+    """Elements of `kind` one rank holds: ceil(numel / N) where the stage shards it, else numel."""
+    if stage >= SHARDED_FROM_STAGE[kind]:
+        return -(-numel // world_size)
+    return numel
+
+
+def model_state_bytes(numel: int, stage: int, world_size: int, param_bytes: int = 2, grad_bytes: int = 2,
+                      k: int = OPTIMIZER_BYTES) -> int:
+    """Model-state bytes per rank for mixed-precision Adam under ZeRO `stage` over `world_size`.
+
+    The ZeRO paper's formulas (defaults: 2 + 2 + K bytes per parameter, K = 12):
+    stage 0 (2+2+K)Psi; 1: 2Psi + 2Psi + K Psi/N; 2: 2Psi + (2+K)Psi/N; 3: (2+2+K)Psi/N.
+    See [Note: bytes per parameter].
+    """
+    _check_sharding(stage, world_size)
+    per_element = {"params": param_bytes, "gradients": grad_bytes, "optimizer": k}
+    return sum(b * shard_numel(numel, kind, stage, world_size) for kind, b in per_element.items())
 
 
 @dataclass(frozen=True)
 class Plan:
     placement: dict[str, Location]      # kind -> tier
-    need: dict[str, int]                # tier -> bytes this plan uses there
+    need: dict[str, int]                # tier -> bytes this plan uses there (model state + working sets)
     budgets: dict[str, int]             # tier -> budget (auto resolved)
     predicted_step_s: float
     breakdown: dict[str, float]         # seconds per component of the prediction
     numel: int
+    world_size: int = 1
+    stage: int = 0
+    state_bytes: dict[str, int] = field(default_factory=dict)    # kind -> model-state bytes per rank
+    rate_sources: dict[str, str] = field(default_factory=dict)   # rate key used -> measured | default | given
+    grad_bytes: int = ENGINE_GRAD_BYTES
+    param_bytes: int = 4
+
+    @property
+    def per_rank_bytes(self) -> int:
+        """Model-state bytes per rank (the ZeRO paper's figure; working sets excluded)."""
+        return sum(self.state_bytes.values())
+
+    @property
+    def rates_measured(self) -> bool:
+        """True when the prediction uses at least one rate measured by `zerotier bench` (or passed in)."""
+        return any(src in ("measured", "given") for src in self.rate_sources.values())
 
     def summary(self) -> str:
-        lines = [f"zerotier plan: {self.numel / 1e6:.1f}M trainable parameters"]
+        sharding = (f", ZeRO stage {self.stage} over {self.world_size} ranks" if self.world_size > 1 or self.stage
+                    else "")
+        lines = [f"zerotier plan: {self.numel / 1e6:,.1f}M trainable parameters{sharding}",
+                 f"  {'state':10s} {'tier':6s} {'bytes/rank':>12s} {'GB':>9s}"]
         for kind in KINDS:
-            lines.append(f"  {kind:10s} -> {self.placement[kind].value}")
-        lines.append(f"  {'tier':8s} {'needed':>12s} {'budget':>12s}")
-        for tier in ("device", "host", "nvme"):
+            b = self.state_bytes.get(kind, 0)
+            lines.append(f"  {kind:10s} {self.placement[kind].value:6s} {format_size(b):>12s} {b / 1e9:9.2f}")
+        total = self.per_rank_bytes
+        lines.append(f"  {'total':10s} {'':6s} {format_size(total):>12s} {total / 1e9:9.2f}"
+                     f"   ({total / max(self.numel, 1):.2f} B per model parameter; gradients {self.grad_bytes} B/param"
+                     + (": the engine's fp32 accumulators)" if self.grad_bytes == ENGINE_GRAD_BYTES else ")"))
+        lines.append(f"  {'tier':8s} {'needed':>12s} {'budget':>12s}   (needed includes working sets)")
+        for tier in TIERS:
             lines.append(f"  {tier:8s} {format_size(self.need[tier]):>12s} {format_size(self.budgets[tier]):>12s}")
-        parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.breakdown.items() if v > 0)
-        lines.append(f"  predicted optimizer+swap time per step: {self.predicted_step_s * 1e3:.1f} ms"
-                     f" ({parts or 'no swap traffic'}; plus your forward/backward compute)")
+        lines.append("  fits: yes")
+        if not self.rates_measured:
+            lines.append("  step time: run `zerotier bench` for a step-time prediction")
+        else:
+            parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.breakdown.items() if v > 0)
+            label = ", ".join(f"{k} {src}" for k, src in self.rate_sources.items())
+            lines.append(f"  predicted optimizer+swap time per step: {self.predicted_step_s * 1e3:.1f} ms"
+                         f" ({parts or 'no swap traffic'}; serial, plus forward/backward and collectives)")
+            lines.append(f"  rates: {label}")
         return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able description (bytes as ints); predicted_step_s is None without measured rates."""
+        measured = self.rates_measured
+        return {
+            "numel": self.numel, "world_size": self.world_size, "stage": self.stage,
+            "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
+            "placement": {k: v.value for k, v in self.placement.items()},
+            "per_rank_bytes": self.per_rank_bytes, "state_bytes": dict(self.state_bytes),
+            "tiers": dict(self.need), "budgets": dict(self.budgets),
+            "fits": True, "missing": None,
+            "predicted_step_s": self.predicted_step_s if measured else None,
+            "breakdown_s": dict(self.breakdown) if measured else None,
+            "rate_sources": dict(self.rate_sources),
+        }
 
 
 def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[str, int]:
@@ -77,33 +194,65 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[str, int]:
     return {"device": dev, "host": host, "nvme": nvme}
 
 
-def _bytes_for(kind: str, loc: Location, numel: int, largest: int, lp_bytes: int, lookahead: int) -> dict[str, int]:
+@dataclass(frozen=True)
+class _Sizes:
+    """What `_bytes_for` needs besides the kind and tier (see [Note: bytes per parameter])."""
+    numel: int
+    largest: int        # largest unit, full
+    lp_bytes: int
+    grad_bytes: int
+    lookahead: int
+    stage: int
+    world_size: int
+
+    def rank_numel(self, kind: str) -> int:
+        return shard_numel(self.numel, kind, self.stage, self.world_size)
+
+    def rank_largest(self, kind: str) -> int:
+        return shard_numel(self.largest, kind, self.stage, self.world_size)
+
+
+def _bytes_for(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
     need = {"device": 0, "host": 0, "nvme": 0}
+    n = s.rank_numel(kind)
     if kind == "params":
-        need[loc.value] += lp_bytes * numel
-        if loc is not Location.DEVICE:
-            need["device"] += (lookahead + 2) * largest * lp_bytes
+        need[loc.value] += s.lp_bytes * n
+        if loc is not Location.DEVICE or s.stage >= SHARDED_FROM_STAGE["params"]:
+            need["device"] += (s.lookahead + 2) * s.largest * s.lp_bytes   # gathered full units
         if loc is Location.NVME:
-            need["host"] += (lookahead + 2) * largest * lp_bytes
+            need["host"] += (s.lookahead + 2) * s.rank_largest(kind) * s.lp_bytes
     elif kind == "gradients":
-        need[loc.value] += 4 * numel
+        need[loc.value] += s.grad_bytes * n
     else:
-        need[loc.value] += 12 * numel
+        need[loc.value] += OPTIMIZER_BYTES * n
         if loc is Location.NVME:
-            need["host"] += 3 * 12 * largest + 4 * largest  # 3 staging sets + a grad staging flat
+            shard = s.rank_largest(kind)
+            need["host"] += 3 * OPTIMIZER_BYTES * shard + 4 * shard  # 3 staging sets + a grad staging flat
     return need
 
 
 def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig, precision: PrecisionConfig,
               prefetch: PrefetchConfig, device: torch.device, budgets: dict[str, int] | None = None,
-              rates: dict[str, float] | None = None) -> Plan:
-    """Choose a tier for each kind of state within the budgets, or raise BudgetError."""
+              rates: dict[str, float] | None = None, *, world_size: int = 1, stage: int = 0,
+              grad_bytes: int | None = None, ranks_per_node: int | None = None) -> Plan:
+    """Choose a tier for each kind of state within the per-rank budgets, or raise PlanDoesNotFit.
+
+    world_size/stage shard each kind's bytes as ZeRO does ([Note: bytes per parameter]);
+    grad_bytes defaults to the engine's fp32 accumulators (4), pass the param dtype's size
+    for the ZeRO paper's accounting. rates=None uses this node's `zerotier bench` results
+    where saved, else DEFAULT_RATES ([Note: step-time prediction]).
+    """
+    _check_sharding(stage, world_size)
     budgets = budgets or resolve_budgets(tiers, device)
-    rates = {**DEFAULT_RATES, **(rates or {})}
-    numel = sum(unit_numels)
-    largest = max(unit_numels, default=0)
+    rates, rate_sources = _resolve_rates(rates)
     lp_bytes = DTYPES[precision.param_dtype].itemsize
-    lookahead = prefetch.lookahead if prefetch.enabled else 0
+    sizes = _Sizes(numel=sum(unit_numels), largest=max(unit_numels, default=0), lp_bytes=lp_bytes,
+                   grad_bytes=ENGINE_GRAD_BYTES if grad_bytes is None else grad_bytes,
+                   lookahead=prefetch.lookahead if prefetch.enabled else 0, stage=stage, world_size=world_size)
+    state_bytes = {kind: b * sizes.rank_numel(kind) for kind, b in
+                   (("params", lp_bytes), ("gradients", sizes.grad_bytes), ("optimizer", OPTIMIZER_BYTES))}
+    assert sum(state_bytes.values()) == model_state_bytes(sizes.numel, stage, world_size, lp_bytes,
+                                                          sizes.grad_bytes)
     free = dict(budgets)
     need = {"device": 0, "host": 0, "nvme": 0}
     placement: dict[str, Location] = {}
@@ -117,50 +266,88 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
             candidates.remove(Location.NVME)
         chosen = None
         for loc in candidates:
-            want = _bytes_for(kind, loc, numel, largest, lp_bytes, lookahead)
+            want = _bytes_for(kind, loc, sizes)
             if all(want[t] <= free[t] for t in want):
                 chosen = loc
                 break
         if chosen is None:
-            raise BudgetError(_does_not_fit(kind, candidates, numel, largest, lp_bytes, lookahead, free, budgets))
+            message, options = _does_not_fit(kind, candidates, sizes, free, budgets)
+            raise PlanDoesNotFit(message, kind, options, placement, sum(state_bytes.values()))
         placement[kind] = chosen
-        for t, b in _bytes_for(kind, chosen, numel, largest, lp_bytes, lookahead).items():
+        for t, b in _bytes_for(kind, chosen, sizes).items():
             free[t] -= b
             need[t] += b
-    breakdown = _predict(placement, numel, lp_bytes, device, rates)
-    return Plan(placement, need, budgets, sum(breakdown.values()), breakdown, numel)
+    local = ranks_per_node or world_size
+    breakdown, used = _predict(placement, sizes, device, rates, local)
+    return Plan(placement, need, budgets, sum(breakdown.values()), breakdown, sizes.numel, world_size, stage,
+                state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes)
 
 
-def _does_not_fit(kind, candidates, numel, largest, lp_bytes, lookahead, free, budgets) -> str:
-    options = []
-    for loc in candidates:
-        want = _bytes_for(kind, loc, numel, largest, lp_bytes, lookahead)
-        short = {t: want[t] - free[t] for t in want if want[t] > free[t]}
-        if loc is Location.NVME and budgets["nvme"] == 0:
-            options.append(f"enable the nvme tier (set tiers.nvme_path; needs {format_size(want['nvme'])})")
-            continue
-        options.append(" and ".join(f"{format_size(b)} more {t} (tiers.{t} is {format_size(budgets[t])})"
-                                    for t, b in short.items()) + f" to place it on {loc.value}")
-    return (f"the {kind} of {numel:,} parameters do not fit within the tier budgets; "
-            f"it would take: " + "; or ".join(options))
-
-
-def _predict(placement, numel, lp_bytes, device, rates) -> dict[str, float]:
-    """Seconds per step spent on optimizer math and swap traffic (compute not included)."""
-    out = {"params_h2d": 0.0, "grads_d2h": 0.0, "optimizer": 0.0, "optimizer_nvme": 0.0, "params_copyback": 0.0}
-    on_gpu = device.type == "cuda"
-    if placement["params"] is not Location.DEVICE:
-        out["params_h2d"] = 2 * lp_bytes * numel / rates["h2d"] if on_gpu else 0.0
-        if placement["params"] is Location.NVME:
-            out["params_h2d"] += 2 * lp_bytes * numel / rates["nvme_read"]
-    if placement["gradients"] is Location.HOST and on_gpu:
-        out["grads_d2h"] = 4 * numel / rates["d2h"]
-    if placement["optimizer"] is Location.DEVICE and on_gpu:
-        out["optimizer"] = 28 * numel / rates["device_adam"]
+def _resolve_rates(rates: dict[str, float] | None) -> tuple[dict[str, float], dict[str, str]]:
+    """Rates for the prediction and where each came from."""
+    if rates is not None:
+        source, given = "given", rates
     else:
-        out["optimizer"] = numel / rates["cpu_adam"]
+        from .bench import load_rates  # light: json + os only
+        source, given = "measured", load_rates() or {}
+    merged = {**DEFAULT_RATES, **given}
+    return merged, {k: (source if k in given else "default") for k in merged}
+
+
+def _does_not_fit(kind: str, candidates: list[Location], s: _Sizes, free: dict[str, int],
+                  budgets: dict[str, int]) -> tuple[str, list[dict]]:
+    texts, options = [], []
+    for loc in candidates:
+        want = _bytes_for(kind, loc, s)
+        short = {t: want[t] - free[t] for t in want if want[t] > free[t]}
+        options.append({"tier": loc.value, "more": short})
+        if loc is Location.NVME and budgets["nvme"] == 0:
+            others = "".join(f" and {format_size(b)} more {t}" for t, b in short.items() if t != "nvme")
+            texts.append(f"enable the nvme tier (set tiers.nvme_path; needs {format_size(want['nvme'])})"
+                         + others)
+            continue
+        texts.append(" and ".join(f"{format_size(b)} more {t} (tiers.{t} is {format_size(budgets[t])})"
+                                  for t, b in short.items()) + f" to place it on {loc.value}")
+    per_rank = ""
+    if s.world_size > 1 or s.stage:
+        per_rank = (f" ({s.rank_numel(kind):,} per rank: ZeRO stage {s.stage} over {s.world_size} ranks;"
+                    " budgets are per rank)")
+    message = (f"the {kind} of {s.numel:,} parameters{per_rank} do not fit within the tier budgets; "
+               f"it would take: " + "; or ".join(texts))
+    return message, options
+
+
+def _predict(placement: dict[str, Location], s: _Sizes, device: torch.device, rates: dict[str, float],
+             local_ranks: int) -> tuple[dict[str, float], tuple[str, ...]]:
+    """Seconds per step spent on optimizer math and swap traffic, and the rate keys used
+    ([Note: step-time prediction])."""
+    out = {"params_h2d": 0.0, "params_nvme": 0.0, "grads_d2h": 0.0, "optimizer": 0.0, "optimizer_nvme": 0.0,
+           "params_copyback": 0.0}
+    used: list[str] = []
+
+    def add(part: str, work: float, key: str) -> None:
+        out[part] += work / rates[key]
+        if key not in used:
+            used.append(key)
+
+    on_gpu = device.type == "cuda"
+    n_param, n_grad, n_opt = (s.rank_numel(k) for k in KINDS)
+    if placement["params"] is not Location.DEVICE:  # fetched for forward and again for backward
+        if on_gpu:
+            add("params_h2d", 2 * s.lp_bytes * n_param, "h2d")
+        if placement["params"] is Location.NVME:
+            add("params_nvme", 2 * s.lp_bytes * n_param * local_ranks, "nvme_read")
+    if on_gpu and placement["optimizer"] is not Location.DEVICE:
+        # the CPU optimizer reads this rank's gradient shard in host memory
+        add("grads_d2h", s.grad_bytes * (n_grad if placement["gradients"] is Location.HOST else n_opt), "d2h")
+    if placement["optimizer"] is Location.DEVICE and on_gpu:
+        add("optimizer", 28 * n_opt, "device_adam")
+    else:  # the node's CPU steps every local rank's shard
+        add("optimizer", n_opt * local_ranks, "cpu_adam")
     if placement["optimizer"] is Location.NVME:
-        out["optimizer_nvme"] = 12 * numel / rates["nvme_read"] + 12 * numel / rates["nvme_write"]
+        nbytes = OPTIMIZER_BYTES * n_opt * local_ranks
+        add("optimizer_nvme", nbytes, "nvme_read")
+        add("optimizer_nvme", nbytes, "nvme_write")
     if placement["optimizer"] is not Location.DEVICE and placement["params"] is Location.DEVICE and on_gpu:
-        out["params_copyback"] = lp_bytes * numel / rates["h2d"]
-    return out
+        add("params_copyback", s.lp_bytes * n_opt, "h2d")
+    return out, tuple(used)

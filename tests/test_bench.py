@@ -1,0 +1,122 @@
+"""`zerotier bench`: the io form end to end, saving + load_rates round trip, the planner using
+the loaded rates. Sizes are tiny: these check plumbing, not the node's figures."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zerotier import bench
+from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+from zerotier.planner import make_plan
+
+
+@pytest.fixture
+def bench_file(tmp_path, monkeypatch):
+    path = tmp_path / "cache" / "bench.json"
+    monkeypatch.setenv("ZEROTIER_BENCH_FILE", str(path))
+    return path
+
+
+def test_cli_bench_io_json_no_save(tmp_path):
+    target = tmp_path / "bench.json"
+    env = dict(os.environ, ZEROTIER_BENCH_FILE=str(target))
+    r = subprocess.run([sys.executable, "-m", "zerotier.cli", "bench", "io", "--path", str(tmp_path),
+                        "--size", "8MiB", "--json", "--no-save"], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["read_GBps"] > 0 and out["write_GBps"] > 0 and out["bytes"] == 8 << 20
+    assert not target.exists()
+    assert os.listdir(tmp_path) == []  # the temp subdir and its file are gone
+
+
+def test_bench_io_odd_size_and_cleanup(tmp_path):
+    out = bench.bench_io(tmp_path, 3 * 4096 + 1)  # rounded up to the alignment
+    assert out["bytes"] == 4 * 4096 and out["read_GBps"] > 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_and_load_rates_round_trip(bench_file):
+    assert bench.load_rates() is None
+    results = {"io": {"read_GBps": 7.5, "write_GBps": 4.0, "o_direct": True, "path": "/x"},
+               "adam": {"fp32_params_per_s": 2.0e9, "bf16_params_per_s": 2.2e9},
+               "pcie": None}  # CPU-only: skipped
+    assert bench.save(results) == bench_file
+    assert bench.load_rates() == {"nvme_read": 7.5e9, "nvme_write": 4.0e9, "cpu_adam": 2.0e9}
+    # a later run of one section merges: the others keep their figures
+    bench.save({"pcie": {"h2d_pinned_GBps": 25.0, "d2h_pinned_GBps": 24.0}})
+    rates = bench.load_rates()
+    assert rates["h2d"] == 25e9 and rates["d2h"] == 24e9 and rates["cpu_adam"] == 2.0e9
+    data = json.loads(bench_file.read_text())
+    assert data["hostname"] == socket.gethostname() and data["timestamp"]
+    assert data["hosts"][socket.gethostname()]["io"]["timestamp"]
+    # figures taken through the page cache are not NVMe rates
+    bench.save({"io": {"read_GBps": 50.0, "write_GBps": 9.0, "o_direct": False}})
+    assert "nvme_read" not in bench.load_rates()
+
+
+def test_other_hosts_and_bad_files_are_ignored(bench_file):
+    bench_file.parent.mkdir(parents=True)
+    bench_file.write_text(json.dumps({"format": 1, "hosts": {"elsewhere": {"adam": {"fp32_params_per_s": 1e9}}}}))
+    assert bench.load_rates() is None
+    bench_file.write_text("{not json")
+    with pytest.warns(RuntimeWarning, match="cannot read saved zerotier bench results"):
+        assert bench.load_rates() is None
+
+
+def test_planner_uses_loaded_rates(bench_file):
+    def plan():
+        return make_plan([10**7], TiersConfig(), OffloadConfig(optimizer="host"), PrecisionConfig(),
+                         PrefetchConfig(), torch.device("cpu"), budgets={"device": 10**12, "host": 10**12, "nvme": 0})
+
+    assumed = plan()
+    assert assumed.rate_sources == {"cpu_adam": "default"} and assumed.to_dict()["predicted_step_s"] is None
+    bench.save({"adam": {"fp32_params_per_s": 1e7}})
+    measured = plan()
+    assert measured.rate_sources == {"cpu_adam": "measured"}
+    assert measured.predicted_step_s == pytest.approx(1.0)  # 1e7 params at 1e7 params/s
+    assert measured.to_dict()["predicted_step_s"] == pytest.approx(1.0)
+    assert "cpu_adam measured" in measured.summary()
+
+
+def test_cli_bench_sections_in_process(bench_file, tmp_path, capsys):
+    from zerotier.cli import main
+
+    assert main(["bench", "adam", "--params", "100000", "--quick"]) == 0
+    out = capsys.readouterr()
+    assert "cpu adam fp32" in out.out and "saved to" in out.err
+    assert bench.load_rates()["cpu_adam"] > 0
+    assert main(["bench", "mem", "--size", "8MiB", "--json", "--no-save"]) == 0
+    mem = json.loads(capsys.readouterr().out)
+    assert mem["inplace_GBps"] > 0 and mem["copy_GBps"] > 0
+    assert main(["bench", "io", "--size", "bogus"]) == 1
+    assert "--size: invalid size" in capsys.readouterr().err
+
+
+def test_progress_bar_counts_to_total():
+    import io
+
+    stream = io.StringIO()
+    p = bench.Progress(2, stream=stream)
+    p("a")
+    p("b")
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("zerotier bench: [") and "1/2" in lines[0] and "2/2" in lines[1]
+
+
+def test_pcie_without_cuda_is_skipped_with_a_note():
+    if torch.cuda.is_available():
+        pytest.skip("this node has CUDA")
+    assert bench.bench_pcie(1 << 20) is None
+    assert "skipped: no CUDA" in bench.format_table({"pcie": None})
+
+
+@pytest.mark.cuda
+def test_pcie_measures_pinned_and_pageable():
+    out = bench.bench_pcie(8 << 20, repeat=2)
+    for key in ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable"):
+        assert out[key + "_GBps"] > 0

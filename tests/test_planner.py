@@ -1,0 +1,198 @@
+"""The planner: ZeRO-paper model-state figures, fit / does-not-fit, auto placement order,
+and `zerotier plan` end to end (subprocess)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+from zerotier.errors import BudgetError, ConfigError
+from zerotier.planner import ENGINE_GRAD_BYTES, PlanDoesNotFit, make_plan, model_state_bytes, shard_numel
+from zerotier.state import Location, build_units
+
+CPU = torch.device("cpu")
+BIG = 10**15  # a budget nothing in these tests exceeds
+
+
+@pytest.fixture(autouse=True)
+def _no_saved_rates(tmp_path, monkeypatch):
+    """No bench results unless a test saves some: predictions use DEFAULT_RATES."""
+    monkeypatch.setenv("ZEROTIER_BENCH_FILE", str(tmp_path / "no-bench.json"))
+
+
+def plan(numels, device=BIG, host=BIG, nvme=0, offload=None, dtype="bf16", **kw):
+    return make_plan(numels, TiersConfig(), OffloadConfig(**(offload or {})), PrecisionConfig(param_dtype=dtype),
+                     PrefetchConfig(), CPU, budgets={"device": device, "host": host, "nvme": nvme}, **kw)
+
+
+ALL_DEVICE = {"params": "device", "gradients": "device", "optimizer": "device"}
+
+
+# --- the ZeRO paper, Figure 1: Psi = 7.5B, N = 64, K = 12, fp16 params and grads --------------
+
+@pytest.mark.parametrize("stage, gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_model_state_bytes_reproduce_zero_paper_figure_1(stage, gb):
+    assert round(model_state_bytes(7_500_000_000, stage, 64) / 1e9, 1) == gb
+
+
+@pytest.mark.parametrize("stage, gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_make_plan_per_rank_accounting_is_the_paper_formula(stage, gb):
+    numels = [7_500_000_000 // 1000] * 1000  # 1000 equal units of 7.5M
+    p = plan(numels, offload=ALL_DEVICE, world_size=64, stage=stage, grad_bytes=2)
+    assert p.per_rank_bytes == model_state_bytes(7_500_000_000, stage, 64, 2, 2, 12)
+    assert round(p.per_rank_bytes / 1e9, 1) == gb
+    # with no offload, the device holds exactly the model state; stage 3 adds the
+    # gathered working set of (lookahead + 2) full units
+    working = 0 if stage < 3 else (PrefetchConfig().lookahead + 2) * 7_500_000 * 2
+    assert p.need == {"device": p.per_rank_bytes + working, "host": 0, "nvme": 0}
+    assert round(p.need["device"] / 1e9, 1) == gb
+
+
+def test_formula_terms_per_stage():
+    psi, n = 1_000_000 * 64, 64
+    assert model_state_bytes(psi, 0, n) == 16 * psi
+    assert model_state_bytes(psi, 1, n) == 2 * psi + 2 * psi + 12 * psi // n
+    assert model_state_bytes(psi, 2, n) == 2 * psi + 14 * psi // n
+    assert model_state_bytes(psi, 3, n) == 16 * psi // n
+    assert shard_numel(10, "optimizer", 1, 3) == 4  # the largest rank holds ceil(psi / N)
+    with pytest.raises(ConfigError, match="stage"):
+        model_state_bytes(psi, 4, n)
+
+
+def test_engine_accounting_counts_fp32_gradient_accumulators():
+    p = plan([1000], offload=ALL_DEVICE)
+    assert p.grad_bytes == ENGINE_GRAD_BYTES == 4
+    assert p.state_bytes == {"params": 2000, "gradients": 4000, "optimizer": 12000}
+    assert p.per_rank_bytes == model_state_bytes(1000, 0, 1, grad_bytes=4)
+
+
+# --- fits / does not fit ---------------------------------------------------------------------
+
+def test_fits_exactly_at_the_budget_and_not_one_byte_less():
+    n = 1_000_000
+    need = 2 * n + 4 * n + 12 * n
+    assert plan([n], device=need, host=0, offload=ALL_DEVICE).need["device"] == need
+    with pytest.raises(PlanDoesNotFit, match=r"the optimizer of 1,000,000 parameters do not fit.*"
+                                             r"1 B more device \(tiers.device is ") as ei:
+        plan([n], device=need - 1, host=0, offload=ALL_DEVICE)
+    assert isinstance(ei.value, BudgetError)
+    assert ei.value.kind == "optimizer"
+    assert ei.value.options == [{"tier": "device", "more": {"device": 1}}]
+    assert {k: v.value for k, v in ei.value.placement.items()} == {"params": "device", "gradients": "device"}
+
+
+def test_does_not_fit_names_every_alternative_with_bytes():
+    n = 1 << 20
+    with pytest.raises(PlanDoesNotFit) as ei:
+        plan([n], device=6 * n, host=1024)  # params + grads fill the device; 12 B/param nowhere
+    msg = str(ei.value)
+    assert "the optimizer of 1,048,576 parameters do not fit" in msg
+    assert "12.00 MiB more device (tiers.device is 6.00 MiB) to place it on device" in msg
+    assert "more host (tiers.host is 1.00 KiB) to place it on host" in msg
+    assert "enable the nvme tier (set tiers.nvme_path; needs 12.00 MiB)" in msg
+    assert ei.value.options[1] == {"tier": "host", "more": {"host": 12 * n - 1024}}
+
+
+def test_sharded_message_says_per_rank():
+    with pytest.raises(PlanDoesNotFit, match=r"\(250 per rank: ZeRO stage 1 over 4 ranks; budgets are per rank\)"):
+        plan([1000], device=6000, host=0, nvme=0, offload=ALL_DEVICE, world_size=4, stage=1)
+    # ...and sharding is what makes it fit
+    assert plan([1000], device=9000, host=0, offload=ALL_DEVICE, world_size=4, stage=1).per_rank_bytes == 9000
+
+
+def test_nvme_optimizer_needs_host_staging():
+    n = 1000
+    p = plan([n], device=BIG, host=BIG, nvme=BIG, offload={"optimizer": "nvme"})
+    assert p.placement["optimizer"] is Location.NVME
+    assert p.need["nvme"] == 12 * n
+    assert p.need["host"] == 3 * 12 * n + 4 * n
+
+
+# --- auto placement order: params, then gradients, then optimizer; fastest tier first ---------
+
+@pytest.mark.parametrize("device, expect", [
+    (18, ("device", "device", "device")),
+    (17, ("device", "device", "host")),   # optimizer (12 B) is the first to leave the device
+    (5, ("device", "host", "host")),      # then gradients (4 B)
+    (1, ("host", "host", "host")),        # params (2 B) last; the device keeps their working set
+])
+def test_auto_placement_fills_the_fastest_tier_by_access_frequency(device, expect):
+    units = [1000] * 100
+    n = sum(units)
+    p = plan(units, device=device * n, host=BIG)
+    assert tuple(p.placement[k].value for k in ("params", "gradients", "optimizer")) == expect
+
+
+def test_auto_uses_nvme_when_host_is_short():
+    n = 1000
+    p = plan([n] * 10, device=6 * 10 * n, host=3 * 12 * n + 4 * n, nvme=BIG)
+    assert [p.placement[k] for k in ("params", "gradients", "optimizer")] == \
+        [Location.DEVICE, Location.DEVICE, Location.NVME]
+
+
+# --- step-time prediction depends on the rates --------------------------------------------------
+
+def test_prediction_scales_with_rates_and_labels_them():
+    slow = plan([10**6], offload={"optimizer": "host"}, rates={"cpu_adam": 1e6})
+    fast = plan([10**6], offload={"optimizer": "host"}, rates={"cpu_adam": 1e9})
+    assert slow.predicted_step_s == pytest.approx(1.0) and fast.predicted_step_s == pytest.approx(1e-3)
+    assert slow.rate_sources == {"cpu_adam": "given"}
+    unmeasured = plan([10**6], offload={"optimizer": "host"})
+    assert unmeasured.rate_sources == {"cpu_adam": "default"} and not unmeasured.rates_measured
+    assert unmeasured.to_dict()["predicted_step_s"] is None
+    assert "run `zerotier bench` for a step-time prediction" in unmeasured.summary()
+
+
+# --- zerotier plan (subprocess) ------------------------------------------------------------------
+
+def run_cli(*args, env_file=None, tmp_path=None):
+    import os
+    env = dict(os.environ, ZEROTIER_BENCH_FILE=str(env_file or (tmp_path / "none.json")))
+    return subprocess.run([sys.executable, "-m", "zerotier.cli", "plan", *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def test_cli_plan_json_has_per_rank_bytes_and_tiers(tmp_path):
+    r = run_cli("--params", "7.5e9", "--world-size", "64", "--stage", "2", "--param-dtype", "bf16",
+                "--accounting", "paper", "--device", "80GB", "--host", "1TB", "--json", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert round(out["per_rank_bytes"] / 1e9, 1) == 16.6
+    assert set(out["tiers"]) == {"device", "host", "nvme"} and out["tiers"]["device"] == out["per_rank_bytes"]
+    assert out["fits"] is True and out["missing"] is None and out["predicted_step_s"] is None
+    assert out["placement"] == {"params": "device", "gradients": "device", "optimizer": "device"}
+
+
+def test_cli_plan_does_not_fit_exits_1_with_the_shortfall(capsys):
+    from zerotier.cli import main  # in-process: the subprocess path is covered above
+
+    assert main(["plan", "--params", "7B", "--device", "10GiB", "--host", "10GiB", "--json"]) == 1
+    r = capsys.readouterr()
+    assert "zerotier plan: error: the" in r.err and "more host" in r.err
+    out = json.loads(r.out)
+    assert out["fits"] is False and out["missing"]["options"]
+    assert out["per_rank_bytes"] == 7 * 10**9 * (4 + 4 + 12)  # fp32 params (the config default)
+
+
+def test_cli_plan_factory_model_counts_units_like_the_engine(tmp_path):
+    from zerotier.models import TinyGPT
+
+    numels = [u.numel for u in build_units(TinyGPT())]
+    r = run_cli("--model", "zerotier.models:TinyGPT", "--json", "--device", "1GiB", "--host", "1GiB",
+                tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["numel"] == sum(numels)  # the tied head is counted once
+    assert out["per_rank_bytes"] == sum(numels) * (4 + 4 + 12)
+
+
+def test_cli_plan_text_and_bad_input(capsys):
+    from zerotier.cli import main
+
+    assert main(["plan", "--params", "350M", "--device", "20GiB", "--host", "20GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: yes" in out and "run `zerotier bench` for a step-time prediction" in out
+    assert main(["plan", "--params", "lots"]) == 1
+    assert "--params: cannot read" in capsys.readouterr().err

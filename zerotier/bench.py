@@ -1,0 +1,368 @@
+"""`zerotier bench`: measure this node's rates and save them for the planner.
+
+Sections (each a function returning a dict of figures; GB = 1e9 bytes):
+  mem   memory bandwidth: in-place `mul_` on a large fp32 buffer (read + write bytes) and a
+        buffer-to-buffer `copy_` (read + write bytes)
+  pcie  with CUDA: host->device and device->host copies from pinned and pageable memory
+  io    NVMe write then read of one fresh file through zerotier's own engine
+        (`open_engine(IOConfig())`, O_DIRECT, aligned buffers), in a temp subdir removed after
+  adam  CPU Adam throughput (params/s) of `zerotier.optim.adam_step`: fp32 grads, and the
+        mixed form (bf16 grads in, bf16 params out)
+
+Results are merged into a JSON file, per host (a home directory may be shared by nodes):
+
+    {"format": 1, "hostname": <last writer>, "timestamp": <last save>,
+     "hosts": {"<hostname>": {"timestamp": ..., "mem": {..., "timestamp": ...}, "io": {...}, ...}}}
+
+at `--save PATH`, else $ZEROTIER_BENCH_FILE, else ~/.cache/zerotier/bench.json.
+`load_rates()` maps this host's figures to the planner's rate keys (zerotier.planner.DEFAULT_RATES).
+
+Only `load_rates`/`load`/`bench_file` run at import-light cost: the planner calls them on every
+`initialize()`; torch and the engine are imported inside the measuring functions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+FORMAT = 1
+SECTIONS = ("mem", "pcie", "io", "adam")
+# default / --quick sizes: bytes for mem, pcie, io; parameters for adam
+SIZES = {"mem": 1 << 30, "pcie": 512 << 20, "io": 1 << 30, "adam": 50_000_000}
+QUICK_SIZES = {"mem": 256 << 20, "pcie": 64 << 20, "io": 64 << 20, "adam": 2_000_000}
+STEPS = {"mem": 2, "pcie": 4, "io": 2, "adam": 2}  # progress-bar ticks per section
+
+Tick = Callable[[str], None]
+
+
+def _noop(_label: str) -> None:
+    pass
+
+
+def _best_seconds(fn: Callable[[], None], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# measurements
+
+
+def bench_memory(nbytes: int, repeat: int = 5, tick: Tick = _noop) -> dict[str, Any]:
+    """In-place `mul_` and `copy_` bandwidth over `nbytes` buffers, all torch threads."""
+    import torch
+
+    n = max(1, nbytes // 4)
+    buf = torch.ones(n, dtype=torch.float32)  # first touch outside the timing
+
+    def scale() -> None:  # x2 then x0.5: values stay exact and normal (no denormal slow path)
+        buf.mul_(2.0)
+        buf.mul_(0.5)
+
+    scale()
+    inplace = 2 * (2 * 4 * n) / _best_seconds(scale, repeat)  # two passes, each reads + writes 4n bytes
+    tick("memory: in-place mul_")
+    dst = torch.empty_like(buf)
+    dst.copy_(buf)
+    copy = 2 * 4 * n / _best_seconds(lambda: dst.copy_(buf), repeat)
+    tick("memory: copy_")
+    return {"bytes": 4 * n, "threads": torch.get_num_threads(),
+            "inplace_GBps": inplace / 1e9, "copy_GBps": copy / 1e9}
+
+
+def bench_pcie(nbytes: int, repeat: int = 5, tick: Tick = _noop) -> dict[str, Any] | None:
+    """H2D / D2H copy bandwidth, pinned and pageable host memory; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        for label in ("h2d pinned", "d2h pinned", "h2d pageable", "d2h pageable"):
+            tick(f"pcie: {label} (no CUDA)")
+        return None
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out: dict[str, Any] = {"bytes": nbytes, "device": torch.cuda.get_device_name()}
+    for kind, pinned in (("pinned", True), ("pageable", False)):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        host.fill_(1)  # touch every page before timing
+        for direction, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+            def copy(dst=dst, src=src) -> None:
+                dst.copy_(src, non_blocking=pinned)
+                torch.cuda.synchronize()
+            copy()
+            out[f"{direction}_{kind}_GBps"] = nbytes / _best_seconds(copy, repeat) / 1e9
+            tick(f"pcie: {direction} {kind}")
+        del host
+    return out
+
+
+def bench_io(directory: str | os.PathLike, nbytes: int, cfg=None, tick: Tick = _noop) -> dict[str, Any]:
+    """Write then read `nbytes` of one fresh file in a temp subdir of `directory` with
+    zerotier's engine; O_DIRECT where the filesystem allows (else the page cache is dropped
+    with fadvise before reading, and `o_direct` is False in the result)."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    from .config import IOConfig
+    from .io import aligned_empty, open_direct, open_engine, round_up
+
+    cfg = cfg if cfg is not None else IOConfig()
+    nbytes = round_up(max(nbytes, cfg.alignment), cfg.alignment)
+    chunk = min(nbytes, round_up(64 << 20, cfg.alignment))
+    window = min(4, -(-nbytes // chunk))  # chunks in flight: a few requests of queue_depth blocks
+    bufs = [aligned_empty(chunk, cfg.alignment) for _ in range(window)]
+    gen = torch.Generator().manual_seed(0)
+    for b in bufs:  # incompressible, distinct per buffer
+        b.copy_(torch.randint(0, 256, (chunk,), dtype=torch.uint8, generator=gen))
+    sums = [int(b.sum(dtype=torch.int64)) for b in bufs]
+    pieces = [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+
+    tmp = tempfile.mkdtemp(prefix="zt-bench-", dir=os.fspath(directory))
+    path = os.path.join(tmp, "bench.dat")
+    try:
+        with open_engine(cfg) as eng:
+            fd, direct = open_direct(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, direct=cfg.o_direct)
+            try:
+                def transfer(op: str) -> float:
+                    inflight = []
+                    t0 = time.perf_counter()
+                    for i, (off, length) in enumerate(pieces):
+                        if len(inflight) == window:
+                            ticket, want = inflight.pop(0)
+                            _check_transfer(ticket.wait(), want, op, path)
+                        buf = bufs[i % window][:length]
+                        ticket = eng.write(fd, buf, off, path) if op == "write" else eng.read(fd, buf, off, path)
+                        inflight.append((ticket, length))
+                    for ticket, want in inflight:
+                        _check_transfer(ticket.wait(), want, op, path)
+                    if op == "write":
+                        os.fsync(fd)  # the data and the file's size are on the disk
+                    return time.perf_counter() - t0
+
+                write_s = transfer("write")
+                tick("io: write")
+                if not direct:  # keep the read honest: out of the page cache
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                read_s = transfer("read")
+                tick("io: read")
+            finally:
+                os.close(fd)
+        last = len(pieces) - 1  # the last `window` chunks are in the buffers: check full ones
+        for i in range(max(0, last - window + 1), last + 1):
+            if pieces[i][1] == chunk and int(bufs[i % window].sum(dtype=torch.int64)) != sums[i % window]:
+                raise RuntimeError(f"zerotier bench io: read-back mismatch in {path} at offset {pieces[i][0]}")
+        backend = eng.backend
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"path": os.path.abspath(os.fspath(directory)), "bytes": nbytes, "backend": backend,
+            "o_direct": direct, "block_size": cfg.block_size, "queue_depth": cfg.queue_depth,
+            "write_GBps": nbytes / write_s / 1e9, "read_GBps": nbytes / read_s / 1e9}
+
+
+def _check_transfer(got: int, want: int, op: str, path: str) -> None:
+    if got != want:
+        raise RuntimeError(f"zerotier bench io: short {op} of {path}: {got} of {want} bytes")
+
+
+def bench_adam(numel: int, repeat: int = 3, tick: Tick = _noop) -> dict[str, Any]:
+    """Params/s of `adam_step` on fp32 buffers, and with bf16 grads in / bf16 params out."""
+    import torch
+
+    from .optim._kernels import adam_step, default_threads, simd_level
+
+    gen = torch.Generator().manual_seed(0)
+    master = torch.randn(numel, generator=gen)
+    exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
+    grad = torch.randn(numel, generator=gen) * 1e-3
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    out: dict[str, Any] = {"numel": numel, "simd": simd_level(), "threads": default_threads()}
+    step = [0]
+
+    def run(g, param_out=None) -> None:
+        step[0] += 1
+        adam_step(master, exp_avg, exp_avg_sq, g, step=step[0], param_out=param_out, **hyper)
+
+    run(grad)
+    out["fp32_params_per_s"] = numel / _best_seconds(lambda: run(grad), repeat)
+    tick("adam: fp32")
+    grad_bf16 = grad.to(torch.bfloat16)
+    del grad
+    param_bf16 = torch.empty(numel, dtype=torch.bfloat16)
+    run(grad_bf16, param_bf16)
+    out["bf16_params_per_s"] = numel / _best_seconds(lambda: run(grad_bf16, param_bf16), repeat)
+    tick("adam: bf16 grads, bf16 params out")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per step when stderr is not a terminal)."""
+
+    def __init__(self, total: int, stream=None, width: int = 24):
+        self.total, self.done, self.width = max(total, 1), 0, width
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def __call__(self, label: str) -> None:
+        self.done += 1
+        filled = self.width * self.done // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        text = f"[{bar}] {self.done}/{self.total} {time.perf_counter() - self.t0:5.1f}s {label}"
+        if self.tty:
+            self.stream.write("\r\033[K" + text + ("\n" if self.done >= self.total else ""))
+        else:
+            self.stream.write(f"zerotier bench: {text}\n")
+        self.stream.flush()
+
+
+def run(sections: tuple[str, ...] = SECTIONS, *, size: int | None = None, params: int | None = None,
+        quick: bool = False, path: str | os.PathLike = ".", progress: Tick | None = None) -> dict[str, Any]:
+    """Measure `sections`; returns {section: figures} (pcie: None without CUDA).
+
+    size: bytes for mem/pcie/io (default SIZES, or QUICK_SIZES with quick); params: Adam numel.
+    """
+    table = QUICK_SIZES if quick else SIZES
+    tick = progress or Progress(sum(STEPS[s] for s in sections))
+    results: dict[str, Any] = {}
+    for section in sections:
+        if section == "mem":
+            results["mem"] = bench_memory(size or table["mem"], repeat=3 if quick else 5, tick=tick)
+        elif section == "pcie":
+            results["pcie"] = bench_pcie(size or table["pcie"], repeat=3 if quick else 5, tick=tick)
+        elif section == "io":
+            results["io"] = bench_io(path, size or table["io"], tick=tick)
+        elif section == "adam":
+            results["adam"] = bench_adam(params or table["adam"], repeat=3, tick=tick)
+        else:
+            raise ValueError(f"unknown bench section {section!r}; choose from {', '.join(SECTIONS)}")
+    return results
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The measured figures as aligned text rows."""
+    from .config import format_size
+
+    rows: list[tuple[str, str]] = []
+    mem = results.get("mem")
+    if mem:
+        note = f"({format_size(mem['bytes'])} buffer, {mem['threads']} threads; read+write bytes)"
+        rows += [("memory in-place mul_", f"{mem['inplace_GBps']:7.2f} GB/s  {note}"),
+                 ("memory copy_", f"{mem['copy_GBps']:7.2f} GB/s")]
+    if "pcie" in results:
+        pcie = results["pcie"]
+        if pcie is None:
+            rows.append(("pcie", "skipped: no CUDA device (CPU-only node)"))
+        else:
+            for key in ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable"):
+                rows.append((f"{key.replace('_', ' ')}", f"{pcie[key + '_GBps']:7.2f} GB/s  ({pcie['device']})"))
+    io = results.get("io")
+    if io:
+        how = f"({format_size(io['bytes'])}, {io['backend']}, " + ("O_DIRECT" if io["o_direct"] else
+                                                                 "buffered: no O_DIRECT here") + f", {io['path']})"
+        rows += [("nvme write", f"{io['write_GBps']:7.2f} GB/s  {how}"),
+                 ("nvme read", f"{io['read_GBps']:7.2f} GB/s")]
+    adam = results.get("adam")
+    if adam:
+        note = f"({adam['numel'] / 1e6:.0f}M params, {adam['simd']}, {adam['threads']} threads)"
+        rows += [("cpu adam fp32", f"{adam['fp32_params_per_s'] / 1e9:7.2f} G params/s  {note}"),
+                 ("cpu adam bf16 grad+out", f"{adam['bf16_params_per_s'] / 1e9:7.2f} G params/s")]
+    width = max((len(k) for k, _ in rows), default=0)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# saved results
+
+
+def bench_file(path: str | os.PathLike | None = None) -> Path:
+    """Where results are saved: `path`, else $ZEROTIER_BENCH_FILE, else ~/.cache/zerotier/bench.json."""
+    if path:
+        return Path(path).expanduser()
+    env = os.environ.get("ZEROTIER_BENCH_FILE")
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "zerotier" / "bench.json"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"{path}: cannot read saved zerotier bench results ({exc}); ignoring them",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("hosts"), dict):
+        warnings.warn(f"{path}: not a zerotier bench file of format {FORMAT}; ignoring it",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return data
+
+
+def save(results: dict[str, Any], path: str | os.PathLike | None = None) -> Path:
+    """Merge `results` into this host's entry of the bench file (atomically); returns its path."""
+    target = bench_file(path)
+    data = _read(target) or {"format": FORMAT, "hosts": {}}
+    host, now = socket.gethostname(), _now()
+    entry = data["hosts"].setdefault(host, {})
+    for section, figures in results.items():
+        entry[section] = {**figures, "timestamp": now} if figures is not None else {"skipped": True,
+                                                                                   "timestamp": now}
+    entry["timestamp"] = now
+    data.update(hostname=host, timestamp=now)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
+def load(path: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """This host's saved entry ({section: figures, "timestamp": ...}), or None."""
+    data = _read(bench_file(path))
+    if data is None:
+        return None
+    entry = data["hosts"].get(socket.gethostname())
+    return entry if isinstance(entry, dict) else None
+
+
+def load_rates(path: str | os.PathLike | None = None) -> dict[str, float] | None:
+    """This host's saved figures as the planner's rates: h2d, d2h, nvme_read, nvme_write
+    (bytes/s) and cpu_adam (params/s, fp32 grads: what the engine's fp32 accumulators feed);
+    only the keys measured. None when nothing usable is saved. NVMe figures taken without
+    O_DIRECT (page cache) are left out."""
+    entry = load(path)
+    if not entry:
+        return None
+    rates: dict[str, float] = {}
+    pcie, io, adam = entry.get("pcie") or {}, entry.get("io") or {}, entry.get("adam") or {}
+    for key, (section, field) in {"h2d": (pcie, "h2d_pinned_GBps"), "d2h": (pcie, "d2h_pinned_GBps"),
+                                  "nvme_read": (io, "read_GBps"), "nvme_write": (io, "write_GBps")}.items():
+        value = section.get(field)
+        if isinstance(value, (int, float)) and value > 0 and (section is not io or io.get("o_direct")):
+            rates[key] = float(value) * 1e9
+    value = adam.get("fp32_params_per_s")
+    if isinstance(value, (int, float)) and value > 0:
+        rates["cpu_adam"] = float(value)
+    return rates or None

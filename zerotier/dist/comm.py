@@ -1,0 +1,735 @@
+"""Collectives for ZeRO: reduce-scatter, all-gather, all-reduce as async handles; gradient and
+parameter buckets; byte counters. gloo on CPU, NCCL on CUDA. See docs/dist.md.
+
+    comm = Comm.from_config(cfg.zero)
+    h = comm.reduce_scatter(grad_shard, grad_flat_padded)   # issue
+    ...                                                     # compute goes on
+    h.wait()                                                # grad_shard is now usable
+
+[Note: where collectives run]
+CPU (gloo): every collective is issued with `async_op=True`; gloo runs it on its own
+threads while the caller computes. `Handle.wait()` joins it and then runs the
+finishing step, if any (slice of an emulated reduce-scatter, division of an
+emulated AVG).
+CUDA (NCCL): every collective, and its finishing step, is queued on `Comm.stream`,
+a dedicated stream, after that stream waits for everything already queued on the
+caller's (compute) stream: the inputs are ready, and the collective overlaps the
+compute queued after it. An event recorded on `Comm.stream` travels with the
+handle; `Handle.wait()` makes the caller's stream wait on it (the host never
+blocks). Tensors used on `Comm.stream` are kept alive by the handle until
+`wait()`, after which the compute stream is ordered after their last use, so the
+caching allocator may reuse them (no `record_stream`). Always wait every handle.
+With `overlap=False` (zero.overlap_comm) collectives run on the caller's stream /
+thread and are complete when issued.
+
+[Note: native or emulated]
+Whether the backend has `reduce_scatter_single`/`reduce_scatter_tensor`,
+`all_gather_single`/`all_gather_into_tensor` and `ReduceOp.AVG` for a dtype is not
+guessed from versions: the first call tries the native collective, and a
+synchronous "unsupported" error (raised identically on every rank, before any
+byte moves) is cached per (backend, collective, dtype, op) and the emulation used
+from then on. Emulations: AVG = SUM, then divide by the world size (no extra
+bytes); reduce-scatter = all-reduce of the flat, then keep this rank's chunk (2x
+the bytes of a ring reduce-scatter; the flat is all-reduced in place when the
+caller marks it scratch, as the gradient buckets do, else a copy); all-gather =
+list all-gather into views of the output (same bytes). `Comm(reduce_scatter=
+"auto")` uses the all-reduce emulation on gloo even though gloo has a native
+reduce-scatter: on one node it measured ~2x faster (docs/dist.md).
+
+[Note: byte counters]
+`Comm.stats()` counts bytes *sent per rank* by the ring-algorithm convention, for
+what was actually issued: reduce-scatter and all-gather of a flat of B bytes send
+(N-1)/N * B each, all-reduce 2(N-1)/N * B (broadcast, used once at start-up to
+make every rank's initial weights rank 0's: (N-1)/N * B). An emulated reduce-scatter is counted
+under "reduce_scatter" at its all-reduce cost. With Psi = the model's bytes of
+gradients / parameters, one step sends: plain DP 2Psi(N-1)/N (all-reduce),
+ZeRO-1/2 the same 2Psi(N-1)/N (reduce-scatter + all-gather), ZeRO-3
+3Psi(N-1)/N (all-gather in forward and in backward, reduce-scatter).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from ..errors import ZerotierError
+from .partition import Partition
+
+AVG = dist.ReduceOp.AVG
+SUM = dist.ReduceOp.SUM
+KINDS = ("reduce_scatter", "all_gather", "all_reduce", "broadcast")
+
+# Errors by which a backend refuses a collective it does not implement (never a lost peer).
+_UNSUPPORTED = (RuntimeError, NotImplementedError, ValueError, TypeError)
+_REAL_FAILURES = tuple(getattr(dist, name) for name in ("DistError", "DistBackendError", "DistNetworkError")
+                       if hasattr(dist, name))
+
+
+class CollectiveError(ZerotierError, RuntimeError):
+    """A collective failed or timed out; the message names this rank and the collective."""
+
+
+def ring_bytes(kind: str, nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends for `kind` over a flat of `nbytes` (the input of a reduce-scatter, the
+    output of an all-gather, the tensor of an all-reduce or broadcast), by the ring-algorithm
+    convention (a pipelined ring broadcast: (N-1)/N per rank on average)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * (world_size - 1) * nbytes // world_size
+
+
+def _failure_message(rank: int, kind: str, timeout_s: float | None, exc: BaseException) -> str:
+    cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        after = f" after {timeout_s:g} s" if timeout_s is not None else ""
+        what = f"timed out{after} (zero.timeout_s)"
+    else:
+        what = "failed"
+    return (f"rank {rank}: collective {kind} {what} — another rank probably failed or stopped; "
+            f"see its log. Cause: {cause}")
+
+
+class Handle:
+    """One issued collective. `wait()` makes its output usable by the caller; `done()` polls.
+
+    See [Note: where collectives run]. wait() is idempotent and raises CollectiveError when the
+    collective failed or timed out (typically because a peer rank died).
+    """
+
+    def __init__(self, kind: str, rank: int, timeout_s: float | None, works: Sequence[Any] = (),
+                 event: "torch.cuda.Event | None" = None, finish: Callable[[], None] | None = None,
+                 keep: tuple = ()):
+        self.kind = kind
+        self._rank, self._timeout_s = rank, timeout_s
+        self._works, self._event, self._finish, self._keep = list(works), event, finish, keep
+        self._waited = False
+
+    def done(self) -> bool:
+        """True once the collective finished (wait() will not block); never raises."""
+        if self._waited:
+            return True
+        if self._event is not None and not self._event.query():
+            return False
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        if self._waited:
+            return
+        with record_function(f"zerotier::{self.kind}.wait"):
+            try:
+                for work in self._works:
+                    work.wait()
+            except Exception as exc:  # gloo: RuntimeError / DistBackendError on a timeout or a lost peer
+                raise CollectiveError(_failure_message(self._rank, self.kind, self._timeout_s, exc)) from exc
+            if self._event is not None:
+                torch.cuda.current_stream().wait_event(self._event)
+            if self._finish is not None:
+                self._finish()
+        self._waited = True
+        self._works, self._event, self._finish, self._keep = [], None, None, ()
+
+
+def wait_all(handles: Iterable[Handle]) -> None:
+    for h in handles:
+        h.wait()
+
+
+@dataclass
+class _Counter:
+    bytes: int = 0
+    calls: int = 0
+    emulated: int = 0
+
+
+class Comm:
+    """Issues collectives on one process group (default: the world); owns the CUDA comm stream,
+    the native-or-emulated cache and the byte counters.
+
+    `reduce_scatter` picks the implementation ([Note: native or emulated]): "native" (the
+    backend's, emulated only where it refuses), "all_reduce" (always the all-reduce
+    emulation), or "auto": "all_reduce" on gloo, where the backend's reduce-scatter measured
+    ~2x slower than an in-place all-reduce of a bucket (docs/dist.md), else "native".
+    `all_gather`: "native" / "auto" (the backend's where it has one) or "list" (always the
+    list all-gather emulation).
+    """
+
+    def __init__(self, group: Any = None, *, overlap: bool = True, timeout_s: float | None = None,
+                 reduce_scatter: str = "auto", all_gather: str = "auto"):
+        if reduce_scatter not in ("auto", "native", "all_reduce"):
+            raise ValueError(f"reduce_scatter must be 'auto', 'native' or 'all_reduce', got {reduce_scatter!r}")
+        if all_gather not in ("auto", "native", "list"):
+            raise ValueError(f"all_gather must be 'auto', 'native' or 'list', got {all_gather!r}")
+        self.group = group
+        self.overlap = overlap
+        self.timeout_s = timeout_s
+        self.reduce_scatter_impl = reduce_scatter
+        self.all_gather_impl = all_gather
+        self._native: dict[Hashable, bool] = {}
+        self._counters = {kind: _Counter() for kind in KINDS}
+        self._lock = threading.Lock()
+        # Collectives queue here so they overlap compute on the caller's stream; ordering both
+        # ways is by events ([Note: where collectives run]). Created on first CUDA collective.
+        self.stream: torch.cuda.Stream | None = None
+
+    @classmethod
+    def from_config(cls, zero_cfg, group: Any = None) -> "Comm":
+        return cls(group, overlap=zero_cfg.overlap_comm, timeout_s=zero_cfg.timeout_s)
+
+    # ------------------------------------------------------------ topology
+
+    def _group(self, group: Any) -> Any:
+        return self.group if group is None else group
+
+    @staticmethod
+    def _active() -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def rank(self, group: Any = None) -> int:
+        return dist.get_rank(self._group(group)) if self._active() else 0
+
+    def world_size(self, group: Any = None) -> int:
+        return dist.get_world_size(self._group(group)) if self._active() else 1
+
+    # ------------------------------------------------------------ counters
+
+    def stats(self, detail: bool = False) -> dict:
+        """{kind: bytes sent by this rank} ([Note: byte counters]); with detail, {kind: {bytes,
+        calls, emulated}}."""
+        with self._lock:
+            if detail:
+                return {k: {"bytes": c.bytes, "calls": c.calls, "emulated": c.emulated}
+                        for k, c in self._counters.items()}
+            return {k: c.bytes for k, c in self._counters.items()}
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._counters = {kind: _Counter() for kind in KINDS}
+
+    def _count(self, kind: str, nbytes: int, emulated: bool) -> None:
+        with self._lock:
+            c = self._counters[kind]
+            c.bytes += nbytes
+            c.calls += 1
+            c.emulated += int(emulated)
+
+    # ------------------------------------------------------------ collectives
+
+    def reduce_scatter(self, output_shard: torch.Tensor, input_flat: torch.Tensor, group: Any = None,
+                       op=AVG, *, input_is_scratch: bool = False) -> Handle:
+        """output_shard = chunk `rank` of op(input_flat over ranks); input_flat has world_size x
+        output_shard.numel() elements. input_flat is left unchanged unless `input_is_scratch`
+        (the caller is done with it): the emulation then all-reduces it in place, no copy."""
+        group = self._group(group)
+        rank, ws = self.rank(group), self.world_size(group)
+        _check_pair("reduce_scatter", output_shard, input_flat, ws, "output_shard", "input_flat")
+        nbytes = input_flat.numel() * input_flat.element_size()
+        with record_function("zerotier::reduce_scatter"):
+            if not self._active():
+                output_shard.copy_(input_flat.view(-1))
+                return Handle("reduce_scatter", rank, self.timeout_s)
+
+            def body():
+                fn = _first_attr(("reduce_scatter_single", "reduce_scatter_tensor"))
+                impl = self.reduce_scatter_impl
+                if impl == "auto":
+                    impl = "all_reduce" if dist.get_backend(group) == "gloo" else "native"
+                if impl == "native" and fn is not None:
+                    work, divisor = self._reducing("reduce_scatter", group, input_flat.dtype, op, ws,
+                                                   lambda o: fn(output_shard, input_flat, op=o, group=group,
+                                                                async_op=True))
+                    if work is not None:
+                        self._count("reduce_scatter", ring_bytes("reduce_scatter", nbytes, ws), False)
+                        return [work], _divider(output_shard, divisor)
+                # emulation: all-reduce a copy of the flat, keep this rank's chunk ([Note: native or emulated])
+                tmp = input_flat.view(-1) if input_is_scratch else input_flat.view(-1).clone()
+                work, divisor = self._all_reduce_work(tmp, group, op, ws)
+                self._count("reduce_scatter", ring_bytes("all_reduce", nbytes, ws), True)
+                n = output_shard.numel()
+
+                def finish():
+                    chunk = tmp[rank * n:(rank + 1) * n]
+                    output_shard.view(-1).copy_(chunk if divisor == 1 else chunk / divisor)
+                return [work], finish
+            return self._issue("reduce_scatter", rank, body, (output_shard, input_flat))
+
+    def all_gather(self, output_flat: torch.Tensor, input_shard: torch.Tensor, group: Any = None) -> Handle:
+        """output_flat = concatenation of every rank's input_shard, in rank order."""
+        group = self._group(group)
+        rank, ws = self.rank(group), self.world_size(group)
+        _check_pair("all_gather", input_shard, output_flat, ws, "input_shard", "output_flat")
+        nbytes = output_flat.numel() * output_flat.element_size()
+        with record_function("zerotier::all_gather"):
+            if not self._active():
+                output_flat.view(-1).copy_(input_shard.view(-1))
+                return Handle("all_gather", rank, self.timeout_s)
+
+            def body():
+                fn = _first_attr(("all_gather_single", "all_gather_into_tensor"))
+                key = (dist.get_backend(group), "all_gather", input_shard.dtype)
+                if self.all_gather_impl != "list" and fn is not None:
+                    work = self._try_native(key, lambda: fn(output_flat, input_shard, group=group, async_op=True))
+                    if work is not None:
+                        self._count("all_gather", ring_bytes("all_gather", nbytes, ws), False)
+                        return [work], None
+                # emulation: list all-gather straight into views of the output (same bytes)
+                chunks = list(output_flat.view(-1).chunk(ws))
+                work = dist.all_gather(chunks, input_shard.view(-1), group=group, async_op=True)
+                self._count("all_gather", ring_bytes("all_gather", nbytes, ws), True)
+                return [work], None
+            return self._issue("all_gather", rank, body, (output_flat, input_shard))
+
+    def all_reduce(self, tensor: torch.Tensor, op=SUM, group: Any = None) -> Handle:
+        """In place: tensor = op(tensor over ranks)."""
+        group = self._group(group)
+        rank, ws = self.rank(group), self.world_size(group)
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce: tensor must be contiguous")
+        nbytes = tensor.numel() * tensor.element_size()
+        with record_function("zerotier::all_reduce"):
+            if not self._active():
+                return Handle("all_reduce", rank, self.timeout_s)
+
+            def body():
+                work, divisor = self._all_reduce_work(tensor, group, op, ws)
+                self._count("all_reduce", ring_bytes("all_reduce", nbytes, ws), divisor != 1)
+                return [work], _divider(tensor, divisor)
+            return self._issue("all_reduce", rank, body, (tensor,))
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, group: Any = None) -> Handle:
+        """In place: tensor = rank `src`'s tensor (src is a global rank), e.g. initial weights."""
+        group = self._group(group)
+        rank, ws = self.rank(group), self.world_size(group)
+        if not tensor.is_contiguous():
+            raise ValueError("broadcast: tensor must be contiguous")
+        nbytes = tensor.numel() * tensor.element_size()
+        with record_function("zerotier::broadcast"):
+            if not self._active():
+                return Handle("broadcast", rank, self.timeout_s)
+
+            def body():
+                work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+                self._count("broadcast", ring_bytes("broadcast", nbytes, ws), False)
+                return [work], None
+            return self._issue("broadcast", rank, body, (tensor,))
+
+    def check_all_ranks(self, ok: bool, what: str, group: Any = None) -> None:
+        """A sync point every rank reaches: raise CollectiveError on every rank if any is not `ok`.
+
+        For failures one rank catches while the others are still in step (a bad batch, a
+        non-finite check, a failed checkpoint write): all ranks stop with an error naming the
+        failed ranks instead of the healthy ones waiting in the next collective.
+        """
+        group = self._group(group)
+        rank, ws = self.rank(group), self.world_size(group)
+        flags = torch.zeros(ws, dtype=torch.int32, device=self._comm_device(group))
+        flags[rank] = 0 if ok else 1
+        self.all_reduce(flags, SUM, group).wait()
+        failed = [r for r, f in enumerate(flags.tolist()) if f]
+        if failed:
+            names = ", ".join(map(str, failed))
+            raise CollectiveError(f"rank {rank}: {what}: rank(s) {names} failed; see their log")
+
+    # ------------------------------------------------------------ internals
+
+    def _comm_device(self, group: Any) -> torch.device:
+        if self._active() and dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _issue(self, kind: str, rank: int, body: Callable[[], tuple[list, Callable | None]],
+               keep: tuple) -> Handle:
+        """Run `body` (which issues async works and returns them with a finishing step) per
+        [Note: where collectives run]."""
+        on_cuda = keep[0].is_cuda
+        if on_cuda and self.overlap:
+            if self.stream is None:
+                self.stream = torch.cuda.Stream()
+            self.stream.wait_stream(torch.cuda.current_stream())  # inputs queued on compute are ready
+            with torch.cuda.stream(self.stream):
+                works, finish = body()
+                for work in works:  # NCCL: makes self.stream wait for the collective; host does not block
+                    work.wait()
+                if finish is not None:
+                    finish()
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            return Handle(kind, rank, self.timeout_s, event=done, keep=keep)
+        works, finish = body()
+        handle = Handle(kind, rank, self.timeout_s, works=works, finish=finish, keep=keep)
+        if not self.overlap:
+            handle.wait()
+        return handle
+
+    def _try_native(self, key: Hashable, call: Callable[[], Any]) -> Any:
+        """The work of `call()`, or None when the backend refused it ([Note: native or emulated])."""
+        if self._native.get(key) is False:
+            return None
+        try:
+            work = call()
+        except _UNSUPPORTED as exc:
+            if isinstance(exc, _REAL_FAILURES) or self._native.get(key):
+                raise
+            self._native[key] = False
+            return None
+        self._native[key] = True
+        return work
+
+    def _reducing(self, kind: str, group: Any, dtype: torch.dtype, op, ws: int,
+                  call: Callable[[Any], Any]) -> tuple[Any, int]:
+        """Issue call(op) natively; where AVG is refused, call(SUM) and return the divisor."""
+        backend = dist.get_backend(group)
+        work = self._try_native((backend, kind, dtype, op), lambda: call(op))
+        if work is not None:
+            return work, 1
+        if op == AVG:
+            work = self._try_native((backend, kind, dtype, SUM), lambda: call(SUM))
+            if work is not None:
+                return work, ws
+        return None, 1
+
+    def _all_reduce_work(self, tensor: torch.Tensor, group: Any, op, ws: int) -> tuple[Any, int]:
+        work, divisor = self._reducing("all_reduce", group, tensor.dtype, op, ws,
+                                       lambda o: dist.all_reduce(tensor, op=o, group=group, async_op=True))
+        if work is None:  # SUM refused too: a real error, let the backend say it
+            work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        return work, divisor
+
+
+def _first_attr(names: Sequence[str]) -> Callable | None:
+    for name in names:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            return fn
+    return None
+
+
+def _divider(tensor: torch.Tensor, divisor: int) -> Callable[[], None] | None:
+    if divisor == 1:
+        return None
+    return lambda: tensor.div_(divisor)
+
+
+def _check_pair(kind: str, shard: torch.Tensor, flat: torch.Tensor, ws: int, shard_name: str,
+                flat_name: str) -> None:
+    if flat.numel() != ws * shard.numel():
+        raise ValueError(f"{kind}: {flat_name} has {flat.numel()} elements, expected world_size ({ws}) x "
+                         f"{shard_name} ({shard.numel()}) = {ws * shard.numel()}; pad the flat with "
+                         "zerotier.dist.padded_numel")
+    if shard.dtype != flat.dtype or shard.device != flat.device:
+        raise ValueError(f"{kind}: {shard_name} ({shard.dtype}, {shard.device}) and {flat_name} "
+                         f"({flat.dtype}, {flat.device}) must have the same dtype and device")
+    if not (shard.is_contiguous() and flat.is_contiguous()):
+        raise ValueError(f"{kind}: {shard_name} and {flat_name} must be contiguous")
+
+
+# ------------------------------------------------------------------------------------------------
+# Buckets
+
+# [Note: buckets]
+# Launching one collective per unit costs a latency per unit (hundreds of small biases);
+# one per step would not overlap backward. A bucket collects units until the next one
+# would take it past `bucket_bytes`, then launches one collective for all of them (a
+# unit larger than `bucket_bytes` goes alone). Layout of a reduce-scatter bucket holding
+# units A, B with padded shards a, b elements:
+#
+#     input (N x (a + b)):   [A chunk 0 | B chunk 0] [A chunk 1 | B chunk 1] ... [.. chunk N-1]
+#     output on rank r:      [A chunk r | B chunk r]      (A's shard r, then B's)
+#
+# so each rank receives exactly its shard of every unit ([Note: partition layout]). The
+# all-gather bucket is the mirror image. Replicated units go to all-reduce buckets.
+# At most `max_inflight` buckets are in flight; the next launch first waits for the
+# oldest (bounded memory). Results are delivered by `on_ready(key, tensor)` on the
+# thread that calls add/flush/wait, after the bucket's handle was waited. All ranks must
+# add the same units in the same order (the same model gives the same backward order).
+
+
+class _BufferPool:
+    """Bucket buffers kept for reuse: a fresh CPU allocation of bucket size page-faults on first
+    touch (~0.45 ms per MiB here, as long as the copy itself x7), once per bucket otherwise.
+    Holds at most `keep` buffers; a buffer is given back only after its bucket's handle was
+    waited, so on CUDA its next use (on the compute stream) is ordered after the last one."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device, capacity: int) -> torch.Tensor:
+        for i, buf in enumerate(self._free):
+            if buf.dtype == dtype and buf.device == device and buf.numel() >= numel:
+                return self._free.pop(i)[:numel]
+        return torch.empty(max(numel, capacity), dtype=dtype, device=device)[:numel]
+
+    def give(self, view: torch.Tensor) -> None:
+        base = view._base if view._base is not None else view
+        self._free.append(base)
+        if len(self._free) > self.keep:
+            smallest = min(range(len(self._free)), key=lambda i: self._free[i].numel())
+            del self._free[smallest]
+
+    def clear(self) -> None:
+        self._free = []
+
+
+class _Bucketer:
+    def __init__(self, bucket_bytes: int, comm: Comm | None, group: Any, max_inflight: int):
+        if bucket_bytes <= 0 or max_inflight < 1:
+            raise ValueError(f"bucket_bytes must be > 0 and max_inflight >= 1, got {bucket_bytes}, {max_inflight}")
+        self.comm = comm if comm is not None else default_comm()
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+        self.max_inflight = max_inflight
+        self.buckets_launched = 0
+        self._inflight: collections.deque[tuple[Handle, Callable[[], None]]] = collections.deque()
+        self._pool = _BufferPool(keep=max_inflight + 1)
+        self._lock = threading.RLock()
+        self.rank, self.world_size = self.comm.rank(group), self.comm.world_size(group)
+
+    def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # a bucket of bucket_bytes needs (N + 1) / N of it: the N-chunk flat and one chunk
+        capacity = self.bucket_bytes // dtype.itemsize * (self.world_size + 1) // self.world_size + 1
+        return self._pool.take(numel, dtype, device, capacity)
+
+    def _launch(self, handle: Handle, complete: Callable[[], None]) -> None:
+        self.buckets_launched += 1
+        self._inflight.append((handle, complete))
+        while len(self._inflight) > self.max_inflight:
+            self._complete_oldest()
+        while self._inflight and self._inflight[0][0].done():
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        handle, complete = self._inflight.popleft()
+        handle.wait()
+        complete()
+
+    def flush(self) -> None:
+        """Launch the partly filled buckets (call at the end of backward)."""
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        """flush(), then wait every bucket and deliver every result (call before the optimizer step)."""
+        with self._lock:
+            self.flush()
+            while self._inflight:
+                self._complete_oldest()
+
+    def release_buffers(self) -> None:
+        """Drop the kept bucket buffers (e.g. at the end of training)."""
+        with self._lock:
+            self._pool.clear()
+
+
+class GradBucketer(_Bucketer):
+    """Reduce-scatters units' flat gradients in buckets during backward ([Note: buckets]).
+
+    add(key, grad_flat, partition) when a unit's gradient is final for this backward;
+    `grad_flat` (numel elements, any float dtype) must stay unchanged until its bucket
+    launches (at the latest in flush()). on_ready(key, grad_shard) then receives this rank's
+    reduced shard: `partition.shard_numel` elements (padding included, zero) in
+    `reduce_dtype` (default: the gradient's dtype). It is a view of a reused bucket buffer,
+    valid only until on_ready returns: copy or accumulate it where the shard lives.
+    Replicated units are all-reduced: on_ready gets the whole reduced flat.
+    """
+
+    def __init__(self, bucket_bytes: int, on_ready: Callable[[Hashable, torch.Tensor], None], *,
+                 comm: Comm | None = None, group: Any = None, op=AVG, reduce_dtype: torch.dtype | None = None,
+                 max_inflight: int = 2):
+        super().__init__(bucket_bytes, comm, group, max_inflight)
+        self.on_ready, self.op, self.reduce_dtype = on_ready, op, reduce_dtype
+        self._pending: dict[bool, list[tuple[Hashable, torch.Tensor, Partition]]] = {False: [], True: []}
+        self._pending_bytes = {False: 0, True: 0}
+
+    def add(self, key: Hashable, grad_flat: torch.Tensor, partition: Partition) -> None:
+        if grad_flat.numel() != partition.numel:
+            raise ValueError(f"GradBucketer.add({key!r}): gradient has {grad_flat.numel()} elements, "
+                             f"partition says {partition.numel}")
+        if partition.world_size != self.world_size:
+            raise ValueError(f"GradBucketer.add({key!r}): partition is for world size {partition.world_size}, "
+                             f"the group has {self.world_size}")
+        dtype = self.reduce_dtype or grad_flat.dtype
+        size = partition.padded_numel * dtype.itemsize
+        with self._lock:
+            rep = partition.replicated
+            if self._pending[rep] and self._pending_bytes[rep] + size > self.bucket_bytes:
+                self._launch_pending(rep)
+            self._pending[rep].append((key, grad_flat, partition))
+            self._pending_bytes[rep] += size
+            if self._pending_bytes[rep] >= self.bucket_bytes:
+                self._launch_pending(rep)
+
+    def flush(self) -> None:
+        with self._lock:
+            for rep in (False, True):
+                if self._pending[rep]:
+                    self._launch_pending(rep)
+
+    def _launch_pending(self, replicated: bool) -> None:
+        units, self._pending[replicated], self._pending_bytes[replicated] = self._pending[replicated], [], 0
+        first = units[0][1]
+        dtype = self.reduce_dtype or first.dtype
+        widths = [p.shard_numel for _, _, p in units]
+        offsets, total = _offsets(widths), sum(widths)
+        n = 1 if replicated else self.world_size
+        buf = self._buffer((n + 1) * total if not replicated else total, dtype, first.device)
+        if replicated:
+            for (_, grad, _), off, w in zip(units, offsets, widths):
+                buf[off:off + w].copy_(grad.reshape(-1))
+            handle, result = self.comm.all_reduce(buf, self.op, self.group), buf
+        else:
+            packed, result = buf[:n * total].view(n, total), buf[n * total:]
+            for (_, grad, p), off, w in zip(units, offsets, widths):
+                _pack_rows(packed[:, off:off + w], grad.reshape(-1), p.numel)
+            handle = self.comm.reduce_scatter(result, packed.view(-1), self.group, self.op, input_is_scratch=True)
+
+        def complete():
+            for (key, _, _), off, w in zip(units, offsets, widths):
+                self.on_ready(key, result[off:off + w])
+            self._pool.give(buf)
+        self._launch(handle, complete)
+
+
+class ParamGatherer(_Bucketer):
+    """All-gathers units' parameter shards into their full flats, in buckets ([Note: buckets]).
+
+    add(key, shard, partition, out_flat): `shard` is this rank's shard (partition.shard_numel
+    elements); `out_flat` (contiguous, at least partition.numel elements) receives the
+    gathered real elements; on_ready(key, out_flat) is called once they are there. `shard`
+    must stay unchanged and `out_flat` unread until then. A unit alone in its bucket whose
+    `out_flat` has exactly `padded_numel` elements is gathered straight into it (no copies):
+    allocate stage-3 gather buffers padded. Replicated units are copied (no communication).
+    """
+
+    def __init__(self, bucket_bytes: int, on_ready: Callable[[Hashable, torch.Tensor], None] | None = None, *,
+                 comm: Comm | None = None, group: Any = None, max_inflight: int = 2):
+        super().__init__(bucket_bytes, comm, group, max_inflight)
+        self.on_ready = on_ready or (lambda key, flat: None)
+        self._pending: list[tuple[Hashable, torch.Tensor, Partition, torch.Tensor]] = []
+        self._pending_bytes = 0
+
+    def add(self, key: Hashable, shard: torch.Tensor, partition: Partition, out_flat: torch.Tensor) -> None:
+        if shard.numel() != partition.shard_numel or out_flat.numel() < partition.numel:
+            raise ValueError(f"ParamGatherer.add({key!r}): shard has {shard.numel()} elements (expected "
+                             f"{partition.shard_numel}), out_flat {out_flat.numel()} (expected >= {partition.numel})")
+        if not out_flat.is_contiguous():
+            raise ValueError(f"ParamGatherer.add({key!r}): out_flat must be contiguous")
+        with self._lock:
+            if partition.replicated:
+                if out_flat.data_ptr() != shard.data_ptr():
+                    out_flat.view(-1)[:partition.numel].copy_(shard.reshape(-1))
+                self.on_ready(key, out_flat)
+                return
+            size = partition.padded_numel * shard.element_size()
+            if self._pending and self._pending_bytes + size > self.bucket_bytes:
+                self.flush()
+            self._pending.append((key, shard, partition, out_flat))
+            self._pending_bytes += size
+            if self._pending_bytes >= self.bucket_bytes:
+                self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._pending:
+                return
+            units, self._pending, self._pending_bytes = self._pending, [], 0
+            key, shard, p, out = units[0]
+            if len(units) == 1 and out.numel() == p.padded_numel and out.dtype == shard.dtype \
+                    and shard.is_contiguous():
+                handle = self.comm.all_gather(out.view(-1), shard.view(-1), self.group)
+                self._launch(handle, lambda: self.on_ready(key, out))
+                return
+            n, dtype = self.world_size, shard.dtype
+            widths = [p.shard_numel for _, _, p, _ in units]
+            offsets, total = _offsets(widths), sum(widths)
+            buf = self._buffer((n + 1) * total, dtype, shard.device)
+            packed, gathered = buf[:total], buf[total:].view(n, total)
+            for (_, s, _, _), off, w in zip(units, offsets, widths):
+                packed[off:off + w].copy_(s.reshape(-1))
+            handle = self.comm.all_gather(gathered.view(-1), packed, self.group)
+
+            def complete():
+                for (key, _, p, out), off, w in zip(units, offsets, widths):
+                    _unpack_rows(out.view(-1)[:p.numel], gathered[:, off:off + w], p.numel)
+                    self.on_ready(key, out)
+                self._pool.give(buf)
+            self._launch(handle, complete)
+
+
+def _offsets(widths: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for w in widths:
+        out.append(total)
+        total += w
+    return out
+
+
+def _pack_rows(dst: torch.Tensor, flat: torch.Tensor, numel: int) -> None:
+    """dst (N x s) = the flat padded with zeros to N*s, row r = chunk r."""
+    n_rows, s = dst.shape
+    if s == 0:
+        return
+    full = numel // s
+    if full:
+        dst[:full].copy_(flat[:full * s].view(full, s))
+    if full < n_rows:
+        rem = numel - full * s
+        dst[full, :rem].copy_(flat[full * s:numel])
+        dst[full, rem:].zero_()
+        dst[full + 1:].zero_()
+
+
+def _unpack_rows(out: torch.Tensor, src: torch.Tensor, numel: int) -> None:
+    """out (numel) = the first numel elements of src (N x s) read row by row."""
+    n_rows, s = src.shape
+    if s == 0:
+        return
+    full = numel // s
+    if full:
+        out[:full * s].view(full, s).copy_(src[:full])
+    rem = numel - full * s
+    if rem:
+        out[full * s:].copy_(src[full, :rem])
+
+
+# ------------------------------------------------------------------------------------------------
+# The process-wide default Comm (what the module-level functions use)
+
+_default: Comm | None = None
+
+
+def default_comm() -> Comm:
+    global _default
+    if _default is None:
+        _default = Comm()
+    return _default
+
+
+def set_default_comm(comm: Comm) -> None:
+    """Make `comm` (e.g. Comm.from_config(cfg.zero)) the one the module-level functions use."""
+    global _default
+    _default = comm
+
+
+def reduce_scatter(output_shard: torch.Tensor, input_flat: torch.Tensor, group: Any = None, op=AVG) -> Handle:
+    return default_comm().reduce_scatter(output_shard, input_flat, group, op)
+
+
+def all_gather(output_flat: torch.Tensor, input_shard: torch.Tensor, group: Any = None) -> Handle:
+    return default_comm().all_gather(output_flat, input_shard, group)
+
+
+def all_reduce(tensor: torch.Tensor, op=SUM, group: Any = None) -> Handle:
+    return default_comm().all_reduce(tensor, op, group)
+
+
+def stats(detail: bool = False) -> dict:
+    return default_comm().stats(detail)
+
+
+def reset_stats() -> None:
+    default_comm().reset_stats()
