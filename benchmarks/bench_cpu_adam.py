@@ -7,9 +7,9 @@ per second, median of --repeats timed steps after one warm-up.
     python benchmarks/bench_cpu_adam.py            # full: 100M, 500M, 200x1M, mixed 100M
     python benchmarks/bench_cpu_adam.py --quick    # 10M flat, 20x1M, mixed 10M
 
-Roofline: in-place memory bandwidth (`x.mul_(1.0)`, read+write) divided by the
-bytes a one-pass kernel must move per parameter: 28 B for fp32 (read p,m,v,g;
-write p,m,v) and 28 B for mixed precision (read bf16 g + p,m,v; write p,m,v + bf16 p).
+Roofline: an in-place `mul_` over 28 B per parameter, timed in the same round-robin
+as the kernels (the VM's memory bandwidth drifts): the bytes a one-pass kernel moves per
+parameter, fp32 (read p,m,v,g; write p,m,v) or mixed (read bf16 g, p,m,v; write p,m,v, bf16 p).
 """
 from __future__ import annotations
 
@@ -25,90 +25,92 @@ import zerotier.optim as zo
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up: page faults, thread start
-    samples = []
+def interleaved(fns: dict, repeats: int) -> dict:
+    """Median seconds per callable, timed round-robin: memory bandwidth on a shared VM
+    drifts by 1.5x over seconds, so every implementation is sampled under the same drift."""
+    for fn in fns.values():
+        fn()  # warm-up: page faults, optimizer state creation, thread start
+    samples = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def inplace_bandwidth(nbytes: int, repeats: int) -> float:
-    x = torch.ones(nbytes // 4)
-    seconds = timed(lambda: x.mul_(1.0), repeats)
-    return 2 * nbytes / seconds  # read + write
-
-
-def make_state(sizes, grad_dtype=torch.float32):
+def case_fns(sizes, levels, threads, mixed: bool):
+    """Callables for one case. All share one set of params/grads to fit 500M in RAM:
+    each call is one step on the same data (values drift; timing does not care)."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(n, generator=gen) for n in sizes]
-    grads = [torch.randn(n, generator=gen).to(grad_dtype) for n in sizes]
-    return params, grads
-
-
-def bench_torch(sizes, repeats, **flags):
-    params, grads = make_state(sizes)
-    for p, g in zip(params, grads):
-        p.grad = g
-    opt = torch.optim.AdamW(params, **HYPER, **flags)
-    return timed(opt.step, repeats)
-
-
-def bench_zerotier(sizes, repeats, simd, threads, grad_dtype=torch.float32, out_dtype=None):
-    params, grads = make_state(sizes, grad_dtype)
-    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
-    outs = [torch.empty(p.numel(), dtype=out_dtype) if out_dtype else None for p in params]
+    grads = [torch.randn(n, generator=gen) for n in sizes]
+    fns = {}
     step = [0]
 
-    def run():
-        step[0] += 1
-        for p, g, (m, v), o in zip(params, grads, moments, outs):
-            zo.adam_step(p, m, v, g, step=step[0], lr=HYPER["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
-                         weight_decay=0.01, param_out=o, simd=simd, threads=threads)
+    def zerotier_fn(level, grads_in, outs):
+        moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
 
-    return timed(run, repeats)
+        buffers = [(p, m, v, g, o) for p, g, (m, v), o in zip(params, grads_in, moments, outs)]
+
+        def run():
+            step[0] += 1
+            zo.adam_step_multi(buffers, step=step[0], lr=HYPER["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
+                               weight_decay=0.01, simd=level, threads=threads)
+        return run
+
+    if mixed:
+        grads_lp = [g.bfloat16() for g in grads]
+        outs = [torch.empty(p.numel(), dtype=torch.bfloat16) for p in params]
+        for level in levels:
+            fns[f"zerotier {level} bf16->bf16"] = zerotier_fn(level, grads_lp, outs)
+        # torch needs two conversions around its fused fp32 kernel
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt = torch.optim.AdamW(params, **HYPER, fused=True)
+
+        def torch_mixed():
+            for p, g_lp in zip(params, grads_lp):
+                p.grad.copy_(g_lp)
+            opt.step()
+            for o, p in zip(outs, params):
+                o.copy_(p)
+        fns["torch fused+conversions"] = torch_mixed
+    else:
+        for level in levels:
+            fns[f"zerotier {level}"] = zerotier_fn(level, grads, [None] * len(params))
+        for p, g in zip(params, grads):
+            p.grad = g
+        fns["torch fused"] = torch.optim.AdamW(params, **HYPER, fused=True).step
+        fns["torch foreach"] = torch.optim.AdamW(params, **HYPER, foreach=True).step
+        ds = deepspeed_step(params)
+        if ds is not None:
+            fns["DeepSpeedCPUAdam"] = ds
+    # The roofline, sampled in the same rounds: an in-place pass over as many bytes as
+    # a one-pass kernel moves per step (28 B/param: read+write 12, read 4 of grads).
+    roof = torch.ones(sum(sizes) * 7 // 2)  # 14 B/param read + 14 written = 28 B/param
+    fns["roofline (in-place mul_)"] = lambda: roof.mul_(1.0)
+    return fns
 
 
-def bench_torch_mixed(n, repeats):
-    """What torch needs for bf16 grads in / bf16 params out: two conversions around fused AdamW."""
-    params, grads = make_state([n], torch.bfloat16)
-    master, grad_lp = params[0], grads[0]
-    master.grad = torch.empty(n)
-    param_lp = torch.empty(n, dtype=torch.bfloat16)
-    opt = torch.optim.AdamW([master], **HYPER, fused=True)
-
-    def run():
-        master.grad.copy_(grad_lp)
-        opt.step()
-        param_lp.copy_(master)
-
-    return timed(run, repeats)
-
-
-def bench_deepspeed(sizes, repeats):
+def deepspeed_step(params):
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except Exception as exc:  # noqa: BLE001 - any import/JIT-build failure means "not available"
-        return None, f"DeepSpeedCPUAdam unavailable ({type(exc).__name__}: {str(exc)[:80]}); pip install deepspeed to compare"
-    params, grads = make_state(sizes)
-    for p, g in zip(params, grads):
-        p.grad = g
-    opt = DeepSpeedCPUAdam(params, **HYPER, adamw_mode=True)
-    return timed(opt.step, repeats), ""
+    except Exception:  # noqa: BLE001 - any import/JIT-build failure means "not available"
+        return None
+    return DeepSpeedCPUAdam(params, **HYPER, adamw_mode=True).step
 
 
-def report(name, rows, n_total, baseline_key, roof_params_s):
+def report(name, rows, n_total, baseline_key):
     print(f"\n== {name} ({n_total / 1e6:.0f}M params) ==")
-    base = rows.get(baseline_key)
-    print(f"  {'implementation':34s} {'Mparams/s':>10s} {'vs ' + baseline_key:>22s} {'of roofline':>12s}")
+    base = rows[baseline_key]
+    roof = rows.pop("roofline (in-place mul_)")
+    print(f"  {'implementation':34s} {'Mparams/s':>10s} {'vs ' + baseline_key:>26s} {'of roofline':>12s}")
     for label, seconds in rows.items():
-        if seconds is None:
-            continue
         rate = n_total / seconds
-        ratio = f"{base / seconds:.2f}x" if base else "-"
-        print(f"  {label:34s} {rate / 1e6:10.0f} {ratio:>22s} {rate / roof_params_s:11.2f}")
+        print(f"  {label:34s} {rate / 1e6:10.0f} {base / seconds:25.2f}x {roof / seconds:11.2f}")
+    print(f"  {'roofline (28 B/param at in-place bandwidth)':34s} {n_total / roof / 1e6:10.0f}"
+          f"   ({28 * n_total / roof / 1e9:.0f} GB/s)")
 
 
 def free():
@@ -129,38 +131,21 @@ def main(argv=None):
         raise SystemExit("native library unavailable (ZEROTIER_NATIVE=0 or not built): nothing to benchmark")
     scale = 10 if args.quick else 1
     flat_sizes = [10_000_000] if args.quick else [100_000_000, 500_000_000]
-    bw = inplace_bandwidth((256 << 20) // scale * 4, args.repeats)
-    print(f"threads={threads}  simd levels={levels}  torch {torch.__version__}")
-    print(f"in-place memory bandwidth: {bw / 1e9:.1f} GB/s  -> fp32 Adam roofline "
-          f"{bw / 28 / 1e6:.0f} Mparams/s (28 B/param)")
+    print(f"threads={threads}  simd levels={levels}  torch {torch.__version__}  "
+          f"median of {args.repeats} round-robin samples")
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        print(f"note: DeepSpeedCPUAdam not compared ({type(exc).__name__}); pip install deepspeed to add it")
 
-    cases = [(f"fp32 flat {n // 1_000_000}M", [n]) for n in flat_sizes]
-    cases.append((f"fp32 {200 // scale} tensors x 1M", [1_000_000] * (200 // scale)))
-    for name, sizes in cases:
-        rows = {}
-        for level in levels:
-            rows[f"zerotier {level}"] = bench_zerotier(sizes, args.repeats, level, threads)
-            free()
-        rows["torch fused"] = bench_torch(sizes, args.repeats, fused=True)
+    cases = [(f"fp32 flat {n // 1_000_000}M", [n], False) for n in flat_sizes]
+    cases.append((f"fp32 {200 // scale} tensors x 1M", [1_000_000] * (200 // scale), False))
+    cases.append((f"mixed precision {flat_sizes[0] // 1_000_000}M: bf16 grad in, bf16 param out, fp32 master/moments",
+                  [flat_sizes[0]], True))
+    for name, sizes, mixed in cases:
+        rows = interleaved(case_fns(sizes, levels, threads, mixed), args.repeats)
+        report(name, rows, sum(sizes), "torch fused+conversions" if mixed else "torch fused")
         free()
-        rows["torch foreach"] = bench_torch(sizes, args.repeats, foreach=True)
-        free()
-        rows["DeepSpeedCPUAdam"], note = bench_deepspeed(sizes, args.repeats)
-        free()
-        report(name, rows, sum(sizes), "torch fused", bw / 28)
-        if note:
-            print("  note:", note)
-
-    n = flat_sizes[0]
-    rows = {}
-    for level in levels:
-        rows[f"zerotier {level} bf16->bf16"] = bench_zerotier([n], args.repeats, level, threads,
-                                                              grad_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
-        free()
-    rows["torch fused+conversions"] = bench_torch_mixed(n, args.repeats)
-    free()
-    report(f"mixed precision: bf16 grad in, bf16 param out, fp32 master/moments", rows, n,
-           "torch fused+conversions", bw / 28)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <vector>
 
 #include "cpu/threadpool.h"
 #include "zt_api.h"
@@ -311,31 +312,76 @@ constexpr int64_t kMinPerThread = 1 << 16;
 
 }  // namespace
 
-// Returns the number of non-finite (inf/NaN) scaled gradients seen, or a
-// negative error code: -1 bad arguments, -2 SIMD level not supported by this CPU.
-ZT_API int64_t zt_adam_step(const ZtAdamArgs* args) {
-  const ZtAdamArgs& a = *args;
+namespace {
+
+int64_t check_args(const ZtAdamArgs& a, int supported) {
   if (a.n < 0 || (a.n > 0 && (!a.param || !a.exp_avg || !a.exp_avg_sq || !a.grad))) return -1;
   if (a.grad_dtype < ZT_F32 || a.grad_dtype > ZT_F16) return -1;
   if (a.out_dtype != ZT_NONE && (a.out_dtype < ZT_BF16 || a.out_dtype > ZT_F16 || !a.param_out)) return -1;
-  int supported = zt_cpu_simd_supported();
   int simd = a.simd == ZT_SIMD_AUTO ? supported : a.simd;
   if (simd > supported) return -2;
-  const Coef c = make_coef(a);
-  const Kernel kernel = pick_kernel(simd);
+  return 0;
+}
 
-  int threads = a.threads > 0 ? a.threads : zt::hardware_threads();
-  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, a.n / kMinPerThread));
+}  // namespace
+
+// Steps `count` independent buffers (e.g. all parameters of a param group) in ONE
+// parallel region: the threads split the concatenated element range, so 200
+// tensors of 1M cost one pool wake-up, not 200. Hyper-parameters, threads and simd
+// come from each entry (threads/simd of args[0] govern the region).
+// Returns the number of non-finite (inf/NaN) scaled gradients seen, or a negative
+// error code: -1 bad arguments, -2 SIMD level not supported by this CPU.
+ZT_API int64_t zt_adam_step_multi(const ZtAdamArgs* args, int64_t count) {
+  if (count <= 0) return count == 0 ? 0 : -1;
+  const int supported = zt_cpu_simd_supported();
+  int64_t total = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    int64_t rc = check_args(args[t], supported);
+    if (rc < 0) return rc;
+    total += args[t].n;
+  }
+  std::vector<Coef> coefs;
+  std::vector<Kernel> kernels;
+  std::vector<int64_t> starts;  // starts[t] = first global index of buffer t
+  coefs.reserve(count);
+  kernels.reserve(count);
+  starts.reserve(count + 1);
+  int64_t acc = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    coefs.push_back(make_coef(args[t]));
+    kernels.push_back(pick_kernel(args[t].simd == ZT_SIMD_AUTO ? supported : args[t].simd));
+    starts.push_back(acc);
+    acc += args[t].n;
+  }
+  starts.push_back(acc);
+
+  int threads = args[0].threads > 0 ? args[0].threads : zt::hardware_threads();
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / kMinPerThread));
   std::atomic<int64_t> nonfinite{0};
   zt::ThreadPool::instance().run(threads, [&](int tid, int nt) {
-    // Contiguous slices rounded to 16 elements (one AVX-512 vector, 64 bytes):
-    // threads never share a cache line of fp32 state.
-    int64_t per = ((a.n + nt - 1) / nt + 15) & ~(int64_t)15;
-    int64_t begin = std::min<int64_t>(a.n, per * tid), end = std::min<int64_t>(a.n, begin + per);
-    if (begin < end) nonfinite += kernel(a, c, begin, end);
+    // Contiguous slices of the concatenated range. Where a slice boundary falls
+    // inside a buffer it is rounded up to a multiple of 16 elements of that buffer
+    // (both neighbours round the same boundary the same way), so every element is
+    // computed by the same vector code whatever the thread count (bitwise-stable
+    // results) and threads never share a 64-byte line of fp32 state.
+    int64_t per = (total + nt - 1) / nt;
+    int64_t begin = std::min<int64_t>(total, per * tid), end = std::min<int64_t>(total, begin + per);
+    auto local_bound = [&](int64_t global, int64_t t) {
+      int64_t x = std::min(std::max(global, starts[t]), starts[t + 1]) - starts[t];
+      return std::min<int64_t>(args[t].n, (x + 15) & ~(int64_t)15);
+    };
+    int64_t local = 0;
+    auto first = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
+    for (int64_t t = std::max<int64_t>(0, first); t < count && starts[t] <= end; ++t) {
+      int64_t lo = local_bound(begin, t), hi = local_bound(end, t);
+      if (lo < hi) local += kernels[t](args[t], coefs[t], lo, hi);
+    }
+    nonfinite += local;
   });
   return nonfinite.load();
 }
+
+ZT_API int64_t zt_adam_step(const ZtAdamArgs* args) { return zt_adam_step_multi(args, 1); }
 
 // Sum of squares of (grad * scale) in double, for global grad-norm clipping of
 // host-resident gradients. Non-finite values propagate (the sum becomes inf/NaN).

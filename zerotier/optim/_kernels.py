@@ -50,6 +50,8 @@ def _lib() -> ctypes.CDLL | None:
     if lib is not None and not getattr(lib, "_zt_declared", False):
         lib.zt_adam_step.argtypes = [ctypes.POINTER(ZtAdamArgs)]
         lib.zt_adam_step.restype = ctypes.c_int64
+        lib.zt_adam_step_multi.argtypes = [ctypes.POINTER(ZtAdamArgs), ctypes.c_int64]
+        lib.zt_adam_step_multi.restype = ctypes.c_int64
         lib.zt_grad_sumsq.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_int32]
         lib.zt_grad_sumsq.restype = ctypes.c_double
         lib.zt_cpu_simd_supported.restype = ctypes.c_int
@@ -133,33 +135,45 @@ def adam_step(
     multiplied by `grad_scale` first (1/loss_scale times the clip coefficient).
     Pass views (`buf[a:b]`) to step a sub-range. The native call releases the GIL.
     """
-    n = master.numel()
-    _check_buffer(master, "master", n, (torch.float32,))
-    _check_buffer(exp_avg, "exp_avg", n, (torch.float32,))
-    _check_buffer(exp_avg_sq, "exp_avg_sq", n, (torch.float32,))
-    _check_buffer(grad, "grad", n, tuple(_DTYPE_CODES))
-    if param_out is not None:
-        _check_buffer(param_out, "param_out", n, (torch.bfloat16, torch.float16))
-    if step < 1:
-        raise ZerotierError(f"step must be >= 1 (the step number after this update), got {step}")
+    return adam_step_multi([(master, exp_avg, exp_avg_sq, grad, param_out)], step=step, lr=lr, beta1=beta1,
+                           beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+                           bias_correction=bias_correction, grad_scale=grad_scale, simd=simd, threads=threads)
+
+
+def adam_step_multi(buffers, *, step, lr, beta1, beta2, eps, weight_decay, decoupled=True,
+                    bias_correction=True, grad_scale=1.0, simd="auto", threads=None) -> int:
+    """adam_step over many (master, exp_avg, exp_avg_sq, grad, param_out|None) tuples in
+    one native call: the threads split all elements at once (one wake-up, not one per
+    tensor). `step` may be an int or a list with one step number per tuple."""
+    steps = step if isinstance(step, (list, tuple)) else [step] * len(buffers)
+    for (master, exp_avg, exp_avg_sq, grad, param_out), s in zip(buffers, steps):
+        n = master.numel()
+        _check_buffer(master, "master", n, (torch.float32,))
+        _check_buffer(exp_avg, "exp_avg", n, (torch.float32,))
+        _check_buffer(exp_avg_sq, "exp_avg_sq", n, (torch.float32,))
+        _check_buffer(grad, "grad", n, tuple(_DTYPE_CODES))
+        if param_out is not None:
+            _check_buffer(param_out, "param_out", n, (torch.bfloat16, torch.float16))
+        if s < 1:
+            raise ZerotierError(f"step must be >= 1 (the step number after this update), got {s}")
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+                 bias_correction=bias_correction, grad_scale=grad_scale)
     level = simd_level(simd)
     if level == "python":
-        return adam_step_reference(
-            master, exp_avg, exp_avg_sq, grad, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, decoupled=decoupled, bias_correction=bias_correction,
-            grad_scale=grad_scale, param_out=param_out,
+        return sum(adam_step_reference(*bufs[:4], step=s, param_out=bufs[4], **hyper)
+                   for bufs, s in zip(buffers, steps))
+    args = (ZtAdamArgs * len(buffers))()
+    for i, ((master, exp_avg, exp_avg_sq, grad, out), s) in enumerate(zip(buffers, steps)):
+        args[i] = ZtAdamArgs(
+            master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
+            out.data_ptr() if out is not None else None, master.numel(), _DTYPE_CODES[grad.dtype],
+            _DTYPE_CODES[out.dtype] if out is not None else -1, lr, beta1, beta2, eps, weight_decay, grad_scale,
+            s, int(decoupled), int(bias_correction), SIMD_LEVELS.index(level),
+            threads if threads is not None else default_threads(),
         )
-    args = ZtAdamArgs(
-        master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
-        param_out.data_ptr() if param_out is not None else None,
-        n, _DTYPE_CODES[grad.dtype], _DTYPE_CODES[param_out.dtype] if param_out is not None else -1,
-        lr, beta1, beta2, eps, weight_decay, grad_scale, step,
-        int(decoupled), int(bias_correction), SIMD_LEVELS.index(level),
-        threads if threads is not None else default_threads(),
-    )
-    result = _lib().zt_adam_step(ctypes.byref(args))
+    result = _lib().zt_adam_step_multi(args, len(buffers))
     if result < 0:  # arguments were validated above; this is a binding bug
-        raise ZerotierError(f"native zt_adam_step rejected its arguments (code {result})")
+        raise ZerotierError(f"native zt_adam_step_multi rejected its arguments (code {result})")
     return int(result)
 
 

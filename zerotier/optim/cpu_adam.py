@@ -80,6 +80,7 @@ class CPUAdamW(torch.optim.Optimizer):
         nonfinite = 0
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            buffers, steps = [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -91,17 +92,17 @@ class CPUAdamW(torch.optim.Optimizer):
                     raise ZerotierError(f"CPUAdamW supports fp32/bf16/fp16 parameters, got {p.dtype}")
                 state = self._init_state(p)
                 state["step"] += 1
+                steps.append(int(state["step"].item()))
                 master = state.get("master_param", p)
-                nonfinite += _kernels.adam_step(
-                    master.view(-1) if master.is_contiguous() else master,
-                    state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                    p.grad.view(-1) if p.grad.is_contiguous() else p.grad,
-                    step=int(state["step"].item()), lr=group["lr"], beta1=beta1, beta2=beta2,
-                    eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.decoupled,
-                    bias_correction=group["bias_correction"], grad_scale=grad_scale,
-                    param_out=(p.view(-1) if p.is_contiguous() else p) if master is not p else None,
-                    simd=self.simd, threads=self.threads,
-                )
+                flat = (lambda t: t.view(-1) if t.is_contiguous() else t)  # non-contiguous: rejected below
+                buffers.append((flat(master), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                                flat(p.grad), flat(p) if master is not p else None))
+            if buffers:
+                nonfinite += _kernels.adam_step_multi(
+                    buffers, step=steps, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], decoupled=self.decoupled,
+                    bias_correction=group["bias_correction"], grad_scale=grad_scale, simd=self.simd,
+                    threads=self.threads)
         self.last_nonfinite = nonfinite
         return loss
 
