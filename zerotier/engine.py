@@ -41,6 +41,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .config import Config, format_size
+from .dist import init_distributed
+from .dist.sharding import Sharding
 from .errors import ConfigError, ZerotierError
 from .optim import _kernels
 from .optim.offload import UnitOptimizer
@@ -83,6 +85,21 @@ class _FetchOnBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class _Gathering:
+    """A stage-3 all-gather in flight; `result()` has the interface of a fetch future."""
+
+    def __init__(self, handle, flat: torch.Tensor, shard: torch.Tensor):
+        self.handle, self.flat, self.shard = handle, flat, shard  # shard lives until the gather ends
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def result(self):
+        self.handle.wait()
+        self.shard = None
+        return self.flat, None
+
+
 def _map_tensors(obj, fn):
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -111,8 +128,11 @@ class Engine:
             raise ConfigError("the model has no trainable parameters (all are frozen or there are none); "
                               "there is nothing for zerotier to train")
         self.lp_dtype = DTYPES[cfg.precision.param_dtype]
+        self.rank, self.world_size = init_distributed(cfg.zero)
+        self.sharding = Sharding(cfg.zero, self.rank, self.world_size)
+        self.sharding.assign(self.units)
         self.plan = make_plan([u.numel for u in self.units], cfg.tiers, cfg.offload, cfg.precision,
-                              cfg.prefetch, self.device)
+                              cfg.prefetch, self.device, world_size=self.world_size, stage=cfg.zero.stage)
         self.store = None
         if Location.NVME in self.plan.placement.values():
             from .tiers.nvme import NVMeStore  # only runs that use NVMe open a run directory
@@ -135,6 +155,7 @@ class Engine:
         self._backward_since_step = False
         self._in_backward = False
         self._early_step_ok = False
+        self._reduce_now = False
         self._inflight: dict[int, Future] = {}
         self._lock = threading.Lock()
         # Fetch workers: on CPU they are the "copy streams"; on CUDA they issue H2D
@@ -144,12 +165,12 @@ class Engine:
         for unit in self.units:
             self._place(unit)
         self._move_unmanaged_to_device()
-        offloaded = [u for u in self.units if u.param_loc is not Location.DEVICE]
+        streamed = [u for u in self.units if u.streamed]
         self.scheduler = PrefetchScheduler(
             cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.units], [u.name for u in self.units],
             self._prefetch, self._inflight_bytes)
         self._hooks = []
-        self._register_hooks(offloaded)
+        self._register_hooks(streamed)
 
     # ------------------------------------------------------------ placement
 
@@ -157,23 +178,32 @@ class Engine:
         placement = self.plan.placement
         unit.param_loc, unit.grad_loc, unit.optim_loc = placement["params"], placement["gradients"], \
             placement["optimizer"]
-        master = torch.cat([p.detach().reshape(-1).float().cpu() for p in unit.params])
+        sharding = self.sharding
+        full = torch.cat([p.detach().reshape(-1).float().cpu() for p in unit.params])
+        sharding.broadcast(full)  # every rank starts from rank 0's weights
+        master = sharding.shard_of(unit, full)  # fp32 master of this rank's shard (all of it on one rank)
         self.unit_optimizer.init_state(unit, master, lambda n, what: self._alloc(unit.optim_loc, n, torch.float32,
                                                                                  what))
-        lp = master.to(self.lp_dtype)
-        if unit.param_loc is Location.DEVICE:
+        unit.streamed = unit.param_loc is not Location.DEVICE or sharding.gathered(unit)
+        lp = (master if sharding.gathered(unit) else full).to(self.lp_dtype)  # what this rank stores
+        if sharding.gathered(unit) and unit.param_loc is not Location.NVME:
+            unit.param_shard = self._alloc(unit.param_loc, lp.numel(), self.lp_dtype, unit.param_key).copy_(lp)
+        elif unit.param_loc is Location.DEVICE:
             unit.device_flat = self.device_tier.alloc((unit.numel,), self.lp_dtype, unit.param_key)
             unit.device_flat.copy_(lp)
             for p, view in unit.views(unit.device_flat):
                 p.data = view
+        elif unit.param_loc is Location.HOST:
+            self.host_tier.reserve(unit.numel * self.lp_dtype.itemsize, unit.param_key)
+            unit.host_param = lp.pin_memory() if self.device.type == "cuda" else lp
         else:
-            if unit.param_loc is Location.HOST:
-                self.host_tier.reserve(unit.numel * self.lp_dtype.itemsize, unit.param_key)
-                unit.host_param = lp.pin_memory() if self.device.type == "cuda" else lp
-            else:
-                self.store.write(unit.param_key, lp).wait()
+            self.store.write(unit.param_key, lp).wait()
+        if unit.streamed:
             self._release(unit)
-        unit.grad_flat = self._alloc(unit.grad_loc, unit.numel, torch.float32, f"{unit.key}.grad").zero_()
+        unit.grad_flat = self._alloc(Location.DEVICE if sharding.active else unit.grad_loc, unit.numel,
+                                     torch.float32, f"{unit.key}.grad").zero_()
+        unit.grad_shard = unit.grad_flat if not sharding.active else \
+            self._alloc(unit.grad_loc, unit.part.shard_numel, torch.float32, f"{unit.key}.grad_shard").zero_()
 
     def _alloc(self, loc: Location, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         if loc is Location.DEVICE:
@@ -199,7 +229,7 @@ class Engine:
 
     def _fused_out(self, unit: Unit) -> torch.Tensor | None:
         """Where the Adam kernel can write new bf16/fp16 params directly (same pass), if anywhere."""
-        if self.lp_dtype == torch.float32:
+        if self.lp_dtype == torch.float32 or not unit.part.replicated:
             return None
         if unit.param_loc is Location.HOST:
             return unit.host_param
@@ -208,15 +238,30 @@ class Engine:
         return None
 
     def _write_params(self, unit: Unit, master: torch.Tensor, fused: bool) -> None:
-        """param-copyback: the updated fp32 master becomes the unit's low-precision params."""
+        """param-copyback: the updated fp32 master (this rank's shard) becomes low-precision params."""
         prof = self.profiler
         src = "device" if master.device.type != "cpu" else "host"
         dst = unit.param_loc.value
-        nbytes = unit.numel * self.lp_dtype.itemsize
+        nbytes = master.numel() * self.lp_dtype.itemsize
         token = prof.begin(unit.param_key, "param", src, dst, nbytes, "param-copyback") \
             if prof is not None and src != dst else None
+        sharding = self.sharding
         if fused:
             pass  # the Adam kernel already wrote the new low-precision params
+        elif sharding.gathered(unit):  # stage 3: only the shard is stored
+            if unit.param_loc is Location.NVME:
+                self.store.write(unit.param_key, master.to(self.lp_dtype)).wait()
+            else:
+                unit.param_shard.copy_(master)
+        elif not unit.part.replicated:  # stages 1-2: all-gather the new shard into the full params
+            lp_shard = master.to(self.lp_dtype, copy=True)  # master may be a reused NVMe staging slot
+            if unit.param_loc is Location.NVME:
+                out = torch.empty(unit.numel, dtype=self.lp_dtype)
+                sharding.gather_params(unit, lp_shard, out,
+                                       lambda flat: self.store.write(unit.param_key, flat).wait())
+            else:
+                sharding.gather_params(unit, lp_shard, unit.device_flat if unit.param_loc is Location.DEVICE
+                                       else unit.host_param)
         elif unit.param_loc is Location.DEVICE:
             unit.device_flat.copy_(master)
         elif unit.param_loc is Location.HOST:
@@ -263,19 +308,49 @@ class Engine:
             if token is not None:
                 prof.end(token)
 
+    def _gather(self, unit: Unit, reason: str) -> "_Gathering":
+        """Stage 3: this rank's shard to the device, then an async all-gather of the full flat.
+        Issued on the thread running forward/backward, in the same order on every rank."""
+        shard = self._load_shard(unit, reason)
+        flat = self.device_tier.alloc((unit.part.padded_numel,), self.lp_dtype, unit.param_key)
+        return _Gathering(self.sharding.all_gather(unit, flat, shard), flat, shard)
+
+    def _load_shard(self, unit: Unit, reason: str) -> torch.Tensor:
+        if unit.param_loc is Location.DEVICE:
+            return unit.param_shard
+        nbytes = unit.part.shard_numel * self.lp_dtype.itemsize
+        prof = self.profiler
+        token = prof.begin(unit.param_key, "param", unit.param_loc.value, "device", nbytes, reason) \
+            if prof is not None else None
+        if unit.param_loc is Location.NVME:
+            host = torch.empty(unit.part.shard_numel, dtype=self.lp_dtype)
+            self.store.read(unit.param_key, host).wait()
+        else:
+            host = unit.param_shard
+        self.device_tier.count_in(nbytes)
+        shard = host.to(self.device)
+        if token is not None:
+            prof.end(token)
+        return shard
+
     def _prefetch(self, index: int) -> None:
         unit = self.units[index]
         with self._lock:
             if unit.device_flat is not None or index in self._inflight:
                 return
-            self._inflight[index] = self._fetcher.submit(self._load, unit, "prefetch")
+        if self.sharding.gathered(unit):
+            self._inflight[index] = self._gather(unit, "prefetch")
+        else:
+            with self._lock:
+                self._inflight[index] = self._fetcher.submit(self._load, unit, "prefetch")
         if self.profiler is not None:
             self.profiler.prefetch_issued(unit.param_key)
 
     def _inflight_bytes(self) -> int:
+        # Counts every issued, not yet consumed fetch (not only unfinished ones): the prefetch
+        # decision must not depend on timing, or ranks would issue stage-3 gathers differently.
         with self._lock:
-            return sum(self.units[i].numel * self.lp_dtype.itemsize
-                       for i, f in self._inflight.items() if not f.done())
+            return sum(self.units[i].numel * self.lp_dtype.itemsize for i in self._inflight)
 
     def _demand(self, unit: Unit) -> None:
         """Compute needs `unit` now: make it resident (waiting on a prefetch if any)."""
@@ -289,6 +364,8 @@ class Engine:
         if prof is not None:
             prof.prefetch_used(unit.param_key, hit=future is not None)
             waited = prof.wait_begin(unit.param_key)
+        if future is None and self.sharding.gathered(unit):
+            future = self._gather(unit, "demand")
         flat, ready = future.result() if future is not None else self._load(unit, "demand")
         if prof is not None:
             prof.wait_end(waited)
@@ -302,7 +379,7 @@ class Engine:
             p.data = view
 
     def _release(self, unit: Unit) -> None:
-        if unit.param_loc is Location.DEVICE or unit.device_flat is None:
+        if not unit.streamed or unit.device_flat is None:
             return
         empty = torch.empty(0, dtype=self.lp_dtype, device=self.device)
         for p in unit.params:
@@ -362,11 +439,13 @@ class Engine:
             if token is not None:
                 prof.end(token)
             p.grad = None
-            unit.has_grad = True
+            unit.has_grad = not self.sharding.active  # sharded: set when the reduced shard arrives
             unit.grads_seen += 1
             if unit.grads_seen >= len(unit.params):
                 self._release(unit)
-                if self._early_step_ok:
+                if self._reduce_now:
+                    self.sharding.reduce(unit)  # bucketed reduce-scatter, overlapping the rest of backward
+                elif self._early_step_ok:
                     self._start_early_step(unit)
         return hook
 
@@ -405,8 +484,10 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZerotierError("engine.backward(loss) needs the scalar loss tensor of this micro-batch")
         scale = self.scaler.scale / self.cfg.train.grad_accum_steps
-        self._early_step_ok = (self.cfg.train.max_grad_norm is None and not self.scaler.dynamic
-                               and (self.micro_steps + 1) % self.cfg.train.grad_accum_steps == 0)
+        last_micro = (self.micro_steps + 1) % self.cfg.train.grad_accum_steps == 0
+        self._reduce_now = self.sharding.reduces_now(last_micro)
+        self._early_step_ok = (self.cfg.train.max_grad_norm is None and not self.scaler.dynamic and last_micro
+                               and not self.sharding.active)
         self._in_backward = True
         span = self.profiler.compute_begin("backward") if self.profiler is not None else None
         try:
@@ -419,6 +500,12 @@ class Engine:
             for unit in self.units:
                 unit.grads_seen = 0
                 self._release(unit)
+        if self._reduce_now:
+            self.sharding.finish_backward()
+            if self.sharding.stage >= 2:  # the micro-batch's sum now lives in the shards
+                for unit in self.units:
+                    unit.grad_flat.zero_()
+        self._reduce_now = False
         self._backward_since_step = True
 
     def step(self) -> bool:
@@ -434,7 +521,8 @@ class Engine:
         for future in early:
             future.result()  # re-raises an error from the optimizer thread
         inv_scale = 1.0 / self.scaler.scale
-        total_norm = math.sqrt(sum(self._grad_sumsq(u) for u in self.units)) * inv_scale
+        local = sum(self._grad_sumsq(u) for u in self.units if self.sharding.local_sumsq_share(u))
+        total_norm = math.sqrt(self.sharding.global_sum(local)) * inv_scale
         overflow = not math.isfinite(total_norm)
         if overflow and self.scaler.dynamic:
             self.scaler.update(overflow=True)
@@ -447,6 +535,7 @@ class Engine:
         self.optimizer.step()
         pending = [u for u in self.units if u.has_grad and not u.stepped_early]
         self.unit_optimizer.step(pending, self.optimizer.param_groups[0]["lr"], grad_scale=clip * inv_scale)
+        self.sharding.finish_gather()  # stages 1-2: the new parameter shards reach every rank
         self.scaler.update(overflow=False)
         self.global_steps += 1
         self.zero_grad()
@@ -454,23 +543,27 @@ class Engine:
 
     @staticmethod
     def _grad_sumsq(unit: Unit) -> float:
-        if unit.grad_flat.device.type == "cpu":
-            return _kernels.grad_sumsq(unit.grad_flat)
-        return float(unit.grad_flat.double().square().sum())
+        grad = unit.grad_shard  # padding is zero: it adds nothing
+        if grad.device.type == "cpu":
+            return _kernels.grad_sumsq(grad)
+        return float(grad.double().square().sum())
 
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.grad_flat.zero_()
+            if unit.grad_shard is not unit.grad_flat:
+                unit.grad_shard.zero_()
             unit.has_grad = unit.stepped_early = False
             for p in unit.params:
                 p.grad = None
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
-        """Full-precision weights by parameter name (copies; reads NVMe-resident masters)."""
+        """Full-precision weights by parameter name (copies; reads NVMe-resident masters).
+        With several ranks this is a collective: every rank must call it."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         out = {}
         for unit in self.units:
-            master = self.unit_optimizer.read_state(unit)["master"].cpu()
+            master = self.sharding.gather_full(unit, self.unit_optimizer.read_state(unit)["master"].cpu())
             for p, view in unit.views(master):
                 out[names[id(p)]] = view.clone()
         return out

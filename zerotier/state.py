@@ -57,6 +57,13 @@ class Unit:
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
     modules: list[str] = field(default_factory=list)  # every module using these params (ties)
+    # data-parallel sharding (see [Note: sharding] in dist/sharding.py); one rank: the whole flat
+    part: object = None                        # dist.partition.Partition
+    shard_lo: int = 0                          # this rank's real elements: [shard_lo, shard_hi)
+    shard_hi: int = 0
+    grad_shard: torch.Tensor | None = None     # reduced fp32 gradient of this rank's shard (optimizer input)
+    param_shard: torch.Tensor | None = None    # stage 3: this rank's low-precision shard (device/host)
+    streamed: bool = False                     # params released between uses (offloaded or stage-3 gathered)
 
     @property
     def key(self) -> str:

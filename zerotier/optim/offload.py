@@ -76,12 +76,12 @@ class UnitOptimizer:
 
         `alloc(numel, what)` returns an fp32 tensor on the optimizer's tier (device/host)."""
         if unit.optim_loc is Location.NVME:
-            zeros = torch.zeros(unit.numel)
+            zeros = torch.zeros(master.numel())
             for key, src in (("master", master), ("exp_avg", zeros), ("exp_avg_sq", zeros)):
                 self.store.write(f"{unit.key}.{key}", src).wait()
             return
         for key in STATE_KEYS:
-            t = alloc(unit.numel, f"{unit.key}.{key}")
+            t = alloc(master.numel(), f"{unit.key}.{key}")
             t.copy_(master) if key == "master" else t.zero_()
             setattr(unit, key, t)
 
@@ -103,7 +103,7 @@ class UnitOptimizer:
 
     def _adam(self, unit: Unit, master, exp_avg, exp_avg_sq, lr, grad_scale) -> None:
         unit.step += 1
-        grad = unit.grad_flat
+        grad = unit.grad_shard
         if grad.device != master.device:
             grad = grad.to(master.device)
         beta1, beta2 = self.cfg.betas
@@ -126,10 +126,10 @@ class UnitOptimizer:
     def _step_nvme(self, units: list[Unit], lr: float, grad_scale: float) -> None:
         if not units:
             return
-        largest = max(u.numel for u in units)
+        largest = max(u.part.shard_numel for u in units)
         if not self._staging or self._staging[0]["master"].numel() < largest:
-            # [Note: NVMe optimizer pipeline]: 3 sets sized for the largest unit
-            largest = max(u.numel for u in self.units if u.optim_loc is Location.NVME)
+            # [Note: NVMe optimizer pipeline]: 3 sets sized for the largest unit shard
+            largest = max(u.part.shard_numel for u in self.units if u.optim_loc is Location.NVME)
             self._staging = [{k: aligned_empty(4 * largest).view(torch.float32) for k in STATE_KEYS}
                              for _ in range(3)]
         writes: list[list] = [[], [], []]  # per staging set: tickets of its last write-back
@@ -138,7 +138,7 @@ class UnitOptimizer:
             slot = i % 3
             self._wait(writes[slot])  # the set's previous write-back (unit i-3) must land first
             writes[slot] = []
-            bufs = {k: v[: units[i].numel] for k, v in self._staging[slot].items()}
+            bufs = {k: v[: units[i].part.shard_numel] for k, v in self._staging[slot].items()}
             return bufs, self._io(units[i], bufs, "optimizer-read")
 
         pending = read(0)
@@ -179,7 +179,7 @@ class UnitOptimizer:
         """fp32 master/exp_avg/exp_avg_sq of a unit (copies on the CPU when on NVMe)."""
         if unit.optim_loc is not Location.NVME:
             return {k: getattr(unit, k) for k in STATE_KEYS}
-        out = {k: torch.empty(unit.numel) for k in STATE_KEYS}
+        out = {k: torch.empty(unit.part.shard_numel) for k in STATE_KEYS}
         for k in STATE_KEYS:
             self.store.read(f"{unit.key}.{k}", out[k]).wait()
         return out

@@ -1,0 +1,147 @@
+"""How the engine shards units across data-parallel ranks (ZeRO stages 0-3).
+
+[Note: sharding]
+Every unit gets a `Partition` (dist/partition.py): a balanced, padded, contiguous
+split of its flat by element count. Rank r owns chunk r: `unit.shard_lo/hi` are
+its real elements, `part.shard_numel` its (padded) size. Per stage:
+
+  stage  optimizer state   gradients                              parameters
+  0      whole (replicated) all-reduced at the window end          whole
+  1      own shard          reduce-scattered at the window end     whole; all-gathered after the step
+  2      own shard          reduce-scattered every micro-batch,    whole; all-gathered after the step
+                            in buckets during backward
+  3      own shard          as stage 2                             own shard; all-gathered per module
+                                                                   before use (prefetched), freed after
+
+Units below `zero.persistence_threshold` elements are replicated at stage 3
+(never gathered). With one rank every unit is replicated and nothing here
+communicates. All ranks issue the same collectives in the same order: the
+engine issues them from the thread running forward/backward only.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import ZeroConfig
+from ..state import Unit
+from .comm import SUM, Comm, GradBucketer, ParamGatherer
+from .partition import Partition, partition_units
+
+
+class Sharding:
+    def __init__(self, zero_cfg: ZeroConfig, rank: int, world_size: int):
+        self.stage = zero_cfg.stage
+        self.rank, self.world = rank, world_size
+        self.active = world_size > 1
+        self.units: list[Unit] = []
+        self.comm = Comm.from_config(zero_cfg) if self.active else None
+        if self.active:
+            self.bucketer = GradBucketer(zero_cfg.reduce_bucket_size, self._grad_ready, comm=self.comm,
+                                         reduce_dtype=torch.float32)
+            self.gatherer = ParamGatherer(zero_cfg.allgather_bucket_size, self._params_gathered, comm=self.comm)
+        self._gather_done: dict[int, callable] = {}
+        self._keep: list[torch.Tensor] = []  # lp shards that must live until their gather completes
+        self._threshold = {0: 2 ** 63, 3: zero_cfg.persistence_threshold}.get(self.stage, 0)
+
+    # ------------------------------------------------------------ layout
+
+    def assign(self, units: list[Unit]) -> None:
+        """Give every unit its partition and this rank's range of it."""
+        self.units = units
+        if self.active:
+            parts = partition_units([u.numel for u in units], self.world, align=32,
+                                    persistence_threshold=self._threshold)
+        else:
+            parts = [Partition(u.numel, 1, replicated=True) for u in units]
+        for unit, part in zip(units, parts):
+            unit.part = part
+            unit.shard_lo, unit.shard_hi = part.shard_range(self.rank)
+
+    def gathered(self, unit: Unit) -> bool:
+        """Stage 3: only this rank's parameter shard is stored; the full flat is gathered per use."""
+        return self.stage == 3 and not unit.part.replicated
+
+    def sharded_optimizer(self, unit: Unit) -> bool:
+        return not unit.part.replicated
+
+    def shard_of(self, unit: Unit, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a full flat, zero-padded to shard_numel (a copy)."""
+        part = unit.part
+        if part.replicated:
+            return full.clone()
+        out = torch.zeros(part.shard_numel, dtype=full.dtype, device=full.device)
+        lo, hi = unit.shard_lo, unit.shard_hi
+        out[: hi - lo] = full[lo:hi]
+        return out
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Every rank starts from rank 0's initial weights."""
+        if self.active:
+            self.comm.broadcast(tensor, src=0).wait()
+
+    # ------------------------------------------------------------ gradients
+
+    def reduces_now(self, last_micro_batch: bool) -> bool:
+        """Whether gradients are reduced in this backward (stage >= 2: every micro-batch)."""
+        return self.active and (self.stage >= 2 or last_micro_batch)
+
+    def reduce(self, unit: Unit) -> None:
+        """The unit's grad_flat is final for this backward: queue it in a bucket."""
+        self.bucketer.add(unit.index, unit.grad_flat, unit.part)
+
+    def _grad_ready(self, index: int, shard: torch.Tensor) -> None:
+        unit = self.units[index]
+        if self.stage >= 2:
+            unit.grad_shard.add_(shard.to(unit.grad_shard.device))  # accumulated over micro-batches
+        else:
+            unit.grad_shard.copy_(shard)  # grad_flat held the window's sum
+        unit.has_grad = True
+
+    def finish_backward(self) -> None:
+        if self.active:
+            self.bucketer.flush()
+            self.bucketer.wait()
+
+    def global_sum(self, value: float) -> float:
+        """Sum of a float over ranks (grad-norm squares: clipping and overflow agree everywhere)."""
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        self.comm.all_reduce(t, SUM).wait()
+        return float(t[0])
+
+    def local_sumsq_share(self, unit: Unit) -> bool:
+        """Replicated units hold identical gradients on every rank: count them on rank 0 only."""
+        return not unit.part.replicated or self.rank == 0
+
+    # ------------------------------------------------------------ parameters
+
+    def gather_params(self, unit: Unit, lp_shard: torch.Tensor, out_flat: torch.Tensor, done=None) -> None:
+        """Stages 1-2: all-gather the updated low-precision shard into the full flat `out_flat`."""
+        self._keep.append(lp_shard)
+        if done is not None:
+            self._gather_done[unit.index] = done
+        self.gatherer.add(unit.index, lp_shard, unit.part, out_flat)
+
+    def _params_gathered(self, index: int, out_flat: torch.Tensor) -> None:
+        done = self._gather_done.pop(index, None)
+        if done is not None:
+            done(out_flat)
+
+    def finish_gather(self) -> None:
+        if self.active:
+            self.gatherer.flush()
+            self.gatherer.wait()
+            self._keep.clear()
+
+    def all_gather(self, unit: Unit, out_padded: torch.Tensor, shard: torch.Tensor):
+        """Stage 3 fetch: returns the handle of the all-gather of `shard` into `out_padded`."""
+        return self.comm.all_gather(out_padded, shard)
+
+    def gather_full(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
+        """The full flat of a sharded tensor (e.g. fp32 master for export); blocking."""
+        if unit.part.replicated:
+            return shard[: unit.numel]
+        out = torch.empty(unit.part.padded_numel, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(out, shard.contiguous()).wait()
+        return out[: unit.numel]
