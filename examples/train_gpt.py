@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                           # ~1 minute on a 2-core CPU
     python examples/train_gpt.py --steps 300 --dim 384 --device-budget 64MiB --nvme-path /mnt/nvme
+    torchrun --nproc-per-node 2 examples/train_gpt.py --zero-stage 3     # data parallel, ZeRO-3
 
 A plain PyTorch training loop with three lines changed (marked "zerotier:").
 By default the device budget is smaller than the model's training state, so the
@@ -87,6 +88,8 @@ def main(argv=None):
     ap.add_argument("--nvme-path", default=None, help="directory for NVMe swap files (default: a temp dir)")
     ap.add_argument("--optimizer-tier", default="nvme", choices=["auto", "device", "host", "nvme"],
                     help="offload.optimizer (default nvme)")
+    ap.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
+                    help="ZeRO stage when launched with torchrun on several ranks (default 0)")
     ap.add_argument("--trace", default=None, help="write a Perfetto/Chrome trace of all swap traffic here "
                                                   "(read it with `zerotier profile TRACE.json`)")
     args = ap.parse_args(argv)
@@ -107,14 +110,17 @@ def main(argv=None):
             "optimizer": {"lr": 3e-3, "weight_decay": 0.01},
             "train": {"grad_accum_steps": args.accum, "max_grad_norm": 1.0},
             "profile": {"enabled": True, "trace_path": args.trace},
+            "zero": {"stage": args.zero_stage},
         }
         engine = zerotier.initialize(model, config)                  # zerotier: instead of the optimizer
-        print(engine.plan.summary())
-        gen = torch.Generator().manual_seed(0)
+        main_rank = engine.rank == 0
+        if main_rank:
+            print(engine.plan.summary())
+        gen = torch.Generator().manual_seed(engine.rank)  # each data-parallel rank sees its own batches
         stream = batches(data, seq, args.batch, gen)
         start = time.perf_counter()
         first = None
-        bar = tqdm(range(args.steps), desc="train", unit="step")
+        bar = tqdm(range(args.steps), desc="train", unit="step", disable=not main_rank)
         for _ in bar:
             for _ in range(args.accum):
                 x, y = next(stream)
@@ -124,8 +130,10 @@ def main(argv=None):
             first = first if first is not None else loss.item()
             bar.set_postfix(loss=f"{loss.item():.3f}")
         elapsed = time.perf_counter() - start
-        print(f"loss {first:.3f} -> {loss.item():.3f} in {elapsed:.1f} s")
-        print(engine.swap_summary())
+        if main_rank:
+            print(f"loss {first:.3f} -> {loss.item():.3f} in {elapsed:.1f} s"
+                  + (f" ({engine.world_size} ranks, ZeRO stage {args.zero_stage})" if engine.world_size > 1 else ""))
+            print(engine.swap_summary())
         engine.close()
 
 

@@ -116,3 +116,27 @@ def test_failing_rank_ends_the_run_without_hanging(tmp_path):
     failures = info.value.failures
     assert "fails on purpose" in failures[1]
     assert 0 in failures, "rank 0 must stop with an error, not hang"
+
+
+def memory_rank(rank, world_size):
+    """Peak accounted RAM/device bytes per rank vs the plan's prediction, per stage x placement."""
+    out = {}
+    for stage in (1, 2, 3):
+        for place in ("device", "host"):
+            torch.manual_seed(0)
+            model = TinyGPT(vocab=256, dim=128, layers=4, heads=4, seq=32)
+            cfg = {"zero": {"stage": stage, "persistence_threshold": 0},
+                   "offload": {"params": place, "gradients": place, "optimizer": place}}
+            with zerotier.initialize(model, cfg) as engine:
+                for x, y in global_batches():
+                    engine.backward(engine(x[:2] % 256, y[:2] % 256))
+                    engine.step()
+                predicted = engine.plan.need["device"] + engine.plan.need["host"]
+                out[(stage, place)] = (predicted, engine.device_tier.peak + engine.host_tier.peak)
+    return out
+
+
+def test_memory_per_rank_matches_plan_within_10_percent():
+    for rank_result in spawn(memory_rank, 2, timeout_s=300):
+        for (stage, place), (predicted, actual) in rank_result.items():
+            assert abs(actual - predicted) <= 0.10 * predicted, (stage, place, predicted, actual)

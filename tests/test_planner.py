@@ -97,9 +97,9 @@ def test_does_not_fit_names_every_alternative_with_bytes():
 
 def test_sharded_message_says_per_rank():
     with pytest.raises(PlanDoesNotFit, match=r"\(250 per rank: ZeRO stage 1 over 4 ranks; budgets are per rank\)"):
-        plan([1000], device=6000, host=0, nvme=0, offload=ALL_DEVICE, world_size=4, stage=1)
+        plan([1000], device=8000, host=0, nvme=0, offload=ALL_DEVICE, world_size=4, stage=1)
     # ...and sharding is what makes it fit
-    assert plan([1000], device=9000, host=0, offload=ALL_DEVICE, world_size=4, stage=1).per_rank_bytes == 9000
+    assert plan([1000], device=10000, host=0, offload=ALL_DEVICE, world_size=4, stage=1).per_rank_bytes == 9000
 
 
 def test_nvme_optimizer_needs_host_staging():

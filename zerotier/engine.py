@@ -200,9 +200,14 @@ class Engine:
             self.store.write(unit.param_key, lp).wait()
         if unit.streamed:
             self._release(unit)
-        unit.grad_flat = self._alloc(Location.DEVICE if sharding.active else unit.grad_loc, unit.numel,
-                                     torch.float32, f"{unit.key}.grad").zero_()
-        unit.grad_shard = unit.grad_flat if not sharding.active else \
+        # The full fp32 gradient is the input of the reduce-scatter: NCCL needs it on the GPU;
+        # gloo reduces wherever the gradient tier is.
+        full_grad_loc = Location.DEVICE if sharding.active and self.device.type == "cuda" else unit.grad_loc
+        unit.grad_flat = self._alloc(full_grad_loc, unit.numel, torch.float32, f"{unit.key}.grad").zero_()
+        # The reduced gradient of this rank's shard. One rank, or a replicated unit whose
+        # gradient is reduced once per window (stages 0-1): the full flat itself.
+        aliased = not sharding.active or (unit.part.replicated and sharding.stage <= 1)
+        unit.grad_shard = unit.grad_flat if aliased else \
             self._alloc(unit.grad_loc, unit.part.shard_numel, torch.float32, f"{unit.key}.grad_shard").zero_()
 
     def _alloc(self, loc: Location, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:

@@ -204,6 +204,7 @@ class _Sizes:
     lookahead: int
     stage: int
     world_size: int
+    engine_buffers: bool = True  # count the engine's transient buffers (False: the ZeRO paper's pure model state)
 
     def rank_numel(self, kind: str) -> int:
         return shard_numel(self.numel, kind, self.stage, self.world_size)
@@ -223,6 +224,11 @@ def _bytes_for(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
             need["host"] += (s.lookahead + 2) * s.rank_largest(kind) * s.lp_bytes
     elif kind == "gradients":
         need[loc.value] += s.grad_bytes * n
+        if s.engine_buffers and s.world_size > 1 and s.stage >= 1:
+            # The engine keeps both the full fp32 gradient (the reduce-scatter input; freeing
+            # it per bucket is future work) and this rank's reduced shard, on the gradient
+            # tier with gloo. Stages >= 2 counted the shard above, stage 1 the full flat.
+            need[loc.value] += ENGINE_GRAD_BYTES * (s.numel if n < s.numel else s.numel // s.world_size)
     else:
         need[loc.value] += OPTIMIZER_BYTES * n
         if loc is Location.NVME:
@@ -248,7 +254,8 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     lp_bytes = DTYPES[precision.param_dtype].itemsize
     sizes = _Sizes(numel=sum(unit_numels), largest=max(unit_numels, default=0), lp_bytes=lp_bytes,
                    grad_bytes=ENGINE_GRAD_BYTES if grad_bytes is None else grad_bytes,
-                   lookahead=prefetch.lookahead if prefetch.enabled else 0, stage=stage, world_size=world_size)
+                   lookahead=prefetch.lookahead if prefetch.enabled else 0, stage=stage, world_size=world_size,
+                   engine_buffers=grad_bytes is None)
     state_bytes = {kind: b * sizes.rank_numel(kind) for kind, b in
                    (("params", lp_bytes), ("gradients", sizes.grad_bytes), ("optimizer", OPTIMIZER_BYTES))}
     assert sum(state_bytes.values()) == model_state_bytes(sizes.numel, stage, world_size, lp_bytes,
