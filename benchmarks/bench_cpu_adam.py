@@ -36,7 +36,7 @@ def interleaved(fns: dict, repeats: int) -> dict:
             t0 = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return {name: statistics.median(v) * getattr(fns[name], "scale", 1.0) for name, v in samples.items()}
 
 
 def case_fns(sizes, levels, threads, mixed: bool):
@@ -48,9 +48,9 @@ def case_fns(sizes, levels, threads, mixed: bool):
     fns = {}
     step = [0]
 
-    def zerotier_fn(level, grads_in, outs):
-        moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]  # shared by the SIMD levels
 
+    def zerotier_fn(level, grads_in, outs):
         buffers = [(p, m, v, g, o) for p, g, (m, v), o in zip(params, grads_in, moments, outs)]
 
         def run():
@@ -86,11 +86,22 @@ def case_fns(sizes, levels, threads, mixed: bool):
         ds = deepspeed_step(params)
         if ds is not None:
             fns["DeepSpeedCPUAdam"] = ds
-    # The roofline, sampled in the same rounds: an in-place pass over as many bytes as
-    # a one-pass kernel moves per step (28 B/param: read+write 12, read 4 of grads).
-    roof = torch.ones(sum(sizes) * 7 // 2)  # 14 B/param read + 14 written = 28 B/param
-    fns["roofline (in-place mul_)"] = lambda: roof.mul_(1.0)
+    # The roofline, sampled in the same rounds: an in-place pass over a 1 GiB buffer (read +
+    # write = 2 GiB moved), scaled to the 28 B/param a one-pass kernel moves.
+    roof = torch.ones((1 << 30) // 4)
+    scale = 28 * sum(sizes) / (2 * roof.numel() * 4)
+    fns["roofline (in-place mul_)"] = _Scaled(lambda: roof.mul_(1.0), scale)
     return fns
+
+
+class _Scaled:
+    """A callable whose measured time is multiplied by `scale` (see interleaved())."""
+
+    def __init__(self, fn, scale):
+        self.fn, self.scale = fn, scale
+
+    def __call__(self):
+        self.fn()
 
 
 def deepspeed_step(params):
