@@ -67,15 +67,24 @@ PLACEMENTS = {
     "optimizer-nvme": {"params": "device", "gradients": "host", "optimizer": "nvme"},
     "params-host": {"params": "host", "gradients": "host", "optimizer": "host"},
     "params-nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
+    "auto-small-device": "auto",  # the planner decides, under a device budget of ~3 B/param
 }
 
 
 @pytest.mark.parametrize("name", PLACEMENTS)
 def test_matches_torch_adamw(name, tmp_path):
     ref_losses, ref_weights = reference_run(make_model())
-    losses, weights, placement = engine_run(
-        make_model(), {"offload": PLACEMENTS[name], "tiers": {"nvme_path": str(tmp_path)}})
-    assert placement == PLACEMENTS[name]
+    tiers = {"nvme_path": str(tmp_path)}
+    if PLACEMENTS[name] == "auto":
+        tiers["device"] = 3 * sum(p.numel() for p in set(make_model().parameters()))
+        offload = {}
+    else:
+        offload = PLACEMENTS[name]
+    losses, weights, placement = engine_run(make_model(), {"offload": offload, "tiers": tiers})
+    if offload:
+        assert placement == offload
+    else:
+        assert placement["params"] != "device", placement  # the small budget forced offload
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert weights.keys() == ref_weights.keys()
     for key in ref_weights:
