@@ -35,7 +35,10 @@ def plot_trace(trace: dict, path: str) -> str:
         ax_res.step(t, [used / scale for _, used, _ in points], where="post", color=color, label=f"{tier} resident")
         ax_res.step(t, [budget / scale for _, _, budget in points], where="post", color=color, linestyle="--",
                     linewidth=1, label=f"{tier} budget")
-    ax_res.set_ylabel(unit)
+    ax_res.set_ylabel(f"{unit} (log scale)")
+    # Budgets are often 1000x what is resident (an NVMe budget of the whole disk): a log
+    # axis keeps both readable.
+    ax_res.set_yscale("symlog", linthresh=1 / 1024)
     ax_res.set_title("residency per tier (dashed: budget)")
     if data.residency:
         ax_res.legend(loc="upper right", fontsize="small", ncol=3)
