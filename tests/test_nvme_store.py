@@ -17,7 +17,7 @@ import torch
 from zerotier.config import IOConfig, TiersConfig
 from zerotier.errors import BudgetError, ConfigError, TierIOError
 from zerotier.tiers import HostPool, NVMeStore, scan_stale
-from zerotier.tiers.nvme import MAGIC
+from zerotier.tiers.rundir import MAGIC
 
 SIZES = [1, 7, 4095, 4097, (1 << 20) + 3]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]

@@ -197,7 +197,6 @@ def bench_adam(numel: int, repeat: int = 3, tick: Tick = _noop) -> dict[str, Any
     out["fp32_params_per_s"] = numel / _best_seconds(lambda: run(grad), repeat)
     tick("adam: fp32")
     grad_bf16 = grad.to(torch.bfloat16)
-    del grad
     param_bf16 = torch.empty(numel, dtype=torch.bfloat16)
     run(grad_bf16, param_bf16)
     out["bf16_params_per_s"] = numel / _best_seconds(lambda: run(grad_bf16, param_bf16), repeat)
