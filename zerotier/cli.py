@@ -354,6 +354,27 @@ def _run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# zerotier export
+
+
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT",
+                        help="a checkpoint root (its `latest` is used) or a ckpt-N directory")
+    parser.add_argument("--to", required=True, metavar="OUT",
+                        help="output file: NAME.safetensors or NAME.pt (plain weights by parameter name)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="dtype of the exported floating-point tensors (default fp32, the master weights)")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from zerotier.checkpoint import export
+
+    out = export(args.checkpoint, args.to, args.dtype)
+    print(f"weights written to {out}")
+    return 0
+
+
 COMMANDS: list[Command] = [
     Command("env", "report versions, devices, CPU features, RAM, native code, io_uring and disk space",
             _env_arguments, _run_env),
@@ -364,6 +385,8 @@ COMMANDS: list[Command] = [
     Command("demo", "train a small GPT (examples/train_gpt.py) with optimizer state on NVMe; ends with the swap table",
             _demo_arguments, _run_demo),
     Command("profile", "summarize a saved swap-traffic trace; --plot draws it", _profile_arguments, _run_profile),
+    Command("export", "write a checkpoint's model weights to .safetensors or .pt (no model code needed)",
+            _export_arguments, _run_export),
 ]
 
 

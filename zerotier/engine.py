@@ -488,6 +488,10 @@ class Engine:
         """Backpropagate `loss` of one micro-batch (divided by grad_accum_steps, times the loss scale)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZerotierError("engine.backward(loss) needs the scalar loss tensor of this micro-batch")
+        if self._backward_since_step:  # each step() consumes exactly one backward (the same loss twice too)
+            raise ZerotierError("engine.backward() called twice without engine.step() in between: call "
+                                "engine.step() after every micro-batch's backward (it applies the update only "
+                                "every train.grad_accum_steps calls)")
         scale = self.scaler.scale / self.cfg.train.grad_accum_steps
         last_micro = (self.micro_steps + 1) % self.cfg.train.grad_accum_steps == 0
         self._reduce_now = self.sharding.reduces_now(last_micro)
@@ -572,6 +576,26 @@ class Engine:
             for p, view in unit.views(master):
                 out[names[id(p)]] = view.clone()
         return out
+
+    # ------------------------------------------------------------ checkpoints (zerotier/checkpoint.py)
+
+    def save_checkpoint(self, root, *, lr_scheduler=None, client_state=None):
+        """Save the training state under `root` as root/ckpt-<global_steps> (collective; only at an
+        optimizer-step boundary). Returns the checkpoint directory. See docs/checkpoint.md."""
+        from . import checkpoint
+        return checkpoint.save(self, root, lr_scheduler=lr_scheduler, client_state=client_state)
+
+    def load_checkpoint(self, root, *, lr_scheduler=None):
+        """Load root/latest (or a ckpt-N directory) into this engine, whatever its placement, stage or
+        world size (collective). Returns the saved client_state. See checkpoint.load for RNG rules."""
+        from . import checkpoint
+        return checkpoint.load(self, root, lr_scheduler=lr_scheduler)
+
+    def consolidated_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Plain model weights by state_dict name (trained params from the fp32 master, plus frozen
+        params and buffers), for model.load_state_dict. Collective with several ranks."""
+        from . import checkpoint
+        return checkpoint.consolidated_state_dict(self, dtype)
 
     def report(self):
         """Swap-traffic summary of the run so far (needs profile.enabled = true)."""

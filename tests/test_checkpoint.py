@@ -1,0 +1,351 @@
+"""Checkpoints (zerotier/checkpoint.py): exact resume, placement / world-size changes,
+atomicity under SIGKILL and ENOSPC, corruption, export, and the streaming memory bound.
+
+Resume on one process with the CPU fp32 path is bitwise (the same kernels see the same
+inputs); across world sizes it is within 1e-5 (gradient averaging changes summation order).
+"""
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import zerotier
+from zerotier import checkpoint
+from zerotier.dist import spawn
+from zerotier.errors import TierIOError, ZerotierError
+from zerotier.models import TinyGPT, batches
+
+VOCAB, SEQ, BATCH, ACCUM, CLIP, LR = 64, 16, 4, 2, 1.0, 3e-3
+HOST = {"params": "device", "gradients": "device", "optimizer": "host"}
+NVME = {"params": "device", "gradients": "host", "optimizer": "nvme"}
+
+
+def make_model(dim=32):
+    torch.manual_seed(0)
+    return TinyGPT(vocab=VOCAB, dim=dim, layers=2, heads=2, seq=SEQ)
+
+
+def config(offload, nvme_dir, stage=0):
+    return {"optimizer": {"lr": LR, "weight_decay": 0.01}, "offload": offload,
+            "tiers": {"nvme_path": str(nvme_dir)},
+            "zero": {"stage": stage, "persistence_threshold": 200, "reduce_bucket_size": 4096},
+            "train": {"grad_accum_steps": ACCUM, "max_grad_norm": CLIP}}
+
+
+def micro_batches(start_step, steps, rank=0, world=1):
+    """The micro-batches of optimizer steps [start_step, start_step + steps), this rank's part."""
+    data = list(batches(VOCAB, SEQ, BATCH, (start_step + steps) * ACCUM, seed=3))[start_step * ACCUM:]
+    half = BATCH // world
+    return [(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]) for x, y in data]
+
+
+def train(engine, start_step, steps, rank=0, world=1):
+    for x, y in micro_batches(start_step, steps, rank, world):
+        engine.backward(engine(x, y))
+        engine.step()
+
+
+def assert_same(a, b, exact=True):
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            # across world sizes: summation order differs, Adam amplifies it to a few 1e-6 abs
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """20 optimizer steps without interruption, saving after 10 (with optimizer on host and NVMe)."""
+    out = {}
+    for name, offload in (("host", HOST), ("nvme", NVME)):
+        root = tmp_path_factory.mktemp(f"ck-{name}")
+        with zerotier.initialize(make_model(), config(offload, root)) as engine:
+            train(engine, 0, 10)
+            engine.save_checkpoint(root / "ck", client_state={"epoch": 7})
+            train(engine, 10, 10)
+            out[name] = (root / "ck", engine.parameters_fp32())
+    return out
+
+
+@pytest.mark.parametrize("saved,loaded", [("host", "host"), ("nvme", "nvme"), ("nvme", "host"),
+                                          ("host", "nvme")])
+def test_resume_is_exact(uninterrupted, saved, loaded, tmp_path):
+    root, expected = uninterrupted[saved]
+    with zerotier.initialize(make_model(), config(NVME if loaded == "nvme" else HOST, tmp_path)) as engine:
+        client = engine.load_checkpoint(root)
+        assert client == {"epoch": 7}
+        assert engine.global_steps == 10 and engine.micro_steps == 20
+        train(engine, 10, 10)
+        assert_same(engine.parameters_fp32(), expected, exact=True)
+
+
+def test_layout_and_retention(tmp_path):
+    root = tmp_path / "ck"
+    with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
+        sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, 1, gamma=0.5)
+        for step in range(4):
+            train(engine, step, 1)
+            sched.step()
+            engine.save_checkpoint(root, lr_scheduler=sched)
+        engine.save_checkpoint(root, lr_scheduler=sched)  # same step again: replaced safely
+    with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
+        sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, 1, gamma=0.5)
+        engine.load_checkpoint(root, lr_scheduler=sched)
+        assert engine.optimizer.param_groups[0]["lr"] == LR / 16 and sched.last_epoch == 4
+    assert (root / "latest").read_text().strip() == "ckpt-4"
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-3", "ckpt-4", "latest"]
+    manifest = json.loads((root / "ckpt-4" / "manifest.json").read_text())
+    assert manifest["world_size"] == 1 and manifest["global_steps"] == 4
+    tok = next(u for u in manifest["units"] if u["name"] == "tok")
+    assert tok["params"][0]["names"] == ["tok.weight", "head.weight"]  # tied: both names
+    assert {r["key"] for r in manifest["ranks"][0]["records"]} == {"master", "exp_avg", "exp_avg_sq"}
+
+
+# ------------------------------------------------------------------ world size changes
+
+def dist_save(rank, world, root, nvme_dir):
+    torch.set_num_threads(1)  # 2 ranks on small CI machines
+    saved = {}
+    for stage in (1, 3):
+        with zerotier.initialize(make_model(), config(NVME if stage == 3 else HOST, nvme_dir, stage)) as engine:
+            train(engine, 0, 5, rank, world)
+            engine.save_checkpoint(os.path.join(root, f"stage{stage}"))
+            saved[stage] = engine.parameters_fp32()
+    return saved
+
+
+def dist_load(rank, world, root, nvme_dir):
+    torch.set_num_threads(1)
+    with zerotier.initialize(make_model(), config(HOST, nvme_dir, 2)) as engine:
+        engine.load_checkpoint(root)
+        loaded = engine.parameters_fp32()
+        train(engine, 5, 5, rank, world)
+        return loaded, engine.parameters_fp32()
+
+
+def test_world_size_changes(tmp_path):
+    with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
+        train(engine, 0, 10)
+        expected = engine.parameters_fp32()
+    # 2 ranks (stages 1 and 3) -> 1 process: the loaded state is exactly the saved one
+    saved = spawn(dist_save, 2, str(tmp_path / "two"), str(tmp_path), timeout_s=300)[0]
+    for stage in (1, 3):
+        with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
+            engine.load_checkpoint(tmp_path / "two" / f"stage{stage}")
+            assert_same(engine.parameters_fp32(), saved[stage], exact=True)
+            train(engine, 5, 5)
+            assert_same(engine.parameters_fp32(), expected, exact=False)
+    # 1 process (optimizer on NVMe) -> 2 ranks at stage 2
+    with zerotier.initialize(make_model(), config(NVME, tmp_path)) as engine:
+        train(engine, 0, 5)
+        engine.save_checkpoint(tmp_path / "one")
+        at_save = engine.parameters_fp32()
+    results = spawn(dist_load, 2, str(tmp_path / "one"), str(tmp_path), timeout_s=300)
+    for loaded, weights in results:
+        assert_same(loaded, at_save, exact=True)
+        assert_same(weights, expected, exact=False)
+
+
+# ------------------------------------------------------------------ atomicity and errors
+
+KILLED_SAVER = r"""
+import sys, time, torch, zerotier
+from zerotier import checkpoint
+sys.path.insert(0, {tests!r})
+from test_checkpoint import make_model, config, train, HOST
+real = checkpoint._write_bytes
+def slow(fh, data):
+    real(fh, data)
+    fh.flush()
+    print("writing", flush=True)
+    time.sleep(0.2)
+checkpoint._write_bytes = slow
+engine = zerotier.initialize(make_model(), config(HOST, {tmp!r}))
+engine.load_checkpoint({root!r})
+train(engine, 1, 1)
+engine.save_checkpoint({root!r})
+print("finished", flush=True)
+"""
+
+
+def test_sigkill_during_save_keeps_previous(tmp_path):
+    root = tmp_path / "ck"
+    with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
+        train(engine, 0, 1)
+        engine.save_checkpoint(root)
+        expected = engine.parameters_fp32()
+    script = KILLED_SAVER.format(tests=os.path.dirname(__file__), tmp=str(tmp_path), root=str(root))
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(5):  # a few records into the save
+            line = child.stdout.readline()
+            assert line.startswith("writing"), line
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(30)
+    assert child.returncode == -signal.SIGKILL
+    assert any(p.name.startswith(".ckpt-2.tmp-") for p in root.iterdir())  # killed mid-save
+    assert (root / "latest").read_text().strip() == "ckpt-1"
+    with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
+        engine.load_checkpoint(root)
+        assert engine.global_steps == 1
+        assert_same(engine.parameters_fp32(), expected)
+        train(engine, 1, 1)
+        engine.save_checkpoint(root)  # the next save cleans the leftover
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-1", "ckpt-2", "latest"]
+
+
+def test_enospc_during_save(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    with zerotier.initialize(make_model(), config(NVME, tmp_path)) as engine:
+        train(engine, 0, 1)
+        engine.save_checkpoint(root)
+        expected = engine.parameters_fp32()
+        train(engine, 1, 1)
+        calls = []
+        real = checkpoint._write_bytes
+
+        def full_disk(fh, data):
+            calls.append(1)
+            if len(calls) > 4:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(fh, data)
+        monkeypatch.setattr(checkpoint, "_write_bytes", full_disk)
+        with pytest.raises(TierIOError) as info:
+            engine.save_checkpoint(root)
+        msg = str(info.value)
+        assert str(root) in msg and "free space" in msg and "no space left" in msg
+        monkeypatch.setattr(checkpoint, "_write_bytes", real)
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-1", "latest"]
+    with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
+        engine.load_checkpoint(root)
+        assert_same(engine.parameters_fp32(), expected)
+
+
+def test_corrupt_file_is_named(uninterrupted, tmp_path):
+    import shutil
+    src, _ = uninterrupted["host"]
+    root = tmp_path / "ck"
+    shutil.copytree(src, root)
+    data_file = root / "ckpt-10" / "rank0.bin"
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data_file.write_bytes(raw)
+    with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
+        with pytest.raises(TierIOError, match=r"rank0\.bin: checksum mismatch in u\d{5}\.\w+ at offset \d+"):
+            engine.load_checkpoint(root)
+
+
+def test_fingerprint_mismatch(uninterrupted, tmp_path):
+    root, _ = uninterrupted["host"]
+    with zerotier.initialize(make_model(dim=48), config(HOST, tmp_path)) as engine:
+        with pytest.raises(ZerotierError, match=r"does not match this model: the first difference is unit 0"):
+            engine.load_checkpoint(root)
+
+
+def test_save_inside_accumulation_window(tmp_path):
+    with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
+        x, y = micro_batches(0, 1)[0]
+        engine.backward(engine(x, y))
+        engine.step()
+        with pytest.raises(ZerotierError, match="accumulation window"):
+            engine.save_checkpoint(tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+# ------------------------------------------------------------------ export
+
+def test_consolidated_state_dict_and_export(uninterrupted, tmp_path):
+    root, _ = uninterrupted["nvme"]
+    x, _ = micro_batches(0, 1)[0]
+    with zerotier.initialize(make_model(), config(NVME, tmp_path)) as engine:
+        engine.load_checkpoint(root / "ckpt-10")
+        engine.eval()
+        with torch.no_grad():
+            want = engine(x)
+        sd = engine.consolidated_state_dict()
+    fresh = make_model()
+    fresh.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), want)
+
+    for out, load in (("m.safetensors", checkpoint.read_safetensors), ("m.pt", torch.load)):
+        path = tmp_path / out
+        subprocess.run([sys.executable, "-m", "zerotier.cli", "export", str(root), "--to", str(path)],
+                       check=True, capture_output=True)
+        exported = load(path)
+        assert exported.keys() == sd.keys()
+        for k in sd:
+            assert exported[k].shape == sd[k].shape and torch.equal(exported[k], sd[k]), k
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        pass
+    else:
+        assert_same(load_file(tmp_path / "m.safetensors"), sd)
+    checkpoint.export(root, tmp_path / "h.safetensors", "bf16")
+    half = checkpoint.read_safetensors(tmp_path / "h.safetensors")
+    assert half["tok.weight"].dtype == torch.bfloat16
+    assert torch.equal(half["tok.weight"], sd["tok.weight"].to(torch.bfloat16))
+
+
+# ------------------------------------------------------------------ streaming memory bound
+
+class PeakRSS:
+    def __init__(self):
+        import psutil
+        self.proc = psutil.Process()
+
+    def __enter__(self):
+        self.base = self.peak = self.proc.memory_info().rss
+        self.stop = False
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.stop:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self.stop = True
+        self.thread.join()
+        self.growth = self.peak - self.base
+
+
+def test_streaming_memory_bound(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(17)))
+    state_bytes = 3 * 4 * sum(p.numel() for p in model.parameters())
+    assert state_bytes >= 200e6
+    cfg = {"offload": HOST, "tiers": {"nvme_path": str(tmp_path)}}
+    with zerotier.initialize(model, cfg) as engine:
+        for unit in engine.units:
+            unit.exp_avg.fill_(0.5)
+        with PeakRSS() as save_mem:
+            t0 = time.perf_counter()
+            engine.save_checkpoint(tmp_path / "ck")
+            save_s = time.perf_counter() - t0
+        for unit in engine.units:
+            unit.exp_avg.zero_()
+        with PeakRSS() as load_mem:
+            t0 = time.perf_counter()
+            engine.load_checkpoint(tmp_path / "ck")
+            load_s = time.perf_counter() - t0
+        assert all(bool((u.exp_avg == 0.5).all()) for u in engine.units)
+    mb = state_bytes / 1e6
+    print(f"\ncheckpoint of {mb:.0f} MB: save {save_s:.2f} s ({mb / save_s:.0f} MB/s, RSS +"
+          f"{save_mem.growth / 1e6:.0f} MB), load {load_s:.2f} s ({mb / load_s:.0f} MB/s, RSS +"
+          f"{load_mem.growth / 1e6:.0f} MB)")
+    assert save_mem.growth < state_bytes / 3
+    assert load_mem.growth < state_bytes / 3

@@ -1,0 +1,608 @@
+"""Checkpoints of a zerotier run: save, load (into another placement / world size), export.
+
+    engine.save_checkpoint("ckpts", lr_scheduler=sched, client_state={"epoch": 3})
+    client_state = engine.load_checkpoint("ckpts", lr_scheduler=sched)
+    zerotier export ckpts --to model.safetensors --dtype bf16
+
+[Note: checkpoint layout]
+    root/latest                  "ckpt-<step>\\n": the newest complete checkpoint
+    root/ckpt-<step>/manifest.json   format, world size, stage, dtypes, fingerprint (units with
+                                 their parameter names and shapes), per rank and unit the real
+                                 element range [lo, hi) and the records (offset, nbytes, crc32c)
+    root/ckpt-<step>/rank<r>.bin fp32 master, exp_avg, exp_avg_sq of rank r's real range of every
+                                 unit, one record each, in unit order (raw little-endian fp32)
+    root/ckpt-<step>/rank<r>.pt  rank r's RNG states (torch CPU, CUDA, python, numpy)
+    root/ckpt-<step>/state.pt    rank 0: steps, loss scaler, lr holder, lr scheduler,
+                                 client_state, unmanaged module state (frozen params, buffers)
+The .pt files' crc32c are in the manifest too. Low-precision parameters are not saved: on
+load they are the master rounded to the param dtype, which is what the engine keeps.
+
+[Note: checkpoint atomicity]
+Every rank writes into root/.ckpt-<step>.tmp-<random>/ and fsyncs its files; a
+cross-rank check makes a rank failing mid-save fail all. Rank 0 then writes the
+manifest, fsyncs the directory, renames it to ckpt-<step> (an existing ckpt-<step>
+is renamed aside first and deleted afterwards), fsyncs root and atomically replaces
+`latest` (write latest.tmp, fsync, rename, fsync root). Until `latest` flips, the
+previous checkpoint is the one loaded. Then checkpoints older than the newest
+KEEP are deleted, as are temporary directories left by killed saves.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import crc32c as _crc32c
+import torch
+
+from .errors import TierIOError, ZerotierError
+from .state import Location
+
+FORMAT = 1
+KEEP = 2
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+              torch.uint8: "U8", torch.bool: "BOOL"}
+_ST_FROM = {v: k for k, v in _ST_DTYPES.items()}
+_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+class CheckpointError(TierIOError):
+    """A checkpoint cannot be written or read (space, corruption, missing files, mismatch)."""
+
+
+# ------------------------------------------------------------------------------- helpers
+
+def _write_bytes(fh, data) -> None:
+    """One write of a file's bytes (a seam for fault injection in tests)."""
+    fh.write(data)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc(data) -> int:
+    return _crc32c.crc32c(data)
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _save_pt(obj: Any, path: Path) -> dict:
+    """torch.save to `path` through _write_bytes, fsynced; returns {nbytes, crc32c}."""
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getbuffer()
+    with open(path, "wb") as fh:
+        _write_bytes(fh, data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return {"nbytes": len(data), "crc32c": _crc(data)}
+
+
+def _load_pt(path: Path, meta: dict) -> Any:
+    import io
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read ({exc.strerror or exc}); the checkpoint is "
+                              f"incomplete — load an earlier checkpoint") from exc
+    if len(data) != meta["nbytes"] or _crc(data) != meta["crc32c"]:
+        raise CheckpointError(f"checkpoint {path}: checksum mismatch (or wrong size: {len(data)} bytes, "
+                              f"expected {meta['nbytes']}) — the file is corrupt; load an earlier checkpoint")
+    return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
+
+
+def _space_error(tmp: Path, what: str, exc: OSError) -> CheckpointError:
+    if exc.errno == errno.ENOSPC:
+        return CheckpointError(f"checkpoint save into {tmp.parent}: no space left on device while writing "
+                               f"{what} — free space on that filesystem (or save to another directory) and "
+                               f"save again; the previous checkpoint is intact and nothing was left behind")
+    return CheckpointError(f"checkpoint save into {tmp.parent}: writing {what} failed: {exc.strerror or exc}; "
+                           f"the previous checkpoint is intact")
+
+
+def _dist():
+    import torch.distributed as dist
+    return dist
+
+
+def _names(module: torch.nn.Module) -> dict[int, list[str]]:
+    """id(param) -> every name it has in the module (tied weights have several)."""
+    out: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(name)
+    return out
+
+
+def fingerprint(engine) -> list[dict]:
+    """The model's description stored in the manifest: units with parameter names and shapes."""
+    names = _names(engine.module)
+    return [{"key": u.key, "name": u.name, "numel": u.numel,
+             "params": [{"names": names[id(p)], "shape": list(s), "offset": off}
+                        for p, s, off in zip(u.params, u.shapes, u.offsets)]}
+            for u in engine.units]
+
+
+def _unmanaged_state(engine) -> dict[str, torch.Tensor]:
+    """Frozen parameters and buffers (everything in module.state_dict() zerotier does not train)."""
+    managed = {id(p) for u in engine.units for p in u.params}
+    out = {}
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) not in managed:
+            out[name] = t.detach().cpu().clone()
+    return out
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            torch.cuda.set_rng_state(cuda[0])
+
+
+def _step_of(path: Path) -> int | None:
+    name = path.name
+    if name.startswith("ckpt-") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+# ------------------------------------------------------------------------------- save
+
+def save(engine, root, *, lr_scheduler=None, client_state=None) -> Path:
+    """Save `engine`'s training state under `root` (collective: every rank calls it).
+
+    Returns the checkpoint directory root/ckpt-<global_steps>. See [Note: checkpoint layout]
+    and [Note: checkpoint atomicity]."""
+    accum = engine.cfg.train.grad_accum_steps
+    if engine.micro_steps % accum:
+        raise ZerotierError(f"save_checkpoint at micro-step {engine.micro_steps}: in the middle of a gradient "
+                            f"accumulation window (grad_accum_steps = {accum}); the accumulated gradients are "
+                            f"not saved. Save right after an engine.step() that returned True")
+    for f in engine._early:
+        f.result()
+    root = Path(root)
+    rank, world = engine.rank, engine.world_size
+    step = engine.global_steps
+    dist = _dist() if world > 1 else None
+    token = [secrets.token_hex(4)]
+    if dist is not None:
+        dist.broadcast_object_list(token, src=0)
+    tmp = root / f".ckpt-{step}.tmp-{token[0]}"
+    final = root / f"ckpt-{step}"
+    error: BaseException | None = None
+    records: list[dict] = []
+    files: dict[str, dict] = {}
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        records = _write_rank_data(engine, tmp / f"rank{rank}.bin")
+        files[f"rank{rank}.pt"] = _save_pt({"rng": _rng_state()}, tmp / f"rank{rank}.pt")
+        if rank == 0:
+            files["state.pt"] = _save_pt(_global_state(engine, lr_scheduler, client_state), tmp / "state.pt")
+    except OSError as exc:
+        error = exc if isinstance(exc, CheckpointError) else _space_error(tmp, f"rank {rank}'s files", exc)
+    except BaseException as exc:  # noqa: BLE001 — re-raised below, after the other ranks know
+        error = exc
+    try:
+        if dist is not None:
+            engine.sharding.comm.check_all_ranks(error is None, "checkpoint save")
+    except BaseException as exc:
+        if error is None:
+            error = exc
+    if error is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise error
+    gathered = [(records, files)]
+    if dist is not None:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (records, files))
+    if rank == 0:
+        try:
+            _commit(engine, root, tmp, final, gathered)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = exc if isinstance(exc, CheckpointError) else _space_error(tmp, "the manifest", exc)
+        except BaseException as exc:  # noqa: BLE001
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = exc
+    if dist is not None:
+        try:
+            engine.sharding.comm.check_all_ranks(error is None, "checkpoint commit")
+        except BaseException as exc:
+            if error is None:
+                error = exc
+    if error is not None:
+        raise error
+    return final
+
+
+def _write_rank_data(engine, path: Path) -> list[dict]:
+    """Stream this rank's real optimizer-state ranges into `path`, one unit at a time."""
+    records = []
+    offset = 0
+    with open(path, "wb") as fh:
+        for unit in engine.units:
+            state = engine.unit_optimizer.read_state(unit)  # NVMe: this unit's shard only
+            n = unit.shard_hi - unit.shard_lo
+            for k in STATE_KEYS:
+                data = _tensor_bytes(state[k][:n])
+                _write_bytes(fh, data)
+                records.append({"unit": unit.index, "key": k, "offset": offset, "nbytes": len(data),
+                                "crc32c": _crc(data)})
+                offset += len(data)
+            del state
+        fh.flush()
+        os.fsync(fh.fileno())
+    return records
+
+
+def _global_state(engine, lr_scheduler, client_state) -> dict:
+    return {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+            "scaler": engine.scaler.state_dict(), "optimizer": engine.optimizer.state_dict(),
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "client_state": client_state, "module_unmanaged": _unmanaged_state(engine)}
+
+
+def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list) -> None:
+    world = engine.world_size
+    ranks = []
+    for r, (records, files) in enumerate(gathered):
+        lo_hi = [list(u.part.shard_range(r)) for u in engine.units]
+        ranks.append({"file": f"rank{r}.bin", "ranges": lo_hi, "records": records,
+                      "rng": files[f"rank{r}.pt"]})
+    manifest = {
+        "format": FORMAT, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+        "world_size": world, "zero_stage": engine.sharding.stage,
+        "param_dtype": str(engine.lp_dtype).replace("torch.", ""),
+        "unit_steps": [u.step for u in engine.units],
+        "units": fingerprint(engine), "ranks": ranks, "state": gathered[0][1]["state.pt"],
+    }
+    data = json.dumps(manifest).encode()
+    with open(tmp / "manifest.json", "wb") as fh:
+        _write_bytes(fh, data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    aside = None
+    if final.exists():
+        aside = root / f".{final.name}.old-{secrets.token_hex(4)}"
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    latest_tmp = root / "latest.tmp"
+    with open(latest_tmp, "wb") as fh:
+        _write_bytes(fh, f"{final.name}\n".encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(latest_tmp, root / "latest")
+    _fsync_dir(root)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    _prune(root, final)
+
+
+def _prune(root: Path, current: Path) -> None:
+    """Keep the newest KEEP complete checkpoints; remove leftovers of killed saves."""
+    done = sorted((p for p in root.iterdir() if _step_of(p) is not None and (p / "manifest.json").exists()),
+                  key=_step_of)
+    for old in done[:-KEEP]:
+        if old != current:
+            shutil.rmtree(old, ignore_errors=True)
+    for p in root.iterdir():
+        if p.name.startswith(".ckpt-") and (".tmp-" in p.name or ".old-" in p.name):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------- read
+
+def resolve(path) -> Path:
+    """A checkpoint directory from `root` (via root/latest) or a ckpt-N directory itself."""
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        target = path / latest.read_text().strip()
+        if not (target / "manifest.json").is_file():
+            raise CheckpointError(f"checkpoint root {path}: 'latest' names {target.name}, which has no "
+                                  f"manifest.json — load one of the ckpt-* directories there directly")
+        return target
+    raise CheckpointError(f"no checkpoint at {path}: neither {path}/latest nor {path}/manifest.json exists")
+
+
+def read_manifest(ckpt: Path) -> dict:
+    try:
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt}/manifest.json cannot be read ({exc}) — load an earlier "
+                              f"checkpoint") from exc
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {ckpt}: format {manifest.get('format')!r}, this zerotier reads "
+                              f"format {FORMAT}")
+    return manifest
+
+
+class _RankFiles:
+    """Open data files of a checkpoint; reads records with crc32c verification."""
+
+    def __init__(self, ckpt: Path, manifest: dict):
+        self.ckpt, self.manifest = ckpt, manifest
+        self.fh: dict[int, Any] = {}
+        self.index = [{(rec["unit"], rec["key"]): rec for rec in r["records"]} for r in manifest["ranks"]]
+
+    def read(self, r: int, unit_index: int, key: str) -> torch.Tensor:
+        rec = self.index[r][(unit_index, key)]
+        path = self.ckpt / self.manifest["ranks"][r]["file"]
+        if r not in self.fh:
+            try:
+                self.fh[r] = open(path, "rb")
+            except OSError as exc:
+                raise CheckpointError(f"checkpoint {path}: cannot open ({exc.strerror or exc}) — the checkpoint "
+                                      f"is incomplete; load an earlier checkpoint") from exc
+        fh = self.fh[r]
+        out = torch.empty(rec["nbytes"] // 4, dtype=torch.float32)
+        view = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(bytearray())
+        fh.seek(rec["offset"])
+        got = fh.readinto(view) if out.numel() else 0
+        name = f"u{unit_index:05d}.{key}"
+        if got != rec["nbytes"]:
+            raise CheckpointError(f"checkpoint {path}: short read of {name} at offset {rec['offset']} ({got} of "
+                                  f"{rec['nbytes']} bytes) — the file is truncated; load an earlier checkpoint")
+        if _crc(view) != rec["crc32c"]:
+            raise CheckpointError(f"checkpoint {path}: checksum mismatch in {name} at offset {rec['offset']} — "
+                                  f"the file is corrupt; load an earlier checkpoint")
+        return out
+
+    def piece(self, unit_index: int, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Fill out[:hi-lo] with elements [lo, hi) of a unit's flat, from every old rank overlapping."""
+        seen = set()
+        for r, rank in enumerate(self.manifest["ranks"]):
+            olo, ohi = rank["ranges"][unit_index]
+            a, b = max(lo, olo), min(hi, ohi)
+            if a >= b or (olo, ohi) in seen:  # replicated units: every rank saved the same flat
+                continue
+            seen.add((olo, ohi))
+            data = self.read(r, unit_index, key)
+            out[a - lo: b - lo].copy_(data[a - olo: b - olo])
+
+    def close(self) -> None:
+        for fh in self.fh.values():
+            fh.close()
+        self.fh.clear()
+
+
+def _check_fingerprint(engine, manifest: dict, ckpt: Path) -> None:
+    ours, theirs = fingerprint(engine), manifest["units"]
+    for i in range(max(len(ours), len(theirs))):
+        a = ours[i] if i < len(ours) else None
+        b = theirs[i] if i < len(theirs) else None
+        strip = (lambda u: None if u is None else (u["name"], u["numel"],
+                                                   [(p["shape"], p["offset"]) for p in u["params"]]))
+        if strip(a) != strip(b):
+            def desc(u):
+                return "nothing" if u is None else f"unit {u['key']} (module '{u['name']}', {u['numel']} elements, " \
+                                                   f"shapes {[p['shape'] for p in u['params']]})"
+            raise ZerotierError(f"checkpoint {ckpt} does not match this model: the first difference is unit "
+                                f"{i}: the checkpoint has {desc(b)}, the model has {desc(a)}. Load it into the "
+                                f"model it was saved from")
+
+
+# ------------------------------------------------------------------------------- load
+
+def load(engine, root, *, lr_scheduler=None):
+    """Load a checkpoint into `engine` (collective: every rank calls it); returns client_state.
+
+    Works into another tier placement, ZeRO stage or world size: each rank computes its own
+    range of every unit and reads the overlapping pieces of the old ranks' records, verifying
+    each record's crc32c. RNG states: new rank r gets old rank r's states if the old run had a
+    rank r, else old rank 0's (so with more ranks than before, ranks >= the old world size
+    share rank 0's random streams)."""
+    ckpt = resolve(root)
+    manifest = read_manifest(ckpt)
+    _check_fingerprint(engine, manifest, ckpt)
+    for f in engine._early:
+        f.result()
+    engine._early = []
+    with engine._lock:  # fetches issued but not consumed would hold the old parameters
+        inflight, engine._inflight = list(engine._inflight.values()), {}
+    for future in inflight:
+        engine.device_tier.free(future.result()[0])
+    files = _RankFiles(ckpt, manifest)
+    try:
+        state = _load_pt(ckpt / "state.pt", manifest["state"])
+        old_world = manifest["world_size"]
+        src = engine.rank if engine.rank < old_world else 0
+        rng = _load_pt(ckpt / f"rank{src}.pt", manifest["ranks"][src]["rng"])["rng"]
+        for unit, step in zip(engine.units, manifest["unit_steps"]):
+            lo, hi = unit.shard_lo, unit.shard_hi
+            bufs = {}
+            for k in STATE_KEYS:
+                buf = torch.zeros(unit.part.shard_numel)
+                files.piece(unit.index, k, lo, hi, buf)
+                bufs[k] = buf
+            if unit.optim_loc is Location.NVME:
+                for k in STATE_KEYS:
+                    engine.store.write(f"{unit.key}.{k}", bufs[k]).wait()
+                master = bufs["master"]
+            else:
+                for k in STATE_KEYS:
+                    getattr(unit, k)[: hi - lo].copy_(bufs[k][: hi - lo])
+                master = unit.master
+            unit.step = step
+            engine._write_params(unit, master, fused=False)
+            del bufs
+        engine.sharding.finish_gather()
+    finally:
+        files.close()
+    sd = engine.module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, t in state["module_unmanaged"].items():
+            if name in sd:
+                sd[name].data.copy_(t) if isinstance(sd[name], torch.nn.Parameter) else sd[name].copy_(t)
+    engine.zero_grad()
+    engine.global_steps = state["global_steps"]
+    engine.micro_steps = state["micro_steps"]
+    engine._backward_since_step = False
+    engine.scaler.load_state_dict(state["scaler"])
+    engine.optimizer.load_state_dict(state["optimizer"])
+    if lr_scheduler is not None:
+        if state["lr_scheduler"] is None:
+            raise ZerotierError(f"checkpoint {ckpt} was saved without an lr scheduler state; call "
+                                f"load_checkpoint without lr_scheduler=")
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+    _set_rng_state(rng)
+    return state["client_state"]
+
+
+# ------------------------------------------------------------------------------- export
+
+def consolidated_state_dict(engine, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Model weights by state_dict name (collective with several ranks; rank 0's is the full dict)."""
+    full = engine.parameters_fp32()
+    by_id = {}
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for unit in engine.units:
+        for p in unit.params:
+            by_id[id(p)] = full[names[id(p)]].to(dtype)
+    out = {}
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) in by_id:
+            out[name] = by_id[id(t)]
+        else:
+            t = t.detach().cpu()
+            out[name] = t.to(dtype) if t.is_floating_point() else t.clone()
+    return out
+
+
+def iter_full_params(path, dtype: torch.dtype = torch.float32) -> Iterator[tuple[list[str], torch.Tensor]]:
+    """From a checkpoint alone: (names, full tensor) per trained parameter, one unit in memory at a time."""
+    ckpt = resolve(path)
+    manifest = read_manifest(ckpt)
+    files = _RankFiles(ckpt, manifest)
+    try:
+        for i, u in enumerate(manifest["units"]):
+            flat = torch.empty(u["numel"])
+            files.piece(i, "master", 0, u["numel"], flat)
+            for p in u["params"]:
+                n = 1
+                for s in p["shape"]:
+                    n *= s
+                yield p["names"], flat[p["offset"]: p["offset"] + n].view(p["shape"]).to(dtype)
+    finally:
+        files.close()
+
+
+def export(path, out, dtype: str | torch.dtype = "fp32") -> Path:
+    """Write a checkpoint's model weights (plus saved frozen params/buffers) to .safetensors or .pt."""
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise ZerotierError(f"export --dtype {dtype!r}: expected one of fp32, bf16, fp16")
+        dtype = _DTYPE_NAMES[dtype]
+    ckpt = resolve(path)
+    manifest = read_manifest(ckpt)
+    extra = _load_pt(ckpt / "state.pt", manifest["state"])["module_unmanaged"]
+    extra = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in extra.items()}
+    out = Path(out)
+    if out.suffix == ".safetensors":
+        _export_safetensors(path, manifest, extra, out, dtype)
+    elif out.suffix in (".pt", ".pth", ".bin"):
+        sd = {}
+        for names, t in iter_full_params(path, dtype):
+            t = t.clone()
+            for n in names:
+                sd[n] = t
+        sd.update(extra)
+        torch.save(sd, out)
+    else:
+        raise ZerotierError(f"export --to {out}: unknown format; use a name ending in .safetensors or .pt")
+    return out
+
+
+def _export_safetensors(path, manifest: dict, extra: dict, out: Path, dtype: torch.dtype) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "global_steps": str(manifest["global_steps"])}}
+    offset = 0
+    item = torch.tensor([], dtype=dtype).element_size()
+    for u in manifest["units"]:
+        for p in u["params"]:
+            n = 1
+            for s in p["shape"]:
+                n *= s
+            for name in p["names"]:
+                header[name] = {"dtype": _ST_DTYPES[dtype], "shape": p["shape"],
+                                "data_offsets": [offset, offset + n * item]}
+                offset += n * item
+    for name, t in extra.items():
+        nb = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nb]}
+        offset += nb
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(len(head).to_bytes(8, "little"))
+        fh.write(head)
+        for names, t in iter_full_params(path, dtype):
+            for _ in names:
+                fh.write(_tensor_bytes(t))
+        for t in extra.values():
+            fh.write(_tensor_bytes(t))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out)
+
+
+def read_safetensors(path) -> dict[str, torch.Tensor]:
+    """A minimal safetensors reader (no dependency): name -> tensor."""
+    data = Path(path).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8: 8 + n])
+    base = 8 + n
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        raw = bytearray(data[base + a: base + b])
+        dtype = _ST_FROM[meta["dtype"]]
+        t = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        out[name] = t.reshape(meta["shape"])
+    return out
