@@ -43,6 +43,7 @@ copies are per GPU.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import psutil
@@ -188,6 +189,9 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[str, int]:
     if tiers.nvme_path is None or tiers.nvme == 0:
         nvme = 0
     elif tiers.nvme == "auto":
+        from .tiers.rundir import _check_parent  # the store's own check: a clear TierIOError
+
+        _check_parent(Path(tiers.nvme_path))
         nvme = int(shutil.disk_usage(tiers.nvme_path).free * 0.9)
     else:
         nvme = int(tiers.nvme)

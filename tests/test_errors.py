@@ -1,0 +1,328 @@
+"""Bad configuration and bad input: one test per row of docs/errors.md, named after its row.
+
+Each test checks the error type and the message's stable part (what the table quotes),
+or, for inputs that must work (frozen and tied parameters), that they do.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+import zerotier
+from zerotier.config import Config
+from zerotier.errors import BudgetError, ConfigError, TierIOError, ZerotierError
+from zerotier.models import TinyGPT, batches
+from zerotier.optim import CPUAdamW
+
+VOCAB, SEQ, BATCH = 64, 8, 2
+
+
+def tiny(seed=0, **kw):
+    torch.manual_seed(seed)
+    return TinyGPT(vocab=VOCAB, dim=16, layers=1, heads=2, seq=SEQ, **kw)
+
+
+def nvme_cfg(path, nvme="256MiB"):
+    return {"offload": {"params": "host", "optimizer": "nvme"}, "tiers": {"nvme_path": str(path), "nvme": nvme}}
+
+
+def tier_error(exc_info, code, pattern):
+    """TierIOError is OSError(errno, message): str() prefixes "[Errno N] "; check errno and the message."""
+    assert exc_info.value.errno in ((code,) if isinstance(code, int) else code), exc_info.value
+    assert re.match(pattern, exc_info.value.strerror), exc_info.value.strerror
+
+
+def train(engine, steps=2, seed=0):
+    for x, y in batches(VOCAB, SEQ, BATCH, steps, seed=seed):
+        engine.backward(engine(x, y))
+        engine.step()
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError, match=r"^unknown config key 'tierz'; did you mean 'tiers'\? valid keys: "):
+        Config.from_dict({"tierz": {}})
+
+
+def test_unknown_nested_key():
+    with pytest.raises(ConfigError, match=r"^unknown config key 'tiers\.nvme_pth'; did you mean "
+                                          r"'tiers\.nvme_path'\? valid keys: device, host, nvme, nvme_path$"):
+        zerotier.initialize(tiny(), {"tiers": {"nvme_pth": "/tmp"}})
+
+
+def test_unknown_key_in_config_file(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text('{"optimizer": {"learning_rate": 0.1}}')
+    with pytest.raises(ConfigError, match=rf"^{path}: unknown config key 'optimizer\.learning_rate';"):
+        Config.load(path)
+
+
+def test_bad_size_string():
+    with pytest.raises(ConfigError, match=r"^tiers\.host: invalid size '12 parsecs': expected an int or a "
+                                          r"string like '24GiB' / '1\.5TB' / 'auto'; units: "):
+        Config.from_dict({"tiers": {"host": "12 parsecs"}})
+
+
+def test_size_not_whole_bytes():
+    with pytest.raises(ConfigError, match=r"^io\.block_size: size '1\.5B' is not a whole number of bytes"):
+        Config.from_dict({"io": {"block_size": "1.5B"}})
+
+
+def test_negative_budget():
+    with pytest.raises(ConfigError, match=r"^tiers\.device: size must be >= 0, got -1$"):
+        Config.from_dict({"tiers": {"device": -1}})
+    with pytest.raises(ConfigError, match=r"^tiers\.nvme: size must be >= 0, got '-2GiB'$"):
+        Config.from_dict({"tiers": {"nvme": "-2GiB"}})
+
+
+def test_offload_nvme_without_nvme_path():
+    with pytest.raises(ConfigError, match=r"^offload\.optimizer = 'nvme' needs tiers\.nvme_path: set it to a "
+                                          r"directory on the NVMe drive$"):
+        Config.from_dict({"offload": {"optimizer": "nvme"}})
+
+
+def test_config_file_unknown_extension(tmp_path):
+    path = tmp_path / "run.ini"
+    path.write_text("[tiers]\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: unknown config file extension '\.ini'; use \.toml, \.json, "
+                                          r"\.yaml or \.yml$"):
+        zerotier.initialize(tiny(), str(path))
+
+
+def test_yaml_without_pyyaml(tmp_path, monkeypatch):
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer:\n  lr: 0.1\n")
+    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` raises ImportError
+    with pytest.raises(ConfigError, match=rf"^{path}: reading YAML needs PyYAML: pip install pyyaml "
+                                          r"\(or use a \.toml or \.json file\)$"):
+        Config.load(path)
+
+
+def test_delayed_update_not_implemented():
+    with pytest.raises(ConfigError, match=r"^optimizer\.delayed_update = true is not implemented yet; "):
+        zerotier.initialize(tiny(), {"optimizer": {"delayed_update": True}})
+
+
+# ------------------------------------------------------------------------------ nvme_path
+
+def test_nvme_path_missing(tmp_path):
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(TierIOError) as ei:
+        zerotier.initialize(tiny(), nvme_cfg(missing))
+    tier_error(ei, errno.ENOENT, rf"nvme tier: tiers\.nvme_path {missing} does not exist; create it or fix "
+                                 r"tiers\.nvme_path$")
+
+
+def test_nvme_path_missing_with_auto_budget(tmp_path):
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(TierIOError) as ei:
+        zerotier.initialize(tiny(), nvme_cfg(missing, nvme="auto"))
+    tier_error(ei, errno.ENOENT, rf"nvme tier: tiers\.nvme_path {missing} does not exist; ")
+
+
+def test_nvme_path_under_a_regular_file(tmp_path):
+    """Root ignores permission bits, but nothing can be created under a regular file."""
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(TierIOError) as ei:
+        zerotier.initialize(tiny(), nvme_cfg(f / "swap"))
+    tier_error(ei, errno.ENOTDIR, rf"nvme tier: cannot stat tiers\.nvme_path {f / 'swap'}: Not a directory; "
+                                  r"fix tiers\.nvme_path$")
+    with pytest.raises(TierIOError) as ei:
+        zerotier.initialize(tiny(), nvme_cfg(f))
+    tier_error(ei, errno.ENOTDIR, rf"nvme tier: tiers\.nvme_path {f} is not a directory; ")
+
+
+def test_nvme_path_unwritable():
+    """sysfs refuses mkdir to everyone, root included (root bypasses permission bits elsewhere)."""
+    if not os.path.isdir("/sys/kernel"):
+        pytest.skip("no /sys here")
+    with pytest.raises(TierIOError) as ei:
+        zerotier.initialize(tiny(), nvme_cfg("/sys/kernel"))
+    tier_error(ei, (errno.EACCES, errno.EPERM, errno.EROFS), r"nvme tier: .*/sys/kernel.* not writable")
+
+
+def test_second_run_on_the_same_run_dir(tmp_path):
+    from zerotier.tiers import NVMeStore
+
+    with zerotier.initialize(tiny(), nvme_cfg(tmp_path)) as engine:
+        train(engine, 1)
+        run_dir = engine.store.run_dir
+        with pytest.raises(TierIOError) as ei:
+            NVMeStore(engine.cfg.tiers, engine.cfg.io, run_dir=run_dir)
+        tier_error(ei, errno.EBUSY, rf"nvme tier: run directory {run_dir} is in use by pid {os.getpid()} on "
+                                    r"host .* two stores cannot share a run directory: close the first store "
+                                    r"or give this one its own tiers\.nvme_path$")
+        assert run_dir.is_dir()
+        train(engine, 1)  # the first run is unharmed
+
+
+# ------------------------------------------------------------------------------ budgets
+
+def test_budget_too_small():
+    model = tiny()
+    n = sum(p.numel() for p in set(model.parameters()))
+    with pytest.raises(BudgetError, match=r"^the optimizer of [\d,]+ parameters do not fit within the tier "
+                                          r"budgets; .*more device.*more host.*enable the nvme tier") as ei:
+        zerotier.initialize(model, {"tiers": {"device": 9 * n, "host": "1KiB"}})
+    assert type(ei.value).__name__ == "PlanDoesNotFit"
+
+
+# ------------------------------------------------------------------------------ the model
+
+def test_model_without_parameters():
+    with pytest.raises(ConfigError, match=r"^the model has no trainable parameters \(all are frozen or there "
+                                          r"are none\); there is nothing for zerotier to train$"):
+        zerotier.initialize(torch.nn.ReLU(), {})
+
+
+def test_model_all_parameters_frozen():
+    with pytest.raises(ConfigError, match=r"^the model has no trainable parameters "):
+        zerotier.initialize(tiny().requires_grad_(False), {})
+
+
+def test_frozen_parameter_among_trainable_ones():
+    model = tiny()
+    model.pos.requires_grad_(False)
+    pos, head = model.pos.detach().clone(), model.blocks[0].fc.weight.detach().clone()
+    with zerotier.initialize(model, {"offload": {"params": "host"}}) as engine:
+        train(engine, 3)
+        weights = engine.parameters_fp32()
+    assert "pos" not in weights
+    assert torch.equal(model.pos, pos)                       # left alone
+    assert not torch.equal(weights["blocks.0.fc.weight"], head)  # the rest trained
+
+
+def test_tied_weight():
+    model = tiny()
+    assert model.head.weight is model.tok.weight
+    before = model.tok.weight.detach().clone()
+    with zerotier.initialize(model, {}) as engine:
+        train(engine, 3)
+        weights = engine.parameters_fp32()
+        assert model.head.weight is model.tok.weight            # still tied
+        assert torch.equal(model.head.weight, model.tok.weight)
+        assert not torch.equal(model.tok.weight, before)        # and trained
+        torch.testing.assert_close(model.tok.weight.detach(), weights["tok.weight"])
+
+
+# ------------------------------------------------------------------------------ the training loop
+
+@pytest.fixture
+def engine():
+    e = zerotier.initialize(tiny(), {})
+    yield e
+    e.close()
+
+
+def _loss(engine, seed=0):
+    x, y = next(batches(VOCAB, SEQ, BATCH, 1, seed=seed))
+    return engine(x, y)
+
+
+def test_step_before_backward(engine):
+    with pytest.raises(ZerotierError, match=r"^engine\.step\(\) called before engine\.backward\(loss\): there "
+                                            r"are no gradients to apply$"):
+        engine.step()
+
+
+BACKWARD_TWICE = (r"^engine\.backward\(\) called twice without engine\.step\(\) in between: call engine\.step\(\) "
+                  r"after every micro-batch's backward \(it applies the update only every "
+                  r"train\.grad_accum_steps calls\)$")
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_backward_twice_without_step(accum):
+    with zerotier.initialize(tiny(), {"train": {"grad_accum_steps": accum}}) as engine:
+        engine.backward(_loss(engine, 0))
+        grads = [u.grad_flat.clone() for u in engine.units]
+        with pytest.raises(ZerotierError, match=BACKWARD_TWICE):
+            engine.backward(_loss(engine, 1))
+        for u, g in zip(engine.units, grads):  # nothing was accumulated by the refused call
+            assert torch.equal(u.grad_flat, g)
+        engine.step()  # the loop goes on normally
+        engine.backward(_loss(engine, 2))
+        assert engine.step() is True
+
+
+def test_same_loss_backward_twice(engine):
+    loss = _loss(engine)
+    engine.backward(loss)
+    with pytest.raises(ZerotierError, match=BACKWARD_TWICE):
+        engine.backward(loss)
+
+
+def test_non_scalar_loss(engine):
+    x, _ = next(batches(VOCAB, SEQ, BATCH, 1))
+    logits = engine(x)
+    with pytest.raises(ZerotierError, match=r"^engine\.backward\(loss\) needs the scalar loss tensor of this "
+                                            r"micro-batch$"):
+        engine.backward(logits)
+    engine.backward(logits.float().square().mean())  # refused input left no state behind
+    assert engine.step()
+
+
+@pytest.mark.parametrize("code,reason,hint", [
+    (errno.ENOSPC, "No space left on device", "free space on {dir} or lower tiers.nvme"),
+    (errno.EIO, "Input/output error", "the drive reported an I/O error: check it (dmesg, smartctl)"),
+])
+def test_nvme_write_fails_during_training(tmp_path, code, reason, hint):
+    with zerotier.initialize(tiny(), nvme_cfg(tmp_path)) as engine:
+        train(engine, 2)
+        engine.store.engine.inject_fault(op="write", errno=code)
+        x, y = next(batches(VOCAB, SEQ, BATCH, 1, seed=5))
+        engine.backward(engine(x, y))
+        with pytest.raises(TierIOError) as ei:
+            engine.step()
+        msg = ei.value.strerror
+        assert ei.value.errno == code
+        assert msg.startswith("nvme tier: write of shard '") and " at offset 0 of " in msg, msg
+        assert str(engine.store.run_dir) in msg and f"failed: {reason}" in msg, msg
+        assert hint.format(dir=tmp_path) in msg, msg
+
+
+# ------------------------------------------------------------------------------ CPUAdamW
+
+def test_cpu_adamw_amsgrad():
+    with pytest.raises(ZerotierError, match=r"^CPUAdamW: amsgrad is not implemented by the CPU kernel; use "
+                                            r"torch\.optim\.AdamW\(amsgrad=True\)$"):
+        CPUAdamW([torch.nn.Parameter(torch.zeros(4))], amsgrad=True)
+
+
+def test_cpu_adamw_non_contiguous_parameter():
+    p = torch.nn.Parameter(torch.randn(6, 4).t())  # a transposed view: not contiguous
+    assert not p.is_contiguous()
+    before = p.detach().clone()
+    p.grad = torch.ones_like(p)
+    opt = CPUAdamW([p])
+    with pytest.raises(ZerotierError, match=r"^master is not contiguous; the kernel updates memory in place and will "
+                                            r"not silently update a temporary copy \(call \.contiguous\(\) on the "
+                                            r"parameter itself\)$"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+# ------------------------------------------------------------------------------ the table itself
+
+def test_every_row_of_docs_errors_md_is_tested():
+    """docs/errors.md names one test per row; each exists here, and every test here has a row."""
+    from pathlib import Path
+
+    table = (Path(__file__).parent.parent / "docs" / "errors.md").read_text()
+    named = set()
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or cells[2] in ("Test", "---"):
+            continue
+        if cells[2].startswith("`tests/test_checkpoint.py::"):
+            continue  # the checkpoint row is owned by tests/test_checkpoint.py
+        named.add(re.fullmatch(r"`(test_\w+)(\[\w+\])?`", cells[2]).group(1))
+    here = {name for name, obj in globals().items() if name.startswith("test_") and callable(obj)}
+    assert named - here == set(), "rows naming a test that does not exist"
+    assert here - named - {"test_every_row_of_docs_errors_md_is_tested"} == set(), "tests without a row"
