@@ -1,0 +1,50 @@
+"""An I/O error on a swap file mid-training gives a clear error; training resumes from the
+last checkpoint and continues exactly as an uninterrupted run."""
+import errno
+
+import pytest
+import torch
+
+import zerotier
+from zerotier.errors import TierIOError
+from zerotier.models import TinyGPT, batches
+
+CFG = {"offload": {"params": "host", "gradients": "host", "optimizer": "nvme"},
+       "train": {"grad_accum_steps": 2, "max_grad_norm": 1.0}, "optimizer": {"lr": 3e-3}}
+
+
+def model():
+    torch.manual_seed(0)
+    return TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
+
+
+def run(engine, data):
+    for x, y in data:
+        engine.backward(engine(x, y))
+        engine.step()
+
+
+def test_eio_on_swap_file_then_resume_from_checkpoint(tmp_path):
+    data = list(batches(64, 16, 2, 16))
+    cfg = {**CFG, "tiers": {"nvme_path": str(tmp_path / "swap")}}
+    (tmp_path / "swap").mkdir()
+
+    with zerotier.initialize(model(), cfg) as engine:  # uninterrupted reference
+        run(engine, data)
+        expected = engine.parameters_fp32()
+
+    engine = zerotier.initialize(model(), cfg)
+    run(engine, data[:8])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.store.engine.inject_fault(op="write", errno=errno.EIO, count=1)
+    with pytest.raises(TierIOError) as info:
+        run(engine, data[8:10])
+    assert info.value.errno == errno.EIO and "nvme tier" in str(info.value) and ".swp" in str(info.value)
+    engine.close()
+
+    with zerotier.initialize(model(), cfg) as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        run(resumed, data[8:])
+        got = resumed.parameters_fp32()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
