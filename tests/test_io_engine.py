@@ -104,12 +104,12 @@ def _rand(nbytes: int, seed: int) -> torch.Tensor:
     return buf
 
 
-def _slow_read(eng_backend: str, data_dir):
-    """An engine plus a read that takes many ms (4096 sequential 4 KiB chunks)."""
+def _slow_read(eng_backend: str, data_dir, nbytes: int = 16 << 20):
+    """An engine plus a read that takes many ms (nbytes in sequential 4 KiB chunks)."""
     eng = open_engine(IOConfig(backend=eng_backend, block_size=4096, queue_depth=1, threads=1))
     fd, path = _open(data_dir, "slow")
-    os.ftruncate(fd, 16 << 20)
-    buf = aligned_empty(16 << 20)
+    os.ftruncate(fd, nbytes)
+    buf = aligned_empty(nbytes)
     return eng, fd, path, buf
 
 
@@ -378,13 +378,12 @@ def test_injected_faults(engine, data_dir):
 
 
 def test_done_and_timeout_on_a_slow_request(backend, data_dir):
-    eng, fd, path, buf = _slow_read(backend, data_dir)
+    eng, fd, path, buf = _slow_read(backend, data_dir, 64 << 20)  # 16384 chunks at QD 1: tens of ms
     try:
         t = eng.read(fd, buf, 0, path)
-        assert not t.done()
         with pytest.raises(TimeoutError):
-            t.wait(timeout=0)
-        assert t.wait(timeout=30) == 16 << 20
+            t.wait(timeout=0)  # checked first, right after submission
+        assert t.wait(timeout=30) == 64 << 20
         assert t.done()
     finally:
         eng.close()
