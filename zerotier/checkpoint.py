@@ -41,11 +41,10 @@ import crc32c as _crc32c
 import torch
 
 from .errors import TierIOError, ZerotierError
-from .state import Location
+from .optim.offload import STATE_KEYS
 
 FORMAT = 1
 KEEP = 2
-STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
               torch.uint8: "U8", torch.bool: "BOOL"}
@@ -197,8 +196,7 @@ def save(engine, root, *, lr_scheduler=None, client_state=None) -> Path:
         raise ZerotierError(f"save_checkpoint at micro-step {engine.micro_steps}: in the middle of a gradient "
                             f"accumulation window (grad_accum_steps = {accum}); the accumulated gradients are "
                             f"not saved. Save right after an engine.step() that returned True")
-    for f in engine._early:
-        f.result()
+    engine.synchronize()
     root = Path(root)
     rank, world = engine.rank, engine.world_size
     step = engine.global_steps
@@ -439,13 +437,7 @@ def load(engine, root, *, lr_scheduler=None):
     ckpt = resolve(root)
     manifest = read_manifest(ckpt)
     _check_fingerprint(engine, manifest, ckpt)
-    for f in engine._early:
-        f.result()
-    engine._early = []
-    with engine._lock:  # fetches issued but not consumed would hold the old parameters
-        inflight, engine._inflight = list(engine._inflight.values()), {}
-    for future in inflight:
-        engine.device_tier.free(future.result()[0])
+    engine.synchronize()  # fetches issued but not consumed would hold the old parameters
     files = _RankFiles(ckpt, manifest)
     try:
         state = _load_pt(ckpt / "state.pt", manifest["state"])
@@ -459,14 +451,7 @@ def load(engine, root, *, lr_scheduler=None):
                 buf = torch.zeros(unit.part.shard_numel)
                 files.piece(unit.index, k, lo, hi, buf)
                 bufs[k] = buf
-            if unit.optim_loc is Location.NVME:
-                for k in STATE_KEYS:
-                    engine.store.write(f"{unit.key}.{k}", bufs[k]).wait()
-                master = bufs["master"]
-            else:
-                for k in STATE_KEYS:
-                    getattr(unit, k)[: hi - lo].copy_(bufs[k][: hi - lo])
-                master = unit.master
+            master = engine.unit_optimizer.write_state(unit, bufs)
             unit.step = step
             engine._write_params(unit, master, fused=False)
             del bufs
@@ -481,7 +466,6 @@ def load(engine, root, *, lr_scheduler=None):
     engine.zero_grad()
     engine.global_steps = state["global_steps"]
     engine.micro_steps = state["micro_steps"]
-    engine._backward_since_step = False
     engine.scaler.load_state_dict(state["scaler"])
     engine.optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None:

@@ -526,9 +526,7 @@ class Engine:
         self.micro_steps += 1
         if self.micro_steps % self.cfg.train.grad_accum_steps:
             return False
-        early, self._early = self._early, []
-        for future in early:
-            future.result()  # re-raises an error from the optimizer thread
+        self._wait_early_steps()
         inv_scale = 1.0 / self.scaler.scale
         local = sum(self._grad_sumsq(u) for u in self.units if self.sharding.local_sumsq_share(u))
         total_norm = math.sqrt(self.sharding.global_sum(local)) * inv_scale
@@ -557,6 +555,20 @@ class Engine:
             return _kernels.grad_sumsq(grad)
         return float(grad.double().square().sum())
 
+    def _wait_early_steps(self) -> None:
+        early, self._early = self._early, []
+        for future in early:
+            future.result()  # re-raises an error from the optimizer thread
+
+    def synchronize(self) -> None:
+        """Finish the work in flight: wait for Adam updates started during backward and
+        drop parameter fetches issued but not yet consumed (e.g. before loading new weights)."""
+        self._wait_early_steps()
+        with self._lock:
+            inflight, self._inflight = list(self._inflight.values()), {}
+        for future in inflight:
+            self.device_tier.free(future.result()[0])
+
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.grad_flat.zero_()
@@ -565,6 +577,7 @@ class Engine:
             unit.has_grad = unit.stepped_early = False
             for p in unit.params:
                 p.grad = None
+        self._backward_since_step = False
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Full-precision weights by parameter name (copies; reads NVMe-resident masters).

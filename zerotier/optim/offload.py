@@ -183,3 +183,14 @@ class UnitOptimizer:
         for k in STATE_KEYS:
             self.store.read(f"{unit.key}.{k}", out[k]).wait()
         return out
+
+    def write_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Replace a unit's master/exp_avg/exp_avg_sq (CPU tensors of the shard's size, padding
+        zero) wherever they live; returns the master as the optimizer holds it now."""
+        if unit.optim_loc is Location.NVME:
+            for k in STATE_KEYS:
+                self.store.write(f"{unit.key}.{k}", state[k]).wait()
+            return state["master"]
+        for k in STATE_KEYS:
+            getattr(unit, k).copy_(state[k])
+        return unit.master
