@@ -7,9 +7,9 @@
 
 See docs/dist.md for the protocol per stage.
 """
-from .comm import (AVG, SUM, CollectiveError, Comm, GradBucketer, Handle, ParamGatherer, all_gather,  # noqa: F401
-                   all_reduce, default_comm, reduce_scatter, reset_stats, ring_bytes, set_default_comm, stats,
-                   wait_all)
+from .buckets import GradBucketer, ParamGatherer  # noqa: F401
+from .comm import (AVG, SUM, CollectiveError, Comm, Handle, all_gather, all_reduce, default_comm,  # noqa: F401
+                   reduce_scatter, reset_stats, ring_bytes, set_default_comm, stats, wait_all)
 from .launch import SpawnError, init_distributed, spawn  # noqa: F401
 from .partition import (Partition, is_persistent, padded_numel, partition_units, shard_numel,  # noqa: F401
                         shard_range)

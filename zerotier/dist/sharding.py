@@ -24,7 +24,8 @@ import torch
 
 from ..config import ZeroConfig
 from ..state import Unit
-from .comm import SUM, Comm, GradBucketer, ParamGatherer
+from .buckets import GradBucketer, ParamGatherer
+from .comm import SUM, Comm
 from .partition import Partition, partition_units
 
 
