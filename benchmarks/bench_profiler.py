@@ -30,7 +30,7 @@ def make_engine(nvme_dir: str):
 
 
 def set_profiling(engine, profiler) -> None:
-    engine.profiler = engine.unit_optimizer.profiler = profiler
+    engine.profiler = engine.unit_optimizer.profiler = engine.fetcher.profiler = profiler
 
 
 def main(argv=None):

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import math
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -49,6 +48,7 @@ from .optim.offload import UnitOptimizer
 from .planner import make_plan
 from .scaler import LossScaler
 from .schedule import PrefetchScheduler
+from .schedule.fetch import ParamFetcher
 from .state import DTYPES, Location, Unit, build_units
 from .profiler import Profiler
 from .tiers.base import BudgetedTier
@@ -83,21 +83,6 @@ class _FetchOnBackward(torch.autograd.Function):
         for unit in ctx.units:
             ctx.engine._demand(unit)
         return (None, None, *grads)
-
-
-class _Gathering:
-    """A stage-3 all-gather in flight; `result()` has the interface of a fetch future."""
-
-    def __init__(self, handle, flat: torch.Tensor, shard: torch.Tensor):
-        self.handle, self.flat, self.shard = handle, flat, shard  # shard lives until the gather ends
-
-    def done(self) -> bool:
-        return self.handle.done()
-
-    def result(self):
-        self.handle.wait()
-        self.shard = None
-        return self.flat, None
 
 
 def _map_tensors(obj, fn):
@@ -156,19 +141,16 @@ class Engine:
         self._in_backward = False
         self._early_step_ok = False
         self._reduce_now = False
-        self._inflight: dict[int, Future] = {}
-        self._lock = threading.Lock()
-        # Fetch workers: on CPU they are the "copy streams"; on CUDA they issue H2D
-        # copies on `copy_stream`, ordered against compute by an event per fetch.
-        self._fetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerotier-fetch")
-        self.copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        self.fetcher = ParamFetcher(self.device, self.lp_dtype, self.device_tier, self.store, self.sharding,
+                                    self.profiler)
+        self.fetcher.units = self.units
         for unit in self.units:
             self._place(unit)
         self._move_unmanaged_to_device()
         streamed = [u for u in self.units if u.streamed]
         self.scheduler = PrefetchScheduler(
             cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.units], [u.name for u in self.units],
-            self._prefetch, self._inflight_bytes)
+            self.fetcher.prefetch, self.fetcher.inflight_bytes)
         self._hooks = []
         self._register_hooks(streamed)
 
@@ -199,7 +181,7 @@ class Engine:
         else:
             self.store.write(unit.param_key, lp).wait()
         if unit.streamed:
-            self._release(unit)
+            self.fetcher.release(unit)
         # The full fp32 gradient is the input of the reduce-scatter: NCCL needs it on the GPU;
         # gloo reduces wherever the gradient tier is.
         full_grad_loc = Location.DEVICE if sharding.active and self.device.type == "cuda" else unit.grad_loc
@@ -280,117 +262,11 @@ class Engine:
 
     # ------------------------------------------------------------ fetch / release
 
-    def _load(self, unit: Unit, reason: str):
-        """Bring a unit's low-precision params to the compute device (a fetch worker for
-        reason="prefetch", the compute thread for reason="demand")."""
-        flat = self.device_tier.alloc((unit.numel,), self.lp_dtype, unit.param_key)
-        nbytes = unit.numel * self.lp_dtype.itemsize
-        self.device_tier.count_in(nbytes)
-        prof = self.profiler
-        token = prof.begin(unit.param_key, "param", unit.param_loc.value, "device", nbytes, reason) \
-            if prof is not None else None
-        try:
-            if unit.param_loc is Location.NVME and self.device.type == "cpu":
-                self.store.read(unit.param_key, flat).wait()  # straight into the device buffer
-                return flat, None
-            if unit.param_loc is Location.NVME:
-                host = torch.empty(unit.numel, dtype=self.lp_dtype)
-                self.store.read(unit.param_key, host).wait()
-            else:
-                host = unit.host_param
-            if self.device.type == "cpu":
-                flat.copy_(host)
-                return flat, None
-            with torch.cuda.stream(self.copy_stream):
-                flat.copy_(host, non_blocking=host.is_pinned())
-                ready = torch.cuda.Event()
-                ready.record()
-            return flat, ready
-        except BaseException:
-            self.device_tier.free(flat)
-            raise
-        finally:
-            if token is not None:
-                prof.end(token)
-
-    def _gather(self, unit: Unit, reason: str) -> "_Gathering":
-        """Stage 3: this rank's shard to the device, then an async all-gather of the full flat.
-        Issued on the thread running forward/backward, in the same order on every rank."""
-        shard = self._load_shard(unit, reason)
-        flat = self.device_tier.alloc((unit.part.padded_numel,), self.lp_dtype, unit.param_key)
-        return _Gathering(self.sharding.all_gather(unit, flat, shard), flat, shard)
-
-    def _load_shard(self, unit: Unit, reason: str) -> torch.Tensor:
-        if unit.param_loc is Location.DEVICE:
-            return unit.param_shard
-        nbytes = unit.part.shard_numel * self.lp_dtype.itemsize
-        prof = self.profiler
-        token = prof.begin(unit.param_key, "param", unit.param_loc.value, "device", nbytes, reason) \
-            if prof is not None else None
-        if unit.param_loc is Location.NVME:
-            host = torch.empty(unit.part.shard_numel, dtype=self.lp_dtype)
-            self.store.read(unit.param_key, host).wait()
-        else:
-            host = unit.param_shard
-        self.device_tier.count_in(nbytes)
-        shard = host.to(self.device)
-        if token is not None:
-            prof.end(token)
-        return shard
-
-    def _prefetch(self, index: int) -> None:
-        unit = self.units[index]
-        with self._lock:
-            if unit.device_flat is not None or index in self._inflight:
-                return
-        if self.sharding.gathered(unit):
-            self._inflight[index] = self._gather(unit, "prefetch")
-        else:
-            with self._lock:
-                self._inflight[index] = self._fetcher.submit(self._load, unit, "prefetch")
-        if self.profiler is not None:
-            self.profiler.prefetch_issued(unit.param_key)
-
-    def _inflight_bytes(self) -> int:
-        # Counts every issued, not yet consumed fetch (not only unfinished ones): the prefetch
-        # decision must not depend on timing, or ranks would issue stage-3 gathers differently.
-        with self._lock:
-            return sum(self.units[i].numel * self.lp_dtype.itemsize for i in self._inflight)
-
     def _demand(self, unit: Unit) -> None:
-        """Compute needs `unit` now: make it resident (waiting on a prefetch if any)."""
+        """Compute needs `unit` now: record it for prefetch, then make it resident."""
         if torch.is_grad_enabled() and self.module.training or self._in_backward:
             self.scheduler.on_demand(unit.index)
-        if unit.device_flat is not None:
-            return
-        with self._lock:
-            future = self._inflight.pop(unit.index, None)
-        prof = self.profiler
-        if prof is not None:
-            prof.prefetch_used(unit.param_key, hit=future is not None)
-            waited = prof.wait_begin(unit.param_key)
-        if future is None and self.sharding.gathered(unit):
-            future = self._gather(unit, "demand")
-        flat, ready = future.result() if future is not None else self._load(unit, "demand")
-        if prof is not None:
-            prof.wait_end(waited)
-        if ready is not None:
-            # [Note: fetch and release] the copy ran on copy_stream; compute waits for
-            # it, and record_stream keeps the block from reuse until compute is done.
-            torch.cuda.current_stream().wait_event(ready)
-            flat.record_stream(torch.cuda.current_stream())
-        unit.device_flat = flat
-        for p, view in unit.views(flat):
-            p.data = view
-
-    def _release(self, unit: Unit) -> None:
-        if not unit.streamed or unit.device_flat is None:
-            return
-        empty = torch.empty(0, dtype=self.lp_dtype, device=self.device)
-        for p in unit.params:
-            p.data = empty
-        self.device_tier.free(unit.device_flat)
-        unit.device_flat = None
+        self.fetcher.demand(unit)
 
     # ------------------------------------------------------------ hooks
 
@@ -425,7 +301,7 @@ class Engine:
                     return _FetchOnBackward.apply(self, units, t)[0] if t.requires_grad else t
                 output = _map_tensors(output, wrap)
             for unit in units:
-                self._release(unit)
+                self.fetcher.release(unit)
             return output
         return hook
 
@@ -447,7 +323,7 @@ class Engine:
             unit.has_grad = not self.sharding.active  # sharded: set when the reduced shard arrives
             unit.grads_seen += 1
             if unit.grads_seen >= len(unit.params):
-                self._release(unit)
+                self.fetcher.release(unit)
                 if self._reduce_now:
                     self.sharding.reduce(unit)  # bucketed reduce-scatter, overlapping the rest of backward
                 elif self._early_step_ok:
@@ -508,7 +384,7 @@ class Engine:
             self._early_step_ok = False
             for unit in self.units:
                 unit.grads_seen = 0
-                self._release(unit)
+                self.fetcher.release(unit)
         if self._reduce_now:
             self.sharding.finish_backward()
             if self.sharding.stage >= 2:  # the micro-batch's sum now lives in the shards
@@ -564,10 +440,7 @@ class Engine:
         """Finish the work in flight: wait for Adam updates started during backward and
         drop parameter fetches issued but not yet consumed (e.g. before loading new weights)."""
         self._wait_early_steps()
-        with self._lock:
-            inflight, self._inflight = list(self._inflight.values()), {}
-        for future in inflight:
-            self.device_tier.free(future.result()[0])
+        self.fetcher.drop_inflight()
 
     def zero_grad(self) -> None:
         for unit in self.units:
@@ -634,7 +507,7 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self._fetcher.shutdown(wait=True)
+        self.fetcher.close()
         self._optim_thread.shutdown(wait=True)
         if self.profiler is not None:
             self.profiler.close()  # writes profile.trace_path, if set
