@@ -1,4 +1,4 @@
-"""Fault paths of the NVMe tier and the manager: every error names the tier and the file,
+"""Fault paths of the NVMe tier: every error names the tier and the file,
 leaves in-memory state intact, and leaves the store usable for other keys."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from zerotier.config import IOConfig, TiersConfig
-from zerotier.errors import BudgetError, TierIOError
-from zerotier.tiers import NVMeStore, TierManager
+from zerotier.errors import TierIOError
+from zerotier.tiers import NVMeStore
 
 
 def cfgs(path, nvme=1 << 30, **io):
@@ -226,66 +226,3 @@ def test_read_only_dir_sysfs():
     with pytest.raises(TierIOError) as ei:
         NVMeStore(*cfgs("/sys/kernel"))
     _assert_not_writable(ei, "/sys/kernel")
-
-
-# -------------------------------------------------------------------------- manager
-
-@pytest.fixture
-def mgr(tmp_path):
-    m = TierManager(*cfgs(tmp_path, checksum="crc32c"), device="cpu")
-    yield m
-    m.close()
-
-
-def test_move_to_nvme_fails_shard_stays_on_host(mgr):
-    x = torch.randn(50_000)
-    s = mgr.place("opt.m", x, "host")
-    host_before = mgr.host.stats()["in_use"]
-    mgr.nvme.engine.inject_fault(op="write", errno=errno.ENOSPC)
-    t = mgr.move(s, "nvme")
-    with pytest.raises(TierIOError) as ei:
-        t.wait()
-    assert "nvme tier" in str(ei.value) and "opt.m.swp" in str(ei.value)
-    assert any("stays" in n or "intact on host" in n for n in getattr(ei.value, "__notes__", []))
-    assert s.location == "host" and s.pending is None and s.nvme_key is None
-    assert torch.equal(mgr.get(s), x)
-    assert mgr.host.stats()["in_use"] == host_before and mgr.nvme.used == 0
-    assert mgr.stats()["inflight_bytes"] == 0
-    mgr.move(s, "nvme").wait()  # works once the fault is gone
-    assert s.location == "nvme"
-
-
-def test_move_from_nvme_fails_shard_stays_on_nvme(mgr):
-    x = torch.randn(50_000)
-    s = mgr.place("p", x, "nvme")
-    for dst in ("host", "device"):
-        mgr.nvme.engine.inject_fault(op="read", errno=errno.EIO)
-        with pytest.raises(TierIOError, match="nvme tier"):
-            mgr.move(s, dst).wait()
-        assert s.location == "nvme" and mgr.nvme.contains("p")
-        assert mgr.host.stats()["in_use"] == 0 and mgr.device.used == 0
-    mgr.move(s, "device").wait()
-    assert torch.equal(mgr.get(s), x)
-
-
-def test_staged_device_to_nvme_failure(mgr):
-    x = torch.randn(50_000)
-    s = mgr.place("d", x, "device")
-    mgr.nvme.engine.inject_fault(op="write", errno=errno.EIO)
-    with pytest.raises(TierIOError, match="d.swp"):
-        mgr.move(s, "nvme").wait()
-    assert s.location == "device" and torch.equal(mgr.get(s), x)
-    assert mgr.host.stats()["in_use"] == 0 and mgr.nvme.used == 0
-
-
-def test_move_budget_error_leaves_shard(tmp_path):
-    tiers = TiersConfig(device=1 << 20, host=8 << 20, nvme=1 << 30, nvme_path=str(tmp_path))
-    with TierManager(tiers, IOConfig(), device="cpu") as m:
-        x = torch.randn(512 * 1024)  # 2 MiB: does not fit the 1 MiB device tier
-        s = m.place("big", x, "host")
-        with pytest.raises(BudgetError) as ei:
-            m.move(s, "device")
-        msg = str(ei.value)
-        assert msg.startswith("device tier") and "(2097152 B)" in msg and "tiers.device" in msg
-        assert s.location == "host" and torch.equal(m.get(s), x)
-        assert m.stats()["inflight_bytes"] == 0

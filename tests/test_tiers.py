@@ -1,4 +1,4 @@
-"""Tier accounting, host pool, device tier and TierManager moves between every tier pair."""
+"""Tier accounting, tickets, host pool and device tier."""
 from __future__ import annotations
 
 import asyncio
@@ -8,10 +8,9 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from zerotier.config import IOConfig, TiersConfig
 from zerotier.errors import BudgetError, ZerotierError
 from zerotier.tiers import (BudgetedTier, ChainTicket, DeviceTier, DoneTicket, FutureTicket, HostPool,
-                            Tier, TierManager)
+                            Tier)
 
 SIZES = [1, 7, 4095, 4097, (1 << 20) + 3]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
@@ -207,125 +206,6 @@ def test_device_tier_cpu_alloc_free_and_copies():
     dev.close()
 
 
-# --------------------------------------------------------------------------- manager
-
-def make_manager(tmp_path, device="cpu", **io):
-    tiers = TiersConfig(device=512 << 20, host=512 << 20, nvme=2 << 30, nvme_path=str(tmp_path))
-    return TierManager(tiers, IOConfig(checksum="crc32c", **io), device=device)
-
-
-def check(m, shard, expect):
-    """Compare a shard's bytes with `expect`, wherever the shard lives."""
-    if shard.location == "nvme":
-        out = torch.empty(shard.shape, dtype=shard.dtype)
-        m.nvme.read(shard.nvme_key, out).wait()
-    else:
-        out = m.get(shard).cpu()
-    assert out.dtype == expect.dtype and torch.equal(out, expect), shard.key
-
-
-def test_round_trips_every_tier_pair(tmp_path):
-    """host -> device -> nvme -> host -> nvme -> device -> host: every directed pair
-    (nvme<->device staged through host), all sizes x dtypes in flight at once."""
-    route = ["device", "nvme", "host", "nvme", "device", "host"]
-    with make_manager(tmp_path) as m:
-        data = {(n, d): rand(n, d, seed=n) for n in SIZES for d in DTYPES}
-        shards = {k: m.place(f"{k[1]}/{k[0]}", v, "host") for k, v in data.items()}
-        total = sum(v.nbytes for v in data.values())
-        for dst in route:
-            tickets = [m.move(s, dst) for s in shards.values()]
-            assert sum(t.wait() for t in tickets) == total
-            for k, s in shards.items():
-                assert s.location == dst and s.pending is None
-                check(m, s, data[k])
-        st = m.stats()
-        pairs = {"host->device", "device->nvme", "nvme->host", "host->nvme", "nvme->device", "device->host"}
-        assert set(st["moved"]) == pairs
-        assert all(st["moved"][p] == {"bytes": total, "count": len(data)} for p in pairs)
-        # everything is back on host: the other tiers hold nothing, staging blocks were returned
-        assert st["device"]["current"] == 0 and st["nvme"]["files"] == 0
-        # freed swap files are kept for reuse (and counted) until trimmed; the second
-        # visit to nvme reused the files the first one left
-        assert st["nvme"]["current"] == st["nvme"]["recycled"] and st["nvme"]["reuses"] >= len(data) - 5
-        m.nvme.trim()
-        assert m.nvme.used == 0 and not list(m.nvme.run_dir.glob("*.swp"))
-        assert st["host"]["in_use"] == sum(s.host_buf.capacity for s in shards.values())
-        assert st["inflight_bytes"] == 0 and st["device"]["peak"] >= total
-        for s in shards.values():
-            m.drop(s)
-        assert m.host.stats()["in_use"] == 0
-
-
-def test_move_to_same_tier_and_shard_shapes(tmp_path):
-    with make_manager(tmp_path) as m:
-        x = rand(6 * 7, torch.float16).view(6, 7)
-        s = m.place("w", x, "device")
-        assert s.nbytes == x.nbytes and m.move(s, "device").wait() == 0
-        m.move(s, "nvme").wait()
-        assert m.nvme.entry("w").shape == (6, 7)
-        m.move(s, "device").wait()
-        assert m.get(s).shape == (6, 7) and torch.equal(m.get(s), x)
-        with pytest.raises(ValueError, match="already exists"):
-            m.place("w", x, "host")
-        with pytest.raises(ValueError, match="unknown tier"):
-            m.move(s, "disk")
-
-
-def test_inflight_bytes_bounded(tmp_path):
-    cap = 1 << 20
-    with make_manager(tmp_path, max_inflight_bytes=cap) as m:
-        xs = [rand(64 * 1024, torch.float32, i) for i in range(24)]  # 256 KiB each
-        shards = [m.place(f"s{i}", x, "host") for i, x in enumerate(xs)]
-        tickets = []
-        for s in shards:
-            tickets.append(m.move(s, "nvme"))
-            assert m.stats()["inflight_bytes"] <= cap
-        for t in tickets:
-            t.wait()
-        big = m.place("big", rand(1 << 19, torch.float32), "host")  # 2 MiB > cap: moves alone
-        m.move(big, "nvme").wait()
-        tickets = [m.move(s, "device") for s in shards + [big]]
-        for t in tickets:
-            t.wait()
-        for s, x in zip(shards, xs):
-            check(m, s, x)
-        assert m.stats()["inflight_bytes"] == 0
-
-
-def test_moves_from_many_threads_and_async(tmp_path):
-    with make_manager(tmp_path) as m:
-        xs = [rand(10_000 + i, torch.bfloat16, i) for i in range(32)]
-        shards = [m.place(f"t{i}", x, "host") for i, x in enumerate(xs)]
-
-        def worker(part):
-            for dst in ("nvme", "device", "host", "nvme"):
-                for t in [m.move(s, dst) for s in part]:
-                    t.wait()
-
-        threads = [threading.Thread(target=worker, args=(shards[i::4],)) for i in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-
-        async def bring_back():
-            return await asyncio.gather(*(m.move(s, "device") for s in shards))
-
-        assert asyncio.run(bring_back()) == [x.nbytes for x in xs]
-        for s, x in zip(shards, xs):
-            check(m, s, x)
-        m.synchronize()
-
-
-def test_nvme_disabled(tmp_path):
-    tiers = TiersConfig(device=1 << 20, host=1 << 20, nvme=0)
-    with TierManager(tiers, IOConfig(), device="cpu") as m:
-        s = m.place("a", torch.ones(4), "host")
-        with pytest.raises(BudgetError, match="nvme tier is disabled"):
-            m.move(s, "nvme")
-        assert m.stats()["nvme"] is None
-
-
 # ------------------------------------------------------------------------------ CUDA
 
 @pytest.mark.cuda
@@ -347,33 +227,3 @@ def test_cuda_pinned_pool_and_event_tickets():
     dev.free(d)
     pool.close()
     assert pool.stats()["current"] == 0
-
-
-@pytest.mark.cuda
-def test_cuda_round_trips_every_pair(tmp_path):
-    route = ["device", "nvme", "host", "nvme", "device", "host"]
-    with make_manager(tmp_path, device="cuda") as m:
-        assert m.device.is_cuda and m.host.pin
-        data = {(n, d): rand(n, d, seed=n) for n in SIZES for d in DTYPES}
-        shards = {k: m.place(f"{k[1]}/{k[0]}", v, "host") for k, v in data.items()}
-        for dst in route:
-            for t in [m.move(s, dst) for s in shards.values()]:
-                t.wait()
-            for k, s in shards.items():
-                check(m, s, data[k])
-
-
-def test_manager_nvme_moves_need_no_staging_copy(tmp_path, monkeypatch):
-    """Pool blocks are aligned and padded: the store reads/writes them in place."""
-    import zerotier.tiers.nvme as nvme_mod
-
-    def no_staging(*a, **k):
-        raise AssertionError("NVMeStore made a staging copy")
-
-    with make_manager(tmp_path) as m:
-        x = rand(4097, torch.bfloat16).view(17, 241)
-        s = m.place("z", x, "host")
-        monkeypatch.setattr(nvme_mod, "aligned_empty", no_staging)
-        for dst in ("nvme", "host", "device", "nvme", "device"):
-            m.move(s, dst).wait()
-        check(m, s, x)

@@ -130,7 +130,7 @@ class IOConfig(_Section):
     o_direct: bool = True                  # falls back to buffered I/O (one warning) if unsupported
     alignment: Bytes = 4096                # file offsets/sizes/buffers aligned to this
     checksum: Literal["none", "crc32c"] = "none"
-    max_inflight_bytes: Size = 1 << 30     # tier manager bound on bytes in flight
+    max_inflight_bytes: Size = 1 << 30     # not read at present (docs/config.md)
 
 
 @dataclass(frozen=True)
