@@ -291,7 +291,7 @@ def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list) -> None:
         "format": FORMAT, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
         "world_size": world, "zero_stage": engine.sharding.stage,
         "param_dtype": str(engine.lp_dtype).replace("torch.", ""),
-        "unit_steps": [u.step for u in engine.units],
+        "unit_steps": list(engine.unit_optimizer.steps),
         "units": fingerprint(engine), "ranks": ranks, "state": gathered[0][1]["state.pt"],
     }
     data = json.dumps(manifest).encode()
@@ -451,11 +451,10 @@ def load(engine, root, *, lr_scheduler=None):
                 buf = torch.zeros(unit.part.shard_numel)
                 files.piece(unit.index, k, lo, hi, buf)
                 bufs[k] = buf
-            master = engine.unit_optimizer.write_state(unit, bufs)
-            unit.step = step
-            engine._write_params(unit, master, fused=False)
+            engine.unit_optimizer.write_state(unit, bufs, step)
+            engine.params.load(unit, bufs["master"])  # new low-precision params from the master
             del bufs
-        engine.sharding.finish_gather()
+        engine.params.synchronize()
     finally:
         files.close()
     sd = engine.module.state_dict(keep_vars=True)

@@ -104,8 +104,7 @@ class OptimizerConfig(_Section):
     bias_correction: bool = True
     threads: int | Literal["auto"] = "auto"    # CPU Adam threads; auto = physical cores
     simd: Literal["auto", "avx512", "avx2", "scalar"] = "auto"
-    subgroup_size: int = 100_000_000           # elements per optimizer sub-group (NVMe pipeline unit)
-    delayed_update: bool = False               # one-step-stale CPU update (off: exact)
+    pipeline_depth: int = 3                    # NVMe optimizer staging sets (reads ahead = depth - 2)
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,6 @@ class IOConfig(_Section):
     o_direct: bool = True                  # falls back to buffered I/O (one warning) if unsupported
     alignment: Bytes = 4096                # file offsets/sizes/buffers aligned to this
     checksum: Literal["none", "crc32c"] = "none"
-    max_inflight_bytes: Size = 1 << 30     # not read at present (docs/config.md)
 
 
 @dataclass(frozen=True)
@@ -484,7 +482,7 @@ _FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "optimizer.eps": (_positive, "must be > 0"),
     "optimizer.weight_decay": (_non_negative, "must be >= 0"),
     "optimizer.threads": (lambda v: v == "auto" or v >= 1, "must be >= 1 or 'auto'"),
-    "optimizer.subgroup_size": (_at_least_one, "must be >= 1"),
+    "optimizer.pipeline_depth": (lambda v: v >= 3, "must be >= 3 (one set read ahead, one stepped, one written)"),
     "train.grad_accum_steps": (_at_least_one, "must be >= 1"),
     "train.max_grad_norm": (lambda v: v is None or v > 0, "must be > 0, or left out to disable clipping"),
     "prefetch.lookahead": (_non_negative, "must be >= 0"),
@@ -513,11 +511,6 @@ def _check_nvme_budget_has_path(tiers: TiersConfig) -> None:
 def _check_io_block_size(io: IOConfig) -> None:
     if io.block_size % io.alignment:
         raise ConfigError(f"io.block_size: must be a multiple of io.alignment ({io.alignment}), got {io.block_size}")
-    if io.max_inflight_bytes != "auto" and io.max_inflight_bytes < io.block_size:
-        raise ConfigError(
-            f"io.max_inflight_bytes: must be at least io.block_size ({format_size(io.block_size)}),"
-            f" got {format_size(io.max_inflight_bytes)}"
-        )
 
 
 _SECTION_CHECKS: dict[str, tuple[Callable[[Any], None], ...]] = {

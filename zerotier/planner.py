@@ -12,17 +12,19 @@ G = bytes per gradient element:
 
 `model_state_bytes` is that table summed; a sharded kind holds ceil(Psi / N) elements on
 the largest rank. G has two accountings:
-  engine (default)  G = 4: zerotier accumulates gradients in fp32 `grad_flat` buffers
-                    (exact over micro-batches, see design.md), so that is what it allocates;
+  engine (default)  G = bytes of precision.grad_dtype: what the gradient store allocates for
+                    its accumulators (fp32 by default: exact over micro-batches; bf16 halves it);
   paper             G = L: the ZeRO paper's fp16 gradients (2 + 2 + K bytes per parameter),
                     for comparing with published figures (`grad_bytes=` / `--accounting paper`).
 
 Working sets come on top of the model state, on the tier that pays for them:
   params off the device, or sharded (stage 3): (lookahead + 2) x largest unit on the device
-      (the gathered full units being computed and prefetched); params on NVMe: the same
-      again on the host as staging
-  optimizer on NVMe: 3 host staging sets of 12 x largest unit shard (read i+1 / step i /
-      write i-1) + a 4 B/element gradient staging flat
+      (the gathered full units being computed and prefetched); params on NVMe: host-pool
+      blocks for the fetches and write-backs in flight, `ParamStore.host_staging_bytes`
+  optimizer on NVMe: `optimizer.pipeline_depth` host staging sets of 12 x largest unit
+      shard, `UnitOptimizer.staging_bytes`
+These are the functions the stores size their allocations with, so the plan cannot drift
+from the code.
 
 `auto` fills the fastest tier first, by access frequency: parameters (read in
 forward and backward) before gradients (written in backward) before optimizer
@@ -51,7 +53,9 @@ import torch
 
 from .config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, format_size
 from .errors import BudgetError, ConfigError
-from .state import DTYPES, Location
+from .optim.offload import OPTIMIZER_BYTES, UnitOptimizer
+from .params import ParamStore
+from .state import DTYPES, TIER_NAMES as TIERS, Location
 
 # Bandwidths assumed when none were measured on this node (bytes/s, params/s);
 # `zerotier bench` measures the real ones. Figures: GUIDE.md section 3 and PCIe 4 x16.
@@ -59,9 +63,6 @@ DEFAULT_RATES = {"h2d": 20e9, "d2h": 20e9, "nvme_read": 7e9, "nvme_write": 4.5e9
                  "device_adam": 50e9}
 
 KINDS = ("params", "gradients", "optimizer")  # in auto-placement priority order
-TIERS = ("device", "host", "nvme")
-OPTIMIZER_BYTES = 12       # K: fp32 master + exp_avg + exp_avg_sq
-ENGINE_GRAD_BYTES = 4      # the engine's fp32 gradient accumulators
 SHARDED_FROM_STAGE = {"params": 3, "gradients": 2, "optimizer": 1}
 
 
@@ -118,7 +119,7 @@ class Plan:
     stage: int = 0
     state_bytes: dict[str, int] = field(default_factory=dict)    # kind -> model-state bytes per rank
     rate_sources: dict[str, str] = field(default_factory=dict)   # rate key used -> measured | default | given
-    grad_bytes: int = ENGINE_GRAD_BYTES
+    grad_bytes: int = 4
     param_bytes: int = 4
 
     @property
@@ -142,7 +143,7 @@ class Plan:
         total = self.per_rank_bytes
         lines.append(f"  {'total':10s} {'':6s} {format_size(total):>12s} {total / 1e9:9.2f}"
                      f"   ({total / max(self.numel, 1):.2f} B per model parameter; gradients {self.grad_bytes} B/param"
-                     + (": the engine's fp32 accumulators)" if self.grad_bytes == ENGINE_GRAD_BYTES else ")"))
+                     + (": the engine's fp32 accumulators)" if self.grad_bytes == 4 else ")"))
         lines.append(f"  {'tier':8s} {'needed':>12s} {'budget':>12s}   (needed includes working sets)")
         for tier in TIERS:
             lines.append(f"  {tier:8s} {format_size(self.need[tier]):>12s} {format_size(self.budgets[tier]):>12s}")
@@ -208,6 +209,7 @@ class _Sizes:
     lookahead: int
     stage: int
     world_size: int
+    pipeline_depth: int = 3
     engine_buffers: bool = True  # count the engine's transient buffers (False: the ZeRO paper's pure model state)
 
     def rank_numel(self, kind: str) -> int:
@@ -225,30 +227,29 @@ def _bytes_for(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
         if loc is not Location.DEVICE or s.stage >= SHARDED_FROM_STAGE["params"]:
             need["device"] += (s.lookahead + 2) * s.largest * s.lp_bytes   # gathered full units
         if loc is Location.NVME:
-            need["host"] += (s.lookahead + 2) * s.rank_largest(kind) * s.lp_bytes
+            need["host"] += ParamStore.host_staging_bytes(s.lookahead, s.rank_largest(kind), s.lp_bytes)
     elif kind == "gradients":
         need[loc.value] += s.grad_bytes * n
         if s.engine_buffers and s.world_size > 1 and s.stage >= 1:
-            # The engine keeps both the full fp32 gradient (the reduce-scatter input; freeing
+            # The engine keeps both the full gradient (the reduce-scatter input; freeing
             # it per bucket is future work) and this rank's reduced shard, on the gradient
             # tier with gloo. Stages >= 2 counted the shard above, stage 1 the full flat.
-            need[loc.value] += ENGINE_GRAD_BYTES * (s.numel if n < s.numel else s.numel // s.world_size)
+            need[loc.value] += s.grad_bytes * (s.numel if n < s.numel else s.numel // s.world_size)
     else:
         need[loc.value] += OPTIMIZER_BYTES * n
         if loc is Location.NVME:
-            shard = s.rank_largest(kind)
-            need["host"] += 3 * OPTIMIZER_BYTES * shard + 4 * shard  # 3 staging sets + a grad staging flat
+            need["host"] += UnitOptimizer.staging_bytes(s.pipeline_depth, s.rank_largest(kind))
     return need
 
 
 def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig, precision: PrecisionConfig,
               prefetch: PrefetchConfig, device: torch.device, budgets: dict[str, int] | None = None,
               rates: dict[str, float] | None = None, *, world_size: int = 1, stage: int = 0,
-              grad_bytes: int | None = None, ranks_per_node: int | None = None) -> Plan:
+              grad_bytes: int | None = None, ranks_per_node: int | None = None, pipeline_depth: int = 3) -> Plan:
     """Choose a tier for each kind of state within the per-rank budgets, or raise PlanDoesNotFit.
 
     world_size/stage shard each kind's bytes as ZeRO does ([Note: bytes per parameter]);
-    grad_bytes defaults to the engine's fp32 accumulators (4), pass the param dtype's size
+    grad_bytes defaults to the engine's accumulators (precision.grad_dtype), pass the param dtype's size
     for the ZeRO paper's accounting. rates=None uses this node's `zerotier bench` results
     where saved, else DEFAULT_RATES ([Note: step-time prediction]).
     """
@@ -257,9 +258,9 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     rates, rate_sources = _resolve_rates(rates)
     lp_bytes = DTYPES[precision.param_dtype].itemsize
     sizes = _Sizes(numel=sum(unit_numels), largest=max(unit_numels, default=0), lp_bytes=lp_bytes,
-                   grad_bytes=ENGINE_GRAD_BYTES if grad_bytes is None else grad_bytes,
+                   grad_bytes=DTYPES[precision.grad_dtype].itemsize if grad_bytes is None else grad_bytes,
                    lookahead=prefetch.lookahead if prefetch.enabled else 0, stage=stage, world_size=world_size,
-                   engine_buffers=grad_bytes is None)
+                   pipeline_depth=pipeline_depth, engine_buffers=grad_bytes is None)
     state_bytes = {kind: b * sizes.rank_numel(kind) for kind, b in
                    (("params", lp_bytes), ("gradients", sizes.grad_bytes), ("optimizer", OPTIMIZER_BYTES))}
     assert sum(state_bytes.values()) == model_state_bytes(sizes.numel, stage, world_size, lp_bytes,

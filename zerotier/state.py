@@ -1,19 +1,19 @@
-"""Records of what zerotier manages: one `Unit` per module that owns trainable parameters.
+"""What zerotier manages: one `Unit` (layout only) per module that owns trainable parameters,
+and the states a unit's parameters and gradient pass through in a step.
 
 [Note: units]
 A unit is the set of trainable parameters a module owns *directly*
 (`module._parameters`), flattened in registration order. It is the grain of
 everything: fetched/released together (ZeRO-3 style), one optimizer sub-group,
-one set of NVMe files. Where each kind of its state lives:
+one set of NVMe files. `Unit` is layout only: which parameters, their shapes and
+offsets in the flat, and (set once by `Sharding.assign`) the partition over
+data-parallel ranks. Nothing writes it afterwards. Where each kind of state lives
+and how it moves is owned by one store each:
 
-  kind          tensor attribute       Location.DEVICE       Location.HOST          Location.NVME
-  low-prec p    `p.data` / flats       module's own params   `host_param` (flat)    file `param_key`
-  fp32 grad     `grad_flat`            device tensor         host tensor            (never)
-  master/m/v    `master`, `exp_avg`..  device tensors        host tensors           files `<key>.master` ...
-
-A parameter whose data lives off the device is *released* between uses:
-`p.data` is an empty tensor and `device_flat` is None. It is *resident* while
-a fetch has put a view of `device_flat` into every `p.data`.
+  state                    owner                    where (by placement)
+  low-precision params     params.ParamStore        device flat / host pool block / NVMe file `<key>.param`
+  gradient accumulator     grads.GradStore          device tensor / host pool block
+  fp32 master, exp_avg(_sq) optim.UnitOptimizer     device tensors / host pool blocks / NVMe files
 """
 from __future__ import annotations
 
@@ -24,46 +24,92 @@ import torch
 
 
 class Location(enum.Enum):
+    """The three tiers. Their names ("device", "host", "nvme") are defined here only."""
+
     DEVICE = "device"
     HOST = "host"
     NVME = "nvme"
 
 
+TIER_NAMES = tuple(loc.value for loc in Location)
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass(eq=False)
+class IllegalTransition(RuntimeError):
+    """A store was asked to move a unit between states that do not connect (a bug, not bad input)."""
+
+
+class ParamState(enum.Enum):
+    """Where a unit's low-precision parameters are, as seen from compute (params.ParamStore).
+
+    RELEASED: the unit's device flat has storage of size 0: `p.data` are views of it
+        (shapes and dtypes stay truthful) but no device bytes are held or counted.
+        Its bytes live only at home (host pool block or NVMe file, or this rank's
+        shard at ZeRO-3).
+    FETCHING: device bytes are allocated and counted; a copy (or all-gather) into them
+        is in flight, tagged with the parameter version it reads.
+    RESIDENT: the device flat holds the current version; compute may read `p.data`.
+    Units whose parameters always live on the device (not streamed) are RESIDENT for
+    the whole run.
+    """
+
+    RELEASED = "released"
+    FETCHING = "fetching"
+    RESIDENT = "resident"
+
+
+PARAM_TRANSITIONS = {
+    ParamState.RELEASED: {ParamState.FETCHING},
+    ParamState.FETCHING: {ParamState.RESIDENT, ParamState.RELEASED},  # RELEASED: a dropped prefetch
+    ParamState.RESIDENT: {ParamState.RELEASED},
+}
+
+
+class GradState(enum.Enum):
+    """What a unit's gradient holds in the current accumulation window (grads.GradStore).
+
+    EMPTY: nothing since the last optimizer step (accumulator is zero).
+    ACCUMULATING: at least one micro-batch's gradient was added; more may follow.
+    READY: final for this window: this rank's reduced shard is what the optimizer reads.
+    STEPPED: the optimizer consumed it; zeroed (back to EMPTY) at the end of the step.
+    """
+
+    EMPTY = "empty"
+    ACCUMULATING = "accumulating"
+    READY = "ready"
+    STEPPED = "stepped"
+
+
+GRAD_TRANSITIONS = {
+    GradState.EMPTY: {GradState.ACCUMULATING},
+    GradState.ACCUMULATING: {GradState.ACCUMULATING, GradState.READY, GradState.EMPTY},  # EMPTY: skipped step
+    GradState.READY: {GradState.STEPPED, GradState.EMPTY},
+    GradState.STEPPED: {GradState.EMPTY},
+}
+
+
+def transition(states: list, index: int, new, allowed: dict, what: str) -> None:
+    """states[index] -> new, or IllegalTransition naming the unit and both states."""
+    old = states[index]
+    if new not in allowed[old]:
+        raise IllegalTransition(f"unit {index}: {what} cannot go from {old.value} to {new.value}")
+    states[index] = new
+
+
+@dataclass(frozen=True, eq=False)
 class Unit:
     index: int
     name: str                                  # qualified module name ("" = root)
-    params: list[torch.nn.Parameter]
-    shapes: list[torch.Size]
-    offsets: list[int]                         # element offset of each param in the flat
+    params: tuple[torch.nn.Parameter, ...]
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]                   # element offset of each param in the flat
     numel: int
-    param_loc: Location = Location.DEVICE
-    grad_loc: Location = Location.DEVICE
-    optim_loc: Location = Location.HOST
-    # low-precision parameters (see the table in [Note: units])
-    host_param: torch.Tensor | None = None     # flat, param dtype, when param_loc is HOST
-    device_flat: torch.Tensor | None = None    # flat on the compute device while resident
-    # fp32 gradient accumulated over micro-batches
-    grad_flat: torch.Tensor | None = None
-    grads_seen: int = 0                        # post-accumulate hooks fired this backward
-    has_grad: bool = False                     # received a gradient since the last optimizer step
-    stepped_early: bool = False                # updated during backward (see engine [Note: early step])
-    step: int = 0                              # optimizer steps applied (torch's per-param `step`)
-    # optimizer state when not on NVMe
-    master: torch.Tensor | None = None
-    exp_avg: torch.Tensor | None = None
-    exp_avg_sq: torch.Tensor | None = None
-    modules: list[str] = field(default_factory=list)  # every module using these params (ties)
+    modules: tuple[str, ...] = ()              # every module using these params (ties)
     # data-parallel sharding (see [Note: sharding] in dist/sharding.py); one rank: the whole flat
-    part: object = None                        # dist.partition.Partition
+    part: object = field(default=None)         # dist.partition.Partition
     shard_lo: int = 0                          # this rank's real elements: [shard_lo, shard_hi)
     shard_hi: int = 0
-    grad_shard: torch.Tensor | None = None     # reduced fp32 gradient of this rank's shard (optimizer input)
-    param_shard: torch.Tensor | None = None    # stage 3: this rank's low-precision shard (device/host)
-    streamed: bool = False                     # params released between uses (offloaded or stage-3 gathered)
 
     @property
     def key(self) -> str:
@@ -73,6 +119,11 @@ class Unit:
     @property
     def param_key(self) -> str:
         return f"{self.key}.param"
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of this rank's (padded) shard: what the optimizer and gradient shard hold."""
+        return self.part.shard_numel
 
     def views(self, flat: torch.Tensor):
         """(param, view of flat shaped like the param) pairs."""
@@ -88,23 +139,26 @@ def build_units(model: torch.nn.Module) -> list[Unit]:
     Frozen parameters (requires_grad=False) are not managed: they stay where
     the model put them.
     """
-    units: list[Unit] = []
-    owner: dict[int, Unit] = {}
+    found: list[tuple[str, list[torch.nn.Parameter], list[str]]] = []
+    owner: dict[int, int] = {}
     for mod_name, module in model.named_modules():
         own = [p for p in module._parameters.values() if p is not None and p.requires_grad]
         fresh = [p for p in own if id(p) not in owner]
         for p in own:
-            if id(p) in owner and mod_name not in owner[id(p)].modules:
-                owner[id(p)].modules.append(mod_name)
+            users = found[owner[id(p)]][2] if id(p) in owner else None
+            if users is not None and mod_name not in users:
+                users.append(mod_name)
         if not fresh:
             continue
-        offsets, total = [], 0
         for p in fresh:
+            owner[id(p)] = len(found)
+        found.append((mod_name, fresh, [mod_name]))
+    units = []
+    for index, (name, params, users) in enumerate(found):
+        offsets, total = [], 0
+        for p in params:
             offsets.append(total)
             total += p.numel()
-        unit = Unit(index=len(units), name=mod_name, params=fresh, shapes=[p.shape for p in fresh],
-                    offsets=offsets, numel=total, modules=[mod_name])
-        for p in fresh:
-            owner[id(p)] = unit
-        units.append(unit)
+        units.append(Unit(index=index, name=name, params=tuple(params), shapes=tuple(p.shape for p in params),
+                          offsets=tuple(offsets), numel=total, modules=tuple(users)))
     return units

@@ -20,11 +20,13 @@ engine issues them from the thread running forward/backward only.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..config import ZeroConfig
 from ..state import Unit
-from .buckets import GradBucketer, ParamGatherer
+from .buckets import ParamGatherer
 from .comm import SUM, Comm
 from .partition import Partition, partition_units
 
@@ -34,11 +36,8 @@ class Sharding:
         self.stage = zero_cfg.stage
         self.rank, self.world = rank, world_size
         self.active = world_size > 1
-        self.units: list[Unit] = []
         self.comm = Comm.from_config(zero_cfg) if self.active else None
         if self.active:
-            self.bucketer = GradBucketer(zero_cfg.reduce_bucket_size, self._grad_ready, comm=self.comm,
-                                         reduce_dtype=torch.float32)
             self.gatherer = ParamGatherer(zero_cfg.allgather_bucket_size, self._params_gathered, comm=self.comm)
         self._gather_done: dict[int, callable] = {}
         self._keep: list[torch.Tensor] = []  # lp shards that must live until their gather completes
@@ -46,24 +45,19 @@ class Sharding:
 
     # ------------------------------------------------------------ layout
 
-    def assign(self, units: list[Unit]) -> None:
-        """Give every unit its partition and this rank's range of it."""
-        self.units = units
+    def assign(self, units: list[Unit]) -> list[Unit]:
+        """The units with their partition and this rank's range of it (Unit is frozen after this)."""
         if self.active:
             parts = partition_units([u.numel for u in units], self.world, align=32,
                                     persistence_threshold=self._threshold)
         else:
             parts = [Partition(u.numel, 1, replicated=True) for u in units]
-        for unit, part in zip(units, parts):
-            unit.part = part
-            unit.shard_lo, unit.shard_hi = part.shard_range(self.rank)
+        return [dataclasses.replace(unit, part=part, shard_lo=part.shard_range(self.rank)[0],
+                                    shard_hi=part.shard_range(self.rank)[1]) for unit, part in zip(units, parts)]
 
     def gathered(self, unit: Unit) -> bool:
         """Stage 3: only this rank's parameter shard is stored; the full flat is gathered per use."""
         return self.stage == 3 and not unit.part.replicated
-
-    def sharded_optimizer(self, unit: Unit) -> bool:
-        return not unit.part.replicated
 
     def shard_of(self, unit: Unit, full: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a full flat, zero-padded to shard_numel (a copy)."""
@@ -80,28 +74,11 @@ class Sharding:
         if self.active:
             self.comm.broadcast(tensor, src=0).wait()
 
-    # ------------------------------------------------------------ gradients
+    # ------------------------------------------------------------ gradients (reduced by grads.GradStore)
 
     def reduces_now(self, last_micro_batch: bool) -> bool:
         """Whether gradients are reduced in this backward (stage >= 2: every micro-batch)."""
         return self.active and (self.stage >= 2 or last_micro_batch)
-
-    def reduce(self, unit: Unit) -> None:
-        """The unit's grad_flat is final for this backward: queue it in a bucket."""
-        self.bucketer.add(unit.index, unit.grad_flat, unit.part)
-
-    def _grad_ready(self, index: int, shard: torch.Tensor) -> None:
-        unit = self.units[index]
-        if self.stage >= 2:
-            unit.grad_shard.add_(shard.to(unit.grad_shard.device))  # accumulated over micro-batches
-        else:
-            unit.grad_shard.copy_(shard)  # grad_flat held the window's sum
-        unit.has_grad = True
-
-    def finish_backward(self) -> None:
-        if self.active:
-            self.bucketer.flush()
-            self.bucketer.wait()
 
     def global_sum(self, value: float) -> float:
         """Sum of a float over ranks (grad-norm squares: clipping and overflow agree everywhere)."""

@@ -1,11 +1,23 @@
-"""The engine's optimizer: AdamW over units whose state lives on device, host or NVMe.
+"""The engine's optimizer: AdamW over units whose fp32 state lives on device, host or NVMe.
+
+It owns the fp32 master, exp_avg and exp_avg_sq of this rank's shard of every unit
+and each unit's step count. `step()` reads each unit's gradient shard and writes
+the new low-precision parameters into the buffer the parameter store hands it, in
+the same pass as the Adam math (fused bf16/fp16 output); it yields each unit once
+it is updated, and the engine commits it. It calls nobody back.
 
 [Note: NVMe optimizer pipeline]
-NVMe-resident units are stepped through three host staging sets (master,
-exp_avg, exp_avg_sq each): while Adam runs on unit i, unit i+1 is being read
-and unit i-1 written back. Before reading unit i+1 into a set, the write that
-last used that set (unit i-2) must have completed. Tickets keep the staging
-tensors alive until their I/O finishes.
+NVMe-resident state goes through `optimizer.pipeline_depth` staging sets (master,
+exp_avg, exp_avg_sq each: exact-size pinned aligned host-pool blocks, so every read
+and write is zero-copy whatever the unit's size). A set is busy from its read until
+its write-back completes. While Adam runs on one unit, the reads of the next
+`depth - 2` units are in flight and earlier units' writes drain; a read that needs a
+set waits for the oldest write only. During the last backward of a window the
+engine calls `prefetch(unit)` as each unit's gradient becomes final: its state
+reads start then (they do not depend on the global gradient norm), using sets that
+are free without waiting, so with clipping on only the Adam math and the last
+writes remain after backward. The step's writes are waited at its end: an I/O
+error surfaces in the step that caused it.
 
 Each unit keeps its own step count (like torch's per-parameter `step`): a unit
 that received no gradient in an optimizer step is not updated at all, exactly
@@ -13,18 +25,18 @@ as torch.optim.AdamW skips parameters whose `.grad` is None.
 """
 from __future__ import annotations
 
+import collections
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from ..config import OptimizerConfig
-from ..errors import ConfigError
-from ..io import aligned_empty
 from ..state import Location, Unit
 from . import _kernels
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+OPTIMIZER_BYTES = 4 * len(STATE_KEYS)  # fp32 master + two moments per element
 
 
 class _Profiled:
@@ -39,6 +51,9 @@ class _Profiled:
     def wait(self):
         return self.ticket.wait()
 
+    def done(self):
+        return self.ticket.done()
+
     def record(self, prof) -> None:
         if not self.recorded:
             self.recorded = True
@@ -47,150 +62,231 @@ class _Profiled:
 
 
 class UnitOptimizer:
-    """Adam(W) step over units, wherever their state lives.
+    """Adam(W) step over units, wherever their state lives (see the module docstring)."""
 
-    `fused_out(unit)` returns a bf16/fp16 CPU tensor the kernel should write the
-    new low-precision parameters into (param-copyback fused into the Adam pass),
-    or None; `write_params(unit, master, fused)` then completes the copy-back.
-    """
-
-    def __init__(self, units: list[Unit], cfg: OptimizerConfig, store,
-                 fused_out: Callable[[Unit], torch.Tensor | None],
-                 write_params: Callable[[Unit, torch.Tensor, bool], None], profiler=None):
-        if cfg.delayed_update:
-            raise ConfigError("optimizer.delayed_update = true is not implemented yet; the exact update "
-                              "already overlaps backward where possible. Remove the key or set it to false")
-        self.units = units
-        self.cfg = cfg
-        self.store = store
-        self.fused_out = fused_out
-        self.write_params = write_params
+    def __init__(self, units: list[Unit], cfg: OptimizerConfig, loc: Location, device_tier, host_pool, store,
+                 profiler=None):
+        self.units, self.cfg, self.loc = units, cfg, loc
+        self.device_tier, self.host_pool, self.store = device_tier, host_pool, store
         self.profiler = profiler  # None when profiling is off
         self.threads = None if cfg.threads == "auto" else int(cfg.threads)
-        self._staging: list[dict[str, torch.Tensor]] = []  # allocated on the first NVMe step
+        self.steps = [0] * len(units)            # optimizer steps applied per unit (torch's `step`)
+        self._state: list[dict | None] = [None] * len(units)  # device/host: key -> tensor (or HostBuffer)
+        self.device = torch.device("cpu") if loc is not Location.DEVICE else device_tier.device
+        # [Note: NVMe optimizer pipeline]
+        self.depth = cfg.pipeline_depth
+        self._sets: list[dict] = []              # staging sets of pool blocks, made at the first NVMe step
+        self._free_sets: collections.deque[int] = collections.deque()
+        self._writing: collections.deque[tuple[int, list]] = collections.deque()  # (set, write tickets)
+        self._reads: dict[int, tuple[int, list]] = {}   # unit index -> (set, read tickets), in issue order
 
-    # ------------------------------------------------------------------ init
+    @staticmethod
+    def staging_bytes(depth: int, largest_shard: int) -> int:
+        """Host-pool bytes of the NVMe pipeline's staging sets (the planner counts exactly this)."""
+        return depth * OPTIMIZER_BYTES * largest_shard
 
-    def init_state(self, unit: Unit, master: torch.Tensor, alloc: Callable[[int, str], torch.Tensor]) -> None:
-        """Place fp32 master weights (a copy of the initial params) and zero moments.
+    # ------------------------------------------------------------------ place
 
-        `alloc(numel, what)` returns an fp32 tensor on the optimizer's tier (device/host)."""
-        if unit.optim_loc is Location.NVME:
-            zeros = torch.zeros(master.numel())
-            for key, src in (("master", master), ("exp_avg", zeros), ("exp_avg_sq", zeros)):
-                self.store.write(f"{unit.key}.{key}", src).wait()
+    def place(self, unit: Unit, master: torch.Tensor) -> None:
+        """Put the fp32 master of this rank's shard (a CPU tensor) and zero moments on the tier."""
+        n = unit.shard_numel
+        if self.loc is Location.NVME:
+            zeros = self.host_pool.alloc(4 * n, torch.float32, f"{unit.key}.exp_avg")
+            zeros.tensor.zero_()
+            block = self.host_pool.alloc(4 * n, torch.float32, f"{unit.key}.master")
+            block.tensor.copy_(master)
+            tickets = [self.store.write(f"{unit.key}.{k}", block if k == "master" else zeros) for k in STATE_KEYS]
+            for t in tickets:
+                t.wait()
+            self.host_pool.free(block)
+            self.host_pool.free(zeros)
             return
+        state = {}
         for key in STATE_KEYS:
-            t = alloc(master.numel(), f"{unit.key}.{key}")
+            if self.loc is Location.DEVICE:
+                t = state[key] = self.device_tier.alloc((n,), torch.float32, f"{unit.key}.{key}")
+            else:
+                buf = self.host_pool.alloc(4 * n, torch.float32, f"{unit.key}.{key}")
+                t = state[key] = buf.tensor
             t.copy_(master) if key == "master" else t.zero_()
-            setattr(unit, key, t)
+        self._state[unit.index] = state
 
     # ------------------------------------------------------------------ step
 
-    def step(self, units: list[Unit], lr: float, grad_scale: float) -> None:
-        """Update `units` (those with gradients, not already stepped early)."""
+    def step(self, units: list[Unit], grad_of: Callable[[Unit], torch.Tensor],
+             out_of: Callable[[Unit], torch.Tensor], lr: float, grad_scale: float) -> Iterator[Unit]:
+        """Update `units`, yielding each once its master and its low-precision output are written.
+        `grad_of(unit)`: the gradient shard to read; `out_of(unit)`: where the new params go."""
         for unit in units:
-            if unit.optim_loc is not Location.NVME:
-                self.step_unit(unit, lr, grad_scale)
-        self._step_nvme([u for u in units if u.optim_loc is Location.NVME], lr, grad_scale)
-
-    def step_unit(self, unit: Unit, lr: float, grad_scale: float) -> None:
-        """Update one unit now (also used during backward, on the optimizer thread)."""
-        if unit.optim_loc is Location.NVME:
-            self._step_nvme([unit], lr, grad_scale)
+            if self.loc is not Location.NVME:
+                s = self._state[unit.index]
+                self._adam(unit, s["master"], s["exp_avg"], s["exp_avg_sq"], grad_of(unit), out_of(unit), lr,
+                           grad_scale)
+                yield unit
+        nvme = [u for u in units if self.loc is Location.NVME]
+        if not nvme:
             return
-        self._adam(unit, unit.master, unit.exp_avg, unit.exp_avg_sq, lr, grad_scale)
+        # Units whose reads started during backward go first, in the order they were issued.
+        order = sorted(nvme, key=lambda u: list(self._reads).index(u.index) if u.index in self._reads
+                       else len(self._reads) + u.index)
+        ahead = max(1, self.depth - 2)
+        try:
+            for k, unit in enumerate(order):
+                for nxt in order[k: k + 1 + ahead]:
+                    if nxt.index not in self._reads:
+                        self._issue_read(nxt, block=True)
+                slot, tickets = self._reads.pop(unit.index)
+                self._wait(tickets)
+                bufs = self._set_views(slot, unit)
+                self._adam(unit, bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"], grad_of(unit), out_of(unit),
+                           lr, grad_scale)
+                self._writing.append((slot, self._io(unit, bufs, "optimizer-write")))
+                yield unit
+        finally:
+            self._drain_writes()
 
-    def _adam(self, unit: Unit, master, exp_avg, exp_avg_sq, lr, grad_scale) -> None:
-        unit.step += 1
-        grad = unit.grad_shard
+    def prefetch(self, unit: Unit) -> None:
+        """NVMe state: start reading `unit`'s state now if a staging set is free (never waits)."""
+        if self.loc is Location.NVME and unit.index not in self._reads:
+            self._issue_read(unit, block=False)
+
+    def _adam(self, unit: Unit, master, exp_avg, exp_avg_sq, grad, out, lr, grad_scale) -> None:
+        self.steps[unit.index] += 1
         if grad.device != master.device:
             grad = grad.to(master.device)
         beta1, beta2 = self.cfg.betas
-        kwargs = dict(step=unit.step, lr=lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps,
+        kwargs = dict(step=self.steps[unit.index], lr=lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps,
                       weight_decay=self.cfg.weight_decay, decoupled=self.cfg.type == "adamw",
                       bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
-        out = self.fused_out(unit) if master.device.type == "cpu" else None
+        on_cpu = master.device.type == "cpu"
+        fused = on_cpu and out.device.type == "cpu" and out.dtype in (torch.bfloat16, torch.float16)
         prof = self.profiler
-        span = prof.compute_begin("optimizer" if master.device.type == "cpu" else "device-optimizer",
-                                  label=unit.key, numel=unit.numel) if prof is not None else None
-        if master.device.type == "cpu":
-            _kernels.adam_step(master, exp_avg, exp_avg_sq, grad, param_out=out, simd=self.cfg.simd,
-                               threads=self.threads, **kwargs)
+        span = prof.compute_begin("optimizer" if on_cpu else "device-optimizer", label=unit.key,
+                                  numel=unit.numel) if prof is not None else None
+        if on_cpu:
+            _kernels.adam_step(master, exp_avg, exp_avg_sq, grad, param_out=out if fused else None,
+                               simd=self.cfg.simd, threads=self.threads, **kwargs)
+            if not fused:
+                out.copy_(master)
         else:  # optimizer state on the accelerator: the same math in torch ops
-            _kernels.adam_step_reference(master, exp_avg, exp_avg_sq, grad, **kwargs)
+            _kernels.adam_step_reference(master, exp_avg, exp_avg_sq, grad, param_out=out, **kwargs)
         if span is not None:
             prof.compute_end(span)
-        self.write_params(unit, master, out is not None)
 
-    def _step_nvme(self, units: list[Unit], lr: float, grad_scale: float) -> None:
-        if not units:
+    # ------------------------------------------------------------------ NVMe pipeline
+
+    def _make_sets(self) -> None:
+        largest = max(u.shard_numel for u in self.units)
+        self._sets = [{k: self.host_pool.alloc(4 * largest, torch.float32, f"optimizer staging {k}")
+                       for k in STATE_KEYS} for _ in range(self.depth)]
+        self._free_sets.extend(range(self.depth))
+
+    def _take_set(self, block: bool) -> int | None:
+        if not self._sets:
+            self._make_sets()
+        while self._writing and all(t.done() for t in self._writing[0][1]):
+            self._retire_write()
+        if self._free_sets:
+            return self._free_sets.popleft()
+        if not block:
+            return None
+        self._retire_write()  # the oldest write-back must land before its set is reused
+        return self._free_sets.popleft()
+
+    def _retire_write(self) -> None:
+        slot, tickets = self._writing.popleft()
+        self._free_sets.append(slot)
+        self._wait(tickets)
+
+    def _issue_read(self, unit: Unit, block: bool) -> None:
+        slot = self._take_set(block)
+        if slot is None:
             return
-        largest = max(u.part.shard_numel for u in units)
-        if not self._staging or self._staging[0]["master"].numel() < largest:
-            # [Note: NVMe optimizer pipeline]: 3 sets sized for the largest unit shard
-            largest = max(u.part.shard_numel for u in self.units if u.optim_loc is Location.NVME)
-            self._staging = [{k: aligned_empty(4 * largest).view(torch.float32) for k in STATE_KEYS}
-                             for _ in range(3)]
-        writes: list[list] = [[], [], []]  # per staging set: tickets of its last write-back
+        try:
+            self._reads[unit.index] = (slot, self._io(unit, self._set_views(slot, unit), "optimizer-read"))
+        except BaseException:
+            self._free_sets.append(slot)
+            raise
 
-        def read(i: int):
-            slot = i % 3
-            self._wait(writes[slot])  # the set's previous write-back (unit i-3) must land first
-            writes[slot] = []
-            bufs = {k: v[: units[i].part.shard_numel] for k, v in self._staging[slot].items()}
-            return bufs, self._io(units[i], bufs, "optimizer-read")
+    def _set_views(self, slot: int, unit: Unit) -> dict:
+        """The set's blocks as this unit's state: pool buffers sized to the shard, padded room after."""
+        return {k: buf.tensor[: unit.shard_numel] for k, buf in self._sets[slot].items()}
 
-        pending = read(0)
-        for i, unit in enumerate(units):
-            bufs, tickets = pending
-            if i + 1 < len(units):
-                pending = read(i + 1)  # overlaps the Adam math below
-            self._wait(tickets)
-            self._adam(unit, bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"], lr, grad_scale)
-            writes[i % 3] = self._io(unit, bufs, "optimizer-write")
-        for slot in writes:
-            self._wait(slot)
-
-    def _io(self, unit: Unit, bufs: dict[str, torch.Tensor], reason: str) -> list:
+    def _io(self, unit: Unit, bufs: dict, reason: str) -> list:
         """Submit reads or writes of a unit's three state tensors; tickets carry profiler info."""
-        submit = self.store.read if reason == "optimizer-read" else self.store.write
-        tickets = [submit(f"{unit.key}.{k}", bufs[k]) for k in STATE_KEYS]
+        read = reason == "optimizer-read"
+        tickets = [(self.store.read(f"{unit.key}.{k}", bufs[k], padded=True) if read
+                    else self.store.write(f"{unit.key}.{k}", bufs[k])) for k in STATE_KEYS]
         if self.profiler is None:
             return tickets
         start = time.perf_counter_ns()
-        src, dst = ("nvme", "host") if reason == "optimizer-read" else ("host", "nvme")
-        return [_Profiled(t, f"{unit.key}.{k}", k, src, dst, bufs[k].numel() * 4, reason, start)
+        src, dst = ("nvme", "host") if read else ("host", "nvme")
+        return [_Profiled(t, f"{unit.key}.{k}", k, src, dst, unit.shard_numel * 4, reason, start)
                 for t, k in zip(tickets, STATE_KEYS)]
 
     def _wait(self, tickets: list) -> None:
+        """Wait for every ticket (even after a failure), then raise the first error."""
         prof = self.profiler
         token = prof.wait_begin(tickets[0].name) if prof is not None and tickets else None
+        first = None
         for t in tickets:
-            t.wait()
+            try:
+                t.wait()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest landed
+                first = first or exc
             if prof is not None:
                 t.record(prof)
         if token is not None:
             prof.wait_end(token)
+        if first is not None:
+            raise first
+
+    def _drain_writes(self) -> None:
+        first = None
+        while self._writing:
+            try:
+                self._retire_write()
+            except BaseException as exc:  # noqa: BLE001
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def drop_prefetched(self) -> None:
+        """Forget state reads issued ahead (before the state is replaced, or when a step is skipped)."""
+        reads, self._reads = self._reads, {}
+        for slot, tickets in reads.values():
+            try:
+                self._wait(tickets)
+            finally:
+                self._free_sets.append(slot)
 
     # ------------------------------------------------------------------ access
 
     def read_state(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """fp32 master/exp_avg/exp_avg_sq of a unit (copies on the CPU when on NVMe)."""
-        if unit.optim_loc is not Location.NVME:
-            return {k: getattr(unit, k) for k in STATE_KEYS}
-        out = {k: torch.empty(unit.part.shard_numel) for k in STATE_KEYS}
+        """fp32 master/exp_avg/exp_avg_sq of a unit's shard (copies on the CPU when on NVMe)."""
+        if self.loc is not Location.NVME:
+            return dict(self._state[unit.index])
+        out = {k: torch.empty(unit.shard_numel) for k in STATE_KEYS}
         for k in STATE_KEYS:
             self.store.read(f"{unit.key}.{k}", out[k]).wait()
         return out
 
-    def write_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    def write_state(self, unit: Unit, state: dict[str, torch.Tensor], step: int) -> None:
         """Replace a unit's master/exp_avg/exp_avg_sq (CPU tensors of the shard's size, padding
-        zero) wherever they live; returns the master as the optimizer holds it now."""
-        if unit.optim_loc is Location.NVME:
+        zero) and its step count, wherever they live."""
+        self.drop_prefetched()
+        self.steps[unit.index] = step
+        if self.loc is Location.NVME:
             for k in STATE_KEYS:
-                self.store.write(f"{unit.key}.{k}", state[k]).wait()
-            return state["master"]
+                self.store.write(f"{unit.key}.{k}", state[k].contiguous()).wait()
+            return
         for k in STATE_KEYS:
-            getattr(unit, k).copy_(state[k])
-        return unit.master
+            self._state[unit.index][k].copy_(state[k])
+
+    def close(self) -> None:
+        try:
+            self.drop_prefetched()
+            self._drain_writes()
+        except Exception:  # noqa: BLE001 - closing: errors were reported by the step that caused them
+            pass
+

@@ -1,35 +1,43 @@
-"""Device tier: budgeted tensors on the compute device, and async host<->device copies.
+"""Device tier: budgeted tensors on the compute device, and the one component that copies
+between host and device.
 
 On a CUDA machine the tier is a budget over the caching allocator plus two copy
-streams; on a CPU-only machine the "device" is a budgeted pool of RAM and the copy
-streams become worker threads. The same calling code serves both: every copy
-returns a ticket with wait()/done()/__await__.
+streams; on a CPU-only machine the "device" is a budgeted region of RAM and a copy
+runs on the calling thread (the engine calls copies from its fetch workers, which
+are the CPU's "streams"). The same calling code serves both: every copy returns a
+ticket, and `join(ticket)` makes compute wait for it.
 
 [Note: copy streams and events]
-`h2d_stream` carries host->device copies (swap-in, prefetch); `d2h_stream` carries
-device->host copies (swap-out, gradient offload). Both overlap compute on the
-current stream and each other. Each copy first makes its stream wait for the
-current stream (the tensor was allocated/produced there), then records an event
-after the copy; tensor and event travel together in an EventTicket, which keeps
-both sides of the copy alive until the event has completed. The device tensor is
-also `record_stream`-ed on the copy stream so the caching allocator cannot hand
-its memory to another stream before the copy is done, even if it is freed early.
-A consumer on another stream either calls `ticket.wait()` (host blocks) or
-`ticket.wait_on(stream)` (the stream waits, the host does not).
-`non_blocking=True` is used only when the host side is pinned: from pageable
-memory CUDA would stage through its own buffer and run synchronously anyway.
+`h2d_stream` carries host->device copies (parameter fetches and write-backs);
+`d2h_stream` carries device->host copies (gradient offload). Both overlap compute
+on the current stream and each other. Each copy first makes its stream wait for
+the current stream (the tensor was allocated/produced there: allocate on the
+writing stream, or wait for it), then records an event after the copy; tensor
+and event travel together in an EventTicket, which keeps both sides of the copy
+alive until the event has completed. The device tensor is also `record_stream`-ed
+on the copy stream so the caching allocator cannot hand its memory to another
+stream before the copy is done, even if it is freed early. A consumer on another
+stream calls `join(ticket)` (the stream waits, the host does not); a host consumer
+calls `ticket.wait()`. `non_blocking=True` is used only when the host side is
+pinned: from pageable memory CUDA would stage through its own buffer and run
+synchronously anyway.
+
+[Note: freeing by storage resize]
+A streamed unit keeps one device flat for the whole run; `p.data` are views of it.
+Releasing it resizes its storage to 0 bytes (FSDP2's rule): the memory really goes
+back to the allocator even if autograd saved views of the parameters, and the
+budget is released at the same moment, so accounting tells the truth. Fetching
+resizes it back and fills it; saved views see the refilled bytes.
 """
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..errors import ZerotierError
-from .base import BudgetedTier, FutureTicket, align_up
+from .base import BudgetedTier, DoneTicket, align_up
 
 # Accounting granularity on CUDA: the caching allocator rounds blocks up to 512 B.
 _CUDA_ROUND = 512
@@ -65,11 +73,6 @@ class EventTicket:
         """Make `stream` (default: the current one) wait for the copy; the host does not block."""
         (stream or torch.cuda.current_stream()).wait_event(self._event)
 
-    def __await__(self):
-        while not self._event.query():
-            yield from asyncio.sleep(50e-6).__await__()
-        return self.wait()
-
 
 class DeviceTier(BudgetedTier):
     """Budgeted allocations on `device` ("cuda[:N]" or "cpu") plus async copies."""
@@ -96,10 +99,6 @@ class DeviceTier(BudgetedTier):
             # so they overlap compute on the current stream and each other.
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
-            self._pool = None
-        else:
-            # CPU "streams": two workers, so one swap-in and one swap-out overlap.
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zt-device-copy")
 
     def _accounted(self, nbytes: int) -> int:
         return align_up(nbytes, _CUDA_ROUND) if self.is_cuda else nbytes
@@ -133,6 +132,27 @@ class DeviceTier(BudgetedTier):
                                 f"({t.dtype} {list(t.shape)} at {t.data_ptr():#x})")
         self.release(nbytes)
 
+    # ------------------------------------------------- storage-resized tensors ([Note: freeing by storage resize])
+
+    def fill_storage(self, flat: torch.Tensor, what: str) -> None:
+        """Give `flat` its bytes back, counted against the budget (BudgetError: nothing changes)."""
+        nbytes = flat.numel() * flat.element_size()
+        self.reserve(self._accounted(nbytes), what)
+        try:
+            flat.untyped_storage().resize_(nbytes)
+        except BaseException:
+            self.release(self._accounted(nbytes))
+            raise
+
+    def free_storage(self, flat: torch.Tensor) -> None:
+        """Resize `flat`'s storage to 0: the memory goes now, whoever holds views of it."""
+        nbytes = flat.untyped_storage().nbytes()
+        if nbytes:
+            flat.untyped_storage().resize_(0)
+            self.release(self._accounted(nbytes))
+
+    # ------------------------------------------------------------------ copies ([Note: copy streams and events])
+
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor):
         """dst (device) <- src (host). Keep neither side in use until the ticket is done."""
         return self._copy(dst, src, inbound=True)
@@ -141,6 +161,14 @@ class DeviceTier(BudgetedTier):
         """dst (host) <- src (device)."""
         return self._copy(dst, src, inbound=False)
 
+    def join(self, ticket) -> None:
+        """Make compute wait for a copy: on CUDA the current stream waits on the copy's event
+        (the host does not block); on the CPU the copy has run, so this only re-raises its error."""
+        if isinstance(ticket, EventTicket):
+            ticket.wait_on(torch.cuda.current_stream(self.device))
+        else:
+            ticket.wait()
+
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, inbound: bool):
         if dst.shape != src.shape or dst.dtype != src.dtype:
             raise ValueError(f"device tier: copy {src.dtype} {list(src.shape)} -> "
@@ -148,8 +176,8 @@ class DeviceTier(BudgetedTier):
         nbytes = src.numel() * src.element_size()
         (self.count_in if inbound else self.count_out)(nbytes)
         if not self.is_cuda:
-            fut = self._pool.submit(_cpu_copy, dst, src, nbytes)
-            return FutureTicket(fut, keepalive=(dst, src))
+            dst.copy_(src)  # the calling worker thread is the CPU's copy stream
+            return DoneTicket(nbytes)
         host, dev = (src, dst) if inbound else (dst, src)
         stream = self.h2d_stream if inbound else self.d2h_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # dev was made on the current stream
@@ -167,13 +195,6 @@ class DeviceTier(BudgetedTier):
         return out
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        elif self.is_cuda:
+        if self.is_cuda:
             self.h2d_stream.synchronize()
             self.d2h_stream.synchronize()
-
-
-def _cpu_copy(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> int:
-    dst.copy_(src)
-    return nbytes

@@ -285,10 +285,15 @@ class NVMeStore(BudgetedTier):
             self._cond.notify_all()
         return ticket
 
-    def read(self, key: str, dst: torch.Tensor | HostBuffer) -> ChainTicket:
+    def read(self, key: str, dst: torch.Tensor | HostBuffer, *, padded: bool = False) -> ChainTicket:
         """Fill dst with shard `key`. dst must hold exactly the shard's bytes; its dtype
         must match the shard's (or be uint8). The length read and (io.checksum) the
-        checksum are verified before wait() returns."""
+        checksum are verified before wait() returns.
+
+        Zero-copy when dst is a HostBuffer, or an aligned CPU tensor whose storage has room
+        for the aligned length and `padded=True` says the bytes after dst up to that length
+        are the caller's to overwrite (reads and writes then accept the same padded blocks).
+        Otherwise the read goes through an aligned staging buffer."""
         self._check_key(key)
         self._wait_write(key)
         with self._lock:
@@ -307,9 +312,10 @@ class NVMeStore(BudgetedTier):
         if isinstance(dst, HostBuffer) and dst.capacity >= entry.file_bytes and \
                 dst.block.data_ptr() % self.alignment == 0:
             buf, staged = dst.block[: entry.file_bytes], False
-        elif (tensor.device.type == "cpu" and tensor.is_contiguous() and entry.nbytes == entry.file_bytes
-              and tensor.data_ptr() % self.alignment == 0):
-            buf, staged = _byte_view(tensor), False
+        elif (tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.data_ptr() % self.alignment == 0
+              and (entry.nbytes == entry.file_bytes or padded and _storage_room(tensor) >= entry.file_bytes)):
+            buf, staged = torch.empty(0, dtype=torch.uint8).set_(
+                tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(), (entry.file_bytes,)), False
         else:
             buf, staged = aligned_empty(entry.file_bytes, self.alignment), True
         path = self.run_dir / entry.file

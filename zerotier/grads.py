@@ -1,0 +1,175 @@
+"""The gradient store: accumulation over micro-batches, reduction across ranks, and the
+shard the optimizer reads.
+
+[Note: a unit's gradient bytes]
+Each unit has an accumulator (`acc`, the full flat in `precision.grad_dtype`) on the
+gradient tier: a host-pool block (pinned, aligned) or a device tensor. With several
+ranks on CUDA it sits on the device (the reduce-scatter input; NCCL needs it there).
+The optimizer reads `shard(unit)`: the accumulator itself with one rank (or a
+replicated unit at stages 0-1), else this rank's reduced shard (`shard_numel`
+elements on the gradient tier), filled by the bucketed reduce-scatter.
+
+Offload to a host accumulator is the torchao idiom: the gradient is copied on the
+device tier's d2h stream (which first waits for compute) into a pool block, an
+event is recorded, and a worker thread adds the block into the accumulator after
+the event, off the autograd thread. On the CPU the gradient is already host memory:
+it is added where it is. `settle(unit)` waits for a unit's pending adds; everything
+that reads an accumulator calls it first.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .dist.buckets import GradBucketer
+from .state import GRAD_TRANSITIONS, GradState, Location, Unit, transition
+from .optim import _kernels
+
+
+class GradStore:
+    def __init__(self, units: list[Unit], loc: Location, grad_dtype: torch.dtype, device_tier, host_pool, sharding,
+                 reduce_bucket_size: int, profiler=None):
+        self.units, self.loc, self.grad_dtype = units, loc, grad_dtype
+        self.device_tier, self.host_pool, self.sharding = device_tier, host_pool, sharding
+        self.device = device_tier.device
+        self.profiler = profiler
+        n = len(units)
+        self.state = [GradState.EMPTY] * n
+        self.acc: list[torch.Tensor | None] = [None] * n      # full flat, accumulated over micro-batches
+        self.reduced: list[torch.Tensor | None] = [None] * n  # this rank's reduced shard (or acc, aliased)
+        self._seen = [0] * n                                  # gradients of this backward so far
+        self._adds: list[list] = [[] for _ in range(n)]       # pending host adds (CUDA offload)
+        self._blocks = []                                     # host-pool blocks this store holds
+        self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-grad") \
+            if self.device.type == "cuda" and loc is not Location.DEVICE else None
+        self.bucketer = GradBucketer(reduce_bucket_size, self._shard_ready, comm=sharding.comm,
+                                     reduce_dtype=torch.float32) if sharding.active else None
+
+    def place(self, unit: Unit) -> None:
+        i = unit.index
+        sharding = self.sharding
+        acc_loc = Location.DEVICE if sharding.active and self.device.type == "cuda" else self.loc
+        self.acc[i] = self._alloc(acc_loc, unit.numel, f"{unit.key}.grad")
+        aliased = not sharding.active or (unit.part.replicated and sharding.stage <= 1)
+        self.reduced[i] = self.acc[i] if aliased else self._alloc(self.loc, unit.shard_numel,
+                                                                  f"{unit.key}.grad_shard")
+
+    def _alloc(self, loc: Location, numel: int, what: str) -> torch.Tensor:
+        if loc is Location.DEVICE:
+            t = self.device_tier.alloc((numel,), self.grad_dtype, what)
+        else:
+            block = self.host_pool.alloc(numel * self.grad_dtype.itemsize, self.grad_dtype, what)
+            self._blocks.append(block)
+            t = block.tensor
+        return t.zero_()
+
+    # ------------------------------------------------------------------ backward
+
+    def accumulate(self, unit: Unit, i: int, grad: torch.Tensor) -> bool:
+        """Fold parameter i's fresh gradient into the unit's accumulator. True once every
+        parameter of the unit has delivered its gradient in this backward."""
+        index = unit.index
+        offset, numel = unit.offsets[i], unit.shapes[i].numel()
+        acc = self.acc[index][offset: offset + numel]
+        flat = grad.reshape(-1)
+        offload = acc.device.type == "cpu" and self.loc is Location.HOST
+        nbytes = numel * grad.element_size()
+        prof = self.profiler
+        token = prof.begin(unit.key + ".grad", "grad", "device", "host", nbytes, "grad-offload") \
+            if prof is not None and offload else None
+        if flat.device == acc.device:
+            acc.add_(flat)
+            if offload:
+                self.device_tier.count_out(nbytes)
+        else:  # [Note: a unit's gradient bytes]: async D2H into a pool block, add after its event
+            block = self.host_pool.alloc(nbytes, grad.dtype, "gradient staging")
+            ticket = self.device_tier.copy_d2h(block.tensor, flat)
+            self._adds[index].append(self._adder.submit(self._add_after, ticket, acc, block))
+        if token is not None:
+            prof.end(token)
+        if self.state[index] is not GradState.ACCUMULATING:
+            transition(self.state, index, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
+        self._seen[index] += 1
+        return self._seen[index] >= len(unit.params)
+
+    def _add_after(self, ticket, acc: torch.Tensor, block) -> None:
+        ticket.wait()
+        acc.add_(block.tensor)
+        self.host_pool.free(block)
+
+    def settle(self, unit: Unit) -> None:
+        """Wait for the unit's pending host adds (re-raising their errors)."""
+        adds, self._adds[unit.index] = self._adds[unit.index], []
+        for future in adds:
+            future.result()
+
+    def reduce(self, unit: Unit) -> None:
+        """The unit's accumulator is final for this backward: queue it for the reduce-scatter."""
+        self.settle(unit)
+        self.bucketer.add(unit.index, self.acc[unit.index], unit.part)
+
+    def _shard_ready(self, index: int, shard: torch.Tensor) -> None:
+        reduced = self.reduced[index]
+        if self.sharding.stage >= 2:
+            reduced.add_(shard.to(reduced.device))  # accumulated over micro-batches
+        else:
+            reduced.copy_(shard)  # the accumulator held the window's sum
+
+    def end_backward(self, reduced: bool) -> None:
+        """After loss.backward(): reset per-backward counts; finish the reductions issued."""
+        self._seen = [0] * len(self.units)
+        for unit in self.units:
+            self.settle(unit)
+        if reduced:
+            self.bucketer.flush()
+            self.bucketer.wait()
+            if self.sharding.stage >= 2:  # the micro-batch's sum now lives in the shards
+                for i, acc in enumerate(self.acc):
+                    if acc is not self.reduced[i]:
+                        acc.zero_()
+
+    # ------------------------------------------------------------------ step
+
+    def ready(self, unit: Unit) -> None:
+        """The unit's gradient is final for this window (its reduced shard is complete)."""
+        self.settle(unit)
+        transition(self.state, unit.index, GradState.READY, GRAD_TRANSITIONS, "gradient")
+
+    def ready_all(self) -> list[Unit]:
+        """End of the window: every accumulating unit is final. Returns the units now READY."""
+        for unit in self.units:
+            if self.state[unit.index] is GradState.ACCUMULATING:
+                self.ready(unit)
+        return [u for u in self.units if self.state[u.index] is GradState.READY]
+
+    def stepped(self, unit: Unit) -> None:
+        transition(self.state, unit.index, GradState.STEPPED, GRAD_TRANSITIONS, "gradient")
+
+    def shard(self, unit: Unit) -> torch.Tensor:
+        """What the optimizer reads: this rank's reduced gradient shard (padding is zero)."""
+        return self.reduced[unit.index]
+
+    def sumsq(self, unit: Unit) -> float:
+        grad = self.reduced[unit.index]
+        if grad.device.type == "cpu":
+            return _kernels.grad_sumsq(grad)
+        return float(grad.double().square().sum())
+
+    def zero(self) -> None:
+        """Drop every gradient (end of a step, or a skipped one)."""
+        for unit in self.units:
+            i = unit.index
+            self.settle(unit)
+            if self.state[i] is not GradState.EMPTY:
+                self.acc[i].zero_()
+                if self.reduced[i] is not self.acc[i]:
+                    self.reduced[i].zero_()
+                transition(self.state, i, GradState.EMPTY, GRAD_TRANSITIONS, "gradient")
+            for p in unit.params:
+                p.grad = None
+        self._seen = [0] * len(self.units)
+
+    def close(self) -> None:
+        if self._adder is not None:
+            self._adder.shutdown(wait=True)

@@ -1,0 +1,439 @@
+"""The parameter store: where each unit's low-precision parameters live and how they move.
+
+[Note: a unit's parameter bytes]
+Each unit has a *home* for the low-precision bytes this rank keeps (the full flat,
+or at ZeRO-3 this rank's shard) and, when it is streamed, one device flat that
+compute reads through `p.data` views:
+
+  placement   home (at rest)                               device flat
+  device      the device flat itself (never released)      always resident
+  host        `host_buf`: a host-pool block (pinned, aligned)  fetched / released per use
+  nvme        file `<key>.param`                            fetched / released per use
+  ZeRO-3      the home holds only this rank's shard         gathered per use
+
+A fetch is two DMAs and no CPU copy: NVMe -> a pinned aligned pool block
+(`store.read` into the block, zero-copy) -> `device_tier.copy_h2d` into the device
+flat; from a host home it is the copy alone. At ZeRO-3 the shard is all-gathered
+into the flat instead. A prefetch runs the same code on a fetch worker (the CPU's
+"stream"); the compute thread `join`s its ticket before use. Releasing resizes the
+flat's storage to 0 ([Note: freeing by storage resize] in tiers/device.py).
+
+[Note: parameter versions]
+Every optimizer update of a unit bumps its version (`commit`). A fetch records the
+version it copies; `demand` uses a prefetched copy only if its version is current,
+else waits for it, drops it and fetches again. So a prefetch issued before a step
+(e.g. a unit skipped by data-dependent routing while its gradient from an earlier
+micro-batch still gets applied) is never trained on.
+
+[Note: write-back]
+The optimizer writes the new low-precision shard into `out_buffer(unit)` in the
+same pass as the Adam math: the home itself when it is memory on the optimizer's
+side, else a pool block. `commit(unit)` then sends it home without waiting: an
+async NVMe write (the block returns to the pool when the write completes; the next
+fetch of the unit waits on the write's ticket and surfaces its error), an async
+copy to the device, or (ZeRO-1/2) a bucketed all-gather into the full flat,
+finished by `finish_commits()` at the end of the step.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .errors import BudgetError
+from .state import PARAM_TRANSITIONS, Location, ParamState, Unit, transition
+
+
+class _Fetch:
+    """A fetch in flight: the parameter version it copies and how to finish it on the compute thread."""
+
+    def __init__(self, version: int, future=None, handle=None, keep=None):
+        self.version = version
+        self.future = future    # fetch worker: returns the copy's ticket
+        self.handle = handle    # ZeRO-3: the all-gather's handle
+        self.keep = keep        # ZeRO-3: the gather's input shard and its pool block, alive until done
+
+
+class ParamStore:
+    def __init__(self, units: list[Unit], loc: Location, lp_dtype: torch.dtype, device_tier, host_pool, store,
+                 sharding, out_device: torch.device, profiler=None):
+        self.units, self.loc, self.lp_dtype = units, loc, lp_dtype
+        self.device_tier, self.host_pool, self.store, self.sharding = device_tier, host_pool, store, sharding
+        self.device = device_tier.device
+        self.out_device = out_device          # where the optimizer's master lives (cpu, or the accelerator)
+        self.profiler = profiler              # None when profiling is off
+        n = len(units)
+        self.state = [ParamState.RESIDENT] * n
+        self.version = [0] * n
+        self.streamed = [False] * n
+        self.device_flat: list[torch.Tensor | None] = [None] * n   # compute copy (views = p.data)
+        self.device_shard: list[torch.Tensor | None] = [None] * n  # ZeRO-3 home on the device
+        self.host_buf = [None] * n                                   # HostBuffer home (host placement)
+        self._inflight: dict[int, _Fetch] = {}   # issued, not consumed; guarded by _lock
+        self._writes: dict[int, object] = {}     # NVMe write-back tickets not yet checked
+        self._out: dict[int, object] = {}        # out_buffer blocks awaiting commit
+        self._joins: list = []                   # device copies of commits compute must wait for
+        self._keep: list = []                    # write-back temporaries, freed by finish_commits()
+        self._lock = threading.Lock()
+        # The CPU's copy "stream": fetch workers run NVMe reads and host->device copies of
+        # prefetches, overlapping compute. On CUDA they only issue work (the copies run on
+        # the device tier's h2d stream).
+        self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerotier-fetch")
+
+    @staticmethod
+    def host_staging_bytes(lookahead: int, largest_shard: int, lp_itemsize: int) -> int:
+        """Pool bytes NVMe-resident params need at most: a block per fetch in flight (lookahead
+        prefetches + the demand) plus an out block per unit whose write is in flight (the step's
+        tail), bounded like the fetches. The planner counts exactly this."""
+        return 2 * (lookahead + 2) * largest_shard * lp_itemsize
+
+    # ------------------------------------------------------------------ place
+
+    def place(self, unit: Unit, lp: torch.Tensor) -> None:
+        """Put this rank's low-precision bytes `lp` (full flat, or its ZeRO-3 shard; CPU) at home
+        and point the parameters at the device flat. The user's original tensors are dropped."""
+        i = unit.index
+        gathered = self.sharding.gathered(unit)
+        streamed = self.loc is not Location.DEVICE or gathered
+        self.streamed[i] = streamed
+        if streamed:  # views are taken while the storage is whole, then it is dropped
+            flat = torch.empty(unit.part.padded_numel if gathered else unit.numel, dtype=self.lp_dtype,
+                               device=self.device)
+        else:
+            flat = self.device_tier.alloc((unit.numel,), self.lp_dtype, unit.param_key)
+            flat.copy_(lp)
+        self.device_flat[i] = flat
+        for p, view in unit.views(flat):
+            p.data = view
+        if not streamed:
+            return
+        flat.untyped_storage().resize_(0)
+        self.state[i] = ParamState.RELEASED
+        if self.loc is Location.DEVICE:  # ZeRO-3 shard on the device
+            self.device_shard[i] = self.device_tier.alloc((lp.numel(),), self.lp_dtype, unit.param_key)
+            self.device_shard[i].copy_(lp)
+        elif self.loc is Location.HOST:
+            self.host_buf[i] = self.host_pool.alloc(lp.numel() * lp.element_size(), self.lp_dtype, unit.param_key)
+            self.host_buf[i].tensor.copy_(lp)
+        else:
+            block = self.host_pool.alloc(lp.numel() * lp.element_size(), self.lp_dtype, unit.param_key)
+            block.tensor.copy_(lp)
+            ticket = self.store.write(unit.param_key, block)
+            self.host_pool.free(block, after=ticket)
+            self._writes[i] = ticket
+
+    def finish_place(self) -> None:
+        """Wait for the initial NVMe writes (issued together by place())."""
+        self._check_writes(list(self._writes))
+
+    # ------------------------------------------------------------------ fetch / release
+
+    def prefetch(self, index: int) -> None:
+        """Start fetching unit `index` if it is released and nothing is in flight. A prefetch
+        that does not fit the device budget is skipped (the demand fetch will report it)."""
+        unit = self.units[index]
+        with self._lock:
+            if self.state[index] is not ParamState.RELEASED or index in self._inflight:
+                return
+        try:
+            fetch = self._start(unit, "prefetch")
+        except BudgetError:
+            return
+        with self._lock:
+            self._inflight[index] = fetch
+        if self.profiler is not None:
+            self.profiler.prefetch_issued(unit.param_key)
+
+    def inflight_bytes(self) -> int:
+        # Counts every issued, not yet consumed fetch (not only unfinished ones): the prefetch
+        # decision must not depend on timing, or ranks would issue ZeRO-3 gathers differently.
+        with self._lock:
+            return sum(self.units[i].numel * self.lp_dtype.itemsize for i in self._inflight)
+
+    def demand(self, unit: Unit) -> None:
+        """Compute needs `unit` now: make it resident (using a prefetch of the current version)."""
+        i = unit.index
+        if self.state[i] is ParamState.RESIDENT:
+            return
+        with self._lock:
+            fetch = self._inflight.pop(i, None)
+        if fetch is not None and fetch.version != self.version[i]:  # [Note: parameter versions]
+            self._drop(unit, fetch)
+            fetch = None
+        prof = self.profiler
+        if prof is not None:
+            prof.prefetch_used(unit.param_key, hit=fetch is not None)
+            waited = prof.wait_begin(unit.param_key)
+        if fetch is None:
+            fetch = self._start(unit, "demand")
+        try:
+            self._finish(fetch)
+        except BaseException:
+            self._abandon(unit)
+            raise
+        finally:
+            if prof is not None:
+                prof.wait_end(waited)
+        transition(self.state, i, ParamState.RESIDENT, PARAM_TRANSITIONS, "parameters")
+
+    def release(self, unit: Unit) -> None:
+        """Drop a streamed unit's device bytes (no-op when not resident or not streamed)."""
+        i = unit.index
+        if not self.streamed[i] or self.state[i] is not ParamState.RESIDENT:
+            return
+        self.device_tier.free_storage(self.device_flat[i])
+        transition(self.state, i, ParamState.RELEASED, PARAM_TRANSITIONS, "parameters")
+
+    def drop_inflight(self) -> None:
+        """Discard fetches issued but not consumed (e.g. before loading new weights)."""
+        with self._lock:
+            inflight, self._inflight = self._inflight, {}
+        for i, fetch in inflight.items():
+            self._drop(self.units[i], fetch)
+
+    def _start(self, unit: Unit, reason: str) -> _Fetch:
+        """RELEASED -> FETCHING: give the flat its bytes and issue the copy (or gather)."""
+        i = unit.index
+        self.device_tier.fill_storage(self.device_flat[i], unit.param_key)
+        transition(self.state, i, ParamState.FETCHING, PARAM_TRANSITIONS, "parameters")
+        try:
+            self._check_writes([i])  # the bytes at home must be the last committed ones
+            if self.sharding.gathered(unit):
+                # Issued on the thread running forward/backward: every rank gathers in the same order.
+                shard, block = self._shard_on_device(unit, reason)
+                handle = self.sharding.all_gather(unit, self.device_flat[i], shard)
+                return _Fetch(self.version[i], handle=handle, keep=(shard, block))
+            if reason == "demand":  # the compute thread needs it now: no hop through a worker
+                ticket = self._load(unit, reason)
+                return _Fetch(self.version[i], future=_Now(ticket))
+            return _Fetch(self.version[i], future=self._workers.submit(self._load, unit, reason))
+        except BaseException:
+            self._abandon(unit)
+            raise
+
+    def _load(self, unit: Unit, reason: str):
+        """Home -> device flat (a fetch worker for prefetches). Returns the copy's ticket."""
+        i = unit.index
+        nbytes = unit.numel * self.lp_dtype.itemsize
+        prof = self.profiler
+        token = prof.begin(unit.param_key, "param", self.loc.value, "device", nbytes, reason) \
+            if prof is not None else None
+        try:
+            if self.loc is Location.HOST:
+                return self.device_tier.copy_h2d(self.device_flat[i], self.host_buf[i].tensor)
+            block = self.host_pool.alloc(nbytes, self.lp_dtype, unit.param_key)
+            try:
+                self.store.read(unit.param_key, block).wait()
+                ticket = self.device_tier.copy_h2d(self.device_flat[i], block.tensor)
+            except BaseException:
+                self.host_pool.free(block)
+                raise
+            self.host_pool.free(block, after=ticket)
+            return ticket
+        finally:
+            if token is not None:
+                prof.end(token)
+
+    def _shard_on_device(self, unit: Unit, reason: str):
+        """ZeRO-3: this rank's shard where the all-gather can read it; (tensor, pool block or None)."""
+        i = unit.index
+        if self.loc is Location.DEVICE:
+            return self.device_shard[i], None
+        nbytes = unit.shard_numel * self.lp_dtype.itemsize
+        prof = self.profiler
+        token = prof.begin(unit.param_key, "param", self.loc.value, "device", nbytes, reason) \
+            if prof is not None else None
+        block = None
+        if self.loc is Location.HOST:
+            host = self.host_buf[i].tensor
+        else:
+            block = self.host_pool.alloc(nbytes, self.lp_dtype, unit.param_key)
+            self.store.read(unit.param_key, block).wait()
+            host = block.tensor
+        if self.device.type == "cpu":  # host memory is the device's: the gather reads it in place
+            self.device_tier.count_in(nbytes)
+            shard = host
+        else:
+            shard = torch.empty(host.numel(), dtype=self.lp_dtype, device=self.device)
+            self.device_tier.join(self.device_tier.copy_h2d(shard, host))
+        if token is not None:
+            prof.end(token)
+        return shard, block
+
+    def _finish(self, fetch: _Fetch) -> None:
+        if fetch.handle is not None:
+            fetch.handle.wait()
+            _shard, block = fetch.keep
+            fetch.keep = None
+            if block is not None:
+                self.host_pool.free(block)
+        else:
+            self.device_tier.join(fetch.future.result())
+
+    def _drop(self, unit: Unit, fetch: _Fetch) -> None:
+        """Wait for an unwanted fetch (it writes the flat), then release its bytes."""
+        try:
+            self._finish(fetch)
+        except Exception:  # noqa: BLE001 - a fresh fetch follows and reports any lasting error
+            pass
+        if self.profiler is not None:
+            self.profiler.prefetch_wasted(unit.param_key)
+        self._abandon(unit)
+
+    def _abandon(self, unit: Unit) -> None:
+        """FETCHING -> RELEASED after a failed or unwanted fetch."""
+        self.device_tier.free_storage(self.device_flat[unit.index])
+        transition(self.state, unit.index, ParamState.RELEASED, PARAM_TRANSITIONS, "parameters")
+
+    # ------------------------------------------------------------------ write-back ([Note: write-back])
+
+    def _shard_home(self, unit: Unit) -> torch.Tensor | None:
+        """This rank's low-precision shard at home when it is memory the optimizer can write."""
+        i = unit.index
+        if not unit.part.replicated and not self.sharding.gathered(unit):
+            return None  # ZeRO-1/2: home holds the full flat, filled by the all-gather
+        if self.loc is Location.DEVICE:
+            return self.device_shard[i] if self.sharding.gathered(unit) else self.device_flat[i]
+        if self.loc is Location.HOST:
+            return self.host_buf[i].tensor
+        return None
+
+    def out_buffer(self, unit: Unit) -> torch.Tensor:
+        """Where the optimizer writes this rank's new low-precision shard (shard_numel elements)."""
+        home = self._shard_home(unit)
+        if home is not None and home.device.type == self.out_device.type:
+            return home
+        out = self._out.get(unit.index)
+        if out is None:
+            out = self._out[unit.index] = self._temp(unit.shard_numel, self.out_device)
+        return _tensor(out)
+
+    def commit(self, unit: Unit) -> None:
+        """The optimizer wrote out_buffer(unit): bump the version and send the bytes home (async)."""
+        i = unit.index
+        self.version[i] += 1
+        out = self._out.pop(i, None)
+        nbytes = unit.shard_numel * self.lp_dtype.itemsize
+        src = "host" if self.out_device.type == "cpu" else "device"
+        prof = self.profiler
+        token = prof.begin(unit.param_key, "param", src, self.loc.value, nbytes, "param-copyback") \
+            if prof is not None and src != self.loc.value else None
+        if src != self.loc.value and self.loc is Location.DEVICE:
+            self.device_tier.count_in(nbytes)
+        if out is None:
+            pass  # the optimizer wrote the home in place
+        elif not unit.part.replicated and not self.sharding.gathered(unit):
+            self._gather_commit(unit, out)
+        elif self.loc is Location.NVME:
+            ticket = self.store.write(unit.param_key, out)
+            self.host_pool.free(out, after=ticket)
+            self._writes[i] = ticket
+        else:  # home is memory on the other side of the host/device link
+            home = self._shard_home(unit)
+            tensor = _tensor(out)
+            copy = self.device_tier.copy_h2d if home.device.type != "cpu" else self.device_tier.copy_d2h
+            ticket = copy(home, tensor)
+            self._joins.append(ticket)
+            self._keep.append((out, ticket))
+        if token is not None:
+            prof.end(token)
+
+    def _gather_commit(self, unit: Unit, out) -> None:
+        """ZeRO-1/2: all-gather every rank's new shard into the full flat at home."""
+        i = unit.index
+        shard = _tensor(out)
+        self._keep.append((out, None))
+        if self.loc is Location.NVME:
+            full = self.host_pool.alloc(unit.numel * self.lp_dtype.itemsize, self.lp_dtype, unit.param_key)
+
+            def write(_flat):
+                ticket = self.store.write(unit.param_key, full)
+                self.host_pool.free(full, after=ticket)
+                self._writes[i] = ticket
+            target, done = full.tensor, write
+        else:
+            target = self.device_flat[i] if self.loc is Location.DEVICE else self.host_buf[i].tensor
+            done = None
+        if shard.device.type != target.device.type:  # gather where the target lives
+            moved = self._temp(shard.numel(), target.device)
+            copy = self.device_tier.copy_h2d if target.device.type != "cpu" else self.device_tier.copy_d2h
+            copy(_tensor(moved), shard).wait()
+            self._keep.append((moved, None))
+            shard = _tensor(moved)
+        self.sharding.gather_params(unit, shard, target, done)
+
+    def _temp(self, numel: int, device: torch.device):
+        """A write-back temporary: a pool block on the host, a budgeted tensor on the device."""
+        if device.type == "cpu":
+            return self.host_pool.alloc(numel * self.lp_dtype.itemsize, self.lp_dtype, "param write-back")
+        return self.device_tier.alloc((numel,), self.lp_dtype, "param write-back")
+
+    def finish_commits(self) -> None:
+        """End of a step: the ZeRO-1/2 gathers complete, compute waits for device write-backs.
+        NVMe writes stay in flight: the next fetch of each unit waits on its own."""
+        self.sharding.finish_gather()
+        joins, self._joins = self._joins, []
+        for ticket in joins:
+            self.device_tier.join(ticket)
+        keep, self._keep = self._keep, []
+        for out, ticket in keep:  # gathers are complete; a copy may still run (freed after it)
+            if isinstance(out, torch.Tensor):
+                self.device_tier.free(out)  # record_stream keeps it until the copy ran
+            else:
+                self.host_pool.free(out, after=ticket)
+
+    def _check_writes(self, indices) -> None:
+        """Wait for the NVMe write-backs of these units; raise the first error (TierIOError...)."""
+        first = None
+        for i in indices:
+            ticket = self._writes.pop(i, None)
+            if ticket is None:
+                continue
+            try:
+                ticket.wait()
+            except BaseException as exc:  # noqa: BLE001 - every ticket is waited, the first error raised
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def synchronize(self) -> None:
+        """Finish all parameter work in flight: unconsumed prefetches, gathers, NVMe write-backs."""
+        self.drop_inflight()
+        self.finish_commits()
+        self._check_writes(list(self._writes))
+
+    # ------------------------------------------------------------------ access
+
+    def load(self, unit: Unit, lp_source: torch.Tensor) -> None:
+        """Replace this rank's shard with `lp_source` (e.g. a checkpoint's fp32 master shard)."""
+        self.out_buffer(unit).copy_(lp_source)
+        self.commit(unit)
+
+    def host_bytes(self) -> int:
+        """Pool bytes the parameter homes hold (host placement)."""
+        return sum(b.capacity for b in self.host_buf if b is not None)
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=True)
+        for i, ticket in list(self._writes.items()):
+            try:
+                ticket.wait()
+            except Exception:  # noqa: BLE001 - closing: the store reports nothing more
+                pass
+        self._writes.clear()
+
+
+def _tensor(buf) -> torch.Tensor:
+    """The tensor of a pool block (HostBuffer) or a device tensor."""
+    return buf if isinstance(buf, torch.Tensor) else buf.tensor
+
+
+class _Now:
+    """A demand fetch's ticket with the interface of a worker's future."""
+
+    def __init__(self, ticket):
+        self.ticket = ticket
+
+    def result(self):
+        return self.ticket
