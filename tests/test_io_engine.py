@@ -5,7 +5,7 @@ tmp_path, else a directory under the repo's build/ area, else buffered with a no
 """
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import errno
 import gc
 import os
@@ -454,59 +454,72 @@ def test_rejects_bad_buffers(engine):
         engine.read(0, bytearray(4096), 0)  # type: ignore[arg-type]
 
 
-# --- asyncio ----------------------------------------------------------------------------
+# --- the ticket family (zerotier.io.ticket) ----------------------------------------------
 
-@pytest.mark.asyncio
-@pytest.mark.parametrize("backend_name", BACKENDS)
-async def test_asyncio_gather(backend_name, data_dir):
-    _require_backend(backend_name)
-    fd, path = _open(data_dir)
-    n, count = 128 << 10, 64
-    ticks = 0
+def test_completed_and_future_tickets():
+    assert zio.CompletedTicket(42, "read", 0, 42, 0).wait() == 42
+    assert zio.CompletedTicket(0).done() and zio.CompletedTicket(0).wait() == 0
+    with pytest.raises(TierIOError) as exc:
+        zio.CompletedTicket(-errno.EIO, "write", 5, 4096, 8192, "/x").wait()
+    assert exc.value.errno == errno.EIO and "offset 8192" in str(exc.value)
 
-    async def ticker():
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
+    fut = concurrent.futures.Future()
+    seen = []
+    t = zio.FutureTicket(fut, keepalive=object())
+    t.add_done_callback(lambda tk: seen.append(tk))
+    assert not t.done()
+    with pytest.raises(TimeoutError):
+        t.wait(0.01)
+    fut.set_result(7)
+    assert seen == [t] and t.done() and t.wait() == 7 and t.wait(0) == 7
 
-    tick_task = asyncio.create_task(ticker())
-    try:
-        with open_engine(IOConfig(backend=backend_name, **SMALL)) as eng:
-            srcs = [_rand(n, seed=500 + i) for i in range(count)]
-            assert await asyncio.gather(*(eng.write(fd, s, i * n, path)
-                                          for i, s in enumerate(srcs))) == [n] * count
-            dsts = [aligned_empty(n) for _ in range(count)]
-            assert await asyncio.gather(*(eng.read(fd, d, i * n, path)
-                                          for i, d in enumerate(dsts))) == [n] * count
-            assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
+    bad = concurrent.futures.Future()
+    t = zio.FutureTicket(bad)
+    bad.set_exception(ValueError("copy failed"))
+    assert t.done()  # never raises
+    for _ in range(2):  # the work's own exception, every time
+        with pytest.raises(ValueError, match="copy failed"):
+            t.wait()
 
-            t = eng.read(-1, dsts[0], 0, path)
-            with pytest.raises(TierIOError) as exc:
-                await t
-            assert exc.value.errno == errno.EBADF
-            assert await zio.CompletedTicket(42, "read", 0, 42, 0) == 42
-    finally:
-        tick_task.cancel()
-        os.close(fd)
-    assert ticks > 1  # the loop kept running while tickets were pending
+    gone = concurrent.futures.Future()
+    gone.cancel()
+    with pytest.raises(TierIOError) as exc:
+        zio.FutureTicket(gone, "read", 3, 10, 0).wait()
+    assert exc.value.errno == errno.ECANCELED
 
 
-@pytest.mark.asyncio
-async def test_asyncio_await_from_second_loop_thread(data_dir):
-    """A ticket awaited on a loop other than the one serving the engine's bridge."""
-    _require_backend("io_uring")
-    fd, path = _open(data_dir)
-    try:
-        with open_engine(IOConfig(backend="io_uring", **SMALL)) as eng:
-            src = _rand(1 << 20, seed=9)
-            assert await eng.write(fd, src, 0, path) == 1 << 20  # binds the bridge here
-            dst = aligned_empty(1 << 20)
-            got = await asyncio.to_thread(asyncio.run, _await(eng.read(fd, dst, 0, path)))
-            assert got == 1 << 20 and torch.equal(src, dst)
-    finally:
-        os.close(fd)
+def test_chain_ticket_runs_finish_once_and_caches_errors():
+    calls = []
+    fut = concurrent.futures.Future()
+    t = zio.ChainTicket(zio.FutureTicket(fut), lambda r: calls.append(r) or r * 2)
+    assert not t.done()
+    with pytest.raises(TimeoutError):
+        t.wait(0.01)
+    fut.set_result(21)
+    assert t.done() and t.wait() == 42 and t.wait() == 42 and calls == [21]
+
+    def boom(r):
+        raise ValueError(f"bad {r}")
+    bad = zio.ChainTicket(zio.CompletedTicket(3), boom)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="bad 3"):
+            bad.wait()
+    # finish sees the inner failure and decides the outcome
+    failed = zio.ChainTicket(zio.CompletedTicket(-errno.ENOSPC, "write", 1, 8, 0),
+                             lambda r: -1 if isinstance(r, TierIOError) else r)
+    assert failed.wait() == -1
 
 
-async def _await(t):
-    return await t
+def test_wait_all_waits_for_every_ticket_then_raises_the_first_error():
+    slow = concurrent.futures.Future()
+    ok = zio.FutureTicket(slow)
+    tickets = [zio.CompletedTicket(1), zio.CompletedTicket(-errno.EIO, "read", 1, 4, 0), ok,
+               zio.CompletedTicket(-errno.ENOSPC, "write", 1, 4, 0)]
+    threading.Timer(0.05, slow.set_result, args=(3,)).start()
+    with pytest.raises(TierIOError) as exc:
+        zio.wait_all(tickets)
+    assert exc.value.errno == errno.EIO and ok.done()  # waited past the first failure
+    assert zio.wait_all([zio.CompletedTicket(2), ok]) == [2, 3]
+    pending = zio.FutureTicket(concurrent.futures.Future())
+    with pytest.raises(TimeoutError):
+        zio.wait_all([zio.CompletedTicket(2), pending], timeout=0.05)

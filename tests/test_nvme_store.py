@@ -328,18 +328,6 @@ def test_many_tickets_in_flight(store):
     assert store.stats()["files"] == 64 and store.stats()["inflight"] == 0
 
 
-def test_tickets_are_awaitable(store):
-    import asyncio
-    x = rand(100_000, torch.float16)
-    y = torch.empty_like(x)
-
-    async def go():
-        assert await store.write("aw", x) == x.nbytes
-        return await store.read("aw", y)
-
-    assert asyncio.run(go()) == x.nbytes and torch.equal(x, y)
-
-
 def test_buffered_mode(tmp_path):
     with NVMeStore(*cfgs(tmp_path, o_direct=False, checksum="crc32c")) as s:
         x = rand(4097, torch.int64)

@@ -1,7 +1,6 @@
-"""Tier accounting, tickets, host pool and device tier."""
+"""Tier accounting, host pool and device tier."""
 from __future__ import annotations
 
-import asyncio
 import threading
 from concurrent.futures import Future
 
@@ -9,8 +8,8 @@ import pytest
 import torch
 
 from zerotier.errors import BudgetError, ZerotierError
-from zerotier.tiers import (BudgetedTier, ChainTicket, DeviceTier, DoneTicket, FutureTicket, HostPool,
-                            Tier)
+from zerotier.io import FutureTicket
+from zerotier.tiers import BudgetedTier, DeviceTier, HostPool
 
 SIZES = [1, 7, 4095, 4097, (1 << 20) + 3]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
@@ -28,7 +27,6 @@ def rand(n, dtype, seed=0):
 
 def test_budgeted_tier_accounting_and_message():
     t = BudgetedTier("host", 10_000, hint="Raise tiers.host or move optimizer state to nvme.")
-    assert isinstance(t, Tier)
     t.reserve(6000, "a")
     t.reserve(3000, "b")
     t.release(6000)
@@ -63,29 +61,6 @@ def test_budgeted_tier_thread_safe():
     for th in threads:
         th.join()
     assert t.used == 0 and t.peak <= 64
-
-
-def test_chain_ticket_runs_finish_once_and_caches_errors():
-    calls = []
-    fut = Future()
-    t = ChainTicket(FutureTicket(fut), lambda r: calls.append(r) or r * 2)
-    assert not t.done()
-    with pytest.raises(TimeoutError):
-        t.wait(0.01)
-    fut.set_result(21)
-    assert t.done() and t.wait() == 42 and t.wait() == 42 and calls == [21]
-
-    def boom(r):
-        raise ValueError(f"bad {r}")
-    bad = ChainTicket(DoneTicket(3), boom)
-    for _ in range(2):
-        with pytest.raises(ValueError, match="bad 3"):
-            bad.wait()
-    assert asyncio.run(_await(ChainTicket(DoneTicket(5), lambda r: r + 1))) == 6
-
-
-async def _await(t):
-    return await t
 
 
 # ------------------------------------------------------------------------- host pool
@@ -194,8 +169,7 @@ def test_device_tier_cpu_alloc_free_and_copies():
     dev.copy_h2d(t, host).wait()
     assert torch.equal(t, host)
     back = torch.empty_like(host)
-    tk = dev.copy_d2h(back, t)
-    assert asyncio.run(_await(tk)) == host.nbytes and torch.equal(back, host)
+    assert dev.copy_d2h(back, t).wait() == host.nbytes and torch.equal(back, host)
     with pytest.raises(ValueError, match="differ"):
         dev.copy_h2d(t, host.to(torch.float16))
     with pytest.raises(ZerotierError, match="did not allocate"):

@@ -11,8 +11,7 @@
 //             a READ armed on. See [Note: why one ring thread].
 //   threads   a pthread pool; each worker pops a chunk and loops pread/pwrite until done.
 //
-// Completion: waiters sleep on a condition variable (never spin); an optional eventfd is
-// signalled on every completion batch so asyncio can await without a thread per ticket.
+// Completion: waiters sleep on a condition variable (never spin).
 //
 // [Note: buffer lifetime] The engine never copies: the caller's buffer must stay alive and
 // unmoved from zt_io_submit until the request is observed complete (zt_io_wait/zt_io_poll
@@ -46,7 +45,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -138,7 +136,6 @@ class Engine {
   public:
     Engine(unsigned qd, unsigned block) : qd_(qd), block_(block) {}
     virtual ~Engine() {
-        if (notify_fd_ >= 0) close(notify_fd_);
         for (auto& kv : requests_) delete kv.second;
     }
     virtual const char* name() const = 0;
@@ -218,17 +215,6 @@ class Engine {
         return n;
     }
 
-    // Lazily created eventfd (EFD_NONBLOCK) incremented after every completion batch.
-    int notify_fd() {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (notify_fd_ < 0) {
-            int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-            if (fd < 0) return -errno;
-            notify_fd_.store(fd, std::memory_order_release);
-        }
-        return notify_fd_;
-    }
-
     int64_t inflight_requests() {
         std::lock_guard<std::mutex> lk(mu_);
         int64_t n = 0;
@@ -263,15 +249,7 @@ class Engine {
         return false;
     }
 
-    void signal_completions() {
-        cv_done_.notify_all();
-        int fd = notify_fd_.load(std::memory_order_acquire);
-        if (fd >= 0) {
-            uint64_t one = 1;
-            ssize_t rc = write(fd, &one, sizeof one);
-            (void)rc;  // EAGAIN only if the counter would overflow: readers are awake anyway
-        }
-    }
+    void signal_completions() { cv_done_.notify_all(); }
 
     int take_locked(int64_t id, int64_t* result) {
         auto it = requests_.find(id);
@@ -290,7 +268,6 @@ class Engine {
     unsigned issued_ = 0;              // chunks handed to the kernel / a worker
     int64_t next_id_ = 1;
     bool stopping_ = false;
-    std::atomic<int> notify_fd_{-1};  // written once (under mu_), read without it
 };
 
 // ---------------------------------------------------------------------------------------
@@ -852,9 +829,6 @@ ZT_API int zt_io_poll(void* h, int64_t id, int64_t* result) {
 // Fail all not-yet-issued chunks with ECANCELED; returns how many were cancelled.
 ZT_API int zt_io_cancel(void* h) { return static_cast<Engine*>(h)->cancel_pending(); }
 
-// An eventfd (non-blocking) that is incremented after each batch of completions.
-ZT_API int zt_io_notify_fd(void* h) { return static_cast<Engine*>(h)->notify_fd(); }
-
 ZT_API int64_t zt_io_inflight(void* h) { return static_cast<Engine*>(h)->inflight_requests(); }
 
 ZT_API int zt_io_info(void* h, char* out, int len) {
@@ -878,4 +852,6 @@ ZT_API int zt_io_uring_probe(char* why, int len) {
     return ok ? 1 : 0;
 }
 
-ZT_API int zt_io_abi_version(void) { return 1; }
+// Bumped with every change of the exported functions; zerotier/io/native.py checks it.
+// 2: zt_io_notify_fd removed.
+ZT_API int zt_io_abi_version(void) { return 2; }

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,11 +131,6 @@ class Handle:
                 self._finish()
         self._waited = True
         self._works, self._event, self._finish, self._keep = [], None, None, ()
-
-
-def wait_all(handles: Iterable[Handle]) -> None:
-    for h in handles:
-        h.wait()
 
 
 @dataclass

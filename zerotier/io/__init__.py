@@ -6,13 +6,13 @@
     with open_engine(cfg.io) as eng:
         t = eng.write(fd, buf, 0, path)      # returns at once
         ...                                  # overlap other work
-        t.wait()                             # or: await t
+        t.wait()
 
 Backends (chosen by `open_engine` from `IOConfig.backend`):
   io_uring  native engine on raw io_uring syscalls (default when `probe_io_uring()` is ok)
   threads   native engine on a pthread pool of pread/pwrite (`cfg.threads` workers)
-  aiofiles  pure Python (aiofiles over a thread pool); used when the native library is
-            unavailable or disabled with ZEROTIER_NATIVE=0
+  aiofiles  pure Python: os.preadv/os.pwritev on a thread pool (the name is historical); used
+            when the native library is unavailable or disabled with ZEROTIER_NATIVE=0
 "auto" picks io_uring, else threads, else aiofiles. Fault injection for tests:
 `IOEngine.inject_fault` (see its class docstring).
 """
@@ -28,10 +28,12 @@ from .. import _native
 from ..config import IOConfig
 from ..errors import ConfigError, NativeUnavailableError, TierIOError
 from .memory import aligned_empty, is_aligned, round_up
-from .ticket import CompletedTicket, FutureTicket, IOEngine, Ticket
+from .ticket import (ChainTicket, CompletedTicket, FutureTicket, IOEngine, Ticket, TicketLike,
+                     wait_all)
 
 __all__ = [
-    "IOEngine", "Ticket", "CompletedTicket", "FutureTicket", "TierIOError",
+    "IOEngine", "Ticket", "CompletedTicket", "FutureTicket", "ChainTicket", "TicketLike", "wait_all",
+    "TierIOError",
     "aligned_empty", "is_aligned", "round_up",
     "open_engine", "probe_io_uring", "native_available", "open_direct", "supports_o_direct",
 ]

@@ -1,20 +1,19 @@
-"""aiofiles backend: the pure-Python engine used when the native library is unavailable
-(ZEROTIER_NATIVE=0, or no build). Same API and semantics as the native engine.
+"""Pure-Python backend (`io.backend = "aiofiles"`, the name is historical): the engine used
+when the native library is unavailable (ZEROTIER_NATIVE=0, or no build). Same API and
+semantics as the native engine.
 
-A private event loop runs in a daemon thread; each request is one coroutine that splits
-the buffer into `block_size` chunks and runs `os.preadv`/`os.pwritev` through
-`aiofiles.os.wrap` (i.e. on the loop's executor: a pool of `cfg.threads` threads), at most
-`cfg.queue_depth` chunks at a time. Callers get a FutureTicket over the
-`run_coroutine_threadsafe` future, so `wait()` works from any thread and `await` from any
-loop (asyncio.wrap_future).
+A request is split into `block_size` chunks; each chunk is one task on a
+ThreadPoolExecutor of min(`cfg.threads`, `cfg.queue_depth`) workers (so at most that many
+chunks are in flight) that runs `os.preadv`/`os.pwritev` until the chunk is done. The last
+chunk to finish resolves the request's Future; callers get a FutureTicket over it, so
+`wait()` works from any thread.
 
-Buffer lifetime: the request coroutine holds the tensor until all its chunks returned, and
-chunks already handed to an executor thread are never abandoned (cancellation only stops
-chunks that have not started), so the memory outlives every syscall that touches it.
+Buffer lifetime: the request record holds the tensor until all its chunks returned, and a
+chunk that started is never abandoned (close(cancel=True) only fails chunks that have not
+started), so the memory outlives every syscall that touches it.
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import ctypes
 import errno as errno_mod
@@ -22,15 +21,11 @@ import fcntl
 import os
 import threading
 
-import aiofiles.os
 import torch
 
 from ..config import IOConfig
 from ..errors import ZerotierError
 from .ticket import FutureTicket, IOEngine, Ticket
-
-_pread = aiofiles.os.wrap(os.preadv)
-_pwrite = aiofiles.os.wrap(os.pwritev)
 
 
 def _may_resume_read(fd: int, done: int) -> bool:
@@ -44,81 +39,99 @@ def _may_resume_read(fd: int, done: int) -> bool:
         return True
 
 
+class _Request:
+    """One request's chunks in flight; resolves `future` (bytes valid from the start, or
+    -errno of the first failing chunk) when the last chunk returns."""
+
+    def __init__(self, buf: torch.Tensor, nbytes: int, chunks: int) -> None:
+        self.buf = buf  # keeps the memory alive until every chunk has returned
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.valid = nbytes
+        self.err = 0
+        self.remaining = chunks
+        self.lock = threading.Lock()
+
+    def chunk_done(self, start: int, length: int, done: int, err: int) -> None:
+        with self.lock:
+            if err and not self.err:
+                self.err = err
+            if not err and done < length:
+                self.valid = min(self.valid, start + done)
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
+            self.buf = None
+            self.future.set_result(-self.err if self.err else self.valid)
+
+
 class AioFilesEngine(IOEngine):
     backend = "aiofiles"
 
     def __init__(self, cfg: IOConfig):
         super().__init__(cfg)
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, cfg.threads), thread_name_prefix="zt-aio")
-        self._loop = asyncio.new_event_loop()
-        self._loop.set_default_executor(self._executor)  # where aiofiles.os.wrap runs calls
-        self._slots = asyncio.Semaphore(max(1, cfg.queue_depth))  # chunks in flight
+            max_workers=max(1, min(cfg.threads, cfg.queue_depth)), thread_name_prefix="zt-aio")
         self._futures: set[concurrent.futures.Future] = set()
         self._lock = threading.Lock()
         self._closed = False
         self._cancelled = False  # set by close(cancel=True): unstarted chunks fail
-        self._thread = threading.Thread(target=self._loop.run_forever, name="zt-aio-loop",
-                                        daemon=True)
-        self._thread.start()
 
     def describe(self) -> str:
-        return (f"aiofiles threads={self.cfg.threads} qd={self.cfg.queue_depth}"
+        return (f"aiofiles (python thread pool) threads={self.cfg.threads} qd={self.cfg.queue_depth}"
                 + (" (closed)" if self._closed else ""))
 
     def _submit(self, op: str, fd: int, buf: torch.Tensor, nbytes: int, offset: int,
                 path: str) -> Ticket:
+        bs = self.cfg.block_size
+        starts = range(0, nbytes, bs)
+        req = _Request(buf, nbytes, len(starts))
+        fut = req.future
         with self._lock:
             if self._closed:
                 raise ZerotierError("I/O engine (aiofiles) is closed")
-            coro = self._transfer(op, fd, buf, nbytes, offset)
-            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
             self._futures.add(fut)
-        fut.add_done_callback(self._futures.discard)
-        return FutureTicket(fut, op, fd, nbytes, offset, path, keep=buf)
+            if nbytes:
+                # A writable view of the tensor's memory; `req.buf` keeps it alive.
+                mem = memoryview((ctypes.c_char * nbytes).from_address(buf.data_ptr())).cast("B")
+                for s in starts:
+                    self._executor.submit(self._chunk, req, op, fd, mem[s:s + bs], s, offset + s)
+        fut.add_done_callback(self._discard)  # outside the lock: it may run right here
+        if not nbytes:
+            fut.set_result(0)
+        return FutureTicket(fut, op, fd, nbytes, offset, path, keepalive=buf)
 
-    async def _transfer(self, op: str, fd: int, buf: torch.Tensor, nbytes: int,
-                        offset: int) -> int:
-        """One request: all chunks concurrently; bytes valid from the start, or -errno."""
-        if nbytes == 0:
-            return 0
-        # A writable view of the tensor's memory; `buf` (this frame) keeps it alive.
-        mem = memoryview((ctypes.c_char * nbytes).from_address(buf.data_ptr())).cast("B")
-        bs = self.cfg.block_size
-        starts = range(0, nbytes, bs)
-        results = await asyncio.gather(
-            *(self._chunk(op, fd, mem[s:s + bs], offset + s) for s in starts))
-        valid = nbytes
-        for s, (done, err) in zip(starts, results):
-            if err:
-                return -err
-            if done < min(bs, nbytes - s):
-                valid = min(valid, s + done)
-        return valid
+    def _discard(self, fut: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._futures.discard(fut)
 
-    async def _chunk(self, op: str, fd: int, mem: memoryview, offset: int) -> tuple[int, int]:
-        """(bytes done, errno or 0) for one chunk, resuming partial transfers."""
-        async with self._slots:
+    def _chunk(self, req: _Request, op: str, fd: int, mem: memoryview, start: int,
+               offset: int) -> None:
+        done, err = 0, 0
+        try:
             if self._cancelled:
-                return 0, errno_mod.ECANCELED
-            done, n = 0, len(mem)
+                err = errno_mod.ECANCELED
+                return
+            n = len(mem)
             while done < n:
                 try:  # EINTR is retried inside os.preadv/pwritev (PEP 475)
                     if op == "read":
-                        got = await _pread(fd, [mem[done:]], offset + done)
+                        got = os.preadv(fd, [mem[done:]], offset + done)
                     else:
-                        got = await _pwrite(fd, [mem[done:]], offset + done)
+                        got = os.pwritev(fd, [mem[done:]], offset + done)
                 except OSError as exc:
-                    return done, exc.errno or errno_mod.EIO
+                    err = exc.errno or errno_mod.EIO
+                    return
                 if got == 0:  # read: EOF; write: no progress
-                    return done, (0 if op == "read" else errno_mod.EIO)
+                    err = 0 if op == "read" else errno_mod.EIO
+                    return
                 done += got
                 if op == "read" and done < n and not _may_resume_read(fd, done):
-                    break
-            return done, 0
+                    return
+        finally:
+            req.chunk_done(start, len(mem), done, err)
 
     def close(self, cancel: bool = False) -> None:
-        """Wait for (or cancel unstarted chunks of) in-flight requests; stop the loop."""
+        """Wait for (or cancel unstarted chunks of) in-flight requests; stop the workers."""
         with self._lock:
             if self._closed:
                 return
@@ -127,9 +140,6 @@ class AioFilesEngine(IOEngine):
                 self._cancelled = True
             futs = list(self._futures)
         concurrent.futures.wait(futs)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
         self._executor.shutdown(wait=True)
 
     def pending(self) -> int:

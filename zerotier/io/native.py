@@ -12,10 +12,8 @@ So a caller may drop a Ticket without waiting and the buffer still outlives the 
 """
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import errno as errno_mod
-import os
 import threading
 import weakref
 from collections import deque
@@ -29,7 +27,7 @@ from .ticket import IOEngine, Ticket
 
 BACKENDS = {"io_uring": 0, "threads": 1}
 OPS = {"read": 0, "write": 1}
-_ABI_VERSION = 1
+_ABI_VERSION = 2  # zt_io_abi_version() in native/io/io_engine.cpp; bump both together
 _WAIT_SLICE_MS = 250  # block in native wait in slices so Ctrl-C is seen in the main thread
 
 
@@ -41,7 +39,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "zt_io_wait": (c_int, [vp, i64, i64, ctypes.POINTER(i64)]),
         "zt_io_poll": (c_int, [vp, i64, ctypes.POINTER(i64)]),
         "zt_io_cancel": (c_int, [vp]),
-        "zt_io_notify_fd": (c_int, [vp]),
         "zt_io_inflight": (i64, [vp]),
         "zt_io_info": (c_int, [vp, ctypes.c_char_p, c_int]),
         "zt_io_destroy": (None, [vp]),
@@ -118,9 +115,6 @@ class NativeTicket(Ticket):
     def _block(self, timeout: float | None) -> int | None:
         return self._engine._wait(self._rid, timeout)
 
-    async def _await_result(self) -> int:
-        return await self._engine._async_result(self)
-
     def __del__(self):
         # Dropped unwaited: hand the id to the engine, which keeps the buffer alive until
         # the request completes (see [Note: in-flight table]).
@@ -128,72 +122,6 @@ class NativeTicket(Ticket):
             eng = self._engine
             if eng is not None:
                 eng._orphans.append(self._rid)
-
-
-class _AsyncBridge:
-    """Wakes asyncio waiters of one engine from the engine's completion eventfd.
-
-    One reader per engine, registered on one running loop; it polls the waiting tickets
-    when the eventfd fires and each ticket's done-callback resolves its future on the
-    future's own loop (call_soon_threadsafe), so waiters from an earlier loop are carried
-    over when the bridge moves to a new loop (pytest-asyncio makes a loop per test).
-    """
-
-    def __init__(self, notify_fd: int):
-        self.fd = os.dup(notify_fd)  # ours to close, independent of the engine's lifetime
-        os.set_blocking(self.fd, False)
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.waiting: set[Ticket] = set()
-
-    def attach(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """Serve `loop` (the running loop). False if another live loop owns the bridge."""
-        if self.loop is loop:
-            return True
-        old = self.loop
-        if old is not None and not old.is_closed() and old.is_running():
-            return False
-        if old is not None and not old.is_closed():
-            old.remove_reader(self.fd)
-        loop.add_reader(self.fd, self._on_ready)
-        self.loop = loop
-        return True
-
-    def _on_ready(self):
-        try:
-            os.read(self.fd, 8)  # reset the eventfd counter
-        except BlockingIOError:
-            pass
-        for t in list(self.waiting):
-            if t.done():  # sets the result, which runs the ticket's done-callbacks
-                self.waiting.discard(t)
-
-    def close(self):
-        loop, self.loop = self.loop, None
-        fd, self.fd = self.fd, -1
-        if fd < 0:
-            return
-
-        def _detach():
-            if loop is not None and not loop.is_closed():
-                loop.remove_reader(fd)
-            os.close(fd)
-
-        if loop is not None and loop.is_running() and not _in_loop_thread(loop):
-            loop.call_soon_threadsafe(_detach)
-        else:
-            _detach()
-
-
-def _collect_result(ticket: Ticket) -> int:
-    ticket._collect()
-    return ticket._result  # type: ignore[return-value]
-
-
-def _in_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
 
 
 class NativeEngine(IOEngine):
@@ -219,7 +147,6 @@ class NativeEngine(IOEngine):
         self._orphans: deque[int] = deque()               # rids whose Ticket died unwaited
         self._lock = threading.Lock()                     # _closed; submission vs close
         self._closed = False
-        self._bridge: _AsyncBridge | None = None
 
     def describe(self) -> str:
         out = ctypes.create_string_buffer(256)
@@ -282,34 +209,6 @@ class NativeEngine(IOEngine):
         self._inflight.pop(rid, None)
         return res.value if rc == 0 else -errno_mod.ENOENT
 
-    async def _async_result(self, ticket: NativeTicket) -> int:
-        loop = asyncio.get_running_loop()
-        if self._bridge is None:
-            with self._lock:
-                if self._closed:
-                    return await loop.run_in_executor(None, _collect_result, ticket)
-                if self._bridge is None:
-                    fd = self._lib.zt_io_notify_fd(self._h)
-                    if fd < 0:
-                        raise OSError(-fd, "cannot create the I/O engine's completion eventfd")
-                    self._bridge = _AsyncBridge(fd)
-        bridge = self._bridge
-        if not bridge.attach(loop):
-            # Another thread's loop serves the bridge: park this await on an executor thread.
-            return await loop.run_in_executor(None, _collect_result, ticket)
-        fut = loop.create_future()
-
-        def resolve(_t: Ticket, fut=fut, loop=loop):
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
-
-        ticket.add_done_callback(resolve)
-        bridge.waiting.add(ticket)
-        if ticket.done():  # completed before the eventfd existed / was watched
-            bridge.waiting.discard(ticket)
-        await fut
-        return ticket._result  # set before the callback that resolved `fut` ran
-
     # --- shutdown -----------------------------------------------------------------------
     def close(self, cancel: bool = False) -> None:
         """Finish (or with cancel=True, cancel not-yet-issued chunks of) all in-flight
@@ -328,9 +227,6 @@ class NativeEngine(IOEngine):
             self._closed = True
             self._inflight.clear()
             self._orphans.clear()
-            if self._bridge is not None:
-                self._bridge.close()
-                self._bridge = None
             self._lib.zt_io_destroy(self._h)
             self._h = ctypes.c_void_p()
 

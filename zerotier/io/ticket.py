@@ -1,18 +1,27 @@
-"""Tickets (handles of in-flight I/O) and the IOEngine base class that issues them.
+"""Tickets (handles of asynchronous work) and the IOEngine base class that issues them.
 
 A Ticket is the issue/wait split of one read or write: `engine.read(...)` returns at once;
-`ticket.wait()` (threads) or `await ticket` (asyncio) returns the bytes transferred or
-raises `TierIOError`. Every backend implements the three hooks `_poll`, `_block` and
-`_await_result`; the base class caches the first result, so waiting twice is cheap and
-every waiter sees the same outcome.
+`ticket.wait()` returns the bytes transferred or raises `TierIOError`. Every backend
+implements the two hooks `_poll` and `_block`; the base class caches the first result, so
+waiting twice is cheap and every waiter sees the same outcome.
 
 Result convention, shared with the native engine: an int >= 0 is the number of bytes valid
 from the start of the buffer (less than requested means a short transfer, e.g. EOF: the
 caller decides), an int < 0 is -errno.
+
+[Note: tickets]
+This module is the one home of the ticket types; everything asynchronous in zerotier
+(file I/O, the NVMe store, host<->device copies) hands back an object with
+`wait(timeout=None) -> int` (bytes; raises on failure) and `done()` (`TicketLike`):
+  Ticket           one engine request (NativeTicket in native.py)
+  CompletedTicket  a result known at creation (no work, an injected fault, a refused submit)
+  FutureTicket     work on a worker thread (a concurrent.futures.Future)
+  ChainTicket      an inner ticket plus bookkeeping that runs once when it completes
+`wait_all` waits for a batch. Whatever memory the work reads or writes is referenced by
+the ticket until it completes.
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import errno as errno_mod
 import os
@@ -20,7 +29,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
@@ -41,7 +50,6 @@ class Ticket:
     - `wait(timeout=None)` returns bytes transferred (may be < nbytes for a short read),
       raises `TierIOError` (errno set, message naming path, op and offset) on failure and
       the builtin `TimeoutError` if `timeout` seconds pass first.
-    - `await ticket` is `wait()` without blocking the event loop.
     - `add_done_callback(fn)` calls `fn(ticket)` once the result is known (in the thread
       that observed it; immediately if already known). Keep callbacks tiny.
     """
@@ -63,10 +71,6 @@ class Ticket:
 
     def _block(self, timeout: float | None) -> int | None:
         """Block up to `timeout` s (None: forever); the result, or None on timeout."""
-        raise NotImplementedError
-
-    async def _await_result(self) -> int:
-        """Wait without blocking the running event loop; returns the result."""
         raise NotImplementedError
 
     # --- public API ---------------------------------------------------------------------
@@ -98,16 +102,6 @@ class Ticket:
                     self._set(r)
             finally:
                 self._lock.release()
-        return self._check()
-
-    def __await__(self):
-        return self._await().__await__()
-
-    async def _await(self) -> int:
-        if not self.done():
-            r = await self._await_result()
-            if self._result is None:
-                self._set(r)
         return self._check()
 
     def add_done_callback(self, fn: Callable[["Ticket"], None]) -> None:
@@ -165,11 +159,14 @@ class Ticket:
 
 
 class CompletedTicket(Ticket):
-    """A ticket whose result is known at creation (injected faults, refused submits)."""
+    """A ticket whose result is known at creation: `CompletedTicket(nbytes)` for work that
+    finished synchronously or needed none, `CompletedTicket(-errno, op, fd, ...)` for an
+    injected fault or a refused submit."""
 
     __slots__ = ()
 
-    def __init__(self, result: int, op: str, fd: int, nbytes: int, offset: int, path: str = ""):
+    def __init__(self, result: int, op: str = "task", fd: int = -1, nbytes: int = 0,
+                 offset: int = 0, path: str = ""):
         super().__init__(op, fd, nbytes, offset, path)
         self._result = int(result)
 
@@ -179,20 +176,23 @@ class CompletedTicket(Ticket):
     def _block(self, timeout: float | None) -> int | None:
         return self._result
 
-    async def _await_result(self) -> int:
-        return self._result  # type: ignore[return-value]
-
 
 class FutureTicket(Ticket):
-    """A ticket backed by a concurrent.futures.Future resolving to bytes or -errno."""
+    """A ticket backed by a concurrent.futures.Future (work on a worker thread).
 
-    __slots__ = ("_fut", "_keep")
+    The future resolves to bytes or -errno (raised as TierIOError by wait()); if it raises
+    instead, wait() re-raises that exception. `keepalive` holds whatever the work reads or
+    writes (the I/O buffer, both sides of a copy) at least as long as the ticket.
+    """
 
-    def __init__(self, fut: concurrent.futures.Future, op: str, fd: int, nbytes: int,
-                 offset: int, path: str = "", keep: object = None):
+    __slots__ = ("_fut", "_keep", "_exc")
+
+    def __init__(self, fut: concurrent.futures.Future, op: str = "task", fd: int = -1,
+                 nbytes: int = 0, offset: int = 0, path: str = "", keepalive: object = None):
         super().__init__(op, fd, nbytes, offset, path)
         self._fut = fut
-        self._keep = keep  # the buffer: alive at least as long as the ticket
+        self._keep = keepalive
+        self._exc: BaseException | None = None
         fut.add_done_callback(lambda _f: self.done())  # run done-callbacks promptly
 
     def _from_future(self) -> int:
@@ -200,6 +200,9 @@ class FutureTicket(Ticket):
             return int(self._fut.result())
         except concurrent.futures.CancelledError:
             return -errno_mod.ECANCELED
+        except Exception as exc:  # noqa: BLE001 - re-raised by wait() (see _check)
+            self._exc = exc
+            return -errno_mod.EIO
 
     def _poll(self) -> int | None:
         return self._from_future() if self._fut.done() else None
@@ -211,15 +214,101 @@ class FutureTicket(Ticket):
             return None
         except concurrent.futures.CancelledError:
             pass
+        except Exception:  # noqa: BLE001 - the work failed: _from_future keeps the error
+            pass
         return self._from_future()
 
-    async def _await_result(self) -> int:
+    def _check(self) -> int:
+        if self._exc is not None:
+            raise self._exc
+        return super()._check()
+
+
+class TicketLike(Protocol):
+    """What every ticket offers (see [Note: tickets])."""
+
+    def wait(self, timeout: float | None = None) -> int: ...
+    def done(self) -> bool: ...
+
+
+class ChainTicket:
+    """Wraps an inner ticket and runs `finish(result)` exactly once when it completes.
+
+    `finish` receives the inner result (an int) or the exception the inner ticket
+    raised, and returns the final byte count or raises the final error. Its outcome
+    is cached: every later wait() returns the same count or re-raises the same
+    error. A timeout of the inner wait propagates without finishing anything.
+    """
+
+    def __init__(self, inner: TicketLike, finish: Callable[[int | BaseException], int]) -> None:
+        self._inner = inner
+        self._finish = finish
+        self._lock = threading.Lock()
+        self._finished = False
+        self._result: int = 0
+        self._error: BaseException | None = None
+
+    def _complete(self, outcome: int | BaseException) -> int:
+        with self._lock:
+            if not self._finished:
+                try:
+                    self._result = self._finish(outcome)
+                except BaseException as exc:  # noqa: BLE001 - cached and re-raised below
+                    self._error = exc
+                self._finished = True
+                self._finish = None  # type: ignore[assignment]  # drop buffers it captured
+                self._inner = _FINISHED  # type: ignore[assignment]
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._finished:
+            return self._complete(0)
         try:
-            await asyncio.shield(asyncio.wrap_future(self._fut))
-        except concurrent.futures.CancelledError:
-            if not self._fut.cancelled():  # our awaiter was cancelled, not the I/O
-                raise
-        return self._from_future()
+            outcome: int | BaseException = self._inner.wait(timeout)
+        except TimeoutError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to finish()
+            outcome = exc
+        return self._complete(outcome)
+
+    def done(self) -> bool:
+        if self._finished:
+            return True
+        if not self._inner.done():
+            return False
+        try:  # run the bookkeeping now; errors stay cached for wait()
+            self.wait(0)
+        except Exception:  # noqa: BLE001
+            pass
+        return True
+
+
+_FINISHED = CompletedTicket(0)
+
+
+def wait_all(tickets: Iterable[Any], timeout: float | None = None) -> list:
+    """Wait for every ticket (even after one failed), then raise the first error.
+
+    Works for anything with `wait()`: with a timeout, each wait gets what is left of it.
+    Returns the wait() results in order (0 in place of a failed one).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    results: list = []
+    first: BaseException | None = None
+    for t in tickets:
+        try:
+            if deadline is None:
+                results.append(t.wait())
+            else:
+                results.append(t.wait(max(deadline - time.monotonic(), 0.0)))
+        except Exception as exc:  # noqa: BLE001
+            results.append(0)
+            first = first or exc
+    if first is not None:
+        raise first
+    return results
 
 
 @dataclass
