@@ -41,6 +41,10 @@ def store(tmp_path):
     s.close()
 
 
+def swap_file(store, key):
+    return store.run_dir / store.entry(key).file
+
+
 def run_dirs(parent):
     return sorted(p for p in parent.iterdir() if p.name.startswith("zerotier-"))
 
@@ -56,7 +60,7 @@ def test_run_dir_layout_and_cleanup(tmp_path):
     assert owner["magic"] == MAGIC and owner["pid"] == os.getpid()
     assert owner["hostname"] == socket.gethostname()
     s.write("layer.0/w", torch.arange(10.0)).wait()
-    f = s.path_of("layer.0/w")
+    f = swap_file(s, "layer.0/w")
     assert f.parent == rd and f.name.endswith(".swp") and "/" not in f.name
     assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
     assert os.stat(f).st_size == 4096  # 40 B rounded up to io.alignment
@@ -73,30 +77,21 @@ def test_context_manager_cleans_up_on_exception(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_double_lock_refused_and_resume(tmp_path):
+def test_live_run_dir_is_left_alone(tmp_path):
     tiers, io = cfgs(tmp_path)
     first = NVMeStore(tiers, io)
     x = rand(5000, torch.bfloat16)
     first.write("x", x).wait()
-    with pytest.raises(TierIOError, match="in use by pid") as ei:
-        NVMeStore(tiers, io, run_dir=first.run_dir)
-    assert str(first.run_dir) in str(ei.value)
-    # a scan by another store must not touch a live, locked run dir
-    other = NVMeStore(tiers, io)
-    assert first.run_dir in other.stale["kept"] and first.run_dir.exists()
-    other.close()
-    first.close(keep=True)  # leave it for resume
-    assert first.run_dir.exists()
+    # a scan by another store must not touch a live, locked run dir, and says so quietly
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a kept dir is reported quietly, never removed
-        third = NVMeStore(tiers, io)
-    assert first.run_dir in third.stale["kept"]
-    third.close()
-    resumed = NVMeStore(tiers, io, run_dir=first.run_dir)
+        warnings.simplefilter("error")
+        other = NVMeStore(tiers, io)
+    assert first.run_dir in other.stale["kept"] and first.run_dir.exists()
+    assert other.run_dir != first.run_dir
+    other.close()
     y = torch.empty_like(x)
-    assert resumed.read("x", y).wait() == x.nbytes and torch.equal(x, y)
-    assert resumed.used == 12288
-    resumed.close()
+    assert first.read("x", y).wait() == x.nbytes and torch.equal(x, y)
+    first.close()
     assert not first.run_dir.exists()
 
 
@@ -127,7 +122,7 @@ def _dead_pid():
 def _owner(**kw):
     o = {"magic": MAGIC, "pid": _dead_pid(), "hostname": socket.gethostname(),
          "boot_id": open("/proc/sys/kernel/random/boot_id").read().strip(), "pid_start": 1,
-         "start_time": 0.0, "kept": False}
+         "start_time": 0.0}
     o.update(kw)
     return o
 
@@ -207,7 +202,7 @@ def test_round_trip_sizes(store, dtype):
     for n in SIZES:
         e = store.entry(f"{dtype}/{n}")
         assert (e.nbytes, e.shape, e.dtype) == (srcs[n].nbytes, (n,), str(dtype))
-        assert os.path.getsize(store.path_of(f"{dtype}/{n}")) == e.file_bytes
+        assert os.path.getsize(swap_file(store, f"{dtype}/{n}")) == e.file_bytes
         assert e.file_bytes % 4096 == 0 and e.file_bytes - e.nbytes < 4096
     dsts = {n: torch.empty(n, dtype=dtype) for n in SIZES}
     reads = [store.read(f"{dtype}/{n}", dsts[n]) for n in SIZES]
@@ -276,7 +271,7 @@ def test_rewrite_replaces_and_free_releases(store):
     out = torch.empty_like(b)
     store.read("k", out).wait()
     assert torch.equal(out, b)
-    path = store.path_of("k")
+    path = swap_file(store, "k")
     store.free("k")
     assert not path.exists() and not store.contains("k")
     assert store.used == store.stats()["recycled"] == 40960 + 81920

@@ -26,6 +26,10 @@ def store(tmp_path):
     s.close()
 
 
+def swap_file(store, key):
+    return store.run_dir / store.entry(key).file
+
+
 def assert_names_file_and_tier(exc, path):
     msg = str(exc.value if hasattr(exc, "value") else exc)
     assert "nvme tier" in msg, msg
@@ -96,7 +100,7 @@ def test_read_eio(store):
     with pytest.raises(TierIOError) as ei:
         store.read("r", y).wait()
     assert ei.value.errno == errno.EIO and "I/O error" in str(ei.value)
-    assert_names_file_and_tier(ei, store.path_of("r"))
+    assert_names_file_and_tier(ei, swap_file(store, "r"))
     store.read("r", y).wait()  # the fault was transient: the shard is intact
     assert torch.equal(x, y)
     still_usable(store)
@@ -105,7 +109,7 @@ def test_read_eio(store):
 def test_short_read_after_truncate(store):
     x = torch.randn(10_000)  # 40000 B -> 40960 B file
     store.write("t", x).wait()
-    path = store.path_of("t")
+    path = swap_file(store, "t")
     os.truncate(path, 20_000)
     with pytest.raises(TierIOError) as ei:
         store.read("t", torch.empty_like(x)).wait()
@@ -128,7 +132,7 @@ def test_checksum_mismatch(tmp_path, checksum):
     with NVMeStore(*cfgs(tmp_path, checksum=checksum)) as s:
         x = torch.randn(10_000)
         s.write("c", x).wait()
-        path = s.path_of("c")
+        path = swap_file(s, "c")
         with open(path, "r+b") as f:  # flip one bit in the middle of the data
             f.seek(12345)
             b = f.read(1)
@@ -146,7 +150,7 @@ def test_corruption_in_padding_is_not_an_error(tmp_path):
     with NVMeStore(*cfgs(tmp_path, checksum="crc32c")) as s:
         x = torch.randn(10)  # 40 B of data, 4056 B of padding
         s.write("p", x).wait()
-        with open(s.path_of("p"), "r+b") as f:
+        with open(swap_file(s, "p"), "r+b") as f:
             f.seek(4000)
             f.write(b"\xff")
         y = torch.empty_like(x)
@@ -156,7 +160,7 @@ def test_corruption_in_padding_is_not_an_error(tmp_path):
 
 def test_file_removed_behind_our_back(store):
     store.write("gone", torch.randn(100)).wait()
-    path = store.path_of("gone")
+    path = swap_file(store, "gone")
     os.unlink(path)
     with pytest.raises(TierIOError) as ei:
         store.read("gone", torch.empty(100))

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
 
 from ..config import ProfileConfig
+from ..state import TIER_NAMES as TIERS
 
-TIERS = ("device", "host", "nvme")
 # Why a transfer happened; docs/profiler.md says where the engine uses each one.
 REASONS = ("demand", "prefetch", "evict", "optimizer-read", "optimizer-write", "grad-offload", "param-copyback")
 ROLES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "optimizer-state")

@@ -15,16 +15,14 @@ import threading
 
 from ..config import format_size
 from ..errors import BudgetError
-from ..state import Location
+from ..state import TIER_NAMES
 
-# Names the tier modules import from here. Defined in zerotier.io (tickets, round_up); the
-# DoneTicket / align_up spellings stay only until device.py, host.py and nvme.py use
-# CompletedTicket / round_up directly.
+# Names device.py, host.py and nvme.py import from here; all are defined in zerotier.io.
+# DoneTicket and align_up are other spellings of CompletedTicket and round_up, kept only
+# until those modules import them from zerotier.io directly.
 from ..io.memory import round_up as align_up  # noqa: F401
-from ..io.ticket import ChainTicket, FutureTicket, TicketLike  # noqa: F401
+from ..io.ticket import ChainTicket, TicketLike  # noqa: F401
 from ..io.ticket import CompletedTicket as DoneTicket  # noqa: F401
-
-TIER_NAMES = tuple(loc.value for loc in Location)
 
 
 class BudgetedTier:

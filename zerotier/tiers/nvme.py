@@ -3,10 +3,9 @@
 [Note: NVMe layout]
     <tiers.nvme_path>/zerotier-<pid>-<random>/     mode 0700, one per store (run)
         .lock         flock(LOCK_EX|LOCK_NB) held for the store's lifetime
-        owner.json    {"magic", pid, hostname, boot_id, pid_start, start_time, kept}
+        owner.json    {"magic", pid, hostname, boot_id, pid_start, start_time}
         <key>.swp     one file per shard, O_CREAT|O_EXCL|O_NOFOLLOW, 0600,
                       size = nbytes rounded up to io.alignment (O_DIRECT needs it)
-        index.json    only after close(keep=True): the in-memory index, for resume
 
 One file per shard keeps the store simple to reason about: no allocator, no
 fragmentation, space returns to the filesystem on unlink, a corrupt or truncated
@@ -50,11 +49,11 @@ import os
 import shutil
 import threading
 import weakref
-import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import crc32c
 import torch
 
 from ..config import IOConfig, TiersConfig
@@ -71,18 +70,14 @@ _CLAIM = object()  # placeholder in NVMeStore._pending_writes while a write is b
 
 # ------------------------------------------------------------------- checksums
 
-def _checksum_impl(name: str) -> tuple[Callable[[memoryview], int] | None, str]:
-    """(function, honest algorithm name) for io.checksum; crc32c needs the `crc32c` package,
-    otherwise zlib's CRC-32 (IEEE polynomial) stands in and is named as such."""
+def _checksum_impl(name: str) -> Callable[[memoryview], int] | None:
+    """The function for io.checksum: None for "none", else the `crc32c` package's hardware
+    CRC32C (a hard dependency; it releases the GIL)."""
     if name == "none":
-        return None, "none"
+        return None
     if name != "crc32c":
         raise ConfigError(f"io.checksum: unknown algorithm {name!r} (use 'none' or 'crc32c')")
-    try:
-        import crc32c  # type: ignore[import-not-found]  # hardware CRC32C, releases the GIL
-        return crc32c.crc32c, "crc32c"
-    except ImportError:
-        return zlib.crc32, "crc32 (zlib; install `crc32c` for CRC32C)"
+    return crc32c.crc32c
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -94,8 +89,6 @@ def _storage_room(t: torch.Tensor) -> int:
     """Bytes addressable from t.data_ptr() to the end of its storage."""
     return t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
 
-
-# --------------------------------------------------------------- run directory
 
 # ----------------------------------------------------------------------- store
 
@@ -145,17 +138,16 @@ class NVMeStore(BudgetedTier):
     """The NVMe tier (see [Note: NVMe layout]). Thread-safe.
 
     write(key, src) -> ticket     read(key, dst) -> ticket     free(key)
-    contains(key), nbytes(key), entry(key), keys(), stats(), close(keep=False)
+    contains(key), nbytes(key), entry(key), keys(), stats(), close()
 
     Tickets return the shard's logical byte count from wait().
     """
 
-    def __init__(self, tiers_cfg: TiersConfig, io_cfg: IOConfig, *, run_dir: str | os.PathLike | None = None,
-                 engine=None) -> None:
-        if tiers_cfg.nvme_path is None and run_dir is None:
+    def __init__(self, tiers_cfg: TiersConfig, io_cfg: IOConfig, *, engine=None) -> None:
+        if tiers_cfg.nvme_path is None:
             raise ConfigError("tiers.nvme_path: the nvme tier needs a directory (tiers.nvme is "
                               f"{tiers_cfg.nvme!r}); set tiers.nvme_path or set tiers.nvme = 0")
-        parent = Path(tiers_cfg.nvme_path) if run_dir is None else Path(run_dir).parent
+        parent = Path(tiers_cfg.nvme_path)
         _check_parent(parent)
         budget = tiers_cfg.nvme
         if budget == "auto":  # 90% of what the filesystem has free right now
@@ -166,9 +158,9 @@ class NVMeStore(BudgetedTier):
                                                    f"or keep less state on nvme.")
         self.io_cfg = io_cfg
         self.alignment = io_cfg.alignment
-        self._checksum, self.checksum_algo = _checksum_impl(io_cfg.checksum)
-        self.stale = scan_stale(parent) if run_dir is None else {"removed": [], "kept": []}
-        self._run = RunDir.create(parent) if run_dir is None else RunDir.attach(Path(run_dir))
+        self._checksum, self.checksum_algo = _checksum_impl(io_cfg.checksum), io_cfg.checksum
+        self.stale = scan_stale(parent)
+        self._run = RunDir.create(parent)
         self.run_dir = self._run.path
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)       # signals changes of _pending_writes
@@ -186,8 +178,6 @@ class NVMeStore(BudgetedTier):
         self._reuses = 0
         try:
             self.engine = engine if engine is not None else open_engine(io_cfg)
-            if run_dir is not None:
-                self._load_index()
         except BaseException:
             self._run.remove()
             raise
@@ -338,7 +328,7 @@ class NVMeStore(BudgetedTier):
                         "file truncated? something modified the run directory or the drive "
                         "lost data; the shard cannot be recovered from nvme"))
                 if entry.checksum is not None:
-                    impl = self._checksum_for(entry.checksum_algo)
+                    impl = self._checksum
                     got = impl(buf[: entry.nbytes].numpy())
                     if got != entry.checksum:
                         raise TierIOError(errno.EBADMSG, self._msg(
@@ -413,10 +403,6 @@ class NVMeStore(BudgetedTier):
         with self._lock:
             return sorted(self._index)
 
-    def path_of(self, key: str) -> Path:
-        """The swap file of a committed shard (for tests and diagnostics)."""
-        return self.run_dir / self.entry(key).file
-
     def stats(self) -> dict[str, int]:
         """Base figures (current = bytes of all files: shards + recycled) plus store details."""
         out = super().stats()
@@ -427,9 +413,8 @@ class NVMeStore(BudgetedTier):
                        reuses=self._reuses)
         return out
 
-    def close(self, keep: bool = False) -> None:
-        """Wait for in-flight I/O, close the engine, remove the run dir (or keep it for
-        NVMeStore(run_dir=...) with keep=True). Idempotent."""
+    def close(self) -> None:
+        """Wait for in-flight I/O, close the engine, remove the run dir. Idempotent."""
         with self._cond:
             if self._closed:
                 return
@@ -443,14 +428,10 @@ class NVMeStore(BudgetedTier):
             self._drain()  # tickets issued while close() began: the engine has finished them
             with self._lock:
                 self._trim_locked(self._recycled_bytes)
-                index = {k: asdict(e) for k, e in self._index.items()}
                 for e in self._index.values():
                     self.release(e.file_bytes)
                 self._index.clear()
-            if keep:
-                self._run.keep(index)
-            else:
-                self._run.remove()
+            self._run.remove()
 
     def _drain(self) -> None:
         while True:
@@ -619,21 +600,6 @@ class NVMeStore(BudgetedTier):
         hint = hint.format(dir=self.parent)
         return f"nvme tier: {op} of shard {key!r} at offset {offset} of {path} failed: {what}" + \
             (f"; {hint}" if hint else "")
-
-    def _checksum_for(self, algo: str) -> Callable[[memoryview], int]:
-        if algo == self.checksum_algo and self._checksum is not None:
-            return self._checksum
-        impl, have = _checksum_impl("crc32c")
-        if have != algo:  # a resumed shard written with the other implementation
-            raise ZerotierError(f"nvme tier: shard checksums were written with {algo}, this process "
-                                f"has {have}; install the same crc32c package or set io.checksum")
-        return impl
-
-    def _load_index(self) -> None:
-        for key, e in self._run.load_index().items():
-            entry = NVMeEntry(**{**e, "shape": tuple(e["shape"])})
-            self.reserve(entry.file_bytes, f"resumed shard '{key}'")
-            self._index[key] = entry
 
 
 def _quiet_wait(ticket) -> None:

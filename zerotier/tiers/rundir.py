@@ -27,7 +27,6 @@ MAGIC = "zerotier-nvme-run-dir/v1"
 RUN_PREFIX = "zerotier-"
 _OWNER = "owner.json"
 _LOCK = ".lock"
-_INDEX = "index.json"
 _SUFFIX = ".swp"
 _TMP_SUFFIX = ".tmp"
 _RECYCLED_PREFIX = "%free-"  # never produced by _file_stem ('%' is always followed by 2 hex digits)
@@ -87,7 +86,7 @@ def _write_owner(dir_fd: int, owner: dict) -> None:
 
 def _is_our_file(name: str) -> bool:
     """Names a run dir may hold; removal never touches anything else."""
-    return name in (_OWNER, _LOCK, _INDEX) or name.endswith(_SUFFIX) or name.endswith(_TMP_SUFFIX)
+    return name in (_OWNER, _LOCK) or name.endswith(_SUFFIX) or name.endswith(_TMP_SUFFIX)
 
 
 def _remove_contents(dir_fd: int) -> list[str]:
@@ -122,7 +121,7 @@ def _check_parent(parent: Path) -> None:
 
 
 class RunDir:
-    """The per-run directory: created (or attached for resume) locked, removed on close.
+    """The per-run directory: created locked and labelled, removed on close.
 
     Holds no reference to the store, so it can be cleaned up by weakref.finalize
     at garbage collection or interpreter exit.
@@ -140,7 +139,7 @@ class RunDir:
     def _owner_record() -> dict:
         return {"magic": MAGIC, "pid": os.getpid(), "hostname": socket.gethostname(),
                 "boot_id": _boot_id(), "pid_start": _pid_start(os.getpid()),
-                "start_time": time.time(), "kept": False}
+                "start_time": time.time()}
 
     @classmethod
     def create(cls, parent: Path) -> "RunDir":
@@ -179,74 +178,13 @@ class RunDir:
         log.info("nvme tier: run directory %s", final)
         return cls(final, lock_fd, owner)
 
-    @classmethod
-    def attach(cls, path: Path) -> "RunDir":
-        """Take over an existing run dir (resume). Refused while another store holds its lock."""
-        path = Path(path)
-        try:
-            dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise TierIOError(exc.errno, f"nvme tier: cannot open run directory {path}: {exc.strerror}; "
-                                         f"pass the directory of a previous run (not a symlink)") from None
-        try:
-            owner = _read_owner(dir_fd)
-            if owner is None:
-                raise TierIOError(errno.EINVAL, f"nvme tier: {path} is not a zerotier run directory "
-                                                f"({_OWNER} missing or without the zerotier marker)")
-            try:
-                lock_fd = os.open(_LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-            except OSError as exc:
-                raise TierIOError(exc.errno, f"nvme tier: run directory {path} has no usable lock file "
-                                             f"({exc.strerror})") from None
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(lock_fd)
-                raise TierIOError(errno.EBUSY, f"nvme tier: run directory {path} is in use by pid "
-                                               f"{owner.get('pid')} on host {owner.get('hostname')} "
-                                               f"(its lock is held); two stores cannot share a run "
-                                               f"directory: close the first store or give this one "
-                                               f"its own tiers.nvme_path") from None
-            new_owner = cls._owner_record()
-            new_owner["resumed_from_pid"] = owner.get("pid")
-            _write_owner(dir_fd, new_owner)
-        finally:
-            os.close(dir_fd)
-        return cls(path, lock_fd, new_owner)
-
     # ------------------------------------------------------------------ removal
-
-    def keep(self, index: dict) -> None:
-        """Leave the directory for a later attach(): write index.json, mark kept, unlock."""
-        if self._lock_fd is None or os.getpid() != self._pid:
-            return
-        dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            tmp = _INDEX + _TMP_SUFFIX
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600, dir_fd=dir_fd)
-            with os.fdopen(fd, "wb") as f:
-                f.write(json.dumps(index).encode())
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, _INDEX, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            _write_owner(dir_fd, dict(self._owner, kept=True))
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-        self._unlock()
-
-    def load_index(self) -> dict:
-        try:
-            return json.loads((self.path / _INDEX).read_bytes())
-        except FileNotFoundError:
-            return {}
 
     def remove(self) -> None:
         """Delete the run dir: only in the creating process, while we hold its lock,
         and only files we create; anything else is left with a warning."""
         if self._lock_fd is None or os.getpid() != self._pid:
-            return  # already removed/kept, or a forked child: not ours to delete
+            return  # already removed, or a forked child: not ours to delete
         try:
             dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
@@ -331,9 +269,6 @@ def scan_stale(parent: Path) -> dict[str, list[Path]]:
                      warn=not name.startswith("."))
                 continue
             pid = owner.get("pid")
-            if owner.get("kept"):
-                keep(path, f"kept for resume by pid {pid}; attach with NVMeStore(run_dir=...)", warn=False)
-                continue
             if owner.get("hostname") != host:
                 keep(path, f"owned by pid {pid} on host {owner.get('hostname')}: cannot tell if it is alive")
                 continue
