@@ -147,7 +147,7 @@ def sample(engine, proc: psutil.Process) -> dict[str, int]:
         "swap_dir_bytes": swap_bytes,
         "swap_dir_files": swap_files,
         "device_used": engine.device_tier.used,
-        "host_used": engine.host_tier.used,
+        "host_used": engine.host_pool.used,
         "nvme_used": engine.store.used,
     }
 

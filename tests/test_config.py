@@ -327,7 +327,6 @@ INVALID = [
     ("io", {"alignment": 256}, r"io\.alignment: must be a power of two >= 512, got 256"),
     ("io", {"block_size": "1000KB"}, r"io\.block_size: must be a multiple of io\.alignment \(4096\), got 1000000"),
     ("io", {"block_size": 0}, r"io\.block_size: must be > 0"),
-    ("io", {"max_inflight_bytes": "64KiB"}, r"io\.max_inflight_bytes: must be at least io\.block_size"),
     ("io", {"queue_depth": 0}, r"io\.queue_depth: must be >= 1"),
     ("io", {"threads": 0}, r"io\.threads: must be >= 1"),
     ("io", {"o_direct": "true"}, r"io\.o_direct: expected true or false, got 'true'"),
@@ -360,7 +359,7 @@ def test_valid_edge_values_are_accepted():
         "zero": {"stage": 0},
         "optimizer": {"lr": 0, "betas": (0.0, 0.0), "weight_decay": 0, "threads": "auto"},
         "precision": {"loss_scale": 128},
-        "io": {"alignment": 512, "block_size": 512, "max_inflight_bytes": 512},
+        "io": {"alignment": 512, "block_size": 512},
         "train": {"max_grad_norm": None},
     })
     assert cfg.precision.loss_scale == 128.0 and isinstance(cfg.precision.loss_scale, float)

@@ -132,7 +132,7 @@ def memory_rank(rank, world_size):
                     engine.backward(engine(x[:2] % 256, y[:2] % 256))
                     engine.step()
                 predicted = engine.plan.need["device"] + engine.plan.need["host"]
-                out[(stage, place)] = (predicted, engine.device_tier.peak + engine.host_tier.peak)
+                out[(stage, place)] = (predicted, engine.device_tier.peak + engine.host_pool.peak)
     return out
 
 

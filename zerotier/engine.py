@@ -142,7 +142,8 @@ class Engine:
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, placement["optimizer"], self.device_tier,
                                             self.host_pool, self.store, self.profiler)
         self.params = ParamStore(self.units, placement["params"], self.lp_dtype, self.device_tier,
-                                 self.host_pool, self.store, self.sharding, self.unit_optimizer.device,
+                                 self.host_pool, self.store, self.sharding, placement["optimizer"],
+                                 self.unit_optimizer.device,
                                  self.profiler)
         self.grads = GradStore(self.units, placement["gradients"], DTYPES[cfg.precision.grad_dtype],
                                self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,

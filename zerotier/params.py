@@ -57,11 +57,12 @@ class _Fetch:
 
 class ParamStore:
     def __init__(self, units: list[Unit], loc: Location, lp_dtype: torch.dtype, device_tier, host_pool, store,
-                 sharding, out_device: torch.device, profiler=None):
+                 sharding, out_loc: Location, out_device: torch.device, profiler=None):
         self.units, self.loc, self.lp_dtype = units, loc, lp_dtype
         self.device_tier, self.host_pool, self.store, self.sharding = device_tier, host_pool, store, sharding
         self.device = device_tier.device
         self.out_device = out_device          # where the optimizer's master lives (cpu, or the accelerator)
+        self.out_on_device = out_loc is Location.DEVICE  # its write-back temporaries count on the device tier
         self.profiler = profiler              # None when profiling is off
         n = len(units)
         self.state = [ParamState.RESIDENT] * n
@@ -87,6 +88,12 @@ class ParamStore:
         prefetches + the demand) plus an out block per unit whose write is in flight (the step's
         tail), bounded like the fetches. The planner counts exactly this."""
         return 2 * (lookahead + 2) * largest_shard * lp_itemsize
+
+    @staticmethod
+    def writeback_bytes(rank_numel: int, lp_itemsize: int) -> int:
+        """ZeRO-1/2 over several ranks: bytes of the out buffers of one step (this rank's new shard
+        of every unit), alive until finish_commits() (the all-gathers read them). Planner's term."""
+        return rank_numel * lp_itemsize
 
     # ------------------------------------------------------------------ place
 
@@ -306,7 +313,7 @@ class ParamStore:
             return home
         out = self._out.get(unit.index)
         if out is None:
-            out = self._out[unit.index] = self._temp(unit.shard_numel, self.out_device)
+            out = self._out[unit.index] = self._temp(unit.shard_numel, self.out_on_device)
         return _tensor(out)
 
     def commit(self, unit: Unit) -> None:
@@ -356,16 +363,16 @@ class ParamStore:
             target = self.device_flat[i] if self.loc is Location.DEVICE else self.host_buf[i].tensor
             done = None
         if shard.device.type != target.device.type:  # gather where the target lives
-            moved = self._temp(shard.numel(), target.device)
+            moved = self._temp(shard.numel(), on_device=target.device.type != "cpu")
             copy = self.device_tier.copy_h2d if target.device.type != "cpu" else self.device_tier.copy_d2h
             copy(_tensor(moved), shard).wait()
             self._keep.append((moved, None))
             shard = _tensor(moved)
         self.sharding.gather_params(unit, shard, target, done)
 
-    def _temp(self, numel: int, device: torch.device):
-        """A write-back temporary: a pool block on the host, a budgeted tensor on the device."""
-        if device.type == "cpu":
+    def _temp(self, numel: int, on_device: bool):
+        """A write-back temporary: a budgeted tensor on the device tier, else a host-pool block."""
+        if not on_device:
             return self.host_pool.alloc(numel * self.lp_dtype.itemsize, self.lp_dtype, "param write-back")
         return self.device_tier.alloc((numel,), self.lp_dtype, "param write-back")
 

@@ -23,6 +23,8 @@ Working sets come on top of the model state, on the tier that pays for them:
       blocks for the fetches and write-backs in flight, `ParamStore.host_staging_bytes`
   optimizer on NVMe: `optimizer.pipeline_depth` host staging sets of 12 x largest unit
       shard, `UnitOptimizer.staging_bytes`
+  ZeRO-1/2 with several ranks: every unit's updated low-precision shard, on the optimizer's
+      side until the step's all-gathers finish, `ParamStore.writeback_bytes`
 These are the functions the stores size their allocations with, so the plan cannot drift
 from the code.
 
@@ -239,6 +241,10 @@ def _bytes_for(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
         need[loc.value] += OPTIMIZER_BYTES * n
         if loc is Location.NVME:
             need["host"] += UnitOptimizer.staging_bytes(s.pipeline_depth, s.rank_largest(kind))
+        if s.engine_buffers and s.world_size > 1 and s.stage in (1, 2):
+            # the updated low-precision shards wait on the optimizer's side for the all-gather
+            side = "device" if loc is Location.DEVICE else "host"
+            need[side] += ParamStore.writeback_bytes(n, s.lp_bytes)
     return need
 
 
