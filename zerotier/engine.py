@@ -144,7 +144,7 @@ class Engine:
         self.params = ParamStore(self.units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
                                  self.unit_optimizer.device,
-                                 self.profiler)
+                                 cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
         self.grads = GradStore(self.units, placement["gradients"], DTYPES[cfg.precision.grad_dtype],
                                self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,
                                self.profiler)

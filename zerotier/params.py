@@ -57,7 +57,7 @@ class _Fetch:
 
 class ParamStore:
     def __init__(self, units: list[Unit], loc: Location, lp_dtype: torch.dtype, device_tier, host_pool, store,
-                 sharding, out_loc: Location, out_device: torch.device, profiler=None):
+                 sharding, out_loc: Location, out_device: torch.device, lookahead: int = 0, profiler=None):
         self.units, self.loc, self.lp_dtype = units, loc, lp_dtype
         self.device_tier, self.host_pool, self.store, self.sharding = device_tier, host_pool, store, sharding
         self.device = device_tier.device
@@ -71,8 +71,10 @@ class ParamStore:
         self.device_flat: list[torch.Tensor | None] = [None] * n   # compute copy (views = p.data)
         self.device_shard: list[torch.Tensor | None] = [None] * n  # ZeRO-3 home on the device
         self.host_buf = [None] * n                                   # HostBuffer home (host placement)
+        self.wasted_prefetches = 0                # fetches dropped unused (stale version, or synchronize())
         self._inflight: dict[int, _Fetch] = {}   # issued, not consumed; guarded by _lock
-        self._writes: dict[int, object] = {}     # NVMe write-back tickets not yet checked
+        self._writes: dict[int, object] = {}     # NVMe write-back tickets not yet checked, oldest first
+        self.max_writes = lookahead + 2          # write-backs in flight at most (host_staging_bytes)
         self._out: dict[int, object] = {}        # out_buffer blocks awaiting commit
         self._joins: list = []                   # device copies of commits compute must wait for
         self._keep: list = []                    # write-back temporaries, freed by finish_commits()
@@ -84,10 +86,10 @@ class ParamStore:
 
     @staticmethod
     def host_staging_bytes(lookahead: int, largest_shard: int, lp_itemsize: int) -> int:
-        """Pool bytes NVMe-resident params need at most: a block per fetch in flight (lookahead
-        prefetches + the demand) plus an out block per unit whose write is in flight (the step's
-        tail), bounded like the fetches. The planner counts exactly this."""
-        return 2 * (lookahead + 2) * largest_shard * lp_itemsize
+        """Pool bytes NVMe-resident params need at most: a block per fetch in flight (`lookahead`
+        prefetches + the demand) plus one per write-back in flight (at most `max_writes` =
+        lookahead + 2, see _track_write). The planner counts exactly this."""
+        return (2 * lookahead + 3) * largest_shard * lp_itemsize
 
     @staticmethod
     def writeback_bytes(rank_numel: int, lp_itemsize: int) -> int:
@@ -128,7 +130,7 @@ class ParamStore:
             block.tensor.copy_(lp)
             ticket = self.store.write(unit.param_key, block)
             self.host_pool.free(block, after=ticket)
-            self._writes[i] = ticket
+            self._track_write(i, ticket)
 
     def finish_place(self) -> None:
         """Wait for the initial NVMe writes (issued together by place())."""
@@ -284,6 +286,7 @@ class ParamStore:
             self._finish(fetch)
         except Exception:  # noqa: BLE001 - a fresh fetch follows and reports any lasting error
             pass
+        self.wasted_prefetches += 1
         if self.profiler is not None:
             self.profiler.prefetch_wasted(unit.param_key)
         self._abandon(unit)
@@ -335,7 +338,7 @@ class ParamStore:
         elif self.loc is Location.NVME:
             ticket = self.store.write(unit.param_key, out)
             self.host_pool.free(out, after=ticket)
-            self._writes[i] = ticket
+            self._track_write(i, ticket)
         else:  # home is memory on the other side of the host/device link
             home = self._shard_home(unit)
             tensor = _tensor(out)
@@ -389,6 +392,14 @@ class ParamStore:
                 self.device_tier.free(out)  # record_stream keeps it until the copy ran
             else:
                 self.host_pool.free(out, after=ticket)
+
+    def _track_write(self, index: int, ticket) -> None:
+        """Keep an NVMe write-back's ticket; past `max_writes` in flight, wait for the oldest, so
+        the pool blocks they read stay within ParamStore.host_staging_bytes however slow the drive."""
+        self._check_writes([index])  # an earlier write of the same unit (store writes are ordered)
+        self._writes[index] = ticket
+        while len(self._writes) > self.max_writes:
+            self._check_writes([next(iter(self._writes))])
 
     def _check_writes(self, indices) -> None:
         """Wait for the NVMe write-backs of these units; raise the first error (TierIOError...)."""
