@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zerotier
-from zerotier import checkpoint
+from zerotier import checkpoint, export
 from zerotier.dist import spawn
 from zerotier.errors import TierIOError, ZerotierError
 from zerotier.models import TinyGPT, batches
@@ -159,7 +159,7 @@ def test_world_size_changes(tmp_path):
 
 KILLED_SAVER = r"""
 import sys, time, torch, zerotier
-from zerotier import checkpoint
+from zerotier import checkpoint, export
 sys.path.insert(0, {tests!r})
 from test_checkpoint import make_model, config, train, HOST
 real = checkpoint._write_bytes
@@ -278,7 +278,7 @@ def test_consolidated_state_dict_and_export(uninterrupted, tmp_path):
     with torch.no_grad():
         assert torch.equal(fresh(x), want)
 
-    for out, load in (("m.safetensors", checkpoint.read_safetensors), ("m.pt", torch.load)):
+    for out, load in (("m.safetensors", export.read_safetensors), ("m.pt", torch.load)):
         path = tmp_path / out
         subprocess.run([sys.executable, "-m", "zerotier.cli", "export", str(root), "--to", str(path)],
                        check=True, capture_output=True)
@@ -292,8 +292,8 @@ def test_consolidated_state_dict_and_export(uninterrupted, tmp_path):
         pass
     else:
         assert_same(load_file(tmp_path / "m.safetensors"), sd)
-    checkpoint.export(root, tmp_path / "h.safetensors", "bf16")
-    half = checkpoint.read_safetensors(tmp_path / "h.safetensors")
+    export.export(root, tmp_path / "h.safetensors", "bf16")
+    half = export.read_safetensors(tmp_path / "h.safetensors")
     assert half["tok.weight"].dtype == torch.bfloat16
     assert torch.equal(half["tok.weight"], sd["tok.weight"].to(torch.bfloat16))
 

@@ -368,7 +368,7 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from zerotier.checkpoint import export
+    from zerotier.export import export
 
     out = export(args.checkpoint, args.to, args.dtype)
     print(f"weights written to {out}")

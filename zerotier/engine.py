@@ -399,8 +399,8 @@ class Engine:
     def consolidated_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """Plain model weights by state_dict name (trained params from the fp32 master, plus frozen
         params and buffers), for model.load_state_dict. Collective with several ranks."""
-        from . import checkpoint
-        return checkpoint.consolidated_state_dict(self, dtype)
+        from . import export
+        return export.consolidated_state_dict(self, dtype)
 
     def report(self):
         """Swap-traffic summary of the run so far (needs profile.enabled = true)."""

@@ -37,7 +37,7 @@ struct ZtAdamArgs {
   float* exp_avg;      // fp32 first moment
   float* exp_avg_sq;   // fp32 second moment
   const void* grad;    // gradient, dtype grad_dtype
-  void* param_out;     // optional low-precision copy of the new param (NULL = none)
+  void* param_out;     // optional copy of the new param in out_dtype (NULL = none)
   int64_t n;
   int32_t grad_dtype;  // ZtDtype
   int32_t out_dtype;   // ZtDtype (ZT_NONE when param_out is NULL)
@@ -170,6 +170,7 @@ int64_t adam_scalar(const ZtAdamArgs& a, const Coef& c, int64_t begin, int64_t e
     a.exp_avg_sq[i] = v;
     if (a.out_dtype == ZT_BF16) ((uint16_t*)a.param_out)[i] = f32_to_bf16(p);
     else if (a.out_dtype == ZT_F16) ((uint16_t*)a.param_out)[i] = f32_to_f16(p);
+    else if (a.out_dtype == ZT_F32) ((float*)a.param_out)[i] = p;
   }
   return nonfinite;
 }
@@ -230,6 +231,8 @@ ZT_AVX2 int64_t adam_avx2(const ZtAdamArgs& a, const Coef& c, int64_t begin, int
       _mm_storeu_si128((__m128i*)((uint16_t*)a.param_out + i), avx2_to_bf16(p));
     else if (a.out_dtype == ZT_F16)
       _mm_storeu_si128((__m128i*)((uint16_t*)a.param_out + i), _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
+    else if (a.out_dtype == ZT_F32)
+      _mm256_storeu_ps((float*)a.param_out + i, p);
   }
   return nonfinite + adam_scalar(a, c, i, end);
 }
@@ -280,7 +283,10 @@ ZT_AVX512 inline int adam_avx512_vec(const ZtAdamArgs& a, const Coef& c, int64_t
     _mm512_mask_storeu_ps(a.exp_avg + i, k, m);
     _mm512_mask_storeu_ps(a.exp_avg_sq + i, k, v);
   }
-  if (a.out_dtype != ZT_NONE) {
+  if (a.out_dtype == ZT_F32) {
+    if (FULL) _mm512_storeu_ps((float*)a.param_out + i, p);
+    else _mm512_mask_storeu_ps((float*)a.param_out + i, k, p);
+  } else if (a.out_dtype != ZT_NONE) {
     __m256i h = a.out_dtype == ZT_BF16 ? avx512_to_bf16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT);
     if (FULL) _mm256_storeu_si256((__m256i*)((uint16_t*)a.param_out + i), h);
     else _mm256_mask_storeu_epi16((uint16_t*)a.param_out + i, k, h);
@@ -317,7 +323,7 @@ namespace {
 int64_t check_args(const ZtAdamArgs& a, int supported) {
   if (a.n < 0 || (a.n > 0 && (!a.param || !a.exp_avg || !a.exp_avg_sq || !a.grad))) return -1;
   if (a.grad_dtype < ZT_F32 || a.grad_dtype > ZT_F16) return -1;
-  if (a.out_dtype != ZT_NONE && (a.out_dtype < ZT_BF16 || a.out_dtype > ZT_F16 || !a.param_out)) return -1;
+  if (a.out_dtype != ZT_NONE && (a.out_dtype < ZT_F32 || a.out_dtype > ZT_F16 || !a.param_out)) return -1;
   int simd = a.simd == ZT_SIMD_AUTO ? supported : a.simd;
   if (simd > supported) return -2;
   return 0;
@@ -383,6 +389,29 @@ ZT_API int64_t zt_adam_step_multi(const ZtAdamArgs* args, int64_t count) {
 
 ZT_API int64_t zt_adam_step(const ZtAdamArgs* args) { return zt_adam_step_multi(args, 1); }
 
+// Sum of squares of load(i) * scale over [begin, end): 8 independent float accumulators per
+// block of 4096, folded into double — fast, and accurate enough for a norm (relative error ~1e-7).
+template <class Load>
+double sumsq_range(Load load, int64_t begin, int64_t end, float scale) {
+  double acc = 0.0;
+  for (int64_t b = begin; b < end; b += 4096) {
+    int64_t e = std::min<int64_t>(end, b + 4096);
+    float lanes[8] = {0};
+    int64_t i = b;
+    for (; i + 8 <= e; i += 8)
+      for (int l = 0; l < 8; ++l) {
+        float g = load(i + l) * scale;
+        lanes[l] += g * g;
+      }
+    for (; i < e; ++i) {
+      float g = load(i) * scale;
+      lanes[0] += g * g;
+    }
+    for (int l = 0; l < 8; ++l) acc += lanes[l];
+  }
+  return acc;
+}
+
 // Sum of squares of (grad * scale) in double, for global grad-norm clipping of
 // host-resident gradients. Non-finite values propagate (the sum becomes inf/NaN).
 ZT_API double zt_grad_sumsq(const void* grad, int32_t dtype, int64_t n, float scale, int32_t threads) {
@@ -394,23 +423,13 @@ ZT_API double zt_grad_sumsq(const void* grad, int32_t dtype, int64_t n, float sc
   zt::ThreadPool::instance().run(threads, [&](int tid, int nt) {
     int64_t per = (n + nt - 1) / nt;
     int64_t begin = std::min<int64_t>(n, per * tid), end = std::min<int64_t>(n, begin + per);
-    // 8 independent float accumulators per block of 4096, folded into double:
-    // fast, and accurate enough for a norm (relative error ~1e-7).
     double acc = 0.0;
-    for (int64_t b = begin; b < end; b += 4096) {
-      int64_t e = std::min<int64_t>(end, b + 4096);
-      float lanes[8] = {0};
-      int64_t i = b;
-      for (; i + 8 <= e; i += 8)
-        for (int l = 0; l < 8; ++l) {
-          float g = load_grad_scalar(grad, dtype, i + l) * scale;
-          lanes[l] += g * g;
-        }
-      for (; i < e; ++i) {
-        float g = load_grad_scalar(grad, dtype, i) * scale;
-        lanes[0] += g * g;
-      }
-      for (int l = 0; l < 8; ++l) acc += lanes[l];
+    switch (dtype) {  // one loop per dtype: the load inlines and the lanes vectorize
+      case ZT_BF16: acc = sumsq_range([&](int64_t i) { return bf16_to_f32(((const uint16_t*)grad)[i]); },
+                                      begin, end, scale); break;
+      case ZT_F16: acc = sumsq_range([&](int64_t i) { return f16_to_f32(((const uint16_t*)grad)[i]); },
+                                     begin, end, scale); break;
+      default: acc = sumsq_range([&](int64_t i) { return ((const float*)grad)[i]; }, begin, end, scale);
     }
     partial[tid] = acc;
   });

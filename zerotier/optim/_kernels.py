@@ -130,7 +130,8 @@ def adam_step(
     """One Adam(W) update of flat buffers, in place. Returns the count of non-finite grads.
 
     master/exp_avg/exp_avg_sq: fp32; grad: fp32/bf16/fp16; param_out: optional
-    bf16/fp16 buffer receiving the updated parameter (round-to-nearest-even).
+    fp32/bf16/fp16 buffer receiving the updated parameter in the same pass (bf16/fp16:
+    round-to-nearest-even), e.g. the parameter's own home.
     `step` is the step number after this update (1 on the first). Gradients are
     multiplied by `grad_scale` first (1/loss_scale times the clip coefficient).
     Pass views (`buf[a:b]`) to step a sub-range. The native call releases the GIL.
@@ -153,7 +154,7 @@ def adam_step_multi(buffers, *, step, lr, beta1, beta2, eps, weight_decay, decou
         _check_buffer(exp_avg_sq, "exp_avg_sq", n, (torch.float32,))
         _check_buffer(grad, "grad", n, tuple(_DTYPE_CODES))
         if param_out is not None:
-            _check_buffer(param_out, "param_out", n, (torch.bfloat16, torch.float16))
+            _check_buffer(param_out, "param_out", n, (torch.float32, torch.bfloat16, torch.float16))
         if s < 1:
             raise ZerotierError(f"step must be >= 1 (the step number after this update), got {s}")
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,

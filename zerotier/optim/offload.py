@@ -3,7 +3,7 @@
 It owns the fp32 master, exp_avg and exp_avg_sq of this rank's shard of every unit
 and each unit's step count. `step()` reads each unit's gradient shard and writes
 the new low-precision parameters into the buffer the parameter store hands it, in
-the same pass as the Adam math (fused bf16/fp16 output); it yields each unit once
+the same pass as the Adam math (fused output, in the param dtype); it yields each unit once
 it is updated, and the engine commits it. It calls nobody back.
 
 [Note: NVMe optimizer pipeline]
@@ -159,15 +159,12 @@ class UnitOptimizer:
                       weight_decay=self.cfg.weight_decay, decoupled=self.cfg.type == "adamw",
                       bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
         on_cpu = master.device.type == "cpu"
-        fused = on_cpu and out.device.type == "cpu" and out.dtype in (torch.bfloat16, torch.float16)
         prof = self.profiler
         span = prof.compute_begin("optimizer" if on_cpu else "device-optimizer", label=unit.key,
                                   numel=unit.numel) if prof is not None else None
-        if on_cpu:
-            _kernels.adam_step(master, exp_avg, exp_avg_sq, grad, param_out=out if fused else None,
-                               simd=self.cfg.simd, threads=self.threads, **kwargs)
-            if not fused:
-                out.copy_(master)
+        if on_cpu:  # `out` is host memory too (ParamStore.out_buffer): written in the same pass
+            _kernels.adam_step(master, exp_avg, exp_avg_sq, grad, param_out=out, simd=self.cfg.simd,
+                               threads=self.threads, **kwargs)
         else:  # optimizer state on the accelerator: the same math in torch ops
             _kernels.adam_step_reference(master, exp_avg, exp_avg_sq, grad, param_out=out, **kwargs)
         if span is not None:

@@ -1,0 +1,136 @@
+"""Plain model weights from a run or a checkpoint: consolidated state dicts and
+`zerotier export CKPT --to model.safetensors|model.pt [--dtype bf16]`.
+
+Export reads the checkpoint directory alone (the fp32 masters of every rank, one unit in
+memory at a time) and writes safetensors by hand (no dependency): a JSON header, then the
+tensors' raw little-endian bytes in header order, written to a temporary name, fsynced
+and renamed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .checkpoint import _RankFiles, _load_pt, _tensor_bytes, read_manifest, resolve
+from .errors import ZerotierError
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+              torch.uint8: "U8", torch.bool: "BOOL"}
+_ST_FROM = {v: k for k, v in _ST_DTYPES.items()}
+_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def consolidated_state_dict(engine, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Model weights by state_dict name (collective with several ranks; rank 0's is the full dict)."""
+    full = engine.parameters_fp32()
+    by_id = {}
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for unit in engine.units:
+        for p in unit.params:
+            by_id[id(p)] = full[names[id(p)]].to(dtype)
+    out = {}
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) in by_id:
+            out[name] = by_id[id(t)]
+        else:
+            t = t.detach().cpu()
+            out[name] = t.to(dtype) if t.is_floating_point() else t.clone()
+    return out
+
+
+def iter_full_params(path, dtype: torch.dtype = torch.float32) -> Iterator[tuple[list[str], torch.Tensor]]:
+    """From a checkpoint alone: (names, full tensor) per trained parameter, one unit in memory at a time."""
+    ckpt = resolve(path)
+    manifest = read_manifest(ckpt)
+    files = _RankFiles(ckpt, manifest)
+    try:
+        for i, u in enumerate(manifest["units"]):
+            flat = torch.empty(u["numel"])
+            files.piece(i, "master", 0, u["numel"], flat)
+            for p in u["params"]:
+                n = math.prod(p["shape"])
+                yield p["names"], flat[p["offset"]: p["offset"] + n].view(p["shape"]).to(dtype)
+    finally:
+        files.close()
+
+
+def export(path, out, dtype: str | torch.dtype = "fp32") -> Path:
+    """Write a checkpoint's model weights (plus saved frozen params/buffers) to .safetensors or .pt."""
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise ZerotierError(f"export --dtype {dtype!r}: expected one of fp32, bf16, fp16")
+        dtype = _DTYPE_NAMES[dtype]
+    ckpt = resolve(path)
+    manifest = read_manifest(ckpt)
+    extra = _load_pt(ckpt / "state.pt", manifest["state"])["module_unmanaged"]
+    extra = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in extra.items()}
+    out = Path(out)
+    if out.suffix == ".safetensors":
+        _export_safetensors(path, manifest, extra, out, dtype)
+    elif out.suffix in (".pt", ".pth", ".bin"):
+        sd = {}
+        for names, t in iter_full_params(path, dtype):
+            t = t.clone()
+            for n in names:
+                sd[n] = t
+        sd.update(extra)
+        torch.save(sd, out)
+    else:
+        raise ZerotierError(f"export --to {out}: unknown format; use a name ending in .safetensors or .pt")
+    return out
+
+
+def _export_safetensors(path, manifest: dict, extra: dict, out: Path, dtype: torch.dtype) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "global_steps": str(manifest["global_steps"])}}
+    offset = 0
+    item = torch.tensor([], dtype=dtype).element_size()
+    for u in manifest["units"]:
+        for p in u["params"]:
+            n = math.prod(p["shape"])
+            for name in p["names"]:
+                header[name] = {"dtype": _ST_DTYPES[dtype], "shape": p["shape"],
+                                "data_offsets": [offset, offset + n * item]}
+                offset += n * item
+    for name, t in extra.items():
+        nb = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nb]}
+        offset += nb
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(len(head).to_bytes(8, "little"))
+        fh.write(head)
+        for names, t in iter_full_params(path, dtype):
+            for _ in names:
+                fh.write(_tensor_bytes(t))
+        for t in extra.values():
+            fh.write(_tensor_bytes(t))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out)
+
+
+def read_safetensors(path) -> dict[str, torch.Tensor]:
+    """A minimal safetensors reader (no dependency): name -> tensor."""
+    data = Path(path).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8: 8 + n])
+    base = 8 + n
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        raw = bytearray(data[base + a: base + b])
+        dtype = _ST_FROM[meta["dtype"]]
+        t = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        out[name] = t.reshape(meta["shape"])
+    return out
