@@ -133,7 +133,7 @@ class ParamStore:
             self._track_write(i, ticket)
 
     def finish_place(self) -> None:
-        """Wait for the initial NVMe writes (issued together by place())."""
+        """Wait for the initial NVMe writes still in flight (place() keeps at most max_writes)."""
         self._check_writes(list(self._writes))
 
     # ------------------------------------------------------------------ fetch / release
