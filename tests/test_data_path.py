@@ -205,3 +205,42 @@ def test_bf16_gradient_accumulation_halves_gradient_bytes_and_trains(tmp_path):
     assert bf16_losses[-1] < bf16_losses[0] - 0.1  # it trains
     for a, b in zip(fp32_losses, bf16_losses):
         assert abs(a - b) <= 2e-2 * abs(a), (a, b)  # bf16 has 8 mantissa bits
+
+
+class TwoParams(torch.nn.Module):
+    """One unit with two parameters; `b` is used only when asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(64))
+        self.b = torch.nn.Parameter(torch.randn(64))
+
+    def forward(self, x, use_b: bool):
+        y = x * self.a
+        return (y + self.b if use_b else y).square().mean()
+
+
+def test_parameter_without_gradient_in_a_window_reads_zero():
+    """Accumulators are not zeroed between steps ([Note: no zeroing pass] in grads.py): a parameter
+    that gets no gradient in a window must still read as zero, not as the last window's gradient.
+    Reference: torch AdamW with that parameter's gradient set to zeros (the unit steps as a whole)."""
+    uses = [True, False, False, True, False]
+    torch.manual_seed(0)
+    ref = TwoParams()
+    ours_model = TwoParams()
+    ours_model.load_state_dict(ref.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    gen = torch.Generator().manual_seed(3)
+    data = [torch.randn(64, generator=gen) for _ in uses]
+    with zerotier.initialize(ours_model, {"optimizer": {"lr": LR}, "offload": {"optimizer": "host"}}) as engine:
+        for x, use_b in zip(data, uses):
+            ref(x, use_b).backward()
+            if ref.b.grad is None:
+                ref.b.grad = torch.zeros_like(ref.b)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            engine.backward(engine(x, use_b))
+            engine.step()
+        ours = engine.parameters_fp32()
+    torch.testing.assert_close(ours["a"], ref.a.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours["b"], ref.b.detach(), rtol=1e-5, atol=1e-6)

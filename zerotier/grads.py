@@ -15,6 +15,15 @@ event is recorded, and a worker thread adds the block into the accumulator after
 the event, off the autograd thread. On the CPU the gradient is already host memory:
 it is added where it is. `settle(unit)` waits for a unit's pending adds; everything
 that reads an accumulator calls it first.
+
+[Note: no zeroing pass]
+With one rank an accumulator is not zeroed after a step: it is marked stale, and each
+parameter's first gradient of the next window is *copied* into its slice instead of
+added (torch's AccumulateGrad steals the first gradient the same way). That saves a
+write pass over every gradient byte per step and turns the first add's two reads into
+one. When the window ends (`ready`), slices of parameters that got no gradient are
+zeroed; a unit that got none at all stays EMPTY and is never read (`sumsq` is 0).
+With several ranks the reduce-scatter reads whole accumulators: they are zeroed.
 """
 from __future__ import annotations
 
@@ -40,6 +49,8 @@ class GradStore:
         self.reduced: list[torch.Tensor | None] = [None] * n  # this rank's reduced shard (or acc, aliased)
         self._seen = [0] * n                                  # gradients of this backward so far
         self._adds: list[list] = [[] for _ in range(n)]       # pending host adds (CUDA offload)
+        self._stale = [False] * n                             # [Note: no zeroing pass]
+        self._written: list[set[int]] = [set() for _ in range(n)]  # params written since the stale mark
         self._blocks = []                                     # host-pool blocks this store holds
         self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-grad") \
             if self.device.type == "cuda" and loc is not Location.DEVICE else None
@@ -78,14 +89,18 @@ class GradStore:
         prof = self.profiler
         token = prof.begin(unit.key + ".grad", "grad", "device", "host", nbytes, "grad-offload") \
             if prof is not None and offload else None
+        first = False
+        if self._stale[index]:  # [Note: no zeroing pass]
+            first = i not in self._written[index]
+            self._written[index].add(i)
         if flat.device == acc.device:
-            acc.add_(flat)
+            acc.copy_(flat) if first else acc.add_(flat)
             if offload:
                 self.device_tier.count_out(nbytes)
         else:  # [Note: a unit's gradient bytes]: async D2H into a pool block, add after its event
             block = self.host_pool.alloc(nbytes, grad.dtype, "gradient staging")
             ticket = self.device_tier.copy_d2h(block.tensor, flat)
-            self._adds[index].append(self._adder.submit(self._add_after, ticket, acc, block))
+            self._adds[index].append(self._adder.submit(self._add_after, ticket, acc, block, first))
         if token is not None:
             prof.end(token)
         if self.state[index] is not GradState.ACCUMULATING:
@@ -93,9 +108,9 @@ class GradStore:
         self._seen[index] += 1
         return self._seen[index] >= len(unit.params)
 
-    def _add_after(self, ticket, acc: torch.Tensor, block) -> None:
+    def _add_after(self, ticket, acc: torch.Tensor, block, first: bool) -> None:
         ticket.wait()
-        acc.add_(block.tensor)
+        acc.copy_(block.tensor) if first else acc.add_(block.tensor)
         self.host_pool.free(block)
 
     def settle(self, unit: Unit) -> None:
@@ -134,6 +149,11 @@ class GradStore:
     def ready(self, unit: Unit) -> None:
         """The unit's gradient is final for this window (its reduced shard is complete)."""
         self.settle(unit)
+        i = unit.index
+        if self._stale[i]:  # parameters without a gradient in this window read as zero
+            for k in set(range(len(unit.params))) - self._written[i]:
+                self.acc[i][unit.offsets[k]: unit.offsets[k] + unit.shapes[k].numel()].zero_()
+            self._stale[i] = False
         transition(self.state, unit.index, GradState.READY, GRAD_TRANSITIONS, "gradient")
 
     def ready_all(self) -> list[Unit]:
@@ -151,6 +171,8 @@ class GradStore:
         return self.reduced[unit.index]
 
     def sumsq(self, unit: Unit) -> float:
+        if self.state[unit.index] is GradState.EMPTY:
+            return 0.0  # no gradient in this window (the accumulator may be stale)
         grad = self.reduced[unit.index]
         if grad.device.type == "cpu":
             return _kernels.grad_sumsq(grad)
@@ -162,9 +184,13 @@ class GradStore:
             i = unit.index
             self.settle(unit)
             if self.state[i] is not GradState.EMPTY:
-                self.acc[i].zero_()
-                if self.reduced[i] is not self.acc[i]:
-                    self.reduced[i].zero_()
+                if self.sharding.active:
+                    self.acc[i].zero_()
+                    if self.reduced[i] is not self.acc[i]:
+                        self.reduced[i].zero_()
+                else:  # [Note: no zeroing pass]
+                    self._stale[i] = True
+                    self._written[i] = set()
                 transition(self.state, i, GradState.EMPTY, GRAD_TRANSITIONS, "gradient")
             for p in unit.params:
                 p.grad = None
