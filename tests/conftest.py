@@ -1,11 +1,20 @@
 """Shared pytest hooks.
 
 Tests marked `@pytest.mark.cuda` need a CUDA device; on machines without one they are
-skipped with the reason "needs CUDA" (they run on the lent GPU machine).
+skipped with the reason "needs CUDA" (they run on the lent GPU machine). Every other test
+runs its engines on the CPU, on any host.
 """
 from __future__ import annotations
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _cpu_device_unless_cuda(request, monkeypatch):
+    """The CPU suite runs unchanged on a GPU host: engines with train.device = "auto" compute on
+    the CPU ($ZEROTIER_DEVICE, inherited by spawned ranks), except in tests marked cuda."""
+    if request.node.get_closest_marker("cuda") is None:
+        monkeypatch.setenv("ZEROTIER_DEVICE", "cpu")
 
 
 def pytest_collection_modifyitems(config, items):

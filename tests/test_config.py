@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from zerotier.config import Config, IOConfig, OptimizerConfig, TiersConfig, format_size, parse_size
 from zerotier.errors import ConfigError
@@ -387,3 +388,38 @@ def test_docs_toml_example_is_valid():
     example = DOCS.read_text().split("```toml\n", 1)[1].split("```", 1)[0]
     cfg = Config.from_dict(tomllib.loads(example))
     assert cfg.optimizer.betas == (0.9, 0.95)
+
+
+# ------------------------------------------------------------------ train.device and per-node sharing
+
+def test_device_key_is_validated():
+    with pytest.raises(ConfigError, match=r"train\.device: must be auto, cpu, cuda or cuda:N"):
+        Config.from_dict({"train": {"device": "gpu0"}})
+    assert Config.from_dict({"train": {"device": "cuda:3"}}).train.device == "cuda:3"
+
+
+def test_device_choice(monkeypatch):
+    from zerotier.device import choose
+
+    assert choose("cpu") == torch.device("cpu")
+    monkeypatch.setenv("ZEROTIER_DEVICE", "cpu")
+    assert choose("auto") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"train\.device = 'cuda', but this torch has no usable CUDA device"):
+            choose("cuda")
+
+
+def test_auto_budgets_and_adam_threads_are_shared_by_the_ranks_of_a_node(monkeypatch, tmp_path):
+    from zerotier.optim.offload import UnitOptimizer
+    from zerotier.planner import resolve_budgets
+    from zerotier.state import Location
+
+    tiers = TiersConfig(nvme_path=str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    one = resolve_budgets(tiers, torch.device("cpu"))
+    threads_one = UnitOptimizer([], OptimizerConfig(), Location.HOST, None, None, None).threads
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    four = resolve_budgets(tiers, torch.device("cpu"))
+    for tier in ("host", "nvme"):  # RAM and disk change a little between the two readings
+        assert abs(four[tier] * 4 - one[tier]) <= 0.05 * one[tier], (tier, one, four)
+    assert UnitOptimizer([], OptimizerConfig(), Location.HOST, None, None, None).threads == max(1, threads_one // 4)

@@ -111,6 +111,7 @@ class OptimizerConfig(_Section):
 class TrainConfig(_Section):
     grad_accum_steps: int = 1
     max_grad_norm: float | None = None     # global grad-norm clipping; None disables
+    device: str = "auto"                   # auto | cpu | cuda | cuda:N (see zerotier/device.py)
 
 
 @dataclass(frozen=True)
@@ -485,6 +486,8 @@ _FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "optimizer.pipeline_depth": (lambda v: v >= 3, "must be >= 3 (one set read ahead, one stepped, one written)"),
     "train.grad_accum_steps": (_at_least_one, "must be >= 1"),
     "train.max_grad_norm": (lambda v: v is None or v > 0, "must be > 0, or left out to disable clipping"),
+    "train.device": (lambda v: v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()),
+                     "must be auto, cpu, cuda or cuda:N"),
     "prefetch.lookahead": (_non_negative, "must be >= 0"),
     "io.block_size": (_positive, "must be > 0"),
     "io.queue_depth": (_at_least_one, "must be >= 1"),

@@ -46,6 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .config import Config, format_size
+from .device import choose as choose_device, enter as enter_device
 from .dist import init_distributed
 from .dist.sharding import Sharding
 from .errors import ConfigError, ZerotierError
@@ -112,14 +113,14 @@ class Engine:
             raise TypeError(f"zerotier.initialize expects an nn.Module, got {type(model).__name__}")
         self.cfg = cfg
         self.module = model
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        # [Note: choosing the device] in device.py: before anything allocates or a group exists
+        self.device = choose_device(cfg.train.device)
         units = build_units(model)
         if not units:
             raise ConfigError("the model has no trainable parameters (all are frozen or there are none); "
                               "there is nothing for zerotier to train")
         self.lp_dtype = DTYPES[cfg.precision.param_dtype]
-        self.rank, self.world_size = init_distributed(cfg.zero)
+        self.rank, self.world_size = init_distributed(cfg.zero, self.device)
         self.sharding = Sharding(cfg.zero, self.rank, self.world_size)
         self.units = self.sharding.assign(units)
         self.plan = make_plan([u.numel for u in self.units], cfg.tiers, cfg.offload, cfg.precision,
@@ -149,7 +150,8 @@ class Engine:
                                self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,
                                self.profiler)
         # The "optimizer stream": one thread running early Adam updates during backward.
-        self._optim_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-optim")
+        self._optim_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-optim",
+                                                initializer=enter_device, initargs=(self.device,))
         self._early: list[Future] = []
         self.micro_steps = 0
         self.global_steps = 0

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .device import enter as enter_device
 from .dist.buckets import GradBucketer
 from .state import GRAD_TRANSITIONS, GradState, Location, Unit, transition
 from .optim import _kernels
@@ -52,7 +53,8 @@ class GradStore:
         self._stale = [False] * n                             # [Note: no zeroing pass]
         self._written: list[set[int]] = [set() for _ in range(n)]  # params written since the stale mark
         self._blocks = []                                     # host-pool blocks this store holds
-        self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-grad") \
+        self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-grad",
+                                         initializer=enter_device, initargs=(self.device,)) \
             if self.device.type == "cuda" and loc is not Location.DEVICE else None
         self.bucketer = GradBucketer(reduce_bucket_size, self._shard_ready, comm=sharding.comm,
                                      reduce_dtype=torch.float32) if sharding.active else None

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .device import enter as enter_device
 from .errors import BudgetError
 from .state import PARAM_TRANSITIONS, Location, ParamState, Unit, transition
 
@@ -82,7 +83,8 @@ class ParamStore:
         # The CPU's copy "stream": fetch workers run NVMe reads and host->device copies of
         # prefetches, overlapping compute. On CUDA they only issue work (the copies run on
         # the device tier's h2d stream).
-        self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerotier-fetch")
+        self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerotier-fetch",
+                                           initializer=enter_device, initargs=(self.device,))
 
     @staticmethod
     def host_staging_bytes(lookahead: int, largest_shard: int, lp_itemsize: int) -> int:

@@ -54,6 +54,7 @@ import psutil
 import torch
 
 from .config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, format_size
+from .device import local_world_size
 from .errors import BudgetError, ConfigError
 from .optim.offload import OPTIMIZER_BYTES, UnitOptimizer
 from .params import ParamStore
@@ -177,8 +178,11 @@ class Plan:
 
 
 def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[str, int]:
-    """Turn "auto" budgets into bytes for this node."""
-    available = psutil.virtual_memory().available
+    """Turn "auto" budgets into bytes for this rank. RAM and the swap drive are shared by
+    the ranks of a node: their auto budgets are this node's share divided among its ranks
+    (LOCAL_WORLD_SIZE); a GPU's free memory is its own rank's."""
+    ranks = local_world_size()
+    available = psutil.virtual_memory().available // ranks
     if tiers.device != "auto":
         dev = int(tiers.device)
     elif device.type == "cuda":
@@ -195,7 +199,7 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[str, int]:
         from .tiers.rundir import _check_parent  # the store's own check: a clear TierIOError
 
         _check_parent(Path(tiers.nvme_path))
-        nvme = int(shutil.disk_usage(tiers.nvme_path).free * 0.9)
+        nvme = int(shutil.disk_usage(tiers.nvme_path).free * 0.9) // ranks
     else:
         nvme = int(tiers.nvme)
     return {"device": dev, "host": host, "nvme": nvme}

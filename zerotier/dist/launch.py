@@ -27,13 +27,15 @@ from ..errors import ZerotierError
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def init_distributed(zero_cfg=None) -> tuple[int, int]:
+def init_distributed(zero_cfg=None, device: torch.device | None = None) -> tuple[int, int]:
     """Join the default process group if a launcher asked for one; return (rank, world_size).
 
     - already initialized (by the user or an earlier call): its rank and size, untouched;
     - torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): init with
-      NCCL when CUDA is available (binding this process to cuda:LOCAL_RANK) else gloo, with
-      `timeout = zero_cfg.timeout_s` for every collective;
+      `timeout = zero_cfg.timeout_s` for every collective. On a CUDA `device` (default:
+      cuda:LOCAL_RANK when CUDA is available) the group is "cpu:gloo,cuda:nccl" bound to
+      that device: NCCL for device tensors, gloo for the CPU ones (scalars, host shards,
+      checkpoint helpers); on the CPU it is gloo;
     - no launcher environment: (0, 1) and nothing is initialized; the collectives in
       comm.py then act locally.
     """
@@ -49,12 +51,13 @@ def init_distributed(zero_cfg=None) -> tuple[int, int]:
         raise ZerotierError("RANK/WORLD_SIZE are set but this torch build has no torch.distributed")
     timeout_s = 600.0 if zero_cfg is None else zero_cfg.timeout_s
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
-    if torch.cuda.is_available():
-        backend = "nccl"
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device is not None and device.type == "cuda":
+        backend = "cpu:gloo,cuda:nccl"
+        torch.cuda.set_device(device)
         if "device_id" in inspect.signature(dist.init_process_group).parameters:
-            kwargs["device_id"] = torch.device("cuda", local_rank)  # eager NCCL init, bound to one GPU
+            kwargs["device_id"] = device  # eager NCCL init, bound to this rank's GPU
     else:
         backend = "gloo"
     dist.init_process_group(backend, **kwargs)

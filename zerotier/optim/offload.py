@@ -32,6 +32,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..config import OptimizerConfig
+from ..device import local_world_size
 from ..state import Location, Unit
 from . import _kernels
 
@@ -69,7 +70,9 @@ class UnitOptimizer:
         self.units, self.cfg, self.loc = units, cfg, loc
         self.device_tier, self.host_pool, self.store = device_tier, host_pool, store
         self.profiler = profiler  # None when profiling is off
-        self.threads = None if cfg.threads == "auto" else int(cfg.threads)
+        # auto: this process's cores, shared with the other ranks of the node
+        self.threads = max(1, _kernels.default_threads() // local_world_size()) if cfg.threads == "auto" \
+            else int(cfg.threads)
         self.steps = [0] * len(units)            # optimizer steps applied per unit (torch's `step`)
         self._state: list[dict | None] = [None] * len(units)  # device/host: key -> tensor (or HostBuffer)
         self.device = torch.device("cpu") if loc is not Location.DEVICE else device_tier.device
