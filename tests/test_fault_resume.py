@@ -48,3 +48,23 @@ def test_eio_on_swap_file_then_resume_from_checkpoint(tmp_path):
         got = resumed.parameters_fp32()
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+def test_eio_in_an_update_during_backward_surfaces_in_that_step(tmp_path):
+    """Without clipping, units are updated on the optimizer thread during backward and their NVMe
+    writes are left in flight; a failed write still raises from the engine.step() of that step.
+    One unit: its write is the last of the backward, so nothing but step() itself can see it."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 16)
+    cfg = {"offload": {"params": "device", "gradients": "host", "optimizer": "nvme"},
+           "tiers": {"nvme_path": str(tmp_path)}, "optimizer": {"lr": 3e-3}}
+    x = torch.randn(4, 16)
+    with zerotier.initialize(layer, cfg) as engine:
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        engine.store.engine.inject_fault(op="write", errno=errno.EIO, count=1)
+        engine.backward(engine(x).square().mean())
+        assert engine._early, "the update must have started during backward"
+        with pytest.raises(TierIOError) as info:
+            engine.step()
+        assert info.value.errno == errno.EIO and ".swp" in str(info.value)

@@ -272,12 +272,13 @@ class Engine:
         def run():
             if done is not None:
                 done.synchronize()
-            self._update([unit], lr, scale)
+            self._update([unit], lr, scale, drain=False)  # step() waits for the writes
         self._early.append(self._optim_thread.submit(run))
 
-    def _update(self, units: list, lr: float, grad_scale: float) -> None:
+    def _update(self, units: list, lr: float, grad_scale: float, drain: bool = True) -> None:
         """Adam on `units`; each one's new parameters are committed as soon as it is done."""
-        for unit in self.unit_optimizer.step(units, self.grads.shard, self.params.out_buffer, lr, grad_scale):
+        for unit in self.unit_optimizer.step(units, self.grads.shard, self.params.out_buffer, lr, grad_scale,
+                                             drain):
             self.grads.stepped(unit)
             self.params.commit(unit)
 
@@ -358,9 +359,18 @@ class Engine:
         return True
 
     def _wait_early_steps(self) -> None:
+        """Wait for the updates started during backward and for their NVMe write-backs (left in
+        flight so each unit's read overlapped the previous writes); re-raise the first error."""
         early, self._early = self._early, []
-        for future in early:
-            future.result()  # re-raises an error from the optimizer thread
+        waits = [future.result for future in early] + ([self.unit_optimizer.finish] if early else [])
+        first = None
+        for wait in waits:  # every one is waited, then the first error (from the optimizer thread) raised
+            try:
+                wait()
+            except BaseException as exc:  # noqa: BLE001
+                first = first or exc
+        if first is not None:
+            raise first
 
     def synchronize(self) -> None:
         """Finish the work in flight: Adam updates started during backward, parameter fetches

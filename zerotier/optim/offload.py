@@ -16,8 +16,11 @@ set waits for the oldest write only. During the last backward of a window the
 engine calls `prefetch(unit)` as each unit's gradient becomes final: its state
 reads start then (they do not depend on the global gradient norm), using sets that
 are free without waiting, so with clipping on only the Adam math and the last
-writes remain after backward. The step's writes are waited at its end: an I/O
-error surfaces in the step that caused it.
+writes remain after backward. Without clipping the engine updates each unit on
+its optimizer thread as soon as its gradient is final (`step(..., drain=False)`): the
+unit's writes stay in flight while the next unit is read, and `finish()` waits for
+them when engine.step() begins. Either way the step's writes are waited before it
+returns: an I/O error surfaces in the step that caused it.
 
 Each unit keeps its own step count (like torch's per-parameter `step`): a unit
 that received no gradient in an optimizer step is not updated at all, exactly
@@ -117,9 +120,12 @@ class UnitOptimizer:
     # ------------------------------------------------------------------ step
 
     def step(self, units: list[Unit], grad_of: Callable[[Unit], torch.Tensor],
-             out_of: Callable[[Unit], torch.Tensor], lr: float, grad_scale: float) -> Iterator[Unit]:
+             out_of: Callable[[Unit], torch.Tensor], lr: float, grad_scale: float,
+             drain: bool = True) -> Iterator[Unit]:
         """Update `units`, yielding each once its master and its low-precision output are written.
-        `grad_of(unit)`: the gradient shard to read; `out_of(unit)`: where the new params go."""
+        `grad_of(unit)`: the gradient shard to read; `out_of(unit)`: where the new params go.
+        drain=False leaves NVMe write-backs in flight (an early update during backward: the
+        next unit's read overlaps them); `finish()` waits for them."""
         for unit in units:
             if self.loc is not Location.NVME:
                 s = self._state[unit.index]
@@ -133,6 +139,7 @@ class UnitOptimizer:
         order = sorted(nvme, key=lambda u: list(self._reads).index(u.index) if u.index in self._reads
                        else len(self._reads) + u.index)
         ahead = max(1, self.depth - 2)
+        completed = False
         try:
             for k, unit in enumerate(order):
                 for nxt in order[k: k + 1 + ahead]:
@@ -145,8 +152,14 @@ class UnitOptimizer:
                            lr, grad_scale)
                 self._writing.append((slot, self._io(unit, bufs, "optimizer-write")))
                 yield unit
+            completed = True
         finally:
-            self._drain_writes()
+            if drain or not completed:  # after an error every write is waited, and the error raised
+                self._drain_writes()
+
+    def finish(self) -> None:
+        """Wait for the NVMe write-backs still in flight; raise the first error."""
+        self._drain_writes()
 
     def prefetch(self, unit: Unit) -> None:
         """NVMe state: start reading `unit`'s state now if a staging set is free (never waits)."""
