@@ -144,7 +144,6 @@ class Engine:
                                             self.host_pool, self.store, self.profiler)
         self.params = ParamStore(self.units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
-                                 self.unit_optimizer.device,
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
         self.grads = GradStore(self.units, placement["gradients"], DTYPES[cfg.precision.grad_dtype],
                                self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,

@@ -18,13 +18,13 @@ import torch
 
 from .checkpoint import _RankFiles, _load_pt, _tensor_bytes, read_manifest, resolve
 from .errors import ZerotierError
+from .state import DTYPES
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
               torch.uint8: "U8", torch.bool: "BOOL"}
 _ST_FROM = {v: k for k, v in _ST_DTYPES.items()}
-_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_DTYPE_NAMES = {**DTYPES, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def consolidated_state_dict(engine, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -90,7 +90,7 @@ def export(path, out, dtype: str | torch.dtype = "fp32") -> Path:
 def _export_safetensors(path, manifest: dict, extra: dict, out: Path, dtype: torch.dtype) -> None:
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "global_steps": str(manifest["global_steps"])}}
     offset = 0
-    item = torch.tensor([], dtype=dtype).element_size()
+    item = dtype.itemsize
     for u in manifest["units"]:
         for p in u["params"]:
             n = math.prod(p["shape"])

@@ -58,12 +58,12 @@ class _Fetch:
 
 class ParamStore:
     def __init__(self, units: list[Unit], loc: Location, lp_dtype: torch.dtype, device_tier, host_pool, store,
-                 sharding, out_loc: Location, out_device: torch.device, lookahead: int = 0, profiler=None):
+                 sharding, out_loc: Location, lookahead: int = 0, profiler=None):
         self.units, self.loc, self.lp_dtype = units, loc, lp_dtype
         self.device_tier, self.host_pool, self.store, self.sharding = device_tier, host_pool, store, sharding
         self.device = device_tier.device
-        self.out_device = out_device          # where the optimizer's master lives (cpu, or the accelerator)
-        self.out_on_device = out_loc is Location.DEVICE  # its write-back temporaries count on the device tier
+        self.out_on_device = out_loc is Location.DEVICE  # the optimizer's side; its temporaries count there
+        self.out_device = self.device if self.out_on_device else torch.device("cpu")
         self.profiler = profiler              # None when profiling is off
         n = len(units)
         self.state = [ParamState.RESIDENT] * n
