@@ -140,3 +140,71 @@ def test_memory_per_rank_matches_plan_within_10_percent():
     for rank_result in spawn(memory_rank, 2, timeout_s=300):
         for (stage, place), (predicted, actual) in rank_result.items():
             assert abs(actual - predicted) <= 0.10 * predicted, (stage, place, predicted, actual)
+
+
+class Routed(torch.nn.Module):
+    """A shared layer, three experts and a head; the caller picks the expert (rank-dependent
+    routing, as an MoE router may do): expert 2 is used by no rank."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x, expert):
+        return self.out(torch.relu(self.experts[expert](torch.relu(self.inp(x))))).pow(2).mean()
+
+
+def routed_batches():
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randn(4, 8, generator=gen) for _ in range(STEPS * ACCUM)]
+
+
+def routed_reference():
+    """One process: each micro-batch's loss is the mean of the two ranks' losses (rank r's half
+    through expert r); parameters without a gradient (expert 2) are never updated."""
+    model = Routed()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    for i, x in enumerate(routed_batches()):
+        loss = (model(x[:2], 0) + model(x[2:], 1)) / 2
+        (loss / ACCUM).backward()
+        if (i + 1) % ACCUM == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def routed_rank(rank, world_size, nvme_dir):
+    out = {}
+    for stage in STAGES:
+        cfg = {"zero": {"stage": stage, "persistence_threshold": 0, "reduce_bucket_size": 1024},
+               "offload": {"params": "host", "gradients": "host", "optimizer": "host"},
+               "optimizer": {"lr": LR, "weight_decay": 0.01},
+               "train": {"grad_accum_steps": ACCUM, "max_grad_norm": 1.0}}
+        try:
+            with zerotier.initialize(Routed(), cfg) as engine:
+                for x in routed_batches():
+                    engine.backward(engine(x[rank * 2:(rank + 1) * 2], rank))
+                    engine.step()
+                out[stage] = engine.parameters_fp32()
+        except zerotier.dist.CollectiveError as exc:
+            out[stage] = str(exc)
+    return out
+
+
+def test_rank_dependent_routing_matches_single_process_or_stops(tmp_path):
+    """Ranks using different experts issue the same reductions (every unit, fixed order) and step
+    the same units (those with a gradient on any rank) at stages 0-2; at stage 3 the ranks'
+    gathers differ, which is refused with a clear error instead of training on mixed shards."""
+    ref = routed_reference()
+    results = spawn(routed_rank, 2, str(tmp_path), timeout_s=300, collective_timeout_s=30)
+    for rank, out in enumerate(results):
+        for stage in (0, 1, 2):
+            assert isinstance(out[stage], dict), f"rank {rank} stage {stage}: {out[stage]}"
+            for key in ref:
+                torch.testing.assert_close(out[stage][key], ref[key], rtol=1e-5, atol=1e-6,
+                                           msg=f"rank {rank} stage {stage} {key}")
+        assert isinstance(out[3], str) and "different ZeRO-3 parameter units" in out[3], (rank, out[3])

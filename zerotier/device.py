@@ -3,7 +3,8 @@
 [Note: choosing the device]
 `train.device` picks it before anything is allocated or a process group exists:
   cpu       the CPU (the "device" tier is then a budgeted region of RAM);
-  cuda      cuda:LOCAL_RANK (torchrun's per-node rank; 0 without a launcher);
+  cuda      cuda:LOCAL_RANK (torchrun's per-node rank; 0 without a launcher), or cuda:0
+            when the process sees exactly one GPU (SLURM --gpus-per-task=1, Kubernetes);
   cuda:N    that GPU, whatever LOCAL_RANK says;
   auto      $ZEROTIER_DEVICE if set (the test suite sets cpu, so it runs unchanged on a
             GPU host), else cuda:LOCAL_RANK when CUDA is available, else cpu.
@@ -43,7 +44,10 @@ def choose(setting: str) -> torch.device:
     if not torch.cuda.is_available():
         raise ConfigError(f"train.device = {setting!r}, but this torch has no usable CUDA device "
                           f"(torch {torch.__version__}, cuda {torch.version.cuda}); use 'cpu' or 'auto'")
-    index = local_rank() if setting == "cuda" else int(setting.split(":", 1)[1])
+    if setting == "cuda":
+        index = 0 if torch.cuda.device_count() == 1 else local_rank()
+    else:
+        index = int(setting.split(":", 1)[1])
     if index >= torch.cuda.device_count():
         raise ConfigError(f"device cuda:{index} does not exist: {torch.cuda.device_count()} visible CUDA "
                           f"device(s) (LOCAL_RANK={local_rank()}, CUDA_VISIBLE_DEVICES="

@@ -36,6 +36,16 @@ leaf's AccumulateGrad once, after every use). engine.step() waits for these
 updates, then steps the remaining units. Otherwise, with optimizer state on
 NVMe, the unit's state reads start at that moment instead (they do not depend
 on the gradient norm): see [Note: NVMe optimizer pipeline].
+
+[Note: autocast and streamed parameters]
+Under torch.autocast, an op casts a full-precision parameter to the autocast dtype,
+keeps the copy in autocast's cache until the autocast region ends, and autograd saves
+it for backward. For a parameter zerotier streams (released after its module's
+forward), that copy would stay on the device for the whole step: no device memory
+saved, and none of it in any budget. So a module whose streamed parameters are not
+already in the autocast dtype refuses to run under autocast, with the fix in the
+message: `precision.param_dtype = "bf16"` (low-precision compute copies, fp32 master),
+or parameters kept on the device, where autocast works as in plain PyTorch.
 """
 from __future__ import annotations
 
@@ -92,6 +102,13 @@ class _FetchOnBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _autocast_dtype(device_type: str) -> "torch.dtype | None":
+    """The dtype torch.autocast casts to on `device_type` now, or None when it is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def _map_tensors(obj, fn):
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -133,11 +150,11 @@ class Engine:
             self.store = NVMeStore(cfg.tiers, cfg.io)
         # Every byte the engine keeps on the compute device is counted by the device tier,
         # every host byte is a block of the pinned aligned host pool (tiers.host).
-        self.device_tier = DeviceTier(self.plan.budgets["device"], self.device)
+        self.device_tier = DeviceTier(self.plan.budgets["device"], self.device, timing=cfg.profile.enabled)
         self.host_pool = HostPool(self.plan.budgets["host"], alignment=cfg.io.alignment,
                                   pin=self.device.type == "cuda")
         # None when profiling is off: every call site is one `if prof is not None:` (zero cost).
-        self.profiler = Profiler.from_config(cfg.profile, self._residency)
+        self.profiler = Profiler.from_config(cfg.profile, self._residency, device=self.device)
         self.scaler = LossScaler(cfg.precision)
         self.optimizer = _LRHolder(cfg.optimizer.lr)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, placement["optimizer"], self.device_tier,
@@ -201,10 +218,12 @@ class Engine:
     # ------------------------------------------------------------ fetch
 
     def _demand(self, unit) -> None:
-        """Compute needs `unit` now: record it for prefetch, then make it resident."""
+        """Compute needs `unit` now: make it resident. Its own fetch (if not prefetched) is issued
+        before the prefetches of the units after it, so on CUDA it is first on the copy stream."""
         if torch.is_grad_enabled() and self.module.training or self._in_backward:
-            self.scheduler.on_demand(unit.index)
-        self.params.demand(unit)
+            self.params.demand(unit, then=lambda: self.scheduler.on_demand(unit.index))
+        else:
+            self.params.demand(unit)
 
     # ------------------------------------------------------------ hooks
 
@@ -228,9 +247,24 @@ class Engine:
         def hook(module, args):
             if is_root and torch.is_grad_enabled() and module.training and not self._in_backward:
                 self.scheduler.begin_pass()
+            if units and _autocast_dtype(self.device.type) not in (None, self.lp_dtype):
+                self._refuse_autocast(units[0])
             for unit in units:
                 self._demand(unit)
         return hook
+
+    def _refuse_autocast(self, unit) -> None:
+        """[Note: autocast and streamed parameters]: the casts would pin a copy of every
+        streamed parameter on the device until backward, outside every budget."""
+        amp = _autocast_dtype(self.device.type)
+        lp, amp_name = str(self.lp_dtype).replace("torch.", ""), str(amp).replace("torch.", "")
+        raise ConfigError(
+            f"module '{unit.name or '<root>'}' runs under torch.autocast({amp_name}) while its {lp} parameters "
+            f"are streamed from {self.params.loc.value}: autocast keeps a {amp_name} copy of every such "
+            "parameter on the device until backward, so offloading them would save no device memory. Set "
+            f"precision.param_dtype = \"{'bf16' if amp is torch.bfloat16 else 'fp16'}\" and drop autocast "
+            "(zerotier keeps the fp32 master and updates it in fp32), or keep the parameters on the device "
+            "(offload.params = \"device\")")
 
     def _post_forward(self, units: list):
         def hook(module, args, output):
@@ -337,7 +371,7 @@ class Engine:
         self._wait_early_steps()
         pending = self.grads.ready_all()  # units stepped early are STEPPED already
         inv_scale = 1.0 / self.scaler.scale
-        local = sum(self.grads.sumsq(u) for u in self.units if self.sharding.local_sumsq_share(u))
+        local = self.grads.sumsq([u for u in self.units if self.sharding.local_sumsq_share(u)])
         total_norm = math.sqrt(self.sharding.global_sum(local)) * inv_scale
         overflow = not math.isfinite(total_norm)
         if overflow and self.scaler.dynamic:

@@ -3,11 +3,23 @@ shard the optimizer reads.
 
 [Note: a unit's gradient bytes]
 Each unit has an accumulator (`acc`, the full flat in `precision.grad_dtype`) on the
-gradient tier: a host-pool block (pinned, aligned) or a device tensor. With several
-ranks on CUDA it sits on the device (the reduce-scatter input; NCCL needs it there).
-The optimizer reads `shard(unit)`: the accumulator itself with one rank (or a
-replicated unit at stages 0-1), else this rank's reduced shard (`shard_numel`
-elements on the gradient tier), filled by the bucketed reduce-scatter.
+gradient tier: a host-pool block (pinned, aligned) or a device tensor, with one rank
+or several. The optimizer reads `shard(unit)`: the accumulator itself with one rank
+(or a replicated unit at stages 0-1), else this rank's reduced shard (`shard_numel`
+elements on the gradient tier), filled by the bucketed reduce-scatter, whose buckets
+live on the compute device (NCCL reduces device memory; a host accumulator is packed
+into its bucket by a copy).
+
+[Note: the same collectives on every rank]
+Ranks may differ in which units get a gradient (data-dependent routing: an MoE expert
+used on one rank only) and in the order hooks fire. Collectives must not: so every
+unit is reduced in every reducing backward, in one fixed order (reverse unit index,
+close to backward order). A unit whose gradient is final is queued as soon as every
+unit before it in that order was; units without a gradient this backward are queued
+at its end (their accumulators hold zeros, or the window's sum so far). At the window's
+end one all-reduce(MAX) of per-unit "got a gradient" flags (Sharding.agree) makes every
+rank step exactly the units that got a gradient on any rank — the others are not
+updated, as in torch.
 
 Offload to a host accumulator is the torchao idiom: the gradient is copied on the
 device tier's d2h stream (which first waits for compute) into a pool block, an
@@ -22,7 +34,7 @@ parameter's first gradient of the next window is *copied* into its slice instead
 added (torch's AccumulateGrad steals the first gradient the same way). That saves a
 write pass over every gradient byte per step and turns the first add's two reads into
 one. When the window ends (`ready`), slices of parameters that got no gradient are
-zeroed; a unit that got none at all stays EMPTY and is never read (`sumsq` is 0).
+zeroed; a unit that got none at all stays EMPTY and is never read (`sumsq` skips it).
 With several ranks the reduce-scatter reads whole accumulators: they are zeroed.
 """
 from __future__ import annotations
@@ -57,13 +69,15 @@ class GradStore:
                                          initializer=enter_device, initargs=(self.device,)) \
             if self.device.type == "cuda" and loc is not Location.DEVICE else None
         self.bucketer = GradBucketer(reduce_bucket_size, self._shard_ready, comm=sharding.comm,
-                                     reduce_dtype=torch.float32) if sharding.active else None
+                                     reduce_dtype=torch.float32, device=self.device) if sharding.active else None
+        self._reduce_order = [u.index for u in reversed(units)]  # [Note: the same collectives on every rank]
+        self._final = [False] * n                                # final in this backward, not yet queued
+        self._queued = 0                                         # reduce-order position reached
 
     def place(self, unit: Unit) -> None:
         i = unit.index
         sharding = self.sharding
-        acc_loc = Location.DEVICE if sharding.active and self.device.type == "cuda" else self.loc
-        self.acc[i] = self._alloc(acc_loc, unit.numel, f"{unit.key}.grad")
+        self.acc[i] = self._alloc(self.loc, unit.numel, f"{unit.key}.grad")
         aliased = not sharding.active or (unit.part.replicated and sharding.stage <= 1)
         self.reduced[i] = self.acc[i] if aliased else self._alloc(self.loc, unit.shard_numel,
                                                                   f"{unit.key}.grad_shard")
@@ -91,7 +105,7 @@ class GradStore:
         prof = self.profiler
         token = prof.begin(unit.key + ".grad", "grad", "device", "host", nbytes, "grad-offload") \
             if prof is not None and offload else None
-        first = False
+        first, ticket = False, None
         if self._stale[index]:  # [Note: no zeroing pass]
             first = i not in self._written[index]
             self._written[index].add(i)
@@ -104,7 +118,7 @@ class GradStore:
             ticket = self.device_tier.copy_d2h(block.tensor, flat)
             self._adds[index].append(self._adder.submit(self._add_after, ticket, acc, block, first))
         if token is not None:
-            prof.end(token)
+            prof.end(token, copy=ticket)
         if self.state[index] is not GradState.ACCUMULATING:
             transition(self.state, index, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
         self._seen[index] += 1
@@ -122,9 +136,20 @@ class GradStore:
             future.result()
 
     def reduce(self, unit: Unit) -> None:
-        """The unit's accumulator is final for this backward: queue it for the reduce-scatter."""
-        self.settle(unit)
-        self.bucketer.add(unit.index, self.acc[unit.index], unit.part)
+        """The unit's accumulator is final for this backward: queue it for the reduce-scatter
+        once every unit before it in the fixed order is ([Note: the same collectives on every rank])."""
+        self._final[unit.index] = True
+        self._queue_final(everything=False)
+
+    def _queue_final(self, everything: bool) -> None:
+        while self._queued < len(self._reduce_order):
+            i = self._reduce_order[self._queued]
+            if not (everything or self._final[i]):
+                return
+            unit = self.units[i]
+            self.settle(unit)
+            self.bucketer.add(i, self.acc[i], unit.part)
+            self._queued += 1
 
     def _shard_ready(self, index: int, shard: torch.Tensor) -> None:
         reduced = self.reduced[index]
@@ -139,6 +164,8 @@ class GradStore:
         for unit in self.units:
             self.settle(unit)
         if reduced:
+            self._queue_final(everything=True)  # units without a gradient too, in the same order
+            self._final, self._queued = [False] * len(self.units), 0
             self.bucketer.flush()
             self.bucketer.wait()
             if self.sharding.stage >= 2:  # the micro-batch's sum now lives in the shards
@@ -159,7 +186,13 @@ class GradStore:
         transition(self.state, unit.index, GradState.READY, GRAD_TRANSITIONS, "gradient")
 
     def ready_all(self) -> list[Unit]:
-        """End of the window: every accumulating unit is final. Returns the units now READY."""
+        """End of the window: every accumulating unit is final. Returns the units now READY
+        (with several ranks: the units that got a gradient on any rank)."""
+        if self.sharding.active:
+            used = self.sharding.agree([s is not GradState.EMPTY for s in self.state])
+            for i, anywhere in enumerate(used):
+                if anywhere and self.state[i] is GradState.EMPTY:  # its reduced shard is this window's
+                    transition(self.state, i, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
         for unit in self.units:
             if self.state[unit.index] is GradState.ACCUMULATING:
                 self.ready(unit)
@@ -172,13 +205,22 @@ class GradStore:
         """What the optimizer reads: this rank's reduced gradient shard (padding is zero)."""
         return self.reduced[unit.index]
 
-    def sumsq(self, unit: Unit) -> float:
-        if self.state[unit.index] is GradState.EMPTY:
-            return 0.0  # no gradient in this window (the accumulator may be stale)
-        grad = self.reduced[unit.index]
-        if grad.device.type == "cpu":
-            return _kernels.grad_sumsq(grad)
-        return float(grad.double().square().sum())
+    def sumsq(self, units: list[Unit]) -> "float | torch.Tensor":
+        """Sum of squares of these units' gradients (fp64 accumulation). Host gradients: a float
+        (native kernel). Device gradients: a 0-d fp64 tensor on the device, never synced here —
+        the step reads the global norm once, after the all-reduce."""
+        host, device = 0.0, []
+        for unit in units:
+            if self.state[unit.index] is GradState.EMPTY:
+                continue  # no gradient in this window (the accumulator may be stale)
+            grad = self.reduced[unit.index]
+            if grad.device.type == "cpu":
+                host += _kernels.grad_sumsq(grad)
+            else:
+                device.append(torch.linalg.vector_norm(grad, dtype=torch.float64).square())
+        if not device:
+            return host
+        return torch.stack(device).sum() + host
 
     def zero(self) -> None:
         """Drop every gradient (end of a step, or a skipped one)."""

@@ -162,10 +162,13 @@ class ParamStore:
         with self._lock:
             return sum(self.units[i].numel * self.lp_dtype.itemsize for i in self._inflight)
 
-    def demand(self, unit: Unit) -> None:
-        """Compute needs `unit` now: make it resident (using a prefetch of the current version)."""
+    def demand(self, unit: Unit, then=None) -> None:
+        """Compute needs `unit` now: make it resident (using a prefetch of the current version).
+        `then()` runs once the unit's fetch is issued, before waiting for it (the prefetches)."""
         i = unit.index
         if self.state[i] is ParamState.RESIDENT:
+            if then is not None:
+                then()
             return
         with self._lock:
             fetch = self._inflight.pop(i, None)
@@ -175,16 +178,20 @@ class ParamStore:
         prof = self.profiler
         if prof is not None:
             prof.prefetch_used(unit.param_key, hit=fetch is not None)
-            waited = prof.wait_begin(unit.param_key)
         if fetch is None:
             fetch = self._start(unit, "demand")
+        waited = None
         try:
+            if then is not None:
+                then()
+            if prof is not None:
+                waited = prof.wait_begin(unit.param_key, device=True)
             self._finish(fetch)
         except BaseException:
-            self._abandon(unit)
+            self._drop(unit, fetch, wasted=False)
             raise
         finally:
-            if prof is not None:
+            if waited is not None:
                 prof.wait_end(waited)
         transition(self.state, i, ParamState.RESIDENT, PARAM_TRANSITIONS, "parameters")
 
@@ -230,9 +237,11 @@ class ParamStore:
         prof = self.profiler
         token = prof.begin(unit.param_key, "param", self.loc.value, "device", nbytes, reason) \
             if prof is not None else None
+        ticket = None
         try:
             if self.loc is Location.HOST:
-                return self.device_tier.copy_h2d(self.device_flat[i], self.host_buf[i].tensor)
+                ticket = self.device_tier.copy_h2d(self.device_flat[i], self.host_buf[i].tensor)
+                return ticket
             block = self.host_pool.alloc(nbytes, self.lp_dtype, unit.param_key)
             try:
                 self.store.read(unit.param_key, block).wait()
@@ -244,7 +253,7 @@ class ParamStore:
             return ticket
         finally:
             if token is not None:
-                prof.end(token)
+                prof.end(token, copy=ticket)
 
     def _shard_on_device(self, unit: Unit, reason: str):
         """ZeRO-3: this rank's shard where the all-gather can read it; (tensor, pool block or None)."""
@@ -262,14 +271,16 @@ class ParamStore:
             block = self.host_pool.alloc(nbytes, self.lp_dtype, unit.param_key)
             self.store.read(unit.param_key, block).wait()
             host = block.tensor
+        ticket = None
         if self.device.type == "cpu":  # host memory is the device's: the gather reads it in place
             self.device_tier.count_in(nbytes)
             shard = host
         else:
             shard = torch.empty(host.numel(), dtype=self.lp_dtype, device=self.device)
-            self.device_tier.join(self.device_tier.copy_h2d(shard, host))
+            ticket = self.device_tier.copy_h2d(shard, host)
+            self.device_tier.join(ticket)
         if token is not None:
-            prof.end(token)
+            prof.end(token, copy=ticket)
         return shard, block
 
     def _finish(self, fetch: _Fetch) -> None:
@@ -282,15 +293,16 @@ class ParamStore:
         else:
             self.device_tier.join(fetch.future.result())
 
-    def _drop(self, unit: Unit, fetch: _Fetch) -> None:
-        """Wait for an unwanted fetch (it writes the flat), then release its bytes."""
+    def _drop(self, unit: Unit, fetch: _Fetch, wasted: bool = True) -> None:
+        """Wait for an unwanted or failed fetch (it writes the flat), then release its bytes."""
         try:
             self._finish(fetch)
         except Exception:  # noqa: BLE001 - a fresh fetch follows and reports any lasting error
             pass
-        self.wasted_prefetches += 1
-        if self.profiler is not None:
-            self.profiler.prefetch_wasted(unit.param_key)
+        if wasted:
+            self.wasted_prefetches += 1
+            if self.profiler is not None:
+                self.profiler.prefetch_wasted(unit.param_key)
         self._abandon(unit)
 
     def _abandon(self, unit: Unit) -> None:
@@ -333,6 +345,7 @@ class ParamStore:
             if prof is not None and src != self.loc.value else None
         if src != self.loc.value and self.loc is Location.DEVICE:
             self.device_tier.count_in(nbytes)
+        ticket = None
         if out is None:
             pass  # the optimizer wrote the home in place
         elif not unit.part.replicated and not self.sharding.gathered(unit):
@@ -349,7 +362,7 @@ class ParamStore:
             self._joins.append(ticket)
             self._keep.append((out, ticket))
         if token is not None:
-            prof.end(token)
+            prof.end(token, copy=ticket if self.loc is not Location.NVME else None)
 
     def _gather_commit(self, unit: Unit, out) -> None:
         """ZeRO-1/2: all-gather every rank's new shard into the full flat at home."""

@@ -111,7 +111,8 @@ class GradBucketer(_Bucketer):
 
     add(key, grad_flat, partition) when a unit's gradient is final for this backward;
     `grad_flat` (numel elements, any float dtype) must stay unchanged until its bucket
-    launches (at the latest in flush()). on_ready(key, grad_shard) then receives this rank's
+    launches (at the latest in flush()); it may live elsewhere than `device` (the bucket is
+    packed by a copy). on_ready(key, grad_shard) then receives this rank's
     reduced shard: `partition.shard_numel` elements (padding included, zero) in
     `reduce_dtype` (default: the gradient's dtype). It is a view of a reused bucket buffer,
     valid only until on_ready returns: copy or accumulate it where the shard lives.
@@ -120,9 +121,10 @@ class GradBucketer(_Bucketer):
 
     def __init__(self, bucket_bytes: int, on_ready: Callable[[Hashable, torch.Tensor], None], *,
                  comm: Comm | None = None, group: Any = None, op=AVG, reduce_dtype: torch.dtype | None = None,
-                 max_inflight: int = 2):
+                 max_inflight: int = 2, device: torch.device | None = None):
         super().__init__(bucket_bytes, comm, group, max_inflight)
         self.on_ready, self.op, self.reduce_dtype = on_ready, op, reduce_dtype
+        self.device = device  # where buckets live and reduce (None: the gradient's device)
         self._pending: dict[bool, list[tuple[Hashable, torch.Tensor, Partition]]] = {False: [], True: []}
         self._pending_bytes = {False: 0, True: 0}
 
@@ -157,7 +159,7 @@ class GradBucketer(_Bucketer):
         widths = [p.shard_numel for _, _, p in units]
         offsets, total = _offsets(widths), sum(widths)
         n = 1 if replicated else self.world_size
-        buf = self._buffer((n + 1) * total if not replicated else total, dtype, first.device)
+        buf = self._buffer((n + 1) * total if not replicated else total, dtype, self.device or first.device)
         if replicated:
             for (_, grad, _), off, w in zip(units, offsets, widths):
                 buf[off:off + w].copy_(grad.reshape(-1))

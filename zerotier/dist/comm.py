@@ -23,7 +23,9 @@ With `overlap=False` (zero.overlap_comm) collectives run on the caller's stream 
 thread and are complete when issued.
 
 [Note: native or emulated]
-Whether the backend has `reduce_scatter_single`/`reduce_scatter_tensor`,
+NCCL implements every collective natively, with AVG: CUDA tensors are never probed
+(a probe that failed on one rank only, e.g. out of memory, would make that rank
+emulate while the others do not, and the job would hang). On gloo, whether it has `reduce_scatter_single`/`reduce_scatter_tensor`,
 `all_gather_single`/`all_gather_into_tensor` and `ReduceOp.AVG` for a dtype is not
 guessed from versions: the first call tries the native collective, and a
 synchronous "unsupported" error (raised identically on every rank, before any
@@ -60,6 +62,7 @@ from ..errors import ZerotierError
 
 AVG = dist.ReduceOp.AVG
 SUM = dist.ReduceOp.SUM
+MAX = dist.ReduceOp.MAX
 KINDS = ("reduce_scatter", "all_gather", "all_reduce", "broadcast")
 
 # Errors by which a backend refuses a collective it does not implement (never a lost peer).
@@ -227,13 +230,15 @@ class Comm:
                 output_shard.copy_(input_flat.view(-1))
                 return Handle("reduce_scatter", rank, self.timeout_s)
 
+            backend = _backend_for(group, input_flat)
+
             def body():
                 fn = _first_attr(("reduce_scatter_single", "reduce_scatter_tensor"))
                 impl = self.reduce_scatter_impl
                 if impl == "auto":
-                    impl = "all_reduce" if dist.get_backend(group) == "gloo" else "native"
+                    impl = "all_reduce" if backend == "gloo" else "native"
                 if impl == "native" and fn is not None:
-                    work, divisor = self._reducing("reduce_scatter", group, input_flat.dtype, op, ws,
+                    work, divisor = self._reducing("reduce_scatter", backend, input_flat.dtype, op, ws,
                                                    lambda o: fn(output_shard, input_flat, op=o, group=group,
                                                                 async_op=True))
                     if work is not None:
@@ -241,7 +246,7 @@ class Comm:
                         return [work], _divider(output_shard, divisor)
                 # emulation: all-reduce a copy of the flat, keep this rank's chunk ([Note: native or emulated])
                 tmp = input_flat.view(-1) if input_is_scratch else input_flat.view(-1).clone()
-                work, divisor = self._all_reduce_work(tmp, group, op, ws)
+                work, divisor = self._all_reduce_work(tmp, group, backend, op, ws)
                 self._count("reduce_scatter", ring_bytes("all_reduce", nbytes, ws), True)
                 n = output_shard.numel()
 
@@ -262,11 +267,13 @@ class Comm:
                 output_flat.view(-1).copy_(input_shard.view(-1))
                 return Handle("all_gather", rank, self.timeout_s)
 
+            backend = _backend_for(group, input_shard)
+
             def body():
                 fn = _first_attr(("all_gather_single", "all_gather_into_tensor"))
-                key = (dist.get_backend(group), "all_gather", input_shard.dtype)
                 if self.all_gather_impl != "list" and fn is not None:
-                    work = self._try_native(key, lambda: fn(output_flat, input_shard, group=group, async_op=True))
+                    work = self._try_native((backend, "all_gather", input_shard.dtype),
+                                            lambda: fn(output_flat, input_shard, group=group, async_op=True))
                     if work is not None:
                         self._count("all_gather", ring_bytes("all_gather", nbytes, ws), False)
                         return [work], None
@@ -288,8 +295,10 @@ class Comm:
             if not self._active():
                 return Handle("all_reduce", rank, self.timeout_s)
 
+            backend = _backend_for(group, tensor)
+
             def body():
-                work, divisor = self._all_reduce_work(tensor, group, op, ws)
+                work, divisor = self._all_reduce_work(tensor, group, backend, op, ws)
                 self._count("all_reduce", ring_bytes("all_reduce", nbytes, ws), divisor != 1)
                 return [work], _divider(tensor, divisor)
             return self._issue("all_reduce", rank, body, (tensor,))
@@ -304,6 +313,8 @@ class Comm:
         with record_function("zerotier::broadcast"):
             if not self._active():
                 return Handle("broadcast", rank, self.timeout_s)
+
+            _backend_for(group, tensor)
 
             def body():
                 work = dist.broadcast(tensor, src=src, group=group, async_op=True)
@@ -320,7 +331,7 @@ class Comm:
         """
         group = self._group(group)
         rank, ws = self.rank(group), self.world_size(group)
-        flags = torch.zeros(ws, dtype=torch.int32, device=self._comm_device(group))
+        flags = torch.zeros(ws, dtype=torch.int32, device=self.flags_device(group))
         flags[rank] = 0 if ok else 1
         self.all_reduce(flags, SUM, group).wait()
         failed = [r for r, f in enumerate(flags.tolist()) if f]
@@ -330,8 +341,10 @@ class Comm:
 
     # ------------------------------------------------------------ internals
 
-    def _comm_device(self, group: Any) -> torch.device:
-        if self._active() and dist.get_backend(group) == "nccl":
+    def flags_device(self, group: Any = None) -> torch.device:
+        """Where small bookkeeping tensors (flags, counters) are reduced: the CPU, unless the
+        group is NCCL only."""
+        if self._active() and "gloo" not in str(dist.get_backend(self._group(group))):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -342,8 +355,8 @@ class Comm:
         on_cuda = keep[0].is_cuda
         if on_cuda and self.overlap:
             if self.stream is None:
-                self.stream = torch.cuda.Stream()
-            self.stream.wait_stream(torch.cuda.current_stream())  # inputs queued on compute are ready
+                self.stream = torch.cuda.Stream(keep[0].device)
+            self.stream.wait_stream(torch.cuda.current_stream(keep[0].device))  # inputs queued on compute are ready
             with torch.cuda.stream(self.stream):
                 works, finish = body()
                 for work in works:  # NCCL: makes self.stream wait for the collective; host does not block
@@ -360,7 +373,10 @@ class Comm:
         return handle
 
     def _try_native(self, key: Hashable, call: Callable[[], Any]) -> Any:
-        """The work of `call()`, or None when the backend refused it ([Note: native or emulated])."""
+        """The work of `call()`, or None when the backend refused it ([Note: native or emulated]).
+        key[0] is the backend that runs it: NCCL is never probed."""
+        if key[0] == "nccl":
+            return call()
         if self._native.get(key) is False:
             return None
         try:
@@ -373,10 +389,9 @@ class Comm:
         self._native[key] = True
         return work
 
-    def _reducing(self, kind: str, group: Any, dtype: torch.dtype, op, ws: int,
+    def _reducing(self, kind: str, backend: str, dtype: torch.dtype, op, ws: int,
                   call: Callable[[Any], Any]) -> tuple[Any, int]:
         """Issue call(op) natively; where AVG is refused, call(SUM) and return the divisor."""
-        backend = dist.get_backend(group)
         work = self._try_native((backend, kind, dtype, op), lambda: call(op))
         if work is not None:
             return work, 1
@@ -386,12 +401,30 @@ class Comm:
                 return work, ws
         return None, 1
 
-    def _all_reduce_work(self, tensor: torch.Tensor, group: Any, op, ws: int) -> tuple[Any, int]:
-        work, divisor = self._reducing("all_reduce", group, tensor.dtype, op, ws,
+    def _all_reduce_work(self, tensor: torch.Tensor, group: Any, backend: str, op, ws: int) -> tuple[Any, int]:
+        work, divisor = self._reducing("all_reduce", backend, tensor.dtype, op, ws,
                                        lambda o: dist.all_reduce(tensor, op=o, group=group, async_op=True))
         if work is None:  # SUM refused too: a real error, let the backend say it
             work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
         return work, divisor
+
+
+def _backend_for(group: Any, tensor: torch.Tensor) -> str:
+    """The backend that runs a collective on `tensor` in `group`: the group's own, or for a
+    "cpu:gloo,cuda:nccl" group the one for the tensor's device. A tensor on a device the
+    group has no backend for (a CPU tensor on an NCCL-only group) is a clear error here,
+    not "No backend type associated with device type cpu" from deep inside the call."""
+    name = str(dist.get_backend(group))
+    if ":" in name:
+        by_device = dict(part.split(":", 1) for part in name.split(","))
+    else:
+        by_device = {"cuda": name} if name == "nccl" else {"cpu": name, "cuda": name}
+    backend = by_device.get(tensor.device.type)
+    if backend is None:
+        raise ValueError(f"collective on a {tensor.device.type} tensor, but the process group's backend "
+                         f"{name!r} has none for that device; zerotier.initialize joins a "
+                         "'cpu:gloo,cuda:nccl' group on CUDA (or pass device tensors)")
+    return backend
 
 
 def _first_attr(names: Sequence[str]) -> Callable | None:

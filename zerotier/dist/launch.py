@@ -33,7 +33,7 @@ def init_distributed(zero_cfg=None, device: torch.device | None = None) -> tuple
     - already initialized (by the user or an earlier call): its rank and size, untouched;
     - torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): init with
       `timeout = zero_cfg.timeout_s` for every collective. On a CUDA `device` (default:
-      cuda:LOCAL_RANK when CUDA is available) the group is "cpu:gloo,cuda:nccl" bound to
+      what train.device = "cuda" picks when CUDA is available) the group is "cpu:gloo,cuda:nccl" bound to
       that device: NCCL for device tensors, gloo for the CPU ones (scalars, host shards,
       checkpoint helpers); on the CPU it is gloo;
     - no launcher environment: (0, 1) and nothing is initialized; the collectives in
@@ -52,7 +52,8 @@ def init_distributed(zero_cfg=None, device: torch.device | None = None) -> tuple
     timeout_s = 600.0 if zero_cfg is None else zero_cfg.timeout_s
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
     if device is None and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        from ..device import choose
+        device = choose("cuda")
     if device is not None and device.type == "cuda":
         backend = "cpu:gloo,cuda:nccl"
         torch.cuda.set_device(device)

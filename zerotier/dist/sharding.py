@@ -27,7 +27,9 @@ import torch
 from ..config import ZeroConfig
 from ..state import Unit
 from .buckets import ParamGatherer
-from .comm import SUM, Comm
+from .comm import MAX, SUM, CollectiveError, Comm
+
+_FP_MOD = 2 ** 61 - 1  # gather fingerprints stay within int64, and so does their negation
 from .partition import Partition, partition_units
 
 
@@ -42,6 +44,7 @@ class Sharding:
         self._gather_done: dict[int, callable] = {}
         self._keep: list[torch.Tensor] = []  # lp shards that must live until their gather completes
         self._threshold = {0: 2 ** 63, 3: zero_cfg.persistence_threshold}.get(self.stage, 0)
+        self._gather_fp = 0  # fingerprint of the ZeRO-3 gathers since the last agree()
 
     # ------------------------------------------------------------ layout
 
@@ -80,13 +83,37 @@ class Sharding:
         """Whether gradients are reduced in this backward (stage >= 2: every micro-batch)."""
         return self.active and (self.stage >= 2 or last_micro_batch)
 
-    def global_sum(self, value: float) -> float:
-        """Sum of a float over ranks (grad-norm squares: clipping and overflow agree everywhere)."""
-        if not self.active:
+    def global_sum(self, value: "float | torch.Tensor") -> float:
+        """Sum over ranks of a float or a 0-d fp64 tensor (grad-norm squares: clipping and
+        overflow agree everywhere). A device tensor is all-reduced where it is (NCCL) and
+        read once: the step's one device sync."""
+        if isinstance(value, torch.Tensor):
+            t = value.reshape(1)
+        elif not self.active:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
-        self.comm.all_reduce(t, SUM).wait()
+        else:
+            t = torch.tensor([value], dtype=torch.float64)
+        if self.active:
+            self.comm.all_reduce(t, SUM).wait()
         return float(t[0])
+
+    def agree(self, used: list[bool]) -> list[bool]:
+        """End of a window, with several ranks: which units got a gradient on any rank (one
+        all-reduce(MAX) of flags; see [Note: the same collectives on every rank] in grads.py).
+        The same collective checks that every rank gathered the same ZeRO-3 units since the
+        last call: mismatched gathers mix different units' shards, so training must stop."""
+        fp = self._gather_fp
+        t = torch.tensor([fp, -fp] + [int(u) for u in used], dtype=torch.int64, device=self.comm.flags_device())
+        self.comm.all_reduce(t, MAX).wait()
+        values = t.tolist()
+        self._gather_fp = 0
+        if values[0] != fp or values[1] != -fp:
+            raise CollectiveError(
+                f"rank {self.rank}: the ranks gathered different ZeRO-3 parameter units since the last step "
+                "(data-dependent module routing, e.g. MoE experts chosen per rank?). At zero.stage = 3 every "
+                "rank must run the same modules in the same order; use zero.stage <= 2 (units unused on a "
+                "rank are then reduced as zeros) or run every expert on every rank")
+        return [bool(v) for v in values[2:]]
 
     def local_sumsq_share(self, unit: Unit) -> bool:
         """Replicated units hold identical gradients on every rank: count them on rank 0 only."""
@@ -114,6 +141,7 @@ class Sharding:
 
     def all_gather(self, unit: Unit, out_padded: torch.Tensor, shard: torch.Tensor):
         """Stage 3 fetch: returns the handle of the all-gather of `shard` into `out_padded`."""
+        self._gather_fp = (self._gather_fp * 1_000_003 + unit.index + 1) % _FP_MOD  # checked by agree()
         return self.comm.all_gather(out_padded, shard)
 
     def gather_full(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:

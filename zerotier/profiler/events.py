@@ -12,8 +12,22 @@ torch.profiler label (`record_function`), emitted only while a torch profiler
 is actually running.
 
 Times are `perf_counter_ns()` values. Callers that measure a transfer themselves
-(an async I/O ticket's issue and completion, a CUDA copy timed with events) pass
-them to `record(...)` / `record_wait(...)` in that same clock.
+(an async I/O ticket's issue and completion) pass them to `record(...)` /
+`record_wait(...)` in that same clock.
+
+[Note: CUDA timing]
+On a GPU the host only enqueues work, so host clocks would time the enqueue. With a
+CUDA device the profiler times device work with CUDA events instead: forward,
+backward and device-optimizer spans by events recorded on the current (compute)
+stream at their begin and end; a device-side wait (`wait_begin(..., device=True)`,
+a compute stream waiting on a copy's event) by events before and after it, so its
+length is the time the GPU really stood still; a host<->device copy by the start
+and end events the device tier records around it on its copy stream (`end(token,
+copy=ticket)`; a copy from NVMe keeps its host start, when the read began). Events
+are resolved into the same perf_counter_ns clock when a trace is built: a
+reference event is recorded and synchronized when the profiler starts, and every
+event's time is that instant plus `reference.elapsed_time(event)`. So overlap %,
+stalls and the verdict are computed by the same code on both kinds of machine.
 """
 from __future__ import annotations
 
@@ -52,8 +66,9 @@ class Profiler:
     """
 
     def __init__(self, cfg: ProfileConfig, residency: Residency | None = None,
-                 peak_rates: Mapping[str, float] | None = None):
+                 peak_rates: Mapping[str, float] | None = None, device=None):
         self.cfg = cfg
+        self._cuda = _CudaClock(device) if device is not None and device.type == "cuda" else None
         self.t0_ns = _now()                  # trace time 0
         self.wall_t0 = time.time()           # the same instant, as wall-clock seconds
         self._residency = residency
@@ -76,9 +91,10 @@ class Profiler:
 
     @classmethod
     def from_config(cls, cfg: ProfileConfig, residency: Residency | None = None,
-                    peak_rates: Mapping[str, float] | None = None) -> "Profiler | None":
-        """A Profiler when `cfg.enabled`, else None (what the engine stores when profiling is off)."""
-        return cls(cfg, residency, peak_rates) if cfg.enabled else None
+                    peak_rates: Mapping[str, float] | None = None, device=None) -> "Profiler | None":
+        """A Profiler when `cfg.enabled`, else None (what the engine stores when profiling is off).
+        `device`: the compute device; a CUDA one is timed with events ([Note: CUDA timing])."""
+        return cls(cfg, residency, peak_rates, device) if cfg.enabled else None
 
     # ------------------------------------------------------------------ transfers
 
@@ -92,9 +108,16 @@ class Profiler:
         rf = self._label(f"zerotier::{reason} {name} {src}->{dst}")
         return (name, role, src, dst, nbytes, reason, stream or _thread().name, _now(), rf)
 
-    def end(self, token: tuple, stall_ns: int = 0) -> None:
-        """The transfer of `token` is complete. `stall_ns`: compute time spent waiting on it, if known here."""
-        self._transfers.append(token[:8] + (_now(), stall_ns))
+    def end(self, token: tuple, stall_ns: int = 0, copy=None) -> None:
+        """The transfer of `token` is complete, or, with `copy` (the device tier's ticket of a CUDA
+        copy it enqueued), will be when that copy's end event is reached: it is then timed by the
+        copy's events on its copy stream ([Note: CUDA timing]). `stall_ns`: compute time spent
+        waiting on it, if known here."""
+        events = getattr(copy, "timing_events", None)
+        if self._cuda is not None and events is not None:
+            self._cuda.pending.append(("transfer", token[:6] + (copy.stream_name, token[7], stall_ns), events))
+        else:
+            self._transfers.append(token[:8] + (_now(), stall_ns))
         if token[8] is not None:
             token[8].__exit__(None, None, None)
 
@@ -121,12 +144,17 @@ class Profiler:
 
     # ------------------------------------------------------------------ stalls
 
-    def wait_begin(self, name: str) -> tuple:
-        """Compute starts waiting for tensor `name` (a prefetch in flight, a demand fetch, an I/O ticket)."""
-        return (name, _thread().name, _now(), self._label(f"zerotier::stall {name}"))
+    def wait_begin(self, name: str, device: bool = False) -> tuple:
+        """Compute starts waiting for tensor `name` (a prefetch in flight, a demand fetch, an I/O ticket).
+        `device`: the wait is the compute stream's (e.g. on a copy's event), timed on the GPU."""
+        ev = self._cuda.record() if device and self._cuda is not None else None
+        return (name, _thread().name, _now(), self._label(f"zerotier::stall {name}"), ev)
 
     def wait_end(self, token: tuple) -> None:
-        self._waits.append(token[:3] + (_now(),))
+        if token[4] is not None:
+            self._cuda.pending.append(("wait", token[:2], (token[4], self._cuda.record())))
+        else:
+            self._waits.append(token[:3] + (_now(),))
         if token[3] is not None:
             token[3].__exit__(None, None, None)
 
@@ -152,10 +180,14 @@ class Profiler:
         if kind not in _KINDS:
             raise ValueError(f"profiler: compute kind {kind!r} is not one of {', '.join(COMPUTE_KINDS)}")
         label = label or kind
-        return (label, kind, _thread().name, _now(), numel, self._label(f"zerotier::{label}"))
+        ev = self._cuda.record() if self._cuda is not None and kind in _DEVICE_KINDS else None
+        return (label, kind, _thread().name, _now(), numel, self._label(f"zerotier::{label}"), ev)
 
     def compute_end(self, token: tuple) -> None:
-        self._computes.append(token[:4] + (_now(), token[4]))
+        if token[6] is not None:  # device work: timed by events on the compute stream
+            self._cuda.pending.append(("compute", token[:3] + (token[4],), (token[6], self._cuda.record())))
+        else:
+            self._computes.append(token[:4] + (_now(), token[4]))
         if token[5] is not None:
             token[5].__exit__(None, None, None)
 
@@ -221,7 +253,10 @@ class Profiler:
         return self._peak_rates or None
 
     def snapshot(self) -> dict:
-        """Copies of the raw records (lists of tuples, see __init__) for the exporter."""
+        """Copies of the raw records (lists of tuples, see __init__) for the exporter. CUDA-timed
+        records are resolved first (waiting for their events)."""
+        if self._cuda is not None:
+            self._resolve_cuda()
         return {"transfers": list(self._transfers), "computes": list(self._computes), "waits": list(self._waits),
                 "prefetch": list(self._prefetch), "samples": list(self._samples),
                 "sampler_error": self._sampler_error}
@@ -276,6 +311,27 @@ class Profiler:
 
     # ------------------------------------------------------------------ internals
 
+    def _resolve_cuda(self) -> None:
+        """Turn the event-timed records into perf_counter_ns records ([Note: CUDA timing])."""
+        clock = self._cuda
+        n = len(clock.pending)
+        batch = clock.pending[:n]
+        del clock.pending[:n]  # one bytecode: records appended meanwhile by workers stay
+        for what, fields, (start_ev, end_ev) in batch:
+            end = clock.ns(end_ev)
+            start = min(clock.ns(start_ev), end)
+            if what == "transfer":
+                name, role, src, dst, nbytes, reason, stream, host_start, stall = fields
+                if "nvme" in (src, dst):  # the read/write before the copy belongs to the transfer
+                    start = min(host_start, end)
+                self._transfers.append((name, role, src, dst, nbytes, reason, stream, start, end, stall))
+            elif what == "compute":
+                label, kind, thread, numel = fields
+                self._computes.append((label, kind, thread, start, end, numel))
+            else:
+                name, thread = fields
+                self._waits.append((name, thread, start, end))
+
     def _label(self, text: str):
         """An entered torch record_function for `text` while a torch profiler runs, else None."""
         if self._rf is None or not self._rf[0]():
@@ -283,6 +339,32 @@ class Profiler:
         rf = self._rf[1](text)
         rf.__enter__()
         return rf
+
+
+_DEVICE_KINDS = frozenset(("forward", "backward", "device-optimizer"))  # timed on the GPU when there is one
+
+
+class _CudaClock:
+    """Timing events on one CUDA device, in the perf_counter_ns clock ([Note: CUDA timing])."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.device = torch, device
+        self.pending: list[tuple] = []  # (what, fields, (start_event, end_event)), resolved by snapshot()
+        self.reference = self.record()
+        self.reference.synchronize()
+        self.reference_ns = _now()
+
+    def record(self, stream=None):
+        """A timing event recorded now on `stream` (default: the calling thread's current stream)."""
+        event = self.torch.cuda.Event(enable_timing=True)
+        event.record(stream if stream is not None else self.torch.cuda.current_stream(self.device))
+        return event
+
+    def ns(self, event) -> int:
+        event.synchronize()
+        return self.reference_ns + int(self.reference.elapsed_time(event) * 1e6)
 
 
 def _check(role: str, src: str, dst: str, reason: str) -> None:

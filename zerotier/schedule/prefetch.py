@@ -5,7 +5,8 @@ The first training pass (forward + backward) records the order in which units ar
 including activation-checkpoint recomputation). Later steps replay it: each
 demand fetch of unit k checks k against the trace and, if it matches, issues
 asynchronous fetches for the next `lookahead` units within `max_bytes` of
-parameters in flight. When the order diverges (data-dependent control flow),
+parameters in flight (a unit larger than `max_bytes` is still prefetched when
+nothing else is in flight, so very large layers are never demand-only). When the order diverges (data-dependent control flow),
 the step falls back to fetching on demand, one warning names the module, and
 the order of that step is recorded as the new trace. It never raises.
 """
@@ -49,7 +50,8 @@ class PrefetchScheduler:
         self.pos += 1
         budget = self.cfg.max_bytes if self.cfg.max_bytes != "auto" else float("inf")
         for nxt in self.trace[self.pos: self.pos + self.cfg.lookahead]:
-            if self.inflight_bytes() + self.unit_bytes[nxt] > budget:
+            inflight = self.inflight_bytes()
+            if inflight and inflight + self.unit_bytes[nxt] > budget:
                 break
             self.issue(nxt)
 

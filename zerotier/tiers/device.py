@@ -44,12 +44,17 @@ _CUDA_ROUND = 512
 
 
 class EventTicket:
-    """A CUDA copy in flight: the event recorded after it, and the tensors it touches."""
+    """A CUDA copy in flight: the event recorded after it, and the tensors it touches.
+    With timing on (profiling), `timing_events` = (start, end) events around the copy on
+    `stream_name`'s stream, for the profiler ([Note: CUDA timing] in profiler/events.py)."""
 
-    def __init__(self, event: "torch.cuda.Event", nbytes: int, keepalive: tuple) -> None:
+    def __init__(self, event: "torch.cuda.Event", nbytes: int, keepalive: tuple, start_event=None,
+                 stream_name: str = "") -> None:
         self._event = event
         self._nbytes = nbytes
         self._keepalive: tuple | None = keepalive  # both sides of the copy, until done
+        self.timing_events = (start_event, event) if start_event is not None else None
+        self.stream_name = stream_name
 
     def done(self) -> bool:
         if self._event.query():
@@ -77,7 +82,7 @@ class EventTicket:
 class DeviceTier(BudgetedTier):
     """Budgeted allocations on `device` ("cuda[:N]" or "cpu") plus async copies."""
 
-    def __init__(self, budget: int, device: torch.device | str | None = None) -> None:
+    def __init__(self, budget: int, device: torch.device | str | None = None, timing: bool = False) -> None:
         super().__init__("device", budget, hint="Raise tiers.device, or offload more state to host/nvme "
                                                 "(offload.params / offload.gradients / offload.optimizer).")
         if device is None:
@@ -92,6 +97,7 @@ class DeviceTier(BudgetedTier):
             raise ZerotierError(f"device tier: unsupported device {device} (use cuda or cpu)")
         self.device = device
         self.is_cuda = device.type == "cuda"
+        self.timing = timing and self.is_cuda  # copies carry timing events (the profiler is on)
         self._lock = threading.Lock()
         self._live: dict[int, int] = {}  # data_ptr -> accounted bytes, for free()
         if self.is_cuda:
@@ -181,12 +187,17 @@ class DeviceTier(BudgetedTier):
         host, dev = (src, dst) if inbound else (dst, src)
         stream = self.h2d_stream if inbound else self.d2h_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # dev was made on the current stream
+        start = None
+        if self.timing:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=host.is_pinned())
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=self.timing)
             event.record(stream)
         dev.record_stream(stream)
-        return EventTicket(event, nbytes, keepalive=(dst, src))
+        return EventTicket(event, nbytes, keepalive=(dst, src), start_event=start,
+                           stream_name="cuda:h2d" if inbound else "cuda:d2h")
 
     def stats(self) -> dict[str, int]:
         out = super().stats()

@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Run the GPU test suite and the GPU benchmarks on a bare GPU machine with no network.
+#
+#   benchmarks/gpu_run.sh OUT_DIR
+#
+# From the repo root of a copy of the working tree that includes wheels/ (filled by
+# benchmarks/gpu_wheels.sh where PyPI is reachable), e.g. through the device tool:
+# command `benchmarks/gpu_run.sh "$OUT"` with carry ["wheels"].
+#
+# Steps (each logged to OUT_DIR/<step>.log; a failed step does not stop the others):
+#   machine     nvidia-smi, torch/CUDA versions and devices -> OUT_DIR/machine.txt
+#   venv        .gpuvenv with --system-site-packages (the machine's torch/transformers),
+#               test needs from wheels/ (pip --no-index), zerotier built editable offline,
+#               both native libraries must report "loaded"
+#   bench_deps  deepspeed (no ops: JIT-built when used) and torchao from wheels/
+#   pytest      python -m pytest -m cuda -> OUT_DIR/junit-cuda.xml
+#   bench_*     zerotier bench pcie/mem/adam/io --quick -> OUT_DIR/bench_node.json
+#   bench_gpu   benchmarks/bench_gpu.py --out OUT_DIR/bench_gpu.json (if that file exists)
+# then OUT_DIR/summary.txt: exit code and duration per step, pytest counts.
+# Every step runs under `timeout`; the whole run ends within GPU_RUN_SECONDS (default 570).
+# Exit code: 0 if every step passed (a missing bench_gpu.py counts as skipped), else 1.
+#
+# Environment: PYTHON (default python3) is the interpreter whose packages are reused.
+# If PYTHON belongs to a virtualenv (local testing on a machine whose python3 has no torch,
+# e.g. PYTHON=/work/main/.venv/bin/python), its site-packages are added to .gpuvenv by a
+# .pth file, since --system-site-packages only reaches the base interpreter's packages.
+set -u
+
+OUT="${1:?usage: benchmarks/gpu_run.sh OUT_DIR}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 1
+mkdir -p "$OUT" || exit 1
+OUT="$(cd "$OUT" && pwd)"
+
+export OUT ROOT
+export PYTHON="${PYTHON:-python3}"
+export WHEELS="$ROOT/wheels"
+export VENV="$ROOT/.gpuvenv"
+export VPY="$VENV/bin/python"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PYTHONUNBUFFERED=1
+export ZEROTIER_BENCH_FILE="$OUT/bench_node.json"   # `zerotier bench` saves here, not in ~/.cache
+
+RUN_START=$(date +%s)
+DEADLINE=$((RUN_START + ${GPU_RUN_SECONDS:-570}))
+FAILED=0
+SUMMARY=()
+
+# step NAME BUDGET_S FUNCTION: run FUNCTION under timeout (its budget, capped by the time
+# left), log to OUT/NAME.log, record exit code and duration.
+step() {
+    local name="$1" budget="$2" fn="$3" log="$OUT/$1.log"
+    local left=$((DEADLINE - $(date +%s) - 5))
+    (( budget > left )) && budget=$left
+    if (( budget < 10 )); then
+        echo "not started: no time left" >"$log"
+        SUMMARY+=("$(printf '%-12s rc=%-4s %4ss  not started: no time left' "$name" 124 0)")
+        FAILED=1
+        return
+    fi
+    echo "== $name (budget ${budget}s)"
+    local t0=$(date +%s)
+    timeout --kill-after=10 "$budget" bash -c "$fn" >"$log" 2>&1
+    local rc=$? dt=$(($(date +%s) - t0)) note=""
+    if (( rc == 124 || rc == 137 )); then note="  timed out after ${budget}s"; fi
+    if (( rc == 99 )); then note="  skipped: $(tail -n 1 "$log")"; rc=0; fi
+    echo "exit code: $rc" >>"$log"
+    (( rc != 0 )) && FAILED=1
+    SUMMARY+=("$(printf '%-12s rc=%-4s %4ss%s' "$name" "$rc" "$dt" "$note")")
+    echo "   rc=$rc ${dt}s$note"
+}
+
+vpip() { "$VPY" -m pip install --no-index --find-links "$WHEELS" "$@"; }
+
+machine() {
+    {
+        echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+        echo "host: $(uname -srm)"
+        if command -v nvidia-smi >/dev/null; then nvidia-smi; else echo "nvidia-smi: not found"; fi
+        command -v nvcc >/dev/null && nvcc --version | tail -n 2
+        "$PYTHON" - <<'EOF'
+import platform, sys
+print("python", sys.version.split()[0], sys.executable)
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"cuda:{i} {p.name} {p.total_memory / 2**30:.1f} GiB sm_{p.major}{p.minor}")
+EOF
+    } 2>&1 | tee "$OUT/machine.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+venv() {
+    set -e
+    "$PYTHON" -m venv --clear --system-site-packages "$VENV" \
+        || { "$PYTHON" -m venv --clear --without-pip --system-site-packages "$VENV"
+             "$VPY" "$(ls "$WHEELS"/pip-*.whl | head -n 1)/pip" install --no-index --find-links "$WHEELS" pip; }
+    # PYTHON inside a virtualenv: make that virtualenv's packages visible too (see header).
+    "$PYTHON" - "$VPY" <<'EOF'
+import pathlib, site, subprocess, sys
+if sys.prefix != sys.base_prefix:
+    target = subprocess.check_output([sys.argv[1], "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip()
+    pathlib.Path(target, "_gpu_run_base_venv.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    print("added", site.getsitepackages(), "to", target)
+EOF
+    vpip "setuptools>=64" wheel
+    vpip crc32c pytest pyyaml "tomli; python_version < '3.11'" numpy psutil py-cpuinfo tqdm
+    vpip --no-build-isolation --no-deps -e .
+    "$VPY" - <<'EOF'
+import sys, torch
+import zerotier, zerotier._native as n
+print("torch", torch.__version__, "from", torch.__file__)
+assert not torch.__file__.startswith(sys.prefix + "/"), "torch was installed into .gpuvenv: the machine's torch must be reused"
+print("zerotier from", zerotier.__file__)
+status = n.status()
+print(status)
+sys.exit(0 if all(v == "loaded" for v in status.values()) else 1)
+EOF
+}
+
+bench_deps() {
+    set -e
+    vpip deepspeed
+    vpip --no-deps torchao
+    "$VPY" -c 'import deepspeed, torchao; print("deepspeed", deepspeed.__version__, "torchao", torchao.__version__)'
+}
+
+run_pytest() {
+    "$VPY" -m pytest -m cuda -v -rA --junitxml "$OUT/junit-cuda.xml"
+}
+
+node_bench() {  # zerotier bench SECTION --quick, saved to $ZEROTIER_BENCH_FILE
+    local dir="$(mktemp -d "$ROOT/.gpu_bench.XXXX")"
+    "$VPY" -m zerotier.cli bench "$1" --quick --path "$dir"
+    local rc=$?
+    rm -rf "$dir"
+    return $rc
+}
+
+bench_gpu() {
+    if [[ ! -f benchmarks/bench_gpu.py ]]; then
+        echo "benchmarks/bench_gpu.py missing"
+        return 99
+    fi
+    "$VPY" benchmarks/bench_gpu.py --out "$OUT/bench_gpu.json"
+}
+
+export -f vpip machine venv bench_deps run_pytest node_bench bench_gpu
+
+step machine      60 machine
+step venv        180 venv
+step bench_deps   60 bench_deps
+step pytest      330 run_pytest
+for section in pcie mem adam io; do
+    step "bench_$section" 45 "node_bench $section"
+done
+step bench_gpu   300 bench_gpu
+
+counts="$("$PYTHON" - "$OUT/junit-cuda.xml" <<'EOF' 2>&1
+import sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except Exception as exc:
+    print(f"pytest: no results ({type(exc).__name__}: {exc})"); sys.exit()
+suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+print(f"pytest: {passed} passed, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped ({n['tests']} tests)")
+EOF
+)"
+{
+    printf '%s\n' "${SUMMARY[@]}"
+    echo "$counts"
+    echo "total: $(($(date +%s) - RUN_START))s, $( ((FAILED)) && echo "FAILED" || echo "all steps passed")"
+} | tee "$OUT/summary.txt"
+exit "$FAILED"
