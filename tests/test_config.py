@@ -275,7 +275,7 @@ def test_unknown_nested_key_suggests_the_closest():
         Config.from_dict({"tiers": {"nvm_path": "/mnt"}})
     assert str(info.value) == (
         "unknown config key 'tiers.nvm_path'; did you mean 'tiers.nvme_path'? "
-        "valid keys: device, host, nvme, nvme_path"
+        "valid keys: device, device_reserve, host, nvme, nvme_path"
     )
 
 

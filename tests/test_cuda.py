@@ -526,7 +526,7 @@ def test_pinned_host_bytes_are_the_pools_and_within_budget(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # 8. host synchronizations per phase
 
-SYNC_MESSAGE = "called a synchronizing CUDA operation"
+SYNC_MESSAGE = "synchronizing CUDA operation"  # c10: TORCH_WARN("called a synchronizing CUDA operation")
 
 
 @contextlib.contextmanager
@@ -603,7 +603,7 @@ print("context-on-1", torch._C._cuda_hasPrimaryContext(1))
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason=f"needs >= 2 CUDA devices (found {torch.cuda.device_count()})")
 def test_engine_on_cuda1_creates_no_context_on_cuda0(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("ZEROTIER_DEVICE", "CUDA_VISIBLE_DEVICES")}
+    env = {k: v for k, v in os.environ.items() if k != "ZEROTIER_DEVICE"}
     proc = subprocess.run([sys.executable, "-c", CONTEXT_CHILD, str(tmp_path)], env=env, capture_output=True,
                           text=True, timeout=180)
     assert_child_ok(proc, "engine on cuda:1 (params host, optimizer nvme)")

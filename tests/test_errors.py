@@ -52,7 +52,7 @@ def test_unknown_top_level_key():
 
 def test_unknown_nested_key():
     with pytest.raises(ConfigError, match=r"^unknown config key 'tiers\.nvme_pth'; did you mean "
-                                          r"'tiers\.nvme_path'\? valid keys: device, host, nvme, nvme_path$"):
+                                          r"'tiers\.nvme_path'\? valid keys: device, device_reserve, host, nvme, nvme_path$"):
         zerotier.initialize(tiny(), {"tiers": {"nvme_pth": "/tmp"}})
 
 

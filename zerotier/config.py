@@ -70,6 +70,7 @@ class ZeroConfig(_Section):
 @dataclass(frozen=True)
 class TiersConfig(_Section):
     device: Size = "auto"                 # accelerator (or CPU "device" pool) budget
+    device_reserve: Size = "auto"         # left out of an auto device budget: activations etc.
     host: Size = "auto"                   # pinned host memory budget
     nvme: Size = "auto"                   # NVMe budget; auto = free space at nvme_path; 0 disables the tier
     nvme_path: str | None = None          # directory for swap files (a per-run subdir is made)

@@ -46,6 +46,8 @@ copies are per GPU.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import shutil
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -186,7 +188,9 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[str, int]:
     if tiers.device != "auto":
         dev = int(tiers.device)
     elif device.type == "cuda":
-        dev = int(torch.cuda.mem_get_info(device)[0] * 0.9)
+        free, total = torch.cuda.mem_get_info(device)
+        reserve = int(total * 0.15) if tiers.device_reserve == "auto" else int(tiers.device_reserve)
+        dev = max(0, int(free * 0.9) - reserve)
     else:  # the CPU "device" pool and the host tier share RAM: split what is free
         dev = int(available * 0.4)
     if tiers.host != "auto":
@@ -217,6 +221,7 @@ class _Sizes:
     world_size: int
     pipeline_depth: int = 3
     engine_buffers: bool = True  # count the engine's transient buffers (False: the ZeRO paper's pure model state)
+    grads_on_gpu: bool = False   # gradients placed on a CUDA device (a host optimizer stages them)
 
     def rank_numel(self, kind: str) -> int:
         return shard_numel(self.numel, kind, self.stage, self.world_size)
@@ -239,12 +244,14 @@ def _bytes_for(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
         if s.engine_buffers and s.world_size > 1 and s.stage >= 1:
             # The engine keeps both the full gradient (the reduce-scatter input; freeing
             # it per bucket is future work) and this rank's reduced shard, on the gradient
-            # tier with gloo. Stages >= 2 counted the shard above, stage 1 the full flat.
+            # tier. Stages >= 2 counted the shard above, stage 1 the full flat.
             need[loc.value] += s.grad_bytes * (s.numel if n < s.numel else s.numel // s.world_size)
     else:
         need[loc.value] += OPTIMIZER_BYTES * n
         if loc is Location.NVME:
             need["host"] += UnitOptimizer.staging_bytes(s.pipeline_depth, s.rank_largest(kind))
+        if s.engine_buffers and s.grads_on_gpu and loc is not Location.DEVICE:
+            need["host"] += UnitOptimizer.grad_staging_bytes(s.rank_largest(kind), s.grad_bytes)
         if s.engine_buffers and s.world_size > 1 and s.stage in (1, 2):
             # the updated low-precision shards wait on the optimizer's side for the all-gather
             side = "device" if loc is Location.DEVICE else "host"
@@ -299,6 +306,8 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
         for t, b in _bytes_for(kind, chosen, sizes).items():
             free[t] -= b
             need[t] += b
+        if kind == "gradients":
+            sizes = dataclasses.replace(sizes, grads_on_gpu=device.type == "cuda" and chosen is Location.DEVICE)
     local = ranks_per_node or world_size
     breakdown, used = _predict(placement, sizes, device, rates, local)
     return Plan(placement, need, budgets, sum(breakdown.values()), breakdown, sizes.numel, world_size, stage,

@@ -22,6 +22,13 @@ unit's writes stay in flight while the next unit is read, and `finish()` waits f
 them when engine.step() begins. Either way the step's writes are waited before it
 returns: an I/O error surfaces in the step that caused it.
 
+[Note: device gradients, host optimizer]
+A CPU optimizer reading gradients that live on the GPU does not copy them with a
+blocking `.to("cpu")` per unit (a device sync each): `_HostGrads` copies each unit's
+shard on the device tier's d2h stream into a host-pool block one unit ahead, so the
+next unit's copy runs under this unit's Adam, and Adam waits on that copy's event
+only. At most two staging blocks are alive (`grad_staging_bytes`, counted by the planner).
+
 Each unit keeps its own step count (like torch's per-parameter `step`): a unit
 that received no gradient in an optimizer step is not updated at all, exactly
 as torch.optim.AdamW skips parameters whose `.grad` is None.
@@ -87,6 +94,11 @@ class UnitOptimizer:
         self._reads: dict[int, tuple[int, list]] = {}   # unit index -> (set, read tickets), in issue order
 
     @staticmethod
+    def grad_staging_bytes(largest_shard: int, grad_itemsize: int) -> int:
+        """Host-pool bytes of [Note: device gradients, host optimizer]: two gradient shards."""
+        return 2 * largest_shard * grad_itemsize
+
+    @staticmethod
     def staging_bytes(depth: int, largest_shard: int) -> int:
         """Host-pool bytes of the NVMe pipeline's staging sets (the planner counts exactly this)."""
         return depth * OPTIMIZER_BYTES * largest_shard
@@ -126,18 +138,27 @@ class UnitOptimizer:
         `grad_of(unit)`: the gradient shard to read; `out_of(unit)`: where the new params go.
         drain=False leaves NVMe write-backs in flight (an early update during backward: the
         next unit's read overlaps them); `finish()` waits for them."""
-        for unit in units:
-            if self.loc is not Location.NVME:
+        if self.loc is not Location.NVME:
+            order = units
+        else:  # units whose reads started during backward go first, in the order they were issued
+            order = sorted(units, key=lambda u: list(self._reads).index(u.index) if u.index in self._reads
+                           else len(self._reads) + u.index)
+        if order and self.device.type == "cpu" and grad_of(order[0]).device.type == "cuda":
+            grad_of = _HostGrads(order, grad_of, self.device_tier, self.host_pool)
+        try:
+            yield from self._step(order, grad_of, out_of, lr, grad_scale, drain)
+        finally:
+            if isinstance(grad_of, _HostGrads):
+                grad_of.close()
+
+    def _step(self, order, grad_of, out_of, lr: float, grad_scale: float, drain: bool) -> Iterator[Unit]:
+        if self.loc is not Location.NVME:
+            for unit in order:
                 s = self._state[unit.index]
                 self._adam(unit, s["master"], s["exp_avg"], s["exp_avg_sq"], grad_of(unit), out_of(unit), lr,
                            grad_scale)
                 yield unit
-        nvme = [u for u in units if self.loc is Location.NVME]
-        if not nvme:
             return
-        # Units whose reads started during backward go first, in the order they were issued.
-        order = sorted(nvme, key=lambda u: list(self._reads).index(u.index) if u.index in self._reads
-                       else len(self._reads) + u.index)
         ahead = max(1, self.depth - 2)
         completed = False
         try:
@@ -181,6 +202,8 @@ class UnitOptimizer:
         if on_cpu:  # `out` is host memory too (ParamStore.out_buffer): written in the same pass
             _kernels.adam_step(master, exp_avg, exp_avg_sq, grad, param_out=out, simd=self.cfg.simd,
                                threads=self.threads, **kwargs)
+        elif master.is_cuda and self.cfg.bias_correction:  # torch's fused kernel: one pass, no sync
+            _fused_adam(master, exp_avg, exp_avg_sq, grad, out, **kwargs)
         else:  # optimizer state on the accelerator: the same math in torch ops
             _kernels.adam_step_reference(master, exp_avg, exp_avg_sq, grad, param_out=out, **kwargs)
         if span is not None:
@@ -303,3 +326,53 @@ class UnitOptimizer:
         except Exception:  # noqa: BLE001 - closing: errors were reported by the step that caused them
             pass
 
+
+def _fused_adam(master, exp_avg, exp_avg_sq, grad, out, *, step, lr, beta1, beta2, eps, weight_decay,
+                     decoupled, bias_correction, grad_scale) -> None:
+    """Adam(W) with torch's fused kernel (what torch.optim.AdamW(fused=True) runs): one
+    kernel over the shard, no temporaries but the scaled gradient, no host sync (the step count
+    is filled on the device, not copied)."""
+    if grad.dtype != torch.float32 or grad_scale != 1.0:
+        grad = grad.float() * grad_scale
+    step_t = torch.full((), float(step), dtype=torch.float32, device=master.device)
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    fused([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t], amsgrad=False, lr=lr, beta1=beta1,
+          beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=False, grad_scale=None, found_inf=None)
+    if out is not None and out.data_ptr() != master.data_ptr():
+        out.copy_(master)
+
+
+class _HostGrads:
+    """grad_of for a CPU optimizer over device gradients ([Note: device gradients, host optimizer]):
+    called for the units in `order`, returns each one's shard in a host-pool block, the copy of the
+    next unit already issued. A block is freed when the next unit is asked for, or at close()."""
+
+    def __init__(self, order: list[Unit], grad_of: Callable[[Unit], torch.Tensor], device_tier, host_pool):
+        self._next = {a.index: b for a, b in zip(order, order[1:])}
+        self._grad_of, self._device_tier, self._host_pool = grad_of, device_tier, host_pool
+        self._staged: dict[int, tuple] = {}  # unit index -> (pool block, copy ticket)
+        self._current: int | None = None
+
+    def _issue(self, unit: Unit) -> None:
+        if unit.index not in self._staged:
+            grad = self._grad_of(unit)
+            block = self._host_pool.alloc(grad.numel() * grad.element_size(), grad.dtype, f"{unit.key}.grad staging")
+            self._staged[unit.index] = (block, self._device_tier.copy_d2h(block.tensor, grad))
+
+    def __call__(self, unit: Unit) -> torch.Tensor:
+        if self._current is not None:  # the previous unit's Adam is done with its block
+            self._host_pool.free(self._staged.pop(self._current)[0])
+        self._issue(unit)
+        nxt = self._next.get(unit.index)
+        if nxt is not None:
+            self._issue(nxt)  # overlaps this unit's Adam
+        self._current = unit.index
+        block, ticket = self._staged[unit.index]
+        ticket.wait()
+        return block.tensor
+
+    def close(self) -> None:
+        for block, ticket in self._staged.values():
+            ticket.wait()
+            self._host_pool.free(block)
+        self._staged.clear()
