@@ -616,3 +616,47 @@ def test_engine_on_cuda1_creates_no_context_on_cuda0(tmp_path):
         (f"a CUDA context was created on cuda:0 by an engine on cuda:1 (a thread or call without the device "
          f"set); measured hasPrimaryContext(0) = {lines.get('context-on-0')}, expected False.\n"
          f"stderr:\n{tail(proc.stderr)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. the profiler times device work with CUDA events
+
+
+@cuda
+def test_profiler_times_device_work_with_cuda_events(tmp_path):
+    """A forward that enqueues in microseconds but runs >= 50 ms on the GPU (torch.cuda._sleep in a
+    pre-hook): its profiled span must last as long as the GPU ran it, not as long as the enqueue;
+    parameter fetches appear on the cuda:h2d track, timed by their copy events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    cycles = int(10_000_000 * 50.0 / max(start.elapsed_time(end), 1e-3))  # ~50 ms of GPU time
+    model = make_model()
+    model.register_forward_pre_hook(lambda m, args: torch.cuda._sleep(cycles))
+    cfg = engine_config("cuda", PLACEMENTS["params-host"], accum=1, profile={"enabled": True})
+    with zerotier.initialize(model, cfg) as engine:
+        for x, y in batches(VOCAB, SEQ, BATCH, 3):
+            engine.backward(engine(x.cuda(), y.cuda()))
+            engine.step()
+        events = engine.profiler.trace()["traceEvents"]
+    forwards = [e["dur"] / 1e3 for e in events if e.get("cat") == "compute" and e["args"].get("kind") == "forward"]
+    assert len(forwards) == 3, f"expected 3 forward spans, found {len(forwards)}"
+    assert min(forwards) >= 40.0, (f"forward spans {forwards} ms: each forward runs >= 50 ms on the GPU; a span "
+                                   "timed by host clocks would last only the enqueue")
+    h2d = [e for e in events if e.get("cat") == "transfer" and e["args"].get("stream") == "cuda:h2d"]
+    assert h2d, "parameter fetches (params on host) must be timed on the cuda:h2d track"
+    assert all(e["dur"] >= 0 for e in h2d), "copy spans must have non-negative durations"
+
+
+@cuda
+def test_cpu_inputs_follow_the_model_to_the_gpu():
+    """Tensors passed to the wrapped model (positional or keyword) are moved to the engine's device."""
+    cfg = engine_config("cuda", PLACEMENTS["params-host"], accum=1)
+    with zerotier.initialize(make_model(), cfg) as engine:
+        x, y = next(batches(VOCAB, SEQ, BATCH, 1))
+        loss = engine.module(x, targets=y)  # CPU tensors, the plain module call
+        assert loss.device.type == "cuda", f"loss computed on {loss.device}, expected the engine's GPU"
+        engine.backward(loss)
+        assert engine.step()

@@ -233,6 +233,8 @@ class Engine:
             for name in unit.modules:
                 by_module.setdefault(name, []).append(unit)
         root = self.module
+        if self.device.type == "cuda":  # inputs follow the model, as FSDP does (plain model(x) too)
+            self._hooks.append(root.register_forward_pre_hook(self._inputs_to_device, with_kwargs=True))
         for name, module in self.module.named_modules():
             units = by_module.get(name, [])
             if units or module is root:
@@ -242,6 +244,11 @@ class Engine:
         for unit in self.units:
             for i, p in enumerate(unit.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, i)))
+
+    def _inputs_to_device(self, module, args, kwargs):
+        def move(t):
+            return t.to(self.device, non_blocking=True) if t.device != self.device else t
+        return _map_tensors(args, move), _map_tensors(kwargs, move)
 
     def _pre_forward(self, is_root: bool, units: list):
         def hook(module, args):
@@ -475,6 +482,7 @@ class Engine:
         self.params.close()
         self.grads.close()
         self.unit_optimizer.close()
+        self.device_tier.close()  # copies still on its streams finish before their buffers go
         if self.profiler is not None:
             self.profiler.close()  # writes profile.trace_path, if set
         if self.store is not None:
