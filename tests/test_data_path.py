@@ -167,20 +167,29 @@ def test_prefetch_issued_just_before_step_is_dropped():
 
 @pytest.mark.parametrize("name", ["params-host", "params-nvme", "optimizer-nvme"])
 def test_host_pool_bytes_match_the_plan(name, tmp_path):
-    """Every host byte the engine holds is a pool block, and the planner predicts them (10%)."""
+    """Every host byte the engine holds is a pool block, and the planner's host need is enough:
+    with tiers.host set to exactly that need, 3 steps train, and the pool's peak comes within 20%
+    of it (the plan counts every fetch and NVMe write-back that may be in flight at once, and each
+    block's rounding; how many are in flight depends on the drive's timing)."""
     offload = {"params-host": {"params": "host", "gradients": "host", "optimizer": "host"},
                **NVME}[name]
     cfg = {"offload": offload, "tiers": {"nvme_path": str(tmp_path)}, "train": {"max_grad_norm": 1.0},
            "prefetch": {"lookahead": 1}}
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=VOCAB, dim=128, layers=2, heads=2, seq=SEQ)  # units >> the 4 KiB block rounding
-    with zerotier.initialize(model, cfg) as engine:
+
+    def model():
+        torch.manual_seed(0)
+        return TinyGPT(vocab=VOCAB, dim=128, layers=2, heads=2, seq=SEQ)  # units >> the 4 KiB block rounding
+
+    with zerotier.initialize(model(), cfg) as engine:
+        need = engine.plan.need["host"]
+    cfg["tiers"]["host"] = need
+    with zerotier.initialize(model(), cfg) as engine:
         for x, y in batches(VOCAB, SEQ, BATCH, 3):
             engine.backward(engine(x, y))
             engine.step()
         engine.synchronize()
-        predicted, peak = engine.plan.need["host"], engine.host_pool.stats()["peak"]
-        assert abs(peak - predicted) <= 0.10 * predicted, (predicted, peak)
+        peak = engine.host_pool.stats()["peak"]
+    assert 0.8 * need <= peak <= need, (need, peak)
 
 
 def test_bf16_gradient_accumulation_halves_gradient_bytes_and_trains(tmp_path):

@@ -16,9 +16,9 @@ STEPS, ACCUM, CLIP, LR = 20, 2, 1.0, 3e-3
 VOCAB, SEQ, BATCH = 128, 16, 4
 
 
-def make_model(seed=0, **kw):
+def make_model(seed=0, layers=2, **kw):
     torch.manual_seed(seed)
-    return TinyGPT(vocab=VOCAB, dim=32, layers=2, heads=2, seq=SEQ, **kw)
+    return TinyGPT(vocab=VOCAB, dim=32, layers=layers, heads=2, seq=SEQ, **kw)
 
 
 def reference_run(model, steps=STEPS):
@@ -73,22 +73,24 @@ PLACEMENTS = {
 
 @pytest.mark.parametrize("name", PLACEMENTS)
 def test_matches_torch_adamw(name, tmp_path):
-    ref_losses, ref_weights = reference_run(make_model())
+    layers = 6 if PLACEMENTS[name] == "auto" else 2  # streaming 2 of 6 blocks saves device memory
+    ref_losses, ref_weights = reference_run(make_model(layers=layers))
     tiers = {"nvme_path": str(tmp_path)}
     if PLACEMENTS[name] == "auto":
-        tiers["device"] = 3 * sum(p.numel() for p in set(make_model().parameters()))
+        tiers["device"] = 3 * sum(p.numel() for p in set(make_model(layers=layers).parameters()))
         offload = {}
     else:
         offload = PLACEMENTS[name]
-    losses, weights, placement = engine_run(make_model(), {"offload": offload, "tiers": tiers})
+    losses, weights, placement = engine_run(make_model(layers=layers), {"offload": offload, "tiers": tiers})
     if offload:
         assert placement == offload
     else:
         assert placement["params"] != "device", placement  # the small budget forced offload
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert weights.keys() == ref_weights.keys()
+    atol = 1e-6 if layers == 2 else 3e-6  # 6 layers: all-device differs from torch by 1.8e-6 too (sum order)
     for key in ref_weights:
-        torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-5, atol=atol, msg=key)
     assert list(tmp_path.iterdir()) == [], "the NVMe run directory must be removed on close"
 
 
@@ -136,7 +138,7 @@ def test_prefetch_order_change_warns_once_and_keeps_training():
             return self.c(second(first(x))).square().mean()
 
     torch.manual_seed(0)
-    engine = zerotier.initialize(Branchy(), {"offload": {"params": "host"}})
+    engine = zerotier.initialize(Branchy(), {"offload": {"params": "host"}, "train": {"wrap": ["Linear"]}})
     x = torch.randn(4, 8)
     for flip in (False, False):
         engine.backward(engine(x, flip))
@@ -269,7 +271,7 @@ def test_unit_without_gradient_is_not_updated():
 
 
 def test_device_tier_peak_stays_within_budget(tmp_path):
-    model = make_model()
+    model = make_model(layers=6)  # streaming 6 blocks, a few at a time, saves device memory
     n = sum(p.numel() for p in set(model.parameters()))
     budget = 3 * n  # well below the 16 B/param of training state: params, grads and optimizer go off-device
     with zerotier.initialize(model, {"tiers": {"device": budget, "host": "1GiB", "nvme_path": str(tmp_path)},

@@ -23,8 +23,26 @@ def _no_saved_rates(tmp_path, monkeypatch):
 
 
 def plan(numels, device=BIG, host=BIG, nvme=0, offload=None, dtype="bf16", **kw):
+    kw.setdefault("alignment", 1)  # no block rounding: the formulas below are exact
     return make_plan(numels, TiersConfig(), OffloadConfig(**(offload or {})), PrecisionConfig(param_dtype=dtype),
                      PrefetchConfig(), CPU, budgets={"device": device, "host": host, "nvme": nvme}, **kw)
+
+
+def test_host_blocks_are_counted_rounded_up_to_the_alignment():
+    """Each host-pool block is rounded up to io.alignment; the plan counts the worst case per block."""
+    exact = plan([1000, 1000], offload={"params": "host", "gradients": "host", "optimizer": "host"})
+    rounded = plan([1000, 1000], offload={"params": "host", "gradients": "host", "optimizer": "host"},
+                   alignment=4096)
+    blocks = 2 + 2 + 3 * 2  # params, gradients, optimizer (master, m, v) per unit
+    assert rounded.need["host"] - exact.need["host"] == blocks * 4095
+
+
+def test_streamed_params_count_the_enclosing_units_and_never_more_than_the_model():
+    base = plan([100, 100, 100, 100, 100], offload={"params": "host"})
+    nested = plan([100, 100, 100, 100, 100], offload={"params": "host"}, nested_numel=100)
+    assert nested.need["device"] - base.need["device"] == 100 * 2  # bf16
+    assert plan([100, 100], offload={"params": "host", "gradients": "host", "optimizer": "host"},
+                nested_numel=100).need["device"] == 200 * 2  # the whole model at most
 
 
 ALL_DEVICE = {"params": "device", "gradients": "device", "optimizer": "device"}

@@ -175,15 +175,15 @@ def _count(text: str) -> int:
     return int(value)
 
 
-def _factory_units(spec: str) -> list[int]:
+def _factory_units(spec: str, wrap="auto") -> tuple[list[int], int]:
     """Build `module:factory` (on the meta device when it takes `device=`) and return the
-    numel of each unit as zerotier.state.build_units groups them."""
+    numel of each unit as zerotier.state.build_units groups them, and their nested_numel."""
     import importlib
     import inspect
 
     import torch
 
-    from zerotier.state import build_units
+    from zerotier.state import build_units, nested_numel
 
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -201,10 +201,10 @@ def _factory_units(spec: str) -> list[int]:
     model = factory(device="meta") if takes_device else factory()
     if not isinstance(model, torch.nn.Module):
         raise ZerotierError(f"--model: {spec} returned {type(model).__name__}, not a torch.nn.Module")
-    numels = [unit.numel for unit in build_units(model)]
-    if not numels:
+    units = build_units(model, wrap)
+    if not units:
         raise ZerotierError(f"--model: {spec} has no trainable parameters")
-    return numels
+    return [unit.numel for unit in units], nested_numel(units)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -233,8 +233,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise ZerotierError(f"--world-size: must be >= 1, got {args.world_size}")
     if args.model:
-        numels = _factory_units(args.model)
+        numels, nested = _factory_units(args.model, cfg.train.wrap)
     else:
+        nested = 0
         total, units = _count(args.params), 4 * max(args.layers, 1)
         units = min(units, total)
         numels = [total // units] * units
@@ -244,7 +245,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     try:
         plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device,
                          world_size=args.world_size, stage=cfg.zero.stage, grad_bytes=grad_bytes,
-                         ranks_per_node=args.ranks_per_node)
+                         ranks_per_node=args.ranks_per_node, nested_numel=nested)
     except PlanDoesNotFit as exc:
         if args.json:  # the object on stdout, the message on stderr (by main), exit status 1
             print(json.dumps({"numel": sum(numels), "world_size": args.world_size, "stage": cfg.zero.stage,

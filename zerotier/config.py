@@ -113,6 +113,7 @@ class TrainConfig(_Section):
     grad_accum_steps: int = 1
     max_grad_norm: float | None = None     # global grad-norm clipping; None disables
     device: str = "auto"                   # auto | cpu | cuda | cuda:N (see zerotier/device.py)
+    wrap: Literal["auto"] | tuple[str, ...] = "auto"  # unit boundaries: auto | module class names (state.py)
 
 
 @dataclass(frozen=True)
@@ -391,6 +392,9 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
             return value
         choices = ", ".join(repr(choice) for choice in args)
         raise ConfigError(f"{path}: must be one of {choices}, got {value!r}")
+    elif origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
+        if isinstance(value, (list, tuple)):
+            return tuple(_convert(item, args[0], f"{path}[{i}]") for i, item in enumerate(value))
     elif origin is tuple:
         if isinstance(value, (list, tuple)) and len(value) == len(args):
             return tuple(_convert(item, arm, f"{path}[{i}]") for i, (item, arm) in enumerate(zip(value, args)))
@@ -437,6 +441,8 @@ def _describe(hint: Any) -> str:
         return " or ".join(_describe(arm) for arm in args)
     if origin is Literal:
         return " or ".join(repr(choice) for choice in args)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return f"a list of {_describe(args[0])}s"
     if origin is tuple:
         return f"a list of {len(args)} items [{', '.join(_describe(arm) for arm in args)}]"
     names = {bool: "true or false", int: "an int", float: "a number", str: "a string", type(None): "null / left out"}

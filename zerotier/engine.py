@@ -50,6 +50,7 @@ or parameters kept on the device, where autocast works as in plain PyTorch.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -67,14 +68,16 @@ from .planner import make_plan
 from .profiler import Profiler
 from .scaler import LossScaler
 from .schedule import PrefetchScheduler
-from .state import DTYPES, Location, build_units
+from .state import DTYPES, Location, build_units, nested_numel
 from .tiers.device import DeviceTier
 from .tiers.host import HostPool
 
 
-def initialize(model: torch.nn.Module, config=None) -> "Engine":
-    """Wrap `model` for training under `config` (dict, file path or Config)."""
-    return Engine(model, Config.coerce(config))
+def initialize(model: torch.nn.Module, config=None, *, wrap=None) -> "Engine":
+    """Wrap `model` for training under `config` (dict, file path or Config). `wrap`: a callable
+    (module name, module) -> bool choosing the modules that are units; overrides train.wrap
+    ([Note: units] in state.py)."""
+    return Engine(model, Config.coerce(config), wrap)
 
 
 class _LRHolder(torch.optim.Optimizer):
@@ -110,8 +113,14 @@ def _autocast_dtype(device_type: str) -> "torch.dtype | None":
 
 
 def _map_tensors(obj, fn):
+    """`obj` with fn applied to every tensor in it (tuples, lists, dicts, dataclasses, nested)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not isinstance(obj, dict):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(out, f.name, _map_tensors(getattr(obj, f.name), fn))
+        return out
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(_map_tensors(o, fn) for o in obj))
     if isinstance(obj, (list, tuple)):
@@ -125,14 +134,14 @@ def _map_tensors(obj, fn):
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, cfg: Config):
+    def __init__(self, model: torch.nn.Module, cfg: Config, wrap=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"zerotier.initialize expects an nn.Module, got {type(model).__name__}")
         self.cfg = cfg
         self.module = model
         # [Note: choosing the device] in device.py: before anything allocates or a group exists
         self.device = choose_device(cfg.train.device)
-        units = build_units(model)
+        units = build_units(model, cfg.train.wrap if wrap is None else wrap)
         if not units:
             raise ConfigError("the model has no trainable parameters (all are frozen or there are none); "
                               "there is nothing for zerotier to train")
@@ -142,7 +151,8 @@ class Engine:
         self.units = self.sharding.assign(units)
         self.plan = make_plan([u.numel for u in self.units], cfg.tiers, cfg.offload, cfg.precision,
                               cfg.prefetch, self.device, world_size=self.world_size, stage=cfg.zero.stage,
-                              pipeline_depth=cfg.optimizer.pipeline_depth)
+                              pipeline_depth=cfg.optimizer.pipeline_depth, nested_numel=nested_numel(self.units),
+                              alignment=cfg.io.alignment)
         placement = self.plan.placement
         self.store = None
         if Location.NVME in placement.values():
@@ -276,9 +286,19 @@ class Engine:
     def _post_forward(self, units: list):
         def hook(module, args, output):
             if torch.is_grad_enabled():
+                wrapped = []
+
                 def wrap(t):
-                    return _FetchOnBackward.apply(self, units, t)[0] if t.requires_grad else t
+                    if not t.requires_grad:
+                        return t
+                    wrapped.append(t)
+                    return _FetchOnBackward.apply(self, units, t)[0]
                 output = _map_tensors(output, wrap)
+                if not wrapped and output is not None:
+                    # Outputs zerotier cannot see into (a plain object, a generator): nothing would
+                    # refetch the units before their backward, so they stay resident until their
+                    # gradients are in (the grad hook releases them) or backward ends.
+                    return output
             for unit in units:
                 self.params.release(unit)
             return output

@@ -87,11 +87,13 @@ class ParamStore:
                                            initializer=enter_device, initargs=(self.device,))
 
     @staticmethod
-    def host_staging_bytes(lookahead: int, largest_shard: int, lp_itemsize: int) -> int:
+    def host_staging_bytes(lookahead: int, shard_numels: list[int], lp_itemsize: int) -> int:
         """Pool bytes NVMe-resident params need at most: a block per fetch in flight (`lookahead`
-        prefetches + the demand) plus one per write-back in flight (at most `max_writes` =
-        lookahead + 2, see _track_write). The planner counts exactly this."""
-        return (2 * lookahead + 3) * largest_shard * lp_itemsize
+        prefetches + the demand: distinct units) plus one per write-back in flight (at most
+        `max_writes` = lookahead + 2 distinct units, see _track_write), so the largest units'
+        sizes. `shard_numels`: every unit's rank shard. The planner counts exactly this."""
+        top = sorted(shard_numels, reverse=True)
+        return (sum(top[:lookahead + 1]) + sum(top[:lookahead + 2])) * lp_itemsize
 
     @staticmethod
     def writeback_bytes(rank_numel: int, lp_itemsize: int) -> int:

@@ -18,8 +18,10 @@ the largest rank. G has two accountings:
                     for comparing with published figures (`grad_bytes=` / `--accounting paper`).
 
 Working sets come on top of the model state, on the tier that pays for them:
-  params off the device, or sharded (stage 3): (lookahead + 2) x largest unit on the device
-      (the gathered full units being computed and prefetched); params on NVMe: host-pool
+  params off the device, or sharded (stage 3): the lookahead + 2 largest units on the device
+      (the gathered full units being computed and prefetched, the last one not yet released)
+      plus the units enclosing a fetched one (`state.nested_numel`: resident for their
+      module's whole forward), at most the whole model; params on NVMe: host-pool
       blocks for the fetches and write-backs in flight, `ParamStore.host_staging_bytes`
   optimizer on NVMe: `optimizer.pipeline_depth` host staging sets of 12 x largest unit
       shard, `UnitOptimizer.staging_bytes`
@@ -212,8 +214,7 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[str, int]:
 @dataclass(frozen=True)
 class _Sizes:
     """What `_bytes_for` needs besides the kind and tier (see [Note: bytes per parameter])."""
-    numel: int
-    largest: int        # largest unit, full
+    numels: tuple[int, ...]  # every unit's numel (full), largest first
     lp_bytes: int
     grad_bytes: int
     lookahead: int
@@ -222,6 +223,16 @@ class _Sizes:
     pipeline_depth: int = 3
     engine_buffers: bool = True  # count the engine's transient buffers (False: the ZeRO paper's pure model state)
     grads_on_gpu: bool = False   # gradients placed on a CUDA device (a host optimizer stages them)
+    nested: int = 0              # elements of enclosing units resident around a fetch (state.nested_numel)
+    alignment: int = 4096        # io.alignment: host-pool blocks are rounded up to it
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def largest(self) -> int:
+        return self.numels[0] if self.numels else 0
 
     def rank_numel(self, kind: str) -> int:
         return shard_numel(self.numel, kind, self.stage, self.world_size)
@@ -229,16 +240,44 @@ class _Sizes:
     def rank_largest(self, kind: str) -> int:
         return shard_numel(self.largest, kind, self.stage, self.world_size)
 
+    def rank_shards(self, kind: str) -> list[int]:
+        return [shard_numel(n, kind, self.stage, self.world_size) for n in self.numels]
+
 
 def _bytes_for(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
+    need = _state_and_buffers(kind, loc, s)
+    if s.engine_buffers:  # each host-pool block is rounded up to io.alignment: count the worst case
+        need["host"] += _host_blocks(kind, loc, s) * (s.alignment - 1)
+    return need
+
+
+def _host_blocks(kind: str, loc: Location, s: _Sizes) -> int:
+    """How many host-pool blocks `kind` on `loc` holds at most at once (for the rounding)."""
+    units, sharded_grads = len(s.numels), s.world_size > 1 and s.stage >= 1
+    if kind == "params":
+        blocks = units if loc is Location.HOST else 0
+        return blocks + (2 * s.lookahead + 3 if loc is Location.NVME else 0)
+    if kind == "gradients":
+        return (units * (2 if sharded_grads else 1)) if loc is Location.HOST else 0
+    blocks = {Location.HOST: 3 * units, Location.NVME: 3 * s.pipeline_depth}.get(loc, 0)
+    if s.grads_on_gpu and loc is not Location.DEVICE:
+        blocks += 2
+    if s.world_size > 1 and s.stage in (1, 2) and loc is not Location.DEVICE:
+        blocks += units
+    return blocks
+
+
+def _state_and_buffers(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
     need = {"device": 0, "host": 0, "nvme": 0}
     n = s.rank_numel(kind)
     if kind == "params":
         need[loc.value] += s.lp_bytes * n
         if loc is not Location.DEVICE or s.stage >= SHARDED_FROM_STAGE["params"]:
-            need["device"] += (s.lookahead + 2) * s.largest * s.lp_bytes   # gathered full units
+            # fetched full units: the one computing, the one just done, the lookahead, and the
+            # units enclosing them (resident for their module's whole forward/backward)
+            need["device"] += min(sum(s.numels[:s.lookahead + 2]) + s.nested, s.numel) * s.lp_bytes
         if loc is Location.NVME:
-            need["host"] += ParamStore.host_staging_bytes(s.lookahead, s.rank_largest(kind), s.lp_bytes)
+            need["host"] += ParamStore.host_staging_bytes(s.lookahead, s.rank_shards(kind), s.lp_bytes)
     elif kind == "gradients":
         need[loc.value] += s.grad_bytes * n
         if s.engine_buffers and s.world_size > 1 and s.stage >= 1:
@@ -262,7 +301,8 @@ def _bytes_for(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
 def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig, precision: PrecisionConfig,
               prefetch: PrefetchConfig, device: torch.device, budgets: dict[str, int] | None = None,
               rates: dict[str, float] | None = None, *, world_size: int = 1, stage: int = 0,
-              grad_bytes: int | None = None, ranks_per_node: int | None = None, pipeline_depth: int = 3) -> Plan:
+              grad_bytes: int | None = None, ranks_per_node: int | None = None, pipeline_depth: int = 3,
+              nested_numel: int = 0, alignment: int = 4096) -> Plan:
     """Choose a tier for each kind of state within the per-rank budgets, or raise PlanDoesNotFit.
 
     world_size/stage shard each kind's bytes as ZeRO does ([Note: bytes per parameter]);
@@ -274,10 +314,11 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     budgets = budgets or resolve_budgets(tiers, device)
     rates, rate_sources = _resolve_rates(rates)
     lp_bytes = DTYPES[precision.param_dtype].itemsize
-    sizes = _Sizes(numel=sum(unit_numels), largest=max(unit_numels, default=0), lp_bytes=lp_bytes,
+    sizes = _Sizes(numels=tuple(sorted(unit_numels, reverse=True)), lp_bytes=lp_bytes,
                    grad_bytes=DTYPES[precision.grad_dtype].itemsize if grad_bytes is None else grad_bytes,
                    lookahead=prefetch.lookahead if prefetch.enabled else 0, stage=stage, world_size=world_size,
-                   pipeline_depth=pipeline_depth, engine_buffers=grad_bytes is None)
+                   pipeline_depth=pipeline_depth, engine_buffers=grad_bytes is None, nested=nested_numel,
+                   alignment=alignment)
     state_bytes = {kind: b * sizes.rank_numel(kind) for kind, b in
                    (("params", lp_bytes), ("gradients", sizes.grad_bytes), ("optimizer", OPTIMIZER_BYTES))}
     assert sum(state_bytes.values()) == model_state_bytes(sizes.numel, stage, world_size, lp_bytes,

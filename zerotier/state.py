@@ -2,8 +2,17 @@
 and the states a unit's parameters and gradient pass through in a step.
 
 [Note: units]
-A unit is the set of trainable parameters a module owns *directly*
-(`module._parameters`), flattened in registration order. It is the grain of
+A unit is the set of trainable parameters of a *wrapped* module's subtree that no
+nested wrapped module holds, flattened in registration order (FSDP's wrapping). The
+wrapped modules are the root plus those `train.wrap` picks: by default the model's
+repeated blocks — the children of a ModuleList/Sequential whose class occurs more
+than once there (each transformer layer, each MoE expert) — or every module of the
+listed classes. A unit is resident for its module's whole forward (and refetched for
+its backward), so a parameter read anywhere inside that module — by a child's
+forward, or directly, as nn.MultiheadAttention reads `out_proj.weight` — is there;
+one used outside it (`h @ self.emb.weight` in the root) belongs to an enclosing unit,
+the root's at worst. A parameter shared by several units' modules (tied weights)
+belongs to the first; the others' modules fetch that unit too. It is the grain of
 everything: fetched/released together (ZeRO-3 style), one optimizer sub-group,
 one set of NVMe files. `Unit` is layout only: which parameters, their shapes and
 offsets in the flat, and (set once by `Sharding.assign`) the partition over
@@ -131,28 +140,61 @@ class Unit:
             yield p, flat[off: off + shape.numel()].view(shape)
 
 
-def build_units(model: torch.nn.Module) -> list[Unit]:
-    """One unit per module owning trainable parameters, in module registration order.
+def wrapped_modules(model: torch.nn.Module, wrap) -> set[str]:
+    """Names of the modules that are units ([Note: units]): the root ("") plus, for `wrap` =
+    "auto", the repeated blocks; for a tuple of class names, the modules of those classes; for a
+    callable, the modules for which wrap(name, module) is true."""
+    names = {""}
+    if wrap == "auto":
+        for name, module in model.named_modules():
+            if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+                classes = [type(child) for child in module.children()]
+                for child_name, child in module.named_children():
+                    if classes.count(type(child)) > 1:
+                        names.add(f"{name}.{child_name}" if name else child_name)
+    elif callable(wrap):
+        names |= {name for name, module in model.named_modules() if wrap(name, module)}
+    else:
+        wanted = set(wrap)
+        found = {type(m).__name__ for m in model.modules()}
+        missing = wanted - found
+        if missing:
+            from .errors import ConfigError
+            raise ConfigError(f"train.wrap names {sorted(missing)}, but the model has no module of "
+                              f"{'that class' if len(missing) == 1 else 'those classes'}; its classes: "
+                              f"{', '.join(sorted(found))}")
+        names |= {name for name, module in model.named_modules() if type(module).__name__ in wanted}
+    return names
 
-    A parameter shared by several modules (tied weights) belongs to the first
-    module that registers it; later modules using it are listed in `modules`.
+
+def build_units(model: torch.nn.Module, wrap="auto") -> list[Unit]:
+    """One unit per wrapped module that holds trainable parameters ([Note: units]), in the order
+    their first parameter is registered.
+
+    A parameter shared by several modules (tied weights) belongs to the unit of the first
+    module that registers it; the wrapped modules of later users are listed in `modules`.
     Frozen parameters (requires_grad=False) are not managed: they stay where
     the model put them.
     """
+    wrapped = wrapped_modules(model, wrap)
     found: list[tuple[str, list[torch.nn.Parameter], list[str]]] = []
-    owner: dict[int, int] = {}
+    unit_of: dict[str, int] = {}   # wrapped module name -> index in found
+    owner: dict[int, int] = {}     # id(param) -> index in found
     for mod_name, module in model.named_modules():
-        own = [p for p in module._parameters.values() if p is not None and p.requires_grad]
-        fresh = [p for p in own if id(p) not in owner]
-        for p in own:
-            users = found[owner[id(p)]][2] if id(p) in owner else None
-            if users is not None and mod_name not in users:
-                users.append(mod_name)
-        if not fresh:
-            continue
-        for p in fresh:
-            owner[id(p)] = len(found)
-        found.append((mod_name, fresh, [mod_name]))
+        wrapper = _nearest(mod_name, wrapped)
+        for p in module._parameters.values():
+            if p is None or not p.requires_grad:
+                continue
+            if id(p) in owner:  # tied: the wrapper of this module fetches the owner's unit too
+                users = found[owner[id(p)]][2]
+                if wrapper not in users:
+                    users.append(wrapper)
+                continue
+            if wrapper not in unit_of:
+                unit_of[wrapper] = len(found)
+                found.append((wrapper, [], [wrapper]))
+            owner[id(p)] = unit_of[wrapper]
+            found[unit_of[wrapper]][1].append(p)
     units = []
     for index, (name, params, users) in enumerate(found):
         offsets, total = [], 0
@@ -162,3 +204,25 @@ def build_units(model: torch.nn.Module) -> list[Unit]:
         units.append(Unit(index=index, name=name, params=tuple(params), shapes=tuple(p.shape for p in params),
                           offsets=tuple(offsets), numel=total, modules=tuple(users)))
     return units
+
+
+def nested_numel(units: list[Unit]) -> int:
+    """Elements of the units that stay resident around another one: the most, over all units, of
+    the summed numel of the units whose module encloses it (the root's, and any wrapped ancestor's:
+    resident for their whole forward). The planner adds it to the fetch working set."""
+    by_name = {u.name: u.numel for u in units}
+    most = 0
+    for unit in units:
+        if not unit.name:
+            continue
+        parts = unit.name.split(".")
+        enclosing = [""] + [".".join(parts[:k]) for k in range(1, len(parts))]
+        most = max(most, sum(by_name.get(name, 0) for name in enclosing))
+    return most
+
+
+def _nearest(name: str, wrapped: set[str]) -> str:
+    """The innermost wrapped module containing module `name` (itself, an ancestor, or the root)."""
+    while name not in wrapped:
+        name = name.rpartition(".")[0]
+    return name
