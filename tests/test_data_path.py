@@ -231,8 +231,9 @@ class TwoParams(torch.nn.Module):
 
 def test_parameter_without_gradient_in_a_window_reads_zero():
     """Accumulators are not zeroed between steps ([Note: no zeroing pass] in grads.py): a parameter
-    that gets no gradient in a window must still read as zero, not as the last window's gradient.
-    Reference: torch AdamW with that parameter's gradient set to zeros (the unit steps as a whole)."""
+    that gets no gradient in a window must count as zero in the clipping norm, not as the last
+    window's gradient, and is not updated (torch skips a .grad of None: issue 15 item 3).
+    Reference: torch AdamW + clip_grad_norm_ on the same data."""
     uses = [True, False, False, True, False]
     torch.manual_seed(0)
     ref = TwoParams()
@@ -241,11 +242,11 @@ def test_parameter_without_gradient_in_a_window_reads_zero():
     opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(3)
     data = [torch.randn(64, generator=gen) for _ in uses]
-    with zerotier.initialize(ours_model, {"optimizer": {"lr": LR}, "offload": {"optimizer": "host"}}) as engine:
+    with zerotier.initialize(ours_model, {"optimizer": {"lr": LR}, "offload": {"optimizer": "host"},
+                                          "train": {"max_grad_norm": 0.5}}) as engine:
         for x, use_b in zip(data, uses):
             ref(x, use_b).backward()
-            if ref.b.grad is None:
-                ref.b.grad = torch.zeros_like(ref.b)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
             opt.step()
             opt.zero_grad(set_to_none=True)
             engine.backward(engine(x, use_b))

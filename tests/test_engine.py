@@ -250,8 +250,9 @@ def test_update_during_backward_is_exact(name, tmp_path):
         torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_unit_without_gradient_is_not_updated():
-    """Like torch.optim.AdamW skipping params whose .grad is None: no decay, no moment update."""
+def test_parameter_without_gradient_is_not_updated():
+    """Like torch.optim.AdamW skipping params whose .grad is None: no decay, no moment update, even
+    when other parameters of its unit (here the root's) got one."""
     class TwoHeads(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -267,7 +268,7 @@ def test_unit_without_gradient_is_not_updated():
         engine.backward(engine(torch.randn(2, 4)))
         engine.step()
         assert torch.equal(engine.parameters_fp32()["unused.weight"], before)
-        assert engine.unit_optimizer.steps[1] == 0 and engine.unit_optimizer.steps[0] == 1
+        assert engine.unit_optimizer.steps[0] == [1, 1, 0, 0]  # used.weight/bias stepped, unused.* not
 
 
 def test_device_tier_peak_stays_within_budget(tmp_path):
@@ -283,3 +284,44 @@ def test_device_tier_peak_stays_within_budget(tmp_path):
         stats = engine.device_tier.stats()
         assert 0 < stats["peak"] <= stats["budget"] == budget
         assert stats["current"] == 0  # nothing resident between steps
+
+
+@pytest.mark.parametrize("name", [n for n in PLACEMENTS if n != "auto-small-device"])
+def test_parameter_unused_on_some_steps_matches_torch(name, tmp_path):
+    """A module owning p1 and p2, p2 used only on some micro-batches: windows where p2 got no
+    gradient leave it (and its step count) untouched, as torch.optim.AdamW does; later windows
+    use its own bias correction. Accumulation 2, clipping, 6 optimizer steps."""
+    class Sometimes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p1 = torch.nn.Parameter(torch.randn(40))
+            self.p2 = torch.nn.Parameter(torch.randn(40))
+
+        def forward(self, x, use_p2):
+            y = x * self.p1
+            return ((y + self.p2) if use_p2 else y).square().mean()
+
+    uses = [False, False, True, False, False, False, True, True, False, False, False, True]
+    gen = torch.Generator().manual_seed(4)
+    data = [torch.randn(40, generator=gen) for _ in uses]
+    torch.manual_seed(0)
+    ref = Sometimes()
+    ours_model = Sometimes()
+    ours_model.load_state_dict(ref.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    for i, (x, use) in enumerate(zip(data, uses)):
+        (ref(x, use) / 2).backward()
+        if i % 2:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    cfg = {"offload": PLACEMENTS[name], "tiers": {"nvme_path": str(tmp_path)},
+           "optimizer": {"lr": LR, "weight_decay": 0.1}, "train": {"grad_accum_steps": 2, "max_grad_norm": CLIP}}
+    with zerotier.initialize(ours_model, cfg) as engine:
+        for x, use in zip(data, uses):
+            engine.backward(engine(x, use))
+            engine.step()
+        ours = engine.parameters_fp32()
+        assert engine.unit_optimizer.steps[0] == [6, 3]  # p2 had a gradient in 3 of the 6 windows
+    torch.testing.assert_close(ours["p1"], ref.p1.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours["p2"], ref.p2.detach(), rtol=1e-5, atol=1e-6)

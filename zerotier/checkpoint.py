@@ -284,7 +284,7 @@ def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list) -> None:
         "format": FORMAT, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
         "world_size": world, "zero_stage": engine.sharding.stage,
         "param_dtype": str(engine.lp_dtype).replace("torch.", ""),
-        "unit_steps": list(engine.unit_optimizer.steps),
+        "unit_steps": [list(steps) for steps in engine.unit_optimizer.steps],  # per unit, per parameter
         "units": fingerprint(engine), "ranks": ranks, "state": gathered[0][1]["state.pt"],
     }
     data = json.dumps(manifest).encode()

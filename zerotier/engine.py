@@ -338,7 +338,7 @@ class Engine:
     def _update(self, units: list, lr: float, grad_scale: float, drain: bool = True) -> None:
         """Adam on `units`; each one's new parameters are committed as soon as it is done."""
         for unit in self.unit_optimizer.step(units, self.grads.shard, self.params.out_buffer, lr, grad_scale,
-                                             drain):
+                                             drain, got_of=self.grads.got):
             self.grads.stepped(unit)
             self.params.commit(unit)
 

@@ -17,8 +17,8 @@ unit is reduced in every reducing backward, in one fixed order (reverse unit ind
 close to backward order). A unit whose gradient is final is queued as soon as every
 unit before it in that order was; units without a gradient this backward are queued
 at its end (their accumulators hold zeros, or the window's sum so far). At the window's
-end one all-reduce(MAX) of per-unit "got a gradient" flags (Sharding.agree) makes every
-rank step exactly the units that got a gradient on any rank — the others are not
+end one all-reduce(MAX) of per-parameter "got a gradient" flags (Sharding.agree) makes every
+rank step exactly the parameters that got a gradient on any rank — the others are not
 updated, as in torch.
 
 Offload to a host accumulator is the torchao idiom: the gradient is copied on the
@@ -63,7 +63,7 @@ class GradStore:
         self._seen = [0] * n                                  # gradients of this backward so far
         self._adds: list[list] = [[] for _ in range(n)]       # pending host adds (CUDA offload)
         self._stale = [False] * n                             # [Note: no zeroing pass]
-        self._written: list[set[int]] = [set() for _ in range(n)]  # params written since the stale mark
+        self._got: list[set[int]] = [set() for _ in range(n)]  # params with a gradient in this window
         self._blocks = []                                     # host-pool blocks this store holds
         self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-grad",
                                          initializer=enter_device, initargs=(self.device,)) \
@@ -107,8 +107,8 @@ class GradStore:
             if prof is not None and offload else None
         first, ticket = False, None
         if self._stale[index]:  # [Note: no zeroing pass]
-            first = i not in self._written[index]
-            self._written[index].add(i)
+            first = i not in self._got[index]
+        self._got[index].add(i)
         if flat.device == acc.device:
             acc.copy_(flat) if first else acc.add_(flat)
             if offload:
@@ -180,7 +180,7 @@ class GradStore:
         self.settle(unit)
         i = unit.index
         if self._stale[i]:  # parameters without a gradient in this window read as zero
-            for k in set(range(len(unit.params))) - self._written[i]:
+            for k in set(range(len(unit.params))) - self._got[i]:
                 self.acc[i][unit.offsets[k]: unit.offsets[k] + unit.shapes[k].numel()].zero_()
             self._stale[i] = False
         transition(self.state, unit.index, GradState.READY, GRAD_TRANSITIONS, "gradient")
@@ -188,15 +188,24 @@ class GradStore:
     def ready_all(self) -> list[Unit]:
         """End of the window: every accumulating unit is final. Returns the units now READY
         (with several ranks: the units that got a gradient on any rank)."""
-        if self.sharding.active:
-            used = self.sharding.agree([s is not GradState.EMPTY for s in self.state])
-            for i, anywhere in enumerate(used):
-                if anywhere and self.state[i] is GradState.EMPTY:  # its reduced shard is this window's
+        if self.sharding.active:  # per parameter: did it get a gradient on any rank?
+            flags = self.sharding.agree([k in self._got[u.index] for u in self.units for k in range(len(u.params))])
+            for unit in self.units:
+                i, n = unit.index, len(unit.params)
+                got, flags = {k for k in range(n) if flags[k]}, flags[n:]
+                self._got[i] = got
+                if got and self.state[i] is GradState.EMPTY:  # its reduced shard is this window's
                     transition(self.state, i, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
         for unit in self.units:
             if self.state[unit.index] is GradState.ACCUMULATING:
                 self.ready(unit)
         return [u for u in self.units if self.state[u.index] is GradState.READY]
+
+    def got(self, unit: Unit) -> frozenset[int] | None:
+        """The unit's parameters (indices) that got a gradient in this window, on any rank; None
+        when all did. The optimizer leaves the others untouched, as torch skips a .grad of None."""
+        got = self._got[unit.index]
+        return None if len(got) == len(unit.params) else frozenset(got)
 
     def stepped(self, unit: Unit) -> None:
         transition(self.state, unit.index, GradState.STEPPED, GRAD_TRANSITIONS, "gradient")
@@ -234,8 +243,8 @@ class GradStore:
                         self.reduced[i].zero_()
                 else:  # [Note: no zeroing pass]
                     self._stale[i] = True
-                    self._written[i] = set()
                 transition(self.state, i, GradState.EMPTY, GRAD_TRANSITIONS, "gradient")
+            self._got[i] = set()
             for p in unit.params:
                 p.grad = None
         self._seen = [0] * len(self.units)

@@ -29,9 +29,10 @@ shard on the device tier's d2h stream into a host-pool block one unit ahead, so 
 next unit's copy runs under this unit's Adam, and Adam waits on that copy's event
 only. At most two staging blocks are alive (`grad_staging_bytes`, counted by the planner).
 
-Each unit keeps its own step count (like torch's per-parameter `step`): a unit
-that received no gradient in an optimizer step is not updated at all, exactly
-as torch.optim.AdamW skips parameters whose `.grad` is None.
+Each parameter keeps its own step count (torch's per-parameter `step`): a
+parameter that received no gradient in an optimizer step is not updated at all,
+exactly as torch.optim.AdamW skips parameters whose `.grad` is None ([Note:
+parameters without a gradient] at `_adam`).
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ class UnitOptimizer:
         # auto: this process's cores, shared with the other ranks of the node
         self.threads = max(1, _kernels.default_threads() // local_world_size()) if cfg.threads == "auto" \
             else int(cfg.threads)
-        self.steps = [0] * len(units)            # optimizer steps applied per unit (torch's `step`)
+        # optimizer steps applied per parameter (torch's per-parameter `step`), by unit
+        self.steps: list[list[int]] = [[0] * len(u.params) for u in units]
         self._state: list[dict | None] = [None] * len(units)  # device/host: key -> tensor (or HostBuffer)
         self.device = torch.device("cpu") if loc is not Location.DEVICE else device_tier.device
         # [Note: NVMe optimizer pipeline]
@@ -92,6 +94,7 @@ class UnitOptimizer:
         self._free_sets: collections.deque[int] = collections.deque()
         self._writing: collections.deque[tuple[int, list]] = collections.deque()  # (set, write tickets)
         self._reads: dict[int, tuple[int, list]] = {}   # unit index -> (set, read tickets), in issue order
+        self._got: dict[int, frozenset[int] | None] = {}  # step(): parameters with a gradient, by unit
 
     @staticmethod
     def grad_staging_bytes(largest_shard: int, grad_itemsize: int) -> int:
@@ -133,11 +136,16 @@ class UnitOptimizer:
 
     def step(self, units: list[Unit], grad_of: Callable[[Unit], torch.Tensor],
              out_of: Callable[[Unit], torch.Tensor], lr: float, grad_scale: float,
-             drain: bool = True) -> Iterator[Unit]:
+             drain: bool = True, got_of: Callable[[Unit], "frozenset[int] | None"] | None = None
+             ) -> Iterator[Unit]:
         """Update `units`, yielding each once its master and its low-precision output are written.
-        `grad_of(unit)`: the gradient shard to read; `out_of(unit)`: where the new params go.
+        `grad_of(unit)`: the gradient shard to read; `out_of(unit)`: where the new params go;
+        `got_of(unit)`: the unit's parameters that got a gradient (None: all of them) — the
+        others are left untouched ([Note: parameters without a gradient]).
         drain=False leaves NVMe write-backs in flight (an early update during backward: the
         next unit's read overlaps them); `finish()` waits for them."""
+        if got_of is not None:
+            self._got = {u.index: got_of(u) for u in units}
         if self.loc is not Location.NVME:
             order = units
         else:  # units whose reads started during backward go first, in the order they were issued
@@ -188,26 +196,50 @@ class UnitOptimizer:
             self._issue_read(unit, block=False)
 
     def _adam(self, unit: Unit, master, exp_avg, exp_avg_sq, grad, out, lr, grad_scale) -> None:
-        self.steps[unit.index] += 1
+        """[Note: parameters without a gradient] Each parameter keeps its own step count, as in
+        torch. When every parameter of the unit got a gradient and their counts agree (always,
+        unless data-dependent control flow skipped one), one pass updates the whole shard.
+        Otherwise each parameter's slice of the shard is updated with its own count, and the
+        slices of parameters without a gradient are left as they are (their new low-precision
+        output is the cast of the unchanged master)."""
+        got = self._got.pop(unit.index, None)
+        steps = self.steps[unit.index]
+        for k in range(len(steps)):
+            if got is None or k in got:
+                steps[k] += 1
         if grad.device != master.device:
             grad = grad.to(master.device)
+        prof = self.profiler
+        span = prof.compute_begin("optimizer" if master.device.type == "cpu" else "device-optimizer",
+                                  label=unit.key, numel=unit.numel) if prof is not None else None
+        if got is None and len(set(steps)) == 1:
+            self._adam_pass(master, exp_avg, exp_avg_sq, grad, out, steps[0], lr, grad_scale)
+        else:
+            lo, hi = unit.shard_lo, unit.shard_hi
+            for k, (offset, shape) in enumerate(zip(unit.offsets, unit.shapes)):
+                a, b = max(offset, lo) - lo, min(offset + shape.numel(), hi) - lo
+                if a >= b:
+                    continue  # not in this rank's shard
+                if got is None or k in got:
+                    self._adam_pass(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b],
+                                    None if out is None else out[a:b], steps[k], lr, grad_scale)
+                elif out is not None and out.data_ptr() != master.data_ptr():
+                    out[a:b].copy_(master[a:b])
+        if span is not None:
+            prof.compute_end(span)
+
+    def _adam_pass(self, master, exp_avg, exp_avg_sq, grad, out, step: int, lr: float, grad_scale: float) -> None:
         beta1, beta2 = self.cfg.betas
-        kwargs = dict(step=self.steps[unit.index], lr=lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps,
+        kwargs = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps,
                       weight_decay=self.cfg.weight_decay, decoupled=self.cfg.type == "adamw",
                       bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
-        on_cpu = master.device.type == "cpu"
-        prof = self.profiler
-        span = prof.compute_begin("optimizer" if on_cpu else "device-optimizer", label=unit.key,
-                                  numel=unit.numel) if prof is not None else None
-        if on_cpu:  # `out` is host memory too (ParamStore.out_buffer): written in the same pass
+        if master.device.type == "cpu":  # `out` is host memory too (ParamStore.out_buffer): same pass
             _kernels.adam_step(master, exp_avg, exp_avg_sq, grad, param_out=out, simd=self.cfg.simd,
                                threads=self.threads, **kwargs)
         elif master.is_cuda and self.cfg.bias_correction:  # torch's fused kernel: one pass, no sync
             _fused_adam(master, exp_avg, exp_avg_sq, grad, out, **kwargs)
         else:  # optimizer state on the accelerator: the same math in torch ops
             _kernels.adam_step_reference(master, exp_avg, exp_avg_sq, grad, param_out=out, **kwargs)
-        if span is not None:
-            prof.compute_end(span)
 
     # ------------------------------------------------------------------ NVMe pipeline
 
@@ -307,11 +339,11 @@ class UnitOptimizer:
             self.store.read(f"{unit.key}.{k}", out[k]).wait()
         return out
 
-    def write_state(self, unit: Unit, state: dict[str, torch.Tensor], step: int) -> None:
+    def write_state(self, unit: Unit, state: dict[str, torch.Tensor], steps: "int | list[int]") -> None:
         """Replace a unit's master/exp_avg/exp_avg_sq (CPU tensors of the shard's size, padding
-        zero) and its step count, wherever they live."""
+        zero) and its parameters' step counts (one int: all of them), wherever they live."""
         self.drop_prefetched()
-        self.steps[unit.index] = step
+        self.steps[unit.index] = [steps] * len(unit.params) if isinstance(steps, int) else list(steps)
         if self.loc is Location.NVME:
             for k in STATE_KEYS:
                 self.store.write(f"{unit.key}.{k}", state[k].contiguous()).wait()
