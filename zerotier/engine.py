@@ -37,6 +37,14 @@ updates, then steps the remaining units. Otherwise, with optimizer state on
 NVMe, the unit's state reads start at that moment instead (they do not depend
 on the gradient norm): see [Note: NVMe optimizer pipeline].
 
+[Note: the user's model stays the truth]
+zerotier swaps every managed parameter's `.data` for a view of its own flat (released
+between uses), so the user's tensors are gone after initialize. The model still tells
+the truth: `model.state_dict()` returns the trained weights (the fp32 masters, in each
+parameter's original dtype), and `close()` puts them back into the parameters, where
+the parameters were, so the model trains or saves like any PyTorch model afterwards.
+A model already managed by a live engine is refused by initialize().
+
 [Note: autocast and streamed parameters]
 Under torch.autocast, an op casts a full-precision parameter to the autocast dtype,
 keeps the copy in autocast's cache until the autocast region ends, and autograd saves
@@ -52,6 +60,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -137,6 +147,11 @@ class Engine:
     def __init__(self, model: torch.nn.Module, cfg: Config, wrap=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"zerotier.initialize expects an nn.Module, got {type(model).__name__}")
+        owner = getattr(model, "_zerotier_engine", None)
+        if owner is not None and owner() is not None:
+            raise ConfigError("this model is already managed by a zerotier engine (zerotier.initialize was called "
+                              "on it before): call that engine's close() first, which puts the trained weights "
+                              "back into the model, or build a new model")
         self.cfg = cfg
         self.module = model
         # [Note: choosing the device] in device.py: before anything allocates or a group exists
@@ -146,6 +161,8 @@ class Engine:
             raise ConfigError("the model has no trainable parameters (all are frozen or there are none); "
                               "there is nothing for zerotier to train")
         self.lp_dtype = DTYPES[cfg.precision.param_dtype]
+        # [Note: the user's model stays the truth]: what each parameter was before we took it
+        self._user_form = {id(p): (p.dtype, p.device) for u in units for p in u.params}
         self.rank, self.world_size = init_distributed(cfg.zero, self.device)
         self.sharding = Sharding(cfg.zero, self.rank, self.world_size)
         self.units = self.sharding.assign(units)
@@ -192,6 +209,13 @@ class Engine:
             self.params.prefetch, self.params.inflight_bytes)
         self._hooks = []
         self._register_hooks([u for u in self.units if self.params.streamed[u.index]])
+        model._zerotier_engine = owner = weakref.ref(self)  # the model does not keep the engine alive
+
+        def trained_state_dict(module, state_dict, prefix, local_metadata):
+            engine = owner()
+            if engine is not None:
+                engine._trained_state_dict(module, state_dict, prefix)
+        self._hooks.append(model.register_state_dict_post_hook(trained_state_dict))
 
     # ------------------------------------------------------------ placement
 
@@ -271,7 +295,15 @@ class Engine:
         return hook
 
     def _refuse_autocast(self, unit) -> None:
-        """[Note: autocast and streamed parameters]: the casts would pin a copy of every
+        """[Note: the user's model stays the truth]
+zerotier swaps every managed parameter's `.data` for a view of its own flat (released
+between uses), so the user's tensors are gone after initialize. The model still tells
+the truth: `model.state_dict()` returns the trained weights (the fp32 masters, in each
+parameter's original dtype), and `close()` puts them back into the parameters, where
+the parameters were, so the model trains or saves like any PyTorch model afterwards.
+A model already managed by a live engine is refused by initialize().
+
+[Note: autocast and streamed parameters]: the casts would pin a copy of every
         streamed parameter on the device until backward, outside every budget."""
         amp = _autocast_dtype(self.device.type)
         lp, amp_name = str(self.lp_dtype).replace("torch.", ""), str(amp).replace("torch.", "")
@@ -446,13 +478,31 @@ class Engine:
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Full-precision weights by parameter name (copies; reads NVMe-resident masters).
         With several ranks this is a collective: every rank must call it."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        out = {}
+        trained = {id(p): view.clone() for unit, views in self._trained_units() for p, view in views}
+        return {n: trained[id(p)] for n, p in self.module.named_parameters() if id(p) in trained}
+
+    def _trained_units(self):
+        """(unit, [(parameter, fp32 view of its full master)]) one unit at a time, so a caller that
+        converts as it goes holds one unit in fp32 at most. Collective with several ranks."""
+        self.synchronize()  # updates and NVMe writes in flight land first
         for unit in self.units:
             master = self.sharding.gather_full(unit, self.unit_optimizer.read_state(unit)["master"].cpu())
-            for p, view in unit.views(master):
-                out[names[id(p)]] = view.clone()
-        return out
+            yield unit, list(unit.views(master))
+
+    def _trained_state_dict(self, module, state_dict, prefix) -> None:
+        """[Note: the user's model stays the truth] model.state_dict() holds the trained weights
+        (from the fp32 masters, in each parameter's original dtype), never the released buffers
+        zerotier swaps under the parameters. With several ranks model.state_dict() is then a
+        collective, like FSDP's full state dict: call it on every rank."""
+        names: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if prefix + name in state_dict:
+                names.setdefault(id(p), []).append(prefix + name)
+        for unit, views in self._trained_units():
+            for p, view in views:
+                value = view.to(self._user_form[id(p)][0], copy=True)
+                for key in names.get(id(p), ()):
+                    state_dict[key] = value
 
     # ------------------------------------------------------------ checkpoints (zerotier/checkpoint.py)
 
@@ -493,11 +543,25 @@ class Engine:
                          f"  peak {format_size(st['peak']):>11s} of {format_size(st['budget'])}")
         return "\n".join(lines)
 
-    def close(self) -> None:
-        """Remove hooks, stop fetch workers and delete this run's NVMe files. Idempotent."""
+    def close(self, restore_weights: bool = True) -> None:
+        """Put the trained weights back into the model's parameters (in their original dtype and
+        device; a collective with several ranks), remove hooks, stop fetch workers and delete this
+        run's NVMe files. Idempotent. restore_weights=False leaves the parameters empty: for
+        models too large for the memory they came from (the checkpoint holds the weights)."""
+        if not self._hooks:
+            return
+        if restore_weights:
+            try:
+                self._restore_weights()
+            except Exception as exc:  # noqa: BLE001 - still free everything below; say what is lost
+                warnings.warn(f"zerotier close(): the trained weights could not be put back into the model "
+                              f"({type(exc).__name__}: {exc}); its parameters are left empty. Load the last "
+                              "checkpoint to recover them", RuntimeWarning, stacklevel=2)
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if getattr(self.module, "_zerotier_engine", None) is not None:
+            del self.module._zerotier_engine
         self._optim_thread.shutdown(wait=True)
         self.params.close()
         self.grads.close()
@@ -510,8 +574,17 @@ class Engine:
             self.store = None
         self.host_pool.close()
 
+    def _restore_weights(self) -> None:
+        """[Note: the user's model stays the truth]"""
+        for unit, views in self._trained_units():
+            for p, view in views:
+                dtype, device = self._user_form[id(p)]
+                if device.type != "meta":
+                    p.data = view.to(device=device, dtype=dtype, copy=True)
+
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        # after an error, ranks may not all reach close(): no collective then
+        self.close(restore_weights=exc_type is None or not self.sharding.active)
