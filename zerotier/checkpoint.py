@@ -138,7 +138,7 @@ def _unmanaged_state(engine) -> dict[str, torch.Tensor]:
     """Frozen parameters and buffers (everything in module.state_dict() zerotier does not train)."""
     managed = {id(p) for u in engine.units for p in u.params}
     out = {}
-    for name, t in engine.module.state_dict(keep_vars=True).items():
+    for name, t in engine.raw_state_dict().items():
         if id(t) not in managed:
             out[name] = t.detach().cpu().clone()
     return out
@@ -450,7 +450,7 @@ def load(engine, root, *, lr_scheduler=None):
         engine.params.synchronize()
     finally:
         files.close()
-    sd = engine.module.state_dict(keep_vars=True)
+    sd = engine.raw_state_dict()
     with torch.no_grad():
         for name, t in state["module_unmanaged"].items():
             if name in sd:

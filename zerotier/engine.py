@@ -196,6 +196,9 @@ class Engine:
         self._optim_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-optim",
                                                 initializer=enter_device, initargs=(self.device,))
         self._early: list[Future] = []
+        self._broken: str | None = None    # [Note: a step is all or nothing]
+        self._state_dict_hook_on = True    # off: module.state_dict() as torch makes it (checkpoint.py)
+        self._partial: str | None = None   # a backward failed half-way: its gradients are partial
         self.micro_steps = 0
         self.global_steps = 0
         self._backward_since_step = False
@@ -204,6 +207,7 @@ class Engine:
         self._prefetch_state = False
         self._reduce_now = False
         self._place_all()
+        self._window_applied = self.unit_optimizer.applied  # unit updates before this window
         self.scheduler = PrefetchScheduler(
             cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.units], [u.name for u in self.units],
             self.params.prefetch, self.params.inflight_bytes)
@@ -295,15 +299,7 @@ class Engine:
         return hook
 
     def _refuse_autocast(self, unit) -> None:
-        """[Note: the user's model stays the truth]
-zerotier swaps every managed parameter's `.data` for a view of its own flat (released
-between uses), so the user's tensors are gone after initialize. The model still tells
-the truth: `model.state_dict()` returns the trained weights (the fp32 masters, in each
-parameter's original dtype), and `close()` puts them back into the parameters, where
-the parameters were, so the model trains or saves like any PyTorch model afterwards.
-A model already managed by a live engine is refused by initialize().
-
-[Note: autocast and streamed parameters]: the casts would pin a copy of every
+        """[Note: autocast and streamed parameters]: the casts would pin a copy of every
         streamed parameter on the device until backward, outside every budget."""
         amp = _autocast_dtype(self.device.type)
         lp, amp_name = str(self.lp_dtype).replace("torch.", ""), str(amp).replace("torch.", "")
@@ -393,6 +389,7 @@ A model already managed by a live engine is refused by initialize().
         """Backpropagate `loss` of one micro-batch (divided by grad_accum_steps, times the loss scale)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZerotierError("engine.backward(loss) needs the scalar loss tensor of this micro-batch")
+        self._refuse_if_broken("engine.backward()")
         if self._backward_since_step:  # each step() consumes exactly one backward (the same loss twice too)
             raise ZerotierError("engine.backward() called twice without engine.step() in between: call "
                                 "engine.step() after every micro-batch's backward (it applies the update only "
@@ -406,27 +403,50 @@ A model already managed by a live engine is refused by initialize().
         self._in_backward = True
         span = self.profiler.compute_begin("backward") if self.profiler is not None else None
         try:
-            (loss * scale).backward()
+            try:
+                (loss * scale).backward()
+            finally:
+                if span is not None:
+                    self.profiler.compute_end(span)
+                self._in_backward = False
+                self._early_step_ok = self._prefetch_state = False
+                for unit in self.units:
+                    self.params.release(unit)
+            self.grads.end_backward(reduced=self._reduce_now)
+        except BaseException as exc:
+            self._failed("engine.backward()", exc)
+            raise
         finally:
-            if span is not None:
-                self.profiler.compute_end(span)
-            self._in_backward = False
-            self._early_step_ok = self._prefetch_state = False
-            for unit in self.units:
-                self.params.release(unit)
-        self.grads.end_backward(reduced=self._reduce_now)
-        self._reduce_now = False
+            self._reduce_now = False
         self._backward_since_step = True
 
     def step(self) -> bool:
-        """Call after every micro-batch's backward. Returns True when the parameters were updated."""
+        """Call after every micro-batch's backward. Returns True when the parameters were updated.
+
+        [Note: a step is all or nothing] If step() raises before any unit was updated, nothing
+        changed: the gradients are intact and step() may be called again. Once a unit was
+        updated (here or during backward) an error leaves the engine *broken*: some units hold
+        the new weights, others the old; step(), backward() and save_checkpoint() then refuse,
+        naming load_checkpoint(). No update runs after the error has reached the caller."""
+        self._refuse_if_broken("engine.step()")
         if not self._backward_since_step:
             raise ZerotierError("engine.step() called before engine.backward(loss): there are no gradients "
                                 "to apply")
-        self._backward_since_step = False
-        self.micro_steps += 1
-        if self.micro_steps % self.cfg.train.grad_accum_steps:
+        if (self.micro_steps + 1) % self.cfg.train.grad_accum_steps:
+            self.micro_steps += 1
+            self._backward_since_step = False
             return False
+        try:
+            updated = self._apply_window()
+        except BaseException as exc:
+            self._failed("engine.step()", exc)
+            raise
+        self.micro_steps += 1
+        self.zero_grad()
+        return updated
+
+    def _apply_window(self) -> bool:
+        """The update at the end of an accumulation window (see step())."""
         self._wait_early_steps()
         pending = self.grads.ready_all()  # units stepped early are STEPPED already
         inv_scale = 1.0 / self.scaler.scale
@@ -436,7 +456,6 @@ A model already managed by a live engine is refused by initialize().
         if overflow and self.scaler.dynamic:
             self.scaler.update(overflow=True)
             self.unit_optimizer.drop_prefetched()
-            self.zero_grad()
             return False
         clip = 1.0
         if self.cfg.train.max_grad_norm is not None:
@@ -447,8 +466,45 @@ A model already managed by a live engine is refused by initialize().
         self.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
         self.scaler.update(overflow=False)
         self.global_steps += 1
-        self.zero_grad()
         return True
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """An error (or Ctrl-C) inside backward() or step(): stop the background updates before it
+        reaches the caller; break the engine if any unit was updated in this window
+        ([Note: a step is all or nothing]); a backward that stopped half-way leaves partial
+        gradients, which must be dropped (zero_grad) before training goes on."""
+        self._quiesce()
+        if self.unit_optimizer.applied != self._window_applied:
+            n = self.unit_optimizer.applied - self._window_applied
+            self._broken = (f"{what} failed ({type(exc).__name__}: {exc}) after {n} of the window's unit "
+                            "updates were applied, so some units hold new weights and others old ones")
+        elif what == "engine.backward()":
+            self._partial = (f"{what} failed ({type(exc).__name__}: {exc}) after part of this micro-batch's "
+                             "gradients were accumulated")
+
+    def _quiesce(self) -> None:
+        """Wait for every update started during backward, whatever it raises (a second Ctrl-C
+        included): none may still run once an error has reached the caller."""
+        early, self._early = self._early, []
+        for future in early:
+            while True:
+                try:
+                    future.exception()
+                    break
+                except KeyboardInterrupt:
+                    continue
+        try:
+            self.unit_optimizer.finish()
+        except BaseException:  # noqa: BLE001 - the error being raised already tells the story
+            pass
+
+    def _refuse_if_broken(self, what: str) -> None:
+        if self._broken is not None:
+            raise ZerotierError(f"{what} refused: {self._broken}. Load a checkpoint "
+                                "(engine.load_checkpoint(root)) to continue from a consistent state")
+        if self._partial is not None and what != "engine.save_checkpoint()":
+            raise ZerotierError(f"{what} refused: {self._partial}. Call engine.zero_grad() to drop this "
+                                "accumulation window's gradients (or load a checkpoint), then go on")
 
     def _wait_early_steps(self) -> None:
         """Wait for the updates started during backward and for their NVMe write-backs (left in
@@ -472,8 +528,11 @@ A model already managed by a live engine is refused by initialize().
         self.params.synchronize()
 
     def zero_grad(self) -> None:
+        """Drop the gradients of the current accumulation window (and a failed backward's partial ones)."""
         self.grads.zero()
         self._backward_since_step = False
+        self._partial = None
+        self._window_applied = self.unit_optimizer.applied
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Full-precision weights by parameter name (copies; reads NVMe-resident masters).
@@ -481,12 +540,22 @@ A model already managed by a live engine is refused by initialize().
         trained = {id(p): view.clone() for unit, views in self._trained_units() for p, view in views}
         return {n: trained[id(p)] for n, p in self.module.named_parameters() if id(p) in trained}
 
+    def raw_state_dict(self) -> dict:
+        """`module.state_dict(keep_vars=True)` as torch makes it: the live tensors, managed parameters
+        included as they are now (released views), without the trained-weights hook. For code that
+        wants the frozen parameters and buffers (checkpoint, export)."""
+        self._state_dict_hook_on = False
+        try:
+            return self.module.state_dict(keep_vars=True)
+        finally:
+            self._state_dict_hook_on = True
+
     def _trained_units(self):
         """(unit, [(parameter, fp32 view of its full master)]) one unit at a time, so a caller that
         converts as it goes holds one unit in fp32 at most. Collective with several ranks."""
         self.synchronize()  # updates and NVMe writes in flight land first
         for unit in self.units:
-            master = self.sharding.gather_full(unit, self.unit_optimizer.read_state(unit)["master"].cpu())
+            master = self.sharding.gather_full(unit, self.unit_optimizer.read_state(unit, ("master",))["master"].cpu())
             yield unit, list(unit.views(master))
 
     def _trained_state_dict(self, module, state_dict, prefix) -> None:
@@ -494,6 +563,8 @@ A model already managed by a live engine is refused by initialize().
         (from the fp32 masters, in each parameter's original dtype), never the released buffers
         zerotier swaps under the parameters. With several ranks model.state_dict() is then a
         collective, like FSDP's full state dict: call it on every rank."""
+        if not self._state_dict_hook_on:
+            return
         names: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             if prefix + name in state_dict:
@@ -510,13 +581,24 @@ A model already managed by a live engine is refused by initialize().
         """Save the training state under `root` as root/ckpt-<global_steps> (collective; only at an
         optimizer-step boundary). Returns the checkpoint directory. See docs/checkpoint.md."""
         from . import checkpoint
+        self._refuse_if_broken("engine.save_checkpoint()")
         return checkpoint.save(self, root, lr_scheduler=lr_scheduler, client_state=client_state)
 
     def load_checkpoint(self, root, *, lr_scheduler=None):
         """Load root/latest (or a ckpt-N directory) into this engine, whatever its placement, stage or
         world size (collective). Returns the saved client_state. See checkpoint.load for RNG rules."""
         from . import checkpoint
-        return checkpoint.load(self, root, lr_scheduler=lr_scheduler)
+        self._quiesce()
+        versions = list(self.params.version)  # a commit bumps them: did the load change anything?
+        try:
+            client_state = checkpoint.load(self, root, lr_scheduler=lr_scheduler)
+        except BaseException as exc:
+            if self.params.version != versions:
+                self._broken = f"engine.load_checkpoint() failed half-way ({type(exc).__name__}: {exc})"
+            raise
+        self._broken = None  # a consistent state again ([Note: a step is all or nothing])
+        self.zero_grad()
+        return client_state
 
     def consolidated_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """Plain model weights by state_dict name (trained params from the fp32 master, plus frozen
@@ -550,7 +632,16 @@ A model already managed by a live engine is refused by initialize().
         models too large for the memory they came from (the checkpoint holds the weights)."""
         if not self._hooks:
             return
-        if restore_weights:
+        self._quiesce()
+        # Gradients and optimizer staging are not needed any more: their memory goes first, so
+        # putting the weights back does not stack on top of it (a model near RAM's size).
+        self.grads.close()
+        self.unit_optimizer.close()
+        self.host_pool.trim()
+        if restore_weights and self._broken is not None:
+            warnings.warn(f"zerotier close(): the trained weights are not put back into the model: {self._broken}. "
+                          "Load the last checkpoint to recover a consistent state", RuntimeWarning, stacklevel=2)
+        elif restore_weights:
             try:
                 self._restore_weights()
             except Exception as exc:  # noqa: BLE001 - still free everything below; say what is lost

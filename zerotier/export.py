@@ -36,7 +36,7 @@ def consolidated_state_dict(engine, dtype: torch.dtype = torch.float32) -> dict[
         for p in unit.params:
             by_id[id(p)] = full[names[id(p)]].to(dtype)
     out = {}
-    for name, t in engine.module.state_dict(keep_vars=True).items():
+    for name, t in engine.raw_state_dict().items():
         if id(t) in by_id:
             out[name] = by_id[id(t)]
         else:

@@ -250,5 +250,9 @@ class GradStore:
         self._seen = [0] * len(self.units)
 
     def close(self) -> None:
+        """Stop the adder thread and give the accumulators' pool blocks back. Idempotent."""
         if self._adder is not None:
             self._adder.shutdown(wait=True)
+        blocks, self._blocks = self._blocks, []
+        for block in blocks:
+            self.host_pool.free(block)

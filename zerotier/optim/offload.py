@@ -95,6 +95,7 @@ class UnitOptimizer:
         self._writing: collections.deque[tuple[int, list]] = collections.deque()  # (set, write tickets)
         self._reads: dict[int, tuple[int, list]] = {}   # unit index -> (set, read tickets), in issue order
         self._got: dict[int, frozenset[int] | None] = {}  # step(): parameters with a gradient, by unit
+        self.applied = 0  # unit updates begun so far (the engine tells a clean failure from a partial one)
 
     @staticmethod
     def grad_staging_bytes(largest_shard: int, grad_itemsize: int) -> int:
@@ -175,7 +176,11 @@ class UnitOptimizer:
                     if nxt.index not in self._reads:
                         self._issue_read(nxt, block=True)
                 slot, tickets = self._reads.pop(unit.index)
-                self._wait(tickets)
+                try:
+                    self._wait(tickets)
+                except BaseException:
+                    self._free_sets.append(slot)  # nothing was read into it that anyone will use
+                    raise
                 bufs = self._set_views(slot, unit)
                 self._adam(unit, bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"], grad_of(unit), out_of(unit),
                            lr, grad_scale)
@@ -202,6 +207,7 @@ class UnitOptimizer:
         Otherwise each parameter's slice of the shard is updated with its own count, and the
         slices of parameters without a gradient are left as they are (their new low-precision
         output is the cast of the unchanged master)."""
+        self.applied += 1  # from here on the unit's state may differ from before the step
         got = self._got.pop(unit.index, None)
         steps = self.steps[unit.index]
         for k in range(len(steps)):
@@ -330,12 +336,12 @@ class UnitOptimizer:
 
     # ------------------------------------------------------------------ access
 
-    def read_state(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """fp32 master/exp_avg/exp_avg_sq of a unit's shard (copies on the CPU when on NVMe)."""
+    def read_state(self, unit: Unit, keys: tuple[str, ...] = STATE_KEYS) -> dict[str, torch.Tensor]:
+        """fp32 `keys` (master, exp_avg, exp_avg_sq) of a unit's shard (copies on the CPU when on NVMe)."""
         if self.loc is not Location.NVME:
-            return dict(self._state[unit.index])
-        out = {k: torch.empty(unit.shard_numel) for k in STATE_KEYS}
-        for k in STATE_KEYS:
+            return {k: self._state[unit.index][k] for k in keys}
+        out = {k: torch.empty(unit.shard_numel) for k in keys}
+        for k in keys:
             self.store.read(f"{unit.key}.{k}", out[k]).wait()
         return out
 
@@ -352,11 +358,17 @@ class UnitOptimizer:
             self._state[unit.index][k].copy_(state[k])
 
     def close(self) -> None:
+        """Finish NVMe I/O in flight and give the staging sets back (the state stays readable). Idempotent."""
         try:
             self.drop_prefetched()
             self._drain_writes()
         except Exception:  # noqa: BLE001 - closing: errors were reported by the step that caused them
             pass
+        sets, self._sets = self._sets, []
+        self._free_sets.clear()
+        for staging in sets:
+            for block in staging.values():
+                self.host_pool.free(block)
 
 
 def _fused_adam(master, exp_avg, exp_avg_sq, grad, out, *, step, lr, beta1, beta2, eps, weight_decay,
