@@ -162,6 +162,19 @@ def test_budget_too_small():
     assert type(ei.value).__name__ == "PlanDoesNotFit"
 
 
+def test_budget_too_small_says_the_whole_shortfall():
+    """Everything on host with a host budget too small for all of it: one message names what the
+    whole plan needs, not only the first kind that misses (following it fits in one round)."""
+    cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "host"}, "tiers": {"host": "100KiB"}}
+    with pytest.raises(BudgetError, match=r"The whole plan \(.*optimizer on host.*\) needs [\d.]+ KiB more host "
+                                          r"\(needs [\d.]+ KiB, tiers.host is 100.00 KiB\)") as ei:
+        zerotier.initialize(tiny(), cfg)
+    needed = re.search(r"needs ([\d.]+) KiB, tiers.host", str(ei.value)).group(1)
+    cfg["tiers"]["host"] = int((float(needed) + 0.01) * 1024) + 1
+    with zerotier.initialize(tiny(), cfg) as engine:  # the stated need is enough
+        assert engine.plan.placement["optimizer"].value == "host"
+
+
 # ------------------------------------------------------------------------------ the model
 
 def test_model_without_parameters():

@@ -248,7 +248,24 @@ def _bytes_for(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
     need = _state_and_buffers(kind, loc, s)
     if s.engine_buffers:  # each host-pool block is rounded up to io.alignment: count the worst case
         need["host"] += _host_blocks(kind, loc, s) * (s.alignment - 1)
+        if loc is Location.NVME:
+            need["nvme"] += _nvme_rewrites(kind, s)
     return need
+
+
+def _nvme_rewrites(kind: str, s: _Sizes) -> int:
+    """NVMe bytes beyond the state itself: every swap file is rounded up to io.alignment, and a
+    rewrite goes to a second file until it commits (NVMeStore.write), so the writes that may be in
+    flight at once need their room too: the optimizer's `pipeline_depth` staging sets (3 files of
+    the largest units each), the parameters' `lookahead + 2` write-backs (ParamStore.max_writes)."""
+    shards = sorted(s.rank_shards(kind), reverse=True)
+    if kind == "params":
+        files, inflight = 1, s.lookahead + 2
+        rewrite = s.lp_bytes * sum(shards[:inflight])
+    else:
+        files, inflight = 3, s.pipeline_depth
+        rewrite = OPTIMIZER_BYTES * sum(shards[:inflight])
+    return rewrite + files * (len(shards) + min(inflight, len(shards))) * (s.alignment - 1)
 
 
 def _host_blocks(kind: str, loc: Location, s: _Sizes) -> int:
@@ -342,6 +359,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
                 break
         if chosen is None:
             message, options = _does_not_fit(kind, candidates, sizes, free, budgets)
+            message += _whole_shortfall(kind, candidates[0], need, offload, sizes, budgets)
             raise PlanDoesNotFit(message, kind, options, placement, sum(state_bytes.values()))
         placement[kind] = chosen
         for t, b in _bytes_for(kind, chosen, sizes).items():
@@ -387,6 +405,31 @@ def _does_not_fit(kind: str, candidates: list[Location], s: _Sizes, free: dict[s
     message = (f"the {kind} of {s.numel:,} parameters{per_rank} do not fit within the tier budgets; "
                f"it would take: " + "; or ".join(texts))
     return message, options
+
+
+def _whole_shortfall(kind: str, loc: Location, need: dict[str, int], offload: OffloadConfig, s: _Sizes,
+                     budgets: dict[str, int]) -> str:
+    """The shortfall of the whole plan per tier, so one message says all that is missing: the kinds
+    placed so far, `kind` on `loc`, and every later kind the config places explicitly (an `auto`
+    kind is left out: its tier is not known yet)."""
+    total, counted = dict(need), []
+    later = False
+    for k in KINDS:
+        later = later or k == kind
+        if not later:
+            continue
+        where = loc if k == kind else (None if getattr(offload, k) == "auto" else Location(getattr(offload, k)))
+        if where is None:
+            continue
+        counted.append(f"{k} on {where.value}")
+        for t, b in _bytes_for(k, where, s).items():
+            total[t] += b
+    short = {t: total[t] - budgets[t] for t in total if total[t] > budgets[t]}
+    if not short:
+        return ""
+    what = " and ".join(f"{format_size(b)} more {t} (needs {format_size(total[t])}, tiers.{t} is "
+                        f"{format_size(budgets[t])})" for t, b in short.items())
+    return f". The whole plan ({', '.join(counted)} after the kinds already placed) needs {what}"
 
 
 def _predict(placement: dict[str, Location], s: _Sizes, device: torch.device, rates: dict[str, float],
