@@ -179,3 +179,15 @@ def test_auto_wrap_makes_units_of_repeated_blocks():
 def test_wrap_naming_a_class_the_model_lacks_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"train.wrap names \['LlamaDecoderLayer'\].*its classes: .*Linear"):
         zerotier.initialize(MHA(), {"train": {"wrap": ["LlamaDecoderLayer"]}})
+
+
+def test_reading_a_released_parameter_is_a_clear_error():
+    """With a unit per module owning parameters (a wrap callable), MultiheadAttention's direct read
+    of out_proj.weight hits a released parameter: the error says so and names train.wrap."""
+    def per_module(name, module):
+        return any(p is not None for p in module._parameters.values())
+    cfg = {"offload": PLACEMENTS["params-host"]}
+    with zerotier.initialize(MHA(), cfg, wrap=per_module) as engine:
+        with pytest.raises(zerotier.errors.ZerotierError, match=r"released .* was read .*train\.wrap") as info:
+            engine(data()[0])
+        assert "attn.out_proj" in str(info.value)

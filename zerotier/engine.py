@@ -59,7 +59,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
+import re
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,7 +80,7 @@ from .planner import make_plan
 from .profiler import Profiler
 from .scaler import LossScaler
 from .schedule import PrefetchScheduler
-from .state import DTYPES, Location, build_units, nested_numel
+from .state import DTYPES, Location, ParamState, build_units, nested_numel
 from .tiers.device import DeviceTier
 from .tiers.host import HostPool
 
@@ -113,6 +115,10 @@ class _FetchOnBackward(torch.autograd.Function):
         for unit in ctx.units:
             ctx.engine._demand(unit)
         return (None, None, *grads)
+
+
+# torch's error when a tensor whose storage was resized to 0 (a released parameter) is read
+_RELEASED_READ = re.compile(r"requiring a storage size of \d+|storage of size 0|Trying to .* storage of size 0")
 
 
 def _autocast_dtype(device_type: str) -> "torch.dtype | None":
@@ -271,6 +277,8 @@ class Engine:
             for name in unit.modules:
                 by_module.setdefault(name, []).append(unit)
         root = self.module
+        if streamed:  # a released parameter read out of place: say so (instance attribute; close() removes it)
+            root.forward = self._explain_released_reads(root.forward)
         if self.device.type == "cuda":  # inputs follow the model, as FSDP does (plain model(x) too)
             self._hooks.append(root.register_forward_pre_hook(self._inputs_to_device, with_kwargs=True))
         for name, module in self.module.named_modules():
@@ -282,6 +290,28 @@ class Engine:
         for unit in self.units:
             for i, p in enumerate(unit.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, i)))
+
+    def _explain_released_reads(self, forward):
+        """A released parameter has storage of size 0: torch's error on reading one ("setStorage:
+        ... requiring a storage size of N ...") names no parameter. Say what happened and what
+        fixes it ([Note: units] in state.py)."""
+        @functools.wraps(forward)
+        def checked(*args, **kwargs):
+            try:
+                return forward(*args, **kwargs)
+            except RuntimeError as exc:
+                if not _RELEASED_READ.search(str(exc)):
+                    raise
+                released = [u.name or "<root>" for u in self.units
+                            if self.params.state[u.index] is not ParamState.RESIDENT]
+                raise ZerotierError(
+                    "a parameter zerotier keeps released outside its unit's forward was read (torch: "
+                    f"{str(exc).splitlines()[0][:120]}): some module reads another module's weight directly "
+                    f"instead of calling it. Units released at that moment: {', '.join(released[:8])}"
+                    f"{' ...' if len(released) > 8 else ''}. Make the reading module (or an ancestor) a unit "
+                    "with train.wrap (a list of its class names) so that the weight is resident during its "
+                    "forward, or keep parameters on the device (offload.params = \"device\")") from exc
+        return checked
 
     def _inputs_to_device(self, module, args, kwargs):
         def move(t):
@@ -651,6 +681,7 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.module.__dict__.pop("forward", None)  # _explain_released_reads
         if getattr(self.module, "_zerotier_engine", None) is not None:
             del self.module._zerotier_engine
         self._optim_thread.shutdown(wait=True)
