@@ -163,3 +163,30 @@ def test_error_in_backward_at_every_module(swap, clip, error):
         engine.close()
     expected = {"dropped", "refused"} if clip is None else {"dropped"}
     assert outcomes == expected, outcomes
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_ctrl_c_inside_step_between_units(swap, n):
+    """Ctrl-C during the n-th unit's commit (after its Adam ran): the step is refused as a whole and
+    an emergency save is refused too (it would hold a half-applied step); loading the last
+    checkpoint resumes exactly."""
+    expected = reference(swap, 1.0)
+    engine = zerotier.initialize(model(), cfg(swap))
+    run(engine, DATA[:3])
+    engine.save_checkpoint(swap / "ckpt")
+    commit, calls = engine.params.commit, [0]
+
+    def interrupted(unit):
+        calls[0] += 1
+        if calls[0] == n:
+            raise KeyboardInterrupt
+        return commit(unit)
+    engine.params.commit = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        run(engine, DATA[3:4])
+    engine.params.commit = commit
+    assert_broken(engine)
+    engine.load_checkpoint(swap / "ckpt")
+    run(engine, DATA[3:])
+    same(engine.parameters_fp32(), expected, f"Ctrl-C at unit {n} of the step, resumed")
+    engine.close()
