@@ -350,3 +350,56 @@ def test_streaming_memory_bound(tmp_path):
           f"{load_mem.growth / 1e6:.0f} MB)")
     assert save_mem.growth < state_bytes / 3
     assert load_mem.growth < state_bytes / 3
+
+
+# ------------------------------------------------------------------ checkpoints hold data, not code
+
+class _Plant:
+    """Unpickling this creates a file: what a crafted state.pt would do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _forge_state_pt(ckpt, payload) -> None:
+    """Replace ckpt/state.pt by a pickle of `payload` and fix the manifest's size and crc32c."""
+    import io
+    import crc32c as crc
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    data = buf.getvalue()
+    (ckpt / "state.pt").write_bytes(data)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["state"] = {"nbytes": len(data), "crc32c": crc.crc32c(data)}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_crafted_checkpoint_cannot_run_code_on_load_or_export(tmp_path):
+    root = tmp_path / "ck"
+    with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
+        train(engine, 0, 1)
+        ckpt = engine.save_checkpoint(root)
+    planted = tmp_path / "PWNED"
+    _forge_state_pt(ckpt, {"global_steps": 1, "client_state": _Plant(str(planted))})
+    with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
+        with pytest.raises(checkpoint.CheckpointError, match="outside torch's safe set.*trust_pickle=True"):
+            engine.load_checkpoint(root)
+        assert engine._broken is None  # nothing was loaded: the engine goes on
+        train(engine, 0, 1)
+    with pytest.raises(checkpoint.CheckpointError, match="outside torch's safe set"):
+        export.export(root, tmp_path / "w.safetensors")
+    assert not planted.exists(), "unpickling ran the planted code"
+
+
+def test_client_state_that_is_not_data_is_refused_at_save(tmp_path):
+    root = tmp_path / "ck"
+    with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
+        train(engine, 0, 1)
+        with pytest.raises(checkpoint.CheckpointError, match="client_state holds objects that cannot be loaded back safely"):
+            engine.save_checkpoint(root, client_state={"fn": make_model})
+        assert not root.exists() or not any(root.iterdir()), "a refused save left files behind"
+        engine.save_checkpoint(root, client_state={"epoch": 3, "losses": [1.0, 0.5], "note": "ok", "t": torch.ones(2)})
+        assert engine.load_checkpoint(root)["epoch"] == 3

@@ -18,6 +18,14 @@ Export to plain model weights (.safetensors / .pt) is in zerotier/export.py.
 The .pt files' crc32c are in the manifest too. Low-precision parameters are not saved: on
 load they are the master rounded to the param dtype, which is what the engine keeps.
 
+[Note: checkpoints hold data]
+A crc32c is no defence (anyone can compute one), so the .pt parts hold data only and are
+read with torch.load(weights_only=True): tensors, numbers, strings, None and containers
+of them; a crafted pickle is refused before anything in it runs (`_load_pt`). Save checks
+the same (`_check_loadable`): a client_state or scheduler state that would not load back
+that way is refused, with nothing written. RNG states are stored as plain data (numpy's
+as a tensor). Old checkpoints with pickled objects load only with trust_pickle=True.
+
 [Note: checkpoint atomicity]
 Every rank writes into root/.ckpt-<step>.tmp-<random>/ and fsyncs its files; a
 cross-rank check makes a rank failing mid-save fail all. Rank 0 then writes the
@@ -90,8 +98,27 @@ def _save_pt(obj: Any, path: Path) -> dict:
     return {"nbytes": len(data), "crc32c": _crc(data)}
 
 
-def _load_pt(path: Path, meta: dict) -> Any:
+def _check_loadable(obj: Any, what: str) -> None:
+    """[Note: checkpoints hold data] refuse at save what would not load with weights_only=True."""
     import io
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - pickling errors, UnpicklingError: all mean "not data"
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise CheckpointError(f"save_checkpoint: {what} holds objects that cannot be loaded back safely "
+                              f"(torch.load(weights_only=True): {first}). A checkpoint stores data, not code: "
+                              "keep to tensors, numbers, strings, None, lists, tuples and dicts of them") from None
+
+
+def _load_pt(path: Path, meta: dict, trust_pickle: bool = False) -> Any:
+    """[Note: checkpoints hold data] A checkpoint's .pt parts are loaded with weights_only=True:
+    tensors and plain containers only, so a crafted file (with a crc32c anyone can compute)
+    cannot run code. trust_pickle=True is for old checkpoints the caller wrote and trusts."""
+    import io
+    import pickle
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -100,7 +127,16 @@ def _load_pt(path: Path, meta: dict) -> Any:
     if len(data) != meta["nbytes"] or _crc(data) != meta["crc32c"]:
         raise CheckpointError(f"checkpoint {path}: checksum mismatch (or wrong size: {len(data)} bytes, "
                               f"expected {meta['nbytes']}) — the file is corrupt; load an earlier checkpoint")
-    return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=not trust_pickle, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        first = (str(exc).strip().splitlines() or ["?"])[0][:200]
+        raise CheckpointError(
+            f"checkpoint {path}: holds objects outside torch's safe set for weights_only loading ({first}). "
+            "This version writes only tensors and plain data, so the file is from an older zerotier or was "
+            "tampered with; nothing in it was run. If you wrote it and trust it, load it with "
+            "trust_pickle=True (engine.load_checkpoint(root, trust_pickle=True), zerotier export "
+            "--trust-pickle)") from None
 
 
 def _space_error(tmp: Path, what: str, exc: OSError) -> CheckpointError:
@@ -148,7 +184,9 @@ def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     try:
         import numpy as np
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "gauss": float(gauss)}  # plain data: weights_only
     except ImportError:
         pass
     if torch.cuda.is_available():
@@ -161,7 +199,8 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "numpy" in state:
         import numpy as np
-        np.random.set_state(state["numpy"])
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         cuda = state["cuda"]
         if len(cuda) == torch.cuda.device_count():
@@ -189,9 +228,24 @@ def save(engine, root, *, lr_scheduler=None, client_state=None) -> Path:
         raise ZerotierError(f"save_checkpoint at micro-step {engine.micro_steps}: in the middle of a gradient "
                             f"accumulation window (grad_accum_steps = {accum}); the accumulated gradients are "
                             f"not saved. Save right after an engine.step() that returned True")
+    rank, world = engine.rank, engine.world_size
+    problem = None
+    try:  # before anything is written: a refused save leaves nothing behind
+        _check_loadable(client_state, "client_state")
+        if lr_scheduler is not None:
+            _check_loadable(lr_scheduler.state_dict(), "the lr scheduler's state_dict()")
+    except CheckpointError as exc:
+        problem = exc
+    if world > 1:  # every rank stops, the one with the problem with its own message
+        try:
+            engine.sharding.comm.check_all_ranks(problem is None, "save_checkpoint: client_state")
+        except ZerotierError:
+            if problem is None:
+                raise
+    if problem is not None:
+        raise problem
     engine.synchronize()
     root = Path(root)
-    rank, world = engine.rank, engine.world_size
     step = engine.global_steps
     dist = _dist() if world > 1 else None
     token = [secrets.token_hex(4)]
@@ -419,7 +473,7 @@ def _check_fingerprint(engine, manifest: dict, ckpt: Path) -> None:
 
 # ------------------------------------------------------------------------------- load
 
-def load(engine, root, *, lr_scheduler=None):
+def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
     """Load a checkpoint into `engine` (collective: every rank calls it); returns client_state.
 
     Works into another tier placement, ZeRO stage or world size: each rank computes its own
@@ -433,10 +487,10 @@ def load(engine, root, *, lr_scheduler=None):
     engine.synchronize()  # fetches issued but not consumed would hold the old parameters
     files = _RankFiles(ckpt, manifest)
     try:
-        state = _load_pt(ckpt / "state.pt", manifest["state"])
+        state = _load_pt(ckpt / "state.pt", manifest["state"], trust_pickle)
         old_world = manifest["world_size"]
         src = engine.rank if engine.rank < old_world else 0
-        rng = _load_pt(ckpt / f"rank{src}.pt", manifest["ranks"][src]["rng"])["rng"]
+        rng = _load_pt(ckpt / f"rank{src}.pt", manifest["ranks"][src]["rng"], trust_pickle)["rng"]
         for unit, step in zip(engine.units, manifest["unit_steps"]):
             lo, hi = unit.shard_lo, unit.shard_hi
             bufs = {}

@@ -366,12 +366,15 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output file: NAME.safetensors or NAME.pt (plain weights by parameter name)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                         help="dtype of the exported floating-point tensors (default fp32, the master weights)")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="read an old checkpoint's pickled parts (they can run code: only for checkpoints "
+                             "you wrote yourself); checkpoints of this version need no such trust")
 
 
 def _run_export(args: argparse.Namespace) -> int:
     from zerotier.export import export
 
-    out = export(args.checkpoint, args.to, args.dtype)
+    out = export(args.checkpoint, args.to, args.dtype, trust_pickle=args.trust_pickle)
     print(f"weights written to {out}")
     return 0
 

@@ -614,14 +614,14 @@ class Engine:
         self._refuse_if_broken("engine.save_checkpoint()")
         return checkpoint.save(self, root, lr_scheduler=lr_scheduler, client_state=client_state)
 
-    def load_checkpoint(self, root, *, lr_scheduler=None):
+    def load_checkpoint(self, root, *, lr_scheduler=None, trust_pickle: bool = False):
         """Load root/latest (or a ckpt-N directory) into this engine, whatever its placement, stage or
         world size (collective). Returns the saved client_state. See checkpoint.load for RNG rules."""
         from . import checkpoint
         self._quiesce()
         versions = list(self.params.version)  # a commit bumps them: did the load change anything?
         try:
-            client_state = checkpoint.load(self, root, lr_scheduler=lr_scheduler)
+            client_state = checkpoint.load(self, root, lr_scheduler=lr_scheduler, trust_pickle=trust_pickle)
         except BaseException as exc:
             if self.params.version != versions:
                 self._broken = f"engine.load_checkpoint() failed half-way ({type(exc).__name__}: {exc})"

@@ -61,15 +61,16 @@ def iter_full_params(path, dtype: torch.dtype = torch.float32) -> Iterator[tuple
         files.close()
 
 
-def export(path, out, dtype: str | torch.dtype = "fp32") -> Path:
-    """Write a checkpoint's model weights (plus saved frozen params/buffers) to .safetensors or .pt."""
+def export(path, out, dtype: str | torch.dtype = "fp32", trust_pickle: bool = False) -> Path:
+    """Write a checkpoint's model weights (plus saved frozen params/buffers) to .safetensors or .pt.
+    trust_pickle: load an old checkpoint's pickled parts (only for checkpoints you wrote yourself)."""
     if isinstance(dtype, str):
         if dtype not in _DTYPE_NAMES:
             raise ZerotierError(f"export --dtype {dtype!r}: expected one of fp32, bf16, fp16")
         dtype = _DTYPE_NAMES[dtype]
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
-    extra = _load_pt(ckpt / "state.pt", manifest["state"])["module_unmanaged"]
+    extra = _load_pt(ckpt / "state.pt", manifest["state"], trust_pickle)["module_unmanaged"]
     extra = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in extra.items()}
     out = Path(out)
     if out.suffix == ".safetensors":
