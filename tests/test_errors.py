@@ -309,6 +309,19 @@ def test_cpu_adamw_non_contiguous_parameter():
     assert torch.equal(p.detach(), before)
 
 
+def test_plain_loss_backward():
+    engine = zerotier.initialize(tiny(), {})
+    x, y = next(batches(VOCAB, SEQ, 2, 1))
+    with pytest.raises(ZerotierError, match=r"^loss.backward\(\) was called directly on a model zerotier manages; "
+                                            r"call engine.backward\(loss\) instead"):
+        engine(x, y).backward()
+    with pytest.raises(ZerotierError, match="before engine.backward"):
+        engine.step()  # nothing was accumulated: there is nothing to apply
+    engine.backward(engine(x, y))  # the engine's own backward works afterwards
+    assert engine.step()
+    engine.close()
+
+
 # ------------------------------------------------------------------------------ the table itself
 
 def test_every_row_of_docs_errors_md_is_tested():

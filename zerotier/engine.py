@@ -364,6 +364,13 @@ class Engine:
 
     def _grad_hook(self, unit, i: int):
         def hook(p: torch.Tensor) -> None:
+            if not self._in_backward:  # never a silent accumulation the next step() would misapply
+                p.grad = None
+                raise ZerotierError(
+                    "loss.backward() was called directly on a model zerotier manages; call engine.backward(loss) "
+                    "instead: it scales the loss for gradient accumulation and loss scaling and ends the backward "
+                    "pass (gradient reductions, parameter releases). A plain loss.backward() (accelerate, HF "
+                    "Trainer's default training_step) is not supported yet; nothing was accumulated")
             complete = self.grads.accumulate(unit, i, p.grad)
             p.grad = None
             if not complete:
