@@ -248,6 +248,7 @@ class GradStore:
             for p in unit.params:
                 p.grad = None
         self._seen = [0] * len(self.units)
+        self._final, self._queued = [False] * len(self.units), 0  # a failed backward's queue too
 
     def close(self) -> None:
         """Stop the adder thread and give the accumulators' pool blocks back. Idempotent."""

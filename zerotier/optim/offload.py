@@ -145,8 +145,7 @@ class UnitOptimizer:
         others are left untouched ([Note: parameters without a gradient]).
         drain=False leaves NVMe write-backs in flight (an early update during backward: the
         next unit's read overlaps them); `finish()` waits for them."""
-        if got_of is not None:
-            self._got = {u.index: got_of(u) for u in units}
+        self._got = {u.index: got_of(u) for u in units} if got_of is not None else {}
         if self.loc is not Location.NVME:
             order = units
         else:  # units whose reads started during backward go first, in the order they were issued
