@@ -309,16 +309,16 @@ def test_cpu_adamw_non_contiguous_parameter():
     assert torch.equal(p.detach(), before)
 
 
-def test_plain_loss_backward():
-    engine = zerotier.initialize(tiny(), {})
+def test_plain_loss_backward_with_a_loss_scale():
+    engine = zerotier.initialize(tiny(), {"precision": {"param_dtype": "fp16", "loss_scale": "dynamic"}})
     x, y = next(batches(VOCAB, SEQ, 2, 1))
-    with pytest.raises(ZerotierError, match=r"^loss.backward\(\) was called directly on a model zerotier manages; "
-                                            r"call engine.backward\(loss\) instead"):
-        engine(x, y).backward()
-    with pytest.raises(ZerotierError, match="before engine.backward"):
-        engine.step()  # nothing was accumulated: there is nothing to apply
-    engine.backward(engine(x, y))  # the engine's own backward works afterwards
-    assert engine.step()
+    with pytest.raises(ZerotierError, match=r"^a plain loss.backward\(\) cannot be exact here \(the loss scale "
+                                            r".*\): call engine.backward\(loss\) and engine.step\(\)"):
+        engine(x, y).float().backward()
+    engine.optimizer.step()  # nothing was accumulated: nothing to apply
+    assert engine.global_steps == 0
+    engine.backward(engine(x, y).float())  # the engine's own backward works afterwards
+    engine.step()
     engine.close()
 
 

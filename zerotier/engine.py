@@ -45,6 +45,24 @@ parameter's original dtype), and `close()` puts them back into the parameters, w
 the parameters were, so the model trains or saves like any PyTorch model afterwards.
 A model already managed by a live engine is refused by initialize().
 
+[Note: the plain PyTorch loop]
+Besides engine.backward(loss) / engine.step() (every micro-batch; the engine divides by
+grad_accum_steps and applies the loss scale), the loop PyTorch users write works:
+
+    loss = model(x, y); (loss / accum).backward()
+    if last micro-batch: engine.optimizer.step(); engine.optimizer.zero_grad()
+
+The module's hooks drive everything, as with FSDP: the first hook of a backward the
+engine did not start enters it and queues its end with autograd (releases, end of
+accumulation); engine.optimizer is a real torch Optimizer whose step() applies the
+accumulated gradients (clipping by train.max_grad_norm) and whose zero_grad() drops
+them; lr schedulers drive its param_groups. The loop divides its own loss, so
+train.grad_accum_steps plays no part. Where a plain backward cannot be exact, the
+first hook raises at once, naming engine.backward: a dynamic or static loss scale
+(it must multiply the loss), several ranks (the engine's backward decides when to
+reduce), or engine.backward used earlier in the same window. Updates during backward
+are off in this loop (no backward is known to end the window).
+
 [Note: autocast and streamed parameters]
 Under torch.autocast, an op casts a full-precision parameter to the autocast dtype,
 keeps the copy in autocast's cache until the autocast region ends, and autograd saves
@@ -92,14 +110,28 @@ def initialize(model: torch.nn.Module, config=None, *, wrap=None) -> "Engine":
     return Engine(model, Config.coerce(config), wrap)
 
 
-class _LRHolder(torch.optim.Optimizer):
-    """Holds lr in `param_groups` so torch.optim.lr_scheduler works with `engine.optimizer`."""
+class EngineOptimizer(torch.optim.Optimizer):
+    """`engine.optimizer`: a real torch Optimizer for the plain PyTorch loop ([Note: the plain
+    PyTorch loop]). `param_groups[0]["lr"]` is the learning rate the engine uses (lr schedulers
+    drive it); `step()` is the engine's update of the gradients accumulated by loss.backward();
+    `zero_grad()` drops them."""
 
-    def __init__(self, lr: float):
+    def __init__(self, engine: "Engine", lr: float):
         super().__init__([torch.zeros(0, requires_grad=True)], {"lr": lr})
+        self._engine = weakref.ref(engine)
 
-    def step(self, closure=None):  # the update itself is the engine's
-        return None
+    def step(self, closure=None):
+        if closure is not None:
+            raise ZerotierError("engine.optimizer.step(closure): closures are not supported (zerotier's update "
+                                "runs once per step over every unit)")
+        engine = self._engine()
+        if engine is not None and not engine._applying:  # engine.step() counts its update here too
+            engine._optimizer_step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        engine = self._engine()
+        if engine is not None:
+            engine.zero_grad()
 
 
 class _FetchOnBackward(torch.autograd.Function):
@@ -112,6 +144,7 @@ class _FetchOnBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        ctx.engine._ensure_backward()
         for unit in ctx.units:
             ctx.engine._demand(unit)
         return (None, None, *grads)
@@ -189,7 +222,7 @@ class Engine:
         # None when profiling is off: every call site is one `if prof is not None:` (zero cost).
         self.profiler = Profiler.from_config(cfg.profile, self._residency, device=self.device)
         self.scaler = LossScaler(cfg.precision)
-        self.optimizer = _LRHolder(cfg.optimizer.lr)
+        self.optimizer = EngineOptimizer(self, cfg.optimizer.lr)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, placement["optimizer"], self.device_tier,
                                             self.host_pool, self.store, self.profiler)
         self.params = ParamStore(self.units, placement["params"], self.lp_dtype, self.device_tier,
@@ -204,6 +237,9 @@ class Engine:
         self._early: list[Future] = []
         self._broken: str | None = None    # [Note: a step is all or nothing]
         self._state_dict_hook_on = True    # off: module.state_dict() as torch makes it (checkpoint.py)
+        self._plain_backward = False         # [Note: the plain PyTorch loop]: inside one now
+        self._plain_grads = False            # gradients from plain loss.backward() calls wait for a step
+        self._applying = False               # inside _apply_window (optimizer.step() only counts then)
         self._partial: str | None = None   # a backward failed half-way: its gradients are partial
         self.micro_steps = 0
         self.global_steps = 0
@@ -320,6 +356,9 @@ class Engine:
 
     def _pre_forward(self, is_root: bool, units: list):
         def hook(module, args):
+            if is_root and self._plain_backward:  # a plain loss.backward() died half-way: its end never ran
+                self._end_plain_backward()
+                self._partial = "a loss.backward() failed half-way through its gradients"
             if is_root and torch.is_grad_enabled() and module.training and not self._in_backward:
                 self.scheduler.begin_pass()
             if units and _autocast_dtype(self.device.type) not in (None, self.lp_dtype):
@@ -364,13 +403,11 @@ class Engine:
 
     def _grad_hook(self, unit, i: int):
         def hook(p: torch.Tensor) -> None:
-            if not self._in_backward:  # never a silent accumulation the next step() would misapply
-                p.grad = None
-                raise ZerotierError(
-                    "loss.backward() was called directly on a model zerotier manages; call engine.backward(loss) "
-                    "instead: it scales the loss for gradient accumulation and loss scaling and ends the backward "
-                    "pass (gradient reductions, parameter releases). A plain loss.backward() (accelerate, HF "
-                    "Trainer's default training_step) is not supported yet; nothing was accumulated")
+            try:
+                self._ensure_backward()
+            except BaseException:
+                p.grad = None  # never a silent accumulation a later step would apply
+                raise
             complete = self.grads.accumulate(unit, i, p.grad)
             p.grad = None
             if not complete:
@@ -383,6 +420,52 @@ class Engine:
             elif self._prefetch_state:
                 self.unit_optimizer.prefetch(unit)  # NVMe state reads start now
         return hook
+
+    def _ensure_backward(self) -> None:
+        """[Note: the plain PyTorch loop] The first hook of a backward the engine did not start
+        (a plain loss.backward(): the user's loop, accelerate, HF Trainer) begins it here and
+        queues its end with autograd. Where a plain backward cannot be right, it raises at once."""
+        if self._in_backward:
+            return
+        self._refuse_if_broken("loss.backward()")
+        why = None
+        if self.scaler.dynamic or self.scaler.scale != 1.0:
+            why = "the loss scale (precision.loss_scale) must multiply the loss before backward"
+        elif self.sharding.active:
+            why = "with several ranks the engine's backward decides when gradients are reduced"
+        elif self._backward_since_step:
+            why = "engine.backward(loss) was used in this window: one loop style per window"
+        if why is not None:
+            raise ZerotierError(f"a plain loss.backward() cannot be exact here ({why}): call engine.backward(loss) "
+                                "and engine.step() after every micro-batch instead")
+        self._in_backward = self._plain_backward = True
+        self._reduce_now = self._early_step_ok = self._prefetch_state = False
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_plain_backward)
+
+    def _end_plain_backward(self) -> None:
+        """The end of a plain loss.backward() (queued by _ensure_backward)."""
+        self._in_backward = self._plain_backward = False
+        for unit in self.units:
+            self.params.release(unit)
+        self.grads.end_backward(reduced=False)
+        self._plain_grads = True
+
+    def _optimizer_step(self) -> None:
+        """engine.optimizer.step() in the plain PyTorch loop: apply the gradients that loss.backward()
+        accumulated (any number of them: the loop divides its loss for accumulation itself), then
+        drop them ([Note: the plain PyTorch loop])."""
+        self._refuse_if_broken("optimizer.step()")
+        if self._backward_since_step:
+            raise ZerotierError("engine.optimizer.step() after engine.backward(loss): call engine.step() in that "
+                                "loop (optimizer.step() belongs to the plain loss.backward() loop)")
+        if not self._plain_grads:
+            return  # no gradients: torch's optimizers do nothing either
+        try:
+            self._apply_window()
+        except BaseException as exc:
+            self._failed("optimizer.step()", exc)
+            raise
+        self.zero_grad()
 
     def _start_early_step(self, unit) -> None:
         """[Note: early step] update `unit` on the optimizer thread while backward goes on."""
@@ -427,6 +510,9 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZerotierError("engine.backward(loss) needs the scalar loss tensor of this micro-batch")
         self._refuse_if_broken("engine.backward()")
+        if self._plain_grads:
+            raise ZerotierError("engine.backward(loss) after a plain loss.backward() in the same window: use one "
+                                "loop style per window (call engine.optimizer.step() or engine.zero_grad() first)")
         if self._backward_since_step:  # each step() consumes exactly one backward (the same loss twice too)
             raise ZerotierError("engine.backward() called twice without engine.step() in between: call "
                                 "engine.step() after every micro-batch's backward (it applies the update only "
@@ -466,6 +552,9 @@ class Engine:
         the new weights, others the old; step(), backward() and save_checkpoint() then refuse,
         naming load_checkpoint(). No update runs after the error has reached the caller."""
         self._refuse_if_broken("engine.step()")
+        if self._plain_grads:
+            raise ZerotierError("engine.step() after a plain loss.backward(): call engine.optimizer.step() in that "
+                                "loop, or engine.backward(loss) then engine.step()")
         if not self._backward_since_step:
             raise ZerotierError("engine.step() called before engine.backward(loss): there are no gradients "
                                 "to apply")
@@ -484,6 +573,13 @@ class Engine:
 
     def _apply_window(self) -> bool:
         """The update at the end of an accumulation window (see step())."""
+        self._applying = True
+        try:
+            return self._apply_window_now()
+        finally:
+            self._applying = False
+
+    def _apply_window_now(self) -> bool:
         self._wait_early_steps()
         pending = self.grads.ready_all()  # units stepped early are STEPPED already
         inv_scale = 1.0 / self.scaler.scale
@@ -567,7 +663,7 @@ class Engine:
     def zero_grad(self) -> None:
         """Drop the gradients of the current accumulation window (and a failed backward's partial ones)."""
         self.grads.zero()
-        self._backward_since_step = False
+        self._backward_since_step = self._plain_grads = False
         self._partial = None
         self._window_applied = self.unit_optimizer.applied
 
