@@ -84,3 +84,29 @@ def test_accelerate_backward_trains_like_plain_torch():
             # rounding noise there, which Adam normalizes to steps of size lr, differs run to run
             continue
         torch.testing.assert_close(ours[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def trainer_logs(trainer):
+    trainer.train()
+    history = trainer.state.log_history
+    return [h["loss"] for h in history if "loss" in h], [h["grad_norm"] for h in history if "grad_norm" in h]
+
+
+def test_zerotier_trainer_logs_the_true_gradient_norm_and_matches_plain_trainer():
+    from zerotier.integrations.transformers import ZerotierTrainer
+
+    def args():
+        return transformers.TrainingArguments(
+            output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+            max_grad_norm=0.5, learning_rate=3e-3, weight_decay=0.0, num_train_epochs=1, logging_steps=1,
+            report_to=[], use_cpu=True, save_strategy="no", lr_scheduler_type="linear", seed=0, data_seed=0)
+    expected_losses, expected_norms = trainer_logs(transformers.Trainer(model=gpt2(), args=args(),
+                                                                        train_dataset=Tokens()))
+    trainer = ZerotierTrainer(model=gpt2(), args=args(), train_dataset=Tokens(),
+                              zerotier_config={"offload": {"params": "host", "gradients": "host", "optimizer": "host"}})
+    losses, norms = trainer_logs(trainer)
+    assert trainer.engine.global_steps == 4 and trainer.engine.cfg.train.max_grad_norm == 0.5
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(expected_norms), rtol=1e-5, atol=1e-6)
+    assert min(norms) > 0
+    trainer.engine.close()

@@ -240,6 +240,7 @@ class Engine:
         self._plain_backward = False         # [Note: the plain PyTorch loop]: inside one now
         self._plain_grads = False            # gradients from plain loss.backward() calls wait for a step
         self._applying = False               # inside _apply_window (optimizer.step() only counts then)
+        self._window_norm: float | None = None  # grad_norm() of the current window, once computed
         self._partial: str | None = None   # a backward failed half-way: its gradients are partial
         self.micro_steps = 0
         self.global_steps = 0
@@ -428,6 +429,7 @@ class Engine:
         if self._in_backward:
             return
         self._refuse_if_broken("loss.backward()")
+        self._refuse_after_grad_norm("loss.backward()")
         why = None
         if self.scaler.dynamic or self.scaler.scale != 1.0:
             why = "the loss scale (precision.loss_scale) must multiply the loss before backward"
@@ -513,6 +515,7 @@ class Engine:
         if self._plain_grads:
             raise ZerotierError("engine.backward(loss) after a plain loss.backward() in the same window: use one "
                                 "loop style per window (call engine.optimizer.step() or engine.zero_grad() first)")
+        self._refuse_after_grad_norm("engine.backward()")
         if self._backward_since_step:  # each step() consumes exactly one backward (the same loss twice too)
             raise ZerotierError("engine.backward() called twice without engine.step() in between: call "
                                 "engine.step() after every micro-batch's backward (it applies the update only "
@@ -579,12 +582,21 @@ class Engine:
         finally:
             self._applying = False
 
+    def grad_norm(self) -> float:
+        """The global norm (before clipping, loss scale removed) of the gradients the next update
+        will apply; computed once per window (a collective with several ranks). What HF Trainer
+        logs as grad_norm (zerotier.integrations.transformers)."""
+        if self._window_norm is None:
+            self._wait_early_steps()
+            self.grads.ready_all()
+            local = self.grads.sumsq([u for u in self.units if self.sharding.local_sumsq_share(u)])
+            self._window_norm = math.sqrt(self.sharding.global_sum(local)) / self.scaler.scale
+        return self._window_norm
+
     def _apply_window_now(self) -> bool:
-        self._wait_early_steps()
+        total_norm = self.grad_norm()
         pending = self.grads.ready_all()  # units stepped early are STEPPED already
         inv_scale = 1.0 / self.scaler.scale
-        local = self.grads.sumsq([u for u in self.units if self.sharding.local_sumsq_share(u)])
-        total_norm = math.sqrt(self.sharding.global_sum(local)) * inv_scale
         overflow = not math.isfinite(total_norm)
         if overflow and self.scaler.dynamic:
             self.scaler.update(overflow=True)
@@ -631,6 +643,11 @@ class Engine:
         except BaseException:  # noqa: BLE001 - the error being raised already tells the story
             pass
 
+    def _refuse_after_grad_norm(self, what: str) -> None:
+        if self._window_norm is not None:
+            raise ZerotierError(f"{what} after engine.grad_norm(): the norm closed this accumulation window; "
+                                "call the step (engine.step() / engine.optimizer.step()) or zero_grad() first")
+
     def _refuse_if_broken(self, what: str) -> None:
         if self._broken is not None:
             raise ZerotierError(f"{what} refused: {self._broken}. Load a checkpoint "
@@ -663,6 +680,7 @@ class Engine:
     def zero_grad(self) -> None:
         """Drop the gradients of the current accumulation window (and a failed backward's partial ones)."""
         self.grads.zero()
+        self._window_norm = None
         self._backward_since_step = self._plain_grads = False
         self._partial = None
         self._window_applied = self.unit_optimizer.applied

@@ -1,0 +1,1 @@
+"""Integrations with other libraries' training loops (each module imports its library lazily)."""

@@ -1,0 +1,56 @@
+"""transformers' Trainer over a zerotier engine.
+
+    from zerotier.integrations.transformers import ZerotierTrainer
+    trainer = ZerotierTrainer(model=model, args=training_args, train_dataset=ds,
+                              zerotier_config="zerotier.toml")
+    trainer.train()
+
+The engine is created on the model before the Trainer sees it, and the Trainer never moves the
+model itself (the engine places every parameter). TrainingArguments supply the optimizer's
+hyper-parameters (learning_rate, weight_decay, adam_beta1/2, adam_epsilon) and max_grad_norm;
+the zerotier config supplies tiers, placement and precision. Training runs through the plain
+PyTorch loop ([Note: the plain PyTorch loop] in engine.py): Trainer's backward, its
+optimizer.step() and zero_grad() are the engine's, and the grad_norm it logs is the engine's
+global gradient norm before clipping (Trainer would otherwise read p.grad, which zerotier
+never leaves on the parameters). Not covered yet: Trainer's own checkpoints (save_steps,
+resume_from_checkpoint) — use engine.save_checkpoint / load_checkpoint; and Trainer's
+exemption of biases and LayerNorm weights from weight decay (zerotier decays every
+parameter: a warning says so when weight_decay > 0).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import Trainer
+
+from ..config import Config
+from ..engine import initialize
+
+
+class ZerotierTrainer(Trainer):
+    def __init__(self, model=None, args=None, *posargs, zerotier_config=None, **kwargs):
+        if model is None or args is None:
+            raise TypeError("ZerotierTrainer needs model= and args= (TrainingArguments)")
+        if kwargs.get("optimizers", (None, None))[0] is not None:
+            raise TypeError("ZerotierTrainer makes its own optimizer (the engine's): do not pass optimizers=")
+        cfg = Config.coerce(zerotier_config).to_dict()
+        cfg["optimizer"].update(lr=args.learning_rate, weight_decay=args.weight_decay,
+                                betas=[args.adam_beta1, args.adam_beta2], eps=args.adam_epsilon)
+        cfg["train"]["max_grad_norm"] = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+        if args.weight_decay > 0:
+            warnings.warn("ZerotierTrainer: weight_decay applies to every parameter, biases and LayerNorm weights "
+                          "included (transformers' Trainer exempts them), so losses differ slightly from Trainer's",
+                          UserWarning, stacklevel=2)
+        self.engine = initialize(model, cfg)
+        kwargs["optimizers"] = (self.engine.optimizer, kwargs.get("optimizers", (None, None))[1])
+        super().__init__(model, args, *posargs, **kwargs)
+
+    def _move_model_to_device(self, model, device):
+        pass  # the engine placed every parameter and buffer
+
+    def _clip_grad_norm(self, model):
+        return torch.tensor(self.engine.grad_norm())  # the engine clips by train.max_grad_norm itself
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return float(grad_norm) if grad_norm is not None else self.engine.grad_norm()
