@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from zerotier import __version__
@@ -379,6 +380,33 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# zerotier convert
+
+
+def _convert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ds_config", metavar="DS_CONFIG", help="a DeepSpeed JSON config (ds_config.json)")
+    parser.add_argument("--to", metavar="OUT", default=None,
+                        help="write the zerotier config here (.toml); default: print it")
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from zerotier import deepspeed_config
+    from zerotier.config import Config
+
+    sections, unmapped = deepspeed_config.load(args.ds_config)
+    Config.from_dict(sections)  # the result must be a valid zerotier config
+    text = deepspeed_config.to_toml(sections)
+    for key in unmapped:
+        print(f"zerotier convert: not used (no zerotier meaning): {key}", file=sys.stderr)
+    if args.to:
+        Path(args.to).write_text(text)
+        print(f"zerotier config written to {args.to}")
+    else:
+        print(text, end="")
+    return 0
+
+
 COMMANDS: list[Command] = [
     Command("env", "report versions, devices, CPU features, RAM, native code, io_uring and disk space",
             _env_arguments, _run_env),
@@ -391,6 +419,8 @@ COMMANDS: list[Command] = [
     Command("profile", "summarize a saved swap-traffic trace; --plot draws it", _profile_arguments, _run_profile),
     Command("export", "write a checkpoint's model weights to .safetensors or .pt (no model code needed)",
             _export_arguments, _run_export),
+    Command("convert", "turn a DeepSpeed JSON config into a zerotier TOML config (unused keys listed)",
+            _convert_arguments, _run_convert),
 ]
 
 

@@ -216,6 +216,17 @@ class Config:
             "a path to a .toml/.json/.yaml file, or None for the defaults"
         )
 
+    @classmethod
+    def from_deepspeed(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> Config:
+        """A zerotier Config from a DeepSpeed config (dict or JSON file): every key with a zerotier
+        meaning mapped, the others listed in one warning ([Note: DeepSpeed keys] in
+        deepspeed_config.py)."""
+        from . import deepspeed_config
+
+        sections, unmapped = deepspeed_config.load(source)
+        deepspeed_config.warn_unmapped(unmapped)
+        return cls.from_dict(sections)
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain JSON-serializable dict (sizes as int bytes, tuples as lists); from_dict accepts it back."""
         plain: dict[str, dict[str, Any]] = {}

@@ -1,0 +1,200 @@
+"""DeepSpeed JSON configs into zerotier configs: `Config.from_deepspeed(path_or_dict)` and
+`zerotier convert ds_config.json`.
+
+[Note: DeepSpeed keys]
+Every DeepSpeed key is either mapped to the zerotier key with the same meaning, known to be
+what zerotier always does (no warning), or listed in the one warning `from_deepspeed` gives
+(never ignored silently). "auto" values (what HF's integration writes) keep zerotier's default
+and are listed too. What each key maps to:
+
+  zero_optimization.stage                      zero.stage
+  zero_optimization.offload_optimizer.device   offload.optimizer (cpu -> host, nvme, none -> device)
+  zero_optimization.offload_param.device       offload.params    (same)
+  ...offload_*.nvme_path                       tiers.nvme_path
+  ...offload_*.pin_memory = true               always (host memory is pinned on CUDA machines)
+  zero_optimization.reduce_bucket_size         zero.reduce_bucket_size (elements x 4 bytes: fp32 buckets)
+  zero_optimization.allgather_bucket_size      zero.allgather_bucket_size (elements x 2 bytes)
+  zero_optimization.overlap_comm               zero.overlap_comm
+  zero_optimization.stage3_param_persistence_threshold   zero.persistence_threshold
+  zero_optimization.stage3_prefetch_bucket_size          prefetch.max_bytes (elements x 2 bytes)
+  aio.block_size / queue_depth / thread_count  io.block_size / io.queue_depth / io.threads
+  bf16.enabled / fp16.enabled                  precision.param_dtype (fp32 master always)
+  fp16.loss_scale (0: dynamic) / initial_scale_power / loss_scale_window / hysteresis /
+      min_loss_scale                           precision.*
+  gradient_accumulation_steps                  train.grad_accum_steps
+  gradient_clipping (0: off)                   train.max_grad_norm
+  optimizer.type Adam / AdamW (+ adam_w_mode)  optimizer.type adamw / adam
+  optimizer.params lr / betas / eps / weight_decay   optimizer.*
+DeepSpeed counts bucket sizes in elements; zerotier in bytes (fp32 gradients, bf16/fp16
+parameters by default).
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+_DEVICE = {"cpu": "host", "nvme": "nvme", "none": "device"}
+# Keys zerotier always honours as DeepSpeed means them: no warning.
+_ALWAYS = {"zero_optimization.contiguous_gradients", "zero_optimization.offload_optimizer.pin_memory",
+           "zero_optimization.offload_param.pin_memory", "optimizer.params.torch_adam",
+           "optimizer.params.adam_w_mode", "bf16.enabled", "fp16.enabled", "zero_optimization.round_robin_gradients"}
+
+
+def convert(ds: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """({section: {key: value}} for Config.from_dict, [DeepSpeed keys with no zerotier meaning])."""
+    if not isinstance(ds, Mapping):
+        raise ConfigError(f"a DeepSpeed config is a JSON object, got {type(ds).__name__}")
+    out: dict[str, dict[str, Any]] = {}
+    unmapped: list[str] = []
+    seen: set[str] = set()
+
+    def put(section: str, key: str, value: Any) -> None:
+        out.setdefault(section, {})[key] = value
+
+    def get(path: str) -> Any:
+        node: Any = ds
+        for part in path.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return None
+            node = node[part]
+        seen.add(path)
+        if node == "auto":
+            unmapped.append(f"{path} = \"auto\" (zerotier's default is kept)")
+            return None
+        return node
+
+    stage = get("zero_optimization.stage")
+    if stage is not None:
+        put("zero", "stage", int(stage))
+    for kind, ds_key in (("optimizer", "offload_optimizer"), ("params", "offload_param")):
+        device = get(f"zero_optimization.{ds_key}.device")
+        if device is not None:
+            if device not in _DEVICE:
+                raise ConfigError(f"zero_optimization.{ds_key}.device = {device!r}: expected cpu, nvme or none")
+            put("offload", kind, _DEVICE[device])
+        path = get(f"zero_optimization.{ds_key}.nvme_path")
+        if path is not None:
+            put("tiers", "nvme_path", str(path))
+        if get(f"zero_optimization.{ds_key}.pin_memory") is False:
+            unmapped.append(f"zero_optimization.{ds_key}.pin_memory = false (zerotier always pins host memory "
+                            "on CUDA machines)")
+    for ds_key, key, scale in (("reduce_bucket_size", "reduce_bucket_size", 4),
+                               ("allgather_bucket_size", "allgather_bucket_size", 2)):
+        value = get(f"zero_optimization.{ds_key}")
+        if value is not None:
+            put("zero", key, int(float(value)) * scale)
+    for ds_key, section, key in (("overlap_comm", "zero", "overlap_comm"),
+                                 ("stage3_param_persistence_threshold", "zero", "persistence_threshold")):
+        value = get(f"zero_optimization.{ds_key}")
+        if value is not None:
+            put(section, key, bool(value) if key == "overlap_comm" else int(float(value)))
+    prefetch = get("zero_optimization.stage3_prefetch_bucket_size")
+    if prefetch is not None:
+        put("prefetch", "max_bytes", int(float(prefetch)) * 2)
+    for ds_key, key in (("block_size", "block_size"), ("queue_depth", "queue_depth"), ("thread_count", "threads")):
+        value = get(f"aio.{ds_key}")
+        if value is not None:
+            put("io", key, int(value))
+
+    bf16, fp16 = get("bf16.enabled"), get("fp16.enabled")
+    if bf16 and fp16:
+        raise ConfigError("bf16.enabled and fp16.enabled are both true: choose one")
+    if bf16:
+        put("precision", "param_dtype", "bf16")
+    if fp16:
+        put("precision", "param_dtype", "fp16")
+        scale = get("fp16.loss_scale")
+        put("precision", "loss_scale", "dynamic" if not scale else float(scale))
+        for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
+            value = get(f"fp16.{key}")
+            if value is not None:
+                put("precision", key, float(value) if key == "min_loss_scale" else int(value))
+    accum = get("gradient_accumulation_steps")
+    if accum is not None:
+        put("train", "grad_accum_steps", int(accum))
+    clip = get("gradient_clipping")
+    if clip is not None:
+        put("train", "max_grad_norm", float(clip) if clip else None)
+
+    opt_type = get("optimizer.type")
+    if opt_type is not None:
+        kind = str(opt_type).lower()
+        if kind not in ("adam", "adamw"):
+            raise ConfigError(f"optimizer.type = {opt_type!r}: zerotier trains with Adam/AdamW only")
+        w_mode = get("optimizer.params.adam_w_mode")
+        decoupled = kind == "adamw" or (w_mode is None or bool(w_mode))  # DeepSpeed's Adam is AdamW by default
+        put("optimizer", "type", "adamw" if decoupled else "adam")
+    for key in ("lr", "eps", "weight_decay"):
+        value = get(f"optimizer.params.{key}")
+        if value is not None:
+            put("optimizer", key, float(value))
+    betas = get("optimizer.params.betas")
+    if betas is not None:
+        put("optimizer", "betas", [float(b) for b in betas])
+
+    for path in _leaves(ds):
+        if path not in seen and path not in _ALWAYS:
+            unmapped.append(path)
+    return out, unmapped
+
+
+def _leaves(node: Mapping[str, Any], prefix: str = "") -> list[str]:
+    paths = []
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            paths.extend(_leaves(value, path + "."))
+        else:
+            paths.append(path)
+    return paths
+
+
+def load(source: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """convert() of a dict or a DeepSpeed JSON file."""
+    if isinstance(source, Mapping):
+        return convert(source)
+    path = Path(source)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read DeepSpeed config {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not a JSON DeepSpeed config ({exc})") from None
+    try:
+        return convert(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def warn_unmapped(unmapped: list[str]) -> None:
+    """The one warning naming every DeepSpeed key zerotier does not use ([Note: DeepSpeed keys])."""
+    if unmapped:
+        warnings.warn("DeepSpeed config keys with no zerotier meaning (not used): " + "; ".join(unmapped),
+                      UserWarning, stacklevel=3)
+
+
+def to_toml(sections: Mapping[str, Mapping[str, Any]]) -> str:
+    """TOML text of {section: {key: value}} (values: str, int, float, bool, lists of those; None left out)."""
+    lines = []
+    for section, values in sections.items():
+        body = [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
+        if body:
+            lines += [f"[{section}]", *body, ""]
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
