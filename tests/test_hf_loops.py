@@ -110,3 +110,30 @@ def test_zerotier_trainer_logs_the_true_gradient_norm_and_matches_plain_trainer(
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(expected_norms), rtol=1e-5, atol=1e-6)
     assert min(norms) > 0
     trainer.engine.close()
+
+
+def test_zerotier_trainer_resumes_from_its_checkpoints_exactly(tmp_path):
+    from zerotier.integrations.transformers import ZerotierTrainer
+    zt = {"offload": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
+          "tiers": {"nvme_path": str(tmp_path)}}
+
+    def trainer(out):
+        args = transformers.TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=1.0,
+            learning_rate=3e-3, weight_decay=0.0, max_steps=4, save_steps=2, logging_steps=1, report_to=[],
+            use_cpu=True, lr_scheduler_type="linear", seed=0, data_seed=0)
+        return ZerotierTrainer(model=gpt2(), args=args, train_dataset=Tokens(), zerotier_config=zt)
+
+    whole = trainer(tmp_path / "whole")
+    whole.train()
+    expected = whole.engine.parameters_fp32()
+    whole.engine.close()
+    assert (tmp_path / "whole" / "checkpoint-2" / "zerotier" / "latest").exists()
+
+    resumed = trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert resumed.engine.global_steps == 4
+    got = resumed.engine.parameters_fp32()
+    resumed.engine.close()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name

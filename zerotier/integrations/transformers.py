@@ -12,13 +12,16 @@ the zerotier config supplies tiers, placement and precision. Training runs throu
 PyTorch loop ([Note: the plain PyTorch loop] in engine.py): Trainer's backward, its
 optimizer.step() and zero_grad() are the engine's, and the grad_norm it logs is the engine's
 global gradient norm before clipping (Trainer would otherwise read p.grad, which zerotier
-never leaves on the parameters). Not covered yet: Trainer's own checkpoints (save_steps,
-resume_from_checkpoint) — use engine.save_checkpoint / load_checkpoint; and Trainer's
-exemption of biases and LayerNorm weights from weight decay (zerotier decays every
-parameter: a warning says so when weight_decay > 0).
+never leaves on the parameters). Trainer's checkpoints (save_steps, resume_from_checkpoint)
+carry the engine's own checkpoint in `checkpoint-N/zerotier/` (fp32 masters, Adam moments,
+step counts; docs/checkpoint.md), and resuming loads it instead of pouring the saved model
+weights into parameters zerotier manages. Not covered yet: Trainer's exemption of biases and
+LayerNorm weights from weight decay (zerotier decays every parameter: a warning says so when
+weight_decay > 0).
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -26,6 +29,9 @@ from transformers import Trainer
 
 from ..config import Config
 from ..engine import initialize
+from ..errors import ZerotierError
+
+ENGINE_DIR = "zerotier"  # the engine's checkpoint inside each Trainer checkpoint-N/
 
 
 class ZerotierTrainer(Trainer):
@@ -54,3 +60,14 @@ class ZerotierTrainer(Trainer):
 
     def _get_grad_norm(self, model, grad_norm=None):
         return float(grad_norm) if grad_norm is not None else self.engine.grad_norm()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)  # the lr holder and the scheduler
+        self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_DIR))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        path = os.path.join(resume_from_checkpoint, ENGINE_DIR)
+        if not os.path.isdir(path):
+            raise ZerotierError(f"resume_from_checkpoint={resume_from_checkpoint}: no {ENGINE_DIR}/ in it; it was not "
+                                "written by a ZerotierTrainer, so it holds no optimizer state for zerotier to resume")
+        self.engine.load_checkpoint(path)
