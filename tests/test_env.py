@@ -104,3 +104,23 @@ def test_no_command_is_a_usage_error(capsys):
         cli.main([])
     assert exit_info.value.code == 2
     assert "COMMAND" in capsys.readouterr().err
+
+
+def test_plan_model_imports_from_the_current_directory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_model_zt.py").write_text(
+        "import torch\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert cli.main(["plan", "--model", "my_model_zt:build"]) == 0
+    assert "trainable parameters" in capsys.readouterr().out
+
+
+def test_output_closed_by_the_reader_is_not_a_traceback(monkeypatch):
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert cli.main(["plan", "--params", "10M"]) == 0  # `zerotier plan ... | head -1`

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,6 +188,8 @@ def _factory_units(spec: str, wrap="auto") -> tuple[list[int], int]:
     from zerotier.state import build_units, nested_numel
 
     module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:  # --model my_model:build from the directory one is in, as python -m does
+        sys.path.insert(0, os.getcwd())
     if not module_name or not attr:
         raise ZerotierError(f"--model: expected MODULE:FACTORY (e.g. zerotier.models:TinyGPT), got {spec!r}")
     try:
@@ -446,6 +449,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ZerotierError as exc:
         print(f"zerotier {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `zerotier ... | head`: the reader left; no traceback
+        try:  # flushing stdout at exit must not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (AttributeError, OSError, ValueError):
+            pass
+        return 0
 
 
 def _print_rows(rows: list[tuple[str, str]]) -> None:
