@@ -325,3 +325,32 @@ def test_parameter_unused_on_some_steps_matches_torch(name, tmp_path):
         assert engine.unit_optimizer.steps[0] == [6, 3]  # p2 had a gradient in 3 of the 6 windows
     torch.testing.assert_close(ours["p1"], ref.p1.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ours["p2"], ref.p2.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["all-device", "params-nvme"])
+def test_no_weight_decay_matches_torch_param_groups(name, tmp_path):
+    """optimizer.no_weight_decay exempts parameters by name glob, like a torch param group with
+    weight_decay 0 (biases and norm weights, the usual recipe)."""
+    model = make_model()
+    exempt = [p for n, p in model.named_parameters() if n.endswith(".bias") or "ln" in n]
+    decayed = [p for p in model.parameters() if all(p is not q for q in exempt)]
+    opt = torch.optim.AdamW([{"params": decayed}, {"params": exempt, "weight_decay": 0.0}], lr=LR, weight_decay=0.1)
+    data = list(batches(VOCAB, SEQ, BATCH, 8))
+    for x, y in data:
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    cfg = {"offload": PLACEMENTS[name], "tiers": {"nvme_path": str(tmp_path)},
+           "optimizer": {"lr": LR, "weight_decay": 0.1, "no_weight_decay": ["*.bias", "*ln*"]}}
+    with zerotier.initialize(make_model(), cfg) as engine:
+        for x, y in data:
+            engine.backward(engine(x, y))
+            engine.step()
+        ours = engine.parameters_fp32()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_no_weight_decay_pattern_matching_nothing_is_an_error():
+    with pytest.raises(ConfigError, match=r"no_weight_decay: \['\*\.gamma'\] match no trainable parameter"):
+        zerotier.initialize(make_model(), {"optimizer": {"no_weight_decay": ["*.gamma"]}})

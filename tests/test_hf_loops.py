@@ -98,7 +98,7 @@ def test_zerotier_trainer_logs_the_true_gradient_norm_and_matches_plain_trainer(
     def args():
         return transformers.TrainingArguments(
             output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-            max_grad_norm=0.5, learning_rate=3e-3, weight_decay=0.0, num_train_epochs=1, logging_steps=1,
+            max_grad_norm=0.5, learning_rate=3e-3, weight_decay=0.1, num_train_epochs=1, logging_steps=1,
             report_to=[], use_cpu=True, save_strategy="no", lr_scheduler_type="linear", seed=0, data_seed=0)
     expected_losses, expected_norms = trainer_logs(transformers.Trainer(model=gpt2(), args=args(),
                                                                         train_dataset=Tokens()))

@@ -102,6 +102,7 @@ class OptimizerConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
+    no_weight_decay: tuple[str, ...] = ()      # parameter-name globs exempt from weight decay ("*.bias")
     bias_correction: bool = True
     threads: int | Literal["auto"] = "auto"    # CPU Adam threads; auto = physical cores
     simd: Literal["auto", "avx512", "avx2", "scalar"] = "auto"

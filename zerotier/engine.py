@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import functools
 import math
 import re
@@ -154,6 +155,31 @@ class _FetchOnBackward(torch.autograd.Function):
 _RELEASED_READ = re.compile(r"requiring a storage size of \d+|storage of size 0|Trying to .* storage of size 0")
 
 
+def _no_decay(model: torch.nn.Module, units: list, patterns: tuple[str, ...]) -> list[frozenset[int]]:
+    """Per unit, the parameters (indices) optimizer.no_weight_decay exempts (any of a tied
+    parameter's names matching); a pattern that matches nothing is a ConfigError."""
+    if not patterns:
+        return [frozenset()] * len(units)
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    used = set()
+    out = []
+    for unit in units:
+        exempt = set()
+        for k, p in enumerate(unit.params):
+            for pattern in patterns:
+                if any(fnmatch.fnmatchcase(n, pattern) for n in names.get(id(p), ())):
+                    exempt.add(k)
+                    used.add(pattern)
+        out.append(frozenset(exempt))
+    unused = [p for p in patterns if p not in used]
+    if unused:
+        raise ConfigError(f"optimizer.no_weight_decay: {unused} match no trainable parameter name (names look like "
+                          f"{', '.join(n for n, _ in list(model.named_parameters())[:3])})")
+    return out
+
+
 def _autocast_dtype(device_type: str) -> "torch.dtype | None":
     """The dtype torch.autocast casts to on `device_type` now, or None when it is off."""
     if not torch.is_autocast_enabled(device_type):
@@ -225,6 +251,7 @@ class Engine:
         self.optimizer = EngineOptimizer(self, cfg.optimizer.lr)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, placement["optimizer"], self.device_tier,
                                             self.host_pool, self.store, self.profiler)
+        self.unit_optimizer.no_decay = _no_decay(model, self.units, cfg.optimizer.no_weight_decay)
         self.params = ParamStore(self.units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)

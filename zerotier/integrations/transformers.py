@@ -15,14 +15,13 @@ global gradient norm before clipping (Trainer would otherwise read p.grad, which
 never leaves on the parameters). Trainer's checkpoints (save_steps, resume_from_checkpoint)
 carry the engine's own checkpoint in `checkpoint-N/zerotier/` (fp32 masters, Adam moments,
 step counts; docs/checkpoint.md), and resuming loads it instead of pouring the saved model
-weights into parameters zerotier manages. Not covered yet: Trainer's exemption of biases and
-LayerNorm weights from weight decay (zerotier decays every parameter: a warning says so when
-weight_decay > 0).
+weights into parameters zerotier manages. Trainer's exemption of biases and LayerNorm
+weights from weight decay becomes optimizer.no_weight_decay.
 """
 from __future__ import annotations
 
+import glob
 import os
-import warnings
 
 import torch
 from transformers import Trainer
@@ -44,10 +43,8 @@ class ZerotierTrainer(Trainer):
         cfg["optimizer"].update(lr=args.learning_rate, weight_decay=args.weight_decay,
                                 betas=[args.adam_beta1, args.adam_beta2], eps=args.adam_epsilon)
         cfg["train"]["max_grad_norm"] = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
-        if args.weight_decay > 0:
-            warnings.warn("ZerotierTrainer: weight_decay applies to every parameter, biases and LayerNorm weights "
-                          "included (transformers' Trainer exempts them), so losses differ slightly from Trainer's",
-                          UserWarning, stacklevel=2)
+        decayed = set(self.get_decay_parameter_names(model))  # Trainer exempts biases and norm weights
+        cfg["optimizer"]["no_weight_decay"] = [glob.escape(n) for n, _ in model.named_parameters() if n not in decayed]
         self.engine = initialize(model, cfg)
         kwargs["optimizers"] = (self.engine.optimizer, kwargs.get("optimizers", (None, None))[1])
         super().__init__(model, args, *posargs, **kwargs)

@@ -86,6 +86,7 @@ class UnitOptimizer:
             else int(cfg.threads)
         # optimizer steps applied per parameter (torch's per-parameter `step`), by unit
         self.steps: list[list[int]] = [[0] * len(u.params) for u in units]
+        self.no_decay: list[frozenset[int]] = [frozenset()] * len(units)  # params without weight decay, by unit
         self._state: list[dict | None] = [None] * len(units)  # device/host: key -> tensor (or HostBuffer)
         self.device = torch.device("cpu") if loc is not Location.DEVICE else device_tier.device
         # [Note: NVMe optimizer pipeline]
@@ -201,9 +202,10 @@ class UnitOptimizer:
 
     def _adam(self, unit: Unit, master, exp_avg, exp_avg_sq, grad, out, lr, grad_scale) -> None:
         """[Note: parameters without a gradient] Each parameter keeps its own step count, as in
-        torch. When every parameter of the unit got a gradient and their counts agree (always,
-        unless data-dependent control flow skipped one), one pass updates the whole shard.
-        Otherwise each parameter's slice of the shard is updated with its own count, and the
+        torch. When every parameter of the unit got a gradient, their counts agree (always,
+        unless data-dependent control flow skipped one) and all are decayed alike, one pass
+        updates the whole shard. Otherwise each parameter's slice of the shard is updated with
+        its own count and weight decay (optimizer.no_weight_decay), and the
         slices of parameters without a gradient are left as they are (their new low-precision
         output is the cast of the unchanged master)."""
         self.applied += 1  # from here on the unit's state may differ from before the step
@@ -217,7 +219,8 @@ class UnitOptimizer:
         prof = self.profiler
         span = prof.compute_begin("optimizer" if master.device.type == "cpu" else "device-optimizer",
                                   label=unit.key, numel=unit.numel) if prof is not None else None
-        if got is None and len(set(steps)) == 1:
+        no_decay = self.no_decay[unit.index]
+        if got is None and len(set(steps)) == 1 and not no_decay:
             self._adam_pass(master, exp_avg, exp_avg_sq, grad, out, steps[0], lr, grad_scale)
         else:
             lo, hi = unit.shard_lo, unit.shard_hi
@@ -227,16 +230,18 @@ class UnitOptimizer:
                     continue  # not in this rank's shard
                 if got is None or k in got:
                     self._adam_pass(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b],
-                                    None if out is None else out[a:b], steps[k], lr, grad_scale)
+                                    None if out is None else out[a:b], steps[k], lr, grad_scale,
+                                    decay=k not in no_decay)
                 elif out is not None and out.data_ptr() != master.data_ptr():
                     out[a:b].copy_(master[a:b])
         if span is not None:
             prof.compute_end(span)
 
-    def _adam_pass(self, master, exp_avg, exp_avg_sq, grad, out, step: int, lr: float, grad_scale: float) -> None:
+    def _adam_pass(self, master, exp_avg, exp_avg_sq, grad, out, step: int, lr: float, grad_scale: float,
+                   decay: bool = True) -> None:
         beta1, beta2 = self.cfg.betas
         kwargs = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps,
-                      weight_decay=self.cfg.weight_decay, decoupled=self.cfg.type == "adamw",
+                      weight_decay=self.cfg.weight_decay if decay else 0.0, decoupled=self.cfg.type == "adamw",
                       bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
         if master.device.type == "cpu":  # `out` is host memory too (ParamStore.out_buffer): same pass
             _kernels.adam_step(master, exp_avg, exp_avg_sq, grad, param_out=out, simd=self.cfg.simd,
