@@ -47,6 +47,8 @@ def test_soak_short_is_flat(tmp_path):
     m = result["metrics"]
     for name in soak.EXACT_METRICS:
         assert m[name]["pass"] and m[name]["slope_per_step"] == 0, report
+    for name in soak.BOUNDED_METRICS:
+        assert m[name]["pass"], report  # never above the plan's NVMe need
     assert m["swap_dir_files"]["last"] > 0 and m["swap_dir_bytes"]["last"] > 0, report  # it did use NVMe
     assert result["placement"]["optimizer"] == "nvme", report
     # 80 steps are too few for RSS (page-granular: a few late page faults read as ~5 KiB/step
@@ -74,14 +76,16 @@ def test_soak_catches_a_leak(tmp_path):
 
 
 def test_judge_flags_fd_and_swap_growth():
-    """The exact metrics fail on any change after the warm-up, even a single step."""
+    """The exact metrics fail on any change after the warm-up, even a single step; the NVMe
+    metrics fail past the plan's NVMe need, and not below it."""
     base = {name: 100 for name in soak.METRICS}
     samples = [dict(base, step=s) for s in range(0, 50, 5)]
-    assert all(v["pass"] for v in soak.judge(samples, 10).values())
-    samples[-1] = dict(samples[-1], open_fds=101, swap_dir_bytes=4196)
-    verdict = soak.judge(samples, 10)
-    assert not verdict["open_fds"]["pass"] and not verdict["swap_dir_bytes"]["pass"]
-    assert verdict["swap_dir_files"]["pass"]
+    assert all(v["pass"] for v in soak.judge(samples, 10, nvme_bound=4096).values())
+    samples[-1] = dict(samples[-1], open_fds=101, swap_dir_bytes=4096)
+    verdict = soak.judge(samples, 10, nvme_bound=4096)
+    assert not verdict["open_fds"]["pass"] and verdict["swap_dir_bytes"]["pass"]  # up to the bound: timing
+    samples[-1] = dict(samples[-1], swap_dir_bytes=4097)
+    assert not soak.judge(samples, 10, nvme_bound=4096)["swap_dir_bytes"]["pass"]  # past it: a leak
     samples = [dict(base, step=s) for s in range(0, 50, 5)]
     samples[0] = dict(samples[0], open_fds=7)  # in the warm-up: ignored
     assert soak.judge(samples, 10)["open_fds"]["pass"]
