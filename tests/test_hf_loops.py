@@ -137,3 +137,31 @@ def test_zerotier_trainer_resumes_from_its_checkpoints_exactly(tmp_path):
     resumed.engine.close()
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+def test_export_writes_a_directory_from_pretrained_loads(tmp_path):
+    """zerotier export --to DIR: model.safetensors + the model's config.json; transformers'
+    from_pretrained loads it and computes what the trained engine computes."""
+    import subprocess
+    import sys
+
+    model = gpt2()
+    ids = Tokens()[0]["input_ids"][None]
+    with zerotier.initialize(model, dict(ZT, tiers={"nvme_path": str(tmp_path)})) as engine:
+        for i in range(4):
+            batch = Tokens()[i]
+            engine.backward(model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss)
+            engine.step()
+        engine.save_checkpoint(tmp_path / "ck")
+    model.eval()  # close() put the trained weights back into the model
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    out = tmp_path / "hf"
+    subprocess.run([sys.executable, "-m", "zerotier.cli", "export", str(tmp_path / "ck"), "--to", str(out)],
+                   check=True, capture_output=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    loaded.eval()
+    with torch.no_grad():
+        got = loaded(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -320,6 +320,18 @@ def _write_rank_data(engine, path: Path) -> list[dict]:
     return records
 
 
+def _hf_config(module) -> dict | None:
+    """A transformers model's config as plain JSON data, else None."""
+    config = getattr(module, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    if to_json is None:
+        return None
+    try:
+        return json.loads(to_json())
+    except (TypeError, ValueError):
+        return None
+
+
 def _global_state(engine, lr_scheduler, client_state) -> dict:
     return {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
             "scaler": engine.scaler.state_dict(), "optimizer": engine.optimizer.state_dict(),
@@ -340,6 +352,7 @@ def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list) -> None:
         "param_dtype": str(engine.lp_dtype).replace("torch.", ""),
         "unit_steps": [list(steps) for steps in engine.unit_optimizer.steps],  # per unit, per parameter
         "units": fingerprint(engine), "ranks": ranks, "state": gathered[0][1]["state.pt"],
+        "hf_config": _hf_config(engine.module),  # for `zerotier export --to DIR` (config.json)
     }
     data = json.dumps(manifest).encode()
     with open(tmp / "manifest.json", "wb") as fh:

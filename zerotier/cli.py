@@ -367,7 +367,8 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CKPT",
                         help="a checkpoint root (its `latest` is used) or a ckpt-N directory")
     parser.add_argument("--to", required=True, metavar="OUT",
-                        help="output file: NAME.safetensors or NAME.pt (plain weights by parameter name)")
+                        help="output: NAME.safetensors or NAME.pt (plain weights by parameter name), or a "
+                             "directory (model.safetensors + config.json: a Hugging Face model directory)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                         help="dtype of the exported floating-point tensors (default fp32, the master weights)")
     parser.add_argument("--trust-pickle", action="store_true",

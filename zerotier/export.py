@@ -1,10 +1,14 @@
 """Plain model weights from a run or a checkpoint: consolidated state dicts and
-`zerotier export CKPT --to model.safetensors|model.pt [--dtype bf16]`.
+`zerotier export CKPT --to model.safetensors|model.pt|DIR [--dtype bf16]`.
 
 Export reads the checkpoint directory alone (the fp32 masters of every rank, one unit in
-memory at a time) and writes safetensors by hand (no dependency): a JSON header, then the
-tensors' raw little-endian bytes in header order, written to a temporary name, fsynced
-and renamed.
+memory at a time) and streams safetensors out: a JSON header, then the tensors' raw
+little-endian bytes in header order, written to a temporary name, fsynced and renamed.
+Why not the safetensors library's writer: `save_file` needs every tensor in memory at
+once, and a model trained here may not fit in RAM; the tests read every export back
+with the library's own reader. `--to DIR` writes a Hugging Face directory:
+`model.safetensors` and, when the trained model had a transformers config (saved in the
+checkpoint's manifest), `config.json`, so `from_pretrained(DIR)` loads it.
 """
 from __future__ import annotations
 
@@ -73,7 +77,12 @@ def export(path, out, dtype: str | torch.dtype = "fp32", trust_pickle: bool = Fa
     extra = _load_pt(ckpt / "state.pt", manifest["state"], trust_pickle)["module_unmanaged"]
     extra = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in extra.items()}
     out = Path(out)
-    if out.suffix == ".safetensors":
+    if out.suffix == "" or out.is_dir():  # a Hugging Face directory
+        out.mkdir(parents=True, exist_ok=True)
+        _export_safetensors(path, manifest, extra, out / "model.safetensors", dtype)
+        if manifest.get("hf_config") is not None:
+            (out / "config.json").write_text(json.dumps(manifest["hf_config"], indent=2, sort_keys=True) + "\n")
+    elif out.suffix == ".safetensors":
         _export_safetensors(path, manifest, extra, out, dtype)
     elif out.suffix in (".pt", ".pth", ".bin"):
         sd = {}
@@ -84,7 +93,8 @@ def export(path, out, dtype: str | torch.dtype = "fp32", trust_pickle: bool = Fa
         sd.update(extra)
         torch.save(sd, out)
     else:
-        raise ZerotierError(f"export --to {out}: unknown format; use a name ending in .safetensors or .pt")
+        raise ZerotierError(f"export --to {out}: unknown format; use a name ending in .safetensors or .pt, "
+                            "or a directory (a Hugging Face model directory)")
     return out
 
 
@@ -117,21 +127,3 @@ def _export_safetensors(path, manifest: dict, extra: dict, out: Path, dtype: tor
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, out)
-
-
-def read_safetensors(path) -> dict[str, torch.Tensor]:
-    """A minimal safetensors reader (no dependency): name -> tensor."""
-    data = Path(path).read_bytes()
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8: 8 + n])
-    base = 8 + n
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = meta["data_offsets"]
-        raw = bytearray(data[base + a: base + b])
-        dtype = _ST_FROM[meta["dtype"]]
-        t = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-        out[name] = t.reshape(meta["shape"])
-    return out
