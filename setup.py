@@ -6,8 +6,12 @@ driver. A compile error fails `pip install` loudly: there is no silent fallback
 at build time. The pure-Python path is chosen at *run* time only when the user
 sets ZEROTIER_NATIVE=0.
 """
+import shutil
+from pathlib import Path
+
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 COMMON = ["-O3", "-std=c++17", "-pthread", "-fvisibility=hidden", "-fno-math-errno", "-Wno-maybe-uninitialized"]
 
@@ -16,6 +20,16 @@ class BuildCLibs(build_ext):
     # The libraries are not Python modules: do not require a PyInit_ export.
     def get_export_symbols(self, ext):
         return []
+
+
+class BuildPyWithDemo(build_py):
+    # `zerotier demo` runs examples/train_gpt.py; an installed package (not a checkout) carries
+    # a copy of it as zerotier/_examples/train_gpt.py (zerotier/demo.py looks there first).
+    def run(self):
+        super().run()
+        target = Path(self.build_lib) / "zerotier" / "_examples"
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(__file__).parent / "examples" / "train_gpt.py", target / "train_gpt.py")
 
 
 setup(
@@ -37,5 +51,5 @@ setup(
             language="c++",
         ),
     ],
-    cmdclass={"build_ext": BuildCLibs},
+    cmdclass={"build_ext": BuildCLibs, "build_py": BuildPyWithDemo},
 )

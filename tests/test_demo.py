@@ -16,3 +16,25 @@ def test_demo_runs_and_prints_swap_table(tmp_path):
     profile = subprocess.run([sys.executable, "-m", "zerotier.cli", "profile", str(trace)],
                              capture_output=True, text=True, timeout=120)
     assert profile.returncode == 0 and "verdict:" in profile.stdout
+
+
+def test_installed_package_carries_the_demo_and_runs_it_from_any_directory(tmp_path):
+    """An installed package (not a checkout) gets its own copy of examples/train_gpt.py from the
+    build (setup.py build_py), and `zerotier demo` finds it there, from any working directory."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    build = tmp_path / "build"
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(build)], cwd=root,
+                   check=True, capture_output=True)
+    copied = build / "zerotier" / "_examples" / "train_gpt.py"
+    assert copied.read_bytes() == (root / "examples" / "train_gpt.py").read_bytes()
+    # run the demo with the built package first on the path (it has no native libraries: pure Python),
+    # from a directory that is not the checkout
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {"PYTHONPATH": str(build), "ZEROTIER_NATIVE": "0", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", "import zerotier.demo as d; print(d.CANDIDATES[0].exists(), "
+                          "d.CANDIDATES[0])"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("True ") and str(build) in out.stdout
