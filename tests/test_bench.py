@@ -120,3 +120,12 @@ def test_pcie_measures_pinned_and_pageable():
     out = bench.bench_pcie(8 << 20, repeat=2)
     for key in ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable"):
         assert out[key + "_GBps"] > 0
+
+
+def test_adam_quick_size_is_out_of_cache(monkeypatch):
+    """bench --quick measures Adam over a working set of at least 4x the L3 (issue 13 item 7)."""
+    import cpuinfo
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {"l3_cache_size": 256 << 20})
+    assert bench.adam_numel(bench.QUICK_SIZES["adam"]) * bench.ADAM_BYTES_PER_PARAM >= 4 * (256 << 20)
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {})
+    assert bench.adam_numel(bench.QUICK_SIZES["adam"]) == bench.QUICK_SIZES["adam"]

@@ -423,3 +423,9 @@ def test_auto_budgets_and_adam_threads_are_shared_by_the_ranks_of_a_node(monkeyp
     for tier in ("host", "nvme"):  # RAM and disk change a little between the two readings
         assert abs(four[tier] * 4 - one[tier]) <= 0.05 * one[tier], (tier, one, four)
     assert UnitOptimizer([], OptimizerConfig(), Location.HOST, None, None, None).threads == max(1, threads_one // 4)
+
+
+def test_durations_in_human_units():
+    from zerotier.config import format_duration
+    assert [format_duration(s) for s in (412e-6, 0.0123, 4.2, 162.1, 7300)] == \
+        ["412 µs", "12.3 ms", "4.20 s", "2.7 min", "2.03 h"]

@@ -54,3 +54,18 @@ def test_profiling_off_allocates_no_profiler():
         engine.report()
     assert "swap summary" in engine.swap_summary()
     engine.close()
+
+
+def test_links_are_named_for_this_machine():
+    """On a CPU-only run the "device" is RAM: its copies are not called PCIe (issue 13 item 7)."""
+    torch.manual_seed(0)
+    cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "host"}, "profile": {"enabled": True}}
+    with zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16), cfg) as engine:
+        for x, y in batches(64, 16, 2, 3):
+            engine.backward(engine(x, y))
+            engine.step()
+        report = engine.report()
+    assert report.device == "cpu"
+    table = report.table()
+    assert "RAM copy" in table and "PCIe" not in table, table
+    assert report.verdict != "PCIe-bound"

@@ -446,3 +446,14 @@ def test_record_function_labels_appear_in_torch_profiler():
             "zerotier::optimizer-read u00005.master nvme->host"} <= labels
     assert not any("u00009" in label for label in labels)
     assert len(prof.trace()["traceEvents"]) > 0
+
+
+def test_compute_bound_verdict_does_not_claim_hidden_transfers_it_did_not_hide():
+    """90 ms of compute, then a 30 ms copy after it: compute is busiest, but 0% of the transfer ran
+    under it; the verdict must not say "transfers are hidden" (issue 13 item 7)."""
+    prof = make_profiler()
+    span(prof, "forward", 0, 90)
+    xfer(prof, "a", "host", "device", 90, 120)
+    summary = prof.report()
+    assert summary.verdict == "compute-bound" and summary.overlap_pct == pytest.approx(0.0)
+    assert "hidden" not in summary.verdict_line and "only 0% of transfer time" in summary.verdict_line

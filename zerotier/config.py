@@ -356,6 +356,20 @@ def parse_size(value: Any, path: str = "size", *, allow_auto: bool = False) -> i
     return int(exact)
 
 
+def format_duration(seconds: float) -> str:
+    """Human-readable duration for messages: 0.000412 -> '412 µs', 0.0123 -> '12.3 ms', 4.2 -> '4.20 s',
+    162.1 -> '2.7 min', 7300 -> '2.03 h'."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    if seconds < 120:
+        return f"{seconds:.2f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
 def format_size(nbytes: int | float | str) -> str:
     """Human-readable binary size for messages: 512 -> '512 B', 1.5 * 2**30 -> '1.50 GiB'.
 

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from .config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, format_size
+from .config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, format_duration, format_size
 from .device import local_world_size
 from .errors import BudgetError, ConfigError
 from .optim.offload import OPTIMIZER_BYTES, UnitOptimizer
@@ -158,9 +158,9 @@ class Plan:
         if not self.rates_measured:
             lines.append("  step time: run `zerotier bench` for a step-time prediction")
         else:
-            parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.breakdown.items() if v > 0)
+            parts = ", ".join(f"{k} {format_duration(v)}" for k, v in self.breakdown.items() if v > 0)
             label = ", ".join(f"{k} {src}" for k, src in self.rate_sources.items())
-            lines.append(f"  predicted optimizer+swap time per step: {self.predicted_step_s * 1e3:.1f} ms"
+            lines.append(f"  predicted optimizer+swap time per step: {format_duration(self.predicted_step_s)}"
                          f" ({parts or 'no swap traffic'}; serial, plus forward/backward and collectives)")
             lines.append(f"  rates: {label}")
         return "\n".join(lines)

@@ -69,6 +69,7 @@ class Profiler:
                  peak_rates: Mapping[str, float] | None = None, device=None):
         self.cfg = cfg
         self._cuda = _CudaClock(device) if device is not None and device.type == "cuda" else None
+        self.device_type = device.type if device is not None else None  # names the links in the summary
         self.t0_ns = _now()                  # trace time 0
         self.wall_t0 = time.time()           # the same instant, as wall-clock seconds
         self._residency = residency

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-from ..config import format_size
+from ..config import format_duration, format_size
 from . import intervals as iv
 from .trace import TraceData, read_trace
 
@@ -44,6 +44,17 @@ _HINTS = {
     "pcie": "raise prefetch.lookahead, keep hot parameters on the device, or use pinned host memory",
 }
 _COMPUTE_KINDS = {"forward", "backward", "device-optimizer"}
+HIDDEN_PCT = 80.0  # compute-bound says "transfers are hidden" only from this overlap on
+# On a CPU-only machine the "device" is a pool of RAM: its host<->device link is a memory copy, not PCIe.
+_CPU_NAMES = {"pcie": "RAM copy"}
+_CPU_VERDICTS = {"pcie": "copy-bound"}
+
+
+def _names(device: str | None) -> tuple[dict[str, str], dict[str, str]]:
+    """(resource names, verdict names) for the machine the trace was taken on (meta "device")."""
+    if device == "cpu":
+        return {**_RESOURCE_NAMES, **_CPU_NAMES}, {**VERDICTS, **_CPU_VERDICTS}
+    return _RESOURCE_NAMES, VERDICTS
 
 
 @dataclass(frozen=True)
@@ -109,8 +120,9 @@ class Summary:
     busy_s: dict[str, float]                   # per resource of [Note: verdict]
     optimizer_params_per_s: float | None       # elements / duration of the optimizer spans that gave numel
     optimizer_peak_params_per_s: float | None  # cpu_adam peak, when known
-    verdict: str                               # compute-bound / PCIe-bound / NVMe-bound / CPU-optimizer-bound
-    verdict_line: str
+    verdict: str                               # compute-bound / PCIe-bound (copy-bound on a CPU) / NVMe-bound /
+    verdict_line: str                          # CPU-optimizer-bound
+    device: str | None = None                  # "cuda" / "cpu": the machine the trace was taken on
     trace: dict = field(default=None, compare=False, repr=False)  # what it was computed from (for plot)
 
     @property
@@ -188,15 +200,17 @@ def summarize(trace: dict, top: int = 10) -> Summary:
     opt_rate = sum(n for _, n in counted) / (opt_us / 1e6) if opt_us > 0 else None
     pf = data.meta["prefetch"]
     busy_s = {r: busy_us[r] / 1e6 for r in RESOURCES}
-    verdict, line = _verdict(busy_s, wall_us / 1e6)
+    device = data.meta.get("device")
+    overlap_pct = 100.0 * hidden_us / transfer_us if transfer_us > 0 else None
+    verdict, line = _verdict(busy_s, wall_us / 1e6, device, overlap_pct)
     return Summary(
         wall_s=wall_us / 1e6, transfers=len(xs), total_bytes=sum(t["bytes"] for t in xs), transfer_s=transfer_us / 1e6,
         links=tuple(links), reasons=reasons, stall_s=stall_us / 1e6,
-        overlap_pct=100.0 * hidden_us / transfer_us if transfer_us > 0 else None,
+        overlap_pct=overlap_pct,
         prefetch_issued=pf["issued"], prefetch_hits=pf["hits"], prefetch_misses=pf["misses"],
         prefetch_wasted=pf["wasted"], top_tensors=tuple(tensors[:top]), residency=residency, busy_s=busy_s,
         optimizer_params_per_s=opt_rate, optimizer_peak_params_per_s=peaks.get("cpu_adam"),
-        verdict=verdict, verdict_line=line, trace=trace)
+        verdict=verdict, verdict_line=line, device=device, trace=trace)
 
 
 def _busy(data: TraceData):
@@ -235,16 +249,23 @@ def _busy(data: TraceData):
     return busy_us, hidden_under
 
 
-def _verdict(busy_s: dict[str, float], wall_s: float) -> tuple[str, str]:
-    """[Note: verdict]: the resource with the largest busy time."""
+def _verdict(busy_s: dict[str, float], wall_s: float, device: str | None = None,
+             overlap_pct: float | None = None) -> tuple[str, str]:
+    """[Note: verdict]: the resource with the largest busy time. The hint never contradicts the
+    numbers: compute-bound says transfers are hidden only when most of their time was."""
     if wall_s <= 0 or not any(busy_s.values()):
         return "no activity", "verdict: nothing recorded (no transfers or compute spans in the profiled window)"
+    names, verdicts = _names(device)
     bound = max(RESOURCES, key=lambda r: (busy_s[r], -RESOURCES.index(r)))
-    others = ", ".join(f"{_RESOURCE_NAMES[r]} {100 * busy_s[r] / wall_s:.0f}%" for r in RESOURCES if r != bound)
+    others = ", ".join(f"{names[r]} {100 * busy_s[r] / wall_s:.0f}%" for r in RESOURCES if r != bound)
     what = "transfers" if bound in ("nvme", "pcie") else "spans"
-    return VERDICTS[bound], (f"verdict: {VERDICTS[bound]}: {_RESOURCE_NAMES[bound]} {what} busy "
-                             f"{100 * busy_s[bound] / wall_s:.0f}% of the profiled {wall_s:.3f} s ({others}); "
-                             f"{_HINTS[bound]}")
+    hint = _HINTS[bound]
+    if bound == "compute" and overlap_pct is not None and overlap_pct < HIDDEN_PCT:
+        hint = (f"but only {overlap_pct:.0f}% of transfer time ran under compute: raise prefetch.lookahead "
+                "or keep the most-moved state on a faster tier")
+    return verdicts[bound], (f"verdict: {verdicts[bound]}: {names[bound]} {what} busy "
+                             f"{100 * busy_s[bound] / wall_s:.0f}% of the profiled {format_duration(wall_s)} ({others}); "
+                             f"{hint}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +288,7 @@ def _table(s: Summary) -> str:
             lines.append(f"  {r.reason:<15} {r.transfers:>8,} {format_size(r.bytes):>11} {1e3 * r.stall_s:>9.1f}")
     stall_pct = 100 * s.stall_s / s.wall_s if s.wall_s > 0 else 0.0
     overlap = "-" if s.overlap_pct is None else f"{s.overlap_pct:.1f}%"
-    lines.append(f"  stall {1e3 * s.stall_s:.1f} ms ({stall_pct:.1f}% of profiled time); "
+    lines.append(f"  stall {format_duration(s.stall_s)} ({stall_pct:.1f}% of profiled time); "
                  f"overlap {overlap} of transfer time hidden under compute")
     rate = s.prefetch_hit_rate
     lines.append(f"  prefetch {s.prefetch_issued:,} issued, {s.prefetch_hits:,} hits, {s.prefetch_misses:,} misses"
@@ -288,7 +309,8 @@ def _table(s: Summary) -> str:
             lines.append(f"  {i:>3}  {t.name:<20} {t.role:<11} {t.transfers:>9,} {format_size(t.bytes):>11} "
                          f"{1e3 * t.stall_s:>9.1f}  {', '.join(t.reasons)}")
     shares = s.shares()
-    lines.append("  busy " + ", ".join(f"{_RESOURCE_NAMES[r]} {100 * shares[r]:.0f}%" for r in RESOURCES)
+    names, _ = _names(s.device)
+    lines.append("  busy " + ", ".join(f"{names[r]} {100 * shares[r]:.0f}%" for r in RESOURCES)
                  + " of profiled time")
     lines.append(s.verdict_line)
     return "\n".join(lines)

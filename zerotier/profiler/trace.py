@@ -115,7 +115,7 @@ def build_trace(prof) -> dict:
         "format": FORMAT, "version": __version__, "t0_unix_s": prof.wall_t0,
         "window_us": [start_us, end_us], "bandwidth_bin_us": bin_us,
         "sample_interval_ms": prof.cfg.sample_interval_ms, "sampler_error": rec["sampler_error"],
-        "peak_rates": prof.peak_rates(),
+        "peak_rates": prof.peak_rates(), "device": prof.device_type,
         "prefetch": {"issued": outcomes["issued"], "hits": outcomes["hit"], "misses": outcomes["miss"],
                      "wasted": outcomes["wasted"]},
         "vocabulary": {"tiers": list(TIERS), "reasons": list(REASONS), "roles": list(ROLES),
