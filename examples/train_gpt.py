@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 import zerotier
 from zerotier.config import format_size
+from zerotier.planner import model_state_bytes
 
 # Embedded training text: the model learns to continue it, so the loss visibly falls.
 TEXT = """\
@@ -100,7 +101,8 @@ def main(argv=None):
     torch.manual_seed(0)
     model = GPT(len(chars), args.dim, args.layers, heads=8, seq=seq)
     numel = sum(p.numel() for p in model.parameters())
-    print(f"GPT: {numel / 1e6:.1f}M parameters, training state ~{format_size(16 * numel)} "
+    state = model_state_bytes(numel, 0, 1, param_bytes=4, grad_bytes=4)  # the plan's accounting: 20 B/param
+    print(f"GPT: {numel / 1e6:.1f}M parameters, training state ~{format_size(state)} "
           f"(device budget {args.device_budget})")
 
     with tempfile.TemporaryDirectory(prefix="zerotier-demo-", dir=args.nvme_path) as swap_dir:

@@ -11,6 +11,9 @@ def test_demo_runs_and_prints_swap_table(tmp_path):
                           "--trace", str(trace)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"optimizer +nvme", out.stdout)   # the plan put Adam state on NVMe
+    header = re.search(r"training state ~([\d.]+ \w+) ", out.stdout).group(1)
+    total = re.search(r"total +([\d.]+ \w+) ", out.stdout).group(1)
+    assert header == total, (header, total)              # the demo's header and its plan agree
     assert "host->nvme" in out.stdout and "verdict:" in out.stdout
     assert json.loads(trace.read_text())["traceEvents"]
     profile = subprocess.run([sys.executable, "-m", "zerotier.cli", "profile", str(trace)],

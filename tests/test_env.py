@@ -124,3 +124,11 @@ def test_output_closed_by_the_reader_is_not_a_traceback(monkeypatch):
             pass
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     assert cli.main(["plan", "--params", "10M"]) == 0  # `zerotier plan ... | head -1`
+
+
+def test_plan_for_an_nvme_path_that_is_not_on_this_machine(capsys):
+    """Planning for another machine: its NVMe directory need not exist here (issue 13 item 7)."""
+    assert cli.main(["plan", "--params", "10M", "--nvme-path", "/nonexistent/zt-nvme", "--offload",
+                     "optimizer=nvme"]) == 0
+    out = capsys.readouterr()
+    assert "fits: yes" in out.out and "does not exist on this machine" in out.err and "--nvme SIZE" in out.err

@@ -233,6 +233,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         cfg["precision"]["param_dtype"] = args.param_dtype
     if args.stage is not None:
         cfg["zero"]["stage"] = args.stage
+    note = None
+    path = cfg["tiers"].get("nvme_path")
+    if path is not None and not Path(path).exists() and cfg["tiers"]["nvme"] == "auto":
+        # planning for another machine: its drive is not here to measure
+        cfg["tiers"]["nvme"] = 1 << 60
+        note = (f"note: {path} does not exist on this machine, so its free space is unknown: planned with an "
+                "unlimited NVMe budget (pass --nvme SIZE to plan with that machine's)")
     cfg = Config.from_dict(cfg)
     if args.world_size < 1:
         raise ZerotierError(f"--world-size: must be >= 1, got {args.world_size}")
@@ -259,6 +266,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                               "predicted_step_s": None}, indent=2))
         raise
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.summary())
+    if note is not None:
+        print(note, file=sys.stderr)
     return 0
 
 
