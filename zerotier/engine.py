@@ -93,6 +93,7 @@ from .dist import init_distributed
 from .dist.sharding import Sharding
 from .errors import ConfigError, ZerotierError
 from .grads import GradStore
+from .materialize import Materializer, is_meta
 from .optim.offload import UnitOptimizer
 from .params import ParamStore
 from .planner import make_plan
@@ -104,11 +105,12 @@ from .tiers.device import DeviceTier
 from .tiers.host import HostPool
 
 
-def initialize(model: torch.nn.Module, config=None, *, wrap=None) -> "Engine":
+def initialize(model: torch.nn.Module, config=None, *, wrap=None, init_fn=None) -> "Engine":
     """Wrap `model` for training under `config` (dict, file path or Config). `wrap`: a callable
     (module name, module) -> bool choosing the modules that are units; overrides train.wrap
-    ([Note: units] in state.py)."""
-    return Engine(model, Config.coerce(config), wrap)
+    ([Note: units] in state.py). A model built on the meta device is materialized unit by unit,
+    by each module's reset_parameters() or `init_fn(module)` ([Note: meta-device models])."""
+    return Engine(model, Config.coerce(config), wrap, init_fn)
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -209,7 +211,7 @@ def _map_tensors(obj, fn):
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, cfg: Config, wrap=None):
+    def __init__(self, model: torch.nn.Module, cfg: Config, wrap=None, init_fn=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"zerotier.initialize expects an nn.Module, got {type(model).__name__}")
         owner = getattr(model, "_zerotier_engine", None)
@@ -219,6 +221,7 @@ class Engine:
                               "back into the model, or build a new model")
         self.cfg = cfg
         self.module = model
+        self._init_fn = init_fn
         # [Note: choosing the device] in device.py: before anything allocates or a group exists
         self.device = choose_device(cfg.train.device)
         units = build_units(model, cfg.train.wrap if wrap is None else wrap)
@@ -297,7 +300,11 @@ class Engine:
         """Every rank starts from rank 0's weights; each store takes its part of every unit.
         The user's tensors are dropped (the parameters become views of the engine's flats)."""
         sharding = self.sharding
-        for unit in self.units:
+        materializer = Materializer(self.module, self._init_fn)  # [Note: meta-device models]
+        for i, unit in enumerate(self.units):
+            if is_meta(unit):  # the stores hold this list: they see the rebuilt unit
+                unit = self.units[i] = materializer.unit(unit)
+                self._user_form.update({id(p): (p.dtype, torch.device("meta")) for p in unit.params})
             full = torch.cat([p.detach().reshape(-1).float().cpu() for p in unit.params])
             sharding.broadcast(full)
             master = sharding.shard_of(unit, full)  # fp32 master of this rank's shard (all of it on one rank)
@@ -305,6 +312,7 @@ class Engine:
             self.params.place(unit, (master if sharding.gathered(unit) else full).to(self.lp_dtype))
             self.grads.place(unit)
         self.params.finish_place()
+        materializer.rest()
         self._move_unmanaged_to_device()
 
     def _residency(self) -> dict[str, tuple[int, int]]:
@@ -846,11 +854,18 @@ class Engine:
 
     def _restore_weights(self) -> None:
         """[Note: the user's model stays the truth]"""
+        left = 0
         for unit, views in self._trained_units():
             for p, view in views:
                 dtype, device = self._user_form[id(p)]
                 if device.type != "meta":
                     p.data = view.to(device=device, dtype=dtype, copy=True)
+                else:
+                    left += 1
+        if left:  # [Note: meta-device models]: such a model may not fit where it would go back to
+            warnings.warn(f"zerotier close(): {left} parameters of a model built on the meta device are not put "
+                          "back into it (it may not fit in RAM); save a checkpoint or `zerotier export` before "
+                          "close() to keep the trained weights", RuntimeWarning, stacklevel=3)
 
     def __enter__(self):
         return self

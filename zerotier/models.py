@@ -65,3 +65,16 @@ def batches(vocab: int, seq: int, batch: int, n: int, seed: int = 0):
     for _ in range(n):
         data = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
         yield data[:, :-1], data[:, 1:]
+
+
+def init_tiny_gpt(module: nn.Module) -> None:
+    """TinyGPT's initialisation of one module, for `zerotier.initialize(meta_model, init_fn=init_tiny_gpt)`
+    ([Note: meta-device models]): GPT-2 style normal(0, 0.02) weights, zero biases, default norms."""
+    if isinstance(module, TinyGPT):
+        nn.init.normal_(module.pos, std=0.02)
+    elif isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()

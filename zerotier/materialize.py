@@ -1,0 +1,96 @@
+"""Models built on the meta device, materialized one unit at a time.
+
+[Note: meta-device models]
+A model built under `torch.device("meta")` has shapes but no bytes, so a model larger than
+RAM can be described before it is trained. `initialize` gives it bytes unit by unit, each
+straight before that unit goes to its tier (Engine._place_all), so at most one unit's
+full-precision tensors exist in RAM at a time:
+  1. every module holding one of the unit's parameters gets new CPU Parameters (and
+     buffers) in place of its meta ones — new objects, because a meta tensor's data cannot
+     be replaced — in every module that shares them (tied weights);
+  2. the module initializes them: `init_fn(module)` when the user gives one, else the
+     module's own `reset_parameters()` (nn.Linear, nn.Embedding, norms ...). A module with
+     neither, or with buffers that reset_parameters() does not set (only torch's norm
+     layers reset theirs), is a ConfigError naming it: never uninitialized memory;
+  3. the random stream is the user's seed forked per unit (`torch.initial_seed() + unit
+     index`), so the weights do not depend on placement, ZeRO stage or world size.
+The Unit is rebuilt with the new Parameter objects; everything after works as for a model
+built normally.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from .errors import ConfigError
+from .state import Unit
+
+_RESETS_BUFFERS = (torch.nn.modules.batchnorm._NormBase,)  # reset_parameters() resets running stats
+
+
+def is_meta(unit: Unit) -> bool:
+    return any(p.is_meta for p in unit.params)
+
+
+class Materializer:
+    def __init__(self, model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None):
+        self.model, self.init_fn = model, init_fn
+        self.seed = torch.initial_seed()
+        # every (module, name) slot holding each parameter: tied ones are replaced everywhere
+        self._slots: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        self._owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+        for mod_name, module in model.named_modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    self._slots.setdefault(id(p), []).append((module, name))
+                    self._owners.setdefault(id(p), []).append((mod_name, module))
+        self.replaced: dict[int, torch.nn.Parameter] = {}  # id(meta parameter) -> its materialized one
+
+    def unit(self, unit: Unit) -> Unit:
+        """[Note: meta-device models] The unit with real CPU parameters, initialized."""
+        modules = {}
+        for p in unit.params:
+            for name, module in self._owners.get(id(p), ()):
+                modules.setdefault(id(module), (name, module))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + unit.index)
+            for name, module in modules.values():
+                self._module(name, module)
+        return dataclasses.replace(unit, params=tuple(self.replaced.get(id(p), p) for p in unit.params))
+
+    def _module(self, name: str, module: torch.nn.Module) -> None:
+        meta_params = [(n, p) for n, p in module._parameters.items() if p is not None and p.is_meta]
+        meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+        if not meta_params and not meta_buffers:
+            return  # done with an earlier unit (a tied parameter's other owner)
+        label = f"module '{name or '<root>'}' ({type(module).__name__})"
+        if self.init_fn is None and not hasattr(module, "reset_parameters"):
+            raise ConfigError(f"{label} was built on the meta device and has no reset_parameters(): pass "
+                              "zerotier.initialize(model, config, init_fn=fn), where fn(module) initializes a "
+                              "module's parameters in place")
+        if meta_buffers and self.init_fn is None and not isinstance(module, _RESETS_BUFFERS):
+            raise ConfigError(f"{label} has buffers on the meta device ({', '.join(meta_buffers)}) that "
+                              "reset_parameters() does not set: pass init_fn=fn to zerotier.initialize so that "
+                              "fn(module) fills them")
+        for n, p in meta_params:
+            new = torch.nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+            for holder, slot in self._slots[id(p)]:
+                holder._parameters[slot] = new
+            self.replaced[id(p)] = new
+        for n in meta_buffers:
+            module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
+        with torch.no_grad():
+            if self.init_fn is not None:
+                self.init_fn(module)
+            else:
+                module.reset_parameters()
+
+    def rest(self) -> None:
+        """Modules no unit covers (frozen parameters, buffers only) that are still on meta."""
+        for name, module in self.model.named_modules():
+            if any(t is not None and t.is_meta for t in (*module._parameters.values(), *module._buffers.values())):
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(self.seed - 1)
+                    self._module(name, module)
