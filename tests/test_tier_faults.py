@@ -230,3 +230,23 @@ def test_read_only_dir_sysfs():
     with pytest.raises(TierIOError) as ei:
         NVMeStore(*cfgs("/sys/kernel"))
     _assert_not_writable(ei, "/sys/kernel")
+
+
+def test_zeroed_swap_file_fails_by_default(tmp_path):
+    """Swap files are checksummed by default (io.checksum = "crc32c"): a swap file zero-filled or
+    planted between steps is an error at its next read, never training data (hostile trial #22)."""
+    import zerotier
+    from zerotier.models import TinyGPT, batches
+
+    torch.manual_seed(0)
+    cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "nvme"},
+           "tiers": {"nvme_path": str(tmp_path)}, "train": {"max_grad_norm": 1.0}}
+    with zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16), cfg) as engine:
+        data = list(batches(64, 16, 2, 2))
+        engine.backward(engine(*data[0]))
+        engine.step()
+        victim = sorted(engine.store.run_dir.glob("u00001.master*.swp"))[0]
+        victim.write_bytes(bytes(victim.stat().st_size))
+        engine.backward(engine(*data[1]))
+        with pytest.raises(TierIOError, match="checksum"):
+            engine.step()

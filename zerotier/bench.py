@@ -166,9 +166,16 @@ def bench_io(directory: str | os.PathLike, nbytes: int, cfg=None, tick: Tick = _
         backend = eng.backend
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    import crc32c  # the swap files' checksum (io.checksum = "crc32c", the default): what it costs here
+
+    data = bufs[0].numpy()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        crc32c.crc32c(data)
+    crc_gbps = 3 * data.nbytes / (time.perf_counter() - t0) / 1e9
     return {"path": os.path.abspath(os.fspath(directory)), "bytes": nbytes, "backend": backend,
             "o_direct": direct, "block_size": cfg.block_size, "queue_depth": cfg.queue_depth,
-            "write_GBps": nbytes / write_s / 1e9, "read_GBps": nbytes / read_s / 1e9}
+            "write_GBps": nbytes / write_s / 1e9, "read_GBps": nbytes / read_s / 1e9, "crc32c_GBps": crc_gbps}
 
 
 def _check_transfer(got: int, want: int, op: str, path: str) -> None:
@@ -289,6 +296,10 @@ def format_table(results: dict[str, Any]) -> str:
                                                                  "buffered: no O_DIRECT here") + f", {io['path']})"
         rows += [("nvme write", f"{io['write_GBps']:7.2f} GB/s  {how}"),
                  ("nvme read", f"{io['read_GBps']:7.2f} GB/s")]
+        if io.get("crc32c_GBps"):  # the checksum of every swap file, on the writing/reading thread
+            cost = io["write_GBps"] / io["crc32c_GBps"]
+            rows.append(("swap checksum crc32c", f"{io['crc32c_GBps']:7.2f} GB/s  (one core; +{100 * cost:.0f}% "
+                                                 "to a swap write's time at the write rate above)"))
     adam = results.get("adam")
     if adam:
         note = f"({adam['numel'] / 1e6:.0f}M params, {adam['simd']}, {adam['threads']} threads)"
