@@ -73,6 +73,7 @@ class GradStore:
         self._reduce_order = [u.index for u in reversed(units)]  # [Note: the same collectives on every rank]
         self._final = [False] * n                                # final in this backward, not yet queued
         self._queued = 0                                         # reduce-order position reached
+        self._agreed = False                                     # this window's Sharding.agree() done
 
     def place(self, unit: Unit) -> None:
         i = unit.index
@@ -188,7 +189,8 @@ class GradStore:
     def ready_all(self) -> list[Unit]:
         """End of the window: every accumulating unit is final. Returns the units now READY
         (with several ranks: the units that got a gradient on any rank)."""
-        if self.sharding.active:  # per parameter: did it get a gradient on any rank?
+        if self.sharding.active and not self._agreed:  # per parameter: a gradient on any rank? (once a window)
+            self._agreed = True
             flags = self.sharding.agree([k in self._got[u.index] for u in self.units for k in range(len(u.params))])
             for unit in self.units:
                 i, n = unit.index, len(unit.params)
@@ -249,6 +251,7 @@ class GradStore:
                 p.grad = None
         self._seen = [0] * len(self.units)
         self._final, self._queued = [False] * len(self.units), 0  # a failed backward's queue too
+        self._agreed = False
 
     def close(self) -> None:
         """Stop the adder thread and give the accumulators' pool blocks back. Idempotent."""
