@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import fnmatch
 import functools
 import math
 import re
@@ -157,31 +156,6 @@ class _FetchOnBackward(torch.autograd.Function):
 _RELEASED_READ = re.compile(r"requiring a storage size of \d+|storage of size 0|Trying to .* storage of size 0")
 
 
-def _no_decay(model: torch.nn.Module, units: list, patterns: tuple[str, ...]) -> list[frozenset[int]]:
-    """Per unit, the parameters (indices) optimizer.no_weight_decay exempts (any of a tied
-    parameter's names matching); a pattern that matches nothing is a ConfigError."""
-    if not patterns:
-        return [frozenset()] * len(units)
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    used = set()
-    out = []
-    for unit in units:
-        exempt = set()
-        for k, p in enumerate(unit.params):
-            for pattern in patterns:
-                if any(fnmatch.fnmatchcase(n, pattern) for n in names.get(id(p), ())):
-                    exempt.add(k)
-                    used.add(pattern)
-        out.append(frozenset(exempt))
-    unused = [p for p in patterns if p not in used]
-    if unused:
-        raise ConfigError(f"optimizer.no_weight_decay: {unused} match no trainable parameter name (names look like "
-                          f"{', '.join(n for n, _ in list(model.named_parameters())[:3])})")
-    return out
-
-
 def _autocast_dtype(device_type: str) -> "torch.dtype | None":
     """The dtype torch.autocast casts to on `device_type` now, or None when it is off."""
     if not torch.is_autocast_enabled(device_type):
@@ -254,7 +228,7 @@ class Engine:
         self.optimizer = EngineOptimizer(self, cfg.optimizer.lr)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, placement["optimizer"], self.device_tier,
                                             self.host_pool, self.store, self.profiler)
-        self.unit_optimizer.no_decay = _no_decay(model, self.units, cfg.optimizer.no_weight_decay)
+        self.unit_optimizer.exempt_from_decay(model)
         self.params = ParamStore(self.units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
@@ -397,16 +371,16 @@ class Engine:
                 self._partial = "a loss.backward() failed half-way through its gradients"
             if is_root and torch.is_grad_enabled() and module.training and not self._in_backward:
                 self.scheduler.begin_pass()
-            if units and _autocast_dtype(self.device.type) not in (None, self.lp_dtype):
-                self._refuse_autocast(units[0])
+            amp = _autocast_dtype(self.device.type) if units else None
+            if amp not in (None, self.lp_dtype):
+                self._refuse_autocast(units[0], amp)
             for unit in units:
                 self._demand(unit)
         return hook
 
-    def _refuse_autocast(self, unit) -> None:
+    def _refuse_autocast(self, unit, amp: torch.dtype) -> None:
         """[Note: autocast and streamed parameters]: the casts would pin a copy of every
         streamed parameter on the device until backward, outside every budget."""
-        amp = _autocast_dtype(self.device.type)
         lp, amp_name = str(self.lp_dtype).replace("torch.", ""), str(amp).replace("torch.", "")
         raise ConfigError(
             f"module '{unit.name or '<root>'}' runs under torch.autocast({amp_name}) while its {lp} parameters "
@@ -609,13 +583,6 @@ class Engine:
         self.zero_grad()
         return updated
 
-    def _apply_window(self) -> bool:
-        """The update at the end of an accumulation window (see step())."""
-        self._applying = True
-        try:
-            return self._apply_window_now()
-        finally:
-            self._applying = False
 
     def grad_norm(self) -> float:
         """The global norm (before clipping, loss scale removed) of the gradients the next update
@@ -628,7 +595,8 @@ class Engine:
             self._window_norm = math.sqrt(self.sharding.global_sum(local)) / self.scaler.scale
         return self._window_norm
 
-    def _apply_window_now(self) -> bool:
+    def _apply_window(self) -> bool:
+        """The update at the end of an accumulation window (see step())."""
         total_norm = self.grad_norm()
         pending = self.grads.ready_all()  # units stepped early are STEPPED already
         inv_scale = 1.0 / self.scaler.scale
@@ -641,7 +609,11 @@ class Engine:
         if self.cfg.train.max_grad_norm is not None:
             clip = min(1.0, self.cfg.train.max_grad_norm / (total_norm + 1e-6))
         self.last_grad_norm = total_norm
-        self.optimizer.step()
+        self._applying = True  # the optimizer's step() counts for lr schedulers, and does nothing more
+        try:
+            self.optimizer.step()
+        finally:
+            self._applying = False
         self._update(pending, self.optimizer.param_groups[0]["lr"], clip * inv_scale)
         self.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
         self.scaler.update(overflow=False)

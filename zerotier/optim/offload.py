@@ -37,6 +37,7 @@ parameters without a gradient] at `_adam`).
 from __future__ import annotations
 
 import collections
+import fnmatch
 import time
 from typing import Callable, Iterator
 
@@ -44,6 +45,7 @@ import torch
 
 from ..config import OptimizerConfig
 from ..device import local_world_size
+from ..errors import ConfigError
 from ..state import Location, Unit
 from . import _kernels
 
@@ -97,6 +99,30 @@ class UnitOptimizer:
         self._reads: dict[int, tuple[int, list]] = {}   # unit index -> (set, read tickets), in issue order
         self._got: dict[int, frozenset[int] | None] = {}  # step(): parameters with a gradient, by unit
         self.applied = 0  # unit updates begun so far (the engine tells a clean failure from a partial one)
+
+    def exempt_from_decay(self, model: torch.nn.Module) -> None:
+        """Find the parameters optimizer.no_weight_decay exempts (name globs on `model`'s parameter
+        names; a tied parameter if any of its names matches); a pattern matching nothing is a
+        ConfigError."""
+        patterns = self.cfg.no_weight_decay
+        if not patterns:
+            return
+        names: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        used = set()
+        for unit in self.units:
+            exempt = set()
+            for k, p in enumerate(unit.params):
+                for pattern in patterns:
+                    if any(fnmatch.fnmatchcase(n, pattern) for n in names.get(id(p), ())):
+                        exempt.add(k)
+                        used.add(pattern)
+            self.no_decay[unit.index] = frozenset(exempt)
+        unused = [p for p in patterns if p not in used]
+        if unused:
+            raise ConfigError(f"optimizer.no_weight_decay: {unused} match no trainable parameter name (names look "
+                              f"like {', '.join(n for n, _ in list(model.named_parameters())[:3])})")
 
     @staticmethod
     def grad_staging_bytes(largest_shard: int, grad_itemsize: int) -> int:
