@@ -250,3 +250,73 @@ def test_zeroed_swap_file_fails_by_default(tmp_path):
         engine.backward(engine(*data[1]))
         with pytest.raises(TierIOError, match="checksum"):
             engine.step()
+
+
+# ----------------------------------------------- the held run directory (hostile #70, #25)
+
+def test_run_dir_swapped_for_a_symlink_keeps_our_files(tmp_path):
+    """Another user renames the run dir aside and plants a symlink to their own directory
+    pre-filled with swap files: we keep reading and writing our own directory (the fd held
+    since creation), never the planted files."""
+    s = NVMeStore(*cfgs(tmp_path, checksum="none"))
+    try:
+        x = torch.randn(10_000)
+        s.write("w", x).wait()
+        real = s.run_dir
+        aside = tmp_path / "moved-aside"
+        os.rename(real, aside)
+        planted = tmp_path / "attacker"
+        planted.mkdir()
+        (planted / "w.swp").write_bytes(b"\0" * os.path.getsize(aside / "w.swp"))
+        os.symlink(planted, real)
+        y = torch.empty_like(x)
+        s.read("w", y).wait()
+        assert torch.equal(x, y)               # our bytes, not the planted zeros
+        s.write("w2", x * 2).wait()            # new files land in our directory
+        assert (aside / "w2.swp").exists() and not (planted / "w2.swp").exists()
+        assert (planted / "w.swp").read_bytes().count(0) == os.path.getsize(planted / "w.swp")
+    finally:
+        with pytest.warns(RuntimeWarning, match="no longer our run directory"):
+            s.close()
+    assert not (aside / "w.swp").exists() and not (aside / "w2.swp").exists()  # ours cleaned
+    assert (planted / "w.swp").exists()                                         # theirs untouched
+
+
+def test_world_writable_nvme_path_without_sticky_bit_warns(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.warns(RuntimeWarning, match="writable by anyone without the sticky bit"):
+        NVMeStore(*cfgs(shared)).close()
+    os.chmod(shared, 0o1777)  # like /tmp: no warning
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        NVMeStore(*cfgs(shared)).close()
+
+
+def test_close_with_unremovable_run_dir_warns_and_leaves_it_for_the_next_run(tmp_path, monkeypatch):
+    """Hostile #25: a permission changed under the run (simulated: root ignores mode bits)
+    makes every unlink fail; close() warns, closes the store and does not raise, and the
+    next store on the path removes the left directory once its owner is gone."""
+    s = NVMeStore(*cfgs(tmp_path))
+    s.write("a", torch.randn(1000)).wait()
+    s.write("a", torch.randn(1000)).wait()  # leaves a recycled %free-N.swp
+    run_dir = s.run_dir
+    real_unlink = os.unlink
+
+    def denied(path, *a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+    monkeypatch.setattr(os, "unlink", denied)
+    with pytest.warns(RuntimeWarning, match="could not remove run directory .*next run on this nvme_path"):
+        s.close()
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert run_dir.exists()
+    from zerotier.tiers.rundir import scan_stale
+    import json
+    owner = json.loads((run_dir / "owner.json").read_text())
+    owner["pid"] = 2 ** 22 + 7  # as if this process had died: its lock is released already
+    (run_dir / "owner.json").write_text(json.dumps(owner))
+    with pytest.warns(RuntimeWarning, match="removed stale run directory"):
+        report = scan_stale(tmp_path)
+    assert run_dir in report["removed"] and not run_dir.exists()

@@ -122,14 +122,34 @@ _fs_lock = threading.Lock()
 _no_direct_fs: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
 
 
-def _fs_key(path: str) -> int:
+def _fs_key(path: str, dir_fd: int | None) -> int:
+    if dir_fd is not None:
+        return os.fstat(dir_fd).st_dev
     parent = os.path.dirname(os.path.abspath(path)) or "."
     return os.stat(parent).st_dev
 
 
+def _dir_name(path: str, dir_fd: int | None) -> str:
+    if dir_fd is not None:
+        try:
+            return os.readlink(f"/proc/self/fd/{dir_fd}")
+        except OSError:
+            return f"directory fd {dir_fd}"
+    return os.path.dirname(os.path.abspath(path))
+
+
+def _lexists(path: str, dir_fd: int | None) -> bool:
+    try:
+        os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def open_direct(path: str | os.PathLike, flags: int, mode: int = 0o600, *,
-                direct: bool = True) -> tuple[int, bool]:
-    """Open `path` with O_DIRECT | O_NOFOLLOW | O_CLOEXEC added to `flags`.
+                direct: bool = True, dir_fd: int | None = None) -> tuple[int, bool]:
+    """Open `path` (relative to `dir_fd` when given: openat) with O_DIRECT | O_NOFOLLOW |
+    O_CLOEXEC added to `flags`.
 
     Returns (fd, direct). If the filesystem refuses O_DIRECT (EINVAL, e.g. some tmpfs or
     FUSE mounts), opens buffered instead and warns once per filesystem; later opens on
@@ -138,29 +158,29 @@ def open_direct(path: str | os.PathLike, flags: int, mode: int = 0o600, *,
     path = os.fspath(path)
     base = flags | os.O_NOFOLLOW | os.O_CLOEXEC
     if direct:
-        key = _fs_key(path)
+        key = _fs_key(path, dir_fd)
         if key not in _no_direct_fs:
             creating = bool(flags & os.O_CREAT and flags & os.O_EXCL)
-            existed = creating and os.path.lexists(path)
+            existed = creating and _lexists(path, dir_fd)
             try:
-                return os.open(path, base | os.O_DIRECT, mode), True
+                return os.open(path, base | os.O_DIRECT, mode, dir_fd=dir_fd), True
             except OSError as exc:
                 if exc.errno != errno_mod.EINVAL:
                     raise
                 # Some kernels create the file before refusing O_DIRECT: undo our O_EXCL
                 # creation so the buffered retry does not fail with EEXIST.
-                if creating and not existed and os.path.lexists(path):
-                    os.unlink(path)
+                if creating and not existed and _lexists(path, dir_fd):
+                    os.unlink(path, dir_fd=dir_fd)
                 with _fs_lock:
                     first = key not in _no_direct_fs
                     _no_direct_fs.add(key)
                 if first:
                     warnings.warn(
-                        f"{os.path.dirname(os.path.abspath(path))}: filesystem does not support "
+                        f"{_dir_name(path, dir_fd)}: filesystem does not support "
                         "O_DIRECT; zerotier uses buffered I/O there (page cache in the way: "
                         "lower, less predictable bandwidth and extra host memory use)",
                         RuntimeWarning, stacklevel=2)
-    return os.open(path, base, mode), False
+    return os.open(path, base, mode, dir_fd=dir_fd), False
 
 
 def supports_o_direct(directory: str | os.PathLike, alignment: int = 4096) -> bool:

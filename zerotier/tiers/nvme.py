@@ -161,7 +161,8 @@ class NVMeStore(BudgetedTier):
         self._checksum, self.checksum_algo = _checksum_impl(io_cfg.checksum), io_cfg.checksum
         self.stale = scan_stale(parent)
         self._run = RunDir.create(parent)
-        self.run_dir = self._run.path
+        self.run_dir = self._run.path  # for messages: files are reached through _dir_fd only
+        self._dir_fd = self._run.dir_fd  # [Note: the held run directory]
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)       # signals changes of _pending_writes
         self._index: dict[str, NVMeEntry] = {}
@@ -222,7 +223,7 @@ class NVMeStore(BudgetedTier):
                 else:
                     name, flags = f"{stem}{_SUFFIX}", os.O_WRONLY | os.O_CREAT | os.O_EXCL
                 path = self.run_dir / name
-                fd = self._open(path, flags, key, "create" if flags & os.O_CREAT else "open")
+                fd = self._open(name, flags, key, "create" if flags & os.O_CREAT else "open")
                 entry = NVMeEntry(key=key, file=f"{stem}{_SUFFIX}", dtype=str(tensor.dtype),
                                   shape=tuple(tensor.shape), nbytes=nbytes, file_bytes=file_bytes,
                                   checksum=checksum, checksum_algo=self.checksum_algo)
@@ -230,9 +231,9 @@ class NVMeStore(BudgetedTier):
             except BaseException:
                 if fd >= 0:
                     os.close(fd)
-                    _unlink_quiet(path)
+                    self._unlink_quiet(name)
                 elif recycled is not None:
-                    _unlink_quiet(self.run_dir / recycled)
+                    self._unlink_quiet(recycled)
                 self.release(file_bytes)
                 raise
         except BaseException:
@@ -249,16 +250,15 @@ class NVMeStore(BudgetedTier):
                 err = TierIOError(errno.EIO, self._msg("write", key, path, outcome,
                                   f"short write: {outcome} of {file_bytes} B written",
                                   "disk full or failing? free space on {dir} or check the drive"))
-            final = self.run_dir / entry.file
             try:
                 with self._lock:
                     self._inflight.discard(ticket)
                     old = self._index.get(key)
-                    if err is None and path != final:
-                        err = self._commit_rename(key, path, final, old)
+                    if err is None and name != entry.file:
+                        err = self._commit_rename(key, name, entry.file, old)
                     if err is not None:
                         self._errors += 1
-                        _unlink_quiet(path)
+                        self._unlink_quiet(name)
                         self.release(file_bytes)
                         raise err
                     self._index[key] = entry
@@ -309,7 +309,7 @@ class NVMeStore(BudgetedTier):
         else:
             buf, staged = aligned_empty(entry.file_bytes, self.alignment), True
         path = self.run_dir / entry.file
-        fd = self._open(path, os.O_RDONLY, key, "open")
+        fd = self._open(entry.file, os.O_RDONLY, key, "open")
         with self._lock:
             self._readers[key] = self._readers.get(key, 0) + 1
 
@@ -368,13 +368,13 @@ class NVMeStore(BudgetedTier):
             kept = self._recycle_name_for(key) if entry.file_bytes else None
             if kept is not None:
                 try:
-                    os.rename(self.run_dir / entry.file, self.run_dir / kept)
+                    self._rename(entry.file, kept)
                     self._recycled.setdefault(entry.file_bytes, []).append(kept)
                     self._recycled_bytes += entry.file_bytes
                     return
                 except OSError:
                     pass
-        _unlink_quiet(self.run_dir / entry.file)  # in-flight reads keep their fd: still safe
+        self._unlink_quiet(entry.file)  # in-flight reads keep their fd: still safe
         self.release(entry.file_bytes)
 
     def trim(self) -> int:
@@ -427,7 +427,10 @@ class NVMeStore(BudgetedTier):
         finally:
             self._drain()  # tickets issued while close() began: the engine has finished them
             with self._lock:
-                self._trim_locked(self._recycled_bytes)
+                try:
+                    self._trim_locked(self._recycled_bytes)
+                except OSError:
+                    pass  # e.g. the run dir's permission changed: _run.remove() warns and leaves it
                 for e in self._index.values():
                     self.release(e.file_bytes)
                 self._index.clear()
@@ -459,21 +462,22 @@ class NVMeStore(BudgetedTier):
         self._gen += 1
         return f"{_RECYCLED_PREFIX}{self._gen}{_SUFFIX}"
 
-    def _commit_rename(self, key: str, path: Path, final: Path, old: NVMeEntry | None) -> OSError | None:
-        """Move a completed write onto <key>.swp; the old version's file (if any) is kept
-        for reuse, or released. Lock held; readers of key wait for this write to commit."""
+    def _commit_rename(self, key: str, name: str, final: str, old: NVMeEntry | None) -> OSError | None:
+        """Move a completed write (file `name`) onto <key>.swp; the old version's file (if
+        any) is kept for reuse, or released. Lock held; readers of key wait for this write
+        to commit."""
         kept = self._recycle_name_for(key) if old is not None else None
         try:
             if kept is not None:
-                os.rename(final, self.run_dir / kept)
-            os.rename(path, final)
+                self._rename(final, kept)
+            self._rename(name, final)
         except OSError as exc:
-            if kept is not None and not final.exists():
+            if kept is not None and not self._exists(final):
                 try:  # put the old version back under its name
-                    os.rename(self.run_dir / kept, final)
+                    self._rename(kept, final)
                 except OSError:
                     pass
-            return self._io_error("rename", key, path, exc)
+            return self._io_error("rename", key, self.run_dir / name, exc)
         if old is not None:
             if kept is not None:
                 self._recycled.setdefault(old.file_bytes, []).append(kept)
@@ -507,7 +511,7 @@ class NVMeStore(BudgetedTier):
         for size in sorted(self._recycled, reverse=True):
             names = self._recycled[size]
             while names and released < want:
-                _unlink_quiet(self.run_dir / names.pop())
+                self._unlink_quiet(names.pop())
                 self._recycled_bytes -= size
                 self.release(size)
                 released += size
@@ -576,13 +580,31 @@ class NVMeStore(BudgetedTier):
         staging[nbytes:].zero_()
         return staging
 
-    def _open(self, path: Path, flags: int, key: str, op: str) -> int:
+    # [Note: the held run directory]: every file is reached relative to _dir_fd.
+
+    def _open(self, name: str, flags: int, key: str, op: str) -> int:
         try:
             # O_NOFOLLOW | O_CLOEXEC (| O_DIRECT, falling back to buffered with one warning)
-            fd, _direct = open_direct(str(path), flags, 0o600, direct=self.io_cfg.o_direct)
+            fd, _direct = open_direct(name, flags, 0o600, direct=self.io_cfg.o_direct, dir_fd=self._dir_fd)
         except OSError as exc:
-            raise self._io_error(op, key, path, exc) from None
+            raise self._io_error(op, key, self.run_dir / name, exc) from None
         return fd
+
+    def _rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+
+    def _exists(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _unlink_quiet(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
 
     def _io_error(self, op: str, key: str, path: Path, exc: BaseException) -> BaseException:
         """Re-state a low-level failure with tier, key, file, offset and remedy; keep errno."""
@@ -607,13 +629,6 @@ def _quiet_wait(ticket) -> None:
     try:
         ticket.wait()
     except Exception:  # noqa: BLE001
-        pass
-
-
-def _unlink_quiet(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
         pass
 
 

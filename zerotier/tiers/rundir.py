@@ -3,6 +3,15 @@ detection of stale ones (see [Note: NVMe layout] in nvme.py).
 
 Swap files live only inside a directory this module created, locked and labelled;
 a directory is removed only when it is provably ours and its owner is dead.
+
+[Note: the held run directory]
+The run directory is opened once (O_DIRECTORY | O_NOFOLLOW) while it is still private,
+before it is renamed to its public name, and every swap file is opened, renamed and
+unlinked relative to that fd (openat & co, O_NOFOLLOW). A path is looked up again by
+nothing, so another user who can write nvme_path (hostile trial #70) may rename the run
+directory or plant a symlink under its name: we keep reading and writing our own
+directory. An nvme_path that others can write without the sticky bit is warned about
+at creation: they can still delete or rename the run directory (a denial of service).
 """
 from __future__ import annotations
 
@@ -105,6 +114,21 @@ def _remove_contents(dir_fd: int) -> list[str]:
     return left
 
 
+def _warn_if_shared(parent: Path) -> None:
+    """[Note: the held run directory] A world- or group-writable nvme_path without the
+    sticky bit lets other users rename or delete our run directory."""
+    try:
+        mode = os.stat(parent).st_mode
+    except OSError:
+        return
+    if mode & (stat.S_IWOTH | stat.S_IWGRP) and not mode & stat.S_ISVTX:
+        who = "anyone" if mode & stat.S_IWOTH else "its group"
+        warnings.warn(f"nvme tier: tiers.nvme_path {parent} is writable by {who} without the sticky bit: "
+                      f"other users can delete or rename zerotier's run directory there (they cannot "
+                      f"make it read their files). Use a private directory, or `chmod +t {parent}`",
+                      RuntimeWarning, stacklevel=4)
+
+
 def _check_parent(parent: Path) -> None:
     """tiers.nvme_path must be an existing directory we can create entries in."""
     try:
@@ -127,8 +151,9 @@ class RunDir:
     at garbage collection or interpreter exit.
     """
 
-    def __init__(self, path: Path, lock_fd: int, owner: dict) -> None:
+    def __init__(self, path: Path, dir_fd: int, lock_fd: int, owner: dict) -> None:
         self.path = path
+        self.dir_fd = dir_fd  # [Note: the held run directory]
         self._lock_fd: int | None = lock_fd
         self._owner = owner
         self._pid = os.getpid()
@@ -144,6 +169,7 @@ class RunDir:
     @classmethod
     def create(cls, parent: Path) -> "RunDir":
         _check_parent(parent)
+        _warn_if_shared(parent)
         final = parent / f"{RUN_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         staging = parent / f".{final.name}{_TMP_SUFFIX}"
         try:
@@ -156,41 +182,38 @@ class RunDir:
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "fix tiers.nvme_path")
             raise TierIOError(exc.errno, f"nvme tier: cannot create run directory {staging}: "
                                          f"{exc.strerror}; {hint}") from None
-        lock_fd = -1
+        lock_fd = dir_fd = -1
         try:
-            os.chmod(staging, 0o700)  # mkdir's mode is filtered by the umask; be exact
-            lock_fd = os.open(staging / _LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                              | os.O_CLOEXEC, 0o600)
+            dir_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            if os.fstat(dir_fd).st_uid != os.geteuid():
+                raise OSError(errno.EPERM, f"{staging} was replaced by another user's directory")
+            os.chmod(dir_fd, 0o700)  # mkdir's mode is filtered by the umask; be exact
+            lock_fd = os.open(_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                              | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             owner = cls._owner_record()
-            dir_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                _write_owner(dir_fd, owner)
-            finally:
-                os.close(dir_fd)
+            _write_owner(dir_fd, owner)
             os.rename(staging, final)  # appears locked and labelled, never half-made
         except OSError as exc:
-            if lock_fd >= 0:
-                os.close(lock_fd)
+            for fd in (lock_fd, dir_fd):
+                if fd >= 0:
+                    os.close(fd)
             shutil.rmtree(staging, ignore_errors=True)
             raise TierIOError(exc.errno, f"nvme tier: cannot set up run directory {final}: "
                                          f"{exc.strerror}; check tiers.nvme_path") from None
         log.info("nvme tier: run directory %s", final)
-        return cls(final, lock_fd, owner)
+        return cls(final, dir_fd, lock_fd, owner)
 
     # ------------------------------------------------------------------ removal
 
     def remove(self) -> None:
         """Delete the run dir: only in the creating process, while we hold its lock,
-        and only files we create; anything else is left with a warning."""
+        and only files we create; anything else is left with a warning. Never raises:
+        what cannot be removed now (a permission changed under us) is warned about and
+        left for the next run on this nvme_path (scan_stale) or for the user."""
         if self._lock_fd is None or os.getpid() != self._pid:
             return  # already removed, or a forked child: not ours to delete
-        try:
-            dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            log.warning("nvme tier: run directory %s vanished before cleanup (%s)", self.path, exc.strerror)
-            self._unlock()
-            return
+        dir_fd = self.dir_fd
         try:
             owner = _read_owner(dir_fd)
             if owner is None or owner.get("pid") != self._pid:
@@ -198,17 +221,32 @@ class RunDir:
                               f"process", RuntimeWarning, stacklevel=2)
                 return
             left = _remove_contents(dir_fd)
+            if left:
+                warnings.warn(f"nvme tier: left {self.path} in place: it holds files zerotier did not "
+                              f"create ({', '.join(sorted(left)[:5])})", RuntimeWarning, stacklevel=2)
+                return
+            self._rmdir()
+        except OSError as exc:
+            warnings.warn(f"nvme tier: could not remove run directory {self.path}: {exc.strerror or exc}; "
+                          f"the next run on this nvme_path removes it (its owner is then dead), or "
+                          f"delete it by hand", RuntimeWarning, stacklevel=2)
         finally:
             os.close(dir_fd)
-        if left:
-            warnings.warn(f"nvme tier: left {self.path} in place: it holds files zerotier did not "
-                          f"create ({', '.join(sorted(left)[:5])})", RuntimeWarning, stacklevel=2)
-        else:
-            try:
-                os.rmdir(self.path)
-            except OSError as exc:
-                log.warning("nvme tier: could not remove %s: %s", self.path, exc.strerror)
-        self._unlock()
+            self._unlock()
+
+    def _rmdir(self) -> None:
+        """Remove the (now empty) directory by name, only if that name still is our directory."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            log.warning("nvme tier: run directory %s was renamed or removed by someone else", self.path)
+            return
+        mine = os.fstat(self.dir_fd)
+        if (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino):
+            warnings.warn(f"nvme tier: {self.path} is no longer our run directory (something replaced "
+                          f"it); not removing it", RuntimeWarning, stacklevel=3)
+            return
+        os.rmdir(self.path)
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
