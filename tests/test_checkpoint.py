@@ -398,3 +398,96 @@ def test_client_state_that_is_not_data_is_refused_at_save(tmp_path):
         assert not root.exists() or not any(root.iterdir()), "a refused save left files behind"
         engine.save_checkpoint(root, client_state={"epoch": 3, "losses": [1.0, 0.5], "note": "ok", "t": torch.ones(2)})
         assert engine.load_checkpoint(root)["epoch"] == 3
+
+
+# -------------------------------------------- retention, ownership and modes (hostile #42, #43, #47, #75)
+
+def _engine(tmp_path):
+    return zerotier.initialize(make_model(), config(HOST, tmp_path))
+
+
+def test_retention_keeps_the_newest_of_this_run_and_never_another_run(tmp_path):
+    """#43: a root holding ckpt-100/101 of an earlier run: the current run keeps its own newest
+    `keep`, the earlier run's checkpoints stay (another run's, not ours to prune)."""
+    root = tmp_path / "ckpts"
+    stale = _engine(tmp_path)
+    for step in (100, 101):
+        stale.global_steps = step
+        stale.save_checkpoint(root)
+    stale.close()
+    engine = _engine(tmp_path)
+    for step in range(1, 5):
+        train(engine, step - 1, 1)
+        engine.save_checkpoint(root)
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-100", "ckpt-101", "ckpt-3", "ckpt-4", "latest"]
+    engine.save_checkpoint(root, keep=None)   # same step again: replaces ckpt-4, keeps all
+    train(engine, 4, 1)
+    engine.save_checkpoint(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-100", "ckpt-101", "ckpt-5", "latest"]
+    with pytest.raises(ZerotierError, match="keep is how many"):
+        engine.save_checkpoint(root, keep=0)
+    engine.close()
+    resumed = _engine(tmp_path)                 # a resumed run continues the lineage of ckpt-5
+    resumed.load_checkpoint(root)
+    train(resumed, 5, 1)
+    resumed.save_checkpoint(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-100", "ckpt-101", "ckpt-6", "latest"]
+    resumed.close()
+
+
+def test_foreign_directory_named_like_a_checkpoint_is_never_deleted(tmp_path):
+    """#42: another tool's `ckpt-2` directory (or a file of that name) is refused at save with
+    nothing written; a `ckpt-1` holding a stray manifest.json + notes is not pruned."""
+    root = tmp_path / "ckpts"
+    (root / "ckpt-1").mkdir(parents=True)
+    (root / "ckpt-1" / "manifest.json").write_text('{"format": 1}')
+    (root / "ckpt-1" / "notes.txt").write_text("mine")
+    (root / "ckpt-2").mkdir()
+    (root / "ckpt-2" / "model.pt").write_bytes(b"weights of another tool")
+    (root / "ckpt-3").write_text("a file")
+    engine = _engine(tmp_path)
+    before = sorted(p.name for p in root.iterdir())
+    for step in (2, 3):
+        engine.global_steps = step
+        with pytest.raises(checkpoint.CheckpointError, match=f"ckpt-{step} exists and is not a zerotier checkpoint"):
+            engine.save_checkpoint(root)
+        assert sorted(p.name for p in root.iterdir()) == before  # nothing written, nothing left
+    for step in (4, 5, 6):
+        engine.global_steps = step
+        engine.save_checkpoint(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-1", "ckpt-2", "ckpt-3", "ckpt-6", "latest"]
+    assert (root / "ckpt-2" / "model.pt").read_bytes() == b"weights of another tool"
+    assert (root / "ckpt-1" / "notes.txt").read_text() == "mine"
+    engine.close()
+
+
+def test_checkpoint_files_are_private_whatever_the_umask(tmp_path):
+    """#47: 0700 directories and 0600 files under umask 0, like the swap directory."""
+    old = os.umask(0)
+    try:
+        engine = _engine(tmp_path)
+        ckpt = engine.save_checkpoint(tmp_path / "new-root")
+        engine.close()
+    finally:
+        os.umask(old)
+    root = ckpt.parent
+    assert os.stat(root).st_mode & 0o777 == 0o700 and os.stat(ckpt).st_mode & 0o777 == 0o700
+    for f in [root / "latest", *ckpt.iterdir()]:
+        assert os.stat(f).st_mode & 0o777 == 0o600, f
+
+
+def test_load_with_a_scheduler_the_checkpoint_lacks_changes_nothing(tmp_path):
+    """#75: the error comes before anything is loaded."""
+    engine = _engine(tmp_path)
+    train(engine, 0, 1)
+    engine.save_checkpoint(tmp_path / "ckpts")
+    train(engine, 1, 1)
+    before = {k: v.clone() for k, v in engine.parameters_fp32().items()}
+    steps = engine.global_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0)
+    with pytest.raises(ZerotierError, match="saved without an lr scheduler state.*nothing was loaded"):
+        engine.load_checkpoint(tmp_path / "ckpts", lr_scheduler=sched)
+    assert engine.global_steps == steps
+    assert_same(before, engine.parameters_fp32())
+    train(engine, 2, 1)  # still usable
+    engine.close()

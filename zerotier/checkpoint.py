@@ -32,8 +32,21 @@ cross-rank check makes a rank failing mid-save fail all. Rank 0 then writes the
 manifest, fsyncs the directory, renames it to ckpt-<step> (an existing ckpt-<step>
 is renamed aside first and deleted afterwards), fsyncs root and atomically replaces
 `latest` (write latest.tmp, fsync, rename, fsync root). Until `latest` flips, the
-previous checkpoint is the one loaded. Then checkpoints older than the newest
-KEEP are deleted, as are temporary directories left by killed saves.
+previous checkpoint is the one loaded. Then retention runs ([Note: checkpoint retention]).
+Directories and files are created 0700 / 0600 whatever the umask: a checkpoint is the
+run's training state, for its owner only.
+
+[Note: checkpoint retention]
+Only what this code wrote is ever deleted, recognized by content, not by name: a
+directory counts as a zerotier checkpoint when its manifest.json parses with our format
+and it holds nothing but the files a save writes (`_is_ours`). Each engine carries a
+run id (new at initialize, adopted from the checkpoint on load_checkpoint, so a resumed
+run continues its lineage) and each manifest records it with the save time. After a
+save, the newest `keep` checkpoints of the current run are kept and older ones of the
+run deleted; other runs' checkpoints in the same root are never touched. A save onto a
+`ckpt-<step>` that is not ours (another tool's directory, a file) is refused before
+anything is written; temporary leftovers of killed saves are removed only when they
+hold nothing but our files.
 """
 from __future__ import annotations
 
@@ -41,8 +54,10 @@ import errno
 import json
 import os
 import random
+import re
 import secrets
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +68,8 @@ from .errors import TierIOError, ZerotierError
 from .optim.offload import STATE_KEYS
 
 FORMAT = 1
-KEEP = 2
+KEEP = 2  # checkpoints of the current run kept by default ([Note: checkpoint retention])
+_OUR_FILE = re.compile(r"manifest\.json|state\.pt|rank\d+\.(bin|pt)")
 class CheckpointError(TierIOError):
     """A checkpoint cannot be written or read (space, corruption, missing files, mismatch)."""
 
@@ -63,6 +79,20 @@ class CheckpointError(TierIOError):
 def _write_bytes(fh, data) -> None:
     """One write of a file's bytes (a seam for fault injection in tests)."""
     fh.write(data)
+
+
+def _create(path: Path):
+    """A new file for writing, 0600 whatever the umask, never through a symlink."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    return os.fdopen(fd, "wb")
+
+
+def _mkdir_private(path: Path) -> None:
+    """Create `path` (and missing parents) 0700; an existing directory is left as it is."""
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
 
 
 def _fsync_dir(path: Path) -> None:
@@ -91,7 +121,7 @@ def _save_pt(obj: Any, path: Path) -> dict:
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getbuffer()
-    with open(path, "wb") as fh:
+    with _create(path) as fh:
         _write_bytes(fh, data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -218,11 +248,15 @@ def _step_of(path: Path) -> int | None:
 
 # ------------------------------------------------------------------------------- save
 
-def save(engine, root, *, lr_scheduler=None, client_state=None) -> Path:
+def save(engine, root, *, lr_scheduler=None, client_state=None, keep: int | None = KEEP) -> Path:
     """Save `engine`'s training state under `root` (collective: every rank calls it).
 
-    Returns the checkpoint directory root/ckpt-<global_steps>. See [Note: checkpoint layout]
-    and [Note: checkpoint atomicity]."""
+    Returns the checkpoint directory root/ckpt-<global_steps>. `keep`: how many of this
+    run's checkpoints to keep (None: all). See [Note: checkpoint layout],
+    [Note: checkpoint atomicity] and [Note: checkpoint retention]."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ZerotierError(f"save_checkpoint(keep={keep!r}): keep is how many of this run's checkpoints "
+                            f"to keep, an int >= 1 (or None to keep all)")
     accum = engine.cfg.train.grad_accum_steps
     if engine.micro_steps % accum:
         raise ZerotierError(f"save_checkpoint at micro-step {engine.micro_steps}: in the middle of a gradient "
@@ -230,10 +264,16 @@ def save(engine, root, *, lr_scheduler=None, client_state=None) -> Path:
                             f"not saved. Save right after an engine.step() that returned True")
     rank, world = engine.rank, engine.world_size
     problem = None
+    root = Path(root)
+    final = root / f"ckpt-{engine.global_steps}"
     try:  # before anything is written: a refused save leaves nothing behind
         _check_loadable(client_state, "client_state")
         if lr_scheduler is not None:
             _check_loadable(lr_scheduler.state_dict(), "the lr scheduler's state_dict()")
+        if rank == 0 and os.path.lexists(final) and not _is_ours(final):
+            raise CheckpointError(errno.EEXIST, f"save_checkpoint: {final} exists and is not a zerotier "
+                                                f"checkpoint (not written by this code); it is left as it is: "
+                                                f"move it away or save to another directory")
     except CheckpointError as exc:
         problem = exc
     if world > 1:  # every rank stops, the one with the problem with its own message
@@ -245,19 +285,18 @@ def save(engine, root, *, lr_scheduler=None, client_state=None) -> Path:
     if problem is not None:
         raise problem
     engine.synchronize()
-    root = Path(root)
     step = engine.global_steps
     dist = _dist() if world > 1 else None
     token = [secrets.token_hex(4)]
     if dist is not None:
         dist.broadcast_object_list(token, src=0)
     tmp = root / f".ckpt-{step}.tmp-{token[0]}"
-    final = root / f"ckpt-{step}"
     error: BaseException | None = None
     records: list[dict] = []
     files: dict[str, dict] = {}
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
+        _mkdir_private(root)
+        _mkdir_private(tmp)
         records = _write_rank_data(engine, tmp / f"rank{rank}.bin")
         files[f"rank{rank}.pt"] = _save_pt({"rng": _rng_state()}, tmp / f"rank{rank}.pt")
         if rank == 0:
@@ -282,7 +321,7 @@ def save(engine, root, *, lr_scheduler=None, client_state=None) -> Path:
         dist.all_gather_object(gathered, (records, files))
     if rank == 0:
         try:
-            _commit(engine, root, tmp, final, gathered)
+            _commit(engine, root, tmp, final, gathered, keep)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             error = exc if isinstance(exc, CheckpointError) else _space_error(tmp, "the manifest", exc)
@@ -304,7 +343,7 @@ def _write_rank_data(engine, path: Path) -> list[dict]:
     """Stream this rank's real optimizer-state ranges into `path`, one unit at a time."""
     records = []
     offset = 0
-    with open(path, "wb") as fh:
+    with _create(path) as fh:
         for unit in engine.units:
             state = engine.unit_optimizer.read_state(unit)  # NVMe: this unit's shard only
             n = unit.shard_hi - unit.shard_lo
@@ -339,7 +378,7 @@ def _global_state(engine, lr_scheduler, client_state) -> dict:
             "client_state": client_state, "module_unmanaged": _unmanaged_state(engine)}
 
 
-def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list) -> None:
+def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list, keep: int | None) -> None:
     world = engine.world_size
     ranks = []
     for r, (records, files) in enumerate(gathered):
@@ -353,9 +392,10 @@ def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list) -> None:
         "unit_steps": [list(steps) for steps in engine.unit_optimizer.steps],  # per unit, per parameter
         "units": fingerprint(engine), "ranks": ranks, "state": gathered[0][1]["state.pt"],
         "hf_config": _hf_config(engine.module),  # for `zerotier export --to DIR` (config.json)
+        "run": {"id": engine.run_id, "saved_ns": time.time_ns()},  # [Note: checkpoint retention]
     }
     data = json.dumps(manifest).encode()
-    with open(tmp / "manifest.json", "wb") as fh:
+    with _create(tmp / "manifest.json") as fh:
         _write_bytes(fh, data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -367,7 +407,7 @@ def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list) -> None:
     os.rename(tmp, final)
     _fsync_dir(root)
     latest_tmp = root / "latest.tmp"
-    with open(latest_tmp, "wb") as fh:
+    with _create(latest_tmp) as fh:
         _write_bytes(fh, f"{final.name}\n".encode())
         fh.flush()
         os.fsync(fh.fileno())
@@ -375,19 +415,54 @@ def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list) -> None:
     _fsync_dir(root)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
-    _prune(root, final)
+    _prune(root, final, engine.run_id, keep)
 
 
-def _prune(root: Path, current: Path) -> None:
-    """Keep the newest KEEP complete checkpoints; remove leftovers of killed saves."""
-    done = sorted((p for p in root.iterdir() if _step_of(p) is not None and (p / "manifest.json").exists()),
-                  key=_step_of)
-    for old in done[:-KEEP]:
-        if old != current:
+def _run_of(ckpt: Path) -> dict | None:
+    """The manifest's {"id", "saved_ns"} if `ckpt` is a checkpoint this code wrote, else None."""
+    if os.path.islink(ckpt) or not ckpt.is_dir():
+        return None
+    try:
+        names = os.listdir(ckpt)
+        if "manifest.json" not in names or not all(_OUR_FILE.fullmatch(n) for n in names):
+            return None
+        with open(ckpt / "manifest.json", "rb") as fh:
+            manifest = json.loads(fh.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None
+    run = manifest.get("run")  # absent in checkpoints written before run ids
+    return run if isinstance(run, dict) else {"id": None, "saved_ns": 0}
+
+
+def _is_ours(ckpt: Path) -> bool:
+    return _run_of(ckpt) is not None
+
+
+def _prune(root: Path, current: Path, run_id: str, keep: int | None) -> None:
+    """[Note: checkpoint retention] Keep the newest `keep` checkpoints of this run; remove
+    leftovers of killed saves that hold only our files."""
+    mine = []
+    for p in root.iterdir():
+        if _step_of(p) is not None and p != current:
+            run = _run_of(p)
+            if run is not None and run.get("id") == run_id:
+                mine.append((run.get("saved_ns", 0), p))
+    if keep is not None:
+        for _, old in sorted(mine, key=lambda t: t[0])[:max(0, len(mine) - (keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
     for p in root.iterdir():
-        if p.name.startswith(".ckpt-") and (".tmp-" in p.name or ".old-" in p.name):
+        if p.name.startswith(".ckpt-") and (".tmp-" in p.name or ".old-" in p.name) and _only_our_files(p):
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _only_our_files(path: Path) -> bool:
+    try:
+        return (not os.path.islink(path) and path.is_dir()
+                and all(_OUR_FILE.fullmatch(n) for n in os.listdir(path)))
+    except OSError:
+        return False
 
 
 # ------------------------------------------------------------------------------- read
@@ -501,6 +576,9 @@ def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
     files = _RankFiles(ckpt, manifest)
     try:
         state = _load_pt(ckpt / "state.pt", manifest["state"], trust_pickle)
+        if lr_scheduler is not None and state["lr_scheduler"] is None:  # before anything changes
+            raise ZerotierError(f"checkpoint {ckpt} was saved without an lr scheduler state; call "
+                                f"load_checkpoint without lr_scheduler= (nothing was loaded)")
         old_world = manifest["world_size"]
         src = engine.rank if engine.rank < old_world else 0
         rng = _load_pt(ckpt / f"rank{src}.pt", manifest["ranks"][src]["rng"], trust_pickle)["rng"]
@@ -528,9 +606,9 @@ def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
     engine.scaler.load_state_dict(state["scaler"])
     engine.optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None:
-        if state["lr_scheduler"] is None:
-            raise ZerotierError(f"checkpoint {ckpt} was saved without an lr scheduler state; call "
-                                f"load_checkpoint without lr_scheduler=")
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     _set_rng_state(rng)
+    run = manifest.get("run")
+    if isinstance(run, dict) and isinstance(run.get("id"), str):
+        engine.run_id = run["id"]  # the resumed run continues its lineage ([Note: checkpoint retention])
     return state["client_state"]

@@ -80,6 +80,7 @@ import dataclasses
 import functools
 import math
 import re
+import secrets
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -248,6 +249,7 @@ class Engine:
         self._partial: str | None = None   # a backward failed half-way: its gradients are partial
         self.micro_steps = 0
         self.global_steps = 0
+        self.run_id = secrets.token_hex(8)  # names this run's checkpoints ([Note: checkpoint retention])
         self._backward_since_step = False
         self._in_backward = False
         self._early_step_ok = False
@@ -735,12 +737,13 @@ class Engine:
 
     # ------------------------------------------------------------ checkpoints (zerotier/checkpoint.py)
 
-    def save_checkpoint(self, root, *, lr_scheduler=None, client_state=None):
+    def save_checkpoint(self, root, *, lr_scheduler=None, client_state=None, keep: int | None = 2):
         """Save the training state under `root` as root/ckpt-<global_steps> (collective; only at an
-        optimizer-step boundary). Returns the checkpoint directory. See docs/checkpoint.md."""
+        optimizer-step boundary). Keeps this run's newest `keep` checkpoints (None: all); never
+        deletes anything it did not write. Returns the checkpoint directory. See docs/checkpoint.md."""
         from . import checkpoint
         self._refuse_if_broken("engine.save_checkpoint()")
-        return checkpoint.save(self, root, lr_scheduler=lr_scheduler, client_state=client_state)
+        return checkpoint.save(self, root, lr_scheduler=lr_scheduler, client_state=client_state, keep=keep)
 
     def load_checkpoint(self, root, *, lr_scheduler=None, trust_pickle: bool = False):
         """Load root/latest (or a ckpt-N directory) into this engine, whatever its placement, stage or
