@@ -651,6 +651,7 @@ class Engine:
             self.unit_optimizer.finish()
         except BaseException:  # noqa: BLE001 - the error being raised already tells the story
             pass
+        self.unit_optimizer.drop_prefetched()  # a retry reads afresh, never a stale failure (#24)
 
     def _refuse_after_grad_norm(self, what: str) -> None:
         if self._window_norm is not None:

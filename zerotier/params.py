@@ -180,6 +180,7 @@ class ParamStore:
         prof = self.profiler
         if prof is not None:
             prof.prefetch_used(unit.param_key, hit=fetch is not None)
+        prefetched = fetch is not None
         if fetch is None:
             fetch = self._start(unit, "demand")
         waited = None
@@ -188,9 +189,21 @@ class ParamStore:
                 then()
             if prof is not None:
                 waited = prof.wait_begin(unit.param_key, device=True)
-            self._finish(fetch)
+            try:
+                self._finish(fetch)
+            except Exception:
+                if not prefetched or fetch.handle is not None:
+                    raise
+                # A prefetch that failed is not this demand's answer: it may predate a fix (a
+                # permission restored, space freed; hostile trial #24). A fresh read reports
+                # whatever still fails. (A ZeRO-3 gather is collective: never retried alone.)
+                self._drop(unit, fetch)
+                fetch = None
+                fetch = self._start(unit, "demand")
+                self._finish(fetch)
         except BaseException:
-            self._drop(unit, fetch, wasted=False)
+            if fetch is not None:
+                self._drop(unit, fetch, wasted=False)
             raise
         finally:
             if waited is not None:
