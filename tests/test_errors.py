@@ -343,3 +343,41 @@ def test_every_row_of_docs_errors_md_is_tested():
     here = {name for name, obj in globals().items() if name.startswith("test_") and callable(obj)}
     assert named - here == set(), "rows naming a test that does not exist"
     assert here - named - {"test_every_row_of_docs_errors_md_is_tested"} == set(), "tests without a row"
+
+
+# ------------------------------------------------------------ hostile-trial rows (issue 16)
+
+def test_nvme_auto_on_a_full_or_unwritable_path_names_the_path():
+    """Hostile #9: /proc has no free space (a full disk reads the same): the message says so
+    and never asks to set tiers.nvme_path, which is set."""
+    cfg = {"offload": {"optimizer": "nvme"}, "tiers": {"nvme_path": "/proc", "nvme": "auto"}}
+    with pytest.raises(BudgetError) as ei:
+        zerotier.initialize(tiny(), cfg)
+    msg = str(ei.value)
+    assert "set tiers.nvme_path" not in msg, msg
+    assert re.search(r"tiers\.nvme = 'auto' found 0 B free in tiers\.nvme_path /proc: free space there or "
+                     r"point tiers\.nvme_path at a writable drive with room", msg), msg
+
+
+@pytest.mark.parametrize("where", ["missing-dir", "proc", "a-directory"])
+def test_unwritable_trace_path_is_refused_at_initialize(tmp_path, where):
+    """Hostile #13: refused at initialize, not after the whole run at close()."""
+    path = {"missing-dir": str(tmp_path / "no" / "trace.json"), "proc": "/proc/trace.json",
+            "a-directory": str(tmp_path)}[where]
+    with pytest.raises(ConfigError, match=r"^profile\.trace_path .*(cannot create files in|is a directory)"):
+        zerotier.initialize(tiny(), {"profile": {"enabled": True, "trace_path": path}})
+
+
+def test_trace_write_failing_at_close_still_removes_the_run_dir(tmp_path, monkeypatch):
+    """Hostile #13: a trace that cannot be written at close() (its directory removed mid-run)
+    is reported, and close() still closes the NVMe store and removes its run directory."""
+    trace_dir = tmp_path / "traces"
+    trace_dir.mkdir()
+    cfg = {**nvme_cfg(tmp_path), "profile": {"enabled": True, "trace_path": str(trace_dir / "t.json")}}
+    engine = zerotier.initialize(tiny(), cfg)
+    train(engine, 1)
+    run_dir = engine.store.run_dir
+    trace_dir.rmdir()
+    with pytest.raises(ZerotierError, match="cannot write the profiler trace"):
+        engine.close()
+    assert not run_dir.exists()

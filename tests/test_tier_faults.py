@@ -320,3 +320,27 @@ def test_close_with_unremovable_run_dir_warns_and_leaves_it_for_the_next_run(tmp
     with pytest.warns(RuntimeWarning, match="removed stale run directory"):
         report = scan_stale(tmp_path)
     assert run_dir in report["removed"] and not run_dir.exists()
+
+
+def test_ctrl_c_inside_a_completion_callback_is_raised_once(tmp_path, monkeypatch):
+    """Hostile #30: a KeyboardInterrupt landing in a write's completion bookkeeping reaches the
+    waiter once; close() then drains, closes and removes the run dir without raising it again."""
+    s = NVMeStore(*cfgs(tmp_path))
+    real = s.count_in
+    fired = []
+
+    def interrupted(nbytes):
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        real(nbytes)
+    monkeypatch.setattr(s, "count_in", interrupted)
+    t = s.write("k", torch.randn(1000))
+    with pytest.raises(KeyboardInterrupt):
+        t.wait()
+    with pytest.raises(Exception, match="interrupted by KeyboardInterrupt") as later:
+        t.wait()
+    assert not isinstance(later.value, KeyboardInterrupt)
+    run_dir = s.run_dir
+    s.close()  # no phantom KeyboardInterrupt
+    assert not run_dir.exists()

@@ -821,12 +821,14 @@ class Engine:
         self.grads.close()
         self.unit_optimizer.close()
         self.device_tier.close()  # copies still on its streams finish before their buffers go
-        if self.profiler is not None:
-            self.profiler.close()  # writes profile.trace_path, if set
-        if self.store is not None:
-            self.store.close()
-            self.store = None
-        self.host_pool.close()
+        try:
+            if self.profiler is not None:
+                self.profiler.close()  # writes profile.trace_path, if set
+        finally:  # a trace that cannot be written must not keep the run's NVMe files (#13)
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+            self.host_pool.close()
 
     def _restore_weights(self) -> None:
         """[Note: the user's model stays the truth]"""

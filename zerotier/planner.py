@@ -358,7 +358,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
                 chosen = loc
                 break
         if chosen is None:
-            message, options = _does_not_fit(kind, candidates, sizes, free, budgets)
+            message, options = _does_not_fit(kind, candidates, sizes, free, budgets, _nvme_off(tiers))
             message += _whole_shortfall(kind, candidates[0], need, offload, sizes, budgets)
             raise PlanDoesNotFit(message, kind, options, placement, sum(state_bytes.values()))
         placement[kind] = chosen
@@ -384,8 +384,23 @@ def _resolve_rates(rates: dict[str, float] | None) -> tuple[dict[str, float], di
     return merged, {k: (source if k in given else "default") for k in merged}
 
 
+def _nvme_off(tiers: TiersConfig) -> str:
+    """What to change when the nvme budget is 0 (hostile trial #9: never "set tiers.nvme_path"
+    when it is set)."""
+    if tiers.nvme_path is None:
+        return "set tiers.nvme_path"
+    if tiers.nvme != "auto":
+        return f"raise tiers.nvme (it is {format_size(int(tiers.nvme))})"
+    try:
+        free = format_size(shutil.disk_usage(tiers.nvme_path).free)
+    except OSError as exc:
+        free = f"no usable space ({exc.strerror})"
+    return (f"tiers.nvme = 'auto' found {free} free in tiers.nvme_path {tiers.nvme_path}: free space there "
+            f"or point tiers.nvme_path at a writable drive with room")
+
+
 def _does_not_fit(kind: str, candidates: list[Location], s: _Sizes, free: dict[str, int],
-                  budgets: dict[str, int]) -> tuple[str, list[dict]]:
+                  budgets: dict[str, int], nvme_off: str) -> tuple[str, list[dict]]:
     texts, options = [], []
     for loc in candidates:
         want = _bytes_for(kind, loc, s)
@@ -393,8 +408,7 @@ def _does_not_fit(kind: str, candidates: list[Location], s: _Sizes, free: dict[s
         options.append({"tier": loc.value, "more": short})
         if loc is Location.NVME and budgets["nvme"] == 0:
             others = "".join(f" and {format_size(b)} more {t}" for t, b in short.items() if t != "nvme")
-            texts.append(f"enable the nvme tier (set tiers.nvme_path; needs {format_size(want['nvme'])})"
-                         + others)
+            texts.append(f"enable the nvme tier ({nvme_off}; needs {format_size(want['nvme'])})" + others)
             continue
         texts.append(" and ".join(f"{format_size(b)} more {t} (tiers.{t} is {format_size(budgets[t])})"
                                   for t, b in short.items()) + f" to place it on {loc.value}")

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 
 from ..config import IOConfig
-from ..errors import TierIOError
+from ..errors import TierIOError, ZerotierError
 
 _EINVAL_HINT = (" (O_DIRECT needs the buffer address, file offset and length aligned to the "
                 "device's logical block size; use zerotier.io.aligned_empty and aligned offsets)")
@@ -258,8 +258,14 @@ class ChainTicket:
                 self._finished = True
                 self._finish = None  # type: ignore[assignment]  # drop buffers it captured
                 self._inner = _FINISHED  # type: ignore[assignment]
-        if self._error is not None:
-            raise self._error
+        error = self._error
+        if error is not None:
+            if not isinstance(error, Exception):
+                # A Ctrl-C (or SystemExit) that landed inside finish() is delivered once, to this
+                # waiter; later waits (close() draining, hostile trial #30) see an ordinary error.
+                self._error = ZerotierError(f"I/O completion interrupted by {type(error).__name__}: "
+                                            "this transfer's bookkeeping did not finish")
+            raise error
         return self._result
 
     def wait(self, timeout: float | None = None) -> int:

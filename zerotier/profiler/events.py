@@ -67,6 +67,9 @@ class Profiler:
 
     def __init__(self, cfg: ProfileConfig, residency: Residency | None = None,
                  peak_rates: Mapping[str, float] | None = None, device=None):
+        if cfg.trace_path is not None:
+            from .trace import check_trace_path
+            check_trace_path(cfg.trace_path)
         self.cfg = cfg
         self._cuda = _CudaClock(device) if device is not None and device.type == "cuda" else None
         self.device_type = device.type if device is not None else None  # names the links in the summary

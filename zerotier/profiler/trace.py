@@ -230,6 +230,25 @@ def bandwidth_series(transfers: list[dict], start_us: float, bin_us: float) -> d
 # Files
 
 
+def check_trace_path(path: str) -> None:
+    """ConfigError now, at initialize, if save_trace(…, path) could not write there at close:
+    the directory must exist and take a new file (tried: created and removed), and `path`
+    must not be a directory (hostile trial #13: a trace lost after a whole run)."""
+    from ..errors import ConfigError
+
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"profile.trace_path {path} is a directory; give a file name (.json or .json.gz)")
+    probe = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.probe")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"profile.trace_path {path}: cannot create files in {directory} "
+                          f"({exc.strerror or exc}); the trace would be lost at close(). Point "
+                          f"profile.trace_path at a writable directory") from None
+
+
 def save_trace(trace: dict, path: str) -> None:
     """Write atomically (temporary name, then rename); gzip when `path` ends in .gz (Perfetto reads both)."""
     data = json.dumps(trace, separators=(",", ":")).encode()
