@@ -1,0 +1,253 @@
+"""Pretrained weights streamed into the tiers: `zerotier.from_pretrained(dir, config)`.
+
+[Note: streamed pretrained loading]
+A Hugging Face model directory (`config.json` plus `model.safetensors`, or shards listed by
+`model.safetensors.index.json`) becomes an Engine without the model ever being whole in RAM:
+  1. the transformers model is built from config.json on the meta device (fp32; the
+     engine's precision.param_dtype, not the file's dtype, decides what compute sees);
+  2. every name the model has is matched to a tensor of the files before anything is
+     allocated, from the safetensors headers alone: a tensor the model needs and the files
+     lack, a tensor the files hold and the model lacks, or a shape that differs is a
+     ConfigError naming them, as transformers' strict load would refuse them;
+  3. `initialize` materializes the model unit by unit ([Note: meta-device models]) and our
+     init_fn copies each module's tensors out of the memory-mapped files (`safe_open`
+     reads only the tensors asked for), each converted to the parameter's dtype — so RAM
+     holds one unit's tensors at a time, on top of whatever the tiers hold.
+Names. Tied weights are one Parameter under several names (GPT-2's `lm_head.weight` is
+`transformer.wte.weight`); save_pretrained writes one of them, so a Parameter needs any one
+of its names in the files. A checkpoint of the base model (`h.0...`) loads into the task
+model (`transformer.h.0...`) and a task model's into its base model (its head is then not
+read), by the model's `base_model_prefix`, as transformers does; the model's own
+`_keys_to_ignore_on_load_unexpected` patterns and stale copies of computed buffers
+(`rotary_emb.inv_freq`, `position_ids`) in old files are not errors either.
+Non-persistent buffers (rotary `inv_freq`) are in no file: the model computes them, with
+its `_init_weights(module)` — what transformers' own loading does for them. They are
+filled with a sentinel first (NaN, or the integer minimum) and one still holding it after
+is a ConfigError: never uninitialized memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from .engine import Engine, initialize
+from .errors import ConfigError
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+# stale copies of buffers the model computes, found in older checkpoints (transformers skips them too)
+_COMPUTED_IN_OLD_FILES = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
+
+
+def _libraries():
+    try:
+        import transformers
+        from safetensors import SafetensorError, safe_open
+    except ImportError as exc:
+        raise ConfigError(f"zerotier.from_pretrained needs transformers and safetensors ({exc}): "
+                          "pip install 'zerotier[hf]'") from exc
+    return transformers, safe_open, SafetensorError
+
+
+def from_pretrained(path, config=None, *, model_cls=None, wrap=None) -> Engine:
+    """An Engine training the transformers model saved in the Hugging Face directory `path`,
+    its weights streamed from the safetensors files unit by unit into the tiers `config`
+    places them on ([Note: streamed pretrained loading]). model_cls: the class that builds the
+    model from config.json (AutoModelForCausalLM by default; AutoModel, LlamaForCausalLM ...).
+    wrap: as for zerotier.initialize. The model is `engine.module`."""
+    transformers, safe_open, safetensor_error = _libraries()
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path}: no config.json; a Hugging Face model directory holds config.json and "
+                          f"{_SINGLE} (or {_INDEX} and its shards), as save_pretrained writes it")
+    model = _build_on_meta(path, transformers, model_cls)
+    with _SafetensorsFiles(path, safe_open, safetensor_error) as files:
+        loader = _Loader(model, files)
+        return initialize(model, config, wrap=wrap, init_fn=loader.fill)
+
+
+def _build_on_meta(path: Path, transformers, model_cls) -> torch.nn.Module:
+    hf_config = transformers.AutoConfig.from_pretrained(path)
+    model_cls = model_cls if model_cls is not None else transformers.AutoModelForCausalLM
+    # Auto classes build through from_config; a model class through _from_config, which is what
+    # from_config calls (it also picks the attention implementation as from_pretrained does).
+    build = getattr(model_cls, "from_config", None) or getattr(model_cls, "_from_config", None)
+    if build is None:
+        raise ConfigError(f"model_cls={model_cls!r} is not a transformers model class (it has no from_config)")
+    try:
+        with torch.device("meta"):
+            return build(hf_config, dtype=torch.float32)
+    except ValueError as exc:  # an Auto class that has no model for this config's model_type
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{path}: {getattr(model_cls, '__name__', model_cls)} cannot build this "
+                          f"'{hf_config.model_type}' model ({first_line}); pass model_cls=, the class to build, "
+                          "e.g. transformers.AutoModel") from exc
+
+
+class _SafetensorsFiles:
+    """The directory's safetensors files, memory-mapped: a tensor's bytes are read when asked for."""
+
+    def __init__(self, path: Path, safe_open, safetensor_error):
+        if (path / _INDEX).is_file():
+            try:
+                weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
+                names = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ConfigError(f"{path / _INDEX}: not a safetensors index (a JSON object with a "
+                                  f"'weight_map' of tensor name -> shard file): {exc}") from exc
+            for name in names:
+                if not (path / name).is_file():
+                    raise ConfigError(f"{path / _INDEX} lists the shard '{name}', which is not in {path}")
+        elif (path / _SINGLE).is_file():
+            names = [_SINGLE]
+        else:
+            other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+            hint = (f"; {', '.join(other)} is not read (a pickle): load it with transformers once and "
+                    "save_pretrained(dir) writes safetensors") if other else ""
+            raise ConfigError(f"{path}: no {_SINGLE} or {_INDEX} next to config.json{hint}")
+        self._stack = contextlib.ExitStack()
+        self.where: dict[str, object] = {}  # tensor name -> the open file holding it
+        try:
+            for name in names:
+                try:
+                    handle = self._stack.enter_context(safe_open(path / name, framework="pt"))
+                except (safetensor_error, OSError) as exc:
+                    raise ConfigError(f"{path / name}: not a readable safetensors file ({exc})") from exc
+                for key in handle.keys():
+                    if key in self.where:
+                        raise ConfigError(f"{path}: tensor '{key}' is in more than one shard ({name} and another)")
+                    self.where[key] = handle
+        except BaseException:
+            self._stack.close()
+            raise
+        self.path = path
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.where[name].get_slice(name).get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.where[name].get_tensor(name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+
+class _Loader:
+    """Which file tensor fills each of the model's tensors (checked up front), and the init_fn
+    that fills a module's tensors when the materializer allocates them."""
+
+    def __init__(self, model: torch.nn.Module, files: _SafetensorsFiles):
+        self.model, self.files = model, files
+        self.prefix = {id(m): f"{n}." if n else "" for n, m in model.named_modules()}
+        self.non_persistent = {f"{n}.{b}" if n else b for n, m in model.named_modules()
+                               for b in m._non_persistent_buffers_set}
+        self.head: set[str] = set()  # a task model's head in the files, unread by its base model
+        file_key = self._naming(set(files.where))
+        tensors: dict[int, tuple[list[str], torch.Size]] = {}  # one entry per tensor, with all its names
+        for name, t in [*model.named_parameters(remove_duplicate=False),
+                        *model.named_buffers(remove_duplicate=False)]:
+            if name not in self.non_persistent:
+                tensors.setdefault(id(t), ([], t.shape))[0].append(name)
+        self.source: dict[str, str] = {}  # model name (every alias) -> file tensor name
+        self.filled: set[int] = set()     # ids of tensors filled already (tied, or placed with an earlier unit)
+        used, missing, problems = set(), [], []
+        for names, shape in tensors.values():
+            found = [file_key(n) for n in names if file_key(n) in files.where]
+            if not found:
+                missing.append(names[0])
+                continue
+            used.update(found)
+            self.source.update((n, found[0]) for n in names)
+            if (in_file := files.shape(found[0])) != list(shape):
+                problems.append(f"'{found[0]}' has shape {in_file} in the checkpoint but {list(shape)} in the model")
+        unexpected = [k for k in sorted(files.where) if k not in used and not self._ignorable(k)]
+        if unexpected:
+            problems.insert(0, f"the checkpoint's tensors {_listed(unexpected)} are not in the model")
+        if missing:
+            problems.insert(0, f"the model's tensors {_listed(missing)} are not in the checkpoint")
+        if problems:
+            raise ConfigError(f"{files.path}: does not fit the {type(model).__name__} built from its config.json: "
+                              + "; ".join(problems))
+
+    def _naming(self, file_names: set[str]):
+        """model name -> file name. By the model's base_model_prefix, a base model's checkpoint
+        loads into its task model and the reverse, as in transformers' loading."""
+        prefix = getattr(self.model, "base_model_prefix", "") or ""
+        model_names = [n for n, _ in self.model.named_parameters(remove_duplicate=False)]
+        under = f"{prefix}."
+        if not prefix or any(n in file_names for n in model_names):
+            return lambda n: n
+        if any(n.startswith(under) for n in model_names) and not any(k.startswith(under) for k in file_names):
+            return lambda n: n.removeprefix(under)  # base model's checkpoint -> task model
+        if any(k.startswith(under) for k in file_names):  # task model's checkpoint -> base model
+            self.head = {k for k in file_names if not k.startswith(under)}
+            return lambda n: under + n
+        return lambda n: n
+
+    def _ignorable(self, key: str) -> bool:
+        patterns = [*(getattr(self.model, "_keys_to_ignore_on_load_unexpected", None) or ()),
+                    *_COMPUTED_IN_OLD_FILES]
+        return key in self.head or key in self.non_persistent or any(re.search(p, key) for p in patterns)
+
+    def fill(self, module: torch.nn.Module) -> None:
+        """init_fn for the materializer: `module`'s tensors not filled yet, from the files (a
+        non-persistent buffer: computed by the model). [Note: streamed pretrained loading]"""
+        prefix = self.prefix[id(module)]
+        computed = [(n, b) for n, b in module._buffers.items()
+                    if b is not None and id(b) not in self.filled and n in module._non_persistent_buffers_set]
+        if computed:
+            self._compute(module, prefix, computed)
+        tensors = [*module._parameters.items(), *module._buffers.items()]
+        for n, t in tensors:
+            if t is not None and id(t) not in self.filled:
+                t.copy_(self.files.read(self.source[prefix + n]))
+                self.filled.add(id(t))
+
+    def _compute(self, module, prefix: str, computed: list[tuple[str, torch.Tensor]]) -> None:
+        init_weights = getattr(self.model, "_init_weights", None)
+        for _, b in computed:
+            b.fill_(_sentinel(b))
+        # [Note: streamed pretrained loading] transformers' init functions skip tensors flagged
+        # _is_hf_initialized: everything else of the module is left alone (or copied below).
+        others = [t for t in (*module._parameters.values(), *module._buffers.values())
+                  if t is not None and all(t is not b for _, b in computed) and not hasattr(t, "_is_hf_initialized")]
+        for t in others:
+            t._is_hf_initialized = True
+        try:
+            if init_weights is not None:
+                init_weights(module)
+        finally:
+            for t in others:
+                del t._is_hf_initialized
+        unset = [prefix + n for n, b in computed if _unset(b)]
+        if unset:
+            model = type(self.model).__name__
+            raise ConfigError(f"{', '.join(unset)}: non-persistent buffers that {model}._init_weights(module) "
+                              "does not set; they are in no checkpoint, so zerotier cannot fill them"
+                              + ("" if init_weights is not None else f" ({model} has no _init_weights)"))
+        self.filled.update(id(b) for _, b in computed)
+
+
+def _sentinel(t: torch.Tensor):
+    """What a computed buffer holds before the model computes it (bool: nothing to tell apart)."""
+    if t.is_floating_point() or t.is_complex():
+        return float("nan")
+    return torch.iinfo(t.dtype).min if t.dtype != torch.bool else False
+
+
+def _unset(t: torch.Tensor) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return bool(t.isnan().any())
+    return t.dtype != torch.bool and bool((t == _sentinel(t)).any())
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
