@@ -25,8 +25,10 @@ import json
 import math
 import os
 import re
+import reprlib
 import types
 from dataclasses import dataclass, field
+from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Mapping, Union, get_args, get_origin, get_type_hints
@@ -115,6 +117,8 @@ class TrainConfig(_Section):
     max_grad_norm: float | None = None     # global grad-norm clipping; None disables
     device: str = "auto"                   # auto | cpu | cuda | cuda:N (see zerotier/device.py)
     wrap: Literal["auto"] | tuple[str, ...] = "auto"  # unit boundaries: auto | module class names (state.py)
+    handle_signals: bool = True            # SIGTERM/SIGINT stop at a step boundary ([Note: graceful stop])
+    checkpoint_on_signal: str | None = None  # directory for the checkpoint written on such a stop
 
 
 @dataclass(frozen=True)
@@ -274,16 +278,16 @@ def _read_toml(path: Path) -> Any:
     with open(path, "rb") as f:
         try:
             return tomllib.load(f)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # TOMLDecodeError is a ValueError
+            raise _not_valid(path, "TOML", exc) from None
 
 
 def _read_json(path: Path) -> Any:
     with open(path, "rb") as f:
         try:
             return json.load(f)
-        except ValueError as exc:
-            raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:
+            raise _not_valid(path, "JSON", exc) from None
 
 
 def _read_yaml(path: Path) -> Any:
@@ -296,8 +300,20 @@ def _read_yaml(path: Path) -> Any:
     with open(path, "rb") as f:
         try:
             return yaml.safe_load(f)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: a bad date, a 5000-digit int
+            raise _not_valid(path, "YAML", exc) from None
+
+
+def _not_valid(path: Path, kind: str, exc: Exception) -> ConfigError:
+    """Any parser error (bad syntax, not UTF-8, nested too deeply, a value the parser's own
+    constructor refuses) as a ConfigError naming the file: a bad file is never a traceback."""
+    if isinstance(exc, UnicodeDecodeError):
+        why = f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); save it as UTF-8"
+    elif isinstance(exc, RecursionError):
+        why = "nested too deeply"
+    else:
+        why = str(exc)
+    return ConfigError(f"{path}: not valid {kind}: {why}")
 
 
 _FILE_READERS: dict[str, Callable[[Path], Any]] = {
@@ -317,6 +333,7 @@ for _power, _letter in enumerate("kmgtp", start=1):
     _SIZE_UNITS[_letter] = _SIZE_UNITS[_letter + "ib"] = 1024**_power
     _SIZE_UNITS[_letter + "b"] = 1000**_power
 _SIZE_RE = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)", re.IGNORECASE)
+_SIZE_LIMIT = 1 << 63  # sizes are int64 in the native code (8 EiB)
 
 
 def parse_size(value: Any, path: str = "size", *, allow_auto: bool = False) -> int | Literal["auto"]:
@@ -325,7 +342,7 @@ def parse_size(value: Any, path: str = "size", *, allow_auto: bool = False) -> i
     "auto" is returned unchanged when `allow_auto`. Raises ConfigError naming `path` otherwise.
     """
     expected = "expected an int or a string like '24GiB' / '1.5TB'" + (" / 'auto'" if allow_auto else "")
-    invalid = f"{path}: invalid size {value!r}: {expected}"
+    invalid = f"{path}: invalid size {_shown(value)}: {expected}"
     if isinstance(value, bool):
         raise ConfigError(invalid)
     if isinstance(value, str):
@@ -342,6 +359,11 @@ def parse_size(value: Any, path: str = "size", *, allow_auto: bool = False) -> i
             raise ConfigError(
                 f"{invalid}; units: B, K/KiB, M/MiB, G/GiB, T/TiB, P/PiB (binary), KB, MB, GB, TB, PB (decimal)"
             )
+        magnitude = Decimal(number).adjusted() if Decimal(number) else 0  # "1e999999999": no 10**999999999
+        if magnitude > 40:
+            raise ConfigError(f"{path}: size {_shown(value)} is out of range (0 to 8 EiB)")
+        if magnitude < -40:
+            raise ConfigError(f"{path}: size {_shown(value)} is not a whole number of bytes")
         exact = Fraction(number) * _SIZE_UNITS[unit.lower()]
     elif isinstance(value, int):
         exact = Fraction(value)
@@ -350,10 +372,24 @@ def parse_size(value: Any, path: str = "size", *, allow_auto: bool = False) -> i
     else:
         raise ConfigError(invalid)
     if exact < 0:
-        raise ConfigError(f"{path}: size must be >= 0, got {value!r}")
+        raise ConfigError(f"{path}: size must be >= 0, got {_shown(value)}")
+    if exact >= _SIZE_LIMIT:
+        raise ConfigError(f"{path}: size {_shown(value)} is out of range (0 to 8 EiB)")
     if exact.denominator != 1:
-        raise ConfigError(f"{path}: size {value!r} is not a whole number of bytes ({float(exact)} B)")
+        raise ConfigError(f"{path}: size {_shown(value)} is not a whole number of bytes ({float(exact)} B)")
     return int(exact)
+
+
+def _shown(value: Any) -> str:
+    """repr(value) for messages, bounded: a YAML alias bomb or a 5000-digit int (whose repr
+    raises) is shown in brief, never expanded."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"<an int of {value.bit_length()} bits>"
+    return _REPR.repr(value)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 200, 200, 40
 
 
 def format_duration(seconds: float) -> str:
@@ -417,7 +453,7 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
         if any(type(value) is type(choice) and value == choice for choice in args):
             return value
         choices = ", ".join(repr(choice) for choice in args)
-        raise ConfigError(f"{path}: must be one of {choices}, got {value!r}")
+        raise ConfigError(f"{path}: must be one of {choices}, got {_shown(value)}")
     elif origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
         if isinstance(value, (list, tuple)):
             return tuple(_convert(item, args[0], f"{path}[{i}]") for i, item in enumerate(value))
@@ -437,20 +473,23 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
         number = _as_float(value)
         if number is not None:
             if not math.isfinite(number):
-                raise ConfigError(f"{path}: must be a finite number, got {value!r}")
+                raise ConfigError(f"{path}: must be a finite number, got {_shown(value)}")
             return number
     elif hint is str:
         if isinstance(value, str):
             return value
     else:  # pragma: no cover - a schema annotation this function does not know
         raise TypeError(f"{path}: unsupported config annotation {hint!r}")
-    raise ConfigError(f"{path}: expected {_describe(hint)}, got {value!r}")
+    raise ConfigError(f"{path}: expected {_describe(hint)}, got {_shown(value)}")
 
 
 def _as_float(value: Any) -> float | None:
     """Numbers, and numeric strings: PyYAML reads `lr: 1e-3` (no decimal point) as the string '1e-3'."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int past 1.8e308: not finite either
+            return math.inf
     if isinstance(value, str):
         try:
             return float(value)
@@ -527,6 +566,7 @@ _FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "io.threads": (_at_least_one, "must be >= 1"),
     "io.alignment": (_power_of_two_from_512, "must be a power of two >= 512"),
     "profile.trace_path": (_not_blank, "must be a file path, or left out"),
+    "train.checkpoint_on_signal": (_not_blank, "must be a checkpoint directory, or left out"),
     "profile.sample_interval_ms": (_positive, "must be > 0"),
 }
 
@@ -534,7 +574,7 @@ _FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 def _check_field_rule(path: str, value: Any) -> None:
     rule = _FIELD_RULES.get(path)
     if rule is not None and not rule[0](value):
-        raise ConfigError(f"{path}: {rule[1]}, got {value!r}")
+        raise ConfigError(f"{path}: {rule[1]}, got {_shown(value)}")
 
 
 def _check_nvme_budget_has_path(tiers: TiersConfig) -> None:

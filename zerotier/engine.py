@@ -81,6 +81,7 @@ import functools
 import math
 import re
 import secrets
+import sys
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -101,6 +102,7 @@ from .profiler import Profiler
 from .scaler import LossScaler
 from .schedule import PrefetchScheduler
 from .state import DTYPES, Location, ParamState, build_units, nested_numel
+from . import stop
 from .tiers.device import DeviceTier
 from .tiers.host import HostPool
 
@@ -262,6 +264,9 @@ class Engine:
             self.params.prefetch, self.params.inflight_bytes)
         self._hooks = []
         self._register_hooks([u for u in self.units if self.params.streamed[u.index]])
+        self._stop_code = 0  # [Note: graceful stop] in stop.py
+        if cfg.train.handle_signals:
+            stop.register(self)
         model._zerotier_engine = owner = weakref.ref(self)  # the model does not keep the engine alive
 
         def trained_state_dict(module, state_dict, prefix, local_metadata):
@@ -372,6 +377,9 @@ class Engine:
                 self._end_plain_backward()
                 self._partial = "a loss.backward() failed half-way through its gradients"
             if is_root and torch.is_grad_enabled() and module.training and not self._in_backward:
+                if self._stop_code and not self.sharding.active and not self._backward_since_step \
+                        and self.micro_steps % self.cfg.train.grad_accum_steps == 0:
+                    self._stop()  # a new window would begin: stop before it ([Note: graceful stop])
                 self.scheduler.begin_pass()
             amp = _autocast_dtype(self.device.type) if units else None
             if amp not in (None, self.lp_dtype):
@@ -479,6 +487,7 @@ class Engine:
             self._failed("optimizer.step()", exc)
             raise
         self.zero_grad()
+        self._maybe_stop()
 
     def _start_early_step(self, unit) -> None:
         """[Note: early step] update `unit` on the optimizer thread while backward goes on."""
@@ -583,7 +592,44 @@ class Engine:
             raise
         self.micro_steps += 1
         self.zero_grad()
+        self._maybe_stop()
         return updated
+
+    # ------------------------------------------------------------ graceful stop ([Note: graceful stop])
+
+    @property
+    def closed(self) -> bool:
+        return not self._hooks
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_code != 0
+
+    def request_stop(self, code: int = stop.REQUEST) -> None:
+        """Stop at the next step boundary: write a checkpoint to train.checkpoint_on_signal (if set),
+        close, and raise zerotier.TrainingStopped. With several ranks, every rank stops after the
+        same step. SIGTERM and SIGINT call this (train.handle_signals)."""
+        self._stop_code = max(self._stop_code, code)
+        self.sharding.stop_code = self._stop_code
+
+    def _maybe_stop(self) -> None:
+        """End of a step: stop if this rank (one rank) or any rank (several: agreed in this
+        window's Sharding.agree) asked to."""
+        if self.sharding.agreed_stop if self.sharding.active else self._stop_code:
+            self._stop()
+
+    def _stop(self) -> None:
+        code = self.sharding.agreed_stop if self.sharding.active else self._stop_code
+        why = stop.describe(code) if code == self._stop_code else f"{stop.describe(code)} on another rank"
+        root = self.cfg.train.checkpoint_on_signal
+        saved = self.save_checkpoint(root) if root is not None else None
+        self.close(restore_weights=saved is None)  # the checkpoint holds the weights: exit fast
+        message = (f"zerotier: training stopped after step {self.global_steps} ({why}); "
+                   + (f"checkpoint {saved}: resume with engine.load_checkpoint({str(root)!r})" if saved is not None
+                      else "no checkpoint written (set train.checkpoint_on_signal to write one)"))
+        if self.rank == 0:
+            print(message, file=sys.stderr, flush=True)
+        raise stop.TrainingStopped(message, stop.exit_status(code), saved)
 
 
     def grad_norm(self) -> float:
@@ -794,6 +840,7 @@ class Engine:
         models too large for the memory they came from (the checkpoint holds the weights)."""
         if not self._hooks:
             return
+        stop.unregister(self)
         self._quiesce()
         # Gradients and optimizer staging are not needed any more: their memory goes first, so
         # putting the weights back does not stack on top of it (a model near RAM's size).

@@ -45,6 +45,8 @@ class Sharding:
         self._keep: list[torch.Tensor] = []  # lp shards that must live until their gather completes
         self._threshold = {0: 2 ** 63, 3: zero_cfg.persistence_threshold}.get(self.stage, 0)
         self._gather_fp = 0  # fingerprint of the ZeRO-3 gathers since the last agree()
+        self.stop_code = 0    # this rank's stop request, sent with agree() ([Note: graceful stop])
+        self.agreed_stop = 0  # the largest stop request of any rank at the last agree()
 
     # ------------------------------------------------------------ layout
 
@@ -101,19 +103,22 @@ class Sharding:
         """End of a window, with several ranks: which units got a gradient on any rank (one
         all-reduce(MAX) of flags; see [Note: the same collectives on every rank] in grads.py).
         The same collective checks that every rank gathered the same ZeRO-3 units since the
-        last call: mismatched gathers mix different units' shards, so training must stop."""
+        last call: mismatched gathers mix different units' shards, so training must stop. It also
+        carries the ranks' stop requests: one rank's SIGTERM stops all ([Note: graceful stop])."""
         fp = self._gather_fp
-        t = torch.tensor([fp, -fp] + [int(u) for u in used], dtype=torch.int64, device=self.comm.flags_device())
+        t = torch.tensor([fp, -fp, self.stop_code] + [int(u) for u in used], dtype=torch.int64,
+                         device=self.comm.flags_device())
         self.comm.all_reduce(t, MAX).wait()
         values = t.tolist()
         self._gather_fp = 0
+        self.agreed_stop = values[2]
         if values[0] != fp or values[1] != -fp:
             raise CollectiveError(
                 f"rank {self.rank}: the ranks gathered different ZeRO-3 parameter units since the last step "
                 "(data-dependent module routing, e.g. MoE experts chosen per rank?). At zero.stage = 3 every "
                 "rank must run the same modules in the same order; use zero.stage <= 2 (units unused on a "
                 "rank are then reduced as zeros) or run every expert on every rank")
-        return [bool(v) for v in values[2:]]
+        return [bool(v) for v in values[3:]]
 
     def local_sumsq_share(self, unit: Unit) -> bool:
         """Replicated units hold identical gradients on every rank: count them on rank 0 only."""
