@@ -2,11 +2,17 @@
 
     python benchmarks/soak.py --steps 500            # ~45 s on 2 CPU cores
     python benchmarks/soak.py --steps 500 --json     # machine-readable result
+    python benchmarks/soak.py --steps 1000 --all     # everything on (issue 16): see below
 
 Trains zerotier.models.TinyGPT (dim 128, 4 layers, seq 64, batch 8: ~0.9M
 parameters, one step ~50-100 ms on two CPU cores) with the optimizer state on
 the NVMe tier and the parameters on the host tier, and every `--every` steps
-samples:
+samples the metrics below. `--all` turns everything on at once: parameters on NVMe
+too, gradient accumulation (2 micro-batches), clipping, the profiler (its record
+buffers capped by profile.max_events, so they fill during the warm-up and the soak
+sees leaks, not the trace window), and a checkpoint every 100 steps keeping the last
+2, then a final resume from the last checkpoint that must be bitwise equal to
+continuing (5 more steps both ways). Metrics:
 
     rss_bytes        process resident set size (psutil)
     heap_in_use      bytes glibc malloc has handed out (mallinfo2: uordblks + hblkhd)
@@ -16,6 +22,7 @@ samples:
     device_used      DeviceTier.used   (bytes the engine holds on the compute device)
     host_used        host tier `used`  (bytes reserved on the host tier)
     nvme_used        NVMeStore.used    (logical bytes of the NVMe shards)
+    ckpt_dir_bytes   bytes under the checkpoint root (with --checkpoint-every)
 
 After a warm-up (the first 10% of the steps, and at least 20: first-touch of
 buffers, the prefetch trace, NVMe file recycling and allocator arenas settle
@@ -24,6 +31,7 @@ judges the slope:
 
     rss_bytes, heap_in_use   < 4 KiB/step
     swap_dir_bytes, nvme_used  never above the plan's NVMe need (engine.plan.need["nvme"])
+    ckpt_dir_bytes   never above keep x (the first checkpoint's size + 1%): retention works
     everything else          == 0 exactly (every sample after the warm-up is equal)
 
 Why the NVMe metrics are bounded, not flat: a rewrite of a shard goes to a second file
@@ -93,7 +101,7 @@ RSS_SLOPE_LIMIT = 4 * KiB          # bytes per step; see the module docstring
 SLOPE_METRICS = ("rss_bytes", "heap_in_use")   # judged against RSS_SLOPE_LIMIT
 BOUNDED_METRICS = ("swap_dir_bytes", "nvme_used")  # judged against the plan's NVMe need
 EXACT_METRICS = ("open_fds", "device_used", "host_used")
-METRICS = SLOPE_METRICS + BOUNDED_METRICS + EXACT_METRICS + ("swap_dir_files",)  # files: reported
+METRICS = SLOPE_METRICS + BOUNDED_METRICS + EXACT_METRICS + ("swap_dir_files", "ckpt_dir_bytes")
 MMAP_THRESHOLD = 64 * KiB          # see [pinning malloc] in the module docstring
 
 
@@ -148,6 +156,7 @@ def swap_dir_usage(path) -> tuple[int, int]:
 
 
 def sample(engine, proc: psutil.Process) -> dict[str, int]:
+    engine.synchronize()  # write-backs still in flight hold a file descriptor each: not a leak
     gc.collect()
     swap_bytes, swap_files = swap_dir_usage(engine.store.run_dir)
     return {
@@ -173,7 +182,7 @@ def slope(xs: list[float], ys: list[float]) -> float:
 
 
 def judge(samples: list[dict], warmup_steps: int, rss_limit: float = RSS_SLOPE_LIMIT,
-          nvme_bound: int | None = None) -> dict:
+          nvme_bound: int | None = None, ckpt_bound: int | None = None) -> dict:
     """Slopes per metric over the samples after `warmup_steps`, and the verdict for each."""
     kept = [s for s in samples if s["step"] >= warmup_steps]
     steps = [s["step"] for s in kept]
@@ -185,9 +194,11 @@ def judge(samples: list[dict], warmup_steps: int, rss_limit: float = RSS_SLOPE_L
             ok, limit = fitted < rss_limit, f"< {rss_limit:.0f} B/step"
         elif name in BOUNDED_METRICS and nvme_bound is not None:
             ok, limit = max(values, default=0) <= nvme_bound, f"<= {nvme_bound:,} B"
+        elif name == "ckpt_dir_bytes" and ckpt_bound is not None:
+            ok, limit = max(values, default=0) <= ckpt_bound, f"<= {ckpt_bound:,} B"
         elif name in EXACT_METRICS:
             ok, limit = len(set(values)) <= 1, "flat (== 0)"
-        else:  # swap_dir_files, or an NVMe metric without a plan to bound it
+        else:  # swap_dir_files, or a bounded metric without its bound
             ok, limit = True, "(reported)"
         result[name] = {"slope_per_step": fitted, "first": values[0] if values else None,
                         "last": values[-1] if values else None, "limit": limit, "pass": bool(ok)}
@@ -197,8 +208,12 @@ def judge(samples: list[dict], warmup_steps: int, rss_limit: float = RSS_SLOPE_L
 def run_soak(steps: int = 500, every: int | None = None, warmup: int | None = None,
              nvme_path: str | None = None, model: dict | None = None, batch: int = BATCH,
              on_step: Callable[[int, "zerotier.engine.Engine"], None] | None = None,
-             rss_limit: float = RSS_SLOPE_LIMIT, seed: int = 0) -> dict:
-    """Train `steps` steps, sampling every `every` steps; returns samples, slopes and the verdict."""
+             rss_limit: float = RSS_SLOPE_LIMIT, seed: int = 0, *, params: str = "host", accum: int = 1,
+             clip: float | None = None, profile: bool = False, checkpoint_every: int = 0,
+             keep: int = 2) -> dict:
+    """Train `steps` optimizer steps, sampling every `every` steps; returns samples, slopes and the
+    verdict. With checkpoint_every, a checkpoint every that many steps (keeping `keep`), and at the
+    end a resume from the last one compared bitwise with continuing (5 more steps)."""
     every = every or max(1, steps // 100)
     warmup = max(20, steps // 10) if warmup is None else warmup
     model_kw = dict(MODEL, **(model or {}))
@@ -206,43 +221,83 @@ def run_soak(steps: int = 500, every: int | None = None, warmup: int | None = No
     torch.manual_seed(seed)
     net = TinyGPT(**model_kw)
     n_params = sum(p.numel() for p in set(net.parameters()))
+    extra = 5 if checkpoint_every else 0
+    data = list(batches(model_kw["vocab"], model_kw["seq"], batch, (steps + extra) * accum, seed=seed))
+    windows = [data[i * accum:(i + 1) * accum] for i in range(steps + extra)]
+
+    def train(engine, window):
+        for x, y in window:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        return loss
+
     with tempfile.TemporaryDirectory(prefix="zt-soak-", dir=nvme_path) as tmp:
-        cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "nvme"},
-               "tiers": {"nvme_path": tmp}, "optimizer": {"lr": 1e-3}}
+        swap, ckpt = os.path.join(tmp, "swap"), os.path.join(tmp, "ckpt")
+        os.mkdir(swap)
+        cfg = {"offload": {"params": params, "gradients": "host", "optimizer": "nvme"},
+               "tiers": {"nvme_path": swap}, "optimizer": {"lr": 1e-3},
+               "train": {"grad_accum_steps": accum, "max_grad_norm": clip},
+               "profile": {"enabled": profile, "max_events": 2000}}
         proc = psutil.Process()
         samples, times = [], []
+        ckpt_bound = resumed_equal = None
         with zerotier.initialize(net, cfg) as engine:
-            data = batches(model_kw["vocab"], model_kw["seq"], batch, steps, seed=seed)
-            for step, (x, y) in enumerate(data, start=1):
+            for step in range(1, steps + 1):
                 t0 = time.perf_counter()
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
+                loss = train(engine, windows[step - 1])
                 times.append(time.perf_counter() - t0)
+                if checkpoint_every and step % checkpoint_every == 0:
+                    engine.save_checkpoint(ckpt, keep=keep)
+                    if ckpt_bound is None:
+                        ckpt_bound = int(keep * swap_dir_usage(ckpt)[0] * 1.01)
                 if on_step is not None:
                     on_step(step, engine)
                 if step % every == 0 or step == steps:
-                    samples.append({"step": step, "loss": float(loss.detach()), **sample(engine, proc)})
+                    row = {"step": step, "loss": float(loss.detach()), **sample(engine, proc),
+                           "ckpt_dir_bytes": swap_dir_usage(ckpt)[0] if checkpoint_every else 0}
+                    samples.append(row)
             placement = {k: v.value for k, v in engine.plan.placement.items()}
             nvme_bound = engine.plan.need["nvme"]
-    verdict = judge(samples, warmup, rss_limit, nvme_bound)
+            if checkpoint_every:
+                for window in windows[steps:]:
+                    train(engine, window)
+                continued = engine.parameters_fp32()
+        if checkpoint_every:
+            torch.manual_seed(seed)
+            with zerotier.initialize(TinyGPT(**model_kw), cfg) as engine:
+                engine.load_checkpoint(ckpt)
+                last = engine.global_steps
+                for window in windows[last:]:
+                    train(engine, window)
+                resumed = engine.parameters_fp32()
+            resumed_equal = all(torch.equal(resumed[k], continued[k]) for k in continued)
+    verdict = judge(samples, warmup, rss_limit, nvme_bound, ckpt_bound)
     times.sort()
+    ok = all(m["pass"] for m in verdict.values()) and resumed_equal is not False
     return {
         "steps": steps, "every": every, "warmup_steps": warmup, "model": model_kw, "batch": batch,
-        "params": n_params, "placement": placement, "malloc_pinned": pinned,
+        "params": n_params, "placement": placement, "malloc_pinned": pinned, "accum": accum, "clip": clip,
+        "profile": profile, "checkpoint_every": checkpoint_every, "keep": keep,
+        "resume_bitwise": resumed_equal,
         "step_ms_median": 1e3 * times[len(times) // 2] if times else None,
-        "metrics": verdict, "pass": all(m["pass"] for m in verdict.values()), "samples": samples,
+        "metrics": verdict, "pass": ok, "samples": samples,
     }
 
 
 def format_report(result: dict) -> str:
     lines = [f"soak: {result['steps']} steps of TinyGPT ({result['params']:,} params, placement "
-             f"{result['placement']}), median step {result['step_ms_median']:.1f} ms, sampled every "
+             f"{result['placement']}, accumulation {result['accum']}, clip {result['clip']}, profiler "
+             f"{'on' if result['profile'] else 'off'}, checkpoint every {result['checkpoint_every'] or '-'} "
+             f"keeping {result['keep']}), median step {result['step_ms_median']:.1f} ms, sampled every "
              f"{result['every']} steps, warm-up {result['warmup_steps']} steps",
              f"  {'metric':15s} {'slope/step':>14s} {'first':>14s} {'last':>14s}  limit            verdict"]
     for name, m in result["metrics"].items():
         lines.append(f"  {name:15s} {m['slope_per_step']:14.2f} {m['first']:14,d} {m['last']:14,d}  "
                      f"{m['limit']:16s} {'PASS' if m['pass'] else 'FAIL'}")
+    if result["resume_bitwise"] is not None:
+        lines.append(f"  resume from the last checkpoint, 5 more steps: "
+                     f"{'bitwise equal to continuing' if result['resume_bitwise'] else 'DIFFERS from continuing'}")
     lines.append(f"verdict: {'PASS' if result['pass'] else 'FAIL'}")
     return "\n".join(lines)
 
@@ -254,8 +309,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the fit (default 10%%)")
     ap.add_argument("--nvme-path", default=None, help="parent directory of the swap dir (default: $TMPDIR)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--all", action="store_true", help="everything on: params on NVMe, accumulation 2, clipping, "
+                                                       "profiler, a checkpoint every 100 steps keeping 2, final resume")
     args = ap.parse_args(argv)
-    result = run_soak(args.steps, args.every, args.warmup, args.nvme_path)
+    opts = dict(params="nvme", accum=2, clip=1.0, profile=True, checkpoint_every=100, keep=2) if args.all else {}
+    result = run_soak(args.steps, args.every, args.warmup, args.nvme_path, **opts)
     print(json.dumps(result, indent=1) if args.json else format_report(result))
     return 0 if result["pass"] else 1
 

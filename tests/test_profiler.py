@@ -457,3 +457,15 @@ def test_compute_bound_verdict_does_not_claim_hidden_transfers_it_did_not_hide()
     summary = prof.report()
     assert summary.verdict == "compute-bound" and summary.overlap_pct == pytest.approx(0.0)
     assert "hidden" not in summary.verdict_line and "only 0% of transfer time" in summary.verdict_line
+
+
+def test_long_runs_keep_the_newest_max_events_records():
+    """profile.max_events bounds memory: the newest records are kept, and the trace says so."""
+    prof = make_profiler(max_events=1000)
+    for i in range(1500):
+        with prof.transfer(f"u{i}.param", "param", "nvme", "host", 4096, "prefetch"):
+            pass
+    with pytest.warns(RuntimeWarning, match=r"newest 1,000 records of transfers \(profile\.max_events\)"):
+        snap = prof.snapshot()
+    assert len(snap["transfers"]) == 1000 and snap["transfers"][0][0] == "u500.param"
+    prof.close()

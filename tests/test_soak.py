@@ -26,18 +26,21 @@ def _leak(step, engine):
     _KEPT.append(torch.full((2048,), float(step)))
 
 
-def _child(nvme_path: str, leak: bool):
+EVERYTHING = dict(params="nvme", accum=2, clip=1.0, profile=True, checkpoint_every=20, keep=2)
+
+
+def _child(nvme_path: str, leak: bool, everything: bool = False):
     result = soak.run_soak(STEPS, every=2, warmup=WARMUP, nvme_path=nvme_path, model=SMALL, batch=4,
-                           on_step=_leak if leak else None)
+                           on_step=_leak if leak else None, **(EVERYTHING if everything else {}))
     return result, len(_KEPT)
 
 
-def _run(tmp_path, leak=False):
+def _run(tmp_path, leak=False, everything=False):
     """The soak in a fresh process: pin_malloc() changes malloc settings for the whole
     process, and the RSS/heap slopes should be this run's alone."""
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        return pool.submit(_child, str(tmp_path), leak).result(timeout=300)
+        return pool.submit(_child, str(tmp_path), leak, everything).result(timeout=600)
 
 
 @pytest.mark.slow
@@ -57,6 +60,25 @@ def test_soak_short_is_flat(tmp_path):
     assert m["heap_in_use"]["slope_per_step"] < soak.RSS_SLOPE_LIMIT, report
     assert m["rss_bytes"]["slope_per_step"] < 16 * soak.RSS_SLOPE_LIMIT, report
     assert not list(Path(tmp_path).iterdir()), "the run directory was not removed at close"
+
+
+@pytest.mark.slow
+def test_soak_with_everything_on_is_flat_and_resumes_bitwise(tmp_path):
+    """Issue 16 item 5, the CI size: params and optimizer on NVMe, accumulation, clipping, the
+    profiler, a checkpoint every 20 steps keeping 2; the final resume equals continuing."""
+    result, _ = _run(tmp_path, everything=True)
+    report = soak.format_report(result)
+    m = result["metrics"]
+    assert result["placement"]["params"] == result["placement"]["optimizer"] == "nvme", report
+    for name in soak.EXACT_METRICS:
+        assert m[name]["pass"], report
+    for name in (*soak.BOUNDED_METRICS, "ckpt_dir_bytes"):
+        assert m[name]["pass"], report
+    assert m["ckpt_dir_bytes"]["last"] > 0, report
+    assert result["resume_bitwise"] is True, report
+    assert m["heap_in_use"]["slope_per_step"] < soak.RSS_SLOPE_LIMIT, report
+    assert m["rss_bytes"]["slope_per_step"] < 16 * soak.RSS_SLOPE_LIMIT, report
+    assert not list(Path(tmp_path).iterdir()), "the soak's directories were not removed"
 
 
 @pytest.mark.slow
@@ -86,6 +108,8 @@ def test_judge_flags_fd_and_swap_growth():
     assert not verdict["open_fds"]["pass"] and verdict["swap_dir_bytes"]["pass"]  # up to the bound: timing
     samples[-1] = dict(samples[-1], swap_dir_bytes=4097)
     assert not soak.judge(samples, 10, nvme_bound=4096)["swap_dir_bytes"]["pass"]  # past it: a leak
+    samples[-1] = dict(samples[-1], swap_dir_bytes=100, ckpt_dir_bytes=5000)
+    assert not soak.judge(samples, 10, ckpt_bound=4096)["ckpt_dir_bytes"]["pass"]  # a checkpoint too many
     samples = [dict(base, step=s) for s in range(0, 50, 5)]
     samples[0] = dict(samples[0], open_fds=7)  # in the warm-up: ignored
     assert soak.judge(samples, 10)["open_fds"]["pass"]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
 
@@ -78,11 +79,12 @@ class Profiler:
         self._residency = residency
         self._peak_rates = dict(peak_rates) if peak_rates is not None else None
         # (name, role, src, dst, nbytes, reason, stream, start_ns, end_ns, stall_ns)
-        self._transfers: list[tuple] = []
-        self._computes: list[tuple] = []     # (label, kind, thread, start_ns, end_ns, numel)
-        self._waits: list[tuple] = []        # (name, thread, start_ns, end_ns)
-        self._prefetch: list[tuple] = []     # (outcome, name): issued / hit / miss / wasted
-        self._samples: list[tuple] = []      # (t_ns, {tier: (current_bytes, budget_bytes)})
+        # Each kind keeps its newest cfg.max_events records: memory stays bounded on long runs.
+        self._transfers: deque[tuple] = deque(maxlen=cfg.max_events)
+        self._computes: deque[tuple] = deque(maxlen=cfg.max_events)  # (label, kind, thread, start_ns, end_ns, numel)
+        self._waits: deque[tuple] = deque(maxlen=cfg.max_events)     # (name, thread, start_ns, end_ns)
+        self._prefetch: deque[tuple] = deque(maxlen=cfg.max_events)  # (outcome, name): issued / hit / miss / wasted
+        self._samples: deque[tuple] = deque(maxlen=cfg.max_events)   # (t_ns, {tier: (current_bytes, budget_bytes)})
         self._sampler_error: str | None = None
         self._rf = _torch_labels() if cfg.record_function else None
         self._closed = False
@@ -261,6 +263,13 @@ class Profiler:
         records are resolved first (waiting for their events)."""
         if self._cuda is not None:
             self._resolve_cuda()
+        full = [name for name, records in (("transfers", self._transfers), ("computes", self._computes),
+                                           ("waits", self._waits), ("samples", self._samples))
+                if len(records) == records.maxlen]
+        if full:
+            warnings.warn(f"profiler: the trace holds only the newest {self.cfg.max_events:,} records of "
+                          f"{', '.join(full)} (profile.max_events); earlier ones were dropped", RuntimeWarning,
+                          stacklevel=3)
         return {"transfers": list(self._transfers), "computes": list(self._computes), "waits": list(self._waits),
                 "prefetch": list(self._prefetch), "samples": list(self._samples),
                 "sampler_error": self._sampler_error}
