@@ -145,6 +145,7 @@ class ProfileConfig(_Section):
     trace_path: str | None = None          # Chrome/Perfetto trace JSON written here
     sample_interval_ms: float = 10.0       # residency sampling period
     record_function: bool = True           # emit torch.profiler record_function labels
+    max_events: int = 200_000              # newest records kept per kind (bounded memory on long runs)
 
 
 @dataclass(frozen=True)
@@ -568,6 +569,7 @@ _FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "profile.trace_path": (_not_blank, "must be a file path, or left out"),
     "train.checkpoint_on_signal": (_not_blank, "must be a checkpoint directory, or left out"),
     "profile.sample_interval_ms": (_positive, "must be > 0"),
+    "profile.max_events": (lambda v: v >= 1000, "must be >= 1000"),
 }
 
 
