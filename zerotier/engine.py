@@ -93,7 +93,7 @@ from .device import choose as choose_device, enter as enter_device
 from .dist import init_distributed
 from .dist.sharding import Sharding
 from .errors import ConfigError, ZerotierError
-from .grads import GradStore
+from .grads import make_grad_store
 from .materialize import Materializer, is_meta
 from .optim.offload import UnitOptimizer
 from .params import ParamStore
@@ -235,9 +235,9 @@ class Engine:
         self.params = ParamStore(self.units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
-        self.grads = GradStore(self.units, placement["gradients"], DTYPES[cfg.precision.grad_dtype],
-                               self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,
-                               self.profiler)
+        self.grads = make_grad_store(self.units, placement["gradients"], DTYPES[cfg.precision.grad_dtype],
+                                     self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,
+                                     self.store, self.profiler)
         # The "optimizer stream": one thread running early Adam updates during backward.
         self._optim_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-optim",
                                                 initializer=enter_device, initargs=(self.device,))
@@ -292,6 +292,7 @@ class Engine:
             self.unit_optimizer.place(unit, master)
             self.params.place(unit, (master if sharding.gathered(unit) else full).to(self.lp_dtype))
             self.grads.place(unit)
+        self.unit_optimizer.finish_place()
         self.params.finish_place()
         materializer.rest()
         self._move_unmanaged_to_device()

@@ -36,10 +36,38 @@ write pass over every gradient byte per step and turns the first add's two reads
 one. When the window ends (`ready`), slices of parameters that got no gradient are
 zeroed; a unit that got none at all stays EMPTY and is never read (`sumsq` skips it).
 With several ranks the reduce-scatter reads whole accumulators: they are zeroed.
+
+[Note: gradients on NVMe]
+With `offload.gradients = "nvme"` (NvmeGradStore) a unit's sum over the window lives in
+a swap file, `<unit>.grad` (at ZeRO-1 with several ranks the reduced shard has its own,
+`<unit>.grad_shard`). During a backward the unit's fresh gradient is gathered in one
+host staging block, in the dtype autograd delivers (nothing is rounded early). Once
+every parameter of the unit has its gradient (or at the end of backward), a
+`zerotier-grad-io` worker *folds* it into the file: the window's first backward converts
+it to `grad_dtype` and writes it; each later one reads the file, adds, and writes it back
+(read-modify-write), and the sum of squares of what is written is kept for clipping.
+The adds are those of a host accumulator, in the same dtype and order, so the update is
+bitwise the same as with gradients on host. Decided against: accumulating the window in
+host memory (a buffer per unit is the model's gradient bytes, the RAM this placement
+exists to save) and one file per micro-batch (the optimizer would read K files, the disk
+would hold K copies). The price is NVMe traffic: a window of K micro-batches writes
+G*Psi K times and reads it K - 1 times, plus the optimizer's one read.
+Host RAM for gradients is the staging only, never the model's size: the blocks of units
+being filled (usually one or two: the root unit's gradients arrive at the start and the
+end of backward) and GRAD_WRITES folds in flight (accumulate waits for the oldest before
+handing over another): `nvme_staging_bytes`, which the planner counts. The optimizer
+reads a unit's file one unit ahead (`shard()` returns an `NvmeGrad`: [Note: device
+gradients, host optimizer] in optim/offload.py). With several ranks the fresh gradient,
+rounded to grad_dtype as a zeroed accumulator would round it, is the reduce-scatter
+input at stages 2-3 and the reduced shard is folded into the file; at stages 0-1 the
+window's last backward reads the sum back as the input (one more read per unit and step).
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import collections
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 
 import torch
 
@@ -47,6 +75,19 @@ from .device import enter as enter_device
 from .dist.buckets import GradBucketer
 from .state import GRAD_TRANSITIONS, GradState, Location, Unit, transition
 from .optim import _kernels
+from .optim.offload import NvmeGrad
+
+GRAD_WRITES = 2  # [Note: gradients on NVMe]: folds in flight (the worker threads)
+OPEN_UNITS = 2   # units being filled at once that the planner counts (the root unit and the one in backward)
+
+
+def make_grad_store(units: list[Unit], loc: Location, grad_dtype: torch.dtype, device_tier, host_pool, sharding,
+                    reduce_bucket_size: int, store=None, profiler=None) -> "GradStore":
+    """The gradient store for placement `loc`; gradients on NVMe need the NVMe `store`."""
+    if loc is Location.NVME:
+        return NvmeGradStore(units, grad_dtype, device_tier, host_pool, sharding, reduce_bucket_size, store,
+                             profiler)
+    return GradStore(units, loc, grad_dtype, device_tier, host_pool, sharding, reduce_bucket_size, profiler)
 
 
 class GradStore:
@@ -67,7 +108,7 @@ class GradStore:
         self._blocks = []                                     # host-pool blocks this store holds
         self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-grad",
                                          initializer=enter_device, initargs=(self.device,)) \
-            if self.device.type == "cuda" and loc is not Location.DEVICE else None
+            if self.device.type == "cuda" and loc is Location.HOST else None
         self.bucketer = GradBucketer(reduce_bucket_size, self._shard_ready, comm=sharding.comm,
                                      reduce_dtype=torch.float32, device=self.device) if sharding.active else None
         self._reduce_order = [u.index for u in reversed(units)]  # [Note: the same collectives on every rank]
@@ -77,11 +118,13 @@ class GradStore:
 
     def place(self, unit: Unit) -> None:
         i = unit.index
-        sharding = self.sharding
         self.acc[i] = self._alloc(self.loc, unit.numel, f"{unit.key}.grad")
-        aliased = not sharding.active or (unit.part.replicated and sharding.stage <= 1)
-        self.reduced[i] = self.acc[i] if aliased else self._alloc(self.loc, unit.shard_numel,
-                                                                  f"{unit.key}.grad_shard")
+        self.reduced[i] = self.acc[i] if self._aliased(unit) else self._alloc(self.loc, unit.shard_numel,
+                                                                              f"{unit.key}.grad_shard")
+
+    def _aliased(self, unit: Unit) -> bool:
+        """The optimizer reads the accumulator itself ([Note: a unit's gradient bytes])."""
+        return not self.sharding.active or (unit.part.replicated and self.sharding.stage <= 1)
 
     def _alloc(self, loc: Location, numel: int, what: str) -> torch.Tensor:
         if loc is Location.DEVICE:
@@ -148,9 +191,13 @@ class GradStore:
             if not (everything or self._final[i]):
                 return
             unit = self.units[i]
-            self.settle(unit)
-            self.bucketer.add(i, self.acc[i], unit.part)
+            self.bucketer.add(i, self._reduce_input(unit), unit.part)
             self._queued += 1
+
+    def _reduce_input(self, unit: Unit) -> torch.Tensor:
+        """The unit's full gradient for the reduce-scatter: its accumulator."""
+        self.settle(unit)
+        return self.acc[unit.index]
 
     def _shard_ready(self, index: int, shard: torch.Tensor) -> None:
         reduced = self.reduced[index]
@@ -238,13 +285,11 @@ class GradStore:
         for unit in self.units:
             i = unit.index
             self.settle(unit)
+            # with several ranks an EMPTY unit may hold another rank's reduced gradient (every unit is
+            # reduced every reducing backward) until ready_all: a dropped window drops it too
+            if self.state[i] is not GradState.EMPTY or self.sharding.active:
+                self._drop(i)
             if self.state[i] is not GradState.EMPTY:
-                if self.sharding.active:
-                    self.acc[i].zero_()
-                    if self.reduced[i] is not self.acc[i]:
-                        self.reduced[i].zero_()
-                else:  # [Note: no zeroing pass]
-                    self._stale[i] = True
                 transition(self.state, i, GradState.EMPTY, GRAD_TRANSITIONS, "gradient")
             self._got[i] = set()
             for p in unit.params:
@@ -253,6 +298,15 @@ class GradStore:
         self._final, self._queued = [False] * len(self.units), 0  # a failed backward's queue too
         self._agreed = False
 
+    def _drop(self, i: int) -> None:
+        """Unit i's accumulated gradient reads as zero from now on."""
+        if self.sharding.active:
+            self.acc[i].zero_()
+            if self.reduced[i] is not self.acc[i]:
+                self.reduced[i].zero_()
+        else:  # [Note: no zeroing pass]
+            self._stale[i] = True
+
     def close(self) -> None:
         """Stop the adder thread and give the accumulators' pool blocks back. Idempotent."""
         if self._adder is not None:
@@ -260,3 +314,272 @@ class GradStore:
         blocks, self._blocks = self._blocks, []
         for block in blocks:
             self.host_pool.free(block)
+
+
+class NvmeGradStore(GradStore):
+    """The gradient store with each unit's window sum in NVMe files ([Note: gradients on NVMe]).
+    `acc` and `reduced` stay None: the sums are files, the fresh gradients pool blocks."""
+
+    def __init__(self, units: list[Unit], grad_dtype: torch.dtype, device_tier, host_pool, sharding,
+                 reduce_bucket_size: int, store, profiler=None):
+        super().__init__(units, Location.NVME, grad_dtype, device_tier, host_pool, sharding, reduce_bucket_size,
+                         profiler)
+        self.store = store
+        n = len(units)
+        self._reduce_each = sharding.active and sharding.stage >= 2  # the fresh gradient is the reduce input
+        self._files: list[tuple[str, str, int] | None] = [None] * n  # (sum key, reduced key, its numel)
+        self._fresh: list = [None] * n                     # this backward's gradient (a pool block)
+        self._fresh_got: list[set[int]] = [set() for _ in range(n)]  # its parameters delivered so far
+        self._copies: list[list] = [[] for _ in range(n)]  # D2H copies into it in flight (CUDA)
+        self._reducing: dict[int, object] = {}             # pool blocks handed to the reduce, by unit
+        self._written: set[str] = set()                    # keys holding this window's sum (others: zero)
+        self._sumsq = [0.0] * n                            # of each reduced file, as last written
+        self._jobs: list[list[Future]] = [[] for _ in range(n)]  # folds not yet settled, by unit
+        self._inflight: collections.deque[Future] = collections.deque()
+        self._lock = threading.Lock()
+        # [Note: gradients on NVMe]: the folds (read-modify-write), off the autograd thread
+        self._io = ThreadPoolExecutor(max_workers=GRAD_WRITES, thread_name_prefix="zerotier-grad-io",
+                                      initializer=enter_device, initargs=(self.device,))
+
+    @staticmethod
+    def staging_bytes(largest: int, largest_shard: int, lp_bytes: int, grad_bytes: int, world_size: int,
+                      stage: int) -> int:
+        """Host-pool bytes this store stages at most (the planner counts exactly this): OPEN_UNITS
+        fresh gradients being filled, GRAD_WRITES folds in flight (a source: a fresh gradient or an
+        fp32 reduced shard; and the sum read back), and with several ranks three units' gradients
+        waiting in reduce buckets (units at least a bucket large; smaller ones: three buckets' worth)."""
+        several = world_size > 1
+        fresh = largest * (grad_bytes if several and stage >= 2 else lp_bytes)
+        fold = max(fresh, 4 * largest_shard) + largest * grad_bytes
+        return OPEN_UNITS * fresh + GRAD_WRITES * fold + (3 * largest * grad_bytes if several else 0)
+
+    def place(self, unit: Unit) -> None:
+        total = f"{unit.key}.grad"
+        aliased = self._aliased(unit)
+        self._files[unit.index] = (total, total if aliased else f"{unit.key}.grad_shard",
+                                   unit.numel if aliased else unit.shard_numel)
+
+    # ------------------------------------------------------------------ backward
+
+    def accumulate(self, unit: Unit, i: int, grad: torch.Tensor) -> bool:
+        index = unit.index
+        fresh = self._fresh[index]
+        if fresh is None:  # rounded now where it is the reduce input, as a zeroed accumulator would be
+            dtype = self.grad_dtype if self._reduce_each else grad.dtype
+            fresh = self._fresh[index] = self.host_pool.alloc(unit.numel * dtype.itemsize, dtype,
+                                                              f"{unit.key}.grad staging")
+        offset, numel = unit.offsets[i], unit.shapes[i].numel()
+        dst, flat = fresh.tensor[offset: offset + numel], grad.reshape(-1)
+        nbytes = numel * grad.element_size()
+        prof = self.profiler
+        token = prof.begin(unit.key + ".grad", "grad", "device", "host", nbytes, "grad-offload") \
+            if prof is not None else None
+        ticket = None
+        if flat.device.type == "cpu":
+            dst.copy_(flat)
+            self.device_tier.count_out(nbytes)
+        else:  # rounded on the device, where the gradient is (the same rounding as the CPU's copy_)
+            ticket = self.device_tier.copy_d2h(dst, flat.to(dst.dtype))
+            self._copies[index].append(ticket)
+        if token is not None:
+            prof.end(token, copy=ticket)
+        self._fresh_got[index].add(i)
+        self._got[index].add(i)
+        if self.state[index] is not GradState.ACCUMULATING:
+            transition(self.state, index, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
+        self._seen[index] += 1
+        complete = self._seen[index] >= len(unit.params)
+        if complete and not self._reduce_each:
+            self._fold_fresh(unit)
+        return complete
+
+    def _take_fresh(self, unit: Unit):
+        """The unit's gradient of this backward (zeros where a parameter got none) and the copies
+        still filling it."""
+        i = unit.index
+        fresh, self._fresh[i] = self._fresh[i], None
+        copies, self._copies[i] = self._copies[i], []
+        got, self._fresh_got[i] = self._fresh_got[i], set()
+        if fresh is None:  # several ranks reduce every unit, with or without a gradient here
+            fresh = self.host_pool.alloc(unit.numel * self.grad_dtype.itemsize, self.grad_dtype,
+                                         f"{unit.key}.grad staging")
+            fresh.tensor.zero_()
+        for k in set(range(len(unit.params))) - got:
+            fresh.tensor[unit.offsets[k]: unit.offsets[k] + unit.shapes[k].numel()].zero_()
+        return fresh, copies
+
+    def _fold_fresh(self, unit: Unit) -> None:
+        fresh, copies = self._take_fresh(unit)
+        total, reduced, _ = self._files[unit.index]
+        self._fold(unit.index, total, fresh, copies, add=total in self._written, sumsq=total == reduced)
+
+    def _fold(self, index: int, key: str, src, waits: list, add: bool, sumsq: bool) -> None:
+        """Hand `src` (a pool block, now the job's) to a worker: the file `key` becomes file + src
+        (`add`) or src, in grad_dtype. Waits first while GRAD_WRITES folds are in flight."""
+        self._written.add(key)
+        while True:
+            with self._lock:
+                while self._inflight and self._inflight[0].done():
+                    self._inflight.popleft()
+                if len(self._inflight) < GRAD_WRITES:
+                    break
+                oldest = self._inflight[0]
+            wait_futures([oldest])  # its error is raised by settle()
+        try:
+            job = self._io.submit(self._fold_job, key, src, waits, add, index if sumsq else None)
+        except BaseException:
+            _wait_quietly(waits)
+            self.host_pool.free(src)
+            raise
+        with self._lock:
+            self._jobs[index].append(job)
+            self._inflight.append(job)
+
+    def _fold_job(self, key: str, src, waits: list, add: bool, sumsq_index: int | None) -> None:
+        """On a zerotier-grad-io worker: read-modify-write of one gradient file."""
+        out = None
+        try:
+            _wait_all(waits)
+            dtype = self.grad_dtype
+            if add or src.dtype != dtype:
+                out = self.host_pool.alloc(src.tensor.numel() * dtype.itemsize, dtype, f"{key} (sum)")
+                if add:
+                    self._timed(key, "nvme", "host", out.nbytes, lambda: self.store.read(key, out))
+                    out.tensor.add_(src.tensor)
+                else:
+                    out.tensor.copy_(src.tensor)
+            result = out if out is not None else src
+            if sumsq_index is not None:
+                self._sumsq[sumsq_index] = _kernels.grad_sumsq(result.tensor)
+            self._timed(key, "host", "nvme", result.nbytes, lambda: self.store.write(key, result, what=key))
+        finally:
+            self.host_pool.free(src)
+            if out is not None:
+                self.host_pool.free(out)
+
+    def _timed(self, key: str, src: str, dst: str, nbytes: int, issue) -> None:
+        """Issue an NVMe read or write of a gradient file and wait for it (recorded when profiling)."""
+        start = time.perf_counter_ns()
+        issue().wait()
+        if self.profiler is not None:
+            self.profiler.record(key, "grad", src, dst, nbytes, "grad-offload", start, time.perf_counter_ns(),
+                                 stream="nvme-io")
+
+    def settle(self, unit: Unit) -> None:
+        """Wait for the unit's folds (re-raising their errors until the window is dropped). Safe from
+        any thread: a fold is forgotten only once it has succeeded."""
+        i = unit.index
+        with self._lock:
+            jobs = list(self._jobs[i])
+        for job in jobs:
+            job.result()
+        with self._lock:
+            done = {id(job) for job in jobs}
+            self._jobs[i] = [job for job in self._jobs[i] if id(job) not in done]
+
+    def _reduce_input(self, unit: Unit) -> torch.Tensor:
+        i = unit.index
+        if self._reduce_each:  # stages 2-3: this backward's gradient
+            src, copies = self._take_fresh(unit)
+            _wait_all(copies)
+        else:  # stages 0-1, the window's last backward: its sum, read back from its file
+            self.settle(unit)
+            total, _, _ = self._files[i]
+            src = self.host_pool.alloc(unit.numel * self.grad_dtype.itemsize, self.grad_dtype,
+                                       f"{unit.key}.grad (reduce input)")
+            if total in self._written:
+                self._timed(total, "nvme", "host", src.nbytes, lambda: self.store.read(total, src))
+            else:
+                src.tensor.zero_()
+        self._reducing[i] = src
+        return src.tensor
+
+    def _shard_ready(self, index: int, shard: torch.Tensor) -> None:
+        self.host_pool.free(self._reducing.pop(index))
+        block = self.host_pool.alloc(shard.numel() * shard.element_size(), shard.dtype,
+                                     f"{self.units[index].key}.grad_shard staging")
+        block.tensor.copy_(shard)  # `shard` is a view of a bucket buffer the bucketer reuses
+        _, reduced, _ = self._files[index]
+        # stages 2-3 sum the micro-batches' reduced shards; at 0-1 the shard is the window's sum
+        self._fold(index, reduced, block, [], add=self._reduce_each and reduced in self._written, sumsq=True)
+
+    def end_backward(self, reduced: bool) -> None:
+        if not self._reduce_each:  # units with a parameter that got no gradient in this backward
+            for unit in self.units:
+                if self._fresh[unit.index] is not None:
+                    self._fold_fresh(unit)
+        super().end_backward(reduced)
+        for unit in self.units:  # the reduced shards' folds: errors surface in this backward
+            self.settle(unit)
+
+    # ------------------------------------------------------------------ step
+
+    def ready(self, unit: Unit) -> None:
+        """Files hold zeros for parameters without a gradient: nothing to fix. Not settled here
+        (an early step calls this from the autograd thread): shard() settles."""
+        transition(self.state, unit.index, GradState.READY, GRAD_TRANSITIONS, "gradient")
+
+    def shard(self, unit: Unit) -> NvmeGrad:
+        self.settle(unit)
+        _, reduced, numel = self._files[unit.index]
+        return NvmeGrad(reduced, numel, self.grad_dtype)
+
+    def sumsq(self, units: list[Unit]) -> float:
+        total = 0.0
+        for unit in units:
+            if self.state[unit.index] is not GradState.EMPTY:
+                self.settle(unit)
+                total += self._sumsq[unit.index]
+        return total
+
+    def zero(self) -> None:
+        self._forget()
+        super().zero()
+
+    def _drop(self, i: int) -> None:
+        total, reduced, _ = self._files[i]
+        self._written.difference_update((total, reduced))
+        self._sumsq[i] = 0.0
+
+    def _forget(self) -> None:
+        """Wait for every fold (their errors belong to the window being dropped) and give back the
+        staging of a backward that stopped half-way."""
+        with self._lock:
+            jobs = [job for unit_jobs in self._jobs for job in unit_jobs]
+            self._jobs = [[] for _ in self.units]
+            self._inflight.clear()
+        wait_futures(jobs)
+        for i in range(len(self.units)):
+            fresh, self._fresh[i] = self._fresh[i], None
+            copies, self._copies[i] = self._copies[i], []
+            self._fresh_got[i] = set()
+            _wait_quietly(copies)
+            if fresh is not None:
+                self.host_pool.free(fresh)
+        reducing, self._reducing = self._reducing, {}
+        for block in reducing.values():
+            self.host_pool.free(block)
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+        self._forget()
+        super().close()
+
+
+def _wait_all(tickets: list) -> None:
+    """Wait for every ticket, then raise the first error."""
+    first = None
+    for ticket in tickets:
+        try:
+            ticket.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest landed
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+def _wait_quietly(tickets: list) -> None:
+    try:
+        _wait_all(tickets)
+    except Exception:  # noqa: BLE001 - a dropped gradient's copy; its memory is what matters
+        pass

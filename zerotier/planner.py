@@ -25,6 +25,9 @@ Working sets come on top of the model state, on the tier that pays for them:
       blocks for the fetches and write-backs in flight, `ParamStore.host_staging_bytes`
   optimizer on NVMe: `optimizer.pipeline_depth` host staging sets of 12 x largest unit
       shard, `UnitOptimizer.staging_bytes`
+  gradients on NVMe: the fresh gradients being filled and the read-modify-writes in flight,
+      `NvmeGradStore.staging_bytes`, and the optimizer's two gradient read blocks
+      (`UnitOptimizer.grad_staging_bytes`, as for device gradients read by a host optimizer)
   ZeRO-1/2 with several ranks: every unit's updated low-precision shard, on the optimizer's
       side until the step's all-gathers finish, `ParamStore.writeback_bytes`
 These are the functions the stores size their allocations with, so the plan cannot drift
@@ -60,6 +63,7 @@ import torch
 from .config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, format_duration, format_size
 from .device import local_world_size
 from .errors import BudgetError, ConfigError
+from .grads import GRAD_WRITES, OPEN_UNITS, NvmeGradStore
 from .optim.offload import OPTIMIZER_BYTES, UnitOptimizer
 from .params import ParamStore
 from .state import DTYPES, TIER_NAMES as TIERS, Location
@@ -128,6 +132,7 @@ class Plan:
     rate_sources: dict[str, str] = field(default_factory=dict)   # rate key used -> measured | default | given
     grad_bytes: int = 4
     param_bytes: int = 4
+    grad_dtype: str = "fp32"            # precision.grad_dtype (the engine's accumulators)
 
     @property
     def per_rank_bytes(self) -> int:
@@ -150,7 +155,8 @@ class Plan:
         total = self.per_rank_bytes
         lines.append(f"  {'total':10s} {'':6s} {format_size(total):>12s} {total / 1e9:9.2f}"
                      f"   ({total / max(self.numel, 1):.2f} B per model parameter; gradients {self.grad_bytes} B/param"
-                     + (": the engine's fp32 accumulators)" if self.grad_bytes == 4 else ")"))
+                     + (f": the engine's {self.grad_dtype} accumulators)"
+                        if self.grad_bytes == DTYPES[self.grad_dtype].itemsize else ")"))
         lines.append(f"  {'tier':8s} {'needed':>12s} {'budget':>12s}   (needed includes working sets)")
         for tier in TIERS:
             lines.append(f"  {tier:8s} {format_size(self.need[tier]):>12s} {format_size(self.budgets[tier]):>12s}")
@@ -170,7 +176,7 @@ class Plan:
         measured = self.rates_measured
         return {
             "numel": self.numel, "world_size": self.world_size, "stage": self.stage,
-            "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
+            "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes, "grad_dtype": self.grad_dtype,
             "placement": {k: v.value for k, v in self.placement.items()},
             "per_rank_bytes": self.per_rank_bytes, "state_bytes": dict(self.state_bytes),
             "tiers": dict(self.need), "budgets": dict(self.budgets),
@@ -223,6 +229,7 @@ class _Sizes:
     pipeline_depth: int = 3
     engine_buffers: bool = True  # count the engine's transient buffers (False: the ZeRO paper's pure model state)
     grads_on_gpu: bool = False   # gradients placed on a CUDA device (a host optimizer stages them)
+    grads_on_nvme: bool = False  # gradients placed on NVMe (the optimizer stages them, on any tier)
     nested: int = 0              # elements of enclosing units resident around a fetch (state.nested_numel)
     alignment: int = 4096        # io.alignment: host-pool blocks are rounded up to it
 
@@ -262,6 +269,11 @@ def _nvme_rewrites(kind: str, s: _Sizes) -> int:
     if kind == "params":
         files, inflight = 1, s.lookahead + 2
         rewrite = s.lp_bytes * sum(shards[:inflight])
+    elif kind == "gradients":  # [Note: gradients on NVMe]: GRAD_WRITES folds, each a rewrite
+        files, inflight = 1, GRAD_WRITES
+        if s.world_size > 1 and s.stage == 1:  # the full sums and the reduced shards: a file each
+            files, shards = 2, sorted(s.numels, reverse=True)
+        rewrite = s.grad_bytes * sum(shards[:inflight])
     else:
         files, inflight = 3, s.pipeline_depth
         rewrite = OPTIMIZER_BYTES * sum(shards[:inflight])
@@ -275,9 +287,11 @@ def _host_blocks(kind: str, loc: Location, s: _Sizes) -> int:
         blocks = units if loc is Location.HOST else 0
         return blocks + (2 * s.lookahead + 3 if loc is Location.NVME else 0)
     if kind == "gradients":
+        if loc is Location.NVME:  # NvmeGradStore.staging_bytes: fresh, fold sources and sums, reduce inputs
+            return OPEN_UNITS + 2 * GRAD_WRITES + (3 if s.world_size > 1 else 0)
         return (units * (2 if sharded_grads else 1)) if loc is Location.HOST else 0
     blocks = {Location.HOST: 3 * units, Location.NVME: 3 * s.pipeline_depth}.get(loc, 0)
-    if s.grads_on_gpu and loc is not Location.DEVICE:
+    if s.grads_on_nvme or (s.grads_on_gpu and loc is not Location.DEVICE):
         blocks += 2
     if s.world_size > 1 and s.stage in (1, 2) and loc is not Location.DEVICE:
         blocks += units
@@ -297,7 +311,13 @@ def _state_and_buffers(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
             need["host"] += ParamStore.host_staging_bytes(s.lookahead, s.rank_shards(kind), s.lp_bytes)
     elif kind == "gradients":
         need[loc.value] += s.grad_bytes * n
-        if s.engine_buffers and s.world_size > 1 and s.stage >= 1:
+        if loc is Location.NVME:  # [Note: gradients on NVMe]: the full gradient is staging only
+            if s.engine_buffers:
+                need["host"] += NvmeGradStore.staging_bytes(s.largest, s.rank_largest(kind), s.lp_bytes,
+                                                            s.grad_bytes, s.world_size, s.stage)
+            if s.engine_buffers and s.world_size > 1 and s.stage == 1:  # the reduced shards' files too
+                need["nvme"] += s.grad_bytes * (s.numel // s.world_size)
+        elif s.engine_buffers and s.world_size > 1 and s.stage >= 1:
             # The engine keeps both the full gradient (the reduce-scatter input; freeing
             # it per bucket is future work) and this rank's reduced shard, on the gradient
             # tier. Stages >= 2 counted the shard above, stage 1 the full flat.
@@ -306,7 +326,7 @@ def _state_and_buffers(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
         need[loc.value] += OPTIMIZER_BYTES * n
         if loc is Location.NVME:
             need["host"] += UnitOptimizer.staging_bytes(s.pipeline_depth, s.rank_largest(kind))
-        if s.engine_buffers and s.grads_on_gpu and loc is not Location.DEVICE:
+        if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu and loc is not Location.DEVICE):
             need["host"] += UnitOptimizer.grad_staging_bytes(s.rank_largest(kind), s.grad_bytes)
         if s.engine_buffers and s.world_size > 1 and s.stage in (1, 2):
             # the updated low-precision shards wait on the optimizer's side for the all-gather
@@ -346,11 +366,6 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     for kind in KINDS:
         requested = getattr(offload, kind)
         candidates = [Location(requested)] if requested != "auto" else list(Location)
-        if kind == "gradients" and Location.NVME in candidates:
-            if requested == "nvme":
-                raise BudgetError("offload.gradients = 'nvme' is not supported: gradients are accumulated in "
-                                  "memory; use 'host' (the optimizer state can still live on nvme)")
-            candidates.remove(Location.NVME)
         chosen = None
         for loc in candidates:
             want = _bytes_for(kind, loc, sizes)
@@ -366,11 +381,12 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
             free[t] -= b
             need[t] += b
         if kind == "gradients":
-            sizes = dataclasses.replace(sizes, grads_on_gpu=device.type == "cuda" and chosen is Location.DEVICE)
+            sizes = dataclasses.replace(sizes, grads_on_gpu=device.type == "cuda" and chosen is Location.DEVICE,
+                                        grads_on_nvme=chosen is Location.NVME)
     local = ranks_per_node or world_size
     breakdown, used = _predict(placement, sizes, device, rates, local)
     return Plan(placement, need, budgets, sum(breakdown.values()), breakdown, sizes.numel, world_size, stage,
-                state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes)
+                state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes, precision.grad_dtype)
 
 
 def _resolve_rates(rates: dict[str, float] | None) -> tuple[dict[str, float], dict[str, str]]:
@@ -450,8 +466,8 @@ def _predict(placement: dict[str, Location], s: _Sizes, device: torch.device, ra
              local_ranks: int) -> tuple[dict[str, float], tuple[str, ...]]:
     """Seconds per step spent on optimizer math and swap traffic, and the rate keys used
     ([Note: step-time prediction])."""
-    out = {"params_h2d": 0.0, "params_nvme": 0.0, "grads_d2h": 0.0, "optimizer": 0.0, "optimizer_nvme": 0.0,
-           "params_copyback": 0.0}
+    out = {"params_h2d": 0.0, "params_nvme": 0.0, "grads_d2h": 0.0, "grads_nvme": 0.0, "optimizer": 0.0,
+           "optimizer_nvme": 0.0, "params_copyback": 0.0}
     used: list[str] = []
 
     def add(part: str, work: float, key: str) -> None:
@@ -466,9 +482,13 @@ def _predict(placement: dict[str, Location], s: _Sizes, device: torch.device, ra
             add("params_h2d", 2 * s.lp_bytes * n_param, "h2d")
         if placement["params"] is Location.NVME:
             add("params_nvme", 2 * s.lp_bytes * n_param * local_ranks, "nvme_read")
-    if on_gpu and placement["optimizer"] is not Location.DEVICE:
-        # the CPU optimizer reads this rank's gradient shard in host memory
-        add("grads_d2h", s.grad_bytes * (n_grad if placement["gradients"] is Location.HOST else n_opt), "d2h")
+    if on_gpu and (placement["optimizer"] is not Location.DEVICE or placement["gradients"] is Location.NVME):
+        # the CPU optimizer reads this rank's gradient shard in host memory (NVMe: staged through it)
+        add("grads_d2h", s.grad_bytes * (n_opt if placement["gradients"] is Location.DEVICE else n_grad), "d2h")
+    if placement["gradients"] is Location.NVME:  # one micro-batch per step: written once, read once
+        nbytes = s.grad_bytes * n_grad * local_ranks
+        add("grads_nvme", nbytes, "nvme_write")
+        add("grads_nvme", nbytes, "nvme_read")
     if placement["optimizer"] is Location.DEVICE and on_gpu:
         add("optimizer", 28 * n_opt, "device_adam")
     else:  # the node's CPU steps every local rank's shard

@@ -24,10 +24,13 @@ returns: an I/O error surfaces in the step that caused it.
 
 [Note: device gradients, host optimizer]
 A CPU optimizer reading gradients that live on the GPU does not copy them with a
-blocking `.to("cpu")` per unit (a device sync each): `_HostGrads` copies each unit's
+blocking `.to("cpu")` per unit (a device sync each): `_StagedGrads` copies each unit's
 shard on the device tier's d2h stream into a host-pool block one unit ahead, so the
 next unit's copy runs under this unit's Adam, and Adam waits on that copy's event
-only. At most two staging blocks are alive (`grad_staging_bytes`, counted by the planner).
+only. Gradients on NVMe (`grad_of` returns an `NvmeGrad`: [Note: gradients on NVMe] in
+grads.py) are read the same way, by the NVMe store into the block, whatever the
+optimizer's tier. At most two staging blocks are alive (`grad_staging_bytes`, counted
+by the planner).
 
 Each parameter keeps its own step count (torch's per-parameter `step`): a
 parameter that received no gradient in an optimizer step is not updated at all,
@@ -39,6 +42,7 @@ from __future__ import annotations
 import collections
 import fnmatch
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -51,6 +55,16 @@ from . import _kernels
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 OPTIMIZER_BYTES = 4 * len(STATE_KEYS)  # fp32 master + two moments per element
+
+
+@dataclass(frozen=True)
+class NvmeGrad:
+    """A gradient shard in an NVMe file: what GradStore.shard returns for gradients on NVMe;
+    the optimizer reads it through _StagedGrads ([Note: device gradients, host optimizer])."""
+
+    key: str
+    numel: int
+    dtype: torch.dtype
 
 
 class _Profiled:
@@ -99,6 +113,12 @@ class UnitOptimizer:
         self._reads: dict[int, tuple[int, list]] = {}   # unit index -> (set, read tickets), in issue order
         self._got: dict[int, frozenset[int] | None] = {}  # step(): parameters with a gradient, by unit
         self.applied = 0  # unit updates begun so far (the engine tells a clean failure from a partial one)
+        # [Note: initial NVMe writes] Initialization keeps the writes of up to `depth` units in flight
+        # (their master blocks + one shared zeros block: within the staging the planner counts,
+        # depth x 12 B x the largest shard), so the drive's queue stays full while the next units
+        # are materialized and cast.
+        self._placing: collections.deque = collections.deque()  # (master block, write tickets), oldest first
+        self._zeros = None  # host-pool block of zeros, the largest shard's size: every unit's initial moments
 
     def exempt_from_decay(self, model: torch.nn.Module) -> None:
         """Find the parameters optimizer.no_weight_decay exempts (name globs on `model`'s parameter
@@ -129,6 +149,22 @@ class UnitOptimizer:
         """Host-pool bytes of [Note: device gradients, host optimizer]: two gradient shards."""
         return 2 * largest_shard * grad_itemsize
 
+    def finish_place(self) -> None:
+        """Wait for the initial NVMe writes still in flight; free their blocks."""
+        self._finish_placing(0)
+        if self._zeros is not None:
+            self.host_pool.free(self._zeros)
+            self._zeros = None
+
+    def _finish_placing(self, keep: int) -> None:
+        """[Note: initial NVMe writes] Wait for the oldest units' writes until `keep` are in flight."""
+        while len(self._placing) > keep:
+            block, tickets = self._placing.popleft()
+            try:
+                self._wait(tickets)
+            finally:
+                self.host_pool.free(block)
+
     @staticmethod
     def staging_bytes(depth: int, largest_shard: int) -> int:
         """Host-pool bytes of the NVMe pipeline's staging sets (the planner counts exactly this)."""
@@ -137,18 +173,23 @@ class UnitOptimizer:
     # ------------------------------------------------------------------ place
 
     def place(self, unit: Unit, master: torch.Tensor) -> None:
-        """Put the fp32 master of this rank's shard (a CPU tensor) and zero moments on the tier."""
+        """Put the fp32 master of this rank's shard (a CPU tensor) and zero moments on the tier.
+        [Note: initial NVMe writes] NVMe: the writes are left in flight; finish_place() waits."""
         n = unit.shard_numel
         if self.loc is Location.NVME:
-            zeros = self.host_pool.alloc(4 * n, torch.float32, f"{unit.key}.exp_avg")
-            zeros.tensor.zero_()
+            if self._zeros is None or self._zeros.tensor.numel() < n:
+                self._finish_placing(0)  # writes in flight read the old zeros block
+                if self._zeros is not None:
+                    self.host_pool.free(self._zeros)
+                largest = max(u.shard_numel for u in self.units)
+                self._zeros = self.host_pool.alloc(4 * largest, torch.float32, "optimizer.zeros")
+                self._zeros.tensor.zero_()
             block = self.host_pool.alloc(4 * n, torch.float32, f"{unit.key}.master")
             block.tensor.copy_(master)
-            tickets = [self.store.write(f"{unit.key}.{k}", block if k == "master" else zeros) for k in STATE_KEYS]
-            for t in tickets:
-                t.wait()
-            self.host_pool.free(block)
-            self.host_pool.free(zeros)
+            zeros = self._zeros.tensor[:n]  # aligned, with the room of the largest shard after it
+            self._placing.append((block, [self.store.write(f"{unit.key}.{k}", block if k == "master" else zeros)
+                                          for k in STATE_KEYS]))
+            self._finish_placing(self.depth)
             return
         state = {}
         for key in STATE_KEYS:
@@ -178,12 +219,14 @@ class UnitOptimizer:
         else:  # units whose reads started during backward go first, in the order they were issued
             order = sorted(units, key=lambda u: list(self._reads).index(u.index) if u.index in self._reads
                            else len(self._reads) + u.index)
-        if order and self.device.type == "cpu" and grad_of(order[0]).device.type == "cuda":
-            grad_of = _HostGrads(order, grad_of, self.device_tier, self.host_pool)
+        first = grad_of(order[0]) if order else None
+        if isinstance(first, NvmeGrad) or (first is not None and self.device.type == "cpu"
+                                           and first.device.type == "cuda"):
+            grad_of = _StagedGrads(order, grad_of, self.device_tier, self.host_pool, self.store, self.profiler)
         try:
             yield from self._step(order, grad_of, out_of, lr, grad_scale, drain)
         finally:
-            if isinstance(grad_of, _HostGrads):
+            if isinstance(grad_of, _StagedGrads):
                 grad_of.close()
 
     def _step(self, order, grad_of, out_of, lr: float, grad_scale: float, drain: bool) -> Iterator[Unit]:
@@ -420,22 +463,39 @@ def _fused_adam(master, exp_avg, exp_avg_sq, grad, out, *, step, lr, beta1, beta
         out.copy_(master)
 
 
-class _HostGrads:
-    """grad_of for a CPU optimizer over device gradients ([Note: device gradients, host optimizer]):
-    called for the units in `order`, returns each one's shard in a host-pool block, the copy of the
-    next unit already issued. A block is freed when the next unit is asked for, or at close()."""
+class _StagedGrads:
+    """grad_of for an optimizer over device gradients or NVMe gradient files ([Note: device gradients,
+    host optimizer]): called for the units in `order`, returns each one's shard in a host-pool block,
+    the copy or read of the next unit already issued. A block is freed when the next unit is asked
+    for, or at close()."""
 
-    def __init__(self, order: list[Unit], grad_of: Callable[[Unit], torch.Tensor], device_tier, host_pool):
+    def __init__(self, order: list[Unit], grad_of: Callable[[Unit], "torch.Tensor | NvmeGrad"], device_tier,
+                 host_pool, store, profiler=None):
         self._next = {a.index: b for a, b in zip(order, order[1:])}
         self._grad_of, self._device_tier, self._host_pool = grad_of, device_tier, host_pool
-        self._staged: dict[int, tuple] = {}  # unit index -> (pool block, copy ticket)
+        self._store, self._profiler = store, profiler
+        self._staged: dict[int, tuple] = {}  # unit index -> (pool block, copy or read ticket)
         self._current: int | None = None
 
     def _issue(self, unit: Unit) -> None:
-        if unit.index not in self._staged:
-            grad = self._grad_of(unit)
-            block = self._host_pool.alloc(grad.numel() * grad.element_size(), grad.dtype, f"{unit.key}.grad staging")
-            self._staged[unit.index] = (block, self._device_tier.copy_d2h(block.tensor, grad))
+        if unit.index in self._staged:
+            return
+        grad = self._grad_of(unit)
+        on_nvme = isinstance(grad, NvmeGrad)
+        nbytes = grad.numel * grad.dtype.itemsize if on_nvme else grad.numel() * grad.element_size()
+        block = self._host_pool.alloc(nbytes, grad.dtype, f"{unit.key}.grad staging")
+        try:
+            if on_nvme:
+                start = time.perf_counter_ns()
+                ticket = self._store.read(grad.key, block)
+                if self._profiler is not None:
+                    ticket = _Profiled(ticket, grad.key, "grad", "nvme", "host", nbytes, "optimizer-read", start)
+            else:
+                ticket = self._device_tier.copy_d2h(block.tensor, grad)
+        except BaseException:
+            self._host_pool.free(block)
+            raise
+        self._staged[unit.index] = (block, ticket)
 
     def __call__(self, unit: Unit) -> torch.Tensor:
         if self._current is not None:  # the previous unit's Adam is done with its block
@@ -447,10 +507,17 @@ class _HostGrads:
         self._current = unit.index
         block, ticket = self._staged[unit.index]
         ticket.wait()
+        if isinstance(ticket, _Profiled):
+            ticket.record(self._profiler)
         return block.tensor
 
     def close(self) -> None:
+        """Wait for the copies and reads still in flight and give their blocks back; an error of one
+        no unit asked for is dropped (the next step reads afresh)."""
         for block, ticket in self._staged.values():
-            ticket.wait()
+            try:
+                ticket.wait()
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
             self._host_pool.free(block)
         self._staged.clear()
