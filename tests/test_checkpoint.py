@@ -369,6 +369,7 @@ def _forge_state_pt(ckpt, payload) -> None:
     (ckpt / "state.pt").write_bytes(data)
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest["state"] = {"nbytes": len(data), "crc32c": crc.crc32c(data)}
+    manifest["crc32c"] = checkpoint._manifest_crc(manifest)  # the manifest's checksum: anyone can compute it too
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -491,3 +492,133 @@ def test_load_with_a_scheduler_the_checkpoint_lacks_changes_nothing(tmp_path):
     assert_same(before, engine.parameters_fp32())
     train(engine, 2, 1)  # still usable
     engine.close()
+
+
+# ------------------------------------ reading bad checkpoints (hostile #36, #38, #39, #44, #45)
+
+def _saved(tmp_path):
+    """A checkpoint root holding ckpt-1, and ckpt-1."""
+    engine = _engine(tmp_path)
+    train(engine, 0, 1)
+    ckpt = engine.save_checkpoint(tmp_path / "ck")
+    engine.close()
+    return ckpt.parent, ckpt
+
+
+def _reseal(ckpt, manifest) -> None:
+    """Write `manifest` back with its checksum fixed, as anyone editing it can."""
+    manifest["crc32c"] = checkpoint._manifest_crc(manifest)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_manifest_checksum_catches_every_one_bit_flip(tmp_path):
+    """#36: the manifest carries its own crc32c; of every one-bit flip of a real manifest,
+    each is refused or changed no value (e.g. 1e-05 -> 1E-05). A manifest without the key
+    (written before it existed) loads as before."""
+    root, ckpt = _saved(tmp_path)
+    raw = (ckpt / "manifest.json").read_bytes()
+    original = json.loads(raw)
+    steps_at = raw.index(b'"unit_steps": [[') + len(b'"unit_steps": [[')
+    flipped = bytearray(raw)
+    flipped[steps_at] ^= 1  # the reported case: a step count '1' -> '0'
+    (ckpt / "manifest.json").write_bytes(flipped)
+    with pytest.raises(checkpoint.CheckpointError, match=r"manifest\.json: checksum mismatch — the manifest is "
+                                                         r"corrupt or was edited; load an earlier checkpoint"):
+        export.export(root, tmp_path / "w.safetensors")
+    key_at = raw.rindex(b'"crc32c": ') + 1
+    for bit in range(len(raw) * 8):
+        flipped = bytearray(raw)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        (ckpt / "manifest.json").write_bytes(flipped)
+        try:
+            got = checkpoint.read_manifest(ckpt)
+        except checkpoint.CheckpointError:
+            continue
+        # loaded: the flip renamed the checksum's own key (so it is unchecked) or turned an
+        # exponent's e into E; either way every value is what was saved
+        assert key_at <= bit // 8 < key_at + len("crc32c") or raw[bit // 8] in b"eE", bit
+        assert {k: got.get(k) for k in original if k != "crc32c"} == \
+               {k: v for k, v in original.items() if k != "crc32c"}, f"bit {bit} changed the manifest silently"
+    del original["crc32c"]
+    (ckpt / "manifest.json").write_text(json.dumps(original))
+    export.export(root, tmp_path / "w.safetensors")
+
+
+def test_manifest_edited_with_its_checksum_fixed(tmp_path):
+    """A manifest edited and resealed (its checksum recomputed): its shape is checked, so a
+    wrong value is a CheckpointError naming it, not a KeyError or a read past a record."""
+    root, ckpt = _saved(tmp_path)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    edits = [(lambda m: m["ranks"][0]["ranges"][0].__setitem__(1, m["units"][0]["numel"] + 1),
+              r"ranks\[0\]\.ranges\[0\] = \[0, \d+\) is outside unit 0's \d+ elements"),
+             (lambda m: m["ranks"][0]["records"].pop(), r"ranks\[0\] lacks records: 8 of 9"),
+             (lambda m: m["unit_steps"][0].append(7), r"unit_steps\[0\] is .*, not a list of \d+ ints"),
+             (lambda m: m.__setitem__("world_size", "2"), r"world_size is '2', not a count >= 1")]
+    for edit, message in edits:
+        edited = json.loads(json.dumps(manifest))
+        edit(edited)
+        _reseal(ckpt, edited)
+        with pytest.raises(checkpoint.CheckpointError, match=r"manifest\.json: " + message + r" — the manifest does "
+                           r"not describe a checkpoint this code wrote \(damaged, or edited\); load an earlier"):
+            export.export(root, tmp_path / "w.safetensors")
+
+
+def test_latest_that_is_a_directory_at_load_and_at_save(tmp_path):
+    """#38, #44: `latest` a directory: load says so (not 'no manifest'); save refuses before
+    writing anything (no new ckpt-N, no latest.tmp)."""
+    root, ckpt = _saved(tmp_path)
+    (root / "latest").unlink()
+    (root / "latest").mkdir()
+    with pytest.raises(checkpoint.CheckpointError, match=r"'latest' is a directory, not the file naming the newest "
+                                                         r"checkpoint — load one of the ckpt-\* directories there "
+                                                         r"directly"):
+        export.export(root, tmp_path / "w.safetensors")
+    export.export(ckpt, tmp_path / "w.safetensors")  # the hint works
+    engine = _engine(tmp_path)
+    train(engine, 0, 2)
+    before = sorted(os.listdir(root))
+    with pytest.raises(checkpoint.CheckpointError, match=r"latest is a directory, not the file naming the newest "
+                                                         r"checkpoint; nothing was written"):
+        engine.save_checkpoint(root)
+    assert sorted(os.listdir(root)) == before
+    engine.close()
+
+
+def test_latest_that_is_not_text(tmp_path):
+    """#39: `latest` holding bytes that are not UTF-8: a CheckpointError on load, and a one-line
+    error from `zerotier export` (#77)."""
+    root, _ = _saved(tmp_path)
+    (root / "latest").write_bytes(b"\xff\xfe\x00ckpt-1")
+    engine = _engine(tmp_path)
+    with pytest.raises(checkpoint.CheckpointError, match=r"'latest' holds bytes that are not UTF-8 text, not the name "
+                                                         r"of a checkpoint directory inside"):
+        engine.load_checkpoint(root)
+    engine.close()
+    out = subprocess.run([sys.executable, "-m", "zerotier.cli", "export", str(root), "--to",
+                          str(tmp_path / "w.safetensors")], capture_output=True, text=True)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"zerotier export: error: checkpoint root {root}: 'latest' holds bytes" in out.stderr
+
+
+def test_checkpoint_reads_nothing_outside_its_directory(tmp_path):
+    """#45: `latest` naming a path outside root, and a manifest (checksum fixed) naming a data
+    file outside the checkpoint, are refused before anything is opened: the error cannot tell
+    the outside file's length."""
+    root, ckpt = _saved(tmp_path)
+    import shutil
+    shutil.copytree(ckpt, tmp_path / "outside" / "ckpt-1")
+    for latest in (str(tmp_path / "outside" / "ckpt-1"), "../outside/ckpt-1", "..", "ckpt-1/../../outside/ckpt-1"):
+        (root / "latest").write_text(latest + "\n")
+        with pytest.raises(checkpoint.CheckpointError, match=r"'latest' holds '.*', not the name of a checkpoint "
+                                                             r"directory inside"):
+            checkpoint.resolve(root)
+    (root / "latest").write_text("ckpt-1\n")
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"s" * 1221)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for name in (str(secret), "../../secret.bin", "/etc/passwd"):
+        manifest["ranks"][0]["file"] = name
+        _reseal(ckpt, manifest)
+        with pytest.raises(checkpoint.CheckpointError, match=r"ranks\[0\]\.file is '.*', not 'rank0\.bin'") as info:
+            export.export(root, tmp_path / "w.safetensors")
+        assert "1221" not in str(info.value)

@@ -6,6 +6,7 @@ or, for inputs that must work (frozen and tied parameters), that they do.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import sys
@@ -381,3 +382,83 @@ def test_trace_write_failing_at_close_still_removes_the_run_dir(tmp_path, monkey
     with pytest.raises(ZerotierError, match="cannot write the profiler trace"):
         engine.close()
     assert not run_dir.exists()
+
+
+# ------------------------------------------- parsers (issue 16 item 4; hostile #11, #77)
+
+@pytest.mark.parametrize("name,raw,why", [
+    ("run.toml", b"\xff\xfe[zero]\nstage = 1\n", r"not valid TOML: not UTF-8 text \(byte 0xff at offset 0\); save it "
+                                                  r"as UTF-8"),
+    ("run.json", b"[" * 100_000, r"not valid JSON: nested too deeply"),
+    ("run.yaml", b"zero: {stage: 2001-02-30}\n", r"not valid YAML: day is out of range for month"),
+])
+def test_config_file_that_does_not_parse(tmp_path, name, raw, why):
+    """Hostile #11: whatever the parser refuses (bytes that are not UTF-8, a nesting that
+    exhausts the parser's recursion, a date that does not exist) is a ConfigError naming the file."""
+    path = tmp_path / name
+    path.write_bytes(raw)
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: {why}"):
+        Config.load(path)
+
+
+def test_size_out_of_range():
+    """An exponent that would take minutes to expand, or a size past int64, is refused at once."""
+    with pytest.raises(ConfigError, match=r"^tiers\.nvme: size '1e999999999' is out of range \(0 to 8 EiB\)$"):
+        Config.from_dict({"tiers": {"nvme": "1e999999999", "nvme_path": "/tmp"}})
+    with pytest.raises(ConfigError, match=r"^tiers\.host: size <an int of 3322 bits> is out of range \(0 to 8 EiB\)$"):
+        Config.from_dict({"tiers": {"host": 10**1000}})
+
+
+def _cli(capsys, *argv):
+    """`zerotier ARGV` in this process: (exit status, stderr)."""
+    from zerotier import cli
+
+    status = cli.main(list(argv))
+    return status, capsys.readouterr().err
+
+
+def test_cli_export_to_a_missing_directory(tmp_path, capsys):
+    """Hostile #77: one line, no FileNotFoundError traceback, no .tmp left."""
+    with zerotier.initialize(tiny(), {}) as engine:
+        train(engine, 1)
+        engine.save_checkpoint(tmp_path / "ck")
+    out = tmp_path / "missing" / "dir" / "w.safetensors"
+    status, err = _cli(capsys, "export", str(tmp_path / "ck"), "--to", str(out))
+    assert status == 1 and err == (f"zerotier export: error: export --to {out}: the directory {out.parent} does "
+                                   f"not exist; create it first\n")
+
+
+def test_cli_bench_io_path_not_usable(capsys):
+    """Hostile #77: a missing directory, and one where no file can be made (/proc)."""
+    status, err = _cli(capsys, "bench", "io", "--nvme-path", "/nonexistent", "--quick", "--no-save")
+    assert status == 1 and err == ("zerotier bench: error: --path/--nvme-path /nonexistent: not an existing "
+                                   "directory; give a directory on the drive to measure\n")
+    status, err = _cli(capsys, "bench", "io", "--nvme-path", "/proc", "--quick", "--no-save")
+    assert status == 1 and re.fullmatch(r"zerotier bench: error: --path/--nvme-path /proc: cannot create files "
+                                        r"there \(.*\); give a writable directory on the drive to measure\n", err), err
+
+
+@pytest.mark.parametrize("steps", ["0", "-1"])
+def test_cli_demo_steps_below_one(capsys, steps):
+    """Hostile #77: refused before the demo starts (it used to end in a TypeError)."""
+    status, err = _cli(capsys, "demo", "--steps", steps)
+    assert status == 1 and err == f"zerotier demo: error: --steps: must be >= 1, got {steps}\n"
+
+
+def test_trace_damaged_or_edited(tmp_path):
+    """`zerotier profile` on a trace whose fields were edited: a ZerotierError naming the field."""
+    from zerotier.config import ProfileConfig
+    from zerotier.profiler import Profiler, load_trace
+
+    prof = Profiler(ProfileConfig(enabled=True, record_function=False), residency=None, peak_rates={})
+    prof.record("u00000.param", "param", "host", "device", 4096, "prefetch", prof.t0_ns, prof.t0_ns + 1000)
+    trace = prof.trace()
+    prof.close()
+    event = next(e for e in trace["traceEvents"] if e.get("cat") == "transfer")
+    event["args"]["bytes"] = "4096"
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    with pytest.raises(ZerotierError, match=rf"^{re.escape(str(path))}: traceEvents\[\d+\]\.args\.bytes is '4096', "
+                                            r"not a count — not a trace zerotier wrote \(damaged or edited\); "
+                                            r"profile again to get a new one$"):
+        load_trace(str(path))

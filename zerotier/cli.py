@@ -304,6 +304,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     if size == 0:
         raise ZerotierError("--size: must be > 0")
     params = _count(args.params) if args.params is not None else None
+    if "io" in sections:
+        _check_writable_dir(args.path, "--path/--nvme-path")
     results = bench.run(sections, size=size, params=params, quick=args.quick, path=args.path)
     if args.json:
         print(json.dumps(results[args.what] if args.what != "all" else results, indent=2))
@@ -313,6 +315,19 @@ def _run_bench(args: argparse.Namespace) -> int:
         where = bench.save(results, args.save)
         print(f"saved to {where}" + (" (`zerotier plan` uses it)" if not args.json else ""), file=sys.stderr)
     return 0
+
+
+def _check_writable_dir(path: str, option: str) -> None:
+    """`path` is a directory a file can be made in (what bench io does), else a one-line error."""
+    import tempfile
+
+    if not os.path.isdir(path):
+        raise ZerotierError(f"{option} {path}: not an existing directory; give a directory on the drive to measure")
+    try:
+        tempfile.TemporaryDirectory(prefix="zt-bench-", dir=path).cleanup()
+    except OSError as exc:
+        raise ZerotierError(f"{option} {path}: cannot create files there ({exc.strerror or exc}); give a writable "
+                            "directory on the drive to measure") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,6 +349,8 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     from zerotier import demo
 
+    if args.steps < 1:
+        raise ZerotierError(f"--steps: must be >= 1, got {args.steps}")
     argv = ["--steps", str(args.steps), "--device-budget", args.device_budget,
             "--optimizer-tier", args.optimizer_tier]
     if args.nvme_path:

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .checkpoint import _RankFiles, _load_pt, _tensor_bytes, read_manifest, resolve
+from .checkpoint import CheckpointError, _load_state, _RankFiles, _tensor_bytes, read_manifest, resolve
 from .errors import ZerotierError
 from .state import DTYPES
 
@@ -74,28 +74,51 @@ def export(path, out, dtype: str | torch.dtype = "fp32", trust_pickle: bool = Fa
         dtype = _DTYPE_NAMES[dtype]
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
-    extra = _load_pt(ckpt / "state.pt", manifest["state"], trust_pickle)["module_unmanaged"]
+    extra = _load_state(ckpt, manifest, trust_pickle)["module_unmanaged"]
     extra = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in extra.items()}
+    _check_extra(ckpt, manifest, extra)
     out = Path(out)
-    if out.suffix == "" or out.is_dir():  # a Hugging Face directory
-        out.mkdir(parents=True, exist_ok=True)
-        _export_safetensors(path, manifest, extra, out / "model.safetensors", dtype)
-        if manifest.get("hf_config") is not None:
-            (out / "config.json").write_text(json.dumps(manifest["hf_config"], indent=2, sort_keys=True) + "\n")
-    elif out.suffix == ".safetensors":
-        _export_safetensors(path, manifest, extra, out, dtype)
-    elif out.suffix in (".pt", ".pth", ".bin"):
-        sd = {}
-        for names, t in iter_full_params(path, dtype):
-            t = t.clone()
-            for n in names:
-                sd[n] = t
-        sd.update(extra)
-        torch.save(sd, out)
-    else:
+    hf_dir = out.suffix == "" or out.is_dir()
+    if not hf_dir and out.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
         raise ZerotierError(f"export --to {out}: unknown format; use a name ending in .safetensors or .pt, "
                             "or a directory (a Hugging Face model directory)")
+    if not hf_dir and not out.parent.is_dir():
+        raise ZerotierError(f"export --to {out}: the directory {out.parent} does not exist; create it first")
+    try:
+        if hf_dir:
+            out.mkdir(parents=True, exist_ok=True)
+            _export_safetensors(ckpt, manifest, extra, out / "model.safetensors", dtype)
+            if manifest.get("hf_config") is not None:
+                (out / "config.json").write_text(json.dumps(manifest["hf_config"], indent=2, sort_keys=True) + "\n")
+        elif out.suffix == ".safetensors":
+            _export_safetensors(ckpt, manifest, extra, out, dtype)
+        else:
+            sd = {}
+            for names, t in iter_full_params(ckpt, dtype):
+                t = t.clone()
+                for n in names:
+                    sd[n] = t
+            sd.update(extra)
+            torch.save(sd, out)
+    except ZerotierError:
+        raise
+    except OSError as exc:  # the output side: space, permissions, a file where a directory should be
+        raise ZerotierError(f"export --to {out}: cannot write ({exc.strerror or exc}"
+                            f"{f': {exc.filename}' if exc.filename else ''})") from None
     return out
+
+
+def _check_extra(ckpt: Path, manifest: dict, extra: dict[str, torch.Tensor]) -> None:
+    """The saved frozen parameters and buffers can be written beside the trained weights:
+    names of their own, dtypes safetensors has."""
+    trained = {n for u in manifest["units"] for p in u["params"] for n in p["names"]}
+    for name, t in extra.items():
+        if name in trained or name == "__metadata__":
+            raise CheckpointError(f"checkpoint {ckpt}/state.pt: the buffer or frozen parameter {name!r} has the "
+                                  f"name of a trained parameter — the checkpoint is inconsistent; load an earlier one")
+        if t.dtype not in _ST_DTYPES:
+            raise ZerotierError(f"export: {name!r} has dtype {t.dtype}, which safetensors export does not support "
+                                f"({', '.join(str(d).replace('torch.', '') for d in _ST_DTYPES)})")
 
 
 def _export_safetensors(path, manifest: dict, extra: dict, out: Path, dtype: torch.dtype) -> None:
@@ -116,14 +139,18 @@ def _export_safetensors(path, manifest: dict, extra: dict, out: Path, dtype: tor
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(len(head).to_bytes(8, "little"))
-        fh.write(head)
-        for names, t in iter_full_params(path, dtype):
-            for _ in names:
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(len(head).to_bytes(8, "little"))
+            fh.write(head)
+            for names, t in iter_full_params(path, dtype):
+                for _ in names:
+                    fh.write(_tensor_bytes(t))
+            for t in extra.values():
                 fh.write(_tensor_bytes(t))
-        for t in extra.values():
-            fh.write(_tensor_bytes(t))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, out)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    except BaseException:  # a corrupt record, ENOSPC, Ctrl-C: no half-written .tmp is left
+        tmp.unlink(missing_ok=True)
+        raise

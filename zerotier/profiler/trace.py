@@ -36,6 +36,8 @@ import bisect
 import gzip
 import json
 import os
+import reprlib
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -278,15 +280,99 @@ def load_trace(path: str) -> dict:
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
         trace = json.loads(raw)
-    except (OSError, ValueError) as exc:
-        raise ZerotierError(f"{path}: not a JSON trace: {exc}") from None
+    except (OSError, EOFError, zlib.error, ValueError, RecursionError) as exc:  # a cut or damaged gzip stream too
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise ZerotierError(f"{path}: not a JSON trace: {why}") from None
     meta = trace.get("zerotier") if isinstance(trace, dict) else None
     if not isinstance(meta, dict) or not isinstance(trace.get("traceEvents"), list):
         raise ZerotierError(f"{path}: not a zerotier trace (no top-level 'zerotier' object); "
                             "write one with profile.trace_path or Profiler.save()")
     if meta.get("format") != FORMAT:
-        raise ZerotierError(f"{path}: trace format {meta.get('format')!r}, this zerotier reads format {FORMAT}")
+        raise ZerotierError(f"{path}: trace format {reprlib.repr(meta.get('format'))}, this zerotier reads "
+                            f"format {FORMAT}")
+    _check_trace(trace, path)
     return trace
+
+
+_MAX_US = 1e18       # times past this are no trace's (µs; 31,000 years)
+_MAX_COUNT = 1 << 63
+_MAX_BINS = 100_000  # bandwidth bins in the profiled window (build_trace makes BANDWIDTH_BINS)
+
+
+def _check_trace(trace: dict, path: str) -> None:
+    """What read_trace, summarize and plot_trace read is there with its type and in range, so a
+    damaged or edited trace is a ZerotierError naming the field, never a KeyError later."""
+    def bad(what: str):
+        raise ZerotierError(f"{path}: {what} — not a trace zerotier wrote (damaged or edited); "
+                            "profile again to get a new one")
+
+    def number(value, name: str, lo: float = -_MAX_US) -> float:
+        if type(value) not in (int, float) or not lo <= value <= _MAX_US:  # NaN fails too
+            bad(f"{name} is {reprlib.repr(value)}, not a number in [{lo:g}, {_MAX_US:g}]")
+        return value
+
+    def count(value, name: str) -> int:
+        if type(value) is not int or not 0 <= value < _MAX_COUNT:
+            bad(f"{name} is {reprlib.repr(value)}, not a count")
+        return value
+
+    def fields(value, name: str, strs=(), counts=(), numbers=(), bools=()) -> None:
+        if not isinstance(value, dict):
+            bad(f"{name} is {reprlib.repr(value)}, not an object")
+        for key in strs:
+            if not isinstance(value.get(key), str):
+                bad(f"{name}.{key} is {reprlib.repr(value.get(key))}, not a string")
+        for key in counts:
+            count(value.get(key), f"{name}.{key}")
+        for key in numbers:
+            number(value.get(key), f"{name}.{key}", 0.0)
+        for key in bools:
+            if not isinstance(value.get(key), bool):
+                bad(f"{name}.{key} is {reprlib.repr(value.get(key))}, not true/false")
+
+    meta = trace["zerotier"]
+    window = meta.get("window_us")
+    if not isinstance(window, list) or len(window) != 2:
+        bad(f"zerotier.window_us is {reprlib.repr(window)}, not [start, end]")
+    start, end = (number(t, "zerotier.window_us") for t in window)
+    if end < start:
+        bad(f"zerotier.window_us ends before it starts ({start}, {end})")
+    bin_us = number(meta.get("bandwidth_bin_us"), "zerotier.bandwidth_bin_us", 0.0)
+    if bin_us <= 0 or (end - start) / bin_us > _MAX_BINS:
+        bad(f"zerotier.bandwidth_bin_us {bin_us} cuts the {end - start} µs window into too many bins")
+    peaks = meta.get("peak_rates")
+    if peaks is not None:
+        fields(peaks, "zerotier.peak_rates")
+        for key, rate in peaks.items():
+            if rate is not None:
+                number(rate, f"zerotier.peak_rates.{key}", 0.0)
+    fields(meta.get("prefetch"), "zerotier.prefetch", counts=("issued", "hits", "misses", "wasted"))
+    fields(meta.get("vocabulary"), "zerotier.vocabulary")
+    reasons = meta["vocabulary"].get("reasons")
+    if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
+        bad("zerotier.vocabulary.reasons is not a list of strings")
+    if meta.get("device") is not None and not isinstance(meta["device"], str):
+        bad(f"zerotier.device is {reprlib.repr(meta['device'])}, not a string")
+    for i, e in enumerate(trace["traceEvents"]):
+        if not isinstance(e, dict):
+            bad(f"traceEvents[{i}] is {reprlib.repr(e)}, not an object")
+        ph, cat, at = e.get("ph"), e.get("cat"), f"traceEvents[{i}]"
+        if ph == "X" and cat in ("transfer", "compute", "stall"):
+            ts, dur = number(e.get("ts"), f"{at}.ts"), number(e.get("dur"), f"{at}.dur", 0.0)
+            if ts < start - 1 or ts + dur > end + 1:  # build_trace's window holds every X event
+                bad(f"{at} [{ts}, {ts + dur}] µs lies outside zerotier.window_us [{start}, {end}]")
+            if cat == "transfer":
+                fields(e.get("args"), f"{at}.args", strs=("tensor", "role", "src", "dst", "reason", "stream"),
+                       counts=("bytes",), numbers=("stall_us",))
+            elif cat == "compute":
+                fields(e.get("args"), f"{at}.args", strs=("kind", "thread"), counts=("numel",))
+            else:
+                fields(e.get("args"), f"{at}.args", strs=("tensor", "thread"), bools=("matched",))
+        elif ph == "C" and cat == "residency":
+            number(e.get("ts"), f"{at}.ts")
+            if not isinstance(e.get("name"), str) or not e["name"].startswith("residency "):
+                bad(f"{at}.name is {reprlib.repr(e.get('name'))}, not 'residency <tier>'")
+            fields(e.get("args"), f"{at}.args", counts=("used", "budget"))
 
 
 # ---------------------------------------------------------------------------------------------
