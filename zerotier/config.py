@@ -81,7 +81,7 @@ class TiersConfig(_Section):
 @dataclass(frozen=True)
 class OffloadConfig(_Section):
     params: Placement = "auto"
-    gradients: Placement = "auto"
+    gradients: Placement = "auto"       # nvme: a file per unit, folded into as backward goes (grads.py)
     optimizer: Placement = "auto"
 
 
@@ -89,7 +89,7 @@ class OffloadConfig(_Section):
 class PrecisionConfig(_Section):
     param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     master_dtype: Literal["fp32"] = "fp32"
-    grad_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # gradient accumulators, on whichever tier
     loss_scale: Union[float, Literal["dynamic"]] = 1.0  # "dynamic" for fp16
     initial_scale_power: int = 16          # dynamic scaling starts at 2**power
     loss_scale_window: int = 1000          # good steps before the scale doubles

@@ -481,17 +481,17 @@ class NvmeGradStore(GradStore):
         i = unit.index
         if self._reduce_each:  # stages 2-3: this backward's gradient
             src, copies = self._take_fresh(unit)
+            self._reducing[i] = src  # (given back by _shard_ready, or by zero() after an error)
             _wait_all(copies)
         else:  # stages 0-1, the window's last backward: its sum, read back from its file
             self.settle(unit)
             total, _, _ = self._files[i]
-            src = self.host_pool.alloc(unit.numel * self.grad_dtype.itemsize, self.grad_dtype,
-                                       f"{unit.key}.grad (reduce input)")
+            src = self._reducing[i] = self.host_pool.alloc(unit.numel * self.grad_dtype.itemsize,
+                                                           self.grad_dtype, f"{unit.key}.grad (reduce input)")
             if total in self._written:
                 self._timed(total, "nvme", "host", src.nbytes, lambda: self.store.read(total, src))
             else:
                 src.tensor.zero_()
-        self._reducing[i] = src
         return src.tensor
 
     def _shard_ready(self, index: int, shard: torch.Tensor) -> None:

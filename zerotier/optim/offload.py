@@ -374,7 +374,8 @@ class UnitOptimizer:
     def _wait(self, tickets: list) -> None:
         """Wait for every ticket (even after a failure), then raise the first error."""
         prof = self.profiler
-        token = prof.wait_begin(tickets[0].name) if prof is not None and tickets else None
+        prof = prof if tickets and isinstance(tickets[0], _Profiled) else None  # place(): plain store tickets
+        token = prof.wait_begin(tickets[0].name) if prof is not None else None
         first = None
         for t in tickets:
             try:
