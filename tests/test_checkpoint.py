@@ -162,13 +162,14 @@ import sys, time, torch, zerotier
 from zerotier import checkpoint, export
 sys.path.insert(0, {tests!r})
 from test_checkpoint import make_model, config, train, HOST
-real = checkpoint._write_bytes
-def slow(fh, data):
-    real(fh, data)
-    fh.flush()
+real = checkpoint._write_record
+def slow(eng, fd, buf, offset, path):
+    ticket = real(eng, fd, buf, offset, path)
+    ticket.wait()
     print("writing", flush=True)
     time.sleep(0.2)
-checkpoint._write_bytes = slow
+    return ticket
+checkpoint._write_record = slow
 engine = zerotier.initialize(make_model(), config(HOST, {tmp!r}))
 engine.load_checkpoint({root!r})
 train(engine, 1, 1)
@@ -212,19 +213,19 @@ def test_enospc_during_save(tmp_path, monkeypatch):
         expected = engine.parameters_fp32()
         train(engine, 1, 1)
         calls = []
-        real = checkpoint._write_bytes
+        real = checkpoint._write_record
 
-        def full_disk(fh, data):
+        def full_disk(eng, fd, buf, offset, path):
             calls.append(1)
             if len(calls) > 4:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            real(fh, data)
-        monkeypatch.setattr(checkpoint, "_write_bytes", full_disk)
+            return real(eng, fd, buf, offset, path)
+        monkeypatch.setattr(checkpoint, "_write_record", full_disk)
         with pytest.raises(TierIOError) as info:
             engine.save_checkpoint(root)
         msg = str(info.value)
         assert str(root) in msg and "free space" in msg and "no space left" in msg
-        monkeypatch.setattr(checkpoint, "_write_bytes", real)
+        monkeypatch.setattr(checkpoint, "_write_record", real)
     assert sorted(p.name for p in root.iterdir()) == ["ckpt-1", "latest"]
     with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
         engine.load_checkpoint(root)
@@ -574,6 +575,11 @@ def test_latest_that_is_a_directory_at_load_and_at_save(tmp_path):
                                                          r"directly"):
         export.export(root, tmp_path / "w.safetensors")
     export.export(ckpt, tmp_path / "w.safetensors")  # the hint works
+    (root / "latest").rmdir()  # deleted: the message names the checkpoints there
+    with pytest.raises(checkpoint.CheckpointError, match=r"neither .*/latest nor .*/manifest\.json exists; it holds "
+                                                         r"ckpt-1: load one of them directly"):
+        export.export(root, tmp_path / "w.safetensors")
+    (root / "latest").mkdir()
     engine = _engine(tmp_path)
     train(engine, 0, 2)
     before = sorted(os.listdir(root))

@@ -60,6 +60,7 @@ states tried on throwaway generators, before the engine changes.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import math
@@ -78,6 +79,7 @@ import crc32c as _crc32c
 import torch
 
 from .errors import TierIOError, ZerotierError
+from .io import open_direct, open_engine, round_up
 from .optim.offload import STATE_KEYS
 
 FORMAT = 1
@@ -423,23 +425,63 @@ def save(engine, root, *, lr_scheduler=None, client_state=None, keep: int | None
     return final
 
 
+_WRITES_IN_FLIGHT = 3  # records (one unit) being written at once ([Note: checkpoint streaming])
+
+
+def _write_record(eng, fd: int, buf: torch.Tensor, offset: int, path: str):
+    """Submit one record's write (a seam for fault injection in tests); returns its ticket."""
+    return eng.write(fd, buf, offset, path)
+
+
 def _write_rank_data(engine, path: Path) -> list[dict]:
-    """Stream this rank's real optimizer-state ranges into `path`, one unit at a time."""
-    records = []
+    """[Note: checkpoint streaming] This rank's real optimizer-state ranges go to `path` through
+    zerotier's I/O engine, O_DIRECT where the filesystem allows: each record starts at an
+    `io.alignment` boundary (nbytes stays exact; the padding after it is zeros and no reader
+    looks at it), up to _WRITES_IN_FLIGHT records are in flight from aligned buffers, and the
+    next unit's state is being read from the NVMe tier meanwhile (UnitOptimizer.iter_state):
+    the drive's queue stays full instead of each read and write waiting for the last. The
+    host memory this takes is the buffers of the units in flight, not the model's state."""
+    io_cfg = engine.cfg.io
+    align = io_cfg.alignment
+    records, inflight = [], collections.deque()
     offset = 0
-    with _create(path) as fh:
-        for unit in engine.units:
-            state = engine.unit_optimizer.read_state(unit)  # NVMe: this unit's shard only
-            n = unit.shard_hi - unit.shard_lo
-            for k in STATE_KEYS:
-                data = _tensor_bytes(state[k][:n])
-                _write_bytes(fh, data)
-                records.append({"unit": unit.index, "key": k, "offset": offset, "nbytes": len(data),
-                                "crc32c": _crc(data)})
-                offset += len(data)
-            del state
-        fh.flush()
-        os.fsync(fh.fileno())
+
+    def retire(item) -> None:
+        ticket, want, _keep = item
+        got = ticket.wait()
+        if got != want:
+            raise OSError(errno.EIO, f"short write: {got} of {want} bytes")
+    with open_engine(io_cfg) as eng:
+        fd, _direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, direct=io_cfg.o_direct)
+        try:
+            try:
+                for unit, state in engine.unit_optimizer.iter_state(engine.units, align):
+                    n = unit.shard_hi - unit.shard_lo
+                    for k in STATE_KEYS:
+                        nbytes = 4 * n
+                        padded = round_up(nbytes, align) if nbytes else 0
+                        t = state[k]  # aligned, with room for `padded` bytes (iter_state)
+                        raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), 4 * t.storage_offset(),
+                                                                    (padded,))
+                        raw[nbytes:].zero_()
+                        records.append({"unit": unit.index, "key": k, "offset": offset, "nbytes": nbytes,
+                                        "crc32c": _crc(raw[:nbytes].numpy())})
+                        if padded:
+                            inflight.append((_write_record(eng, fd, raw, offset, str(path)), padded, raw))
+                        offset += padded
+                    while len(inflight) > _WRITES_IN_FLIGHT:
+                        retire(inflight.popleft())
+                while inflight:
+                    retire(inflight.popleft())
+            finally:
+                for ticket, _want, _keep in inflight:  # an error above: the rest land before buffers go
+                    try:
+                        ticket.wait()
+                    except Exception:  # noqa: BLE001 - the first error is the one raised
+                        pass
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     return records
 
 
@@ -577,7 +619,13 @@ def resolve(path) -> Path:
         return path
     latest = path / "latest"
     if not os.path.lexists(latest):
-        raise CheckpointError(f"no checkpoint at {path}: neither {path}/latest nor {path}/manifest.json exists")
+        try:
+            found = sorted((p.name for p in path.iterdir() if _step_of(p) is not None), key=lambda n: int(n[5:]))
+        except OSError:  # not a directory, or not readable
+            found = []
+        hint = f"; it holds {', '.join(found[-3:])}: load one of them directly" if found else ""
+        raise CheckpointError(f"no checkpoint at {path}: neither {path}/latest nor {path}/manifest.json "
+                              f"exists{hint}")
     hint = "load one of the ckpt-* directories there directly"
     if not latest.is_file():
         kind = "a directory" if latest.is_dir() else "not a regular file"

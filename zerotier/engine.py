@@ -286,7 +286,11 @@ class Engine:
             if is_meta(unit):  # the stores hold this list: they see the rebuilt unit
                 unit = self.units[i] = materializer.unit(unit)
                 self._user_form.update({id(p): (p.dtype, torch.device("meta")) for p in unit.params})
-            full = torch.cat([p.detach().reshape(-1).float().cpu() for p in unit.params])
+            flats = [p.detach().reshape(-1).float().cpu() for p in unit.params]
+            if len(flats) > 1:
+                full = torch.cat(flats)
+            else:  # the parameter itself (no copy) unless the broadcast below writes into it
+                full = flats[0].clone() if sharding.active else flats[0]
             sharding.broadcast(full)
             master = sharding.shard_of(unit, full)  # fp32 master of this rank's shard (all of it on one rank)
             self.unit_optimizer.place(unit, master)

@@ -65,10 +65,11 @@ class Sharding:
         return self.stage == 3 and not unit.part.replicated
 
     def shard_of(self, unit: Unit, full: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk of a full flat, zero-padded to shard_numel (a copy)."""
+        """This rank's chunk of a full flat, zero-padded to shard_numel: `full` itself when the
+        unit is not sharded (callers copy what they keep)."""
         part = unit.part
         if part.replicated:
-            return full.clone()
+            return full
         out = torch.zeros(part.shard_numel, dtype=full.dtype, device=full.device)
         lo, hi = unit.shard_lo, unit.shard_hi
         out[: hi - lo] = full[lo:hi]

@@ -50,6 +50,7 @@ import torch
 from ..config import OptimizerConfig
 from ..device import local_world_size
 from ..errors import ConfigError
+from ..io import aligned_empty
 from ..state import Location, Unit
 from . import _kernels
 
@@ -422,6 +423,36 @@ class UnitOptimizer:
         for k in keys:
             self.store.read(f"{unit.key}.{k}", out[k]).wait()
         return out
+
+    def iter_state(self, units: list[Unit], alignment: int) -> Iterator[tuple[Unit, dict[str, torch.Tensor]]]:
+        """Each unit's fp32 state as aligned CPU tensors of its shard (storage padded to `alignment`
+        bytes: [Note: checkpoint streaming] in checkpoint.py), the next unit's NVMe reads already in
+        flight. The tensors are the caller's; reads still in flight are waited for if it stops early."""
+        def issue(unit: Unit):
+            n = unit.shard_numel
+            bufs = {k: aligned_empty(4 * n, alignment).view(torch.float32)[:n] for k in STATE_KEYS}
+            if self.loc is Location.NVME:
+                return bufs, [self.store.read(f"{unit.key}.{k}", bufs[k], padded=True) for k in STATE_KEYS]
+            for k in STATE_KEYS:
+                bufs[k].copy_(self._state[unit.index][k])
+            return bufs, []
+
+        ahead: collections.deque = collections.deque()
+        try:
+            for j, unit in enumerate(units):
+                if not ahead:
+                    ahead.append(issue(unit))
+                if j + 1 < len(units):
+                    ahead.append(issue(units[j + 1]))
+                bufs, tickets = ahead.popleft()
+                self._wait(tickets)
+                yield unit, bufs
+        finally:
+            for _bufs, tickets in ahead:  # the engine must not write into memory we drop
+                try:
+                    self._wait(tickets)
+                except Exception:  # noqa: BLE001 - the caller is already leaving with its own error
+                    pass
 
     def write_state(self, unit: Unit, state: dict[str, torch.Tensor], steps: "int | list[int]") -> None:
         """Replace a unit's master/exp_avg/exp_avg_sq (CPU tensors of the shard's size, padding
