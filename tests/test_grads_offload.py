@@ -323,10 +323,12 @@ def test_host_memory_for_nvme_gradients_does_not_grow_with_the_model(tmp_path):
     unit = (256 * 256 + 256) * 4  # one layer's fp32 gradient (and parameter) bytes
     small, small_plan = host_peak(4, "nvme", tmp_path)
     big, big_plan = host_peak(24, "nvme", tmp_path)
-    # 20 more layers are 20 more units of gradient: none of it stays in host memory (a few
+    # the plan's host bytes are the largest unit's staging: the same for 4 layers as for 24,
+    # and the peak stays within them
+    assert small_plan == big_plan and small <= small_plan and big <= big_plan, (small, small_plan, big, big_plan)
+    # 20 more layers are 20 more units of gradient: none of it stays in host memory (some
     # blocks of slack: the peak depends on how prefetches and writes overlapped)
-    assert big <= small + 4 * unit, (small, big)
-    assert small <= small_plan and big <= big_plan
+    assert big - small < 8 * unit, (small, big)
     host_small, _ = host_peak(4, "host", tmp_path)
     host_big, _ = host_peak(24, "host", tmp_path)
     assert host_big >= host_small + 20 * unit  # the same runs with host gradients do grow
