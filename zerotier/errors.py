@@ -23,3 +23,7 @@ class TierIOError(ZerotierError, OSError):
 
 class NativeUnavailableError(ZerotierError, RuntimeError):
     """The native library was required but could not be loaded."""
+
+
+class NativeError(ZerotierError, RuntimeError):
+    """A native (C++) call failed; the message names the function and the native reason."""

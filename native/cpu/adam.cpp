@@ -29,7 +29,7 @@
 #define ZT_X86 1
 #endif
 
-extern "C" int zt_cpu_simd_supported(void);
+extern "C" int zt_cpu_simd_supported(void) noexcept;
 
 // Must match ctypes.Structure ZtAdamArgs in zerotier/optim/_kernels.py.
 struct ZtAdamArgs {
@@ -320,29 +320,30 @@ constexpr int64_t kMinPerThread = 1 << 16;
 
 namespace {
 
-int64_t check_args(const ZtAdamArgs& a, int supported) {
-  if (a.n < 0 || (a.n > 0 && (!a.param || !a.exp_avg || !a.exp_avg_sq || !a.grad))) return -1;
-  if (a.grad_dtype < ZT_F32 || a.grad_dtype > ZT_F16) return -1;
-  if (a.out_dtype != ZT_NONE && (a.out_dtype < ZT_F32 || a.out_dtype > ZT_F16 || !a.param_out)) return -1;
+// 0, or ZT_ERR_ARGS / ZT_ERR_SIMD with the reason recorded for zt_cpu_last_error().
+int64_t check_args(const ZtAdamArgs& a, int64_t t, int supported) {
+  const char* fn = "zt_adam_step_multi";
+  if (a.n < 0) return zt::set_error(fn, "args[%lld].n = %lld < 0", (long long)t, (long long)a.n), ZT_ERR_ARGS;
+  if (a.n > 0 && (!a.param || !a.exp_avg || !a.exp_avg_sq || !a.grad))
+    return zt::set_error(fn, "args[%lld] has a NULL buffer", (long long)t), ZT_ERR_ARGS;
+  if (a.grad_dtype < ZT_F32 || a.grad_dtype > ZT_F16)
+    return zt::set_error(fn, "args[%lld].grad_dtype = %d is not a ZtDtype", (long long)t, a.grad_dtype), ZT_ERR_ARGS;
+  if (a.out_dtype != ZT_NONE && (a.out_dtype < ZT_F32 || a.out_dtype > ZT_F16 || !a.param_out))
+    return zt::set_error(fn, "args[%lld]: out_dtype = %d without a matching param_out", (long long)t, a.out_dtype),
+           ZT_ERR_ARGS;
   int simd = a.simd == ZT_SIMD_AUTO ? supported : a.simd;
-  if (simd > supported) return -2;
+  if (simd > supported)
+    return zt::set_error(fn, "SIMD level %d is not supported by this CPU (best: %d)", simd, supported), ZT_ERR_SIMD;
   return 0;
 }
 
-}  // namespace
-
-// Steps `count` independent buffers (e.g. all parameters of a param group) in ONE
-// parallel region: the threads split the concatenated element range, so 200
-// tensors of 1M cost one pool wake-up, not 200. Hyper-parameters, threads and simd
-// come from each entry (threads/simd of args[0] govern the region).
-// Returns the number of non-finite (inf/NaN) scaled gradients seen, or a negative
-// error code: -1 bad arguments, -2 SIMD level not supported by this CPU.
-ZT_API int64_t zt_adam_step_multi(const ZtAdamArgs* args, int64_t count) {
-  if (count <= 0) return count == 0 ? 0 : -1;
+int64_t adam_step_multi(const ZtAdamArgs* args, int64_t count) {
+  if (count < 0) return zt::set_error("zt_adam_step_multi", "count = %lld < 0", (long long)count), ZT_ERR_ARGS;
+  if (count == 0) return 0;
   const int supported = zt_cpu_simd_supported();
   int64_t total = 0;
   for (int64_t t = 0; t < count; ++t) {
-    int64_t rc = check_args(args[t], supported);
+    int64_t rc = check_args(args[t], t, supported);
     if (rc < 0) return rc;
     total += args[t].n;
   }
@@ -387,7 +388,17 @@ ZT_API int64_t zt_adam_step_multi(const ZtAdamArgs* args, int64_t count) {
   return nonfinite.load();
 }
 
-ZT_API int64_t zt_adam_step(const ZtAdamArgs* args) { return zt_adam_step_multi(args, 1); }
+}  // namespace
+
+// Steps `count` independent buffers (e.g. all parameters of a param group) in ONE
+// parallel region: the threads split the concatenated element range, so 200
+// tensors of 1M cost one pool wake-up, not 200. Hyper-parameters, threads and simd
+// come from each entry (threads/simd of args[0] govern the region).
+// Returns the number of non-finite (inf/NaN) scaled gradients seen, or ZT_ERR_ARGS,
+// ZT_ERR_SIMD or ZT_ERR_EXCEPTION (message in zt_cpu_last_error()).
+ZT_API int64_t zt_adam_step_multi(const ZtAdamArgs* args, int64_t count) {
+  return zt::guard<int64_t>("zt_adam_step_multi", ZT_ERR_EXCEPTION, [&] { return adam_step_multi(args, count); });
+}
 
 // Sum of squares of load(i) * scale over [begin, end): 8 independent float accumulators per
 // block of 4096, folded into double — fast, and accurate enough for a norm (relative error ~1e-7).
@@ -413,27 +424,42 @@ double sumsq_range(Load load, int64_t begin, int64_t end, float scale) {
 }
 
 // Sum of squares of (grad * scale) in double, for global grad-norm clipping of
-// host-resident gradients. Non-finite values propagate (the sum becomes inf/NaN).
-ZT_API double zt_grad_sumsq(const void* grad, int32_t dtype, int64_t n, float scale, int32_t threads) {
-  if (n <= 0) return 0.0;
-  threads = threads > 0 ? threads : zt::hardware_threads();
-  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread));
-  double partial[256] = {0};
-  threads = std::min(threads, 256);
-  zt::ThreadPool::instance().run(threads, [&](int tid, int nt) {
-    int64_t per = (n + nt - 1) / nt;
-    int64_t begin = std::min<int64_t>(n, per * tid), end = std::min<int64_t>(n, begin + per);
-    double acc = 0.0;
-    switch (dtype) {  // one loop per dtype: the load inlines and the lanes vectorize
-      case ZT_BF16: acc = sumsq_range([&](int64_t i) { return bf16_to_f32(((const uint16_t*)grad)[i]); },
-                                      begin, end, scale); break;
-      case ZT_F16: acc = sumsq_range([&](int64_t i) { return f16_to_f32(((const uint16_t*)grad)[i]); },
-                                     begin, end, scale); break;
-      default: acc = sumsq_range([&](int64_t i) { return ((const float*)grad)[i]; }, begin, end, scale);
-    }
-    partial[tid] = acc;
+// host-resident gradients, stored in *out. Non-finite values propagate (the sum becomes
+// inf/NaN). Returns 0, ZT_ERR_ARGS or ZT_ERR_EXCEPTION (message in zt_cpu_last_error()).
+ZT_API int32_t zt_grad_sumsq(const void* grad, int32_t dtype, int64_t n, float scale, int32_t threads,
+                             double* out) {
+  return zt::guard<int32_t>("zt_grad_sumsq", ZT_ERR_EXCEPTION, [&]() -> int32_t {
+    if (!out || (n > 0 && !grad) || dtype < ZT_F32 || dtype > ZT_F16)
+      return zt::set_error("zt_grad_sumsq", "NULL buffer or dtype %d is not a ZtDtype", dtype), ZT_ERR_ARGS;
+    *out = 0.0;
+    if (n <= 0) return 0;
+    threads = threads > 0 ? threads : zt::hardware_threads();
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread));
+    double partial[256] = {0};
+    threads = std::min(threads, 256);
+    zt::ThreadPool::instance().run(threads, [&](int tid, int nt) {
+      int64_t per = (n + nt - 1) / nt;
+      int64_t begin = std::min<int64_t>(n, per * tid), end = std::min<int64_t>(n, begin + per);
+      double acc = 0.0;
+      switch (dtype) {  // one loop per dtype: the load inlines and the lanes vectorize
+        case ZT_BF16: acc = sumsq_range([&](int64_t i) { return bf16_to_f32(((const uint16_t*)grad)[i]); },
+                                        begin, end, scale); break;
+        case ZT_F16: acc = sumsq_range([&](int64_t i) { return f16_to_f32(((const uint16_t*)grad)[i]); },
+                                       begin, end, scale); break;
+        default: acc = sumsq_range([&](int64_t i) { return ((const float*)grad)[i]; }, begin, end, scale);
+      }
+      partial[tid] = acc;
+    });
+    double total = 0.0;
+    for (int t = 0; t < threads; ++t) total += partial[t];
+    *out = total;
+    return 0;
   });
-  double total = 0.0;
-  for (int t = 0; t < threads; ++t) total += partial[t];
-  return total;
 }
+
+// sizeof(ZtAdamArgs) as this library was compiled; zerotier/optim/_kernels.py refuses a
+// library whose struct does not match its ctypes mirror.
+ZT_API int64_t zt_adam_args_size(void) noexcept { return (int64_t)sizeof(ZtAdamArgs); }
+
+// The calling thread's message for the last failure of an export of this library.
+ZT_API const char* zt_cpu_last_error(void) noexcept { return zt::g_last_error; }

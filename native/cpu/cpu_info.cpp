@@ -1,9 +1,8 @@
 // Run-time CPU feature detection: one binary serves CPUs with and without AVX-512.
 #include "zt_api.h"
-#include "cpu/threadpool.h"
 
 // Highest SIMD level this CPU can run with the kernels compiled here.
-ZT_API int zt_cpu_simd_supported(void) {
+ZT_API int zt_cpu_simd_supported(void) noexcept {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl"))
@@ -13,6 +12,8 @@ ZT_API int zt_cpu_simd_supported(void) {
   return ZT_SIMD_SCALAR;
 }
 
-ZT_API int zt_cpu_hardware_threads(void) { return zt::hardware_threads(); }
-
-ZT_API int zt_abi_version(void) { return 1; }
+// Bumped with every change of the exported functions or of struct ZtAdamArgs;
+// zerotier/optim/_kernels.py checks it at load.
+// 2: zt_grad_sumsq returns a status and writes *out; zt_adam_step and zt_cpu_hardware_threads
+//    removed; zt_cpu_last_error and zt_adam_args_size added.
+ZT_API int zt_abi_version(void) noexcept { return 2; }

@@ -24,6 +24,13 @@
 // a single owner thread, all task_work runs inside that thread's io_uring_enter(GETEVENTS),
 // which also lets us ask for IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN.
 //
+// [Note: engines after fork] fork() copies an engine but not its threads, and the child
+// shares the parent's io_uring rings (MAP_SHARED). Each engine remembers the pid that
+// created it; in any other process every call on its handle fails with ZT_ERR_FORKED
+// without touching it (zt_io_destroy included: the child's copy is leaked on purpose), so a
+// forked child can neither hang on requests nobody will complete nor corrupt the parent's
+// ring. A child that needs I/O creates its own engine.
+//
 // [Note: short transfers] A partial pread/pwrite/CQE is resumed from where it stopped, with
 // EINTR/EAGAIN retried. A read that returns 0 is EOF. With O_DIRECT a read can only stop at
 // an unaligned position at EOF (and resuming there would fail with EINVAL), so a partial
@@ -49,11 +56,14 @@
 #include <condition_variable>
 #include <deque>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
+
+#include "zt_api.h"
 
 #ifndef __NR_io_uring_setup
 #define __NR_io_uring_setup 425
@@ -74,8 +84,6 @@
 #define IORING_SETUP_COOP_TASKRUN (1U << 8)
 #endif
 
-#define ZT_API extern "C" __attribute__((visibility("default")))
-
 namespace {
 
 enum Op { kRead = 0, kWrite = 1 };
@@ -87,13 +95,31 @@ constexpr uint64_t kWakeTag = ~0ULL;        // user_data of the ring's wake-even
 // kernel writing into a freed engine if a READ is still armed when the ring is torn down.
 uint64_t g_wake_sink;
 
-void set_why(char* why, int len, const std::string& msg) {
-    if (why && len > 0) snprintf(why, (size_t)len, "%s", msg.c_str());
+void copy_out(char* out, int len, const std::string& msg) {
+    if (out && len > 0) snprintf(out, (size_t)len, "%s", msg.c_str());
 }
 
 std::string errno_str(const char* what, int err) {
     return std::string(what) + ": " + strerror(err);
 }
+
+// Owns a file descriptor: closed on destruction or reset().
+class UniqueFd {
+  public:
+    UniqueFd() = default;
+    explicit UniqueFd(int fd) : fd_(fd) {}
+    UniqueFd(const UniqueFd&) = delete;
+    UniqueFd& operator=(const UniqueFd&) = delete;
+    ~UniqueFd() { reset(); }
+    int get() const { return fd_; }
+    void reset(int fd = -1) {
+        if (fd_ >= 0) close(fd_);
+        fd_ = fd;
+    }
+
+  private:
+    int fd_ = -1;
+};
 
 // ---------------------------------------------------------------------------------------
 // Requests and chunks. All fields except Chunk::done/retries are guarded by Engine::mu;
@@ -135,16 +161,20 @@ bool may_resume_read(const Chunk* c) {
 class Engine {
   public:
     Engine(unsigned qd, unsigned block) : qd_(qd), block_(block) {}
-    virtual ~Engine() {
-        for (auto& kv : requests_) delete kv.second;
-    }
+    virtual ~Engine() = default;
     virtual const char* name() const = 0;
     virtual std::string info() const { return name(); }
+
+    // The pid that created the engine; see [Note: engines after fork].
+    pid_t owner() const { return owner_; }
 
     int64_t submit(int op, int fd, void* buf, uint64_t nbytes, uint64_t offset) {
         if (op != kRead && op != kWrite) return -EINVAL;
         if (nbytes && !buf) return -EFAULT;
-        auto* r = new Request();
+        // Everything that allocates happens before the request is visible to the backend;
+        // a bad_alloc leaves nothing behind (the caller maps it to -ENOMEM).
+        auto owned = std::make_unique<Request>();
+        Request* r = owned.get();
         r->op = op;
         r->fd = fd;
         r->buf = static_cast<char*>(buf);
@@ -158,19 +188,26 @@ class Engine {
         r->remaining = n;
 
         std::unique_lock<std::mutex> lk(mu_);
-        if (stopping_) {
-            delete r;
-            return -ESHUTDOWN;
-        }
+        if (stopping_) return -ESHUTDOWN;
         int64_t id = next_id_++;
-        requests_.emplace(id, r);
+        requests_.emplace(id, std::move(owned));  // on throw the Request is freed
         if (n == 0) {
             r->complete = true;
             lk.unlock();
             signal_completions();
             return id;
         }
-        for (auto& c : r->chunks) pending_.push_back(&c);
+        size_t queued = 0;
+        try {
+            for (auto& c : r->chunks) {
+                pending_.push_back(&c);
+                ++queued;
+            }
+        } catch (...) {  // the deque could not grow: unpublish the request before anyone saw it
+            pending_.erase(pending_.end() - (std::ptrdiff_t)queued, pending_.end());
+            requests_.erase(id);
+            throw;
+        }
         kick_locked();
         return id;
     }
@@ -255,7 +292,6 @@ class Engine {
         auto it = requests_.find(id);
         if (it == requests_.end()) return -ENOENT;
         if (result) *result = it->second->result();
-        delete it->second;
         requests_.erase(it);
         return 0;
     }
@@ -263,11 +299,12 @@ class Engine {
     const unsigned qd_, block_;
     std::mutex mu_;
     std::condition_variable cv_done_;  // a request completed, or issued_ dropped to 0
-    std::unordered_map<int64_t, Request*> requests_;
+    std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;
     std::deque<Chunk*> pending_;       // chunks not yet handed to the kernel / a worker
     unsigned issued_ = 0;              // chunks handed to the kernel / a worker
     int64_t next_id_ = 1;
     bool stopping_ = false;
+    const pid_t owner_ = getpid();
 };
 
 // ---------------------------------------------------------------------------------------
@@ -294,7 +331,12 @@ int transfer_sync(Chunk* c) {
 class ThreadsEngine final : public Engine {
   public:
     ThreadsEngine(unsigned qd, unsigned block, unsigned threads) : Engine(qd, block) {
-        for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this, i] { run(i); });
+        try {
+            for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this, i] { run(i); });
+        } catch (...) {  // joinable std::threads must not be destroyed: join those started
+            stop_backend();
+            throw;
+        }
     }
     ~ThreadsEngine() override { shutdown(); }
     const char* name() const override { return "threads"; }
@@ -315,7 +357,8 @@ class ThreadsEngine final : public Engine {
     }
 
   private:
-    void run(unsigned i) {
+    // Allocates nothing and calls nothing that throws: see [Note: native error contract].
+    void run(unsigned i) noexcept {
         char nm[16];
         snprintf(nm, sizeof nm, "zt-io-%u", i);
         pthread_setname_np(pthread_self(), nm);
@@ -353,6 +396,11 @@ class ThreadsEngine final : public Engine {
 // our indices with release (to publish the SQEs we wrote / free the CQEs we read).
 
 struct Ring {
+    Ring() = default;
+    Ring(const Ring&) = delete;
+    Ring& operator=(const Ring&) = delete;
+    ~Ring() { destroy(); }
+
     int fd = -1;
     unsigned flags = 0, features = 0, sq_entries = 0, cq_entries = 0;
     unsigned *sq_head = nullptr, *sq_tail = nullptr, *sq_mask = nullptr, *sq_array = nullptr;
@@ -416,6 +464,7 @@ struct Ring {
         return -e;
     }
 
+    // Unmaps the rings and closes the fd; idempotent (also run by the destructor).
     void destroy() {
         if (sqes) munmap(sqes, sqes_len);
         if (cq_map != MAP_FAILED && cq_map != sq_map) munmap(cq_map, cq_map_len);
@@ -509,8 +558,8 @@ class UringEngine final : public Engine {
     // Start the ring thread; it sets up the ring itself (SINGLE_ISSUER: the creator
     // must be the submitter). Returns 0 or -errno with `why` filled.
     int start(std::string* why) {
-        wake_fd_ = eventfd(0, EFD_CLOEXEC);  // blocking: the ring arms poll on it
-        if (wake_fd_ < 0) {
+        wake_fd_.reset(eventfd(0, EFD_CLOEXEC));  // blocking: the ring arms poll on it
+        if (wake_fd_.get() < 0) {
             int e = errno;
             *why = errno_str("eventfd", e);
             return -e;
@@ -521,7 +570,7 @@ class UringEngine final : public Engine {
         auto res = fut.get();
         if (res.first < 0) {
             thread_.join();
-            *why = res.second;
+            *why = res.second.empty() ? errno_str("io_uring engine setup", -res.first) : res.second;
         }
         return res.first;
     }
@@ -532,7 +581,7 @@ class UringEngine final : public Engine {
         if (ring_sleeping_ && !wake_sent_) {
             wake_sent_ = true;
             uint64_t one = 1;
-            ssize_t rc = write(wake_fd_, &one, sizeof one);
+            ssize_t rc = write(wake_fd_.get(), &one, sizeof one);
             (void)rc;
         }
     }
@@ -548,8 +597,7 @@ class UringEngine final : public Engine {
             }
             thread_.join();
         }
-        if (wake_fd_ >= 0) close(wake_fd_);
-        wake_fd_ = -1;
+        wake_fd_.reset();
     }
 
   private:
@@ -568,7 +616,7 @@ class UringEngine final : public Engine {
         io_uring_sqe* sqe = ring_.get_sqe();
         if (!sqe) return false;
         sqe->opcode = IORING_OP_READ;
-        sqe->fd = wake_fd_;
+        sqe->fd = wake_fd_.get();
         sqe->addr = (uint64_t)(uintptr_t)&g_wake_sink;
         sqe->len = sizeof g_wake_sink;
         sqe->off = 0;
@@ -605,19 +653,40 @@ class UringEngine final : public Engine {
         return false;
     }
 
-    void run(std::promise<std::pair<int, std::string>>* ready) {
+    // The ring thread: sets the ring up (everything that can throw happens here and is
+    // reported through `ready`), then serves it in loop().
+    void run(std::promise<std::pair<int, std::string>>* ready) noexcept {
         pthread_setname_np(pthread_self(), "zt-io-ring");
-        std::string why;
-        // One SQ slot for the wake READ, the rest for chunks; CQ is 2x SQ by default,
-        // so with at most qd_+1 requests in flight the CQ can never overflow.
-        int rc = setup_ring_best(&ring_, next_pow2(qd_ + 1), &why);
-        if (rc == 0 && !arm_wake()) rc = -EBUSY, why = "cannot arm wake eventfd";
-        if (rc == 0) limit_iowq();
-        ready->set_value({rc, why});
-        if (rc < 0) return;
-
         std::vector<std::pair<Chunk*, int>> cqes;
-        std::vector<Chunk*> retry;   // chunks to resubmit (partial transfer or EINTR)
+        std::vector<Chunk*> retry;  // chunks to resubmit (partial transfer or EINTR)
+        std::pair<int, std::string> status{0, ""};
+        try {
+            // One SQ slot for the wake READ, the rest for chunks; CQ is 2x SQ by default,
+            // so with at most qd_+1 requests in flight the CQ can never overflow.
+            status.first = setup_ring_best(&ring_, next_pow2(qd_ + 1), &status.second);
+            if (status.first == 0 && !arm_wake()) status = {-EBUSY, "cannot arm wake eventfd"};
+            if (status.first == 0) {
+                limit_iowq();
+                cqes.reserve(ring_.cq_entries);  // the loop never grows these vectors
+                retry.reserve(qd_);
+            }
+        } catch (...) {  // bad_alloc from the vectors or a message: start() words it
+            status.first = -ENOMEM;
+        }
+        if (status.first < 0) {
+            ring_.destroy();
+            ready->set_value(std::move(status));
+            return;
+        }
+        ready->set_value(std::move(status));
+        loop(cqes, retry);
+        // The wake READ may still be armed: closing the ring cancels it.
+        ring_.destroy();
+    }
+
+    // Serves the ring until shutdown. Allocates nothing (the vectors hold their maximum
+    // size: at most cq_entries CQEs per reap, at most qd_ chunks issued).
+    void loop(std::vector<std::pair<Chunk*, int>>& cqes, std::vector<Chunk*>& retry) noexcept {
         bool rearm_wake = false;
         for (;;) {
             // 1) Reap completions without the lock (only this thread touches the CQ ring).
@@ -686,15 +755,13 @@ class UringEngine final : public Engine {
             std::lock_guard<std::mutex> lk(mu_);
             ring_sleeping_ = false;
         }
-        // The wake READ may still be armed: closing the ring cancels it.
-        ring_.destroy();
     }
 
     Ring ring_;
     const unsigned iowq_max_;
     bool iowq_set_ = false;
     std::thread thread_;
-    int wake_fd_ = -1;
+    UniqueFd wake_fd_;
     bool ring_sleeping_ = false, wake_sent_ = false, quit_ = false;  // guarded by mu_
     bool enter_error_logged_ = false;                                // ring thread only
 };
@@ -730,13 +797,11 @@ bool uring_probe(std::string* why) {
     auto* probe = reinterpret_cast<io_uring_probe*>(mem.data());
     if (syscall(__NR_io_uring_register, ring.fd, IORING_REGISTER_PROBE, probe, 256) < 0) {
         *why = errno_str("io_uring_register(PROBE) (kernel older than 5.6?)", errno);
-        ring.destroy();
         return false;
     }
     for (int op : {IORING_OP_READ, IORING_OP_WRITE, IORING_OP_NOP}) {
         if (op > probe->last_op || !(probe->ops[op].flags & IO_URING_OP_SUPPORTED)) {
             *why = "kernel io_uring lacks opcode " + std::to_string(op) + " (READ/WRITE need 5.6+)";
-            ring.destroy();
             return false;
         }
     }
@@ -751,7 +816,6 @@ bool uring_probe(std::string* why) {
     ring.reap([&](uint64_t ud, int res) {
         if (ud == 42) got = res;
     });
-    ring.destroy();
     if (ret < 0 || got != 0) {
         *why = ret < 0 ? errno_str("io_uring_enter", -ret) : "NOP did not complete";
         return false;
@@ -760,98 +824,121 @@ bool uring_probe(std::string* why) {
     return true;
 }
 
+// Runs body(engine) under zt::guard. A NULL handle or one created by another process
+// (a forked child's copy, see [Note: engines after fork]) is refused without touching it.
+template <class T, class Body>
+T on_engine(const char* fn, void* h, Body&& body) noexcept {
+    return zt::guard<T>(fn, ZT_ERR_EXCEPTION, [&]() -> T {
+        auto* e = static_cast<Engine*>(h);
+        if (!e) return zt::set_error(fn, "NULL engine handle (the engine is closed)"), ZT_ERR_HANDLE;
+        if (e->owner() != getpid())
+            return zt::set_error(fn, "this I/O engine belongs to process %d and this is its forked child %d, "
+                                     "where the engine's threads do not exist; open a new engine in the child",
+                                 (int)e->owner(), (int)getpid()),
+                   ZT_ERR_FORKED;
+        return body(*e);
+    });
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
 // C ABI. Handles are opaque pointers. All functions are thread-safe except zt_io_destroy,
-// which must not race with any other call on the same handle.
+// which must not race with any other call on the same handle. Failures other than a
+// request's own -errno return ZtStatus codes with the message in zt_io_last_error()
+// (see [Note: native error contract] in zt_api.h).
 
-// backend: 0 = io_uring, 1 = threads. Returns nullptr on failure with `why` filled.
-ZT_API void* zt_io_create(int backend, int queue_depth, int threads, uint64_t block_size, char* why,
-                          int why_len) {
-    if (queue_depth < 1 || queue_depth > 4096) {
-        set_why(why, why_len, "queue_depth must be in [1, 4096]");
-        return nullptr;
-    }
-    if (block_size < 512 || block_size > (1ULL << 30)) {
-        set_why(why, why_len, "block_size must be in [512 B, 1 GiB]");
-        return nullptr;
-    }
-    if (threads < 1 || threads > 1024) {
-        set_why(why, why_len, "threads must be in [1, 1024]");
-        return nullptr;
-    }
-    try {
-        if (backend == kThreads) {
-            return new ThreadsEngine((unsigned)queue_depth, (unsigned)block_size,
-                                     (unsigned)threads);
-        }
+// backend: 0 = io_uring, 1 = threads. Returns nullptr on failure (reason in zt_io_last_error()).
+ZT_API void* zt_io_create(int backend, int queue_depth, int threads, uint64_t block_size) {
+    const char* fn = "zt_io_create";
+    return zt::guard<void*>(fn, nullptr, [&]() -> void* {
+        if (queue_depth < 1 || queue_depth > 4096)
+            return zt::set_error(fn, "queue_depth must be in [1, 4096], got %d", queue_depth), nullptr;
+        if (block_size < 512 || block_size > (1ULL << 30))
+            return zt::set_error(fn, "block_size must be in [512 B, 1 GiB], got %llu",
+                                 (unsigned long long)block_size), nullptr;
+        if (threads < 1 || threads > 1024)
+            return zt::set_error(fn, "threads must be in [1, 1024], got %d", threads), nullptr;
+        if (backend == kThreads)
+            return new ThreadsEngine((unsigned)queue_depth, (unsigned)block_size, (unsigned)threads);
         if (backend == kIoUring) {
             // `threads` caps the kernel's io-wq workers (see limit_iowq), at most one per CPU.
             long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
             unsigned iowq = (unsigned)std::max(1L, std::min<long>(threads, ncpu > 0 ? ncpu : 1));
-            auto* e = new UringEngine((unsigned)queue_depth, (unsigned)block_size, iowq);
+            auto e = std::make_unique<UringEngine>((unsigned)queue_depth, (unsigned)block_size, iowq);
             std::string msg;
-            if (e->start(&msg) < 0) {
-                delete e;
-                set_why(why, why_len, msg);
-                return nullptr;
-            }
-            return e;
+            if (e->start(&msg) < 0) return zt::set_error(fn, "%s", msg.c_str()), nullptr;
+            return e.release();
         }
-        set_why(why, why_len, "unknown backend " + std::to_string(backend));
-    } catch (const std::exception& ex) {
-        set_why(why, why_len, std::string("engine creation failed: ") + ex.what());
-    }
-    return nullptr;
+        return zt::set_error(fn, "unknown backend %d", backend), nullptr;
+    });
 }
 
-// op: 0 = read, 1 = write. Returns a request id (> 0) or -errno.
+// op: 0 = read, 1 = write. Returns a request id (> 0), -errno (the request was refused
+// before any I/O: -ENOMEM when it could not be allocated), or a ZtStatus code.
 ZT_API int64_t zt_io_submit(void* h, int op, int fd, void* buf, uint64_t nbytes, uint64_t offset) {
-    try {
-        return static_cast<Engine*>(h)->submit(op, fd, buf, nbytes, offset);
-    } catch (const std::bad_alloc&) {
-        return -ENOMEM;
-    }
+    return on_engine<int64_t>("zt_io_submit", h, [&](Engine& e) -> int64_t {
+        try {
+            return e.submit(op, fd, buf, nbytes, offset);
+        } catch (const std::bad_alloc&) {
+            return zt::set_error("zt_io_submit", "out of memory for a request of %llu bytes",
+                                 (unsigned long long)nbytes), -ENOMEM;
+        }
+    });
 }
 
 // timeout_ms < 0 waits forever. Returns 0 (done: *result = bytes or -errno; the id is
-// forgotten), 1 (timed out), or -ENOENT (unknown or already consumed id).
+// forgotten), 1 (timed out), -ENOENT (unknown or already consumed id) or a ZtStatus code.
 ZT_API int zt_io_wait(void* h, int64_t id, int64_t timeout_ms, int64_t* result) {
-    return static_cast<Engine*>(h)->wait(id, timeout_ms, result);
+    return on_engine<int>("zt_io_wait", h, [&](Engine& e) { return e.wait(id, timeout_ms, result); });
 }
 
-// Returns 1 (done: *result set, id forgotten), 0 (running) or -ENOENT.
+// Returns 1 (done: *result set, id forgotten), 0 (running), -ENOENT or a ZtStatus code.
 ZT_API int zt_io_poll(void* h, int64_t id, int64_t* result) {
-    return static_cast<Engine*>(h)->poll(id, result);
+    return on_engine<int>("zt_io_poll", h, [&](Engine& e) { return e.poll(id, result); });
 }
 
 // Fail all not-yet-issued chunks with ECANCELED; returns how many were cancelled.
-ZT_API int zt_io_cancel(void* h) { return static_cast<Engine*>(h)->cancel_pending(); }
+ZT_API int zt_io_cancel(void* h) {
+    return on_engine<int>("zt_io_cancel", h, [&](Engine& e) { return e.cancel_pending(); });
+}
 
-ZT_API int64_t zt_io_inflight(void* h) { return static_cast<Engine*>(h)->inflight_requests(); }
+ZT_API int64_t zt_io_inflight(void* h) {
+    return on_engine<int64_t>("zt_io_inflight", h, [&](Engine& e) { return e.inflight_requests(); });
+}
 
+// Writes a one-line description of the engine into out[len]. Returns 0 or a ZtStatus code.
 ZT_API int zt_io_info(void* h, char* out, int len) {
-    set_why(out, len, static_cast<Engine*>(h)->info());
-    return 0;
+    return on_engine<int>("zt_io_info", h, [&](Engine& e) {
+        copy_out(out, len, e.info());
+        return 0;
+    });
 }
 
-// Waits for all queued and issued chunks, stops threads, frees the handle.
-ZT_API void zt_io_destroy(void* h) { delete static_cast<Engine*>(h); }
+// Waits for all queued and issued chunks, stops threads, frees the handle. Returns 0 or a
+// ZtStatus code; a forked child's copy (ZT_ERR_FORKED) is left alone.
+ZT_API int zt_io_destroy(void* h) {
+    return on_engine<int>("zt_io_destroy", h, [&](Engine& e) {
+        delete &e;
+        return 0;
+    });
+}
 
-// 1 if io_uring works here (why = "ok"), else 0 with the reason in `why`.
+// 1 if io_uring works here (why = "ok"), 0 with the reason in `why`, or ZT_ERR_EXCEPTION.
 ZT_API int zt_io_uring_probe(char* why, int len) {
-    std::string msg;
-    bool ok = false;
-    try {
-        ok = uring_probe(&msg);
-    } catch (const std::exception& ex) {
-        msg = ex.what();
-    }
-    set_why(why, len, msg);
-    return ok ? 1 : 0;
+    return zt::guard<int>("zt_io_uring_probe", ZT_ERR_EXCEPTION, [&] {
+        std::string msg;
+        bool ok = uring_probe(&msg);
+        copy_out(why, len, msg);
+        return ok ? 1 : 0;
+    });
 }
+
+// The calling thread's message for the last failure of an export of this library.
+ZT_API const char* zt_io_last_error(void) noexcept { return zt::g_last_error; }
 
 // Bumped with every change of the exported functions; zerotier/io/native.py checks it.
 // 2: zt_io_notify_fd removed.
-ZT_API int zt_io_abi_version(void) { return 2; }
+// 3: zt_io_create reports through zt_io_last_error (no `why` buffer); zt_io_destroy returns
+//    a status; zt_io_last_error added; ZtStatus codes (ZT_ERR_FORKED, ...) from every call.
+ZT_API int zt_io_abi_version(void) noexcept { return 3; }

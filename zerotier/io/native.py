@@ -9,11 +9,17 @@ observed complete. `NativeEngine._inflight` maps each native request id to the t
 touches and is the single owner of that reference: it is dropped only once the native side
 reported the request complete (by `Ticket.wait`/`done`, the orphan sweep, or `close`).
 So a caller may drop a Ticket without waiting and the buffer still outlives the I/O.
+
+[Note: engines after fork] An engine belongs to the process that opened it (the C side
+refuses calls from any other, see native/io/io_engine.cpp). In a forked child, submitting
+raises NativeError before touching any lock a parent thread may have held, and close() (the
+store's finalizer included) only forgets the engine: the parent still owns it.
 """
 from __future__ import annotations
 
 import ctypes
 import errno as errno_mod
+import os
 import threading
 import weakref
 from collections import deque
@@ -22,70 +28,68 @@ import torch
 
 from .. import _native
 from ..config import IOConfig
-from ..errors import NativeUnavailableError, ZerotierError
+from ..errors import NativeError, NativeUnavailableError, ZerotierError
 from .ticket import IOEngine, Ticket
 
 BACKENDS = {"io_uring": 0, "threads": 1}
 OPS = {"read": 0, "write": 1}
-_ABI_VERSION = 2  # zt_io_abi_version() in native/io/io_engine.cpp; bump both together
+_ABI_VERSION = 3  # zt_io_abi_version() in native/io/io_engine.cpp; bump both together
 _WAIT_SLICE_MS = 250  # block in native wait in slices so Ctrl-C is seen in the main thread
 
 
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+def abi_mismatch(lib: ctypes.CDLL) -> str | None:
+    """Why `lib` (a freshly loaded `_zt_io`) cannot serve these bindings, or None; declares
+    its functions on the way. Called by `_native.load`."""
+    try:
+        lib.zt_io_abi_version.restype, lib.zt_io_abi_version.argtypes = ctypes.c_int, []
+    except AttributeError:
+        return "it has no zt_io_abi_version()"
+    version = lib.zt_io_abi_version()
+    if version != _ABI_VERSION:
+        return f"its ABI version is {version}, these bindings need {_ABI_VERSION}"
     vp, i64, u64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int
     sigs = {
-        "zt_io_create": (vp, [c_int, c_int, c_int, u64, ctypes.c_char_p, c_int]),
+        "zt_io_create": (vp, [c_int, c_int, c_int, u64]),
         "zt_io_submit": (i64, [vp, c_int, c_int, vp, u64, u64]),
         "zt_io_wait": (c_int, [vp, i64, i64, ctypes.POINTER(i64)]),
         "zt_io_poll": (c_int, [vp, i64, ctypes.POINTER(i64)]),
         "zt_io_cancel": (c_int, [vp]),
         "zt_io_inflight": (i64, [vp]),
         "zt_io_info": (c_int, [vp, ctypes.c_char_p, c_int]),
-        "zt_io_destroy": (None, [vp]),
+        "zt_io_destroy": (c_int, [vp]),
         "zt_io_uring_probe": (c_int, [ctypes.c_char_p, c_int]),
-        "zt_io_abi_version": (c_int, []),
+        "zt_io_last_error": (ctypes.c_char_p, []),
     }
-    for name, (restype, argtypes) in sigs.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
-
-
-_declared: dict[int, ctypes.CDLL] = {}
+    try:
+        for name, (restype, argtypes) in sigs.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+    except AttributeError as exc:
+        return f"a function is missing ({exc})"
+    return None
 
 
 def library() -> ctypes.CDLL | None:
-    """The declared `_zt_io` library, or None (ZEROTIER_NATIVE=0 or not built)."""
-    lib = _native.load("_zt_io")
-    if lib is None:
-        return None
-    if id(lib) not in _declared:
-        try:
-            _declare(lib)
-        except AttributeError:  # an old placeholder build without the engine symbols
-            return None
-        if lib.zt_io_abi_version() != _ABI_VERSION:
-            return None
-        _declared[id(lib)] = lib
-    return lib
+    """The declared `_zt_io` library, or None (ZEROTIER_NATIVE=0, not built, or refused)."""
+    return _native.load("_zt_io")
 
 
 def require_library() -> ctypes.CDLL:
-    lib = library()
-    if lib is None:
-        _native.require("_zt_io")  # raises with the loader's reason if it is that
-        raise NativeUnavailableError(
-            "native library _zt_io is stale (missing engine symbols or ABI mismatch): "
-            "rebuild with `python setup.py build_ext --inplace`")
-    return lib
+    return _native.require("_zt_io")  # raises with the loader's reason
+
+
+def _checked(lib: ctypes.CDLL, function: str, rc: int) -> int:
+    """`rc` unless it is a ZtStatus failure (below every -errno), which raises NativeError."""
+    if rc <= _native.ERR_EXCEPTION:
+        raise _native.error(lib.zt_io_last_error, function, rc)
+    return rc
 
 
 @lru_cache(maxsize=None)
-def _probe_cached(lib_id: int) -> tuple[bool, str]:
-    lib = _declared[lib_id]
+def _probe_cached(lib: ctypes.CDLL) -> tuple[bool, str]:
     why = ctypes.create_string_buffer(256)
-    ok = bool(lib.zt_io_uring_probe(why, len(why)))
-    return ok, why.value.decode(errors="replace")
+    ok = _checked(lib, "zt_io_uring_probe", lib.zt_io_uring_probe(why, len(why)))
+    return bool(ok), why.value.decode(errors="replace")
 
 
 def probe_io_uring() -> tuple[bool, str]:
@@ -95,7 +99,7 @@ def probe_io_uring() -> tuple[bool, str]:
     lib = library()
     if lib is None:
         return False, "native library _zt_io unavailable: " + _native.status()["_zt_io"]
-    return _probe_cached(id(lib))
+    return _probe_cached(lib)
 
 
 class NativeTicket(Ticket):
@@ -133,13 +137,13 @@ class NativeEngine(IOEngine):
             raise ValueError(
                 f"unknown native backend {backend!r}; expected one of {sorted(BACKENDS)}")
         self._lib = require_library()
-        why = ctypes.create_string_buffer(256)
         handle = self._lib.zt_io_create(BACKENDS[backend], cfg.queue_depth, cfg.threads,
-                                        cfg.block_size, why, len(why))
+                                        cfg.block_size)
         if not handle:
-            raise NativeUnavailableError(
-                f"cannot start the {backend} I/O engine: {why.value.decode(errors='replace')}")
+            why = (self._lib.zt_io_last_error() or b"").decode(errors="replace")
+            raise NativeUnavailableError(f"cannot start the {backend} I/O engine: {why}")
         self.backend = backend
+        self._pid = os.getpid()  # see [Note: engines after fork]
         self._h = ctypes.c_void_p(handle)
         self._inflight: dict[int, torch.Tensor] = {}      # rid -> buffer, see the module note
         self._tickets: weakref.WeakValueDictionary[int, NativeTicket] = (
@@ -152,18 +156,27 @@ class NativeEngine(IOEngine):
         out = ctypes.create_string_buffer(256)
         if self._closed:
             return f"{self.backend} (closed)"
-        self._lib.zt_io_info(self._h, out, len(out))
+        _checked(self._lib, "zt_io_info", self._lib.zt_io_info(self._h, out, len(out)))
         return out.value.decode()
+
+    def _forked_error(self) -> NativeError:
+        return NativeError(
+            f"this I/O engine ({self.backend}) was opened by process {self._pid}; its forked child "
+            f"{os.getpid()} cannot use it (the engine's threads stay with the parent): open a new "
+            "engine in the child (zerotier.io.open_engine) or do the I/O in the parent")
 
     # --- submission -------------------------------------------------------------------
     def _submit(self, op: str, fd: int, buf: torch.Tensor, nbytes: int, offset: int,
                 path: str) -> Ticket:
+        if os.getpid() != self._pid:  # before the lock: a parent thread may have held it
+            raise self._forked_error()
         with self._lock:
             if self._closed:
                 raise ZerotierError(f"I/O engine ({self.backend}) is closed")
             if self._orphans:
                 self._sweep_orphans()
-            rid = self._lib.zt_io_submit(self._h, OPS[op], fd, buf.data_ptr(), nbytes, offset)
+            rid = _checked(self._lib, "zt_io_submit",
+                           self._lib.zt_io_submit(self._h, OPS[op], fd, buf.data_ptr(), nbytes, offset))
             if rid < 0:  # refused before any I/O (ENOMEM, EINVAL): surface as a failed ticket
                 return self._failed_ticket(-rid, op, fd, nbytes, offset, path)
             self._inflight[rid] = buf
@@ -177,7 +190,7 @@ class NativeEngine(IOEngine):
         res = ctypes.c_int64()
         for _ in range(len(self._orphans)):
             rid = self._orphans.popleft()
-            if self._lib.zt_io_poll(self._h, rid, ctypes.byref(res)) == 0:
+            if _checked(self._lib, "zt_io_poll", self._lib.zt_io_poll(self._h, rid, ctypes.byref(res))) == 0:
                 self._orphans.append(rid)  # still running
             else:
                 self._inflight.pop(rid, None)
@@ -187,7 +200,7 @@ class NativeEngine(IOEngine):
         if self._closed:
             return None
         res = ctypes.c_int64()
-        rc = self._lib.zt_io_poll(self._h, rid, ctypes.byref(res))
+        rc = _checked(self._lib, "zt_io_poll", self._lib.zt_io_poll(self._h, rid, ctypes.byref(res)))
         if rc == 0:
             return None
         self._inflight.pop(rid, None)
@@ -198,12 +211,13 @@ class NativeEngine(IOEngine):
         res = ctypes.c_int64()
         if timeout is None:
             while True:
-                rc = self._lib.zt_io_wait(self._h, rid, _WAIT_SLICE_MS, ctypes.byref(res))
+                rc = _checked(self._lib, "zt_io_wait",
+                              self._lib.zt_io_wait(self._h, rid, _WAIT_SLICE_MS, ctypes.byref(res)))
                 if rc != 1:
                     break
         else:
             ms = max(0, int(timeout * 1000 + 0.999))
-            rc = self._lib.zt_io_wait(self._h, rid, ms, ctypes.byref(res))
+            rc = _checked(self._lib, "zt_io_wait", self._lib.zt_io_wait(self._h, rid, ms, ctypes.byref(res)))
             if rc == 1:
                 return None
         self._inflight.pop(rid, None)
@@ -212,12 +226,16 @@ class NativeEngine(IOEngine):
     # --- shutdown -----------------------------------------------------------------------
     def close(self, cancel: bool = False) -> None:
         """Finish (or with cancel=True, cancel not-yet-issued chunks of) all in-flight
-        requests, record their results in their Tickets, stop the engine. Idempotent."""
+        requests, record their results in their Tickets, stop the engine. Idempotent. In a
+        forked child it only forgets the engine (see [Note: engines after fork])."""
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
         with self._lock:
             if self._closed:
                 return
             if cancel:
-                self._lib.zt_io_cancel(self._h)
+                _checked(self._lib, "zt_io_cancel", self._lib.zt_io_cancel(self._h))
             for rid in list(self._inflight):
                 t = self._tickets.get(rid)
                 if t is not None:
@@ -227,12 +245,12 @@ class NativeEngine(IOEngine):
             self._closed = True
             self._inflight.clear()
             self._orphans.clear()
-            self._lib.zt_io_destroy(self._h)
+            _checked(self._lib, "zt_io_destroy", self._lib.zt_io_destroy(self._h))
             self._h = ctypes.c_void_p()
 
     def pending(self) -> int:
         """Requests submitted and not yet complete."""
-        return 0 if self._closed else int(self._lib.zt_io_inflight(self._h))
+        return 0 if self._closed else _checked(self._lib, "zt_io_inflight", self._lib.zt_io_inflight(self._h))
 
     def __del__(self):
         try:

@@ -16,11 +16,13 @@ from .. import _native
 from ..errors import ZerotierError
 
 SIMD_LEVELS = ("scalar", "avx2", "avx512")  # index == ZtSimd code
+_ABI_VERSION = 2  # zt_abi_version() in native/cpu/cpu_info.cpp; bump both together
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class ZtAdamArgs(ctypes.Structure):
-    """Mirror of `struct ZtAdamArgs` in native/cpu/adam.cpp (same field order)."""
+    """Mirror of `struct ZtAdamArgs` in native/cpu/adam.cpp (same field order; its size is
+    checked against the library's zt_adam_args_size() at load)."""
 
     _fields_ = [
         ("param", ctypes.c_void_p),
@@ -45,18 +47,36 @@ class ZtAdamArgs(ctypes.Structure):
     ]
 
 
-def _lib() -> ctypes.CDLL | None:
-    lib = _native.load("_zt_cpu")
-    if lib is not None and not getattr(lib, "_zt_declared", False):
-        lib.zt_adam_step.argtypes = [ctypes.POINTER(ZtAdamArgs)]
-        lib.zt_adam_step.restype = ctypes.c_int64
+def abi_mismatch(lib: ctypes.CDLL) -> str | None:
+    """Why `lib` (a freshly loaded `_zt_cpu`) cannot serve these bindings, or None; declares
+    its functions on the way. Called by `_native.load`."""
+    try:
+        lib.zt_abi_version.restype = ctypes.c_int
+    except AttributeError:
+        return "it has no zt_abi_version() (built before ABI versioning)"
+    version = lib.zt_abi_version()
+    if version != _ABI_VERSION:
+        return f"its ABI version is {version}, these bindings need {_ABI_VERSION}"
+    try:
         lib.zt_adam_step_multi.argtypes = [ctypes.POINTER(ZtAdamArgs), ctypes.c_int64]
         lib.zt_adam_step_multi.restype = ctypes.c_int64
-        lib.zt_grad_sumsq.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_int32]
-        lib.zt_grad_sumsq.restype = ctypes.c_double
+        lib.zt_grad_sumsq.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float,
+                                      ctypes.c_int32, ctypes.POINTER(ctypes.c_double)]
+        lib.zt_grad_sumsq.restype = ctypes.c_int32
         lib.zt_cpu_simd_supported.restype = ctypes.c_int
-        lib._zt_declared = True
-    return lib
+        lib.zt_cpu_last_error.restype = ctypes.c_char_p
+        lib.zt_adam_args_size.restype = ctypes.c_int64
+    except AttributeError as exc:
+        return f"a function is missing ({exc})"
+    size = lib.zt_adam_args_size()
+    if size != ctypes.sizeof(ZtAdamArgs):
+        return (f"sizeof(ZtAdamArgs) is {size} bytes in the library but {ctypes.sizeof(ZtAdamArgs)} "
+                "in its ctypes mirror (zerotier/optim/_kernels.py)")
+    return None
+
+
+def _lib() -> ctypes.CDLL | None:
+    return _native.load("_zt_cpu")
 
 
 def native_available() -> bool:
@@ -172,9 +192,10 @@ def adam_step_multi(buffers, *, step, lr, beta1, beta2, eps, weight_decay, decou
             s, int(decoupled), int(bias_correction), SIMD_LEVELS.index(level),
             threads if threads is not None else default_threads(),
         )
-    result = _lib().zt_adam_step_multi(args, len(buffers))
-    if result < 0:  # arguments were validated above; this is a binding bug
-        raise ZerotierError(f"native zt_adam_step_multi rejected its arguments (code {result})")
+    lib = _lib()
+    result = lib.zt_adam_step_multi(args, len(buffers))
+    if result < 0:
+        raise _native.error(lib.zt_cpu_last_error, "zt_adam_step_multi", result)
     return int(result)
 
 
@@ -185,8 +206,12 @@ def grad_sumsq(grad: torch.Tensor, scale: float = 1.0, threads: int | None = Non
     if lib is None:
         g = grad.double() * scale
         return float((g * g).sum())
-    return float(lib.zt_grad_sumsq(grad.data_ptr(), _DTYPE_CODES[grad.dtype], grad.numel(), scale,
-                                   threads if threads is not None else default_threads()))
+    out = ctypes.c_double()
+    rc = lib.zt_grad_sumsq(grad.data_ptr(), _DTYPE_CODES[grad.dtype], grad.numel(), scale,
+                           threads if threads is not None else default_threads(), ctypes.byref(out))
+    if rc < 0:
+        raise _native.error(lib.zt_cpu_last_error, "zt_grad_sumsq", rc)
+    return out.value
 
 
 def adam_step_reference(
