@@ -462,3 +462,21 @@ def test_trace_damaged_or_edited(tmp_path):
                                             r"not a count — not a trace zerotier wrote \(damaged or edited\); "
                                             r"profile again to get a new one$"):
         load_trace(str(path))
+
+
+def test_pretrained_index_naming_a_shard_outside_the_directory(tmp_path):
+    """from_pretrained reads only files inside the directory: an index naming '../x' or an
+    absolute path, or naming no file (null; found by tests/test_fuzz.py), is a ConfigError."""
+    transformers = pytest.importorskip("transformers", reason="pip install transformers (part of .[test])")
+    path = tmp_path / "hf"
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=VOCAB, n_positions=8).save_pretrained(path)
+    for shard in ("../outside.safetensors", "/etc/passwd"):
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"wte.weight": shard}}))
+        with pytest.raises(ConfigError, match=rf"model\.safetensors\.index\.json lists the shard '{shard}', which is "
+                                              r"not a file name in .*hf$"):
+            zerotier.from_pretrained(path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"wte.weight": None}}))
+    with pytest.raises(ConfigError, match=r"model\.safetensors\.index\.json: not a safetensors index \(a JSON object "
+                                          r"with a 'weight_map' of tensor name -> shard file\): a shard file name is "
+                                          r"not a string$"):
+        zerotier.from_pretrained(path)

@@ -95,11 +95,15 @@ class _SafetensorsFiles:
         if (path / _INDEX).is_file():
             try:
                 weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
+                if not all(isinstance(v, str) for v in weight_map.values()):
+                    raise TypeError("a shard file name is not a string")
                 names = sorted(set(weight_map.values()))
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
                 raise ConfigError(f"{path / _INDEX}: not a safetensors index (a JSON object with a "
                                   f"'weight_map' of tensor name -> shard file): {exc}") from exc
             for name in names:
+                if Path(name).name != name or name in ("", ".", ".."):  # nothing outside the directory is read
+                    raise ConfigError(f"{path / _INDEX} lists the shard {name!r}, which is not a file name in {path}")
                 if not (path / name).is_file():
                     raise ConfigError(f"{path / _INDEX} lists the shard '{name}', which is not in {path}")
         elif (path / _SINGLE).is_file():
