@@ -224,16 +224,20 @@ def test_adam_worker_thread_that_cannot_start_is_a_native_error(cpu_lib):
 @pytest.mark.skipif(UNDER_ASAN, reason="ASan aborts where the library would see bad_alloc")
 def test_io_request_that_cannot_be_allocated_fails_alone(io_lib, tmp_path):
     """bad_alloc while building a request fails that request (TierIOError ENOMEM naming the
-    file), leaks nothing (no request left in the engine) and the engine keeps working."""
+    file), leaks nothing (no request left in the engine) and the engine keeps working.
+    The request is submitted below the public read() (which bounds it by its buffer): 1 TiB
+    in 512-byte chunks needs a 64 GiB chunk table, more than malloc can have kept from
+    earlier tests, and the address-space limit makes sure it is never built."""
     path = tmp_path / "f.bin"
 
     def child():
         fd, _ = open_direct(path, os.O_RDWR | os.O_CREAT)
         eng = open_engine(IOConfig(backend="threads", block_size=512, alignment=512))
-        huge = aligned_empty(512 << 20)  # never touched; its 2^20 chunks need 32 MiB > HEADROOM
+        buf = aligned_empty(4096)  # never touched: the request fails before any I/O
         with pytest.raises(TierIOError) as ei:
-            with_address_space_limit(lambda: eng.read(fd, huge, 0, str(path)).wait())
+            with_address_space_limit(lambda: eng._submit("read", fd, buf, 1 << 40, 0, str(path)).wait())
         assert ei.value.errno == 12 and str(path) in str(ei.value), str(ei.value)
+        assert io_lib.zt_io_last_error() == b"zt_io_submit: out of memory for a request of 1099511627776 bytes"
         assert eng.pending() == 0
         src = aligned_empty(8192).fill_(7)
         eng.write(fd, src, 0, str(path)).wait()
