@@ -177,12 +177,12 @@ def test_open_direct_real(data_dir):
 def test_open_direct_falls_back_once_per_filesystem(tmp_path, monkeypatch):
     real_open = os.open
 
-    def no_direct_open(path, flags, mode=0o777):
+    def no_direct_open(path, flags, mode=0o777, *, dir_fd=None):
         if flags & os.O_DIRECT:
             if flags & os.O_CREAT:  # like kernels that create the file, then refuse
-                os.close(real_open(path, (flags & ~os.O_DIRECT) | os.O_CREAT, mode))
+                os.close(real_open(path, (flags & ~os.O_DIRECT) | os.O_CREAT, mode, dir_fd=dir_fd))
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, mode)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
 
     monkeypatch.setattr(os, "open", no_direct_open)
     monkeypatch.setattr(zio, "_no_direct_fs", set())
@@ -523,3 +523,22 @@ def test_wait_all_waits_for_every_ticket_then_raises_the_first_error():
     pending = zio.FutureTicket(concurrent.futures.Future())
     with pytest.raises(TimeoutError):
         zio.wait_all([zio.CompletedTicket(2), pending], timeout=0.05)
+
+
+def test_python_engine_in_a_forked_child_fails_clearly_instead_of_hanging(tmp_path):
+    """The aiofiles engine's threads stay with the parent: a forked child's submit raises at
+    once (it used to wait forever on a pool with no threads), and close() there only forgets."""
+    with open_engine(IOConfig(backend="aiofiles")) as eng:
+        eng.write(os.open(tmp_path / "warm", os.O_RDWR | os.O_CREAT, 0o600), aligned_empty(4096), 0).wait()
+        pid = os.fork()
+        if pid == 0:  # child: report through the exit status only
+            code = 1
+            try:
+                fd = os.open(tmp_path / "child", os.O_RDWR | os.O_CREAT, 0o600)
+                eng.write(fd, aligned_empty(4096), 0)
+            except ZerotierError as exc:
+                code = 0 if "forked child" in str(exc) else 2
+            eng.close()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

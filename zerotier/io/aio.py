@@ -75,6 +75,7 @@ class AioFilesEngine(IOEngine):
         self._lock = threading.Lock()
         self._closed = False
         self._cancelled = False  # set by close(cancel=True): unstarted chunks fail
+        self._pid = os.getpid()  # its worker threads stay with this process across fork()
 
     def describe(self) -> str:
         return (f"aiofiles (python thread pool) threads={self.cfg.threads} qd={self.cfg.queue_depth}"
@@ -82,6 +83,10 @@ class AioFilesEngine(IOEngine):
 
     def _submit(self, op: str, fd: int, buf: torch.Tensor, nbytes: int, offset: int,
                 path: str) -> Ticket:
+        if os.getpid() != self._pid:  # a forked child: the pool has no threads here, it would hang
+            raise ZerotierError(f"this I/O engine (aiofiles) was opened by process {self._pid}; its forked child "
+                                f"{os.getpid()} cannot use it (the engine's threads stay with the parent): open a "
+                                "new engine in the child (zerotier.io.open_engine) or do the I/O in the parent")
         bs = self.cfg.block_size
         starts = range(0, nbytes, bs)
         req = _Request(buf, nbytes, len(starts))
@@ -131,7 +136,11 @@ class AioFilesEngine(IOEngine):
             req.chunk_done(start, len(mem), done, err)
 
     def close(self, cancel: bool = False) -> None:
-        """Wait for (or cancel unstarted chunks of) in-flight requests; stop the workers."""
+        """Wait for (or cancel unstarted chunks of) in-flight requests; stop the workers. In a
+        forked child it only forgets the engine (its requests and threads are the parent's)."""
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
         with self._lock:
             if self._closed:
                 return
