@@ -39,6 +39,7 @@ _BYTES = "bytes"  # Annotated marker: an int count of bytes, writable as "24GiB"
 Bytes = Annotated[int, _BYTES]
 Size = Union[Bytes, Literal["auto"]]
 Placement = Literal["auto", "device", "host", "nvme"]
+TierFractions = dict[Literal["device", "host", "nvme"], float]  # offload.optimizer split: tier -> fraction
 
 
 class _Section:
@@ -82,7 +83,7 @@ class TiersConfig(_Section):
 class OffloadConfig(_Section):
     params: Placement = "auto"
     gradients: Placement = "auto"       # nvme: a file per unit, folded into as backward goes (grads.py)
-    optimizer: Placement = "auto"
+    optimizer: Union[Placement, TierFractions] = "auto"  # or a split {host = 0.6, nvme = 0.4} (planner.py)
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,8 @@ class Config:
         for name in _SECTIONS:
             section = getattr(self, name)
             values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
-            plain[name] = {key: list(v) if isinstance(v, tuple) else v for key, v in values.items()}
+            plain[name] = {key: list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, dict) else v
+                           for key, v in values.items()}
         return plain
 
 
@@ -455,6 +457,9 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
             return value
         choices = ", ".join(repr(choice) for choice in args)
         raise ConfigError(f"{path}: must be one of {choices}, got {_shown(value)}")
+    elif origin is dict:  # keys and values converted; key order kept
+        if isinstance(value, Mapping):
+            return {_convert(k, args[0], path): _convert(v, args[1], f"{path}.{k}") for k, v in value.items()}
     elif origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
         if isinstance(value, (list, tuple)):
             return tuple(_convert(item, args[0], f"{path}[{i}]") for i, item in enumerate(value))
@@ -507,6 +512,8 @@ def _describe(hint: Any) -> str:
         return " or ".join(_describe(arm) for arm in args)
     if origin is Literal:
         return " or ".join(repr(choice) for choice in args)
+    if origin is dict:
+        return f"a table of {_describe(args[0])} -> {_describe(args[1])}"
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         return f"a list of {_describe(args[0])}s"
     if origin is tuple:
@@ -591,23 +598,52 @@ def _check_io_block_size(io: IOConfig) -> None:
         raise ConfigError(f"io.block_size: must be a multiple of io.alignment ({io.alignment}), got {io.block_size}")
 
 
+def _check_optimizer_split(offload: OffloadConfig) -> None:
+    """offload.optimizer as {tier: fraction}: fractions of the parameters, > 0, summing to 1, over host
+    and nvme ([Note: optimizer split] in planner.py); a one-tier table becomes that tier's name."""
+    split = offload.optimizer
+    if not isinstance(split, dict):
+        return
+    shown = ", ".join(f"{t} = {f:g}" for t, f in split.items())
+    if not split:
+        raise ConfigError("offload.optimizer: an empty table; give tier fractions such as "
+                          "{host = 0.6, nvme = 0.4}, or one tier name")
+    bad = [t for t, f in split.items() if not 0 < f <= 1]
+    if bad:
+        raise ConfigError(f"offload.optimizer = {{{shown}}}: each fraction must be in (0, 1] "
+                          f"(leave a tier out instead of giving it 0); {', '.join(bad)} is not")
+    if abs(sum(split.values()) - 1) > 1e-6:
+        raise ConfigError(f"offload.optimizer = {{{shown}}}: the fractions must sum to 1, they sum to "
+                          f"{sum(split.values()):g}")
+    if len(split) > 1 and "device" in split:
+        raise ConfigError(f"offload.optimizer = {{{shown}}}: a split spans host and nvme only (the device "
+                          "tier holds the whole optimizer state or none of it): drop device, or set "
+                          "offload.optimizer = 'device'")
+    order = ("device", "host", "nvme")  # fastest first: the first units go to the fastest tier
+    normalized = {t: split[t] for t in order if t in split}
+    object.__setattr__(offload, "optimizer", next(iter(normalized)) if len(normalized) == 1 else normalized)
+
+
 _SECTION_CHECKS: dict[str, tuple[Callable[[Any], None], ...]] = {
     "tiers": (_check_nvme_budget_has_path,),
+    "offload": (_check_optimizer_split,),
     "io": (_check_io_block_size,),
 }
 
 
 def _check_nvme_placement(cfg: Config) -> None:
     for f in dataclasses.fields(cfg.offload):
-        if getattr(cfg.offload, f.name) != "nvme":
+        value = getattr(cfg.offload, f.name)
+        if value != "nvme" and not (isinstance(value, dict) and "nvme" in value):
             continue
+        shown = "'nvme'" if value == "nvme" else f"{{{', '.join(f'{t} = {x:g}' for t, x in value.items())}}}"
         if cfg.tiers.nvme_path is None:
             raise ConfigError(
-                f"offload.{f.name} = 'nvme' needs tiers.nvme_path: set it to a directory on the NVMe drive"
+                f"offload.{f.name} = {shown} needs tiers.nvme_path: set it to a directory on the NVMe drive"
             )
         if cfg.tiers.nvme == 0:
             raise ConfigError(
-                f"offload.{f.name} = 'nvme' but tiers.nvme = 0 disables the NVMe tier:"
+                f"offload.{f.name} = {shown} but tiers.nvme = 0 disables the NVMe tier:"
                 " set tiers.nvme to a size such as '500GiB', or 'auto'"
             )
 

@@ -229,7 +229,8 @@ class Engine:
         self.profiler = Profiler.from_config(cfg.profile, self._residency, device=self.device)
         self.scaler = LossScaler(cfg.precision)
         self.optimizer = EngineOptimizer(self, cfg.optimizer.lr)
-        self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, placement["optimizer"], self.device_tier,
+        optimizer_loc = self.plan.optimizer_units or placement["optimizer"]  # a tier, or one per unit (a split)
+        self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, optimizer_loc, self.device_tier,
                                             self.host_pool, self.store, self.profiler)
         self.unit_optimizer.exempt_from_decay(model)
         self.params = ParamStore(self.units, placement["params"], self.lp_dtype, self.device_tier,

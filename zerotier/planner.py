@@ -39,6 +39,20 @@ state (touched once per step). A plan that does not fit raises PlanDoesNotFit (a
 BudgetError) at initialize(), naming what does not fit and how much more of which
 tier helps.
 
+[Note: optimizer split]
+The optimizer state (12 B/param, the largest kind) may be split between host and NVMe unit
+by unit; parameters and gradients keep one tier each. Explicit: `offload.optimizer =
+{host = 0.6, nvme = 0.4}`, fractions of this rank's optimizer elements; units are taken in
+unit order and a unit goes to the tier whose share of the elements holds its midpoint (whole
+units: the split is as close to the fractions as the unit sizes allow). `auto`: when the
+whole state fits on no tier faster than NVMe, the first units go to host, as many as the
+host budget holds with the NVMe units' staging sets, the rest to NVMe; chosen only when its
+predicted step time is lower than the one-tier placement that fits (if any). The plan
+records each unit's tier (`Plan.optimizer_units`) and counts each part as its tier does
+(host: the state; NVMe: the files, their rewrites and the staging sets of the largest
+NVMe unit), the gradient staging once. `placement["optimizer"]` is then NVMe (the
+slowest tier in the split: the NVMe store is opened, updates land in host memory).
+
 [Note: step-time prediction]
 `_predict` sums the seconds a step spends on optimizer math and swap traffic, serially
 (no overlap credited: an upper bound for a well-pipelined run; forward/backward compute
@@ -133,6 +147,10 @@ class Plan:
     grad_bytes: int = 4
     param_bytes: int = 4
     grad_dtype: str = "fp32"            # precision.grad_dtype (the engine's accumulators)
+    # [Note: optimizer split]: each unit's optimizer tier by unit index (None: all on placement["optimizer"]),
+    # and the optimizer-state bytes and unit count per tier of the split
+    optimizer_units: tuple[Location, ...] | None = None
+    optimizer_split: dict[str, tuple[int, int]] = field(default_factory=dict)  # tier -> (bytes, units)
 
     @property
     def per_rank_bytes(self) -> int:
@@ -151,7 +169,11 @@ class Plan:
                  f"  {'state':10s} {'tier':6s} {'bytes/rank':>12s} {'GB':>9s}"]
         for kind in KINDS:
             b = self.state_bytes.get(kind, 0)
-            lines.append(f"  {kind:10s} {self.placement[kind].value:6s} {format_size(b):>12s} {b / 1e9:9.2f}")
+            tier = "split" if kind == "optimizer" and self.optimizer_units else self.placement[kind].value
+            lines.append(f"  {kind:10s} {tier:6s} {format_size(b):>12s} {b / 1e9:9.2f}")
+        for tier, (b, units) in self.optimizer_split.items():
+            lines.append(f"    on {tier:6s} {format_size(b):>12s} {b / 1e9:9.2f}   ({units} of "
+                         f"{len(self.optimizer_units)} units)")
         total = self.per_rank_bytes
         lines.append(f"  {'total':10s} {'':6s} {format_size(total):>12s} {total / 1e9:9.2f}"
                      f"   ({total / max(self.numel, 1):.2f} B per model parameter; gradients {self.grad_bytes} B/param"
@@ -178,6 +200,8 @@ class Plan:
             "numel": self.numel, "world_size": self.world_size, "stage": self.stage,
             "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes, "grad_dtype": self.grad_dtype,
             "placement": {k: v.value for k, v in self.placement.items()},
+            "optimizer_split": ({t: {"bytes": b, "units": u} for t, (b, u) in self.optimizer_split.items()}
+                                if self.optimizer_units else None),
             "per_rank_bytes": self.per_rank_bytes, "state_bytes": dict(self.state_bytes),
             "tiers": dict(self.need), "budgets": dict(self.budgets),
             "fits": True, "missing": None,
@@ -232,6 +256,7 @@ class _Sizes:
     grads_on_nvme: bool = False  # gradients placed on NVMe (the optimizer stages them, on any tier)
     nested: int = 0              # elements of enclosing units resident around a fetch (state.nested_numel)
     alignment: int = 4096        # io.alignment: host-pool blocks are rounded up to it
+    unit_order: tuple[int, ...] = ()  # every unit's numel in unit order ([Note: optimizer split])
 
     @property
     def numel(self) -> int:
@@ -360,33 +385,124 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
                    (("params", lp_bytes), ("gradients", sizes.grad_bytes), ("optimizer", OPTIMIZER_BYTES))}
     assert sum(state_bytes.values()) == model_state_bytes(sizes.numel, stage, world_size, lp_bytes,
                                                           sizes.grad_bytes)
+    sizes = dataclasses.replace(sizes, unit_order=tuple(unit_numels))
+    local = ranks_per_node or world_size
     free = dict(budgets)
     need = {"device": 0, "host": 0, "nvme": 0}
     placement: dict[str, Location] = {}
+    units_on: tuple[Location, ...] | None = None  # [Note: optimizer split]
     for kind in KINDS:
         requested = getattr(offload, kind)
-        candidates = [Location(requested)] if requested != "auto" else list(Location)
-        chosen = None
-        for loc in candidates:
-            want = _bytes_for(kind, loc, sizes)
-            if all(want[t] <= free[t] for t in want):
-                chosen = loc
-                break
+        if isinstance(requested, dict):  # an explicit optimizer split (config.py allows it there only)
+            units_on = _split_units(requested, sizes)
+            want = _split_bytes(units_on, sizes)
+            short = {t: want[t] - free[t] for t in want if want[t] > free[t]}
+            if short:
+                raise PlanDoesNotFit(_split_does_not_fit(units_on, short, sizes, budgets), kind,
+                                     [{"tier": "split", "more": short}], placement, sum(state_bytes.values()))
+            chosen = Location.NVME
+        else:
+            candidates = [Location(requested)] if requested != "auto" else list(Location)
+            chosen = None
+            for loc in candidates:
+                want = _bytes_for(kind, loc, sizes)
+                if all(want[t] <= free[t] for t in want):
+                    chosen = loc
+                    break
+            if kind == "optimizer" and requested == "auto" and chosen in (None, Location.NVME):
+                units_on = _auto_split(sizes, free)
+                if units_on is not None and chosen is Location.NVME:  # the split only where it is faster
+                    whole = _predict({**placement, kind: chosen}, sizes, device, rates, local)[0]
+                    split = _predict({**placement, kind: chosen}, sizes, device, rates, local,
+                                     _nvme_numel(units_on, sizes))[0]
+                    units_on = units_on if sum(split.values()) < sum(whole.values()) else None
+                chosen = Location.NVME if units_on is not None else chosen
+        if units_on is not None and len(set(units_on)) == 1:  # fractions rounded to whole units: one tier
+            chosen, units_on = units_on[0], None
         if chosen is None:
             message, options = _does_not_fit(kind, candidates, sizes, free, budgets, _nvme_off(tiers))
             message += _whole_shortfall(kind, candidates[0], need, offload, sizes, budgets)
             raise PlanDoesNotFit(message, kind, options, placement, sum(state_bytes.values()))
         placement[kind] = chosen
-        for t, b in _bytes_for(kind, chosen, sizes).items():
+        want = _split_bytes(units_on, sizes) if kind == "optimizer" and units_on else _bytes_for(kind, chosen, sizes)
+        for t, b in want.items():
             free[t] -= b
             need[t] += b
         if kind == "gradients":
             sizes = dataclasses.replace(sizes, grads_on_gpu=device.type == "cuda" and chosen is Location.DEVICE,
                                         grads_on_nvme=chosen is Location.NVME)
-    local = ranks_per_node or world_size
-    breakdown, used = _predict(placement, sizes, device, rates, local)
+    nvme_numel = _nvme_numel(units_on, sizes) if units_on else None
+    breakdown, used = _predict(placement, sizes, device, rates, local, nvme_numel)
+    split: dict[str, tuple[int, int]] = {}
+    for loc, n in zip(units_on or (), _rank_shards_in_order(sizes)):
+        b, k = split.get(loc.value, (0, 0))
+        split[loc.value] = (b + OPTIMIZER_BYTES * n, k + 1)
     return Plan(placement, need, budgets, sum(breakdown.values()), breakdown, sizes.numel, world_size, stage,
-                state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes, precision.grad_dtype)
+                state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes, precision.grad_dtype,
+                units_on, split)
+
+
+def _rank_shards_in_order(s: _Sizes) -> list[int]:
+    return [shard_numel(n, "optimizer", s.stage, s.world_size) for n in s.unit_order]
+
+
+def _split_units(fractions: dict[str, float], s: _Sizes) -> tuple[Location, ...]:
+    """[Note: optimizer split] Each unit's tier for explicit fractions (fastest tier first, as
+    config.py orders them): the tier whose share of the elements holds the unit's midpoint."""
+    shards = _rank_shards_in_order(s)
+    total, before, out = max(sum(shards), 1), 0, []
+    for n in shards:
+        mid, bound = (before + n / 2) / total, 0.0
+        for tier, fraction in fractions.items():
+            bound += fraction
+            if mid < bound:
+                break
+        out.append(Location(tier))  # the last tier when rounding left `mid` just past the sum
+        before += n
+    return tuple(out)
+
+
+def _split_bytes(units_on: tuple[Location, ...], s: _Sizes) -> dict[str, int]:
+    """Bytes per tier of the optimizer split `units_on` ([Note: optimizer split]): each tier's
+    units counted as that tier holds them, the gradient staging (shared) once."""
+    need = {"device": 0, "host": 0, "nvme": 0}
+    plain = dataclasses.replace(s, grads_on_gpu=False, grads_on_nvme=False)
+    for loc in set(units_on):
+        numels = tuple(sorted((n for n, at in zip(s.unit_order, units_on) if at is loc), reverse=True))
+        for t, b in _bytes_for("optimizer", loc, dataclasses.replace(plain, numels=numels)).items():
+            need[t] += b
+    if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu):  # a split holds no unit on the device
+        need["host"] += UnitOptimizer.grad_staging_bytes(s.rank_largest("optimizer"), s.grad_bytes)
+        need["host"] += 2 * (s.alignment - 1)
+    return need
+
+
+def _nvme_numel(units_on: tuple[Location, ...], s: _Sizes) -> int:
+    return sum(n for n, at in zip(_rank_shards_in_order(s), units_on) if at is Location.NVME)
+
+
+def _auto_split(s: _Sizes, free: dict[str, int]) -> tuple[Location, ...] | None:
+    """[Note: optimizer split] The first units on host, as many as fit, the rest on NVMe; None
+    when no split with at least one unit on each fits."""
+    count = len(s.unit_order)
+    if free["nvme"] <= 0:
+        return None
+    for on_host in range(count - 1, 0, -1):
+        units_on = (Location.HOST,) * on_host + (Location.NVME,) * (count - on_host)
+        want = _split_bytes(units_on, s)
+        if all(want[t] <= free[t] for t in want):
+            return units_on
+    return None
+
+
+def _split_does_not_fit(units_on: tuple[Location, ...], short: dict[str, int], s: _Sizes,
+                        budgets: dict[str, int]) -> str:
+    parts = {loc: units_on.count(loc) for loc in dict.fromkeys(units_on)}
+    shown = ", ".join(f"{loc.value} {k} of {len(units_on)} units" for loc, k in parts.items())
+    more = " and ".join(f"{format_size(b)} more {t} (tiers.{t} is {format_size(budgets[t])})"
+                        for t, b in short.items())
+    return (f"the optimizer of {s.numel:,} parameters split as offload.optimizer asks ({shown}) does not fit "
+            f"within the tier budgets; it would take {more}, or a split with more of it on another tier")
 
 
 def _resolve_rates(rates: dict[str, float] | None) -> tuple[dict[str, float], dict[str, str]]:
@@ -448,7 +564,13 @@ def _whole_shortfall(kind: str, loc: Location, need: dict[str, int], offload: Of
         later = later or k == kind
         if not later:
             continue
-        where = loc if k == kind else (None if getattr(offload, k) == "auto" else Location(getattr(offload, k)))
+        requested = getattr(offload, k)
+        if k != kind and isinstance(requested, dict):  # an explicit optimizer split
+            counted.append(f"{k} split")
+            for t, b in _split_bytes(_split_units(requested, s), s).items():
+                total[t] += b
+            continue
+        where = loc if k == kind else (None if requested == "auto" else Location(requested))
         if where is None:
             continue
         counted.append(f"{k} on {where.value}")
@@ -463,9 +585,10 @@ def _whole_shortfall(kind: str, loc: Location, need: dict[str, int], offload: Of
 
 
 def _predict(placement: dict[str, Location], s: _Sizes, device: torch.device, rates: dict[str, float],
-             local_ranks: int) -> tuple[dict[str, float], tuple[str, ...]]:
+             local_ranks: int, optimizer_nvme_numel: int | None = None) -> tuple[dict[str, float], tuple[str, ...]]:
     """Seconds per step spent on optimizer math and swap traffic, and the rate keys used
-    ([Note: step-time prediction])."""
+    ([Note: step-time prediction]). optimizer_nvme_numel: a split's elements on NVMe
+    ([Note: optimizer split]; None: all of them when placement["optimizer"] is NVMe)."""
     out = {"params_h2d": 0.0, "params_nvme": 0.0, "grads_d2h": 0.0, "grads_nvme": 0.0, "optimizer": 0.0,
            "optimizer_nvme": 0.0, "params_copyback": 0.0}
     used: list[str] = []
@@ -494,7 +617,7 @@ def _predict(placement: dict[str, Location], s: _Sizes, device: torch.device, ra
     else:  # the node's CPU steps every local rank's shard
         add("optimizer", n_opt * local_ranks, "cpu_adam")
     if placement["optimizer"] is Location.NVME:
-        nbytes = OPTIMIZER_BYTES * n_opt * local_ranks
+        nbytes = OPTIMIZER_BYTES * (n_opt if optimizer_nvme_numel is None else optimizer_nvme_numel) * local_ranks
         add("optimizer_nvme", nbytes, "nvme_read")
         add("optimizer_nvme", nbytes, "nvme_write")
     if placement["optimizer"] is not Location.DEVICE and placement["params"] is Location.DEVICE and on_gpu:

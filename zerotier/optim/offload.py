@@ -32,6 +32,13 @@ grads.py) are read the same way, by the NVMe store into the block, whatever the
 optimizer's tier. At most two staging blocks are alive (`grad_staging_bytes`, counted
 by the planner).
 
+[Note: units on different tiers]
+With an optimizer split (planner.py [Note: optimizer split]) each unit's state lives on its own
+tier, `self.locs[unit.index]`: host units keep their state in pool blocks, NVMe units go
+through the pipeline above, whose staging sets are sized to the largest NVMe unit. A step
+takes the units in the same order (reads issued during backward first); a host unit's Adam
+runs while the reads of the next NVMe units are in flight.
+
 Each parameter keeps its own step count (torch's per-parameter `step`): a
 parameter that received no gradient in an optimizer step is not updated at all,
 exactly as torch.optim.AdamW skips parameters whose `.grad` is None ([Note:
@@ -93,9 +100,16 @@ class _Profiled:
 class UnitOptimizer:
     """Adam(W) step over units, wherever their state lives (see the module docstring)."""
 
-    def __init__(self, units: list[Unit], cfg: OptimizerConfig, loc: Location, device_tier, host_pool, store,
-                 profiler=None):
-        self.units, self.cfg, self.loc = units, cfg, loc
+    def __init__(self, units: list[Unit], cfg: OptimizerConfig, loc: "Location | tuple[Location, ...]", device_tier,
+                 host_pool, store, profiler=None):
+        """loc: the tier of every unit's state, or each unit's tier by unit index ([Note: units on
+        different tiers]; a split spans host and NVMe only)."""
+        self.units, self.cfg = units, cfg
+        self.locs: list[Location] = [loc] * len(units) if isinstance(loc, Location) else list(loc)
+        if len(self.locs) != len(units) or (Location.DEVICE in self.locs and len(set(self.locs)) > 1):
+            raise ConfigError(f"optimizer state placement {[at.value for at in self.locs]} for {len(units)} "
+                              "units: give one tier per unit, a split over host and nvme only")
+        self._nvme_units = [u for u in units if self.locs[u.index] is Location.NVME]
         self.device_tier, self.host_pool, self.store = device_tier, host_pool, store
         self.profiler = profiler  # None when profiling is off
         # auto: this process's cores, shared with the other ranks of the node
@@ -105,7 +119,7 @@ class UnitOptimizer:
         self.steps: list[list[int]] = [[0] * len(u.params) for u in units]
         self.no_decay: list[frozenset[int]] = [frozenset()] * len(units)  # params without weight decay, by unit
         self._state: list[dict | None] = [None] * len(units)  # device/host: key -> tensor (or HostBuffer)
-        self.device = torch.device("cpu") if loc is not Location.DEVICE else device_tier.device
+        self.device = device_tier.device if self.locs and self.locs[0] is Location.DEVICE else torch.device("cpu")
         # [Note: NVMe optimizer pipeline]
         self.depth = cfg.pipeline_depth
         self._sets: list[dict] = []              # staging sets of pool blocks, made at the first NVMe step
@@ -177,12 +191,13 @@ class UnitOptimizer:
         """Put the fp32 master of this rank's shard (a CPU tensor) and zero moments on the tier.
         [Note: initial NVMe writes] NVMe: the writes are left in flight; finish_place() waits."""
         n = unit.shard_numel
-        if self.loc is Location.NVME:
+        loc = self.locs[unit.index]
+        if loc is Location.NVME:
             if self._zeros is None or self._zeros.tensor.numel() < n:
                 self._finish_placing(0)  # writes in flight read the old zeros block
                 if self._zeros is not None:
                     self.host_pool.free(self._zeros)
-                largest = max(u.shard_numel for u in self.units)
+                largest = max(u.shard_numel for u in self._nvme_units)
                 self._zeros = self.host_pool.alloc(4 * largest, torch.float32, "optimizer.zeros")
                 self._zeros.tensor.zero_()
             block = self.host_pool.alloc(4 * n, torch.float32, f"{unit.key}.master")
@@ -194,7 +209,7 @@ class UnitOptimizer:
             return
         state = {}
         for key in STATE_KEYS:
-            if self.loc is Location.DEVICE:
+            if loc is Location.DEVICE:
                 t = state[key] = self.device_tier.alloc((n,), torch.float32, f"{unit.key}.{key}")
             else:
                 buf = self.host_pool.alloc(4 * n, torch.float32, f"{unit.key}.{key}")
@@ -215,7 +230,7 @@ class UnitOptimizer:
         drain=False leaves NVMe write-backs in flight (an early update during backward: the
         next unit's read overlaps them); `finish()` waits for them."""
         self._got = {u.index: got_of(u) for u in units} if got_of is not None else {}
-        if self.loc is not Location.NVME:
+        if not self._nvme_units:
             order = units
         else:  # units whose reads started during backward go first, in the order they were issued
             order = sorted(units, key=lambda u: list(self._reads).index(u.index) if u.index in self._reads
@@ -231,20 +246,23 @@ class UnitOptimizer:
                 grad_of.close()
 
     def _step(self, order, grad_of, out_of, lr: float, grad_scale: float, drain: bool) -> Iterator[Unit]:
-        if self.loc is not Location.NVME:
-            for unit in order:
-                s = self._state[unit.index]
-                self._adam(unit, s["master"], s["exp_avg"], s["exp_avg_sq"], grad_of(unit), out_of(unit), lr,
-                           grad_scale)
-                yield unit
-            return
         ahead = max(1, self.depth - 2)
+        nvme_order = [u for u in order if self.locs[u.index] is Location.NVME]
+        done = 0  # NVMe units of `order` stepped so far
         completed = False
         try:
-            for k, unit in enumerate(order):
-                for nxt in order[k: k + 1 + ahead]:
+            for unit in order:
+                on_nvme = self.locs[unit.index] is Location.NVME
+                for nxt in nvme_order[done: done + 1 + ahead]:  # [Note: units on different tiers]
                     if nxt.index not in self._reads:
-                        self._issue_read(nxt, block=True)
+                        self._issue_read(nxt, block=on_nvme)  # before a host unit: only free sets
+                if not on_nvme:
+                    s = self._state[unit.index]
+                    self._adam(unit, s["master"], s["exp_avg"], s["exp_avg_sq"], grad_of(unit), out_of(unit), lr,
+                               grad_scale)
+                    yield unit
+                    continue
+                done += 1
                 slot, tickets = self._reads.pop(unit.index)
                 try:
                     self._wait(tickets)
@@ -267,7 +285,7 @@ class UnitOptimizer:
 
     def prefetch(self, unit: Unit) -> None:
         """NVMe state: start reading `unit`'s state now if a staging set is free (never waits)."""
-        if self.loc is Location.NVME and unit.index not in self._reads:
+        if self.locs[unit.index] is Location.NVME and unit.index not in self._reads:
             self._issue_read(unit, block=False)
 
     def _adam(self, unit: Unit, master, exp_avg, exp_avg_sq, grad, out, lr, grad_scale) -> None:
@@ -324,7 +342,7 @@ class UnitOptimizer:
     # ------------------------------------------------------------------ NVMe pipeline
 
     def _make_sets(self) -> None:
-        largest = max(u.shard_numel for u in self.units)
+        largest = max(u.shard_numel for u in self._nvme_units)  # the planner's staging_bytes figure
         self._sets = [{k: self.host_pool.alloc(4 * largest, torch.float32, f"optimizer staging {k}")
                        for k in STATE_KEYS} for _ in range(self.depth)]
         self._free_sets.extend(range(self.depth))
@@ -417,7 +435,7 @@ class UnitOptimizer:
 
     def read_state(self, unit: Unit, keys: tuple[str, ...] = STATE_KEYS) -> dict[str, torch.Tensor]:
         """fp32 `keys` (master, exp_avg, exp_avg_sq) of a unit's shard (copies on the CPU when on NVMe)."""
-        if self.loc is not Location.NVME:
+        if self.locs[unit.index] is not Location.NVME:
             return {k: self._state[unit.index][k] for k in keys}
         out = {k: torch.empty(unit.shard_numel) for k in keys}
         for k in keys:
@@ -431,7 +449,7 @@ class UnitOptimizer:
         def issue(unit: Unit):
             n = unit.shard_numel
             bufs = {k: aligned_empty(4 * n, alignment).view(torch.float32)[:n] for k in STATE_KEYS}
-            if self.loc is Location.NVME:
+            if self.locs[unit.index] is Location.NVME:
                 return bufs, [self.store.read(f"{unit.key}.{k}", bufs[k], padded=True) for k in STATE_KEYS]
             for k in STATE_KEYS:
                 bufs[k].copy_(self._state[unit.index][k])
@@ -459,7 +477,7 @@ class UnitOptimizer:
         zero) and its parameters' step counts (one int: all of them), wherever they live."""
         self.drop_prefetched()
         self.steps[unit.index] = [steps] * len(unit.params) if isinstance(steps, int) else list(steps)
-        if self.loc is Location.NVME:
+        if self.locs[unit.index] is Location.NVME:
             for k in STATE_KEYS:
                 self.store.write(f"{unit.key}.{k}", state[k].contiguous()).wait()
             return
