@@ -18,14 +18,12 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 
-import psutil
 import torch
 
 import zerotier
-from zerotier.bench import bench_io
+from zerotier.bench import PeakRSS, bench_io
 
 GiB = 1 << 30
 
@@ -41,54 +39,44 @@ def llama(layers: int):
 
 
 def run(layers: int, steps: int, host: str, nvme_path: str | None, rss_bound: float) -> dict:
-    proc = psutil.Process()
-    peak = [proc.memory_info().rss]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.02)
-
     with tempfile.TemporaryDirectory(prefix="zt-largest-", dir=nvme_path) as tmp:
         roof = bench_io(tmp, 1 << 30)
-        threading.Thread(target=sample, daemon=True).start()
-        model = llama(layers)
-        numel = sum(p.numel() for p in model.parameters())
-        cfg = {"tiers": {"host": host, "device": "2GiB", "nvme_path": tmp, "nvme": "auto"},
-               "offload": {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"},
-               "precision": {"param_dtype": "bf16", "grad_dtype": "bf16"}, "prefetch": {"lookahead": 1},
-               "optimizer": {"lr": 1e-5}, "train": {"wrap": ["Linear", "Embedding"]}}
-        t0 = time.perf_counter()
-        engine = zerotier.initialize(model, cfg, init_fn=model._init_weights)
-        init_s = time.perf_counter() - t0
-        print(f"initialized {numel / 1e9:.2f}B parameters in {init_s:.0f} s; plan:\n{engine.plan.summary()}",
-              file=sys.stderr, flush=True)
-        gen = torch.Generator().manual_seed(0)
-        rows = []
-        for step in range(steps):
-            ids = torch.randint(0, 32000, (1, 8), generator=gen)
-            before = engine.store.stats()
-            t = time.perf_counter()
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            seconds = time.perf_counter() - t
-            after = engine.store.stats()
-            written, read = after["bytes_in"] - before["bytes_in"], after["bytes_out"] - before["bytes_out"]
-            io_s = written / (roof["write_GBps"] * 1e9) + read / (roof["read_GBps"] * 1e9)
-            rows.append({"step_s": seconds, "loss": float(loss.detach().float()), "nvme_written": written,
-                         "nvme_read": read, "io_bound_s": io_s})
-            print(f"step {step + 1}: {seconds:.0f} s, loss {rows[-1]['loss']:.3f}, NVMe {written / 1e9:.1f} GB "
-                  f"written + {read / 1e9:.1f} GB read = {io_s:.0f} s at the drive's rates", file=sys.stderr,
-                  flush=True)
-        host_peak = engine.host_pool.stats()["peak"]
-        nvme_peak = engine.store.stats()["peak"]
-        engine.close(restore_weights=False)
-        stop.set()
-    return {"params": numel, "layers": layers, "host": host, "peak_rss": peak[0], "rss_bound": rss_bound,
+        with PeakRSS() as rss:
+            model = llama(layers)
+            numel = sum(p.numel() for p in model.parameters())
+            cfg = {"tiers": {"host": host, "device": "2GiB", "nvme_path": tmp, "nvme": "auto"},
+                   "offload": {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"},
+                   "precision": {"param_dtype": "bf16", "grad_dtype": "bf16"}, "prefetch": {"lookahead": 1},
+                   "optimizer": {"lr": 1e-5}, "train": {"wrap": ["Linear", "Embedding"]}}
+            t0 = time.perf_counter()
+            engine = zerotier.initialize(model, cfg, init_fn=model._init_weights)
+            init_s = time.perf_counter() - t0
+            print(f"initialized {numel / 1e9:.2f}B parameters in {init_s:.0f} s; plan:\n{engine.plan.summary()}",
+                  file=sys.stderr, flush=True)
+            gen = torch.Generator().manual_seed(0)
+            rows = []
+            for step in range(steps):
+                ids = torch.randint(0, 32000, (1, 8), generator=gen)
+                before = engine.store.stats()
+                t = time.perf_counter()
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                seconds = time.perf_counter() - t
+                after = engine.store.stats()
+                written, read = after["bytes_in"] - before["bytes_in"], after["bytes_out"] - before["bytes_out"]
+                io_s = written / (roof["write_GBps"] * 1e9) + read / (roof["read_GBps"] * 1e9)
+                rows.append({"step_s": seconds, "loss": float(loss.detach().float()), "nvme_written": written,
+                             "nvme_read": read, "io_bound_s": io_s})
+                print(f"step {step + 1}: {seconds:.0f} s, loss {rows[-1]['loss']:.3f}, NVMe {written / 1e9:.1f} GB "
+                      f"written + {read / 1e9:.1f} GB read = {io_s:.0f} s at the drive's rates", file=sys.stderr,
+                      flush=True)
+            host_peak = engine.host_pool.stats()["peak"]
+            nvme_peak = engine.store.stats()["peak"]
+            engine.close(restore_weights=False)
+    return {"params": numel, "layers": layers, "host": host, "peak_rss": rss.peak, "rss_bound": rss_bound,
             "host_pool_peak": host_peak, "nvme_peak": nvme_peak, "init_s": init_s, "steps": rows,
-            "write_GBps": roof["write_GBps"], "read_GBps": roof["read_GBps"], "pass": peak[0] <= rss_bound}
+            "write_GBps": roof["write_GBps"], "read_GBps": roof["read_GBps"], "pass": rss.peak <= rss_bound}
 
 
 def main(argv=None) -> int:

@@ -22,54 +22,43 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 LIMIT = 0.1  # bytes of RSS per parameter
 
 
 def child(dim: int, layers: int, nvme_dir: str, host: str) -> dict:
-    import psutil
     import torch
 
     import zerotier
+    from zerotier.bench import PeakRSS
     from zerotier.models import TinyGPT, batches, init_tiny_gpt
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from soak import pin_malloc
 
     pin_malloc()  # glibc's dynamic mmap threshold swings RSS by 100+ MiB run to run ([pinning malloc] in soak.py)
-    proc = psutil.Process()
-    peak = [proc.memory_info().rss]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.02)
-
-    threading.Thread(target=sample, daemon=True).start()
-    with torch.device("meta"):
-        model = TinyGPT(vocab=256, dim=dim, layers=layers, heads=max(1, dim // 128), seq=16, checkpointing=True)
-    numel = sum(p.numel() for p in set(model.parameters()))
-    cfg = {"tiers": {"host": host, "device": "2GiB", "nvme_path": nvme_dir},
-           "offload": {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"},
-           "precision": {"param_dtype": "bf16", "grad_dtype": "bf16"}, "prefetch": {"lookahead": 1},
-           "optimizer": {"lr": 1e-4}, "train": {"wrap": ["Linear", "Embedding"]}}
-    t0 = time.perf_counter()
-    engine = zerotier.initialize(model, cfg, init_fn=init_tiny_gpt)
-    init_s = time.perf_counter() - t0
-    steps = []
-    for x, y in batches(256, 4, 1, 2):
-        t = time.perf_counter()
-        engine.backward(engine(x, y))
-        engine.step()
-        steps.append(time.perf_counter() - t)
-    host_peak = engine.host_pool.stats()["peak"]
-    nvme_moved = engine.store.stats()["bytes_in"] + engine.store.stats()["bytes_out"]
-    engine.close(restore_weights=False)
-    stop.set()
-    return {"dim": dim, "layers": layers, "numel": numel, "peak_rss": peak[0], "host_pool_peak": host_peak,
+    with PeakRSS() as rss:
+        with torch.device("meta"):
+            model = TinyGPT(vocab=256, dim=dim, layers=layers, heads=max(1, dim // 128), seq=16, checkpointing=True)
+        numel = sum(p.numel() for p in set(model.parameters()))
+        cfg = {"tiers": {"host": host, "device": "2GiB", "nvme_path": nvme_dir},
+               "offload": {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"},
+               "precision": {"param_dtype": "bf16", "grad_dtype": "bf16"}, "prefetch": {"lookahead": 1},
+               "optimizer": {"lr": 1e-4}, "train": {"wrap": ["Linear", "Embedding"]}}
+        t0 = time.perf_counter()
+        engine = zerotier.initialize(model, cfg, init_fn=init_tiny_gpt)
+        init_s = time.perf_counter() - t0
+        steps = []
+        for x, y in batches(256, 4, 1, 2):
+            t = time.perf_counter()
+            engine.backward(engine(x, y))
+            engine.step()
+            steps.append(time.perf_counter() - t)
+        host_peak = engine.host_pool.stats()["peak"]
+        nvme_moved = engine.store.stats()["bytes_in"] + engine.store.stats()["bytes_out"]
+        engine.close(restore_weights=False)
+    return {"dim": dim, "layers": layers, "numel": numel, "peak_rss": rss.peak, "host_pool_peak": host_peak,
             "init_s": init_s, "step_s": steps, "nvme_bytes_moved": nvme_moved}
 
 

@@ -5,49 +5,38 @@ Run by tests/test_big_model.py in a fresh process so RSS is this run's alone.
 """
 import json
 import sys
-import threading
 import time
 
-import psutil
 import torch
 
 import zerotier
+from zerotier.bench import PeakRSS
 from zerotier.models import TinyGPT, batches
 
 
 def main(nvme_dir: str, host_budget: str) -> None:
-    proc = psutil.Process()
-    peak = [proc.memory_info().rss]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.02)
-
-    threading.Thread(target=sample, daemon=True).start()
-    torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = TinyGPT(vocab=256, dim=2048, layers=20, heads=16, seq=16, checkpointing=True).to(torch.bfloat16)
-    numel = sum(p.numel() for p in set(model.parameters()))
-    t0 = time.perf_counter()
-    cfg = {"tiers": {"host": host_budget, "device": "4GiB", "nvme_path": nvme_dir},
-           "offload": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
-           "precision": {"param_dtype": "bf16"}, "prefetch": {"lookahead": 1}, "optimizer": {"lr": 1e-4},
-           # units per Linear, not per block: the optimizer's NVMe staging sets are sized by the
-           # largest unit (3 x 12 B x a 50M-param block = 1.8 GB), until sub-groups split units
-           "train": {"wrap": ["Linear", "Embedding"]}}
-    losses = []
-    with zerotier.initialize(model, cfg) as engine:
-        init_s = time.perf_counter() - t0
-        for x, y in batches(256, 4, 1, 2):  # 4 tokens: the RSS bound, not compute (bf16 gemm is slow without AVX-512)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach().float()))
-        nvme_peak = engine.store.stats()["peak"]
-    stop.set()
-    print(json.dumps({"numel": numel, "peak_rss": peak[0], "losses": losses, "init_s": init_s,
+    with PeakRSS() as rss:
+        torch.manual_seed(0)
+        with torch.device("cpu"):
+            model = TinyGPT(vocab=256, dim=2048, layers=20, heads=16, seq=16, checkpointing=True).to(torch.bfloat16)
+        numel = sum(p.numel() for p in set(model.parameters()))
+        t0 = time.perf_counter()
+        cfg = {"tiers": {"host": host_budget, "device": "4GiB", "nvme_path": nvme_dir},
+               "offload": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
+               "precision": {"param_dtype": "bf16"}, "prefetch": {"lookahead": 1}, "optimizer": {"lr": 1e-4},
+               # units per Linear, not per block: the optimizer's NVMe staging sets are sized by the
+               # largest unit (3 x 12 B x a 50M-param block = 1.8 GB), until sub-groups split units
+               "train": {"wrap": ["Linear", "Embedding"]}}
+        losses = []
+        with zerotier.initialize(model, cfg) as engine:
+            init_s = time.perf_counter() - t0
+            for x, y in batches(256, 4, 1, 2):  # 4 tokens: the RSS bound, not compute (bf16 gemm is slow without AVX-512)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(float(loss.detach().float()))
+            nvme_peak = engine.store.stats()["peak"]
+    print(json.dumps({"numel": numel, "peak_rss": rss.peak, "losses": losses, "init_s": init_s,
                       "total_s": time.perf_counter() - t0, "nvme_peak": nvme_peak}))
 
 

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 import zerotier
 from zerotier import checkpoint, export
+from zerotier.bench import PeakRSS
 from zerotier.dist import spawn
 from zerotier.errors import TierIOError, ZerotierError
 from zerotier.models import TinyGPT, batches
@@ -296,29 +296,6 @@ def test_consolidated_state_dict_and_export(uninterrupted, tmp_path):
 
 # ------------------------------------------------------------------ streaming memory bound
 
-class PeakRSS:
-    def __init__(self):
-        import psutil
-        self.proc = psutil.Process()
-
-    def __enter__(self):
-        self.base = self.peak = self.proc.memory_info().rss
-        self.stop = False
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while not self.stop:
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.002)
-
-    def __exit__(self, *exc):
-        self.stop = True
-        self.thread.join()
-        self.growth = self.peak - self.base
-
-
 def test_streaming_memory_bound(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(17)))
@@ -329,13 +306,13 @@ def test_streaming_memory_bound(tmp_path):
         exp_avg = [engine.unit_optimizer.read_state(u)["exp_avg"] for u in engine.units]  # host: the live tensors
         for t in exp_avg:
             t.fill_(0.5)
-        with PeakRSS() as save_mem:
+        with PeakRSS(interval=0.002) as save_mem:
             t0 = time.perf_counter()
             engine.save_checkpoint(tmp_path / "ck")
             save_s = time.perf_counter() - t0
         for t in exp_avg:
             t.zero_()
-        with PeakRSS() as load_mem:
+        with PeakRSS(interval=0.002) as load_mem:
             t0 = time.perf_counter()
             engine.load_checkpoint(tmp_path / "ck")
             load_s = time.perf_counter() - t0

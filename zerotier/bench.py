@@ -43,6 +43,38 @@ STEPS = {"mem": 2, "pcie": 4, "io": 2, "adam": 2}  # progress-bar ticks per sect
 Tick = Callable[[str], None]
 
 
+class PeakRSS:
+    """`with PeakRSS() as m: ...`: the process's peak resident set size while inside
+    (`m.peak`, bytes; `m.growth` over the start), sampled by a thread every `interval` s.
+    Run it in a fresh process where the figure must be that work's alone."""
+
+    def __init__(self, interval: float = 0.02):
+        import psutil
+
+        self.proc, self.interval = psutil.Process(), interval
+        self.base = self.peak = self.growth = 0
+
+    def __enter__(self) -> "PeakRSS":
+        import threading
+
+        self.base = self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="zerotier-peak-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self._stop.wait(self.interval)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.growth = self.peak - self.base
+
+
 def _noop(_label: str) -> None:
     pass
 
