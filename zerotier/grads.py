@@ -72,6 +72,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 import torch
 
 from .device import enter as enter_device
+from .io.ticket import wait_all
 from .dist.buckets import GradBucketer
 from .state import GRAD_TRANSITIONS, GradState, Location, Unit, transition
 from .optim import _kernels
@@ -439,7 +440,7 @@ class NvmeGradStore(GradStore):
         """On a zerotier-grad-io worker: read-modify-write of one gradient file."""
         out = None
         try:
-            _wait_all(waits)
+            wait_all(waits)
             dtype = self.grad_dtype
             if add or src.dtype != dtype:
                 out = self.host_pool.alloc(src.tensor.numel() * dtype.itemsize, dtype, f"{key} (sum)")
@@ -482,7 +483,7 @@ class NvmeGradStore(GradStore):
         if self._reduce_each:  # stages 2-3: this backward's gradient
             src, copies = self._take_fresh(unit)
             self._reducing[i] = src  # (given back by _shard_ready, or by zero() after an error)
-            _wait_all(copies)
+            wait_all(copies)
         else:  # stages 0-1, the window's last backward: its sum, read back from its file
             self.settle(unit)
             total, _, _ = self._files[i]
@@ -566,20 +567,8 @@ class NvmeGradStore(GradStore):
         super().close()
 
 
-def _wait_all(tickets: list) -> None:
-    """Wait for every ticket, then raise the first error."""
-    first = None
-    for ticket in tickets:
-        try:
-            ticket.wait()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest landed
-            first = first or exc
-    if first is not None:
-        raise first
-
-
 def _wait_quietly(tickets: list) -> None:
     try:
-        _wait_all(tickets)
+        wait_all(tickets)
     except Exception:  # noqa: BLE001 - a dropped gradient's copy; its memory is what matters
         pass

@@ -295,7 +295,8 @@ _FINISHED = CompletedTicket(0)
 
 
 def wait_all(tickets: Iterable[Any], timeout: float | None = None) -> list:
-    """Wait for every ticket (even after one failed), then raise the first error.
+    """Wait for every ticket (even after one failed, or a Ctrl-C: the rest still write into
+    buffers the caller is about to drop), then raise the first error.
 
     Works for anything with `wait()`: with a timeout, each wait gets what is left of it.
     Returns the wait() results in order (0 in place of a failed one).
@@ -309,7 +310,7 @@ def wait_all(tickets: Iterable[Any], timeout: float | None = None) -> list:
                 results.append(t.wait())
             else:
                 results.append(t.wait(max(deadline - time.monotonic(), 0.0)))
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest landed
             results.append(0)
             first = first or exc
     if first is not None:
