@@ -100,7 +100,7 @@ def test_sigterm_at_a_random_point_checkpoints_cleans_up_and_resumes_bitwise(uni
     try:
         with zerotier.initialize(make_model(), config(nvme)) as engine:
             engine.load_checkpoint(ckpt)
-            assert at <= engine.global_steps <= at + 2
+            assert at <= engine.global_steps < STEPS  # (the child may be steps ahead of the lines read)
             train(engine, STEPS)
             got = engine.parameters_fp32()
     finally:
