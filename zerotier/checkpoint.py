@@ -547,12 +547,9 @@ def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list, keep: in
 
 def _run_of(ckpt: Path) -> dict | None:
     """The manifest's {"id", "saved_ns"} if `ckpt` is a checkpoint this code wrote, else None."""
-    if os.path.islink(ckpt) or not ckpt.is_dir():
+    if not _only_our_files(ckpt):
         return None
     try:
-        names = os.listdir(ckpt)
-        if "manifest.json" not in names or not all(_OUR_FILE.fullmatch(n) for n in names):
-            return None
         with open(ckpt / "manifest.json", "rb") as fh:
             manifest = json.loads(fh.read())
     except (OSError, ValueError):
@@ -585,6 +582,7 @@ def _prune(root: Path, current: Path, run_id: str, keep: int | None) -> None:
 
 
 def _only_our_files(path: Path) -> bool:
+    """A real directory holding nothing but the files a save writes."""
     try:
         return (not os.path.islink(path) and path.is_dir()
                 and all(_OUR_FILE.fullmatch(n) for n in os.listdir(path)))

@@ -138,7 +138,8 @@ def _dir_name(path: str, dir_fd: int | None) -> str:
     return os.path.dirname(os.path.abspath(path))
 
 
-def _lexists(path: str, dir_fd: int | None) -> bool:
+def lexists_at(path: str, dir_fd: int | None) -> bool:
+    """os.path.lexists, relative to `dir_fd` when given."""
     try:
         os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
         return True
@@ -161,7 +162,7 @@ def open_direct(path: str | os.PathLike, flags: int, mode: int = 0o600, *,
         key = _fs_key(path, dir_fd)
         if key not in _no_direct_fs:
             creating = bool(flags & os.O_CREAT and flags & os.O_EXCL)
-            existed = creating and _lexists(path, dir_fd)
+            existed = creating and lexists_at(path, dir_fd)
             try:
                 return os.open(path, base | os.O_DIRECT, mode, dir_fd=dir_fd), True
             except OSError as exc:
@@ -169,7 +170,7 @@ def open_direct(path: str | os.PathLike, flags: int, mode: int = 0o600, *,
                     raise
                 # Some kernels create the file before refusing O_DIRECT: undo our O_EXCL
                 # creation so the buffered retry does not fail with EEXIST.
-                if creating and not existed and _lexists(path, dir_fd):
+                if creating and not existed and lexists_at(path, dir_fd):
                     os.unlink(path, dir_fd=dir_fd)
                 with _fs_lock:
                     first = key not in _no_direct_fs

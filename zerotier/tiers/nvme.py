@@ -58,7 +58,7 @@ import torch
 
 from ..config import IOConfig, TiersConfig
 from ..errors import ConfigError, TierIOError, ZerotierError
-from ..io import aligned_empty, open_direct, open_engine
+from ..io import aligned_empty, lexists_at, open_direct, open_engine
 from .base import BudgetedTier, ChainTicket, DoneTicket, align_up, format_size
 from .host import HostBuffer
 from .rundir import _RECYCLED_PREFIX, _SUFFIX, _TMP_SUFFIX, RunDir, _check_parent, scan_stale
@@ -472,7 +472,7 @@ class NVMeStore(BudgetedTier):
                 self._rename(final, kept)
             self._rename(name, final)
         except OSError as exc:
-            if kept is not None and not self._exists(final):
+            if kept is not None and not lexists_at(final, self._dir_fd):
                 try:  # put the old version back under its name
                     self._rename(kept, final)
                 except OSError:
@@ -592,13 +592,6 @@ class NVMeStore(BudgetedTier):
 
     def _rename(self, src: str, dst: str) -> None:
         os.rename(src, dst, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
-
-    def _exists(self, name: str) -> bool:
-        try:
-            os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
-            return True
-        except FileNotFoundError:
-            return False
 
     def _unlink_quiet(self, name: str) -> None:
         try:
