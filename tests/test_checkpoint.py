@@ -298,9 +298,11 @@ def test_consolidated_state_dict_and_export(uninterrupted, tmp_path):
 
 def test_streaming_memory_bound(tmp_path):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(17)))
+    # 40 units of 12 MB of state: the streaming window (a few units, plus what the allocator keeps
+    # of freed buffers: 47-75 MB seen) must stay far below the 503 MB the state would take whole
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(40)))
     state_bytes = 3 * 4 * sum(p.numel() for p in model.parameters())
-    assert state_bytes >= 200e6
+    assert state_bytes >= 500e6
     cfg = {"offload": HOST, "tiers": {"nvme_path": str(tmp_path)}}
     with zerotier.initialize(model, cfg) as engine:
         exp_avg = [engine.unit_optimizer.read_state(u)["exp_avg"] for u in engine.units]  # host: the live tensors
@@ -321,8 +323,8 @@ def test_streaming_memory_bound(tmp_path):
     print(f"\ncheckpoint of {mb:.0f} MB: save {save_s:.2f} s ({mb / save_s:.0f} MB/s, RSS +"
           f"{save_mem.growth / 1e6:.0f} MB), load {load_s:.2f} s ({mb / load_s:.0f} MB/s, RSS +"
           f"{load_mem.growth / 1e6:.0f} MB)")
-    assert save_mem.growth < state_bytes / 3
-    assert load_mem.growth < state_bytes / 3
+    assert save_mem.growth < state_bytes / 4
+    assert load_mem.growth < state_bytes / 4
 
 
 # ------------------------------------------------------------------ checkpoints hold data, not code
