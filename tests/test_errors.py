@@ -464,6 +464,25 @@ def test_trace_damaged_or_edited(tmp_path):
         load_trace(str(path))
 
 
+def test_trace_gzip_bomb_is_refused(tmp_path, monkeypatch):
+    """`zerotier profile` of a .json.gz that expands 1000x: refused at the ratio limit, not read
+    into memory whole (the floor is lowered here so the test's bomb is small)."""
+    import gzip
+
+    from zerotier.profiler import load_trace, trace
+    monkeypatch.setattr(trace, "_MIN_GZIP_LIMIT", 1 << 20)
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(b'{"traceEvents": [], "zerotier": {"pad": "')
+        for _ in range(16):
+            f.write(b" " * (1 << 20))
+        f.write(b'"}}')
+    assert path.stat().st_size * 100 < 16 << 20
+    with pytest.raises(ZerotierError, match=rf"^{re.escape(str(path))}: the gzip stream expands to more than 1 MiB "
+                                            r"\(100x its \d+ bytes\): not a trace zerotier wrote"):
+        load_trace(str(path))
+
+
 def test_pretrained_index_naming_a_shard_outside_the_directory(tmp_path):
     """from_pretrained reads only files inside the directory: an index naming '../x' or an
     absolute path, or naming no file (null; found by tests/test_fuzz.py), is a ConfigError."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import gzip
+import io
 import json
 import os
 import reprlib
@@ -278,7 +279,7 @@ def load_trace(path: str) -> dict:
         raise ZerotierError(f"cannot read trace {path}: {exc.strerror or exc}") from None
     try:
         if raw[:2] == b"\x1f\x8b":
-            raw = gzip.decompress(raw)
+            raw = _gunzip(raw, path)
         trace = json.loads(raw)
     except (OSError, EOFError, zlib.error, ValueError, RecursionError) as exc:  # a cut or damaged gzip stream too
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
@@ -292,6 +293,23 @@ def load_trace(path: str) -> dict:
                             f"format {FORMAT}")
     _check_trace(trace, path)
     return trace
+
+
+# A gzipped trace expands to at most this many times its size (zerotier's traces: 10-30x), and at
+# least 256 MiB is always allowed: a "gzip bomb" (1000x and more) is refused before it fills memory.
+_MAX_GZIP_RATIO = 100
+_MIN_GZIP_LIMIT = 256 << 20
+
+
+def _gunzip(raw: bytes, path: str) -> bytes:
+    limit = max(_MIN_GZIP_LIMIT, _MAX_GZIP_RATIO * len(raw))
+    with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ZerotierError(f"{path}: the gzip stream expands to more than {limit >> 20} MiB "
+                            f"({_MAX_GZIP_RATIO}x its {len(raw)} bytes): not a trace zerotier wrote (a trace "
+                            "compresses 10-30x); refused before it fills memory")
+    return data
 
 
 _MAX_US = 1e18       # times past this are no trace's (µs; 31,000 years)
