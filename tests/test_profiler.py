@@ -469,3 +469,39 @@ def test_long_runs_keep_the_newest_max_events_records():
         snap = prof.snapshot()
     assert len(snap["transfers"]) == 1000 and snap["transfers"][0][0] == "u500.param"
     prof.close()
+
+
+def test_whole_run_totals_outlive_the_kept_window(tmp_path):
+    """Past profile.max_events the tables cover the newest records, and the summary still gives
+    the whole run's transfers and bytes per link (kept as running totals), also from a saved trace."""
+    prof = make_profiler(max_events=1000)
+    for i in range(1200):
+        xfer(prof, f"u{i}.param", "nvme", "host", i, i + 0.5, nbytes=4096)
+    for i in range(300):
+        xfer(prof, f"u{i}.master", "host", "nvme", 1200 + i, 1200.5 + i, reason="optimizer-write", role="master",
+             nbytes=8192)
+    with pytest.warns(RuntimeWarning, match="profile.max_events"):
+        summary = prof.report()
+    assert summary.transfers == 1000 and summary.total_bytes == 700 * 4096 + 300 * 8192
+    assert summary.run_transfers == 1500 and summary.run_bytes == 1200 * 4096 + 300 * 8192
+    assert summary.run_links == (("nvme->host", 1200, 1200 * 4096), ("host->nvme", 300, 300 * 8192))
+    assert "  whole run: 1,500 transfers, 7.03 MiB moved (nvme->host 4.69 MiB, host->nvme 2.34 MiB); the figures " \
+           "below cover the newest 1,000 (profile.max_events)" in summary.table().splitlines()
+    path = tmp_path / "trace.json"
+    with pytest.warns(RuntimeWarning):
+        prof.save(str(path))
+    trace = load_trace(str(path))
+    assert trace["zerotier"]["run_totals"]["by_reason"] == {
+        "prefetch": {"transfers": 1200, "bytes": 1200 * 4096}, "optimizer-write": {"transfers": 300, "bytes": 300 * 8192}}
+    assert summarize(trace) == summary
+    prof.close()
+
+    small = make_profiler()  # nothing dropped: no whole-run line
+    xfer(small, "a", "nvme", "host", 0, 1)
+    assert small.report().run_transfers == 1 and "whole run" not in small.report().table()
+    small.close()
+
+    trace["zerotier"]["run_totals"]["by_link"]["nvme->host"]["bytes"] = -1
+    path.write_text(json.dumps(trace))
+    with pytest.raises(ZerotierError, match=r"zerotier\.run_totals\.by_link\.nvme->host\.bytes is -1, not a count"):
+        load_trace(str(path))

@@ -85,6 +85,10 @@ class Profiler:
         self._waits: deque[tuple] = deque(maxlen=cfg.max_events)     # (name, thread, start_ns, end_ns)
         self._prefetch: deque[tuple] = deque(maxlen=cfg.max_events)  # (outcome, name): issued / hit / miss / wasted
         self._samples: deque[tuple] = deque(maxlen=cfg.max_events)   # (t_ns, {tier: (current_bytes, budget_bytes)})
+        # Every transfer since the start, also those the window above dropped: (src, dst, reason) ->
+        # [transfers, bytes]. Updated with the append under one lock, so a snapshot sees both agree.
+        self._run_totals: dict[tuple[str, str, str], list[int]] = {}
+        self._transfers_lock = threading.Lock()
         self._sampler_error: str | None = None
         self._rf = _torch_labels() if cfg.record_function else None
         self._closed = False
@@ -123,7 +127,7 @@ class Profiler:
         if self._cuda is not None and events is not None:
             self._cuda.pending.append(("transfer", token[:6] + (copy.stream_name, token[7], stall_ns), events))
         else:
-            self._transfers.append(token[:8] + (_now(), stall_ns))
+            self._add_transfer(token[:8] + (_now(), stall_ns))
         if token[8] is not None:
             token[8].__exit__(None, None, None)
 
@@ -145,8 +149,19 @@ class Profiler:
         not work of the calling thread (see [Note: stall attribution] in trace.py)."""
         _check(role, src, dst, reason)
         _check_times(start_ns, end_ns)
-        self._transfers.append((name, role, src, dst, nbytes, reason, stream or f"{_thread().name} async",
-                                start_ns, end_ns, stall_ns))
+        self._add_transfer((name, role, src, dst, nbytes, reason, stream or f"{_thread().name} async",
+                            start_ns, end_ns, stall_ns))
+
+    def _add_transfer(self, rec: tuple) -> None:
+        key = rec[2], rec[3], rec[5]  # src, dst, reason
+        with self._transfers_lock:
+            self._transfers.append(rec)
+            total = self._run_totals.get(key)
+            if total is None:
+                self._run_totals[key] = [1, rec[4]]
+            else:
+                total[0] += 1
+                total[1] += rec[4]
 
     # ------------------------------------------------------------------ stalls
 
@@ -259,8 +274,9 @@ class Profiler:
         return self._peak_rates or None
 
     def snapshot(self) -> dict:
-        """Copies of the raw records (lists of tuples, see __init__) for the exporter. CUDA-timed
-        records are resolved first (waiting for their events)."""
+        """Copies of the raw records (lists of tuples, see __init__) for the exporter, and
+        "run_totals": {(src, dst, reason): (transfers, bytes)} of every transfer since the start.
+        CUDA-timed records are resolved first (waiting for their events)."""
         if self._cuda is not None:
             self._resolve_cuda()
         full = [name for name, records in (("transfers", self._transfers), ("computes", self._computes),
@@ -270,8 +286,11 @@ class Profiler:
             warnings.warn(f"profiler: the trace holds only the newest {self.cfg.max_events:,} records of "
                           f"{', '.join(full)} (profile.max_events); earlier ones were dropped", RuntimeWarning,
                           stacklevel=3)
-        return {"transfers": list(self._transfers), "computes": list(self._computes), "waits": list(self._waits),
-                "prefetch": list(self._prefetch), "samples": list(self._samples),
+        with self._transfers_lock:
+            transfers = list(self._transfers)
+            run_totals = {key: tuple(total) for key, total in self._run_totals.items()}
+        return {"transfers": transfers, "run_totals": run_totals, "computes": list(self._computes),
+                "waits": list(self._waits), "prefetch": list(self._prefetch), "samples": list(self._samples),
                 "sampler_error": self._sampler_error}
 
     def trace(self) -> dict:
@@ -337,7 +356,7 @@ class Profiler:
                 name, role, src, dst, nbytes, reason, stream, host_start, stall = fields
                 if "nvme" in (src, dst):  # the read/write before the copy belongs to the transfer
                     start = min(host_start, end)
-                self._transfers.append((name, role, src, dst, nbytes, reason, stream, start, end, stall))
+                self._add_transfer((name, role, src, dst, nbytes, reason, stream, start, end, stall))
             elif what == "compute":
                 label, kind, thread, numel = fields
                 self._computes.append((label, kind, thread, start, end, numel))

@@ -123,6 +123,11 @@ class Summary:
     verdict: str                               # compute-bound / PCIe-bound (copy-bound on a CPU) / NVMe-bound /
     verdict_line: str                          # CPU-optimizer-bound
     device: str | None = None                  # "cuda" / "cpu": the machine the trace was taken on
+    # every transfer since the profiler started (the figures above cover the events kept: profile.max_events);
+    # None for a trace written before these were recorded
+    run_transfers: int | None = None
+    run_bytes: int | None = None
+    run_links: tuple[tuple[str, int, int], ...] = ()   # (link, transfers, bytes), by bytes, largest first
     trace: dict = field(default=None, compare=False, repr=False)  # what it was computed from (for plot)
 
     @property
@@ -203,6 +208,9 @@ def summarize(trace: dict, top: int = 10) -> Summary:
     device = data.meta.get("device")
     overlap_pct = 100.0 * hidden_us / transfer_us if transfer_us > 0 else None
     verdict, line = _verdict(busy_s, wall_us / 1e6, device, overlap_pct)
+    totals = data.meta.get("run_totals")
+    run_links = () if totals is None else tuple(sorted(
+        ((link, v["transfers"], v["bytes"]) for link, v in totals["by_link"].items()), key=lambda t: (-t[2], t[0])))
     return Summary(
         wall_s=wall_us / 1e6, transfers=len(xs), total_bytes=sum(t["bytes"] for t in xs), transfer_s=transfer_us / 1e6,
         links=tuple(links), reasons=reasons, stall_s=stall_us / 1e6,
@@ -210,7 +218,9 @@ def summarize(trace: dict, top: int = 10) -> Summary:
         prefetch_issued=pf["issued"], prefetch_hits=pf["hits"], prefetch_misses=pf["misses"],
         prefetch_wasted=pf["wasted"], top_tensors=tuple(tensors[:top]), residency=residency, busy_s=busy_s,
         optimizer_params_per_s=opt_rate, optimizer_peak_params_per_s=peaks.get("cpu_adam"),
-        verdict=verdict, verdict_line=line, device=device, trace=trace)
+        verdict=verdict, verdict_line=line, device=device, trace=trace,
+        run_transfers=None if totals is None else totals["transfers"],
+        run_bytes=None if totals is None else totals["bytes"], run_links=run_links)
 
 
 def _busy(data: TraceData):
@@ -276,6 +286,10 @@ def _table(s: Summary) -> str:
     pct = lambda v: "-" if v is None else f"{v:.0f}%"   # noqa: E731
     lines = [f"zerotier swap profile: {s.wall_s:.3f} s profiled, {s.transfers:,} transfers, "
              f"{format_size(s.total_bytes)} moved"]
+    if s.run_transfers is not None and s.run_transfers > s.transfers:
+        links = ", ".join(f"{link} {format_size(nbytes)}" for link, _, nbytes in s.run_links)
+        lines.append(f"  whole run: {s.run_transfers:,} transfers, {format_size(s.run_bytes)} moved ({links}); "
+                     f"the figures below cover the newest {s.transfers:,} (profile.max_events)")
     if s.links:
         lines.append(f"  {'link':<14} {'transfers':>9} {'bytes':>11} {'busy ms':>9} {'GB/s':>7} {'peak GB/s':>9}"
                      f" {'of peak':>7}")

@@ -114,6 +114,12 @@ def build_trace(prof) -> dict:
     outcomes = {"issued": 0, "hit": 0, "miss": 0, "wasted": 0}
     for outcome, _ in rec["prefetch"]:
         outcomes[outcome] += 1
+    by_link: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    by_reason: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for (src, dst, reason), (n, nbytes) in rec["run_totals"].items():
+        for total in (by_link[f"{src}->{dst}"], by_reason[reason]):
+            total[0] += n
+            total[1] += nbytes
     meta = {
         "format": FORMAT, "version": __version__, "t0_unix_s": prof.wall_t0,
         "window_us": [start_us, end_us], "bandwidth_bin_us": bin_us,
@@ -123,6 +129,10 @@ def build_trace(prof) -> dict:
                      "wasted": outcomes["wasted"]},
         "vocabulary": {"tiers": list(TIERS), "reasons": list(REASONS), "roles": list(ROLES),
                        "compute_kinds": list(COMPUTE_KINDS)},
+        # every transfer since the profiler started, also those older than the events kept (max_events)
+        "run_totals": {"transfers": sum(n for n, _ in by_link.values()), "bytes": sum(b for _, b in by_link.values()),
+                       "by_link": {k: {"transfers": n, "bytes": b} for k, (n, b) in sorted(by_link.items())},
+                       "by_reason": {k: {"transfers": n, "bytes": b} for k, (n, b) in sorted(by_reason.items())}},
     }
     return {"traceEvents": events + counters, "displayTimeUnit": "ms", "zerotier": meta}
 
@@ -371,6 +381,13 @@ def _check_trace(trace: dict, path: str) -> None:
         bad("zerotier.vocabulary.reasons is not a list of strings")
     if meta.get("device") is not None and not isinstance(meta["device"], str):
         bad(f"zerotier.device is {reprlib.repr(meta['device'])}, not a string")
+    totals = meta.get("run_totals")
+    if totals is not None:  # absent in traces written before it existed
+        fields(totals, "zerotier.run_totals", counts=("transfers", "bytes"))
+        for group in ("by_link", "by_reason"):
+            fields(totals.get(group), f"zerotier.run_totals.{group}")
+            for key, value in totals[group].items():
+                fields(value, f"zerotier.run_totals.{group}.{key}", counts=("transfers", "bytes"))
     for i, e in enumerate(trace["traceEvents"]):
         if not isinstance(e, dict):
             bad(f"traceEvents[{i}] is {reprlib.repr(e)}, not an object")
