@@ -1,5 +1,6 @@
-"""Checkpoints (zerotier/checkpoint.py): exact resume, placement / world-size changes,
-atomicity under SIGKILL and ENOSPC, corruption, export, and the streaming memory bound.
+"""Checkpoints (zerotier/checkpoint.py, checkpoint_read.py): exact resume, placement /
+world-size changes, atomicity under SIGKILL and ENOSPC, corruption, export, and the
+streaming memory bound.
 
 Resume on one process with the CPU fp32 path is bitwise (the same kernels see the same
 inputs); across world sizes it is within 1e-5 (gradient averaging changes summation order).
@@ -16,8 +17,9 @@ import pytest
 import torch
 
 import zerotier
-from zerotier import checkpoint, export
+from zerotier import checkpoint, checkpoint_read, export
 from zerotier.bench import PeakRSS
+from zerotier.checkpoint_read import CheckpointError
 from zerotier.dist import spawn
 from zerotier.errors import TierIOError, ZerotierError
 from zerotier.models import TinyGPT, batches
@@ -349,7 +351,7 @@ def _forge_state_pt(ckpt, payload) -> None:
     (ckpt / "state.pt").write_bytes(data)
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest["state"] = {"nbytes": len(data), "crc32c": crc.crc32c(data)}
-    manifest["crc32c"] = checkpoint._manifest_crc(manifest)  # the manifest's checksum: anyone can compute it too
+    manifest["crc32c"] = checkpoint_read.manifest_crc(manifest)  # the manifest's checksum: anyone can compute it too
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -361,11 +363,11 @@ def test_crafted_checkpoint_cannot_run_code_on_load_or_export(tmp_path):
     planted = tmp_path / "PWNED"
     _forge_state_pt(ckpt, {"global_steps": 1, "client_state": _Plant(str(planted))})
     with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
-        with pytest.raises(checkpoint.CheckpointError, match="outside torch's safe set.*trust_pickle=True"):
+        with pytest.raises(CheckpointError, match="outside torch's safe set.*trust_pickle=True"):
             engine.load_checkpoint(root)
         assert engine._broken is None  # nothing was loaded: the engine goes on
         train(engine, 0, 1)
-    with pytest.raises(checkpoint.CheckpointError, match="outside torch's safe set"):
+    with pytest.raises(CheckpointError, match="outside torch's safe set"):
         export.export(root, tmp_path / "w.safetensors")
     assert not planted.exists(), "unpickling ran the planted code"
 
@@ -374,7 +376,7 @@ def test_client_state_that_is_not_data_is_refused_at_save(tmp_path):
     root = tmp_path / "ck"
     with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
         train(engine, 0, 1)
-        with pytest.raises(checkpoint.CheckpointError, match="client_state holds objects that cannot be loaded back safely"):
+        with pytest.raises(CheckpointError, match="client_state holds objects that cannot be loaded back safely"):
             engine.save_checkpoint(root, client_state={"fn": make_model})
         assert not root.exists() or not any(root.iterdir()), "a refused save left files behind"
         engine.save_checkpoint(root, client_state={"epoch": 3, "losses": [1.0, 0.5], "note": "ok", "t": torch.ones(2)})
@@ -430,7 +432,7 @@ def test_foreign_directory_named_like_a_checkpoint_is_never_deleted(tmp_path):
     before = sorted(p.name for p in root.iterdir())
     for step in (2, 3):
         engine.global_steps = step
-        with pytest.raises(checkpoint.CheckpointError, match=f"ckpt-{step} exists and is not a zerotier checkpoint"):
+        with pytest.raises(CheckpointError, match=f"ckpt-{step} exists and is not a zerotier checkpoint"):
             engine.save_checkpoint(root)
         assert sorted(p.name for p in root.iterdir()) == before  # nothing written, nothing left
     for step in (4, 5, 6):
@@ -487,7 +489,7 @@ def _saved(tmp_path):
 
 def _reseal(ckpt, manifest) -> None:
     """Write `manifest` back with its checksum fixed, as anyone editing it can."""
-    manifest["crc32c"] = checkpoint._manifest_crc(manifest)
+    manifest["crc32c"] = checkpoint_read.manifest_crc(manifest)
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -502,8 +504,8 @@ def test_manifest_checksum_catches_every_one_bit_flip(tmp_path):
     flipped = bytearray(raw)
     flipped[steps_at] ^= 1  # the reported case: a step count '1' -> '0'
     (ckpt / "manifest.json").write_bytes(flipped)
-    with pytest.raises(checkpoint.CheckpointError, match=r"manifest\.json: checksum mismatch — the manifest is "
-                                                         r"corrupt or was edited; load an earlier checkpoint"):
+    with pytest.raises(CheckpointError, match=r"manifest\.json: checksum mismatch — the manifest is "
+                                              r"corrupt or was edited; load an earlier checkpoint"):
         export.export(root, tmp_path / "w.safetensors")
     key_at = raw.rindex(b'"crc32c": ') + 1
     for bit in range(len(raw) * 8):
@@ -511,8 +513,8 @@ def test_manifest_checksum_catches_every_one_bit_flip(tmp_path):
         flipped[bit // 8] ^= 1 << (bit % 8)
         (ckpt / "manifest.json").write_bytes(flipped)
         try:
-            got = checkpoint.read_manifest(ckpt)
-        except checkpoint.CheckpointError:
+            got = checkpoint_read.read_manifest(ckpt)
+        except CheckpointError:
             continue
         # loaded: the flip renamed the checksum's own key (so it is unchecked) or turned an
         # exponent's e into E; either way every value is what was saved
@@ -538,7 +540,7 @@ def test_manifest_edited_with_its_checksum_fixed(tmp_path):
         edited = json.loads(json.dumps(manifest))
         edit(edited)
         _reseal(ckpt, edited)
-        with pytest.raises(checkpoint.CheckpointError, match=r"manifest\.json: " + message + r" — the manifest does "
+        with pytest.raises(CheckpointError, match=r"manifest\.json: " + message + r" — the manifest does "
                            r"not describe a checkpoint this code wrote \(damaged, or edited\); load an earlier"):
             export.export(root, tmp_path / "w.safetensors")
 
@@ -549,21 +551,21 @@ def test_latest_that_is_a_directory_at_load_and_at_save(tmp_path):
     root, ckpt = _saved(tmp_path)
     (root / "latest").unlink()
     (root / "latest").mkdir()
-    with pytest.raises(checkpoint.CheckpointError, match=r"'latest' is a directory, not the file naming the newest "
-                                                         r"checkpoint — load one of the ckpt-\* directories there "
-                                                         r"directly"):
+    with pytest.raises(CheckpointError, match=r"'latest' is a directory, not the file naming the newest "
+                                              r"checkpoint — load one of the ckpt-\* directories there "
+                                              r"directly"):
         export.export(root, tmp_path / "w.safetensors")
     export.export(ckpt, tmp_path / "w.safetensors")  # the hint works
     (root / "latest").rmdir()  # deleted: the message names the checkpoints there
-    with pytest.raises(checkpoint.CheckpointError, match=r"neither .*/latest nor .*/manifest\.json exists; it holds "
-                                                         r"ckpt-1: load one of them directly"):
+    with pytest.raises(CheckpointError, match=r"neither .*/latest nor .*/manifest\.json exists; it holds "
+                                              r"ckpt-1: load one of them directly"):
         export.export(root, tmp_path / "w.safetensors")
     (root / "latest").mkdir()
     engine = _engine(tmp_path)
     train(engine, 0, 2)
     before = sorted(os.listdir(root))
-    with pytest.raises(checkpoint.CheckpointError, match=r"latest is a directory, not the file naming the newest "
-                                                         r"checkpoint; nothing was written"):
+    with pytest.raises(CheckpointError, match=r"latest is a directory, not the file naming the newest "
+                                              r"checkpoint; nothing was written"):
         engine.save_checkpoint(root)
     assert sorted(os.listdir(root)) == before
     engine.close()
@@ -575,8 +577,8 @@ def test_latest_that_is_not_text(tmp_path):
     root, _ = _saved(tmp_path)
     (root / "latest").write_bytes(b"\xff\xfe\x00ckpt-1")
     engine = _engine(tmp_path)
-    with pytest.raises(checkpoint.CheckpointError, match=r"'latest' holds bytes that are not UTF-8 text, not the name "
-                                                         r"of a checkpoint directory inside"):
+    with pytest.raises(CheckpointError, match=r"'latest' holds bytes that are not UTF-8 text, not the name "
+                                              r"of a checkpoint directory inside"):
         engine.load_checkpoint(root)
     engine.close()
     out = subprocess.run([sys.executable, "-m", "zerotier.cli", "export", str(root), "--to",
@@ -594,9 +596,9 @@ def test_checkpoint_reads_nothing_outside_its_directory(tmp_path):
     shutil.copytree(ckpt, tmp_path / "outside" / "ckpt-1")
     for latest in (str(tmp_path / "outside" / "ckpt-1"), "../outside/ckpt-1", "..", "ckpt-1/../../outside/ckpt-1"):
         (root / "latest").write_text(latest + "\n")
-        with pytest.raises(checkpoint.CheckpointError, match=r"'latest' holds '.*', not the name of a checkpoint "
-                                                             r"directory inside"):
-            checkpoint.resolve(root)
+        with pytest.raises(CheckpointError, match=r"'latest' holds '.*', not the name of a checkpoint "
+                                                  r"directory inside"):
+            checkpoint_read.resolve(root)
     (root / "latest").write_text("ckpt-1\n")
     secret = tmp_path / "secret.bin"
     secret.write_bytes(b"s" * 1221)
@@ -604,6 +606,6 @@ def test_checkpoint_reads_nothing_outside_its_directory(tmp_path):
     for name in (str(secret), "../../secret.bin", "/etc/passwd"):
         manifest["ranks"][0]["file"] = name
         _reseal(ckpt, manifest)
-        with pytest.raises(checkpoint.CheckpointError, match=r"ranks\[0\]\.file is '.*', not 'rank0\.bin'") as info:
+        with pytest.raises(CheckpointError, match=r"ranks\[0\]\.file is '.*', not 'rank0\.bin'") as info:
             export.export(root, tmp_path / "w.safetensors")
         assert "1221" not in str(info.value)

@@ -19,7 +19,6 @@ import gzip
 import io
 import json
 import os
-import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -27,11 +26,11 @@ from pathlib import Path
 import crc32c
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zerotier
-from zerotier import checkpoint, export
+from zerotier import checkpoint_read, export
 from zerotier.config import Config
 from zerotier.errors import ZerotierError
 from zerotier.models import TinyGPT, batches
@@ -242,7 +241,7 @@ def _sealed(manifest) -> bytes:
     """The manifest written back with its own checksum fixed ([Note: manifest checksum])."""
     if isinstance(manifest, dict):
         manifest = {k: v for k, v in manifest.items() if k != "crc32c"}
-        manifest["crc32c"] = checkpoint._manifest_crc(manifest)
+        manifest["crc32c"] = checkpoint_read.manifest_crc(manifest)
     return json.dumps(manifest).encode()
 
 
@@ -265,7 +264,7 @@ def test_fuzz_latest(saved, latest):
     files = saved
     with tempfile.TemporaryDirectory() as tmp:
         root = _write_checkpoint(tmp, files, latest)
-        found = loads_or_refuses(checkpoint.resolve, root)
+        found = loads_or_refuses(checkpoint_read.resolve, root)
         if isinstance(found, Path):
             assert found.parent == root
 
@@ -278,7 +277,7 @@ def test_fuzz_manifest_bytes(saved, data):
     raw = data.draw(damaged(files["manifest.json"]))
     with tempfile.TemporaryDirectory() as tmp:
         root = _write_checkpoint(tmp, {**files, "manifest.json": raw})
-        got = loads_or_refuses(checkpoint.read_manifest, root / "ckpt-1")
+        got = loads_or_refuses(checkpoint_read.read_manifest, root / "ckpt-1")
         if isinstance(got, dict):
             original = json.loads(files["manifest.json"])
             assert {k: got.get(k) for k in original if k != "crc32c"} == \
@@ -367,7 +366,7 @@ def test_fuzz_checkpoint_files_that_are_not_files(saved):
             target.unlink()
             os.mkfifo(target)
             src = root if name == "latest" else root / "ckpt-1"
-            with pytest.raises(checkpoint.CheckpointError, match="not a regular file|no manifest|neither"):
+            with pytest.raises(checkpoint_read.CheckpointError, match="not a regular file|no manifest|neither"):
                 export.export(src, Path(tmp) / "out.safetensors")
 
 

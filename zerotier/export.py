@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .checkpoint import CheckpointError, _load_state, _RankFiles, _tensor_bytes, read_manifest, resolve
+from .checkpoint_read import CheckpointError, RankFiles, load_state, read_manifest, resolve
 from .errors import ZerotierError
 from .state import DTYPES
 
@@ -53,7 +53,7 @@ def iter_full_params(path, dtype: torch.dtype = torch.float32) -> Iterator[tuple
     """From a checkpoint alone: (names, full tensor) per trained parameter, one unit in memory at a time."""
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
-    files = _RankFiles(ckpt, manifest)
+    files = RankFiles(ckpt, manifest)
     try:
         for i, u in enumerate(manifest["units"]):
             flat = torch.empty(u["numel"])
@@ -74,7 +74,7 @@ def export(path, out, dtype: str | torch.dtype = "fp32", trust_pickle: bool = Fa
         dtype = _DTYPE_NAMES[dtype]
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
-    extra = _load_state(ckpt, manifest, trust_pickle)["module_unmanaged"]
+    extra = load_state(ckpt, manifest, trust_pickle)["module_unmanaged"]
     extra = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in extra.items()}
     _check_extra(ckpt, manifest, extra)
     out = Path(out)
@@ -119,6 +119,14 @@ def _check_extra(ckpt: Path, manifest: dict, extra: dict[str, torch.Tensor]) -> 
         if t.dtype not in _ST_DTYPES:
             raise ZerotierError(f"export: {name!r} has dtype {t.dtype}, which safetensors export does not support "
                                 f"({', '.join(str(d).replace('torch.', '') for d in _ST_DTYPES)})")
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)  # a 0-dim tensor (a scalar parameter) has no byte view of its own
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def _export_safetensors(path, manifest: dict, extra: dict, out: Path, dtype: torch.dtype) -> None:
