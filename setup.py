@@ -44,7 +44,7 @@ setup(
         ),
         Extension(
             "zerotier._zt_io",
-            sources=["native/io/io_engine.cpp"],
+            sources=["native/io/io_engine.cpp", "native/io/threads_engine.cpp", "native/io/uring_engine.cpp"],
             include_dirs=["native"],
             extra_compile_args=COMMON,
             extra_link_args=["-pthread"],
