@@ -104,7 +104,7 @@ from .schedule import PrefetchScheduler
 from .state import DTYPES, Location, ParamState, build_units, nested_numel
 from . import stop
 from .tiers.device import DeviceTier
-from .tiers.host import HostPool
+from .tiers.host import HostPool, trim_heap
 
 
 def initialize(model: torch.nn.Module, config=None, *, wrap=None, init_fn=None) -> "Engine":
@@ -275,6 +275,7 @@ class Engine:
             if engine is not None:
                 engine._trained_state_dict(module, state_dict, prefix)
         self._hooks.append(model.register_state_dict_post_hook(trained_state_dict))
+        trim_heap()  # the user's tensors and placement temporaries ([Note: heap trimming])
 
     # ------------------------------------------------------------ placement
 
@@ -796,7 +797,10 @@ class Engine:
         deletes anything it did not write. Returns the checkpoint directory. See docs/checkpoint.md."""
         from . import checkpoint
         self._refuse_if_broken("engine.save_checkpoint()")
-        return checkpoint.save(self, root, lr_scheduler=lr_scheduler, client_state=client_state, keep=keep)
+        try:
+            return checkpoint.save(self, root, lr_scheduler=lr_scheduler, client_state=client_state, keep=keep)
+        finally:
+            trim_heap()  # the streaming buffers ([Note: heap trimming])
 
     def load_checkpoint(self, root, *, lr_scheduler=None, trust_pickle: bool = False):
         """Load root/latest (or a ckpt-N directory) into this engine, whatever its placement, stage or
@@ -812,6 +816,7 @@ class Engine:
             raise
         self._broken = None  # a consistent state again ([Note: a step is all or nothing])
         self.zero_grad()
+        trim_heap()  # the streaming buffers ([Note: heap trimming])
         return client_state
 
     def consolidated_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -882,6 +887,7 @@ class Engine:
                 self.store.close()
                 self.store = None
             self.host_pool.close()
+            trim_heap()  # [Note: heap trimming]
 
     def _restore_weights(self) -> None:
         """[Note: the user's model stays the truth]"""
