@@ -473,15 +473,20 @@ def test_long_runs_keep_the_newest_max_events_records():
 
 def test_whole_run_totals_outlive_the_kept_window(tmp_path):
     """Past profile.max_events the tables cover the newest records, and the summary still gives
-    the whole run's transfers and bytes per link (kept as running totals), also from a saved trace."""
+    the whole run's transfers and bytes per link (kept as running totals) and its prefetch
+    outcomes (counted), also from a saved trace."""
     prof = make_profiler(max_events=1000)
     for i in range(1200):
         xfer(prof, f"u{i}.param", "nvme", "host", i, i + 0.5, nbytes=4096)
     for i in range(300):
         xfer(prof, f"u{i}.master", "host", "nvme", 1200 + i, 1200.5 + i, reason="optimizer-write", role="master",
              nbytes=8192)
+    for i in range(1500):  # prefetch outcomes are counted, never dropped
+        prof.prefetch_issued(f"u{i}.param")
+        prof.prefetch_used(f"u{i}.param", hit=i % 3 != 0)
     with pytest.warns(RuntimeWarning, match="profile.max_events"):
         summary = prof.report()
+    assert (summary.prefetch_issued, summary.prefetch_hits, summary.prefetch_misses) == (1500, 1000, 500)
     assert summary.transfers == 1000 and summary.total_bytes == 700 * 4096 + 300 * 8192
     assert summary.run_transfers == 1500 and summary.run_bytes == 1200 * 4096 + 300 * 8192
     assert summary.run_links == (("nvme->host", 1200, 1200 * 4096), ("host->nvme", 300, 300 * 8192))

@@ -83,7 +83,8 @@ class Profiler:
         self._transfers: deque[tuple] = deque(maxlen=cfg.max_events)
         self._computes: deque[tuple] = deque(maxlen=cfg.max_events)  # (label, kind, thread, start_ns, end_ns, numel)
         self._waits: deque[tuple] = deque(maxlen=cfg.max_events)     # (name, thread, start_ns, end_ns)
-        self._prefetch: deque[tuple] = deque(maxlen=cfg.max_events)  # (outcome, name): issued / hit / miss / wasted
+        self._prefetch = {"issued": 0, "hit": 0, "miss": 0, "wasted": 0}  # outcome -> count, whole run
+        self._prefetch_lock = threading.Lock()
         self._samples: deque[tuple] = deque(maxlen=cfg.max_events)   # (t_ns, {tier: (current_bytes, budget_bytes)})
         # Every transfer since the start, also those the window above dropped: (src, dst, reason) ->
         # [transfers, bytes]. Updated with the append under one lock, so a snapshot sees both agree.
@@ -232,16 +233,20 @@ class Profiler:
 
     def prefetch_issued(self, name: str) -> None:
         """An asynchronous fetch of `name` was started ahead of its use."""
-        self._prefetch.append(("issued", name))
+        self._count_prefetch("issued")
 
     def prefetch_used(self, name: str, hit: bool) -> None:
         """Compute demanded `name`: hit = a prefetch had been issued for it (done or still in flight;
         its stall shows lateness), miss = compute had to start the fetch itself."""
-        self._prefetch.append(("hit" if hit else "miss", name))
+        self._count_prefetch("hit" if hit else "miss")
 
     def prefetch_wasted(self, name: str) -> None:
         """A prefetched copy of `name` was dropped without being used (order changed, evicted first)."""
-        self._prefetch.append(("wasted", name))
+        self._count_prefetch("wasted")
+
+    def _count_prefetch(self, outcome: str) -> None:
+        with self._prefetch_lock:  # counts of the whole run: a few ints, whatever profile.max_events is
+            self._prefetch[outcome] += 1
 
     # ------------------------------------------------------------------ residency
 
@@ -275,7 +280,8 @@ class Profiler:
 
     def snapshot(self) -> dict:
         """Copies of the raw records (lists of tuples, see __init__) for the exporter, and
-        "run_totals": {(src, dst, reason): (transfers, bytes)} of every transfer since the start.
+        "run_totals": {(src, dst, reason): (transfers, bytes)} of every transfer since the start,
+        "prefetch": {outcome: count} since the start.
         CUDA-timed records are resolved first (waiting for their events)."""
         if self._cuda is not None:
             self._resolve_cuda()
@@ -290,7 +296,7 @@ class Profiler:
             transfers = list(self._transfers)
             run_totals = {key: tuple(total) for key, total in self._run_totals.items()}
         return {"transfers": transfers, "run_totals": run_totals, "computes": list(self._computes),
-                "waits": list(self._waits), "prefetch": list(self._prefetch), "samples": list(self._samples),
+                "waits": list(self._waits), "prefetch": dict(self._prefetch), "samples": list(self._samples),
                 "sampler_error": self._sampler_error}
 
     def trace(self) -> dict:

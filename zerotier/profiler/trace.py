@@ -111,9 +111,7 @@ def build_trace(prof) -> dict:
                       "args": {"GB/s": gbps}} for ts, gbps in series]
     counters.sort(key=lambda e: e["ts"])
 
-    outcomes = {"issued": 0, "hit": 0, "miss": 0, "wasted": 0}
-    for outcome, _ in rec["prefetch"]:
-        outcomes[outcome] += 1
+    outcomes = rec["prefetch"]  # counted over the whole run
     by_link: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     by_reason: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for (src, dst, reason), (n, nbytes) in rec["run_totals"].items():
