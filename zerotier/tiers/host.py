@@ -43,6 +43,8 @@ from ..io import aligned_empty
 from .base import BudgetedTier, TicketLike, align_up, format_size
 
 log = logging.getLogger(__name__)
+_malloc_trim = None  # glibc's malloc_trim once looked up; False where there is none
+
 
 def trim_heap() -> None:
     """Give freed malloc heap memory back to the OS ([Note: heap trimming]); a no-op without glibc."""
@@ -52,9 +54,6 @@ def trim_heap() -> None:
         _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", False)
     if _malloc_trim:
         _malloc_trim(0)
-
-
-_malloc_trim = None  # glibc's malloc_trim once looked up; False where there is none
 
 
 # Reuse a cached block for a smaller request only if it is at most this many times the
