@@ -41,22 +41,22 @@ N_POOLED = 1 << 18  # elements: 4 slices of the kernel's minimum per thread, so 
 UNDER_ASAN = bool(os.environ.get("ZT_SANITIZE_FLAGS"))
 
 
-@pytest.fixture
-def cpu_lib():
+def _loaded(load):
     if not _native.native_enabled():
         pytest.skip("ZEROTIER_NATIVE=0: these tests drive the native library itself")
-    lib = _kernels._lib()
+    lib = load()
     assert lib is not None, _native.status()
     return lib
+
+
+@pytest.fixture
+def cpu_lib():
+    return _loaded(_kernels._lib)
 
 
 @pytest.fixture
 def io_lib():
-    if not _native.native_enabled():
-        pytest.skip("ZEROTIER_NATIVE=0: these tests drive the native library itself")
-    lib = io_native.library()
-    assert lib is not None, _native.status()
-    return lib
+    return _loaded(io_native.library)
 
 
 def run_in_child(fn):

@@ -445,11 +445,16 @@ class UnitOptimizer:
     def iter_state(self, units: list[Unit], alignment: int) -> Iterator[tuple[Unit, dict[str, torch.Tensor]]]:
         """Each unit's fp32 state as aligned CPU tensors of its shard (storage padded to `alignment`
         bytes: [Note: checkpoint streaming] in checkpoint.py), the next unit's NVMe reads already in
-        flight. The tensors are the caller's; reads still in flight are waited for if it stops early."""
+        flight; reads still in flight are waited for if the caller stops early. Host-resident state
+        is yielded as it lives in its pool blocks (aligned and padded already: no copy); the caller
+        may write only the padding."""
         def issue(unit: Unit):
             n = unit.shard_numel
+            loc = self.locs[unit.index]
+            if loc is Location.HOST:
+                return self._state[unit.index], []
             bufs = {k: aligned_empty(4 * n, alignment).view(torch.float32)[:n] for k in STATE_KEYS}
-            if self.locs[unit.index] is Location.NVME:
+            if loc is Location.NVME:
                 return bufs, [self.store.read(f"{unit.key}.{k}", bufs[k], padded=True) for k in STATE_KEYS]
             for k in STATE_KEYS:
                 bufs[k].copy_(self._state[unit.index][k])
