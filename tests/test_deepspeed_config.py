@@ -106,3 +106,29 @@ def test_zerotier_convert_cli(tmp_path):
     assert "not used (no zerotier meaning): scheduler.type" in proc.stderr
     cfg = Config.load(out)
     assert cfg.zero.stage == 3 and cfg.offload.params == "nvme" and cfg.tiers.nvme_path == "/local_nvme"
+
+
+@pytest.mark.parametrize("value, dtype", [
+    ("false", "fp32"), ("False", "fp32"), ("no", "fp32"), ("0", "fp32"), (0, "fp32"), (False, "fp32"),
+    ("true", "bf16"), ("TRUE", "bf16"), ("on", "bf16"), (1, "bf16"), (True, "bf16"),
+])
+def test_boolean_strings_read_as_deepspeed_reads_them(value, dtype):
+    """DeepSpeed's pydantic config reads "false" as False; Python's truthiness would turn bf16 on."""
+    cfg, _ = convert({"bf16": {"enabled": value}})
+    assert cfg.precision.param_dtype == dtype
+    cfg, _ = convert({"fp16": {"enabled": value}, "zero_optimization": {"overlap_comm": value}})
+    assert cfg.precision.param_dtype == ("fp16" if dtype == "bf16" else "fp32")
+    assert cfg.zero.overlap_comm is (dtype == "bf16")
+
+
+def test_string_false_leaves_adam_w_mode_off_and_both_precisions_allowed_off():
+    cfg, _ = convert({"optimizer": {"type": "Adam", "params": {"adam_w_mode": "false"}}})
+    assert cfg.optimizer.type == "adam"
+    cfg, _ = convert({"bf16": {"enabled": "false"}, "fp16": {"enabled": "true"}})
+    assert cfg.precision.param_dtype == "fp16"
+
+
+@pytest.mark.parametrize("value", ["maybe", "", 2, [True], {"x": 1}])
+def test_unknown_boolean_is_an_error(value):
+    with pytest.raises(ConfigError, match=r"bf16\.enabled = .*expected true or false"):
+        Config.from_deepspeed({"bf16": {"enabled": value}})

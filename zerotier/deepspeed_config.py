@@ -27,6 +27,9 @@ and are listed too. What each key maps to:
   optimizer.params lr / betas / eps / weight_decay   optimizer.*
 DeepSpeed counts bucket sizes in elements; zerotier in bytes (fp32 gradients, bf16/fp16
 parameters by default).
+Boolean keys (enabled, overlap_comm, pin_memory, adam_w_mode) are read as DeepSpeed's pydantic
+models read them: true/false, 1/0 and the strings "true"/"false", "yes"/"no", "on"/"off", "1"/"0"
+(any case); any other value is a ConfigError, never Python truthiness ("false" is not true).
 """
 from __future__ import annotations
 
@@ -43,6 +46,21 @@ _DEVICE = {"cpu": "host", "nvme": "nvme", "none": "device"}
 _ALWAYS = {"zero_optimization.contiguous_gradients", "zero_optimization.offload_optimizer.pin_memory",
            "zero_optimization.offload_param.pin_memory", "optimizer.params.torch_adam",
            "optimizer.params.adam_w_mode", "bf16.enabled", "fp16.enabled", "zero_optimization.round_robin_gradients"}
+
+
+_TRUE = {"true", "yes", "on", "1", "t", "y"}
+_FALSE = {"false", "no", "off", "0", "f", "n"}
+
+
+def _bool(path: str, value: Any) -> bool | None:
+    """A DeepSpeed boolean as pydantic's lax mode reads it; None stays None ([Note: DeepSpeed keys])."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigError(f"{path} = {value!r}: expected true or false")
 
 
 def convert(ds: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -80,7 +98,8 @@ def convert(ds: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]
         path = get(f"zero_optimization.{ds_key}.nvme_path")
         if path is not None:
             put("tiers", "nvme_path", str(path))
-        if get(f"zero_optimization.{ds_key}.pin_memory") is False:
+        pin = f"zero_optimization.{ds_key}.pin_memory"
+        if _bool(pin, get(pin)) is False:
             unmapped.append(f"zero_optimization.{ds_key}.pin_memory = false (zerotier always pins host memory "
                             "on CUDA machines)")
     for ds_key, key, scale in (("reduce_bucket_size", "reduce_bucket_size", 4),
@@ -92,7 +111,8 @@ def convert(ds: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]
                                  ("stage3_param_persistence_threshold", "zero", "persistence_threshold")):
         value = get(f"zero_optimization.{ds_key}")
         if value is not None:
-            put(section, key, bool(value) if key == "overlap_comm" else int(float(value)))
+            put(section, key, _bool(f"zero_optimization.{ds_key}", value) if key == "overlap_comm"
+                else int(float(value)))
     prefetch = get("zero_optimization.stage3_prefetch_bucket_size")
     if prefetch is not None:
         put("prefetch", "max_bytes", int(float(prefetch)) * 2)
@@ -101,7 +121,7 @@ def convert(ds: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]
         if value is not None:
             put("io", key, int(value))
 
-    bf16, fp16 = get("bf16.enabled"), get("fp16.enabled")
+    bf16, fp16 = _bool("bf16.enabled", get("bf16.enabled")), _bool("fp16.enabled", get("fp16.enabled"))
     if bf16 and fp16:
         raise ConfigError("bf16.enabled and fp16.enabled are both true: choose one")
     if bf16:
@@ -126,8 +146,8 @@ def convert(ds: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]
         kind = str(opt_type).lower()
         if kind not in ("adam", "adamw"):
             raise ConfigError(f"optimizer.type = {opt_type!r}: zerotier trains with Adam/AdamW only")
-        w_mode = get("optimizer.params.adam_w_mode")
-        decoupled = kind == "adamw" or (w_mode is None or bool(w_mode))  # DeepSpeed's Adam is AdamW by default
+        w_mode = _bool("optimizer.params.adam_w_mode", get("optimizer.params.adam_w_mode"))
+        decoupled = kind == "adamw" or (w_mode is None or w_mode)  # DeepSpeed's Adam is AdamW by default
         put("optimizer", "type", "adamw" if decoupled else "adam")
     for key in ("lr", "eps", "weight_decay"):
         value = get(f"optimizer.params.{key}")
