@@ -97,3 +97,54 @@ def test_modules_reset_parameters_initialize_a_meta_model():
         assert weights["0.weight"].abs().max() <= 1 / 8 ** 0.5 + 1e-6  # Linear's kaiming_uniform bound
         engine.backward(engine(torch.randn(4, 8)).square().mean())
         engine.step()
+
+
+def _linear_only_init(module):
+    """An init_fn that covers nn.Linear only, leaving LayerNorm and Embedding to their own reset."""
+    if isinstance(module, torch.nn.Linear):
+        torch.nn.init.normal_(module.weight, std=0.02)  # bias left to the module
+
+
+@pytest.mark.parametrize("placement", ["params-host", "params-nvme"])
+def test_init_fn_covering_some_modules_leaves_no_undefined_memory(placement, tmp_path):
+    """Issue 21: tensors init_fn did not set in full get the module's reset_parameters(), as a model
+    built on the CPU would have them before the user's init ran ([Note: meta-device models])."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    torch.manual_seed(0)
+    cfg = {"offload": PLACEMENTS[placement], "tiers": {"nvme_path": str(tmp_path)}}
+    with zerotier.initialize(model, cfg, init_fn=_linear_only_init) as engine:
+        w = engine.parameters_fp32()
+        assert w["1.weight"].eq(1).all() and w["1.bias"].eq(0).all()  # LayerNorm's reset_parameters
+        assert w["0.weight"].isfinite().all() and w["0.weight"].std() > 0.5  # Embedding: normal(0, 1)
+        assert w["2.weight"].std() < 0.05  # init_fn's normal(0, 0.02) kept, not reset over
+        bound = 1 / 8 ** 0.5 + 1e-6
+        assert w["2.bias"].isfinite().all() and w["2.bias"].abs().max() <= bound  # Linear's own bias init
+        x = torch.randint(0, 16, (4, 3))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        assert all(t.isfinite().all() for t in engine.parameters_fp32().values())
+
+
+def test_parameters_nothing_initializes_are_named():
+    """A module with no reset_parameters() whose parameters init_fn leaves unset is a ConfigError
+    naming them, never uninitialized memory."""
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.empty(4))
+            self.b = torch.nn.Parameter(torch.empty(4, 4))
+
+        def forward(self, x):
+            return (x * self.a) @ self.b
+
+    def init_a_only(module):
+        if isinstance(module, Pair):
+            module.a.fill_(1.0)
+            module.b[0].fill_(1.0)  # one row of b: b is still not set in full
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(Pair(), torch.nn.Linear(4, 1))
+    with pytest.raises(ConfigError, match=r"module '0' \(Pair\): init_fn left b unset \(or not set in full\) "
+                                          r"and Pair has no reset_parameters\(\): set them in init_fn"):
+        zerotier.initialize(model, {"offload": PLACEMENTS["params-host"]}, init_fn=init_a_only)

@@ -11,7 +11,12 @@ full-precision tensors exist in RAM at a time:
   2. the module initializes them: `init_fn(module)` when the user gives one, else the
      module's own `reset_parameters()` (nn.Linear, nn.Embedding, norms ...). A module with
      neither, or with buffers that reset_parameters() does not set (only torch's norm
-     layers reset theirs), is a ConfigError naming it: never uninitialized memory;
+     layers reset theirs), is a ConfigError naming it: never uninitialized memory.
+     Floating tensors start as NaN, so what init_fn did not set in full is seen: those
+     tensors get the module's reset_parameters() (the tensors init_fn did set are kept),
+     as a model built on the CPU has them before the user's init runs; a module with no
+     reset_parameters() is a ConfigError naming the tensors left unset. Other dtypes
+     start as zeros;
   3. the random stream is the user's seed forked per unit (`torch.initial_seed() + unit
      index`), so the weights do not depend on placement, ZeRO stage or world size.
 The Unit is rebuilt with the new Parameter objects; everything after works as for a model
@@ -28,6 +33,25 @@ from .errors import ConfigError
 from .state import Unit
 
 _RESETS_BUFFERS = (torch.nn.modules.batchnorm._NormBase,)  # reset_parameters() resets running stats
+
+
+def _unset_like(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor shaped like meta `t` whose unset elements can be seen: NaN, or 0 for non-floats."""
+    if t.is_floating_point() or t.is_complex():
+        return torch.full_like(t, float("nan"), device="cpu")
+    return torch.zeros_like(t, device="cpu")
+
+
+def _tensors(module: torch.nn.Module, names) -> dict[str, torch.Tensor]:
+    found = {n: module._parameters.get(n) for n in names}
+    found.update({n: module._buffers.get(n) for n in names if found[n] is None})
+    return {n: t for n, t in found.items() if t is not None}
+
+
+def _unset(module: torch.nn.Module, names) -> list[str]:
+    """The materialized tensors of `module` still holding a NaN (never set, or set in part)."""
+    return [n for n, t in _tensors(module, names).items()
+            if (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any())]
 
 
 def is_meta(unit: Unit) -> bool:
@@ -75,17 +99,32 @@ class Materializer:
                               "reset_parameters() does not set: pass init_fn=fn to zerotier.initialize so that "
                               "fn(module) fills them")
         for n, p in meta_params:
-            new = torch.nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+            new = torch.nn.Parameter(_unset_like(p), requires_grad=p.requires_grad)
             for holder, slot in self._slots[id(p)]:
                 holder._parameters[slot] = new
             self.replaced[id(p)] = new
         for n in meta_buffers:
-            module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
+            module._buffers[n] = _unset_like(module._buffers[n])
+        names = [n for n, _ in meta_params] + meta_buffers
         with torch.no_grad():
             if self.init_fn is not None:
                 self.init_fn(module)
+                unset = _unset(module, names)
+                if unset and hasattr(module, "reset_parameters"):
+                    kept = {n: t.clone() for n, t in _tensors(module, names).items() if n not in unset}
+                    module.reset_parameters()
+                    for n, t in _tensors(module, kept).items():
+                        t.copy_(kept[n])
             else:
                 module.reset_parameters()
+            unset = _unset(module, names)
+        if unset:
+            by = "init_fn" if self.init_fn is not None else "reset_parameters()"
+            fix = (f"and {type(module).__name__} has no reset_parameters(): set them in init_fn"
+                   if not hasattr(module, "reset_parameters") else
+                   "even after its reset_parameters(): set them in init_fn")
+            raise ConfigError(f"{label}: {by} left {', '.join(unset)} unset (or not set in full) {fix} "
+                              "([Note: meta-device models])")
 
     def rest(self) -> None:
         """Modules no unit covers (frozen parameters, buffers only) that are still on meta."""
