@@ -148,3 +148,82 @@ def test_parameters_nothing_initializes_are_named():
     with pytest.raises(ConfigError, match=r"module '0' \(Pair\): init_fn left b unset \(or not set in full\) "
                                           r"and Pair has no reset_parameters\(\): set them in init_fn"):
         zerotier.initialize(model, {"offload": PLACEMENTS["params-host"]}, init_fn=init_a_only)
+
+
+def _failing_after(n):
+    """init_tiny_gpt that raises at the n-th nn.Linear it initializes (a unit part-way through)."""
+    seen = {"linear": 0}
+
+    def init_fn(module):
+        init_tiny_gpt(module)
+        if isinstance(module, torch.nn.Linear):
+            seen["linear"] += 1
+            if seen["linear"] == n:
+                raise RuntimeError("init_fn failed on purpose")
+    return init_fn
+
+
+@pytest.mark.parametrize("placement", ["params-host", "params-nvme"])
+def test_initialize_again_after_a_failing_init_fn(placement, tmp_path):
+    """Issue 21 ([Note: a failed initialize] in engine.py): a failing init_fn left the model half
+    swapped to freed engine memory and the next initialize segfaulted. It now leaves the model as
+    built (meta), and initialize again gives the weights a fresh model gets."""
+    cfg = {"offload": PLACEMENTS[placement], "tiers": {"nvme_path": str(tmp_path)}}
+    with torch.device("meta"):
+        model = TinyGPT(vocab=64, dim=32, layers=3, heads=2, seq=16)
+    torch.manual_seed(7)
+    with pytest.raises(RuntimeError, match="init_fn failed on purpose"):
+        zerotier.initialize(model, cfg, init_fn=_failing_after(6))  # in the second block
+    assert all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
+    assert not list(tmp_path.iterdir())  # the failed engine's run directory is gone
+    torch.manual_seed(7)
+    with zerotier.initialize(model, cfg, init_fn=init_tiny_gpt) as engine:
+        again = engine.parameters_fp32()
+        for x, y in batches(64, 16, 2, 2):
+            engine.backward(engine(x, y))
+            engine.step()
+    initial, _, _ = weights_after_training(placement, tmp_path, steps=0)  # a fresh meta model, same seed
+    for key, value in initial.items():
+        assert torch.equal(again[key], value), key
+
+
+@pytest.mark.parametrize("placement", ["params-host", "params-nvme"])
+def test_failed_initialize_gives_placed_weights_back(placement, tmp_path):
+    """Units placed before the failure (built normally) get their weights back, bit for bit."""
+    cfg = {"offload": PLACEMENTS[placement], "tiers": {"nvme_path": str(tmp_path)}}
+    torch.manual_seed(3)
+    model = TinyGPT(vocab=64, dim=32, layers=3, heads=2, seq=16)
+    with torch.device("meta"):
+        model.blocks[2] = TinyGPT(vocab=64, dim=32, layers=1, heads=2, seq=16).blocks[0]  # built on meta
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    with pytest.raises(RuntimeError, match="init_fn failed on purpose"):
+        zerotier.initialize(model, cfg, init_fn=_failing_after(2))  # in blocks.2, after blocks 0 and 1
+    for name, p in model.named_parameters():
+        if name.startswith("blocks.2."):
+            assert p.is_meta, name
+        else:
+            assert torch.equal(p.detach(), before[name]), name
+    with zerotier.initialize(model, cfg, init_fn=init_tiny_gpt) as engine:
+        engine.backward(engine(*next(iter(batches(64, 16, 2, 1)))))
+        engine.step()
+
+
+def test_a_model_whose_weights_cannot_be_given_back_is_refused(monkeypatch):
+    """Where a failed initialize cannot give a placed unit's weights back (here: reading its master
+    fails too), its parameters become meta tensors (a read raises, never reads freed memory) and the
+    next initialize is a ConfigError saying so."""
+    from zerotier.optim.offload import UnitOptimizer
+
+    def unreadable(self, unit, keys=()):
+        raise OSError("master unreadable")
+    monkeypatch.setattr(UnitOptimizer, "read_state", unreadable)
+    model = TinyGPT(vocab=64, dim=32, layers=3, heads=2, seq=16)
+    with torch.device("meta"):
+        model.blocks[2] = TinyGPT(vocab=64, dim=32, layers=1, heads=2, seq=16).blocks[0]
+    with pytest.raises(RuntimeError, match="init_fn failed on purpose"):
+        zerotier.initialize(model, {"offload": PLACEMENTS["params-host"]}, init_fn=_failing_after(2))
+    assert model.blocks[0].qkv.weight.is_meta and model.blocks[1].fc.weight.is_meta
+    with pytest.raises(ConfigError, match=r"an earlier zerotier.initialize on this model failed part-way and could "
+                                          r"not give the weights of 3 unit\(s\) back \(<root>, blocks.0, blocks.1\): "
+                                          r"build or load the model again"):
+        zerotier.initialize(model, {"offload": PLACEMENTS["params-host"]}, init_fn=init_tiny_gpt)

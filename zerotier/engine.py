@@ -196,6 +196,8 @@ class Engine:
             raise ConfigError("this model is already managed by a zerotier engine (zerotier.initialize was called "
                               "on it before): call that engine's close() first, which puts the trained weights "
                               "back into the model, or build a new model")
+        if getattr(model, "_zerotier_lost", None):  # [Note: a failed initialize]
+            raise ConfigError(model._zerotier_lost)
         self.cfg = cfg
         self.module = model
         self._init_fn = init_fn
@@ -258,7 +260,11 @@ class Engine:
         self._early_step_ok = False
         self._prefetch_state = False
         self._reduce_now = False
-        self._place_all()
+        try:
+            self._place_all()
+        except BaseException:
+            self._undo_place()  # [Note: a failed initialize]
+            raise
         self._window_applied = self.unit_optimizer.applied  # unit updates before this window
         self.scheduler = PrefetchScheduler(
             cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.units], [u.name for u in self.units],
@@ -283,7 +289,7 @@ class Engine:
         """Every rank starts from rank 0's weights; each store takes its part of every unit.
         The user's tensors are dropped (the parameters become views of the engine's flats)."""
         sharding = self.sharding
-        materializer = Materializer(self.module, self._init_fn)  # [Note: meta-device models]
+        materializer = self._materializer = Materializer(self.module, self._init_fn)  # [Note: meta-device models]
         for i, unit in enumerate(self.units):
             if is_meta(unit):  # the stores hold this list: they see the rebuilt unit
                 unit = self.units[i] = materializer.unit(unit)
@@ -296,12 +302,60 @@ class Engine:
             sharding.broadcast(full)
             master = sharding.shard_of(unit, full)  # fp32 master of this rank's shard (all of it on one rank)
             self.unit_optimizer.place(unit, master)
+            self._swapped = i + 1  # the user's tensors of units[:i + 1] may be dropped ([Note: a failed initialize])
             self.params.place(unit, (master if sharding.gathered(unit) else full).to(self.lp_dtype))
             self.grads.place(unit)
         self.unit_optimizer.finish_place()
         self.params.finish_place()
         materializer.rest()
         self._move_unmanaged_to_device()
+
+    def _undo_place(self) -> None:
+        """[Note: a failed initialize]
+        A failing _place_all (an init_fn raising, a tier refusing a write, Ctrl-C) leaves the model
+        as the user built it, so initialize can be called again: modules materialized from the meta
+        device get their meta tensors back; units whose parameters were already swapped to the
+        engine's flats get their weights back from the fp32 masters (one rank; with several the
+        masters are shards). Where a unit cannot be given back, the model is marked and the next
+        initialize refuses it with a ConfigError naming what happened, instead of reading freed
+        memory; its parameters become meta tensors (a read raises, never crashes)."""
+        materializer = getattr(self, "_materializer", None)
+        materialized = {id(p) for p in materializer.replaced.values()} if materializer is not None else set()
+        lost = []
+        for unit in self.units[:getattr(self, "_swapped", 0)]:
+            if all(id(p) in materialized for p in unit.params):
+                continue
+            try:
+                if self.sharding.active:
+                    raise ZerotierError("the fp32 masters are sharded over ranks")
+                master = self.unit_optimizer.read_state(unit, ("master",))["master"].cpu()
+                for p, view in unit.views(master):
+                    dtype, device = self._user_form[id(p)]
+                    p.data = view.to(device=device, dtype=dtype, copy=True)
+            except Exception:  # noqa: BLE001 - the original error is what the user sees
+                lost.append(unit)
+        if materializer is not None:
+            materializer.undo()
+        gone = {id(p) for unit in lost for p in unit.params}
+        for module in self.module.modules():  # new meta Parameters: a CPU one's data cannot become meta
+            for name, p in module._parameters.items():
+                if p is not None and id(p) in gone:
+                    module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                                  requires_grad=p.requires_grad)
+        lost = [unit.name or "<root>" for unit in lost]
+        if lost:
+            self.module._zerotier_lost = (
+                f"an earlier zerotier.initialize on this model failed part-way and could not give the weights of "
+                f"{len(lost)} unit(s) back ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}): build or load "
+                "the model again")
+        self._optim_thread.shutdown(wait=False)
+        if self.store is not None:  # its run directory goes with it
+            try:
+                self.store.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self.store = None
+
 
     def _residency(self) -> dict[str, tuple[int, int]]:
         tiers = {"device": self.device_tier, "host": self.host_pool}

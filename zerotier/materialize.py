@@ -71,6 +71,15 @@ class Materializer:
                     self._slots.setdefault(id(p), []).append((module, name))
                     self._owners.setdefault(id(p), []).append((mod_name, module))
         self.replaced: dict[int, torch.nn.Parameter] = {}  # id(meta parameter) -> its materialized one
+        self._meta: list[tuple[dict, str, torch.Tensor]] = []  # (module dict, name, meta tensor) replaced
+
+    def undo(self) -> None:
+        """Every parameter and buffer this materializer replaced goes back to its meta tensor: after a
+        failed initialize (an init_fn raising) the model is as the user built it."""
+        for slots, name, meta in reversed(self._meta):
+            slots[name] = meta
+        self._meta.clear()
+        self.replaced.clear()
 
     def unit(self, unit: Unit) -> Unit:
         """[Note: meta-device models] The unit with real CPU parameters, initialized."""
@@ -101,9 +110,11 @@ class Materializer:
         for n, p in meta_params:
             new = torch.nn.Parameter(_unset_like(p), requires_grad=p.requires_grad)
             for holder, slot in self._slots[id(p)]:
+                self._meta.append((holder._parameters, slot, holder._parameters[slot]))
                 holder._parameters[slot] = new
             self.replaced[id(p)] = new
         for n in meta_buffers:
+            self._meta.append((module._buffers, n, module._buffers[n]))
             module._buffers[n] = _unset_like(module._buffers[n])
         names = [n for n, _ in meta_params] + meta_buffers
         with torch.no_grad():
