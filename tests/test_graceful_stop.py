@@ -198,3 +198,23 @@ def test_one_ranks_sigterm_stops_every_rank_after_the_same_step(tmp_path):
     with zerotier.initialize(make_model(), config(tmp_path)) as engine:  # loads into one rank
         engine.load_checkpoint(tmp_path / "ckpt")
         assert engine.global_steps == steps0
+
+
+def test_sighup_stops_like_sigterm_and_removes_the_run_directory(tmp_path):
+    """Issue 21: a closed terminal (SIGHUP) killed the run by default and left its NVMe run directory.
+    It is a graceful stop as SIGTERM is: the step finishes, close() removes the run directory."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    script = CHILD.format(tests=os.path.dirname(__file__), nvme=str(nvme), ckpt=None)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    for line in child.stdout:
+        if line.split() == ["step", "2"]:
+            break
+    assert os.listdir(nvme), "the run directory exists while training"
+    child.send_signal(signal.SIGHUP)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 128 + signal.SIGHUP, (out, err)
+    assert "SIGHUP received: stopping after the current step" in err, err
+    assert "training stopped after step" in err and "finished" not in out
+    assert os.listdir(nvme) == [], "the run directory must be removed"

@@ -1,4 +1,4 @@
-"""Graceful stop: SIGTERM, SIGINT or `engine.request_stop()` end training at a step boundary.
+"""Graceful stop: SIGTERM, SIGINT, SIGHUP or `engine.request_stop()` end training at a step boundary.
 
 [Note: graceful stop]
 SLURM and Kubernetes preempt with SIGTERM, then SIGKILL after a grace period. The signal
@@ -16,7 +16,9 @@ train.checkpoint_on_signal when set (collective), close() (the run directory is 
 weights are not put back into the model when the checkpoint holds them), then
 TrainingStopped, a SystemExit: exit status 128 + the signal's number (0 for request_stop()),
 and the reason on stderr.
-A second SIGINT or SIGTERM interrupts at once (KeyboardInterrupt / the default action), so a
+SIGHUP (the terminal or ssh session that started the run closed) is handled as SIGTERM: the
+run directory is removed and the exit status is 128 + 1.
+A second SIGINT, SIGTERM or SIGHUP interrupts at once (KeyboardInterrupt / the default action), so a
 hung run can still be stopped. Handlers are installed from the main thread only, and only
 over the default ones: a handler the user installed is left alone (call
 engine.request_stop() from it). When the last engine closes, the previous handlers return.
@@ -29,8 +31,14 @@ import sys
 import threading
 import weakref
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
-REQUEST = 1  # the stop code of engine.request_stop(); a signal's code is its number (> 1)
+# SIGHUP: the terminal or ssh session went away (nohup not used); a stop like SIGTERM's.
+SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+REQUEST = 1  # the stop code of engine.request_stop(); a signal's is 1 + its number (SIGHUP is 1)
+
+
+def signal_code(signum: int) -> int:
+    """The stop code of signal `signum` (> REQUEST; the largest code of all ranks wins)."""
+    return signum + 1
 
 _engines: "weakref.WeakSet" = weakref.WeakSet()
 _previous: dict[int, object] = {}  # signal -> the handler ours replaced (installed while non-empty)
@@ -55,13 +63,13 @@ def describe(code: int) -> str:
     if code == REQUEST:
         return "engine.request_stop()"
     try:
-        return signal.Signals(code).name
+        return signal.Signals(code - 1).name
     except ValueError:
-        return f"signal {code}"
+        return f"signal {code - 1}"
 
 
 def exit_status(code: int) -> int:
-    return 0 if code == REQUEST else 128 + code
+    return 0 if code == REQUEST else 128 + code - 1
 
 
 def register(engine) -> None:
@@ -106,9 +114,9 @@ def _handle(signum: int, frame) -> None:
         return
     _received.add(signum)
     for engine in live:
-        engine.request_stop(signum)
+        engine.request_stop(signal_code(signum))
     where = {e.cfg.train.checkpoint_on_signal for e in live} - {None}
-    print(f"zerotier: {describe(signum)} received: stopping after the current step"
+    print(f"zerotier: {describe(signal_code(signum))} received: stopping after the current step"
           + (f", checkpoint to {', '.join(sorted(where))}" if where else " (no checkpoint: set "
              "train.checkpoint_on_signal to write one)")
-          + f"; send {describe(signum)} again to stop at once", file=sys.stderr, flush=True)
+          + f"; send {describe(signal_code(signum))} again to stop at once", file=sys.stderr, flush=True)
