@@ -5,8 +5,8 @@ and the states a unit's parameters and gradient pass through in a step.
 A unit is the set of trainable parameters of a *wrapped* module's subtree that no
 nested wrapped module holds, flattened in registration order (FSDP's wrapping). The
 wrapped modules are the root plus those `train.wrap` picks: by default the model's
-repeated blocks — the children of a ModuleList/Sequential whose class occurs more
-than once there (each transformer layer, each MoE expert) — or every module of the
+repeated blocks — the children of a ModuleList/Sequential/ModuleDict whose class occurs
+more than once there (each transformer layer, each MoE expert) — or every module of the
 listed classes. A unit is resident for its module's whole forward (and refetched for
 its backward), so a parameter read anywhere inside that module — by a child's
 forward, or directly, as nn.MultiheadAttention reads `out_proj.weight` — is there;
@@ -147,7 +147,7 @@ def wrapped_modules(model: torch.nn.Module, wrap) -> set[str]:
     names = {""}
     if wrap == "auto":
         for name, module in model.named_modules():
-            if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
                 classes = [type(child) for child in module.children()]
                 for child_name, child in module.named_children():
                     if classes.count(type(child)) > 1:
