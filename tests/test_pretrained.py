@@ -254,3 +254,50 @@ def test_from_pretrained_without_safetensors_installed(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"zerotier.from_pretrained needs transformers and safetensors \(.*\): "
                                           r"pip install 'zerotier\[hf\]'"):
         zerotier.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("name, head, embed", [("gpt2", "lm_head.weight", "transformer.wte.weight"),
+                                                ("qwen2", "lm_head.weight", "model.embed_tokens.weight")])
+def test_tied_head_that_differs_in_the_checkpoint_is_loaded_untied(name, head, embed, tmp_path):
+    """Issue 21: a config that ties the head to the embedding, with a checkpoint holding both under
+    different values, was loaded tied and the head dropped. transformers warns and does not tie
+    them; zerotier does the same, and computes and trains as transformers' load does."""
+    path = saved(name, tmp_path / "hf")
+    own_head = torch.randn(VOCAB, 32, generator=torch.Generator().manual_seed(5))
+    rewrite_weights(path, lambda t: t.update({head: own_head}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert ref.get_parameter(head) is not ref.get_parameter(embed)  # transformers unties
+    with pytest.warns(UserWarning, match=rf"ties {head} to {embed}, but the checkpoint holds both with different "
+                                         r"values: they are loaded untied, as transformers does"):
+        engine = zerotier.from_pretrained(path, zt_config("host", tmp_path))
+    try:
+        assert engine.module.get_parameter(head) is not engine.module.get_parameter(embed)
+        weights = engine.parameters_fp32()
+        assert torch.equal(weights[head], own_head)
+        torch.testing.assert_close(logits(engine.module), logits(ref), rtol=0, atol=1e-6)
+        engine.module.train()
+        ref.train()
+        engine.backward(engine(input_ids=IDS, labels=IDS).loss)
+        engine.step()
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+        ref(input_ids=IDS, labels=IDS).loss.backward()
+        opt.step()
+        trained = engine.parameters_fp32()
+        for key, p in ref.named_parameters():
+            torch.testing.assert_close(trained[key], p.detach(), rtol=1e-5, atol=1e-6, msg=key)
+    finally:
+        engine.close(restore_weights=False)
+
+
+def test_tied_head_equal_in_the_checkpoint_stays_tied(tmp_path):
+    """Both names present with equal values (torch .bin-style files): tied, no warning."""
+    path = saved("qwen2", tmp_path / "hf")
+    rewrite_weights(path, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        engine = zerotier.from_pretrained(path, zt_config("host", tmp_path))
+    try:
+        assert engine.module.lm_head.weight is engine.module.model.embed_tokens.weight
+    finally:
+        engine.close(restore_weights=False)

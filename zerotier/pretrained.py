@@ -15,7 +15,10 @@ A Hugging Face model directory (`config.json` plus `model.safetensors`, or shard
      holds one unit's tensors at a time, on top of whatever the tiers hold.
 Names. Tied weights are one Parameter under several names (GPT-2's `lm_head.weight` is
 `transformer.wte.weight`); save_pretrained writes one of them, so a Parameter needs any one
-of its names in the files. A checkpoint of the base model (`h.0...`) loads into the task
+of its names in the files. A file holding two tied names with different values (a config
+that says tie_word_embeddings, a checkpoint trained untied) is loaded untied, with a warning,
+as transformers does: the later name gets its own Parameter and leaves
+`all_tied_weights_keys`. A checkpoint of the base model (`h.0...`) loads into the task
 model (`transformer.h.0...`) and a task model's into its base model (its head is then not
 read), by the model's `base_model_prefix`, as transformers does; the model's own
 `_keys_to_ignore_on_load_unexpected` patterns and stale copies of computed buffers
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -154,6 +158,7 @@ class _Loader:
                                for b in m._non_persistent_buffers_set}
         self.head: set[str] = set()  # a task model's head in the files, unread by its base model
         file_key = self._naming(set(files.where))
+        self._untie_differing(file_key)
         tensors: dict[int, tuple[list[str], torch.Size]] = {}  # one entry per tensor, with all its names
         for name, t in [*model.named_parameters(remove_duplicate=False),
                         *model.named_buffers(remove_duplicate=False)]:
@@ -179,6 +184,33 @@ class _Loader:
         if problems:
             raise ConfigError(f"{files.path}: does not fit the {type(model).__name__} built from its config.json: "
                               + "; ".join(problems))
+
+    def _untie_differing(self, file_key) -> None:
+        """[Note: streamed pretrained loading] Tied names whose file tensors differ get their own
+        Parameter (read once here to compare: only tied tensors, the embedding at most)."""
+        names_of: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), []).append(name)
+        tied_keys = getattr(self.model, "all_tied_weights_keys", None)
+        for names in names_of.values():
+            present = [n for n in names if file_key(n) in self.files.where]
+            if len(present) < 2:
+                continue
+            kept = self.files.read(file_key(present[0]))
+            for name in present[1:]:
+                if torch.equal(self.files.read(file_key(name)), kept):
+                    continue
+                owner, _, attr = name.rpartition(".")
+                module = self.model.get_submodule(owner)
+                old = module._parameters[attr]
+                module._parameters[attr] = torch.nn.Parameter(torch.empty_like(old, device="meta"),
+                                                              requires_grad=old.requires_grad)
+                if isinstance(tied_keys, dict):
+                    tied_keys.pop(name, None)
+                warnings.warn(f"{self.files.path}: {type(self.model).__name__} ties {name} to {present[0]}, but the "
+                              "checkpoint holds both with different values: they are loaded untied, as transformers "
+                              "does (set tie_word_embeddings=false in config.json if they are meant to differ)",
+                              UserWarning, stacklevel=4)
 
     def _naming(self, file_names: set[str]):
         """model name -> file name. By the model's base_model_prefix, a base model's checkpoint
