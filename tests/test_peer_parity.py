@@ -130,6 +130,31 @@ class ParentReadsChildNet(Net):
         return h + 0.5 * torch.tanh(h @ self.blocks[0].lin.weight.t())
 
 
+class MixedGradNet(Net):
+    """A frozen block and a trainable one, each called several times per forward, the trainable
+    one also under no_grad (FSDP's multi-forward mixed requires_grad test)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks[1].requires_grad_(False)
+
+    def body(self, x):
+        h = self.inp(x)
+        for _ in range(2):
+            h = self.blocks[1](self.blocks[0](h))
+            with torch.no_grad():
+                h = h + 0.5 * self.blocks[0](h)
+        return h
+
+
+class ParentCallsChildsLayerNet(Net):
+    """The root calls a layer inside a block directly, outside the block's forward."""
+
+    def body(self, x):
+        h = super().body(x)
+        return h + 0.5 * torch.tanh(self.blocks[0].lin(h))
+
+
 class ReturnsParamBlock(Block):
     """Returns its own parameter; the caller uses it (DeepSpeed's external-parameter return)."""
 
@@ -232,10 +257,12 @@ class StructuredOutNet(Net):
 
 
 class NormBlock(Block):
-    """BatchNorm: running statistics are buffers written by every training forward."""
+    """BatchNorm: running statistics are buffers written by every training forward. The linear
+    has no bias (BatchNorm cancels it: its true gradient is 0, and Adam would amplify noise)."""
 
     def __init__(self):
         super().__init__()
+        self.lin = nn.Linear(DIM, DIM, bias=False)
         self.bn = nn.BatchNorm1d(DIM)
 
     def forward(self, h):
@@ -305,7 +332,10 @@ class Run:
         self.case, self.model, self.dtype, self.log = case, model, dtype, log
 
     def record(self, name: str, value) -> None:
-        value = value.detach().double().cpu() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+        if isinstance(value, torch.Tensor):  # a copy: a buffer recorded now may change later
+            value = value.detach().to("cpu", torch.float64, copy=True)
+        else:
+            value = torch.tensor(float(value), dtype=torch.float64)
         self.log.setdefault(name, []).append(value.reshape(-1))
 
     def fresh(self, seed: int = 99) -> nn.Module:
@@ -414,6 +444,31 @@ def engine_loop(run: Run, data, *, eval_batch=None, eval_mode=None) -> Run:
     return run
 
 
+def outside_root_loop(run: Run, data) -> Run:
+    """The loss is computed by calling submodules from the loop, never the root's forward
+    (FSDP's chunked-loss pattern): the head runs on two halves of the batch."""
+    for x, y in data:
+        h = run.model.inp(x)
+        for block in run.model.blocks:
+            h = block(h)
+        loss = sum(F.cross_entropy(run.model.head(part), target, reduction="sum")
+                   for part, target in zip(h.chunk(2), y.chunk(2))) / len(y)
+        run.record("loss", loss)
+        run.backward(loss)
+        run.step()
+    return run
+
+
+def two_forwards_loop(run: Run, data) -> Run:
+    """Two forwards (two batches) before one backward of the summed losses."""
+    for first, second in zip(data[::2], data[1::2]):
+        loss = run.model(*first) + 0.5 * run.model(*second)
+        run.record("loss", loss)
+        run.backward(loss)
+        run.step()
+    return run
+
+
 def plain_loop(run: Run, data, *, accum: int = 1, clip=None, set_to_none=lambda i: True) -> Run:
     """loss.backward(); [user clipping]; optimizer.step(); optimizer.zero_grad() (FSDP's loop)."""
     for i, batch in enumerate(data):
@@ -429,6 +484,10 @@ def plain_loop(run: Run, data, *, accum: int = 1, clip=None, set_to_none=lambda 
 
 
 def evaluate(run: Run, batch, mode: str) -> None:
+    if mode == "train-mode no_grad":  # FSDP's no_grad iteration: BatchNorm still updates its stats
+        with torch.no_grad():
+            run.record("no_grad loss", run.model(*batch))
+        return
     run.model.eval()
     if mode == "no_grad":
         with torch.no_grad():
@@ -507,6 +566,7 @@ def state_dict_to_fresh_model(run, data):
     fresh.load_state_dict(run.model.state_dict())
     for name, value in fresh.state_dict().items():
         run.record(f"fresh model: {name}", value)
+    fresh.eval()
     with torch.no_grad():
         run.record("fresh model loss", fresh(*data[0]))
     return run
@@ -570,7 +630,12 @@ CASES = {
     "module shared by two units": Case(seeded(SharedLinearNet), engine_loop),
     "parameter used twice in a forward": Case(seeded(Net, block=TwiceUsedBlock), engine_loop),
     "module called twice per forward": Case(seeded(CalledTwiceNet), engine_loop),
+    "frozen and trainable blocks called several times, also under no_grad": Case(seeded(MixedGradNet),
+                                                                                 engine_loop),
+    "two forwards before one backward": Case(seeded(Net), two_forwards_loop, functools.partial(batches, 2 * STEPS)),
+    "submodules called outside the root forward": Case(seeded(Net), outside_root_loop, refusal=r"inp\.weight"),
     "parent reads a child's weight": Case(seeded(ParentReadsChildNet), engine_loop, refusal=RELEASED_READ),
+    "parent calls a child's layer": Case(seeded(ParentCallsChildsLayerNet), engine_loop, refusal=RELEASED_READ),
     "block returns its own parameter": Case(seeded(ReturnsParamNet), engine_loop),
     # parameters without gradients
     "unused block and branch": Case(seeded(UnusedNet), engine_loop),
@@ -602,6 +667,10 @@ CASES = {
     "eval between steps, inference_mode": Case(
         seeded(Net, block=NormBlock),
         lambda run, data: engine_loop(run, data[:-1], eval_batch=data[-1], eval_mode="inference_mode"),
+        functools.partial(batches, STEPS + 1)),
+    "no_grad forward in train mode between steps": Case(
+        seeded(Net, block=NormBlock),
+        lambda run, data: engine_loop(run, data[:-1], eval_batch=data[-1], eval_mode="train-mode no_grad"),
         functools.partial(batches, STEPS + 1)),
     "eval between steps, grad enabled": Case(
         seeded(Net, block=NormBlock),
