@@ -356,7 +356,6 @@ class Engine:
                 pass
             self.store = None
 
-
     def _residency(self) -> dict[str, tuple[int, int]]:
         tiers = {"device": self.device_tier, "host": self.host_pool}
         if self.store is not None:
@@ -364,14 +363,29 @@ class Engine:
         return {name: (t.used, t.budget) for name, t in tiers.items()}
 
     def _move_unmanaged_to_device(self) -> None:
+        """Frozen parameters and buffers go to the compute device.
+
+        [Note: buffers and inputs in low precision]
+        Under a bf16/fp16 precision.param_dtype, compute sees the model as `model.to(dtype)` would
+        make it, as FSDP2's MixedPrecisionPolicy does: the floating buffers of a module that owns
+        managed parameters (BatchNorm's running stats) take param_dtype (back to their dtype at
+        close), and floating tensors passed to the root's forward are cast to it
+        (cast_forward_inputs); integer inputs (token ids, labels) are left alone. Buffers of
+        modules without parameters (rotary inv_freq) keep their dtype: their module casts."""
         managed = {id(p) for u in self.units for p in u.params}
+        low = self.lp_dtype if self.lp_dtype != torch.float32 else None
+        self._buffer_dtypes = []  # (module, name, the user's dtype) of buffers cast to param_dtype
         for module in self.module.modules():
+            owns = any(p is not None and id(p) in managed for p in module._parameters.values())
             for name, p in module._parameters.items():
                 if p is not None and id(p) not in managed:
                     p.data = p.data.to(self.device)
             for name, b in module._buffers.items():
                 if b is not None:
-                    module._buffers[name] = b.to(self.device)
+                    cast = low is not None and owns and b.is_floating_point() and b.dtype != low
+                    if cast:
+                        self._buffer_dtypes.append((module, name, b.dtype))
+                    module._buffers[name] = b.to(self.device, low if cast else b.dtype)
 
     # ------------------------------------------------------------ fetch
 
@@ -393,7 +407,7 @@ class Engine:
         root = self.module
         if streamed:  # a released parameter read out of place: say so (instance attribute; close() removes it)
             root.forward = self._explain_released_reads(root.forward)
-        if self.device.type == "cuda":  # inputs follow the model, as FSDP does (plain model(x) too)
+        if self.device.type == "cuda" or self.lp_dtype != torch.float32:  # inputs follow the model, as FSDP does
             self._hooks.append(root.register_forward_pre_hook(self._inputs_to_device, with_kwargs=True))
         for name, module in self.module.named_modules():
             units = by_module.get(name, [])
@@ -428,8 +442,13 @@ class Engine:
         return checked
 
     def _inputs_to_device(self, module, args, kwargs):
+        """The root's inputs on the compute device, floating ones in param_dtype
+        ([Note: buffers and inputs in low precision])."""
+        low = self.lp_dtype if self.lp_dtype != torch.float32 else None
+
         def move(t):
-            return t.to(self.device, non_blocking=True) if t.device != self.device else t
+            t = t.to(self.device, non_blocking=True) if t.device != self.device else t
+            return t.to(low) if low is not None and t.is_floating_point() and t.dtype != low else t
         return _map_tensors(args, move), _map_tensors(kwargs, move)
 
     def _pre_forward(self, is_root: bool, units: list):
@@ -953,6 +972,9 @@ class Engine:
                     p.data = view.to(device=device, dtype=dtype, copy=True)
                 else:
                     left += 1
+        for module, name, dtype in getattr(self, "_buffer_dtypes", ()):  # [Note: buffers and inputs in low precision]
+            if module._buffers.get(name) is not None:
+                module._buffers[name] = module._buffers[name].to(dtype)
         if left:  # [Note: meta-device models]: such a model may not fit where it would go back to
             warnings.warn(f"zerotier close(): {left} parameters of a model built on the meta device are not put "
                           "back into it (it may not fit in RAM); save a checkpoint or `zerotier export` before "
