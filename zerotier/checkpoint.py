@@ -367,7 +367,8 @@ def _hf_config(module) -> dict | None:
 
 def _global_state(engine, lr_scheduler, client_state) -> dict:
     return {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-            "scaler": engine.scaler.state_dict(), "optimizer": engine.optimizer.state_dict(),
+            "scaler": engine.scaler.state_dict(),
+            "optimizer": engine.optimizer.groups_state_dict(),  # the Adam state is in the rank files
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
             "client_state": client_state, "module_unmanaged": _unmanaged_state(engine)}
 
@@ -494,6 +495,11 @@ def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
         if lr_scheduler is not None and state["lr_scheduler"] is None:  # before anything changes
             raise ZerotierError(f"checkpoint {ckpt} was saved without an lr scheduler state; call "
                                 f"load_checkpoint without lr_scheduler= (nothing was loaded)")
+        try:
+            engine.optimizer.checked(state["optimizer"])
+        except ValueError as exc:
+            raise ZerotierError(f"checkpoint {ckpt} does not match engine.optimizer's param groups ({exc}): "
+                                "make the same add_param_group calls before loading (nothing was loaded)") from exc
         sd = engine.raw_state_dict()
         for name, t in state["module_unmanaged"].items():
             if name in sd and t.shape != sd[name].shape:

@@ -101,12 +101,13 @@ def load_state(ckpt: Path, manifest: dict, trust_pickle: bool = False) -> dict:
             or not all(type(scaler.get(k)) is int for k in ("good_steps", "hysteresis", "skipped_steps")):
         bad("the loss scaler's state is not {scale, good_steps, hysteresis, skipped_steps}")
     opt = state["optimizer"]
-    group = opt["param_groups"][0] if isinstance(opt, dict) and isinstance(opt.get("param_groups"), list) \
-        and len(opt["param_groups"]) == 1 else None
-    if not isinstance(opt.get("state") if isinstance(opt, dict) else None, dict) or not isinstance(group, dict) \
-            or not (isinstance(group.get("params"), list) and len(group["params"]) == 1
-                    and type(group["params"][0]) is int) or not number(group.get("lr")):
-        bad("the optimizer's state_dict is not engine.optimizer's (one group of one parameter, with an lr)")
+    groups = opt.get("param_groups") if isinstance(opt, dict) else None
+    if not isinstance(opt.get("state") if isinstance(opt, dict) else None, dict) or not isinstance(groups, list) \
+            or not groups or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                     and all(type(i) is int for i in g["params"]) and number(g.get("lr"))
+                                     for g in groups):
+        bad("the optimizer's state_dict is not engine.optimizer's (param groups of parameter indices, each with "
+            "an lr)")
     if state["lr_scheduler"] is not None and not isinstance(state["lr_scheduler"], dict):
         bad("the lr scheduler's state is not a dict")
     unmanaged = state["module_unmanaged"]

@@ -96,6 +96,7 @@ from .errors import ConfigError, ZerotierError
 from .grads import make_grad_store
 from .materialize import Materializer, is_meta
 from .optim.offload import UnitOptimizer
+from .optim.torch_optimizer import EngineOptimizer, exempt_from_decay
 from .params import ParamStore
 from .planner import make_plan
 from .profiler import Profiler
@@ -113,30 +114,6 @@ def initialize(model: torch.nn.Module, config=None, *, wrap=None, init_fn=None) 
     ([Note: units] in state.py). A model built on the meta device is materialized unit by unit,
     by each module's reset_parameters() or `init_fn(module)` ([Note: meta-device models])."""
     return Engine(model, Config.coerce(config), wrap, init_fn)
-
-
-class EngineOptimizer(torch.optim.Optimizer):
-    """`engine.optimizer`: a real torch Optimizer for the plain PyTorch loop ([Note: the plain
-    PyTorch loop]). `param_groups[0]["lr"]` is the learning rate the engine uses (lr schedulers
-    drive it); `step()` is the engine's update of the gradients accumulated by loss.backward();
-    `zero_grad()` drops them."""
-
-    def __init__(self, engine: "Engine", lr: float):
-        super().__init__([torch.zeros(0, requires_grad=True)], {"lr": lr})
-        self._engine = weakref.ref(engine)
-
-    def step(self, closure=None):
-        if closure is not None:
-            raise ZerotierError("engine.optimizer.step(closure): closures are not supported (zerotier's update "
-                                "runs once per step over every unit)")
-        engine = self._engine()
-        if engine is not None and not engine._applying:  # engine.step() counts its update here too
-            engine._optimizer_step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        engine = self._engine()
-        if engine is not None:
-            engine.zero_grad()
 
 
 class _FetchOnBackward(torch.autograd.Function):
@@ -230,11 +207,10 @@ class Engine:
         # None when profiling is off: every call site is one `if prof is not None:` (zero cost).
         self.profiler = Profiler.from_config(cfg.profile, self._residency, device=self.device)
         self.scaler = LossScaler(cfg.precision)
-        self.optimizer = EngineOptimizer(self, cfg.optimizer.lr)
         optimizer_loc = self.plan.optimizer_units or placement["optimizer"]  # a tier, or one per unit (a split)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, optimizer_loc, self.device_tier,
                                             self.host_pool, self.store, self.profiler)
-        self.unit_optimizer.exempt_from_decay(model)
+        no_decay = exempt_from_decay(model, self.units, cfg.optimizer.no_weight_decay)  # checked before placing
         self.params = ParamStore(self.units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
@@ -266,6 +242,7 @@ class Engine:
             self._undo_place()  # [Note: a failed initialize]
             raise
         self._window_applied = self.unit_optimizer.applied  # unit updates before this window
+        self.optimizer = EngineOptimizer(self, no_decay)  # over the placed parameters ([Note: param groups])
         self.scheduler = PrefetchScheduler(
             cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.units], [u.name for u in self.units],
             self.params.prefetch, self.params.inflight_bytes)
@@ -577,17 +554,17 @@ class Engine:
             done.record()
         else:
             done = None
-        lr, scale = self.optimizer.param_groups[0]["lr"], 1.0 / self.scaler.scale
+        hyper_of, scale = self.optimizer.hyper_of(), 1.0 / self.scaler.scale
 
         def run():
             if done is not None:
                 done.synchronize()
-            self._update([unit], lr, scale, drain=False)  # step() waits for the writes
+            self._update([unit], hyper_of, scale, drain=False)  # step() waits for the writes
         self._early.append(self._optim_thread.submit(run))
 
-    def _update(self, units: list, lr: float, grad_scale: float, drain: bool = True) -> None:
+    def _update(self, units: list, hyper_of, grad_scale: float, drain: bool = True) -> None:
         """Adam on `units`; each one's new parameters are committed as soon as it is done."""
-        for unit in self.unit_optimizer.step(units, self.grads.shard, self.params.out_buffer, lr, grad_scale,
+        for unit in self.unit_optimizer.step(units, self.grads.shard, self.params.out_buffer, hyper_of, grad_scale,
                                              drain, got_of=self.grads.got):
             self.grads.stepped(unit)
             self.params.commit(unit)
@@ -742,7 +719,7 @@ class Engine:
             self.optimizer.step()
         finally:
             self._applying = False
-        self._update(pending, self.optimizer.param_groups[0]["lr"], clip * inv_scale)
+        self._update(pending, self.optimizer.hyper_of(), clip * inv_scale)
         self.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
         self.scaler.update(overflow=False)
         self.global_steps += 1

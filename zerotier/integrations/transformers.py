@@ -16,7 +16,10 @@ never leaves on the parameters). Trainer's checkpoints (save_steps, resume_from_
 carry the engine's own checkpoint in `checkpoint-N/zerotier/` (fp32 masters, Adam moments,
 step counts; docs/checkpoint.md), and resuming loads it instead of pouring the saved model
 weights into parameters zerotier manages. Trainer's exemption of biases and LayerNorm
-weights from weight decay becomes optimizer.no_weight_decay.
+weights from weight decay becomes optimizer.no_weight_decay: engine.optimizer's second param
+group, with weight_decay 0, as in Trainer's own AdamW ([Note: param groups] in
+optim/torch_optimizer.py). optimizer.pt holds the param groups only: the Adam state is in
+`zerotier/`, written and read once.
 """
 from __future__ import annotations
 
@@ -59,7 +62,8 @@ class ZerotierTrainer(Trainer):
         return float(grad_norm) if grad_norm is not None else self.engine.grad_norm()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)  # the lr holder and the scheduler
+        with self.engine.optimizer.groups_only():  # optimizer.pt: the groups; the state goes below
+            super()._save_optimizer_and_scheduler(output_dir)
         self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_DIR))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:

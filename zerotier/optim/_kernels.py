@@ -165,8 +165,11 @@ def adam_step_multi(buffers, *, step, lr, beta1, beta2, eps, weight_decay, decou
                     bias_correction=True, grad_scale=1.0, simd="auto", threads=None) -> int:
     """adam_step over many (master, exp_avg, exp_avg_sq, grad, param_out|None) tuples in
     one native call: the threads split all elements at once (one wake-up, not one per
-    tensor). `step` may be an int or a list with one step number per tuple."""
-    steps = step if isinstance(step, (list, tuple)) else [step] * len(buffers)
+    tensor). `step`, lr, beta1, beta2, eps, weight_decay and decoupled may each be a list
+    with one value per tuple (parameters of different param groups in one call)."""
+    def each(value):
+        return list(value) if isinstance(value, (list, tuple)) else [value] * len(buffers)
+    steps, lrs, b1s, b2s, epss, wds, decs = map(each, (step, lr, beta1, beta2, eps, weight_decay, decoupled))
     for (master, exp_avg, exp_avg_sq, grad, param_out), s in zip(buffers, steps):
         n = master.numel()
         _check_buffer(master, "master", n, (torch.float32,))
@@ -177,19 +180,19 @@ def adam_step_multi(buffers, *, step, lr, beta1, beta2, eps, weight_decay, decou
             _check_buffer(param_out, "param_out", n, (torch.float32, torch.bfloat16, torch.float16))
         if s < 1:
             raise ZerotierError(f"step must be >= 1 (the step number after this update), got {s}")
-    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
-                 bias_correction=bias_correction, grad_scale=grad_scale)
     level = simd_level(simd)
     if level == "python":
-        return sum(adam_step_reference(*bufs[:4], step=s, param_out=bufs[4], **hyper)
-                   for bufs, s in zip(buffers, steps))
+        return sum(adam_step_reference(*bufs[:4], step=s, param_out=bufs[4], lr=lr_, beta1=b1, beta2=b2, eps=e,
+                                       weight_decay=wd, decoupled=dec, bias_correction=bias_correction,
+                                       grad_scale=grad_scale)
+                   for bufs, s, lr_, b1, b2, e, wd, dec in zip(buffers, steps, lrs, b1s, b2s, epss, wds, decs))
     args = (ZtAdamArgs * len(buffers))()
     for i, ((master, exp_avg, exp_avg_sq, grad, out), s) in enumerate(zip(buffers, steps)):
         args[i] = ZtAdamArgs(
             master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
             out.data_ptr() if out is not None else None, master.numel(), _DTYPE_CODES[grad.dtype],
-            _DTYPE_CODES[out.dtype] if out is not None else -1, lr, beta1, beta2, eps, weight_decay, grad_scale,
-            s, int(decoupled), int(bias_correction), SIMD_LEVELS.index(level),
+            _DTYPE_CODES[out.dtype] if out is not None else -1, lrs[i], b1s[i], b2s[i], epss[i], wds[i], grad_scale,
+            s, int(decs[i]), int(bias_correction), SIMD_LEVELS.index(level),
             threads if threads is not None else default_threads(),
         )
     lib = _lib()

@@ -42,15 +42,16 @@ runs while the reads of the next NVMe units are in flight.
 Each parameter keeps its own step count (torch's per-parameter `step`): a
 parameter that received no gradient in an optimizer step is not updated at all,
 exactly as torch.optim.AdamW skips parameters whose `.grad` is None ([Note:
-parameters without a gradient] at `_adam`).
+parameters without a gradient] at `_adam`). Each parameter also has its own
+hyper-parameters (`Hyper`: those of its param group, which `engine.optimizer` reads
+at each step: [Note: param groups] in torch_optimizer.py).
 """
 from __future__ import annotations
 
 import collections
-import fnmatch
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -63,6 +64,20 @@ from . import _kernels
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 OPTIMIZER_BYTES = 4 * len(STATE_KEYS)  # fp32 master + two moments per element
+
+
+class Hyper(NamedTuple):
+    """One parameter's Adam(W) hyper-parameters for one step: its param group's values."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool  # AdamW's decay of the weights (True) or Adam's L2 term in the gradient
+
+
+HyperOf = Callable[[Unit], Sequence[Hyper]]  # a unit -> each of its parameters' Hyper, in unit.params order
 
 
 @dataclass(frozen=True)
@@ -117,7 +132,6 @@ class UnitOptimizer:
             else int(cfg.threads)
         # optimizer steps applied per parameter (torch's per-parameter `step`), by unit
         self.steps: list[list[int]] = [[0] * len(u.params) for u in units]
-        self.no_decay: list[frozenset[int]] = [frozenset()] * len(units)  # params without weight decay, by unit
         self._state: list[dict | None] = [None] * len(units)  # device/host: key -> tensor (or HostBuffer)
         self.device = device_tier.device if self.locs and self.locs[0] is Location.DEVICE else torch.device("cpu")
         # [Note: NVMe optimizer pipeline]
@@ -134,30 +148,6 @@ class UnitOptimizer:
         # are materialized and cast.
         self._placing: collections.deque = collections.deque()  # (master block, write tickets), oldest first
         self._zeros = None  # host-pool block of zeros, the largest shard's size: every unit's initial moments
-
-    def exempt_from_decay(self, model: torch.nn.Module) -> None:
-        """Find the parameters optimizer.no_weight_decay exempts (name globs on `model`'s parameter
-        names; a tied parameter if any of its names matches); a pattern matching nothing is a
-        ConfigError."""
-        patterns = self.cfg.no_weight_decay
-        if not patterns:
-            return
-        names: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(name)
-        used = set()
-        for unit in self.units:
-            exempt = set()
-            for k, p in enumerate(unit.params):
-                for pattern in patterns:
-                    if any(fnmatch.fnmatchcase(n, pattern) for n in names.get(id(p), ())):
-                        exempt.add(k)
-                        used.add(pattern)
-            self.no_decay[unit.index] = frozenset(exempt)
-        unused = [p for p in patterns if p not in used]
-        if unused:
-            raise ConfigError(f"optimizer.no_weight_decay: {unused} match no trainable parameter name (names look "
-                              f"like {', '.join(n for n, _ in list(model.named_parameters())[:3])})")
 
     @staticmethod
     def grad_staging_bytes(largest_shard: int, grad_itemsize: int) -> int:
@@ -220,13 +210,14 @@ class UnitOptimizer:
     # ------------------------------------------------------------------ step
 
     def step(self, units: list[Unit], grad_of: Callable[[Unit], torch.Tensor],
-             out_of: Callable[[Unit], torch.Tensor], lr: float, grad_scale: float,
+             out_of: Callable[[Unit], torch.Tensor], hyper_of: HyperOf, grad_scale: float,
              drain: bool = True, got_of: Callable[[Unit], "frozenset[int] | None"] | None = None
              ) -> Iterator[Unit]:
         """Update `units`, yielding each once its master and its low-precision output are written.
         `grad_of(unit)`: the gradient shard to read; `out_of(unit)`: where the new params go;
-        `got_of(unit)`: the unit's parameters that got a gradient (None: all of them) — the
-        others are left untouched ([Note: parameters without a gradient]).
+        `hyper_of(unit)`: each parameter's hyper-parameters; `got_of(unit)`: the unit's
+        parameters that got a gradient (None: all of them) — the others are left untouched
+        ([Note: parameters without a gradient]).
         drain=False leaves NVMe write-backs in flight (an early update during backward: the
         next unit's read overlaps them); `finish()` waits for them."""
         self._got = {u.index: got_of(u) for u in units} if got_of is not None else {}
@@ -240,12 +231,12 @@ class UnitOptimizer:
                                            and first.device.type == "cuda"):
             grad_of = _StagedGrads(order, grad_of, self.device_tier, self.host_pool, self.store, self.profiler)
         try:
-            yield from self._step(order, grad_of, out_of, lr, grad_scale, drain)
+            yield from self._step(order, grad_of, out_of, hyper_of, grad_scale, drain)
         finally:
             if isinstance(grad_of, _StagedGrads):
                 grad_of.close()
 
-    def _step(self, order, grad_of, out_of, lr: float, grad_scale: float, drain: bool) -> Iterator[Unit]:
+    def _step(self, order, grad_of, out_of, hyper_of: HyperOf, grad_scale: float, drain: bool) -> Iterator[Unit]:
         ahead = max(1, self.depth - 2)
         nvme_order = [u for u in order if self.locs[u.index] is Location.NVME]
         done = 0  # NVMe units of `order` stepped so far
@@ -258,8 +249,8 @@ class UnitOptimizer:
                         self._issue_read(nxt, block=on_nvme)  # before a host unit: only free sets
                 if not on_nvme:
                     s = self._state[unit.index]
-                    self._adam(unit, s["master"], s["exp_avg"], s["exp_avg_sq"], grad_of(unit), out_of(unit), lr,
-                               grad_scale)
+                    self._adam(unit, s["master"], s["exp_avg"], s["exp_avg_sq"], grad_of(unit), out_of(unit),
+                               hyper_of(unit), grad_scale)
                     yield unit
                     continue
                 done += 1
@@ -271,7 +262,7 @@ class UnitOptimizer:
                     raise
                 bufs = self._set_views(slot, unit)
                 self._adam(unit, bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"], grad_of(unit), out_of(unit),
-                           lr, grad_scale)
+                           hyper_of(unit), grad_scale)
                 self._writing.append((slot, self._io(unit, bufs, "optimizer-write")))
                 yield unit
             completed = True
@@ -288,14 +279,16 @@ class UnitOptimizer:
         if self.locs[unit.index] is Location.NVME and unit.index not in self._reads:
             self._issue_read(unit, block=False)
 
-    def _adam(self, unit: Unit, master, exp_avg, exp_avg_sq, grad, out, lr, grad_scale) -> None:
-        """[Note: parameters without a gradient] Each parameter keeps its own step count, as in
-        torch. When every parameter of the unit got a gradient, their counts agree (always,
-        unless data-dependent control flow skipped one) and all are decayed alike, one pass
-        updates the whole shard. Otherwise each parameter's slice of the shard is updated with
-        its own count and weight decay (optimizer.no_weight_decay), and the
-        slices of parameters without a gradient are left as they are (their new low-precision
-        output is the cast of the unchanged master)."""
+    def _adam(self, unit: Unit, master, exp_avg, exp_avg_sq, grad, out, hypers: Sequence[Hyper],
+              grad_scale: float) -> None:
+        """[Note: parameters without a gradient] Each parameter keeps its own step count and
+        hyper-parameters, as in torch. When every parameter of the unit got a gradient and their
+        counts and hyper-parameters agree (always, unless data-dependent control flow skipped one
+        or the unit's parameters are in different param groups), one pass updates the whole
+        shard. Otherwise the parameters' slices of the shard are updated, each with its own count
+        and hyper-parameters (adjacent slices that share them as one range; on the CPU, all of
+        them in one native call), and the slices of parameters without a gradient are left as
+        they are (their new low-precision output is the cast of the unchanged master)."""
         self.applied += 1  # from here on the unit's state may differ from before the step
         got = self._got.pop(unit.index, None)
         steps = self.steps[unit.index]
@@ -307,37 +300,51 @@ class UnitOptimizer:
         prof = self.profiler
         span = prof.compute_begin("optimizer" if master.device.type == "cpu" else "device-optimizer",
                                   label=unit.key, numel=unit.numel) if prof is not None else None
-        no_decay = self.no_decay[unit.index]
-        if got is None and len(set(steps)) == 1 and not no_decay:
-            self._adam_pass(master, exp_avg, exp_avg_sq, grad, out, steps[0], lr, grad_scale)
+        if got is None and len(set(steps)) == 1 and len(set(hypers)) == 1:
+            self._adam_ranges(master, exp_avg, exp_avg_sq, grad, out, [(0, master.numel(), steps[0], hypers[0])],
+                              grad_scale)
         else:
+            ranges: list[list] = []  # [a, b, step, hyper]: slices of the shard to update
             lo, hi = unit.shard_lo, unit.shard_hi
             for k, (offset, shape) in enumerate(zip(unit.offsets, unit.shapes)):
                 a, b = max(offset, lo) - lo, min(offset + shape.numel(), hi) - lo
                 if a >= b:
                     continue  # not in this rank's shard
                 if got is None or k in got:
-                    self._adam_pass(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b],
-                                    None if out is None else out[a:b], steps[k], lr, grad_scale,
-                                    decay=k not in no_decay)
+                    if ranges and ranges[-1][1] == a and ranges[-1][2:] == [steps[k], hypers[k]]:
+                        ranges[-1][1] = b
+                    else:
+                        ranges.append([a, b, steps[k], hypers[k]])
                 elif out is not None and out.data_ptr() != master.data_ptr():
                     out[a:b].copy_(master[a:b])
+            self._adam_ranges(master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale)
         if span is not None:
             prof.compute_end(span)
 
-    def _adam_pass(self, master, exp_avg, exp_avg_sq, grad, out, step: int, lr: float, grad_scale: float,
-                   decay: bool = True) -> None:
-        beta1, beta2 = self.cfg.betas
-        kwargs = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps,
-                      weight_decay=self.cfg.weight_decay if decay else 0.0, decoupled=self.cfg.type == "adamw",
-                      bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
-        if master.device.type == "cpu":  # `out` is host memory too (ParamStore.out_buffer): same pass
-            _kernels.adam_step(master, exp_avg, exp_avg_sq, grad, param_out=out, simd=self.cfg.simd,
-                               threads=self.threads, **kwargs)
-        elif master.is_cuda and self.cfg.bias_correction:  # torch's fused kernel: one pass, no sync
-            _fused_adam(master, exp_avg, exp_avg_sq, grad, out, **kwargs)
-        else:  # optimizer state on the accelerator: the same math in torch ops
-            _kernels.adam_step_reference(master, exp_avg, exp_avg_sq, grad, param_out=out, **kwargs)
+    def _adam_ranges(self, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale: float) -> None:
+        """Adam(W) over the slices [a, b) of the shard in `ranges` ((a, b, step, hyper) each)."""
+        if not ranges:
+            return
+        common = dict(bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
+        if master.device.type == "cpu":  # `out` is host memory too (ParamStore.out_buffer): one native call
+            buffers = [(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], None if out is None else out[a:b])
+                       for a, b, _, _ in ranges]
+            hs = [h for _, _, _, h in ranges]
+            _kernels.adam_step_multi(buffers, step=[s for _, _, s, _ in ranges], lr=[h.lr for h in hs],
+                                     beta1=[h.beta1 for h in hs], beta2=[h.beta2 for h in hs],
+                                     eps=[h.eps for h in hs], weight_decay=[h.weight_decay for h in hs],
+                                     decoupled=[h.decoupled for h in hs], simd=self.cfg.simd,
+                                     threads=self.threads, **common)
+            return
+        for a, b, step, h in ranges:
+            kwargs = dict(step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+                          decoupled=h.decoupled, **common)
+            part = None if out is None else out[a:b]
+            if master.is_cuda and self.cfg.bias_correction:  # torch's fused kernel: one pass, no sync
+                _fused_adam(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], part, **kwargs)
+            else:  # optimizer state on the accelerator: the same math in torch ops
+                _kernels.adam_step_reference(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], param_out=part,
+                                             **kwargs)
 
     # ------------------------------------------------------------------ NVMe pipeline
 
@@ -478,15 +485,20 @@ class UnitOptimizer:
                     pass
 
     def write_state(self, unit: Unit, state: dict[str, torch.Tensor], steps: "int | list[int]") -> None:
-        """Replace a unit's master/exp_avg/exp_avg_sq (CPU tensors of the shard's size, padding
-        zero) and its parameters' step counts (one int: all of them), wherever they live."""
+        """Replace the state tensors in `state` (master, exp_avg, exp_avg_sq: any of them; CPU
+        tensors of the shard's size, padding zero) of a unit and its parameters' step counts
+        (one int: all of them), wherever they live; the keys not in `state` are kept."""
+        unknown = set(state) - set(STATE_KEYS)
+        if unknown:
+            raise ValueError(f"write_state: unknown state keys {sorted(unknown)} (known: {STATE_KEYS})")
         self.drop_prefetched()
         self.steps[unit.index] = [steps] * len(unit.params) if isinstance(steps, int) else list(steps)
+        keys = [k for k in STATE_KEYS if k in state]
         if self.locs[unit.index] is Location.NVME:
-            for k in STATE_KEYS:
+            for k in keys:
                 self.store.write(f"{unit.key}.{k}", state[k].contiguous()).wait()
             return
-        for k in STATE_KEYS:
+        for k in keys:
             self._state[unit.index][k].copy_(state[k])
 
     def close(self) -> None:

@@ -1,0 +1,412 @@
+"""engine.optimizer against torch.optim.AdamW ([Note: param groups] and [Note: optimizer
+state_dict] in zerotier/optim/torch_optimizer.py): param groups with their own lr, betas, eps
+and weight decay, OneCycleLR cycling the momentum, step(closure), state_dict in torch's layout
+and its round trip, each under params and optimizer state on the device, host and NVMe.
+
+Tolerance as tests/test_engine.py: 1e-5 relative (+1e-6 absolute) on the weights against
+torch; a round trip through state_dict is bitwise.
+"""
+import io
+
+import pytest
+import torch
+
+import zerotier
+from zerotier.errors import ZerotierError
+from zerotier.models import TinyGPT, batches
+from zerotier.optim.offload import UnitOptimizer
+
+VOCAB, SEQ, BATCH, LR, ACCUM, CLIP = 64, 16, 4, 3e-3, 2, 1.0
+PLACEMENTS = {
+    "device": {"params": "device", "gradients": "device", "optimizer": "device"},
+    "host": {"params": "host", "gradients": "host", "optimizer": "host"},
+    "nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
+}
+TORCH_KEYS = set(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]).param_groups[0])
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return TinyGPT(vocab=VOCAB, dim=32, layers=2, heads=2, seq=SEQ)
+
+
+def config(name, tmp_path, **sections):
+    cfg = {"offload": PLACEMENTS[name], "tiers": {"nvme_path": str(tmp_path)},
+           "optimizer": {"lr": LR, "weight_decay": 0.01},
+           "train": {"grad_accum_steps": ACCUM, "max_grad_norm": CLIP}}
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def extra_groups(model):
+    """Two groups with their own hyper-parameters: the second block, and the final norm."""
+    return [{"params": list(model.blocks[1].parameters()), "lr": 3 * LR, "weight_decay": 0.2,
+             "betas": (0.8, 0.99), "eps": 1e-6},
+            {"params": list(model.ln_f.parameters()), "lr": LR / 3, "weight_decay": 0.0}]
+
+
+def torch_groups(model, exempt=None):
+    """What engine.optimizer's groups become after add_param_group(extra_groups): zerotier's own
+    group(s) lose the moved parameters, in model.parameters() order."""
+    extra = extra_groups(model)
+    moved = {id(p) for g in extra for p in g["params"]}
+    rest = [p for p in model.parameters() if id(p) not in moved]
+    if exempt is None:
+        return [{"params": rest}] + extra
+    return ([{"params": [p for p in rest if id(p) not in exempt]},
+             {"params": [p for p in rest if id(p) in exempt], "weight_decay": 0.0}] + extra)
+
+
+def data(steps, start=0, accum=ACCUM):
+    return list(batches(VOCAB, SEQ, BATCH, (start + steps) * accum, seed=5))[start * accum:]
+
+
+def torch_train(model, opt, steps, start=0, clip=CLIP, sched=None):
+    for i, (x, y) in enumerate(data(steps, start)):
+        (model(x, y) / ACCUM).backward()
+        if (i + 1) % ACCUM == 0:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            if sched is not None:
+                sched.step()
+
+
+def engine_train(engine, steps, start=0, sched=None):
+    for x, y in data(steps, start):
+        engine.backward(engine(x, y))
+        if engine.step() and sched is not None:
+            sched.step()
+
+
+def assert_close_weights(ours, model):
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+# --- param groups --------------------------------------------------------------------------------
+
+def test_param_groups_hold_the_trained_parameters_with_torch_keys():
+    model = make_model()
+    model.blocks[0].requires_grad_(False)
+    with zerotier.initialize(model, {"optimizer": {"no_weight_decay": ["*.bias"]}}) as engine:
+        groups = engine.optimizer.param_groups
+        assert [set(g) for g in groups] == [TORCH_KEYS, TORCH_KEYS]
+        names = [[_name(model, p) for p in g["params"]] for g in groups]
+        trained = [n for n, p in model.named_parameters() if p.requires_grad]  # model.parameters() order
+        assert names == [[n for n in trained if not n.endswith(".bias")], [n for n in trained if n.endswith(".bias")]]
+        assert groups[1]["weight_decay"] == 0.0 and groups[0]["weight_decay"] == 0.01
+        assert groups[0]["betas"] == (0.9, 0.999) and groups[0]["decoupled_weight_decay"] is True
+
+
+def _name(model, p):
+    return next(n for n, q in model.named_parameters() if q is p)
+
+
+@pytest.mark.parametrize("mode", ["clipped", "early-step"])
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_param_groups_with_their_own_hyperparameters_match_torch(name, mode, tmp_path):
+    """add_param_group with its own lr, betas, eps and weight decay, next to no_weight_decay's
+    exempt group: every parameter is updated with its group's values, read at each step."""
+    clip = CLIP if mode == "clipped" else None
+    ref = make_model()
+    exempt = {id(p) for n, p in ref.named_parameters() if n.endswith(".bias")}
+    opt = torch.optim.AdamW(torch_groups(ref, exempt), lr=LR, weight_decay=0.01)
+    torch_train(ref, opt, 4, clip=clip)
+    model = make_model()
+    cfg = config(name, tmp_path, optimizer={"no_weight_decay": ["*.bias"]},
+                 train={"max_grad_norm": clip, "early_step": mode == "early-step"})
+    with zerotier.initialize(model, cfg) as engine:
+        for group in extra_groups(model):
+            engine.optimizer.add_param_group(group)
+        assert [len(g["params"]) for g in engine.optimizer.param_groups] == [len(g["params"]) for g in opt.param_groups]
+        engine_train(engine, 4)
+        if mode == "early-step" and name != "device":
+            assert engine.unit_optimizer.applied > 0
+        assert_close_weights(engine.parameters_fp32(), ref)
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_one_cycle_lr_cycling_momentum_matches_torch(name, tmp_path):
+    """OneCycleLR (cycle_momentum: it writes betas) over per-group max_lr, in the plain loop."""
+    def run(model, opt):
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[1e-2, 3e-2, 3e-3], total_steps=6,
+                                                    base_momentum=0.8, max_momentum=0.95)
+        betas = []
+        for x, y in data(6, accum=1):
+            model(x, y).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            betas.append([g["betas"][0] for g in opt.param_groups])
+        return betas
+
+    ref = make_model()
+    ref_betas = run(ref, torch.optim.AdamW(torch_groups(ref), lr=LR, weight_decay=0.01))
+    model = make_model()
+    with zerotier.initialize(model, config(name, tmp_path, train={"grad_accum_steps": 1, "max_grad_norm": None})) \
+            as engine:
+        for group in extra_groups(model):
+            engine.optimizer.add_param_group(group)
+        betas = run(model, engine.optimizer)
+        assert betas == ref_betas and len(set(b[0] for b in betas)) > 2
+        assert_close_weights(engine.parameters_fp32(), ref)
+
+
+def test_step_with_a_closure_matches_torch():
+    def run(model, opt):
+        losses = []
+        for x, y in data(4, accum=1):
+            def closure():
+                opt.zero_grad()
+                loss = model(x, y)
+                loss.backward()
+                return loss
+            losses.append(float(opt.step(closure).detach()))
+        return losses
+
+    ref = make_model()
+    ref_losses = run(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01))
+    model = make_model()
+    with zerotier.initialize(model, {"offload": PLACEMENTS["host"], "optimizer": {"lr": LR, "weight_decay": 0.01}}) \
+            as engine:
+        losses = run(model, engine.optimizer)
+        assert_close_weights(engine.parameters_fp32(), ref)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+def test_units_sharing_hyperparameters_keep_the_single_pass(tmp_path, monkeypatch):
+    """The fast path: a unit whose parameters share group and step count is one range over the
+    whole shard; a unit split between groups is updated slice by slice (adjacent slices merged)."""
+    calls = []
+    real = UnitOptimizer._adam_ranges
+
+    def spy(self, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale):
+        calls.append([(a, b) for a, b, _, _ in ranges] == [(0, master.numel())])
+        return real(self, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale)
+    monkeypatch.setattr(UnitOptimizer, "_adam_ranges", spy)
+    model = make_model()
+    with zerotier.initialize(model, config("host", tmp_path)) as engine:
+        engine.optimizer.add_param_group({"params": list(model.blocks[1].parameters()), "lr": 1e-2})
+        engine_train(engine, 1)
+        assert len(calls) == len(engine.units) and all(calls)  # blocks.1 is a unit of its own
+        calls.clear()
+        engine.optimizer.add_param_group({"params": [model.blocks[0].qkv.weight], "lr": 1e-2})
+        engine_train(engine, 1, start=1)
+        assert len(calls) == len(engine.units) and calls.count(False) == 1
+
+
+# --- state_dict ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_state_dict_is_torch_adamws(name, tmp_path):
+    """The same layout, keys and values as torch.optim.AdamW's after the same training."""
+    ref = make_model()
+    opt = torch.optim.AdamW(torch_groups(ref), lr=LR, weight_decay=0.01)
+    torch_train(ref, opt, 3)
+    expected = opt.state_dict()
+    model = make_model()
+    with zerotier.initialize(model, config(name, tmp_path)) as engine:
+        for group in extra_groups(model):
+            engine.optimizer.add_param_group(group)
+        engine_train(engine, 3)
+        got = engine.optimizer.state_dict()
+        assert engine.optimizer.state == {}  # the state lives in the tiers, state_dict() reads it
+    assert got["param_groups"] == expected["param_groups"]
+    assert got["state"].keys() == expected["state"].keys()
+    for i, want in expected["state"].items():
+        assert got["state"][i].keys() == want.keys()
+        assert got["state"][i]["step"].dtype == want["step"].dtype and got["state"][i]["step"] == want["step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got["state"][i][key], want[key], rtol=1e-5, atol=1e-8, msg=f"{i} {key}")
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_state_dict_round_trip_continues_bitwise(name, tmp_path):
+    """model.state_dict() + optimizer.state_dict() + the scheduler's, saved at step 3 through
+    torch.save and loaded into a fresh engine (another init), continue bit for bit like 6
+    uninterrupted steps."""
+    def start(model, sub):
+        (tmp_path / sub).mkdir()
+        engine = zerotier.initialize(model, config(name, tmp_path / sub, optimizer={"no_weight_decay": ["*.bias"]}))
+        for group in extra_groups(model):
+            engine.optimizer.add_param_group(group)
+        return engine, torch.optim.lr_scheduler.StepLR(engine.optimizer, 1, gamma=0.7)
+
+    engine, sched = start(make_model(), "whole")
+    engine_train(engine, 6, sched=sched)
+    whole = engine.parameters_fp32()
+    engine.close()
+
+    model = make_model()
+    engine, sched = start(model, "first")
+    engine_train(engine, 3, sched=sched)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": engine.optimizer.state_dict(),
+                "sched": sched.state_dict()}, buf)
+    engine.close()
+    buf.seek(0)
+    saved = torch.load(buf)
+    assert len(saved["optimizer"]["state"]) == len(list(model.parameters()))
+
+    model = make_model(seed=1)
+    model.load_state_dict(saved["model"])
+    engine, sched = start(model, "resumed")
+    engine.optimizer.load_state_dict(saved["optimizer"])
+    sched.load_state_dict(saved["sched"])
+    assert engine.optimizer.param_groups[2]["lr"] == pytest.approx(3 * LR * 0.7 ** 3)
+    engine_train(engine, 3, start=3, sched=sched)
+    resumed = engine.parameters_fp32()
+    engine.close()
+    for key in whole:
+        assert torch.equal(resumed[key], whole[key]), key
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_torch_adamw_state_dict_loads_and_ours_loads_into_torch(name, tmp_path):
+    """A torch.optim.AdamW trained 3 steps hands over to the engine, which trains 2 more like
+    torch; the engine's state_dict then hands back to torch, which trains 2 more like the engine."""
+    ref = make_model()
+    opt = torch.optim.AdamW(torch_groups(ref), lr=LR, weight_decay=0.01)
+    torch_train(ref, opt, 3)
+    model = make_model(seed=1)
+    model.load_state_dict(ref.state_dict())
+    handed = opt.state_dict()
+    with zerotier.initialize(model, config(name, tmp_path)) as engine:
+        for group in extra_groups(model):
+            engine.optimizer.add_param_group(group)
+        engine.optimizer.load_state_dict(handed)
+        torch_train(ref, opt, 2, start=3)
+        engine_train(engine, 2, start=3)
+        assert_close_weights(engine.parameters_fp32(), ref)
+        back = engine.optimizer.state_dict()
+        weights = model.state_dict()
+    again = make_model(seed=2)
+    again.load_state_dict(weights)
+    opt2 = torch.optim.AdamW(torch_groups(again), lr=LR, weight_decay=0.01)
+    opt2.load_state_dict(back)
+    torch_train(ref, opt, 2, start=5)
+    torch_train(again, opt2, 2, start=5)
+    assert_close_weights(dict(again.named_parameters()), ref)
+
+
+def test_load_state_dict_without_state_starts_adam_afresh(tmp_path):
+    """As in torch: a parameter with no entry in the loaded state has no moments and step 0."""
+    model = make_model()
+    with zerotier.initialize(model, config("host", tmp_path)) as engine:
+        fresh = engine.optimizer.state_dict()
+        engine_train(engine, 2)
+        assert engine.optimizer.state_dict()["state"]
+        engine.optimizer.load_state_dict(fresh)
+        assert engine.optimizer.state_dict()["state"] == {}
+        assert all(s == 0 for steps in engine.unit_optimizer.steps for s in steps)
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+def test_add_param_group_of_a_parameter_zerotier_does_not_train_is_refused():
+    model = make_model()
+    model.blocks[0].requires_grad_(False)
+    with zerotier.initialize(model, {}) as engine:
+        before = [list(g["params"]) for g in engine.optimizer.param_groups]
+        with pytest.raises(ZerotierError, match=r"parameter 'blocks\.0\.[a-z0-9_.]+' is not one zerotier trains: it "
+                                                r"was frozen .* Make it trainable before zerotier.initialize"):
+            engine.optimizer.add_param_group({"params": list(model.blocks[0].parameters()), "lr": 1e-2})
+        assert [list(g["params"]) for g in engine.optimizer.param_groups] == before
+
+
+def test_a_parameter_in_two_added_groups_is_refused_as_torch_refuses_it():
+    model = make_model()
+    with zerotier.initialize(model, {}) as engine:
+        engine.optimizer.add_param_group({"params": [model.ln_f.weight], "lr": 1e-2})
+        with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+            engine.optimizer.add_param_group({"params": [model.ln_f.weight, model.ln_f.bias], "lr": 1e-3})
+        assert [len(g["params"]) for g in engine.optimizer.param_groups] == \
+            [len(list(model.parameters())) - 1, 1]
+
+
+def test_amsgrad_group_is_refused_before_any_update():
+    model = make_model()
+    with zerotier.initialize(model, {"optimizer": {"lr": LR}}) as engine:
+        engine.optimizer.param_groups[0]["amsgrad"] = True
+        x, y = next(iter(data(1)))
+        engine.backward(engine(x, y))
+        with pytest.raises(ZerotierError, match=r"param_groups\[0\]\['amsgrad'\] = True: zerotier's Adam\(W\) runs "
+                                                "without amsgrad; set it to False"):
+            engine.step()
+        assert engine.unit_optimizer.applied == 0
+        engine.optimizer.param_groups[0]["amsgrad"] = False
+        engine.step()  # nothing was applied: the step can be retried
+        assert engine.global_steps == 1
+
+
+def test_load_state_dict_of_another_layout_is_refused_before_anything_changes(tmp_path):
+    model = make_model()
+    with zerotier.initialize(model, config("host", tmp_path)) as engine:
+        engine_train(engine, 1)
+        sd = engine.optimizer.state_dict()
+        engine.optimizer.add_param_group({"params": [model.ln_f.weight], "lr": 1e-2})
+        with pytest.raises(ValueError, match="different number of parameter groups"):
+            engine.optimizer.load_state_dict(sd)
+        sd = engine.optimizer.state_dict()
+        sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].reshape(-1)[:3]
+        with pytest.raises(ValueError, match=r"loaded optimizer state 0: its exp_avg has 3 elements, parameter "
+                                             r"'pos' has 512"):
+            engine.optimizer.load_state_dict(sd)
+        assert engine.optimizer.state_dict()["state"][0]["exp_avg"].shape == model.pos.shape
+
+
+def test_state_dict_after_close_is_refused():
+    engine = zerotier.initialize(make_model(), {})
+    engine.close()
+    with pytest.raises(ZerotierError, match=r"engine.optimizer.state_dict\(\) after engine.close\(\)"):
+        engine.optimizer.state_dict()
+
+
+def test_engine_checkpoint_keeps_the_param_groups_and_refuses_another_layout(tmp_path):
+    """save_checkpoint stores the groups (OneCycleLR's betas included; the Adam state is in its
+    rank files) and load_checkpoint restores them; a checkpoint of another group layout is
+    refused before anything is loaded."""
+    def start(model, groups=True):
+        engine = zerotier.initialize(model, config("host", tmp_path))
+        if groups:
+            for group in extra_groups(model):
+                engine.optimizer.add_param_group(group)
+        return engine
+
+    model = make_model()
+    with start(model) as engine:
+        sched = torch.optim.lr_scheduler.OneCycleLR(engine.optimizer, max_lr=1e-2, total_steps=10)
+        engine_train(engine, 2, sched=sched)
+        expected = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+        engine.save_checkpoint(tmp_path / "ckpt")
+    with start(make_model(seed=1)) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups] == expected
+        assert expected[0]["betas"] != (0.9, 0.999)  # OneCycleLR moved them: restored, not the config's
+    other = make_model(seed=1)
+    with start(other, groups=False) as engine:
+        before = {n: t.clone() for n, t in engine.parameters_fp32().items()}
+        with pytest.raises(ZerotierError, match=r"does not match engine.optimizer's param groups \(loaded state "
+                                                r"dict has a different number of parameter groups\).*nothing was "
+                                                r"loaded"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+        assert all(torch.equal(t, before[n]) for n, t in engine.parameters_fp32().items())
+
+
+def test_engine_checkpoint_of_the_single_lr_holder_loads():
+    """Checkpoints written before param groups were real hold one placeholder group with an lr:
+    the lr goes to every group, the Adam state stays."""
+    model = make_model()
+    with zerotier.initialize(model, {"optimizer": {"lr": LR, "no_weight_decay": ["*.bias"]}}) as engine:
+        engine_train(engine, 1)
+        state = engine.optimizer.state_dict()["state"]
+        engine.optimizer.load_state_dict({"state": {}, "param_groups": [{"lr": 0.125, "initial_lr": LR,
+                                                                         "params": [0]}]})
+        assert [g["lr"] for g in engine.optimizer.param_groups] == [0.125, 0.125]
+        assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.01, 0.0]
+        after = engine.optimizer.state_dict()["state"]
+        assert after.keys() == state.keys() and all(torch.equal(after[i]["exp_avg"], state[i]["exp_avg"])
+                                                    for i in state)

@@ -1,0 +1,390 @@
+"""`engine.optimizer`: the engine's Adam(W) as a torch.optim.Optimizer.
+
+The engine builds it at initialize over every parameter it trains; the update itself is
+UnitOptimizer's (offload.py), over fp32 state on the device, host or NVMe tier. What the
+user's code sees is torch's AdamW: param_groups with torch's keys, lr schedulers,
+add_param_group, state_dict / load_state_dict in torch's layout, step(closure).
+
+[Note: param groups]
+The groups are the truth, as in torch: every step reads lr, betas, eps, weight_decay
+(and decoupled_weight_decay) of each parameter's group (`hyper_of()`), so any lr
+scheduler works, OneCycleLR's momentum cycling (it writes betas) included. UnitOptimizer
+updates a unit in one pass when its parameters share their hyper-parameters and step
+counts, and slice by slice otherwise.
+
+The groups zerotier builds at initialize hold every parameter it trains, in
+`model.parameters()` order: one group, or with optimizer.no_weight_decay two: the
+decayed parameters, then the exempt ones with weight_decay 0 (the layout of HF Trainer's
+own AdamW). So `torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)`
+built the same way has the same indices, and its state_dict loads here and ours there.
+
+Since zerotier, not the user, built the optimizer over every trainable parameter,
+`add_param_group({"params": ps, "lr": ...})` *moves* `ps` out of the groups zerotier
+built into the new group: the result is what torch gives for
+`AdamW([{"params": rest}, {"params": ps, "lr": ...}])`, and a parameter's Adam state
+goes with it (torch keys state by parameter, not by group). A parameter already in a
+group added this way is refused as torch refuses it (one group per parameter), and a
+parameter zerotier does not train (frozen at initialize: no master, no state) with a
+ZerotierError naming the fix. Changing a group's "params" list by hand is not followed.
+
+[Note: optimizer state_dict]
+`state_dict()` returns the real Adam state in torch's layout, `state[i] = {"step",
+"exp_avg", "exp_avg_sq"}` (fp32 CPU tensors shaped like the parameter; no entry for a
+parameter never stepped, as in torch), read one unit at a time (NVMe state streamed;
+several ranks gather each unit: a collective, call it on every rank). It holds the whole
+state in memory, as torch's does. The fp32 masters are not in it: they are the model's
+weights (`model.state_dict()`). `load_state_dict()` writes the moments and step counts
+back (each rank its shard); a parameter without an entry starts afresh, as in torch. A
+model state_dict and an optimizer state_dict saved together and loaded into a fresh
+engine continue the run bit for bit. The engine's own checkpoints (and ZerotierTrainer's
+optimizer.pt) store only the param groups (`groups_only()`): the state is in the
+checkpoint's files.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from typing import Any
+
+import torch
+
+from ..errors import ZerotierError
+from .offload import Hyper, HyperOf
+
+# state_dict() under groups_only(): this key says the state is elsewhere (load keeps ours)
+GROUPS_ONLY = "zerotier_groups_only"
+
+
+def exempt_from_decay(model: torch.nn.Module, units: list, patterns) -> set[tuple[int, int]]:
+    """(unit index, position) of the parameters optimizer.no_weight_decay exempts (name globs
+    on `model`'s parameter names; a tied parameter if any of its names matches); a pattern
+    matching no trainable parameter is a ConfigError."""
+    import fnmatch
+    from ..errors import ConfigError
+    if not patterns:
+        return set()
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    exempt, used = set(), set()
+    for unit in units:
+        for k, p in enumerate(unit.params):
+            for pattern in patterns:
+                if any(fnmatch.fnmatchcase(n, pattern) for n in names.get(id(p), ())):
+                    exempt.add((unit.index, k))
+                    used.add(pattern)
+    unused = [p for p in patterns if p not in used]
+    if unused:
+        raise ConfigError(f"optimizer.no_weight_decay: {unused} match no trainable parameter name (names look "
+                          f"like {', '.join(n for n, _ in list(model.named_parameters())[:3])})")
+    return exempt
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """`engine.optimizer` ([Note: param groups], [Note: optimizer state_dict]). `step()` is the
+    engine's update of the gradients accumulated by loss.backward() ([Note: the plain PyTorch
+    loop] in engine.py); `zero_grad()` drops them."""
+
+    def __init__(self, engine, no_decay: "set[tuple[int, int]]" = frozenset()):
+        cfg = engine.cfg.optimizer
+        self._engine = weakref.ref(engine)
+        self._built: list[dict] | None = None  # the groups zerotier built (add_param_group moves out of them)
+        self._layout_key = None           # what _layout was built from
+        self._layout: list[list[int]] = []  # unit index -> group index of each of its parameters
+        self._groups_only = False
+        where = {id(p): (u.index, k) for u in engine.units for k, p in enumerate(u.params)}
+        trained = list({id(p): p for p in engine.module.parameters() if id(p) in where}.values())
+        seen = {id(p) for p in trained}
+        trained += [p for u in engine.units for p in u.params if id(p) not in seen]  # not in the module tree
+        decayed = [p for p in trained if where[id(p)] not in no_decay]
+        groups = [{"params": decayed}] if decayed else []
+        if len(decayed) < len(trained):
+            groups.append({"params": [p for p in trained if where[id(p)] in no_decay], "weight_decay": 0.0})
+        defaults = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                        fused=None, decoupled_weight_decay=cfg.type == "adamw")
+        super().__init__(groups, defaults)
+        self._built = list(self.param_groups)
+
+    # ------------------------------------------------------------ the engine's side
+
+    def hyper_of(self) -> HyperOf:
+        """Each parameter's hyper-parameters now, by unit ([Note: param groups]): what
+        UnitOptimizer.step reads. Checked here, so a bad group fails before any update."""
+        layout = self._unit_layout()
+        hypers = [_hyper(g, i) for i, g in enumerate(self.param_groups)]
+        return lambda unit: [hypers[g] for g in layout[unit.index]]
+
+    def _unit_layout(self) -> list[list[int]]:
+        key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
+        if key == self._layout_key:
+            return self._layout
+        engine = self._live("step()")
+        group_of: dict[int, int] = {}
+        for i, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                group_of.setdefault(id(p), i)
+        layout, missing = [], []
+        for unit in engine.units:
+            row = []
+            for p in unit.params:
+                if id(p) not in group_of:
+                    missing.append(p)
+                row.append(group_of.get(id(p), -1))
+            layout.append(row)
+        if missing:
+            raise ZerotierError(f"engine.optimizer: {len(missing)} trained parameters ({self._name(missing[0])} ...) "
+                                "are in no param group (a group's 'params' list was edited by hand): zerotier "
+                                "updates every parameter it trains. Freeze a parameter with requires_grad_(False) "
+                                "before zerotier.initialize, or give it its own group with add_param_group")
+        self._layout, self._layout_key = layout, key
+        return layout
+
+    # ------------------------------------------------------------ torch.optim.Optimizer
+
+    def step(self, closure=None):
+        """torch's step(closure): the closure (forward and loss.backward()) runs first, then the
+        update of the gradients accumulated since the last step."""
+        engine = self._engine()
+        if engine is not None and engine._applying:  # engine.step() counts its update here too
+            return None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if engine is not None:
+            engine._optimizer_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        engine = self._engine()
+        if engine is not None:
+            engine.zero_grad()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's add_param_group for parameters zerotier trains: they move out of the groups
+        zerotier built into the new one ([Note: param groups])."""
+        if self._built is None:  # torch's __init__ adding zerotier's own groups
+            super().add_param_group(param_group)
+            return
+        params = param_group.get("params")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set) and params is not None:  # a set: torch's TypeError below
+            params = list(params)
+        if isinstance(params, list):
+            param_group["params"] = params
+            tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+            moving = {id(p) for p in tensors if isinstance(p, torch.Tensor)}
+            engine = self._live("add_param_group()")
+            trained = {id(p) for u in engine.units for p in u.params}
+            for p in tensors:
+                if isinstance(p, torch.Tensor) and id(p) not in trained:
+                    raise ZerotierError(
+                        f"engine.optimizer.add_param_group: parameter {self._name(p)} is not one zerotier trains: it "
+                        "was frozen (requires_grad=False) or not in the model when zerotier.initialize ran, so it "
+                        "has no fp32 master and no Adam state. Make it trainable before zerotier.initialize (freeze "
+                        "it afterwards with requires_grad_(False) until it should train); every parameter zerotier "
+                        "trains is in engine.optimizer's groups already, and add_param_group moves it to the new one")
+            added = [g for g in self.param_groups if all(g is not b for b in self._built)]
+            in_added = any(id(p) in moving for g in added for p in g["params"])
+            if not in_added:  # else torch's own check refuses it (one group per parameter), nothing moved
+                before = [(g, g["params"], g.get("param_names")) for g in self._built]
+                for g in self._built:
+                    keep = [i for i, p in enumerate(g["params"]) if id(p) not in moving]
+                    if len(keep) != len(g["params"]):
+                        if "param_names" in g:
+                            g["param_names"] = [g["param_names"][i] for i in keep]
+                        g["params"] = [g["params"][i] for i in keep]
+                try:
+                    super().add_param_group(param_group)
+                except BaseException:
+                    for g, ps, names in before:
+                        g["params"] = ps
+                        if names is not None:
+                            g["param_names"] = names
+                    raise
+                return
+        super().add_param_group(param_group)
+
+    @contextlib.contextmanager
+    def groups_only(self):
+        """Inside, state_dict() holds the param groups only (marked GROUPS_ONLY), and loading such
+        a dict sets the groups and keeps the Adam state: for checkpoints that store the state in
+        their own files (engine.save_checkpoint, ZerotierTrainer's optimizer.pt)."""
+        self._groups_only = True
+        try:
+            yield self
+        finally:
+            self._groups_only = False
+
+    def groups_state_dict(self) -> dict[str, Any]:
+        """state_dict() under groups_only(): the param groups, no Adam state."""
+        with self.groups_only():
+            return self.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """[Note: optimizer state_dict] torch's layout, the real Adam state."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        index: dict[int, int] = {}
+        groups = []
+        start = 0
+        for g in self.param_groups:  # indices exactly as torch.optim.Optimizer.state_dict numbers them
+            packed = {k: v for k, v in g.items() if k != "params"}
+            index.update({id(p): i for i, p in enumerate(g["params"], start) if id(p) not in index})
+            packed["params"] = [index[id(p)] for p in g["params"]]
+            start += len(packed["params"])
+            groups.append(packed)
+        if self._groups_only:
+            state_dict = {"state": {}, "param_groups": groups, GROUPS_ONLY: True}
+        else:
+            state_dict = {"state": self._read_state(index), "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _read_state(self, index: dict[int, int]) -> dict[int, dict[str, torch.Tensor]]:
+        engine = self._live("state_dict()")
+        engine.synchronize()  # updates and write-backs in flight land first
+        opt, sharding = engine.unit_optimizer, engine.sharding
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for unit in engine.units:
+            steps = opt.steps[unit.index]
+            if not any(steps) and not sharding.active:  # never stepped: no state to read (torch keeps none)
+                continue
+            shard = opt.read_state(unit, ("exp_avg", "exp_avg_sq"))  # one unit at a time
+            full = {k: sharding.gather_full(unit, t.cpu()) for k, t in shard.items()}  # collective with ranks
+            for k, (p, view_avg), (_, view_sq) in zip(range(len(steps)), unit.views(full["exp_avg"]),
+                                                      unit.views(full["exp_avg_sq"])):
+                if steps[k] and id(p) in index:
+                    state[index[id(p)]] = {"step": torch.tensor(float(steps[k]), dtype=_step_dtype()),
+                                           "exp_avg": view_avg.clone(), "exp_avg_sq": view_sq.clone()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """[Note: optimizer state_dict] torch's checks and layout; the moments and step counts go
+        to each unit's tier, the groups' hyper-parameters into param_groups."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        state_dict, saved, new_groups = self.checked(state_dict)
+        moments = None
+        if not state_dict.get(GROUPS_ONLY, False):
+            groups = self.param_groups
+            ids = {old: p for old, p in zip(itertools.chain.from_iterable(s["params"] for s in saved),
+                                            itertools.chain.from_iterable(g["params"] for g in groups))}
+            moments = {}
+            for key, value in state_dict["state"].items():
+                if key in ids:
+                    moments[id(ids[key])] = _moments(key, value, ids[key], self._name)
+            self._write_state(moments)
+        self.param_groups = new_groups
+        self._built = new_groups[: len(self._built)]
+        self._layout_key = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def checked(self, state_dict: dict[str, Any]) -> tuple[dict, list[dict], list[dict]]:
+        """(state_dict, its param groups, our new groups) for load_state_dict; torch's ValueError
+        when the groups do not match ours, a ZerotierError for hyper-parameters zerotier cannot
+        run. Changes nothing."""
+        groups, saved = self.param_groups, list(state_dict["param_groups"])
+        if len(saved) == 1 and "betas" not in saved[0] and not state_dict["state"]:
+            # an engine checkpoint written before param groups were real: one placeholder group, its lr
+            saved = [{**g, **{k: v for k, v in saved[0].items() if k != "params"},
+                      "params": list(range(len(g["params"])))} for g in groups]
+            state_dict = {**state_dict, GROUPS_ONLY: True}
+        if len(groups) != len(saved):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             "optimizer's group")
+        new_groups = []
+        for i, (g, s) in enumerate(zip(groups, saved)):
+            new = {k: v for k, v in s.items() if k != "params"}
+            new["params"] = g["params"]
+            if "param_names" in g and "param_names" not in new:
+                new["param_names"] = g["param_names"]
+            for k, v in self.defaults.items():
+                new.setdefault(k, v)
+            _hyper(new, i)  # refuse what zerotier cannot run before anything changes
+            new_groups.append(new)
+        return state_dict, saved, new_groups
+
+    def _write_state(self, moments: dict[int, tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Every unit's moments and step counts from `moments` (id(param) -> (step, exp_avg,
+        exp_avg_sq)); a parameter without an entry starts afresh (zero moments, step 0)."""
+        engine = self._live("load_state_dict()")
+        engine.synchronize()
+        opt, sharding = engine.unit_optimizer, engine.sharding
+        for unit in engine.units:
+            if not any(opt.steps[unit.index]) and not any(id(p) in moments for p in unit.params):
+                continue  # fresh before and after
+            full = {"exp_avg": torch.zeros(unit.numel), "exp_avg_sq": torch.zeros(unit.numel)}
+            steps = []
+            for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets):
+                step, exp_avg, exp_avg_sq = moments.get(id(p), (0, None, None))
+                steps.append(step)
+                if step:
+                    full["exp_avg"][offset: offset + shape.numel()] = exp_avg.reshape(-1)
+                    full["exp_avg_sq"][offset: offset + shape.numel()] = exp_avg_sq.reshape(-1)
+            opt.write_state(unit, {k: sharding.shard_of(unit, t) for k, t in full.items()}, steps)
+
+    # ------------------------------------------------------------ helpers
+
+    def _live(self, what: str):
+        engine = self._engine()
+        if engine is None or engine.closed:
+            raise ZerotierError(f"engine.optimizer.{what} after engine.close(): the optimizer state was freed with "
+                                "the engine. Call it before close() (or save engine.save_checkpoint(root))")
+        return engine
+
+    def _name(self, p: torch.Tensor) -> str:
+        engine = self._engine()
+        if engine is not None:
+            for name, q in engine.module.named_parameters(remove_duplicate=False):
+                if q is p:
+                    return f"'{name}'"
+        return f"of shape {list(p.shape)}"
+
+
+def _step_dtype() -> torch.dtype:
+    """torch's dtype for a CPU Adam `step` (torch.optim.optimizer._get_scalar_dtype)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _hyper(group: dict, index: int) -> Hyper:
+    """A param group's hyper-parameters, or a ZerotierError for what zerotier's Adam cannot run."""
+    for key in ("amsgrad", "maximize"):
+        if group.get(key):
+            raise ZerotierError(f"engine.optimizer.param_groups[{index}]['{key}'] = True: zerotier's Adam(W) runs "
+                                f"without {key}; set it to False")
+    try:
+        beta1, beta2 = group["betas"]
+        return Hyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                     float(group["weight_decay"]), bool(group["decoupled_weight_decay"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ZerotierError(f"engine.optimizer.param_groups[{index}]: lr, betas (two numbers), eps, weight_decay "
+                            f"and decoupled_weight_decay must be numbers ({type(exc).__name__}: {exc})") from exc
+
+
+def _moments(key, value, p: torch.Tensor, name) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(step, exp_avg, exp_avg_sq) of one parameter's saved state, checked against the parameter."""
+    if not isinstance(value, dict) or not {"step", "exp_avg", "exp_avg_sq"} <= value.keys():
+        raise ValueError(f"loaded optimizer state {key} (parameter {name(p)}) is not Adam's: it needs step, "
+                         f"exp_avg and exp_avg_sq, it has {sorted(value) if isinstance(value, dict) else value!r}")
+    step = float(value["step"])
+    exp_avg, exp_avg_sq = value["exp_avg"], value["exp_avg_sq"]
+    for what, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if not isinstance(t, torch.Tensor) or t.numel() != p.numel():
+            raise ValueError(f"loaded optimizer state {key}: its {what} has "
+                             f"{t.numel() if isinstance(t, torch.Tensor) else type(t).__name__} elements, parameter "
+                             f"{name(p)} has {p.numel()} (shape {list(p.shape)}): not this model's optimizer")
+    if step != int(step) or step < 0:
+        raise ValueError(f"loaded optimizer state {key}: step {step} is not a count")
+    return int(step), exp_avg.detach().to("cpu", torch.float32), exp_avg_sq.detach().to("cpu", torch.float32)
