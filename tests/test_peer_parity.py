@@ -755,9 +755,11 @@ def test_peer_parity(name, placement, tmp_path):
     except ZerotierError as exc:
         if case.refusal is None or not re.search(case.refusal, str(exc)):
             raise
-        return  # the documented outcome of this case: refused, naming what to do instead
+        state = None  # the documented outcome of this case: refused, naming what to do instead
+    if placement == "nvme":
+        assert list((tmp_path / "nvme").iterdir()) == [], "close() must remove the NVMe run directory"
+    if state is None:
+        return
     ref_log = {k: v for k, v in ref_log.items() if not k.startswith(REFERENCE_ONLY)}
     failures = deviations(state, ref_state, tolerance, "state_dict") + deviations(log, ref_log, tolerance, "recorded")
     assert not failures, f"{len(failures)} tensors differ from torch:\n" + "\n".join(failures)
-    if placement == "nvme":
-        assert list((tmp_path / "nvme").iterdir()) == [], "close() must remove the NVMe run directory"
