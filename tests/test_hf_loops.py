@@ -165,3 +165,31 @@ def test_export_writes_a_directory_from_pretrained_loads(tmp_path):
     with torch.no_grad():
         got = loaded(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def best_model_weights(model, optimizer=None):
+    """A Trainer that evaluates and saves every 2 steps and loads the best checkpoint at the end
+    (model.load_state_dict on the live model: [Note: the parameter surface])."""
+    args = transformers.TrainingArguments(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+        max_grad_norm=1.0, learning_rate=3e-3, weight_decay=0.0, num_train_epochs=1, report_to=[], use_cpu=True,
+        eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+        metric_for_best_model="loss", greater_is_better=True, lr_scheduler_type="constant", seed=0, data_seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(),
+                                   optimizers=(optimizer, None) if optimizer is not None else (None, None))
+    trainer.train()
+    assert trainer.state.best_model_checkpoint is not None
+    assert not trainer.state.best_model_checkpoint.endswith(f"checkpoint-{trainer.state.global_step}")
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_trainer_load_best_model_at_end_loads_into_the_engine():
+    """greater_is_better=True on the eval loss picks an early checkpoint, so the final weights are
+    the loaded ones, not the last step's."""
+    expected = best_model_weights(gpt2())
+    model = gpt2()
+    with zerotier.initialize(model, ZT) as engine:
+        best_model_weights(model, engine.optimizer)
+        got = engine.parameters_fp32()
+    for name, value in expected.items():  # atol: the attention key bias's true gradient is ~0 (Adam steps on noise)
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)

@@ -410,3 +410,16 @@ def test_engine_checkpoint_of_the_single_lr_holder_loads():
         after = engine.optimizer.state_dict()["state"]
         assert after.keys() == state.keys() and all(torch.equal(after[i]["exp_avg"], state[i]["exp_avg"])
                                                     for i in state)
+
+
+def test_a_trained_parameter_removed_from_every_group_by_hand_is_refused_at_the_step():
+    model = make_model()
+    with zerotier.initialize(model, {"optimizer": {"lr": LR}}) as engine:
+        params = engine.optimizer.param_groups[0]["params"]
+        del params[next(i for i, p in enumerate(params) if p is model.ln_f.bias)]
+        x, y = next(iter(data(1)))
+        engine.backward(engine(x, y))
+        with pytest.raises(ZerotierError, match=r"1 trained parameters \('ln_f.bias' ...\) are in no param group \(a "
+                                                r"group's 'params' list was edited by hand\)"):
+            engine.step()
+        assert engine.unit_optimizer.applied == 0

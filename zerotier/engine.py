@@ -79,7 +79,6 @@ import copy
 import dataclasses
 import functools
 import math
-import re
 import secrets
 import sys
 import warnings
@@ -102,8 +101,9 @@ from .planner import make_plan
 from .profiler import Profiler
 from .scaler import LossScaler
 from .schedule import PrefetchScheduler
-from .state import DTYPES, Location, ParamState, build_units, nested_numel
-from . import stop
+from .state import DTYPES, GradState, Location, ParamState, build_units, nested_numel
+from .surface import ParamSurface, internal
+from . import clip, stop
 from .tiers.device import DeviceTier
 from .tiers.host import HostPool, trim_heap
 
@@ -130,10 +130,6 @@ class _FetchOnBackward(torch.autograd.Function):
         for unit in ctx.units:
             ctx.engine._demand(unit)
         return (None, None, *grads)
-
-
-# torch's error when a tensor whose storage was resized to 0 (a released parameter) is read
-_RELEASED_READ = re.compile(r"requiring a storage size of \d+|storage of size 0|Trying to .* storage of size 0")
 
 
 def _autocast_dtype(device_type: str) -> "torch.dtype | None":
@@ -258,6 +254,10 @@ class Engine:
             if engine is not None:
                 engine._trained_state_dict(module, state_dict, prefix)
         self._hooks.append(model.register_state_dict_post_hook(trained_state_dict))
+        # [Note: the parameter surface] in surface.py: reads and writes of managed parameters
+        self._surface = ParamSurface(self)
+        self._surface.adopt()
+        self._guard_root_methods()
         trim_heap()  # the user's tensors and placement temporaries ([Note: heap trimming])
 
     # ------------------------------------------------------------ placement
@@ -382,8 +382,6 @@ class Engine:
             for name in unit.modules:
                 by_module.setdefault(name, []).append(unit)
         root = self.module
-        if streamed:  # a released parameter read out of place: say so (instance attribute; close() removes it)
-            root.forward = self._explain_released_reads(root.forward)
         if self.device.type == "cuda" or self.lp_dtype != torch.float32:  # inputs follow the model, as FSDP does
             self._hooks.append(root.register_forward_pre_hook(self._inputs_to_device, with_kwargs=True))
         for name, module in self.module.named_modules():
@@ -396,27 +394,36 @@ class Engine:
             for i, p in enumerate(unit.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, i)))
 
-    def _explain_released_reads(self, forward):
-        """A released parameter has storage of size 0: torch's error on reading one ("setStorage:
-        ... requiring a storage size of N ...") names no parameter. Say what happened and what
-        fixes it ([Note: units] in state.py)."""
-        @functools.wraps(forward)
-        def checked(*args, **kwargs):
-            try:
-                return forward(*args, **kwargs)
-            except RuntimeError as exc:
-                if not _RELEASED_READ.search(str(exc)):
-                    raise
-                released = [u.name or "<root>" for u in self.units
-                            if self.params.state[u.index] is not ParamState.RESIDENT]
-                raise ZerotierError(
-                    "a parameter zerotier keeps released outside its unit's forward was read (torch: "
-                    f"{str(exc).splitlines()[0][:120]}): some module reads another module's weight directly "
-                    f"instead of calling it. Units released at that moment: {', '.join(released[:8])}"
-                    f"{' ...' if len(released) > 8 else ''}. Make the reading module (or an ancestor) a unit "
-                    "with train.wrap (a list of its class names) so that the weight is resident during its "
-                    "forward, or keep parameters on the device (offload.params = \"device\")") from exc
-        return checked
+    def _guard_root_methods(self) -> None:
+        """[Note: the parameter surface] model.load_state_dict batches its writes per unit and
+        refuses assign=True (it would swap managed parameters for new ones); model.to()/half()/
+        cuda() that would convert a managed parameter are refused before anything changes.
+        Instance attributes on the root, removed by close()."""
+        model, surface = self.module, self._surface
+        load, apply = model.load_state_dict, model._apply
+
+        @functools.wraps(load)
+        def load_state_dict(state_dict, strict: bool = True, assign: bool = False):
+            if assign:
+                raise ZerotierError("model.load_state_dict(..., assign=True) after zerotier.initialize would replace "
+                                    "the parameters zerotier manages with new tensors it does not see: call it "
+                                    "with assign=False (the values go into the fp32 masters), or before initialize")
+            with surface.batch():
+                return load(state_dict, strict=strict)
+
+        @functools.wraps(apply)
+        def _apply(fn, *args, **kwargs):
+            surface.check_apply(fn)
+            return apply(fn, *args, **kwargs)
+        model.load_state_dict, model._apply = load_state_dict, _apply
+
+    def gathered(self, params=None):
+        """Context manager: the units of `params` (default: every managed parameter) stay resident
+        inside, so many reads of them fetch each unit once (FSDP's summon_full_params). Reads and
+        writes outside it work too, one fetch per call ([Note: the parameter surface])."""
+        wanted = None if params is None else {id(p) for p in params}
+        units = [u for u in self.units if wanted is None or any(id(p) in wanted for p in u.params)]
+        return self._surface.fetched(units)
 
     def _inputs_to_device(self, module, args, kwargs):
         """The root's inputs on the compute device, floating ones in param_dtype
@@ -483,10 +490,12 @@ class Engine:
             try:
                 self._ensure_backward()
             except BaseException:
-                p.grad = None  # never a silent accumulation a later step would apply
+                with internal():
+                    p.grad = None  # never a silent accumulation a later step would apply
                 raise
-            complete = self.grads.accumulate(unit, i, p.grad)
-            p.grad = None
+            with internal():
+                complete = self.grads.accumulate(unit, i, p.grad)
+                p.grad = None
             if not complete:
                 return
             self.params.release(unit)
@@ -908,6 +917,7 @@ class Engine:
         self.grads.close()
         self.unit_optimizer.close()
         self.host_pool.trim()
+        self._surface.disown()  # plain parameters again ([Note: the parameter surface])
         if restore_weights and self._broken is not None:
             warnings.warn(f"zerotier close(): the trained weights are not put back into the model: {self._broken}. "
                           "Load the last checkpoint to recover a consistent state", RuntimeWarning, stacklevel=2)
@@ -918,10 +928,12 @@ class Engine:
                 warnings.warn(f"zerotier close(): the trained weights could not be put back into the model "
                               f"({type(exc).__name__}: {exc}); its parameters are left empty. Load the last "
                               "checkpoint to recover them", RuntimeWarning, stacklevel=2)
+        self._leave_no_released_storage()
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self.module.__dict__.pop("forward", None)  # _explain_released_reads
+        for name in ("load_state_dict", "_apply"):  # _guard_root_methods
+            self.module.__dict__.pop(name, None)
         if getattr(self.module, "_zerotier_engine", None) is not None:
             del self.module._zerotier_engine
         self._optim_thread.shutdown(wait=True)
@@ -938,6 +950,14 @@ class Engine:
                 self.store = None
             self.host_pool.close()
             trim_heap()  # [Note: heap trimming]
+
+    def _leave_no_released_storage(self) -> None:
+        """Parameters not put back (restore_weights=False, a broken engine, a meta-built model)
+        are left empty (0 elements, their dtype and device), never views of freed memory."""
+        for unit in self.units:
+            for p in unit.params:
+                if p.numel() and p.untyped_storage().nbytes() < p.numel() * p.element_size():
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _restore_weights(self) -> None:
         """[Note: the user's model stays the truth]"""
