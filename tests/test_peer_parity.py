@@ -104,6 +104,14 @@ class SharedLinearNet(Net):
         self.blocks[2].lin = self.blocks[0].lin
 
 
+class RepeatedEntryNet(Net):
+    """One block object at two positions of the ModuleList (weight-shared layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks.append(self.blocks[0])
+
+
 class TwiceUsedBlock(Block):
     """The block's weight enters its forward twice (the gradient is the sum of two uses)."""
 
@@ -628,6 +636,7 @@ CASES = {
     # shared parameters
     "tied embedding and head": Case(seeded(TiedLM), engine_loop, functools.partial(batches, STEPS, tokens=True)),
     "module shared by two units": Case(seeded(SharedLinearNet), engine_loop),
+    "one block at two places of a ModuleList": Case(seeded(RepeatedEntryNet), engine_loop),
     "parameter used twice in a forward": Case(seeded(Net, block=TwiceUsedBlock), engine_loop),
     "module called twice per forward": Case(seeded(CalledTwiceNet), engine_loop),
     "frozen and trainable blocks called several times, also under no_grad": Case(seeded(MixedGradNet),
