@@ -423,3 +423,49 @@ def test_a_trained_parameter_removed_from_every_group_by_hand_is_refused_at_the_
                                                 r"group's 'params' list was edited by hand\)"):
             engine.step()
         assert engine.unit_optimizer.applied == 0
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_accelerate_save_state_and_load_state_resume_bitwise(name, tmp_path):
+    """accelerate's save_state (model weights, optimizer and scheduler state dicts) at step 3 and
+    load_state into a fresh engine over another init continue like 6 uninterrupted steps."""
+    import accelerate
+    import transformers
+
+    gen = torch.Generator().manual_seed(1)
+    batches_ = [torch.randint(0, 64, (2, 16), generator=gen) for _ in range(6)]
+
+    def start(seed, sub):
+        torch.manual_seed(seed)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                                                     n_positions=32))
+        (tmp_path / sub).mkdir()
+        engine = zerotier.initialize(model, config(name, tmp_path / sub, optimizer={"no_weight_decay": ["*.bias"]},
+                                                   train={"grad_accum_steps": 1}))
+        engine.optimizer.add_param_group({"params": list(model.transformer.h[1].parameters()), "lr": 1e-2})
+        accelerator = accelerate.Accelerator(cpu=True)
+        sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, 1, gamma=0.8)
+        return (engine, accelerator, *accelerator.prepare(model, engine.optimizer, sched))
+
+    def train(accelerator, model, opt, sched, data_):
+        for ids in data_:
+            accelerator.backward(model(input_ids=ids, labels=ids).loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+
+    engine, *loop = start(0, "whole")
+    train(*loop, batches_)
+    whole = engine.parameters_fp32()
+    engine.close()
+    engine, accelerator, *rest = start(0, "first")
+    train(accelerator, *rest, batches_[:3])
+    accelerator.save_state(str(tmp_path / "state"))
+    engine.close()
+    engine, accelerator, *rest = start(5, "resumed")
+    accelerator.load_state(str(tmp_path / "state"))
+    train(accelerator, *rest, batches_[3:])
+    resumed = engine.parameters_fp32()
+    engine.close()
+    for key in whole:
+        assert torch.equal(resumed[key], whole[key]), key
