@@ -50,7 +50,8 @@ def test_training_step_makes_no_staging_copy(name, clip, tmp_path, monkeypatch):
     def no_staging(*args, **kwargs):
         raise AssertionError("the NVMe store made a staging copy on the training path")
 
-    cfg = {"offload": NVME[name], "tiers": {"nvme_path": str(tmp_path)}, "train": {"max_grad_norm": clip},
+    cfg = {"offload": NVME[name], "tiers": {"nvme_path": str(tmp_path)},
+           "train": {"max_grad_norm": clip, "early_step": clip is None},
            "optimizer": {"lr": LR}}
     with zerotier.initialize(tiny_gpt(), cfg) as engine:
         monkeypatch.setattr(nvme_mod, "aligned_empty", no_staging)

@@ -230,7 +230,8 @@ def run_without_clipping(model, config=None, steps=6, accum=2):
                 opt.step()
                 opt.zero_grad()
         return {n: p.detach().clone() for n, p in model.named_parameters()}, 0
-    cfg = {"optimizer": {"lr": LR, "weight_decay": 0.01}, "train": {"grad_accum_steps": accum}, **config}
+    cfg = {"optimizer": {"lr": LR, "weight_decay": 0.01}, "train": {"grad_accum_steps": accum, "early_step": True},
+           **config}
     early = 0
     with zerotier.initialize(model, cfg) as engine:
         for x, y in data:

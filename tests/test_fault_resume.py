@@ -57,7 +57,7 @@ def test_eio_in_an_update_during_backward_surfaces_in_that_step(tmp_path):
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 16)
     cfg = {"offload": {"params": "device", "gradients": "host", "optimizer": "nvme"},
-           "tiers": {"nvme_path": str(tmp_path)}, "optimizer": {"lr": 3e-3}}
+           "tiers": {"nvme_path": str(tmp_path)}, "optimizer": {"lr": 3e-3}, "train": {"early_step": True}}
     x = torch.randn(4, 16)
     with zerotier.initialize(layer, cfg) as engine:
         engine.backward(engine(x).square().mean())

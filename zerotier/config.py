@@ -116,6 +116,7 @@ class OptimizerConfig(_Section):
 class TrainConfig(_Section):
     grad_accum_steps: int = 1
     max_grad_norm: float | None = None     # global grad-norm clipping; None disables
+    early_step: bool = False               # Adam during the window's last backward ([Note: early step])
     device: str = "auto"                   # auto | cpu | cuda | cuda:N (see zerotier/device.py)
     wrap: Literal["auto"] | tuple[str, ...] = "auto"  # unit boundaries: auto | module class names (state.py)
     handle_signals: bool = True            # SIGTERM/SIGINT stop at a step boundary ([Note: graceful stop])

@@ -25,7 +25,12 @@ saved references are the Parameter objects (or views of the same flat), so
 refilling the flat before their backward runs is what makes this correct.
 
 [Note: early step]
-When no global operation stands between a gradient and its update — no
+Opt-in (`train.early_step = true`): the update becomes visible before step(), so
+zero_grad(), p.grad = ..., a user's clip_grad_norm_ or a second backward between the
+window's last backward and step() cannot be honoured and are refused. Off (the
+default), nothing changes before step() and the window can be dropped exactly;
+measured cost of off on CPU in docs/design.md. With it on:
+when no global operation stands between a gradient and its update — no
 clipping, no dynamic loss scale (whose overflow check needs every gradient),
 and this backward ends an accumulation window — a unit's Adam update starts on
 the optimizer thread as soon as all its gradients are final (its last
@@ -75,6 +80,7 @@ or parameters kept on the device, where autocast works as in plain PyTorch.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -113,7 +119,9 @@ def initialize(model: torch.nn.Module, config=None, *, wrap=None, init_fn=None) 
     (module name, module) -> bool choosing the modules that are units; overrides train.wrap
     ([Note: units] in state.py). A model built on the meta device is materialized unit by unit,
     by each module's reset_parameters() or `init_fn(module)` ([Note: meta-device models])."""
-    return Engine(model, Config.coerce(config), wrap, init_fn)
+    engine = Engine(model, Config.coerce(config), wrap, init_fn)
+    clip.install(engine)  # torch.nn.utils.clip_grad_norm_ on its parameters ([Note: the user's clipping])
+    return engine
 
 
 class _FetchOnBackward(torch.autograd.Function):
@@ -210,6 +218,7 @@ class Engine:
         self.params = ParamStore(self.units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
+        self.params.master_of = lambda unit: self.unit_optimizer.read_state(unit, ("master",))["master"]
         self.grads = make_grad_store(self.units, placement["gradients"], DTYPES[cfg.precision.grad_dtype],
                                      self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,
                                      self.store, self.profiler)
@@ -223,6 +232,10 @@ class Engine:
         self._plain_grads = False            # gradients from plain loss.backward() calls wait for a step
         self._applying = False               # inside _apply_window (optimizer.step() only counts then)
         self._window_norm: float | None = None  # grad_norm() of the current window, once computed
+        self._user_clip = 1.0                # this window's clip_grad_norm_ factor ([Note: the user's clipping])
+        self._no_sync = False                # inside engine.no_sync()
+        self._last_loss = None               # weakref to the last engine.backward(loss)'s loss
+        self._slots: dict[int, tuple] | None = None  # id(param) -> (unit, index): _grad_get / _grad_set
         self._partial: str | None = None   # a backward failed half-way: its gradients are partial
         self.micro_steps = 0
         self.global_steps = 0
@@ -440,6 +453,8 @@ class Engine:
             if is_root and self._plain_backward:  # a plain loss.backward() died half-way: its end never ran
                 self._end_plain_backward()
                 self._partial = "a loss.backward() failed half-way through its gradients"
+            if is_root and torch.is_grad_enabled() and not self._in_backward:
+                self._refuse_unmanaged_grads()
             if is_root and torch.is_grad_enabled() and module.training and not self._in_backward:
                 if self._stop_code and not self.sharding.active and not self._backward_since_step \
                         and self.micro_steps % self.cfg.train.grad_accum_steps == 0:
@@ -541,6 +556,7 @@ class Engine:
         """engine.optimizer.step() in the plain PyTorch loop: apply the gradients that loss.backward()
         accumulated (any number of them: the loop divides its loss for accumulation itself), then
         drop them ([Note: the plain PyTorch loop])."""
+        self._refuse_if_closed("optimizer.step()")
         self._refuse_if_broken("optimizer.step()")
         if self._backward_since_step:
             raise ZerotierError("engine.optimizer.step() after engine.backward(loss): call engine.step() in that "
@@ -552,7 +568,7 @@ class Engine:
         except BaseException as exc:
             self._failed("optimizer.step()", exc)
             raise
-        self.zero_grad()
+        self._drop_window()
         self._maybe_stop()
 
     def _start_early_step(self, unit) -> None:
@@ -597,20 +613,28 @@ class Engine:
         """Backpropagate `loss` of one micro-batch (divided by grad_accum_steps, times the loss scale)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZerotierError("engine.backward(loss) needs the scalar loss tensor of this micro-batch")
+        self._refuse_if_closed("engine.backward()")
         self._refuse_if_broken("engine.backward()")
         if self._plain_grads:
             raise ZerotierError("engine.backward(loss) after a plain loss.backward() in the same window: use one "
                                 "loop style per window (call engine.optimizer.step() or engine.zero_grad() first)")
         self._refuse_after_grad_norm("engine.backward()")
-        if self._backward_since_step:  # each step() consumes exactly one backward (the same loss twice too)
-            raise ZerotierError("engine.backward() called twice without engine.step() in between: call "
-                                "engine.step() after every micro-batch's backward (it applies the update only "
-                                "every train.grad_accum_steps calls)")
+        if self._backward_since_step and self._last_loss is not None and self._last_loss() is loss:
+            raise ZerotierError("engine.backward(loss) twice with the same loss tensor: the first backward freed its "
+                                "graph (torch raises 'Trying to backward through the graph a second time'); compute "
+                                "the loss again, or call engine.step() after each micro-batch's backward")
+        if self._window_updated():  # a second backward of this micro-batch (torch accumulates it)
+            raise ZerotierError("engine.backward() again after a backward whose update already started "
+                                "(train.early_step = true applies the window's update during its last "
+                                "backward): call engine.step() first, or leave train.early_step off (the "
+                                "default) to accumulate several backward() calls into one micro-batch as torch does")
         scale = self.scaler.scale / self.cfg.train.grad_accum_steps
         last_micro = (self.micro_steps + 1) % self.cfg.train.grad_accum_steps == 0
-        self._reduce_now = self.sharding.reduces_now(last_micro)
-        self._early_step_ok = (self.cfg.train.max_grad_norm is None and not self.scaler.dynamic and last_micro
-                               and not self.sharding.active)
+        # engine.no_sync(): no reduce before the window's last micro-batch (the accumulator keeps the sum)
+        self._reduce_now = self.sharding.reduces_now(last_micro) and \
+            (last_micro or not self._no_sync or not self.grads.defers_reduce)
+        self._early_step_ok = (self.cfg.train.early_step and self.cfg.train.max_grad_norm is None
+                               and not self.scaler.dynamic and last_micro and not self.sharding.active)
         self._prefetch_state = last_micro and not self.sharding.active
         self._in_backward = True
         span = self.profiler.compute_begin("backward") if self.profiler is not None else None
@@ -631,6 +655,7 @@ class Engine:
         finally:
             self._reduce_now = False
         self._backward_since_step = True
+        self._last_loss = weakref.ref(loss)
 
     def step(self) -> bool:
         """Call after every micro-batch's backward. Returns True when the parameters were updated.
@@ -640,6 +665,7 @@ class Engine:
         updated (here or during backward) an error leaves the engine *broken*: some units hold
         the new weights, others the old; step(), backward() and save_checkpoint() then refuse,
         naming load_checkpoint(). No update runs after the error has reached the caller."""
+        self._refuse_if_closed("engine.step()")
         self._refuse_if_broken("engine.step()")
         if self._plain_grads:
             raise ZerotierError("engine.step() after a plain loss.backward(): call engine.optimizer.step() in that "
@@ -657,7 +683,7 @@ class Engine:
             self._failed("engine.step()", exc)
             raise
         self.micro_steps += 1
-        self.zero_grad()
+        self._drop_window()
         self._maybe_stop()
         return updated
 
@@ -701,7 +727,11 @@ class Engine:
     def grad_norm(self) -> float:
         """The global norm (before clipping, loss scale removed) of the gradients the next update
         will apply; computed once per window (a collective with several ranks). What HF Trainer
-        logs as grad_norm (zerotier.integrations.transformers)."""
+        logs as grad_norm (zerotier.integrations.transformers). Read when this window has no
+        gradient yet (after a step), it is the last update's norm and closes nothing."""
+        self._refuse_if_closed("engine.grad_norm()")
+        if self._window_norm is None and not self._window_has_grads():
+            return getattr(self, "last_grad_norm", 0.0)
         if self._window_norm is None:
             self._wait_early_steps()
             self.grads.ready_all()
@@ -719,9 +749,9 @@ class Engine:
             self.scaler.update(overflow=True)
             self.unit_optimizer.drop_prefetched()
             return False
-        clip = 1.0
+        clip = self._user_clip  # [Note: the user's clipping], then train.max_grad_norm on what it left
         if self.cfg.train.max_grad_norm is not None:
-            clip = min(1.0, self.cfg.train.max_grad_norm / (total_norm + 1e-6))
+            clip *= min(1.0, self.cfg.train.max_grad_norm / (total_norm * clip + 1e-6))
         self.last_grad_norm = total_norm
         self._applying = True  # the optimizer's step() counts for lr schedulers, and does nothing more
         try:
@@ -799,13 +829,153 @@ class Engine:
         self.unit_optimizer.drop_prefetched()
         self.params.synchronize()
 
-    def zero_grad(self) -> None:
-        """Drop the gradients of the current accumulation window (and a failed backward's partial ones)."""
-        self.grads.zero()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients of the current accumulation window (and a failed backward's partial ones).
+        set_to_none=False follows torch: parameters that had a gradient keep a zero one, which Adam
+        still steps ([Note: zero gradients that still step] in grads.py)."""
+        self._refuse_if_closed("engine.zero_grad()")
+        if self._window_updated() and self._broken is None:
+            raise ZerotierError("zero_grad() after a backward whose update already started (train.early_step = "
+                                "true applies the window's update during its last backward, so its gradients "
+                                "cannot be dropped any more): call engine.step() first, or leave "
+                                "train.early_step off (the default) to drop a window's gradients before step()")
+        self._drop_window(set_to_none)
+
+    def _drop_window(self, set_to_none: "bool | None" = None) -> None:
+        """The window ends: its gradients are dropped (after a step: set_to_none None keeps the
+        user's last zero_grad choice)."""
+        self.grads.zero(set_to_none)
+        self._user_clip = 1.0
         self._window_norm = None
         self._backward_since_step = self._plain_grads = False
         self._partial = None
         self._window_applied = self.unit_optimizer.applied
+
+    # ---- gradients as torch shows them
+
+    def _slot(self, p) -> "tuple | None":
+        """(unit, index in unit) of a managed parameter; None for any other tensor."""
+        if self._slots is None:
+            self._slots = {id(q): (unit, k) for unit in self.units for k, q in enumerate(unit.params)}
+        return self._slots.get(id(p))
+
+    def _window_has_grads(self) -> bool:
+        return self._backward_since_step or self._plain_grads or \
+            any(self.grads.has(u, k) for u in self.units for k in range(len(u.params)))
+
+    def _window_updated(self) -> bool:
+        """Some unit's update of this window already started (train.early_step, [Note: early step])."""
+        return bool(self._early) or self.unit_optimizer.applied != self._window_applied
+
+    def _refuse_grad_access(self, what: str) -> None:
+        if self.sharding.active:
+            raise ZerotierError(f"{what} of a parameter zerotier manages with several ranks: a parameter's "
+                                "gradient is reduced into shards, no rank holds torch's .grad; use "
+                                "engine.zero_grad() to drop the window and engine.grad_norm() for its norm")
+        if self._in_backward:
+            raise ZerotierError(f"{what} of a parameter zerotier manages during backward (a hook): the gradient "
+                                "is final once backward has returned; read or change it between backward and step")
+
+    def _grad_get(self, p) -> "torch.Tensor | None":
+        """What `p.grad` shows the user: None when the parameter has no gradient in this window, else
+        its gradient as it will be applied (before the loss scale's and the clipping's factors).
+        Gradients on the device or host: a view of the accumulator, so p.grad.zero_() or .mul_()
+        reach the window, as in torch; on NVMe (or once its unit was updated early): a copy."""
+        slot = self._slot(p)
+        if slot is None or self.closed:
+            return None
+        unit, k = slot
+        if not self.grads.has(unit, k):
+            return None
+        self._refuse_grad_access("reading p.grad")
+        grad = self.grads.read_param(unit, k)
+        if self.scaler.scale != 1.0:
+            grad = grad / self.scaler.scale
+        elif self.grads.state[unit.index] is GradState.STEPPED:
+            grad = grad.clone()
+        return grad
+
+    def _grad_set(self, p, value) -> None:
+        """User code assigned `p.grad = value`: None drops the parameter's gradient from this window
+        (it is not stepped, as torch skips a .grad of None); a tensor replaces it."""
+        slot = self._slot(p)
+        if slot is None:
+            raise ZerotierError("p.grad set on a parameter this engine does not manage")
+        self._refuse_if_closed("setting p.grad")
+        unit, k = slot
+        if value is None and not self.grads.has(unit, k):
+            return
+        self._refuse_grad_access("setting p.grad")
+        if self._window_updated():
+            raise ZerotierError("p.grad set after a backward whose update already started (train.early_step = "
+                                "true applies the window's update during its last backward): call "
+                                "engine.step() first, or leave train.early_step off (the default)")
+        self._refuse_after_grad_norm("setting p.grad")
+        if value is not None:
+            if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+                raise RuntimeError(f"assigned grad has data of a different size ({tuple(getattr(value, 'shape', ()))}"
+                                   f" vs {tuple(p.shape)})")
+            value = value.detach() * self.scaler.scale if self.scaler.scale != 1.0 else value.detach()
+        self.grads.set_param(unit, k, value)
+        if value is not None and not (self._backward_since_step or self._in_backward):
+            self._plain_grads = True  # a window with a gradient: optimizer.step() applies it
+
+    def _clip_grad_norm(self, max_norm: float, others: list, error_if_nonfinite: bool, foreach) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over this engine's parameters (and `others`, unmanaged ones
+        with a gradient): [Note: the user's clipping] in clip.py."""
+        self._refuse_if_closed("clip_grad_norm_")
+        if self._window_updated():
+            raise ZerotierError("clip_grad_norm_ after a backward whose update already started (train.early_step = "
+                                "true applies the window's update during its last backward, unclipped): set "
+                                "train.max_grad_norm instead, or leave train.early_step off (the default)")
+        if not self._window_has_grads() and not others:
+            return torch.tensor(0.0)  # torch: no gradients, norm 0
+        managed = self.grad_norm() * self._user_clip if self._window_has_grads() else 0.0
+        total, factor = clip.total_and_factor(managed, [p.grad for p in others], max_norm)
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(f"The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
+                               "cannot be clipped. To disable this error and scale the gradients by the "
+                               "non-finite norm anyway, set `error_if_nonfinite=False`")
+        self._user_clip *= factor
+        with torch.no_grad():
+            for p in others:
+                p.grad.mul_(factor)
+        return torch.tensor(total, dtype=torch.float32)
+
+    def _refuse_if_closed(self, what: str) -> None:
+        if self.closed:
+            raise ZerotierError(f"{what} after engine.close(): this engine no longer trains the model (close() "
+                                "put the weights back into it). Call zerotier.initialize(model, config) again "
+                                "to go on training")
+
+    def _refuse_unmanaged_grads(self) -> None:
+        """A parameter frozen (or absent) at initialize that now requires grad would get a .grad that
+        no update ever applies: refuse at the forward, naming it."""
+        if self._slots is None:
+            self._slot(None)
+        for name, p in self.module.named_parameters():
+            if id(p) not in self._slots and p.requires_grad:
+                raise ZerotierError(
+                    f"parameter '{name}' requires grad but zerotier does not train it: it was frozen (or not yet "
+                    "registered) when zerotier.initialize ran. Set requires_grad before initialize, or call "
+                    "engine.close() and zerotier.initialize(model, config) again")
+
+    def no_sync(self):
+        """Like DDP's and FSDP's no_sync(): backward() calls inside accumulate their gradients on
+        this rank without the reduce-scatter; the window's last micro-batch always reduces (the
+        accumulator holds the sum, so the update is the same). One rank: nothing to skip.
+        Gradients on NVMe at ZeRO-2/3 reduce each micro-batch anyway (their accumulator is the
+        reduced shard's file)."""
+        self._refuse_if_closed("engine.no_sync()")
+        return self._no_sync_context()
+
+    @contextlib.contextmanager
+    def _no_sync_context(self):
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Full-precision weights by parameter name (copies; reads NVMe-resident masters).
@@ -874,7 +1044,7 @@ class Engine:
                 self._broken = f"engine.load_checkpoint() failed half-way ({type(exc).__name__}: {exc})"
             raise
         self._broken = None  # a consistent state again ([Note: a step is all or nothing])
-        self.zero_grad()
+        self._drop_window()  # (an early-stepped window's too)
         trim_heap()  # the streaming buffers ([Note: heap trimming])
         return client_state
 

@@ -37,6 +37,16 @@ one. When the window ends (`ready`), slices of parameters that got no gradient a
 zeroed; a unit that got none at all stays EMPTY and is never read (`sumsq` skips it).
 With several ranks the reduce-scatter reads whole accumulators: they are zeroed.
 
+[Note: zero gradients that still step]
+torch's zero_grad(set_to_none=False) leaves every parameter that had a gradient with a zero
+`.grad`, and AdamW steps such a parameter (its moments decay, weight decay applies) even
+when the next window gives it no gradient. `zero(set_to_none=False)` keeps that: `_present`
+holds, per unit, the parameters that got a gradient since the last set_to_none drop, and
+while `_keep_zeros` is on (the caller's last drop was set_to_none=False) they count as
+having a gradient of zero at the window's end (`ready_all`, `got`); a unit with nothing
+but such zeros is readied with its slices zeroed. One parameter's gradient can also be
+replaced or dropped inside a window (`set_param`: `p.grad = t` / `p.grad = None`).
+
 [Note: gradients on NVMe]
 With `offload.gradients = "nvme"` (NvmeGradStore) a unit's sum over the window lives in
 a swap file, `<unit>.grad` (at ZeRO-1 with several ranks the reduced shard has its own,
@@ -70,6 +80,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 
 import torch
+from torch._C import DisableTorchFunctionSubclass
 
 from .device import enter as enter_device
 from .io.ticket import wait_all
@@ -92,6 +103,8 @@ def make_grad_store(units: list[Unit], loc: Location, grad_dtype: torch.dtype, d
 
 
 class GradStore:
+    defers_reduce = True  # a backward may skip the reduce (engine.no_sync): the accumulator keeps the sum
+
     def __init__(self, units: list[Unit], loc: Location, grad_dtype: torch.dtype, device_tier, host_pool, sharding,
                  reduce_bucket_size: int, profiler=None):
         self.units, self.loc, self.grad_dtype = units, loc, grad_dtype
@@ -106,6 +119,8 @@ class GradStore:
         self._adds: list[list] = [[] for _ in range(n)]       # pending host adds (CUDA offload)
         self._stale = [False] * n                             # [Note: no zeroing pass]
         self._got: list[set[int]] = [set() for _ in range(n)]  # params with a gradient in this window
+        self._present: list[set[int]] = [set() for _ in range(n)]  # [Note: zero gradients that still step]
+        self._keep_zeros = False                                   # the last drop was set_to_none=False
         self._blocks = []                                     # host-pool blocks this store holds
         self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-grad",
                                          initializer=enter_device, initargs=(self.device,)) \
@@ -154,6 +169,7 @@ class GradStore:
         if self._stale[index]:  # [Note: no zeroing pass]
             first = i not in self._got[index]
         self._got[index].add(i)
+        self._present[index].add(i)
         if flat.device == acc.device:
             acc.copy_(flat) if first else acc.add_(flat)
             if offload:
@@ -237,25 +253,76 @@ class GradStore:
     def ready_all(self) -> list[Unit]:
         """End of the window: every accumulating unit is final. Returns the units now READY
         (with several ranks: the units that got a gradient on any rank)."""
+        zeros = self._zero_only_units()
         if self.sharding.active and not self._agreed:  # per parameter: a gradient on any rank? (once a window)
             self._agreed = True
-            flags = self.sharding.agree([k in self._got[u.index] for u in self.units for k in range(len(u.params))])
+            flags = self.sharding.agree([k in self._got[u.index] or (self._keep_zeros and k in self._present[u.index])
+                                         for u in self.units for k in range(len(u.params))])
             for unit in self.units:
                 i, n = unit.index, len(unit.params)
                 got, flags = {k for k in range(n) if flags[k]}, flags[n:]
                 self._got[i] = got
                 if got and self.state[i] is GradState.EMPTY:  # its reduced shard is this window's
                     transition(self.state, i, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
+        for unit in zeros:
+            if self.state[unit.index] is GradState.EMPTY:
+                transition(self.state, unit.index, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
+                self._fill_zeros(unit)
         for unit in self.units:
             if self.state[unit.index] is GradState.ACCUMULATING:
                 self.ready(unit)
         return [u for u in self.units if self.state[u.index] is GradState.READY]
 
+    def _zero_only_units(self) -> list[Unit]:
+        """Units with no gradient in this window but a zero one to step ([Note: zero gradients that still step])."""
+        if not self._keep_zeros:
+            return []
+        return [u for u in self.units if self.state[u.index] is GradState.EMPTY and self._present[u.index]]
+
+    def _fill_zeros(self, unit: Unit) -> None:
+        """The EMPTY unit's gradient reads as zero: stale slices are zeroed by ready(); with several
+        ranks _drop zeroed the accumulator and the shard."""
+        self._stale[unit.index] = not self.sharding.active
+
     def got(self, unit: Unit) -> frozenset[int] | None:
         """The unit's parameters (indices) that got a gradient in this window, on any rank; None
         when all did. The optimizer leaves the others untouched, as torch skips a .grad of None."""
         got = self._got[unit.index]
+        if self._keep_zeros:
+            got = got | self._present[unit.index]
         return None if len(got) == len(unit.params) else frozenset(got)
+
+    def has(self, unit: Unit, k: int) -> bool:
+        """Whether parameter k of the unit has a gradient (a zero one included) in this window."""
+        return k in self._got[unit.index] or (self._keep_zeros and k in self._present[unit.index])
+
+    def read_param(self, unit: Unit, k: int) -> torch.Tensor:
+        """Parameter k's gradient in this window (one rank): a view of its accumulator slice
+        (writes reach the window) or zeros (a zero gradient that still steps, or no accumulator)."""
+        self.settle(unit)
+        i, offset, numel = unit.index, unit.offsets[k], unit.shapes[k].numel()
+        if k not in self._got[i]:
+            return torch.zeros(unit.shapes[k], dtype=self.grad_dtype, device=self.acc[i].device)
+        return self.acc[i][offset: offset + numel].view(unit.shapes[k])
+
+    def set_param(self, unit: Unit, k: int, value: "torch.Tensor | None") -> None:
+        """`p.grad = value` for parameter k inside the window (one rank): its slice becomes `value`,
+        or it has no gradient any more (None: not stepped, as torch skips a .grad of None)."""
+        self.settle(unit)
+        i, offset, numel = unit.index, unit.offsets[k], unit.shapes[k].numel()
+        if self.state[i] not in (GradState.EMPTY, GradState.ACCUMULATING):
+            raise RuntimeError(f"gradient of unit {unit.name!r} set while {self.state[i].name}")
+        sl = self.acc[i][offset: offset + numel]
+        if value is None:
+            sl.zero_()
+            self._got[i].discard(k)
+            self._present[i].discard(k)
+            return
+        sl.copy_(value.reshape(-1))
+        self._got[i].add(k)
+        self._present[i].add(k)
+        if self.state[i] is GradState.EMPTY:
+            transition(self.state, i, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
 
     def stepped(self, unit: Unit) -> None:
         transition(self.state, unit.index, GradState.STEPPED, GRAD_TRANSITIONS, "gradient")
@@ -281,8 +348,14 @@ class GradStore:
             return host
         return torch.stack(device).sum() + host
 
-    def zero(self) -> None:
-        """Drop every gradient (end of a step, or a skipped one)."""
+    def zero(self, set_to_none: "bool | None" = None) -> None:
+        """Drop every gradient (end of a step, or a skipped one). `set_to_none`: the user's zero_grad
+        (False: parameters that had a gradient keep a zero one, [Note: zero gradients that still
+        step]); None: the engine's own drop after a step, which keeps the user's last choice."""
+        if set_to_none is not None:
+            self._keep_zeros = not set_to_none
+        if set_to_none:
+            self._present = [set() for _ in self.units]
         for unit in self.units:
             i = unit.index
             self.settle(unit)
@@ -293,8 +366,9 @@ class GradStore:
             if self.state[i] is not GradState.EMPTY:
                 transition(self.state, i, GradState.EMPTY, GRAD_TRANSITIONS, "gradient")
             self._got[i] = set()
-            for p in unit.params:
-                p.grad = None
+            with DisableTorchFunctionSubclass():  # torch's own .grad (a failed backward's), not the window's
+                for p in unit.params:
+                    p.grad = None
         self._seen = [0] * len(self.units)
         self._final, self._queued = [False] * len(self.units), 0  # a failed backward's queue too
         self._agreed = False
@@ -328,6 +402,7 @@ class NvmeGradStore(GradStore):
         self.store = store
         n = len(units)
         self._reduce_each = sharding.active and sharding.stage >= 2  # the fresh gradient is the reduce input
+        self.defers_reduce = not self._reduce_each
         self._files: list[tuple[str, str, int] | None] = [None] * n  # (sum key, reduced key, its numel)
         self._fresh: list = [None] * n                     # this backward's gradient (a pool block)
         self._fresh_got: list[set[int]] = [set() for _ in range(n)]  # its parameters delivered so far
@@ -386,6 +461,7 @@ class NvmeGradStore(GradStore):
             prof.end(token, copy=ticket)
         self._fresh_got[index].add(i)
         self._got[index].add(i)
+        self._present[index].add(i)
         if self.state[index] is not GradState.ACCUMULATING:
             transition(self.state, index, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
         self._seen[index] += 1
@@ -515,6 +591,56 @@ class NvmeGradStore(GradStore):
 
     # ------------------------------------------------------------------ step
 
+    def _fill_zeros(self, unit: Unit) -> None:
+        _, reduced, numel = self._files[unit.index]
+        block = self.host_pool.alloc(numel * self.grad_dtype.itemsize, self.grad_dtype, f"{reduced} (zeros)")
+        block.tensor.zero_()
+        self._fold(unit.index, reduced, block, [], add=False, sumsq=True)
+
+    def read_param(self, unit: Unit, k: int) -> torch.Tensor:
+        """A copy (the sum is a file): writes to it do not reach the window."""
+        i, offset, numel = unit.index, unit.offsets[k], unit.shapes[k].numel()
+        if k not in self._got[i]:
+            return torch.zeros(unit.shapes[k], dtype=self.grad_dtype)
+        return self._with_file(unit, None)[offset: offset + numel].clone().view(unit.shapes[k])
+
+    def set_param(self, unit: Unit, k: int, value: "torch.Tensor | None") -> None:
+        i, offset, numel = unit.index, unit.offsets[k], unit.shapes[k].numel()
+        if self.state[i] not in (GradState.EMPTY, GradState.ACCUMULATING):
+            raise RuntimeError(f"gradient of unit {unit.name!r} set while {self.state[i].name}")
+
+        def edit(flat):
+            flat[offset: offset + numel] = 0 if value is None else value.reshape(-1).to(flat.dtype)
+        self._with_file(unit, edit)
+        if value is None:
+            self._got[i].discard(k)
+            self._present[i].discard(k)
+        else:
+            self._got[i].add(k)
+            self._present[i].add(k)
+            if self.state[i] is GradState.EMPTY:
+                transition(self.state, i, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
+
+    def _with_file(self, unit: Unit, edit) -> torch.Tensor:
+        """The unit's window sum read from its file (zeros if none yet); `edit(flat)` changes it and
+        it is written back (one rank: the file the optimizer reads). Returns a copy."""
+        self.settle(unit)
+        total, _, _ = self._files[unit.index]
+        block = self.host_pool.alloc(unit.numel * self.grad_dtype.itemsize, self.grad_dtype, f"{total} (edit)")
+        try:
+            if total in self._written:
+                self._timed(total, "nvme", "host", block.nbytes, lambda: self.store.read(total, block))
+            else:
+                block.tensor.zero_()
+            if edit is not None:
+                edit(block.tensor)
+                self._sumsq[unit.index] = _kernels.grad_sumsq(block.tensor)
+                self._written.add(total)
+                self._timed(total, "host", "nvme", block.nbytes, lambda: self.store.write(total, block, what=total))
+            return block.tensor.clone()
+        finally:
+            self.host_pool.free(block)
+
     def ready(self, unit: Unit) -> None:
         """Files hold zeros for parameters without a gradient: nothing to fix. Not settled here
         (an early step calls this from the autograd thread): shard() settles."""
@@ -533,9 +659,9 @@ class NvmeGradStore(GradStore):
                 total += self._sumsq[unit.index]
         return total
 
-    def zero(self) -> None:
+    def zero(self, set_to_none: "bool | None" = None) -> None:
         self._forget()
-        super().zero()
+        super().zero(set_to_none)
 
     def _drop(self, i: int) -> None:
         total, reduced, _ = self._files[i]
