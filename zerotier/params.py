@@ -33,6 +33,16 @@ async NVMe write (the block returns to the pool when the write completes; the ne
 fetch of the unit waits on the write's ticket and surfaces its error), an async
 copy to the device, or (ZeRO-1/2) a bucketed all-gather into the full flat,
 finished by `finish_commits()` at the end of the step.
+
+[Note: a failed write-back]
+An NVMe write-back is checked when the unit is next fetched, after step() returned.
+If it failed (ENOSPC, EIO), the file still holds the previous version (a rewrite
+goes to a new file, renamed on success), so reading it would train on stale
+weights. The unit is marked stale: the fetch raises the write's error, and every
+later fetch first rewrites the file from the fp32 master (`master_of`, the truth),
+raising again while the drive still refuses. ZeRO-1/2 homes hold the full flat
+gathered from every rank, which one rank cannot rebuild alone: there the fetch
+refuses and names load_checkpoint.
 """
 from __future__ import annotations
 
@@ -42,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .device import enter as enter_device
-from .errors import BudgetError
+from .errors import BudgetError, ZerotierError
 from .state import PARAM_TRANSITIONS, Location, ParamState, Unit, transition
 
 
@@ -75,6 +85,8 @@ class ParamStore:
         self.wasted_prefetches = 0                # fetches dropped unused (stale version, or synchronize())
         self._inflight: dict[int, _Fetch] = {}   # issued, not consumed; guarded by _lock
         self._writes: dict[int, object] = {}     # NVMe write-back tickets not yet checked, oldest first
+        self._stale: dict[int, Exception] = {}   # units whose last write-back failed ([Note: a failed write-back])
+        self.master_of = None                     # unit -> its fp32 master shard (set by the engine)
         self.max_writes = lookahead + 2          # write-backs in flight at most (host_staging_bytes)
         self._out: dict[int, object] = {}        # out_buffer blocks awaiting commit
         self._joins: list = []                   # device copies of commits compute must wait for
@@ -232,6 +244,8 @@ class ParamStore:
         transition(self.state, i, ParamState.FETCHING, PARAM_TRANSITIONS, "parameters")
         try:
             self._check_writes([i])  # the bytes at home must be the last committed ones
+            if i in self._stale:
+                self._rewrite_home(unit)
             if self.sharding.gathered(unit):
                 # Issued on the thread running forward/backward: every rank gathers in the same order.
                 shard, block = self._shard_on_device(unit, reason)
@@ -440,10 +454,28 @@ class ParamStore:
                 continue
             try:
                 ticket.wait()
-            except BaseException as exc:  # noqa: BLE001 - every ticket is waited, the first error raised
+                self._stale.pop(i, None)  # a newer write-back landed
+            except Exception as exc:  # noqa: BLE001 - every ticket is waited, the first error raised
+                self._stale[i] = exc  # [Note: a failed write-back]
+                first = first or exc
+            except BaseException as exc:  # noqa: BLE001 - Ctrl-C: the write itself may still succeed
                 first = first or exc
         if first is not None:
             raise first
+
+    def _rewrite_home(self, unit: Unit) -> None:
+        """[Note: a failed write-back] Write the unit's home again from the fp32 master."""
+        i = unit.index
+        cause = self._stale[i]
+        if self.master_of is None or (not unit.part.replicated and not self.sharding.gathered(unit)):
+            raise ZerotierError(
+                f"unit '{unit.name or '<root>'}': writing its updated parameters to {self.loc.value} failed "
+                f"({cause}), so its file holds the previous step's weights, and this rank cannot rebuild them "
+                "alone (ZeRO-1/2 with several ranks). Load a checkpoint (engine.load_checkpoint(root)) to "
+                "continue") from cause
+        self.out_buffer(unit).copy_(self.master_of(unit))
+        self.commit(unit)
+        self._check_writes([i])  # landed: no longer stale; the drive still refuses: its error again
 
     def synchronize(self) -> None:
         """Finish all parameter work in flight: unconsumed prefetches, gathers, NVMe write-backs."""
