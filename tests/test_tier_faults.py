@@ -344,3 +344,68 @@ def test_ctrl_c_inside_a_completion_callback_is_raised_once(tmp_path, monkeypatc
     run_dir = s.run_dir
     s.close()  # no phantom KeyboardInterrupt
     assert not run_dir.exists()
+
+
+def _in_thread(fn, seconds=20):
+    """fn() on a daemon thread: (finished in time, the exception it raised or None)."""
+    import threading
+    outcome = []
+
+    def run():
+        try:
+            fn()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            outcome.append(exc)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive(), (outcome[0] if outcome else None)
+
+
+def test_ctrl_c_before_a_completion_callbacks_bookkeeping_does_not_hang_close(tmp_path, monkeypatch):
+    """Issue 21: a Ctrl-C landing in a completion callback before it took its ticket off the
+    in-flight set left it there: close() waited on it forever (and so did the next write of the
+    same key). Both finish now; the interrupt reached the waiter once."""
+    s = NVMeStore(*cfgs(tmp_path))
+    real = s._io_error
+    fired = []
+
+    def interrupted(*args):
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(s, "_io_error", interrupted)  # runs in the write's finish, before its bookkeeping
+    s.engine.inject_fault(op="write", errno=errno.EIO)
+    t = s.write("k", torch.randn(1000))
+    with pytest.raises(KeyboardInterrupt):
+        t.wait()
+    finished, error = _in_thread(lambda: s.write("k", torch.ones(1000)).wait())  # the same key again
+    assert finished and error is None, error
+    out = torch.empty(1000)
+    s.read("k", out).wait()
+    assert torch.equal(out, torch.ones(1000))
+    run_dir = s.run_dir
+    finished, error = _in_thread(s.close)
+    assert finished, "close() hangs"
+    assert error is None and not run_dir.exists()
+
+
+def test_ctrl_c_landing_while_close_drains_is_raised_after_cleanup(tmp_path, monkeypatch):
+    """A Ctrl-C that first lands in a completion callback close() is draining: close() still removes
+    the run directory (bounded), then raises it."""
+    s = NVMeStore(*cfgs(tmp_path))
+    fired = []
+
+    def interrupted(*args):
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+    monkeypatch.setattr(s, "_io_error", interrupted)
+    s.engine.inject_fault(op="write", errno=errno.EIO)
+    s.write("k", torch.randn(1000))  # never waited: close() drains it
+    run_dir = s.run_dir
+    finished, error = _in_thread(s.close)
+    assert finished, "close() hangs"
+    assert isinstance(error, KeyboardInterrupt) and not run_dir.exists()

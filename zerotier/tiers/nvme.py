@@ -242,14 +242,19 @@ class NVMeStore(BudgetedTier):
 
         def finish(outcome: int | BaseException) -> int:
             # Runs once, when the write has completed (see [Note: buffers in flight]).
-            os.close(fd)
-            err = None
-            if isinstance(outcome, BaseException):
-                err = self._io_error("write", key, path, outcome)
-            elif outcome != file_bytes:
-                err = TierIOError(errno.EIO, self._msg("write", key, path, outcome,
-                                  f"short write: {outcome} of {file_bytes} B written",
-                                  "disk full or failing? free space on {dir} or check the drive"))
+            err, interrupted = None, None
+            try:
+                os.close(fd)
+                if isinstance(outcome, BaseException):
+                    err = self._io_error("write", key, path, outcome)
+                elif outcome != file_bytes:
+                    err = TierIOError(errno.EIO, self._msg("write", key, path, outcome,
+                                      f"short write: {outcome} of {file_bytes} B written",
+                                      "disk full or failing? free space on {dir} or check the drive"))
+            except BaseException as exc:  # noqa: BLE001 - a Ctrl-C here: the bookkeeping still runs
+                interrupted = exc
+                err = err or TierIOError(errno.EINTR, self._msg("write", key, path, 0,
+                                         f"interrupted by {type(exc).__name__}", "write it again"))
             try:
                 with self._lock:
                     self._inflight.discard(ticket)
@@ -264,6 +269,8 @@ class NVMeStore(BudgetedTier):
                     self._index[key] = entry
             finally:
                 self._unclaim(key, ticket)
+                if interrupted is not None:
+                    raise interrupted
             self.count_in(nbytes)
             return nbytes
 
@@ -314,10 +321,12 @@ class NVMeStore(BudgetedTier):
             self._readers[key] = self._readers.get(key, 0) + 1
 
         def finish(outcome: int | BaseException) -> int:
-            os.close(fd)
-            with self._lock:
-                self._inflight.discard(ticket)
-                self._end_read(key)
+            try:
+                os.close(fd)
+            finally:  # even after a Ctrl-C in os.close: close() and later writes wait on _inflight/_readers
+                with self._lock:
+                    self._inflight.discard(ticket)
+                    self._end_read(key)
             try:
                 if isinstance(outcome, BaseException):
                     raise self._io_error("read", key, path, outcome)
@@ -420,12 +429,12 @@ class NVMeStore(BudgetedTier):
                 return
             self._closed = True
             self._cond.notify_all()
-        self._drain()
+        interrupt = self._drain()
         self._finalizer.detach()
         try:
             self.engine.close()
         finally:
-            self._drain()  # tickets issued while close() began: the engine has finished them
+            interrupt = self._drain() or interrupt  # tickets issued while close() began: finished by the engine
             with self._lock:
                 try:
                     self._trim_locked(self._recycled_bytes)
@@ -435,15 +444,27 @@ class NVMeStore(BudgetedTier):
                     self.release(e.file_bytes)
                 self._index.clear()
             self._run.remove()
+        if interrupt is not None:  # a Ctrl-C that landed while draining, raised once everything is closed
+            raise interrupt
 
-    def _drain(self) -> None:
+    def _drain(self) -> BaseException | None:
+        """Wait for every ticket in flight. A ticket whose finish() a Ctrl-C interrupted before
+        its bookkeeping never took itself off _inflight: finished, it is dropped here, so this
+        ends. Returns the first KeyboardInterrupt/SystemExit a wait raised (close() raises it
+        after cleaning up)."""
+        interrupt = None
         while True:
             with self._lock:
                 inflight = list(self._inflight)
             if not inflight:
-                return
+                return interrupt
             for t in inflight:
-                _quiet_wait(t)
+                try:
+                    _quiet_wait(t)
+                except BaseException as exc:  # noqa: BLE001 - kept for the caller, after the rest
+                    interrupt = interrupt or exc
+            with self._lock:
+                self._inflight.difference_update(t for t in inflight if t.done())
 
     def __enter__(self) -> "NVMeStore":
         return self
@@ -539,6 +560,9 @@ class NVMeStore(BudgetedTier):
                     self._cond.wait()
                     continue
             _quiet_wait(prev)  # its finish() removes it
+            with self._cond:  # unless a Ctrl-C interrupted that finish() before it could
+                if self._pending_writes.get(key) is prev and prev.done():
+                    del self._pending_writes[key]
 
     def _unclaim(self, key: str, ticket) -> None:
         with self._cond:
