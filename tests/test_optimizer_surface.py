@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zerotier
+from zerotier.dist import spawn
 from zerotier.errors import ZerotierError
 from zerotier.models import TinyGPT, batches
 from zerotier.optim.offload import UnitOptimizer
@@ -469,3 +470,56 @@ def test_accelerate_save_state_and_load_state_resume_bitwise(name, tmp_path):
     engine.close()
     for key in whole:
         assert torch.equal(resumed[key], whole[key]), key
+
+
+def ranks_state_dict(rank, world_size, nvme_dir):
+    """ZeRO-3 over 2 ranks, NVMe state: state_dict() at step 2 (a collective gathering each unit),
+    two more steps; then a fresh engine loads the model and optimizer state dicts (each rank
+    takes its shard) and does the same two steps."""
+    half = BATCH // world_size
+    cfg = {"zero": {"stage": 3, "persistence_threshold": 200}, "offload": PLACEMENTS["nvme"],
+           "tiers": {"nvme_path": nvme_dir}, "optimizer": {"lr": LR, "weight_decay": 0.01},
+           "train": {"grad_accum_steps": ACCUM, "max_grad_norm": CLIP}}
+
+    def start(model):
+        engine = zerotier.initialize(model, cfg)
+        engine.optimizer.add_param_group(extra_groups(model)[0])
+        return engine
+
+    def train(engine, steps, first=0):
+        for x, y in data(steps, first):
+            engine.backward(engine(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]))
+            engine.step()
+    model = make_model()
+    with start(model) as engine:
+        train(engine, 2)
+        saved = engine.optimizer.state_dict()
+        weights = model.state_dict()
+        train(engine, 2, first=2)
+        whole = engine.parameters_fp32()
+    model = make_model(seed=1)
+    model.load_state_dict(weights)
+    with start(model) as engine:
+        engine.optimizer.load_state_dict(saved)
+        train(engine, 2, first=2)
+        resumed = engine.parameters_fp32()
+    return saved, whole, resumed
+
+
+def test_state_dict_with_two_ranks_is_whole_and_loads_each_ranks_shard(tmp_path):
+    ref = make_model()
+    extra = extra_groups(ref)[:1]
+    moved = {id(p) for p in extra[0]["params"]}
+    opt = torch.optim.AdamW([{"params": [p for p in ref.parameters() if id(p) not in moved]}] + extra, lr=LR,
+                            weight_decay=0.01)
+    torch_train(ref, opt, 2)
+    expected = opt.state_dict()
+    for saved, whole, resumed in spawn(ranks_state_dict, 2, str(tmp_path), timeout_s=600):
+        assert saved["param_groups"] == expected["param_groups"] and saved["state"].keys() == expected["state"].keys()
+        for i, want in expected["state"].items():
+            assert saved["state"][i]["step"] == want["step"]
+            for key in ("exp_avg", "exp_avg_sq"):  # rank-averaged gradients sum in another order: 1e-4 of scale
+                torch.testing.assert_close(saved["state"][i][key], want[key], rtol=1e-5,
+                                           atol=1e-4 * float(want[key].abs().max()), msg=f"{i} {key}")
+        for key in whole:
+            assert torch.equal(resumed[key], whole[key]), key
