@@ -523,3 +523,42 @@ def test_state_dict_with_two_ranks_is_whole_and_loads_each_ranks_shard(tmp_path)
                                            atol=1e-4 * float(want[key].abs().max()), msg=f"{i} {key}")
         for key in whole:
             assert torch.equal(resumed[key], whole[key]), key
+
+
+def test_zerotier_trainer_has_trainers_param_groups_and_saves_them_without_the_state(tmp_path):
+    """ZerotierTrainer: engine.optimizer's groups are those of Trainer's own AdamW (decayed, then
+    exempt with weight_decay 0); optimizer.pt holds the groups only (the Adam state is in the
+    checkpoint's zerotier/ directory, written once)."""
+    import transformers
+    from zerotier.integrations.transformers import ZerotierTrainer
+    from zerotier.optim.torch_optimizer import GROUPS_ONLY
+
+    def gpt2():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                                                    n_positions=32))
+
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 64, (16,), generator=gen) for _ in range(8)]
+    dataset = [{"input_ids": t, "labels": t} for t in ids]
+
+    def args(out):
+        return transformers.TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=4, max_steps=2, save_steps=2, learning_rate=3e-3,
+            weight_decay=0.1, logging_steps=1, report_to=[], use_cpu=True, lr_scheduler_type="linear", seed=0)
+
+    plain = transformers.Trainer(model=gpt2(), args=args(tmp_path / "plain"), train_dataset=dataset)
+    plain.create_optimizer()
+
+    def layout(model, groups):
+        names = {id(p): n for n, p in model.named_parameters()}
+        return [([names[id(p)] for p in g["params"]], g["weight_decay"]) for g in groups]
+    trainer = ZerotierTrainer(model=gpt2(), args=args(tmp_path / "zt"), train_dataset=dataset,
+                              zerotier_config={"offload": PLACEMENTS["host"]})
+    assert layout(trainer.model, trainer.engine.optimizer.param_groups) == \
+        layout(plain.model, plain.optimizer.param_groups)
+    trainer.train()
+    saved = torch.load(tmp_path / "zt" / "checkpoint-2" / "optimizer.pt", weights_only=True)
+    trainer.engine.close()
+    assert saved[GROUPS_ONLY] is True and saved["state"] == {}
+    assert [len(g["params"]) for g in saved["param_groups"]] == [len(g["params"]) for g in plain.optimizer.param_groups]
