@@ -140,3 +140,98 @@ def test_batchnorm_and_fp32_inputs_under_bf16_compute_like_fsdp_mixed_precision(
     assert all(b.dtype == torch.float32 for n, b in model.named_buffers() if "running" in n)
     model.eval()
     model(data[0][0], data[0][1])  # plain fp32 PyTorch again
+
+
+# ---------------------------------------------------------------- double backward, torch.func
+
+class TanhNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x).square().mean()
+
+
+def penalty_run(model, step, wrt):
+    """Three steps of loss + |d loss / d wrt|^2 (a gradient penalty: WGAN-GP on the input, or on the
+    parameters), the gradient taken with create_graph=True."""
+    for i in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).requires_grad_()
+        loss = model(x)
+        grads = torch.autograd.grad(loss, [x] if wrt == "input" else list(model.parameters()), create_graph=True)
+        step(loss + sum(g.square().sum() for g in grads))
+
+
+@pytest.mark.parametrize("wrt", ["input", "params"])
+def test_gradient_penalty_with_params_on_the_device_trains_like_torch(wrt, tmp_path):
+    """The fix the refusal below names: with parameters on the device (not streamed), a double
+    backward trains exactly as in torch."""
+    torch.manual_seed(0)
+    ref = TanhNet()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+
+    def torch_step(loss):
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    penalty_run(ref, torch_step, wrt)
+    torch.manual_seed(0)
+    model = TanhNet()
+    device = {"params": "device", "gradients": "device", "optimizer": "device"}
+    with zerotier.initialize(model, config(tmp_path, device)) as engine:
+        def engine_step(loss):
+            engine.backward(loss)
+            engine.step()
+        penalty_run(model, engine_step, wrt)
+        got = engine.parameters_fp32()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+DOUBLE_BACKWARD = (r"a backward with create_graph=True \(torch.autograd.grad\(..., create_graph=True\) for a gradient "
+                   r"penalty .*\) reached parameters zerotier streams .*Keep the parameters on the device: "
+                   r"offload.params = \"device\" with zero.stage 1 or 2")
+
+
+@pytest.mark.parametrize("offload", [HOST, NVME], ids=["host", "nvme"])
+@pytest.mark.parametrize("how", ["autograd.grad", "backward"])
+def test_double_backward_through_streamed_params_is_refused(offload, how, tmp_path):
+    """Issue 21: autograd.grad(create_graph=True) over streamed parameters was blamed on 'a plain
+    loss.backward() in the same window' (or raised torch's 'not used in the graph'). It is a
+    ZerotierError naming the fix, raised where the double backward starts."""
+    torch.manual_seed(0)
+    with zerotier.initialize(TanhNet(), config(tmp_path, offload)) as engine:
+        x = torch.randn(4, 8).requires_grad_()
+        loss = engine(x)
+        with pytest.raises(ZerotierError, match=DOUBLE_BACKWARD):
+            if how == "autograd.grad":
+                torch.autograd.grad(loss, x, create_graph=True)
+            else:
+                loss.backward(create_graph=True)
+        engine.backward(engine(torch.randn(4, 8)))  # the engine still trains
+        assert engine.step()
+
+
+def test_torch_func_over_managed_params_is_refused_and_vmap_over_the_model_works(tmp_path):
+    """Issue 21: torch.func.grad over functional_call(model, params) was blamed on 'frozen when
+    zerotier.initialize ran'. It is a ZerotierError naming what to do; torch.func.vmap over the
+    model (its own parameters) computes what a loop computes."""
+    from torch.func import functional_call, grad, vmap
+    torch.manual_seed(0)
+    model = TanhNet()
+    with zerotier.initialize(model, config(tmp_path, HOST)) as engine:
+        x = torch.randn(4, 8)
+        params = {name: p.detach().clone() for name, p in engine.parameters_fp32().items()}
+        with pytest.raises(ZerotierError, match=r"parameter 'blocks.0.weight' is replaced by a plain tensor in this "
+                                                r"forward \(torch.func.functional_call, .*engine.close\(\) first"):
+            grad(lambda p: functional_call(model, p, (x,)))(params)
+        with torch.no_grad():
+            batched = vmap(lambda row: engine(row[None]))(x)
+            looped = torch.stack([engine(row[None]) for row in x])
+        torch.testing.assert_close(batched, looped)
+        engine.backward(engine(x))
+        assert engine.step()

@@ -526,6 +526,13 @@ class Engine:
         """[Note: the plain PyTorch loop] The first hook of a backward the engine did not start
         (a plain loss.backward(): the user's loop, accelerate, HF Trainer) begins it here and
         queues its end with autograd. Where a plain backward cannot be right, it raises at once."""
+        if torch.is_grad_enabled():  # grad mode is on inside a backward only with create_graph=True
+            raise ZerotierError(
+                "a backward with create_graph=True (torch.autograd.grad(..., create_graph=True) for a gradient "
+                "penalty or a Hessian-vector product, loss.backward(create_graph=True)) reached parameters zerotier "
+                "streams (offload.params host/nvme, or ZeRO-3): the gradient's own backward would read parameters "
+                "released after the first. Keep the parameters on the device: offload.params = \"device\" with "
+                "zero.stage 1 or 2, where double backward trains as in torch")
         if self._in_backward:
             return
         self._refuse_if_broken("loss.backward()")
@@ -954,6 +961,13 @@ class Engine:
         if self._slots is None:
             self._slot(None)
         for name, p in self.module.named_parameters():
+            if not isinstance(p, torch.nn.Parameter) and p.requires_grad:
+                raise ZerotierError(
+                    f"parameter '{name}' is replaced by a plain tensor in this forward (torch.func.functional_call, or "
+                    "a torch.func transform such as grad/jacrev over the model's parameters): zerotier cannot fetch, "
+                    "train or release tensors it does not hold. Run torch.func on a model zerotier does not manage: "
+                    "engine.close() first (the model then holds the trained weights), or load "
+                    "engine.parameters_fp32() into a copy")
             if id(p) not in self._slots and p.requires_grad:
                 raise ZerotierError(
                     f"parameter '{name}' requires grad but zerotier does not train it: it was frozen (or not yet "
