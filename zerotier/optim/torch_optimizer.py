@@ -158,9 +158,11 @@ class EngineOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
+        """engine.zero_grad(set_to_none): the window's gradients are dropped (set_to_none=False:
+        zero gradients that Adam still steps, as torch)."""
         engine = self._engine()
         if engine is not None:
-            engine.zero_grad()
+            engine.zero_grad() if set_to_none else engine.zero_grad(set_to_none=False)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's add_param_group for parameters zerotier trains: they move out of the groups
