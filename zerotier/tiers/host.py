@@ -11,6 +11,20 @@ training loop that allocates the same shard sizes every step stops growing after
 the first one. The budget counts every byte the pool holds, cached blocks included;
 when a new block would not fit, cached blocks are released first.
 
+[Note: registrations end with the pool]
+A registered block may be handed out (an optimizer's state, a parameter's host home)
+and outlive the pool's own bookkeeping: its owner drops the tensor whenever it likes,
+and the allocator then reuses the range while the driver still holds it registered.
+The next cudaHostRegister on that range fails with 712 ("already registered"), the
+error stays pending on the thread and is raised by an unrelated kernel launch later,
+and a remapped page would be DMA'd from stale physical memory. So the pool keeps every
+registered block in `_registered` and unregisters all of them when it closes, or when
+it is collected without close() (a `weakref.finalize` that holds the set, not the
+pool); the memory stays valid as pageable for whoever still holds it. A failed
+register clears the pending CUDA error before falling back to pageable memory.
+`_register`/`_unregister` are the only calls into the driver, so the CPU suite checks
+the rule with a fake driver that refuses overlapping registrations.
+
 [Note: deferred free]
 A block must not be reused while an async copy or a file write still reads it.
 `free(buf, after=ticket)` parks the block until `ticket.done()`; only then does it
@@ -31,9 +45,11 @@ saves. Without glibc (musl, macOS) it does nothing.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +75,38 @@ def trim_heap() -> None:
 # Reuse a cached block for a smaller request only if it is at most this many times the
 # rounded request: close enough to cost little, far enough to avoid new pins.
 _BEST_FIT_SLACK = 2
+
+
+def _register(ptr: int, nbytes: int) -> None:
+    """cudaHostRegister ([Note: registrations end with the pool]); raises on failure."""
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's pending error after a failed register (torch's cudart binding has no
+    cudaGetLastError): otherwise the next kernel launch on this thread raises it, misattributed."""
+    for lib in (None, "libcudart.so", "libcudart.so.13", "libcudart.so.12"):
+        try:
+            getattr(ctypes.CDLL(lib), "cudaGetLastError")()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
+def _unregister_all(registered: set) -> None:
+    """The pool's finalizer and close(): every block still registered becomes pageable memory."""
+    for block in list(registered):
+        registered.discard(block)
+        if block.pinned and block.data is not None:
+            block.pinned = False
+            try:
+                _unregister(block.data.data_ptr())
+            except Exception:  # noqa: BLE001 - at exit the CUDA context may already be gone
+                pass
 
 
 @dataclass(eq=False)
@@ -138,6 +186,9 @@ class HostPool(BudgetedTier):
         self._reuses = 0
         self._pin_failures = 0
         self._closed = False
+        # [Note: registrations end with the pool]
+        self._registered: set[_Block] = set()
+        self._finalizer = weakref.finalize(self, _unregister_all, self._registered)
 
     # ------------------------------------------------------------------ public API
 
@@ -197,7 +248,8 @@ class HostPool(BudgetedTier):
             return out
 
     def close(self) -> None:
-        """Release cached blocks; blocks still in use are released when freed."""
+        """Release cached blocks and unregister every block ([Note: registrations end with the
+        pool]); blocks still in use stay valid (pageable) and are released when freed."""
         with self._lock:
             self._closed = True
             parked = list(self._parked)
@@ -209,6 +261,7 @@ class HostPool(BudgetedTier):
         self._reap()
         with self._lock:
             self._trim_locked(self._cached_bytes)
+            _unregister_all(self._registered)
 
     # ----------------------------------------------------------------- internals
 
@@ -279,25 +332,30 @@ class HostPool(BudgetedTier):
             self.release(size)
             raise MemoryError(f"host tier: allocating {format_size(size)} for {what} failed: {exc}. "
                               f"Lower tiers.host or free host memory.") from exc
-        pinned = self._pin(data) if self.pin else False
-        return _Block(data=data, size=size, pinned=pinned)
+        block = _Block(data=data, size=size, pinned=self._pin(data) if self.pin else False)
+        if block.pinned:
+            self._registered.add(block)
+        return block
 
     def _pin(self, data: torch.Tensor) -> bool:
-        cudart = torch.cuda.cudart()
         try:
-            torch.cuda.check_error(cudart.cudaHostRegister(data.data_ptr(), data.numel(), 0))
+            _register(data.data_ptr(), data.numel())
             return True
         except Exception as exc:  # noqa: BLE001 - degrade, but say so once
+            _clear_cuda_error()
             self._pin_failures += 1
             if self._pin_failures == 1:
-                warnings.warn(f"host tier: cudaHostRegister of {format_size(data.numel())} failed ({exc}); "
-                              f"using pageable memory for this block (copies will be synchronous). "
-                              f"Check `ulimit -l` or lower tiers.host.", RuntimeWarning, stacklevel=4)
+                why = ("the range is registered already, by another library or a pool that was never closed"
+                       if "already" in str(exc) or "712" in str(exc) else "check `ulimit -l` or lower tiers.host")
+                warnings.warn(f"host tier: cudaHostRegister of {format_size(data.numel())} failed ({exc}): {why}; "
+                              "using pageable memory for this block (its copies are synchronous)",
+                              RuntimeWarning, stacklevel=4)
             return False
 
     def _drop_block(self, block: _Block) -> None:
         if block.pinned:
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(block.data.data_ptr()))
+            self._registered.discard(block)
             block.pinned = False
+            _unregister(block.data.data_ptr())
         self.release(block.size)
         block.data = None  # type: ignore[assignment]  # memory returns when views are dropped
