@@ -43,13 +43,14 @@ checkpoint's files.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import itertools
 import weakref
 from typing import Any
 
 import torch
 
-from ..errors import ZerotierError
+from ..errors import ConfigError, ZerotierError
 from .offload import Hyper, HyperOf
 
 # state_dict() under groups_only(): this key says the state is elsewhere (load keeps ours)
@@ -60,8 +61,6 @@ def exempt_from_decay(model: torch.nn.Module, units: list, patterns) -> set[tupl
     """(unit index, position) of the parameters optimizer.no_weight_decay exempts (name globs
     on `model`'s parameter names; a tied parameter if any of its names matches); a pattern
     matching no trainable parameter is a ConfigError."""
-    import fnmatch
-    from ..errors import ConfigError
     if not patterns:
         return set()
     names: dict[int, list[str]] = {}
