@@ -562,3 +562,37 @@ def test_zerotier_trainer_has_trainers_param_groups_and_saves_them_without_the_s
     trainer.engine.close()
     assert saved[GROUPS_ONLY] is True and saved["state"] == {}
     assert [len(g["params"]) for g in saved["param_groups"]] == [len(g["params"]) for g in plain.optimizer.param_groups]
+
+
+@pytest.mark.parametrize("simd", ["scalar", "auto", "python"])
+def test_adam_step_multi_with_hyperparameters_per_buffer_is_each_buffers_own_step(simd, monkeypatch):
+    """One native call over slices of different param groups (UnitOptimizer._adam_ranges) gives
+    each slice exactly what its own adam_step gives (python: the fallback without the library)."""
+    from zerotier.optim import _kernels, adam_step, adam_step_multi
+    if simd == "python":
+        monkeypatch.setattr(_kernels, "simd_level", lambda requested: "python")
+        simd = "auto"
+    gen = torch.Generator().manual_seed(0)
+    sizes = [37, 1000, 5, 4096]
+    hypers = [dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True),
+              dict(lr=3e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.2, decoupled=True),
+              dict(lr=1e-4, beta1=0.95, beta2=0.9, eps=1e-7, weight_decay=0.0, decoupled=False),
+              dict(lr=5e-3, beta1=0.85, beta2=0.995, eps=1e-8, weight_decay=0.1, decoupled=False)]
+    steps = [1, 3, 7, 2]
+
+    def buffers():
+        torch.manual_seed(1)
+        return [(torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1,
+                 torch.rand(n, generator=gen) * 0.01, torch.randn(n, generator=gen), torch.empty(n))
+                for n in sizes]
+    gen.manual_seed(0)
+    together = buffers()
+    gen.manual_seed(0)
+    alone = buffers()
+    adam_step_multi(together, step=steps, simd=simd, grad_scale=0.5,
+                    **{k: [h[k] for h in hypers] for k in hypers[0]})
+    for (master, m, v, g, out), s, h in zip(alone, steps, hypers):
+        adam_step(master, m, v, g, step=s, param_out=out, simd=simd, grad_scale=0.5, **h)
+    for a, b in zip(together, alone):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
