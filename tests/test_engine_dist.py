@@ -208,3 +208,34 @@ def test_rank_dependent_routing_matches_single_process_or_stops(tmp_path):
                 torch.testing.assert_close(out[stage][key], ref[key], rtol=1e-5, atol=1e-6,
                                            msg=f"rank {rank} stage {stage} {key}")
         assert isinstance(out[3], str) and "different ZeRO-3 parameter units" in out[3], (rank, out[3])
+
+
+def skipping_rank(rank, world_size, nvme_dir, accum):
+    """Rank 1 skips one batch rank 0 trains on, then both ask for their weights."""
+    cfg = {"zero": {"stage": 3, "persistence_threshold": 0, "timeout_s": 15},
+           "offload": {"params": "host", "gradients": "host", "optimizer": "host"},
+           "tiers": {"nvme_path": nvme_dir}, "train": {"grad_accum_steps": accum}}
+    engine = zerotier.initialize(make_model(), cfg)
+    for i, (x, y) in enumerate(global_batches()):
+        if rank == 1 and i == 3:
+            continue
+        engine.backward(engine(x[rank * 2:rank * 2 + 2], y[rank * 2:rank * 2 + 2]))
+        engine.step()
+    weights = engine.parameters_fp32()
+    engine.close()
+    return weights
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_rank_that_skips_a_batch_fails_every_rank_instead_of_training_on_mismatched_gathers(accum, tmp_path):
+    """Issue 21 ([Note: ranks out of step] in dist/sharding.py): the rank that skipped a batch
+    finished with exit 0, its weights gathered by collectives paired with the other rank's next
+    forward. Every rank now fails with a ZerotierError, within zero.timeout_s."""
+    with pytest.raises(SpawnError) as info:
+        spawn(skipping_rank, 2, str(tmp_path), accum, timeout_s=240, collective_timeout_s=15)
+    failures = info.value.failures
+    assert set(failures) == {0, 1}, failures
+    assert "rank 1: gathering the trained weights after step" in failures[1], failures[1]
+    assert "rank 0 did not get there within 15 s (zero.timeout_s)" in failures[1], failures[1]
+    assert "every rank must run the same number of micro-batches" in failures[1], failures[1]
+    assert "CollectiveError: rank 0: collective" in failures[0], failures[0]

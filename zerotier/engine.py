@@ -1010,6 +1010,8 @@ class Engine:
     def _trained_units(self):
         """(unit, [(parameter, fp32 view of its full master)]) one unit at a time, so a caller that
         converts as it goes holds one unit in fp32 at most. Collective with several ranks."""
+        self.sharding.sync_point(self.global_steps, self.micro_steps,
+                                 "gathering the trained weights")  # [Note: ranks out of step]
         self.synchronize()  # updates and NVMe writes in flight land first
         for unit in self.units:
             master = self.sharding.gather_full(unit, self.unit_optimizer.read_state(unit, ("master",))["master"].cpu())

@@ -21,6 +21,8 @@ engine issues them from the thread running forward/backward only.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from datetime import timedelta
 
 import torch
 
@@ -28,8 +30,10 @@ from ..config import ZeroConfig
 from ..state import Unit
 from .buckets import ParamGatherer
 from .comm import MAX, SUM, CollectiveError, Comm
+from ..errors import ZerotierError
 
 _FP_MOD = 2 ** 61 - 1  # gather fingerprints stay within int64, and so does their negation
+_SYNC_POINTS = itertools.count()  # this process's sync points, in the order every rank reaches them
 from .partition import Partition, partition_units
 
 
@@ -120,6 +124,45 @@ class Sharding:
                 "rank must run the same modules in the same order; use zero.stage <= 2 (units unused on a "
                 "rank are then reduced as zeros) or run every expert on every rank")
         return [bool(v) for v in values[3:]]
+
+    def sync_point(self, steps: int, micro_steps: int, what: str) -> None:
+        """[Note: ranks out of step]
+        Every collective inside a window pairs with the same one on the other ranks even when a
+        rank skipped a batch the others trained on: the ranks then only drift by one window, which
+        shows where the training ends. A rank that finishes first (parameters_fp32, state_dict,
+        close) would pair its weights' gathers with the other ranks' next forward, and end with
+        exit 0 on weights from mismatched collectives. So before those gathers every rank posts
+        its step and micro-batch counts in the process group's key-value store (outside the
+        collective stream, which another rank may be using for other work) and compares them with
+        every other rank's, waiting up to zero.timeout_s: a difference or a rank that never gets
+        there is a ZerotierError on this rank; the others then fail in their pending collective."""
+        if not self.active:
+            return
+        import torch.distributed as dist
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):  # no default group (a custom one): no check
+            return
+        k = next(_SYNC_POINTS)
+        mine = f"step {steps} (micro-batch {micro_steps})"
+        store.set(f"zerotier/sync{k}/{self.rank}", mine)
+        timeout_s = self.comm.timeout_s or 600.0
+        fix = ("every rank must run the same number of micro-batches (forward, backward, step): a rank that "
+               "skips a batch must skip it on every rank, e.g. decide with an all-reduce of the skip flag")
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            key = f"zerotier/sync{k}/{r}"
+            try:
+                store.wait([key], timedelta(seconds=timeout_s))
+            except Exception as exc:  # noqa: BLE001 - the store's timeout (DistStoreError, RuntimeError)
+                raise ZerotierError(f"rank {self.rank}: {what} after {mine}, but rank {r} did not get there within "
+                                    f"{timeout_s:g} s (zero.timeout_s): it is still training, or failed; {fix}") from exc
+            theirs = store.get(key).decode()
+            if theirs != mine:
+                raise ZerotierError(f"rank {self.rank}: {what} after {mine}, but rank {r} after {theirs}: the ranks "
+                                    f"trained on different numbers of micro-batches, so their collectives paired "
+                                    f"different work and the weights cannot be trusted; {fix}")
 
     def local_sumsq_share(self, unit: Unit) -> bool:
         """Replicated units hold identical gradients on every rank: count them on rank 0 only."""
