@@ -150,7 +150,7 @@ class ParamStore:
 
     def finish_place(self) -> None:
         """Wait for the initial NVMe writes still in flight (place() keeps at most max_writes)."""
-        self._check_writes(list(self._writes))
+        self._check_writes(self._pending_writes())
 
     # ------------------------------------------------------------------ fetch / release
 
@@ -248,9 +248,9 @@ class ParamStore:
                 self._rewrite_home(unit)
             if self.sharding.gathered(unit):
                 # Issued on the thread running forward/backward: every rank gathers in the same order.
-                shard, block = self._shard_on_device(unit, reason)
+                shard, block, copy = self._shard_on_device(unit, reason)
                 handle = self.sharding.all_gather(unit, self.device_flat[i], shard)
-                return _Fetch(self.version[i], handle=handle, keep=(shard, block))
+                return _Fetch(self.version[i], handle=handle, keep=(shard, block, copy))
             if reason == "demand":  # the compute thread needs it now: no hop through a worker
                 ticket = self._load(unit, reason)
                 return _Fetch(self.version[i], future=_Now(ticket))
@@ -285,10 +285,11 @@ class ParamStore:
                 prof.end(token, copy=ticket)
 
     def _shard_on_device(self, unit: Unit, reason: str):
-        """ZeRO-3: this rank's shard where the all-gather can read it; (tensor, pool block or None)."""
+        """ZeRO-3: this rank's shard where the all-gather can read it; (tensor, pool block or None,
+        the H2D copy's ticket or None: the block is reused only after that copy ran)."""
         i = unit.index
         if self.loc is Location.DEVICE:
-            return self.device_shard[i], None
+            return self.device_shard[i], None, None
         nbytes = unit.shard_numel * self.lp_dtype.itemsize
         prof = self.profiler
         token = prof.begin(unit.param_key, "param", self.loc.value, "device", nbytes, reason) \
@@ -310,15 +311,15 @@ class ParamStore:
             self.device_tier.join(ticket)
         if token is not None:
             prof.end(token, copy=ticket)
-        return shard, block
+        return shard, block, ticket
 
     def _finish(self, fetch: _Fetch) -> None:
         if fetch.handle is not None:
             fetch.handle.wait()
-            _shard, block = fetch.keep
+            _shard, block, copy = fetch.keep
             fetch.keep = None
-            if block is not None:
-                self.host_pool.free(block)
+            if block is not None:  # GPU review N5: join() made compute wait for the copy, not the host
+                self.host_pool.free(block, after=copy)
         else:
             self.device_tier.join(fetch.future.result())
 
@@ -404,7 +405,8 @@ class ParamStore:
             def write(_flat):
                 ticket = self.store.write(unit.param_key, full)
                 self.host_pool.free(full, after=ticket)
-                self._writes[i] = ticket
+                with self._lock:
+                    self._writes[i] = ticket
             target, done = full.tensor, write
         else:
             target = self.device_flat[i] if self.loc is Location.DEVICE else self.host_buf[i].tensor
@@ -441,15 +443,25 @@ class ParamStore:
         """Keep an NVMe write-back's ticket; past `max_writes` in flight, wait for the oldest, so
         the pool blocks they read stay within ParamStore.host_staging_bytes however slow the drive."""
         self._check_writes([index])  # an earlier write of the same unit (store writes are ordered)
-        self._writes[index] = ticket
-        while len(self._writes) > self.max_writes:
-            self._check_writes([next(iter(self._writes))])
+        with self._lock:  # GPU review N15: a fetch on the compute thread pops from _writes meanwhile
+            self._writes[index] = ticket
+        while True:
+            with self._lock:
+                oldest = next(iter(self._writes)) if len(self._writes) > self.max_writes else None
+            if oldest is None:
+                break
+            self._check_writes([oldest])
+
+    def _pending_writes(self) -> list[int]:
+        with self._lock:
+            return list(self._writes)
 
     def _check_writes(self, indices) -> None:
         """Wait for the NVMe write-backs of these units; raise the first error (TierIOError...)."""
         first = None
         for i in indices:
-            ticket = self._writes.pop(i, None)
+            with self._lock:
+                ticket = self._writes.pop(i, None)
             if ticket is None:
                 continue
             try:
@@ -481,7 +493,7 @@ class ParamStore:
         """Finish all parameter work in flight: unconsumed prefetches, gathers, NVMe write-backs."""
         self.drop_inflight()
         self.finish_commits()
-        self._check_writes(list(self._writes))
+        self._check_writes(self._pending_writes())
 
     # ------------------------------------------------------------------ access
 
