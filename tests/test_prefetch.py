@@ -1,4 +1,6 @@
 """The prefetch scheduler's decisions, on their own (the engine tests cover it in use)."""
+import torch
+
 from zerotier.config import PrefetchConfig
 from zerotier.schedule import PrefetchScheduler
 
@@ -27,3 +29,39 @@ def test_max_bytes_limits_what_is_in_flight():
     sched, issued, _ = make(100, [10, 60, 60, 10])
     sched.on_demand(0)
     assert issued == [1], "the second lookahead unit would pass max_bytes"
+
+
+def test_prefetch_copies_wait_for_compute_as_of_their_issue(monkeypatch):
+    """GPU review N7, checked on the CPU: a prefetch's host->device copy runs on a fetch worker, and
+    must wait for the compute work enqueued when the fetch was *issued* (an event marked on the
+    compute thread), not for whatever the worker's current stream holds when it runs."""
+    import threading
+
+    import zerotier
+    from zerotier.models import TinyGPT, batches
+    from zerotier.tiers.device import DeviceTier
+
+    marks, copies = [], []
+    mark, copy_h2d = DeviceTier.mark, DeviceTier.copy_h2d
+
+    def marking(self):
+        token = ("mark", threading.current_thread().name, mark(self))
+        marks.append(token)
+        return token
+
+    def copying(self, dst, src, after=None):
+        copies.append((threading.current_thread().name, after))
+        return copy_h2d(self, dst, src, after=None if after is None else after[2])
+
+    monkeypatch.setattr(DeviceTier, "mark", marking)
+    monkeypatch.setattr(DeviceTier, "copy_h2d", copying)
+    torch.manual_seed(0)
+    with zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=4, heads=2, seq=16),
+                             {"offload": {"params": "host"}, "prefetch": {"lookahead": 2}}) as engine:
+        for x, y in batches(64, 16, 2, 3):
+            engine.backward(engine(x, y))
+            engine.step()
+    on_workers = [after for thread, after in copies if thread.startswith("zerotier-fetch")]
+    assert on_workers, "no prefetch ran on a fetch worker: the test checks nothing"
+    assert all(after is not None and after[1] == threading.main_thread().name for after in on_workers)
+    assert all(thread == threading.main_thread().name for _, thread, _ in marks)

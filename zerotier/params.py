@@ -252,14 +252,16 @@ class ParamStore:
                 handle = self.sharding.all_gather(unit, self.device_flat[i], shard)
                 return _Fetch(self.version[i], handle=handle, keep=(shard, block, copy))
             if reason == "demand":  # the compute thread needs it now: no hop through a worker
-                ticket = self._load(unit, reason)
+                ticket = self._load(unit, reason, None)
                 return _Fetch(self.version[i], future=_Now(ticket))
-            return _Fetch(self.version[i], future=self._workers.submit(self._load, unit, reason))
+            # the copy waits for the compute work enqueued *now*, not when the worker runs (GPU review N7)
+            issued = self.device_tier.mark()
+            return _Fetch(self.version[i], future=self._workers.submit(self._load, unit, reason, issued))
         except BaseException:
             self._abandon(unit)
             raise
 
-    def _load(self, unit: Unit, reason: str):
+    def _load(self, unit: Unit, reason: str, issued):
         """Home -> device flat (a fetch worker for prefetches). Returns the copy's ticket."""
         i = unit.index
         nbytes = unit.numel * self.lp_dtype.itemsize
@@ -269,12 +271,12 @@ class ParamStore:
         ticket = None
         try:
             if self.loc is Location.HOST:
-                ticket = self.device_tier.copy_h2d(self.device_flat[i], self.host_buf[i].tensor)
+                ticket = self.device_tier.copy_h2d(self.device_flat[i], self.host_buf[i].tensor, after=issued)
                 return ticket
             block = self.host_pool.alloc(nbytes, self.lp_dtype, unit.param_key)
             try:
                 self.store.read(unit.param_key, block).wait()
-                ticket = self.device_tier.copy_h2d(self.device_flat[i], block.tensor)
+                ticket = self.device_tier.copy_h2d(self.device_flat[i], block.tensor, after=issued)
             except BaseException:
                 self.host_pool.free(block)
                 raise

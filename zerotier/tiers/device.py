@@ -159,9 +159,20 @@ class DeviceTier(BudgetedTier):
 
     # ------------------------------------------------------------------ copies ([Note: copy streams and events])
 
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor):
-        """dst (device) <- src (host). Keep neither side in use until the ticket is done."""
-        return self._copy(dst, src, inbound=True)
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after=None):
+        """dst (device) <- src (host). Keep neither side in use until the ticket is done. `after`: a
+        mark() taken on the compute thread when dst was allocated; without it the copy waits for
+        the calling thread's current stream as it is now."""
+        return self._copy(dst, src, inbound=True, after=after)
+
+    def mark(self):
+        """An event recorded on the current (compute) stream now, for a copy issued later from
+        another thread (copy_h2d's `after`); None on the CPU, where copies run when called."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor):
         """dst (host) <- src (device)."""
@@ -175,7 +186,7 @@ class DeviceTier(BudgetedTier):
         else:
             ticket.wait()
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, inbound: bool):
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, inbound: bool, after=None):
         if dst.shape != src.shape or dst.dtype != src.dtype:
             raise ValueError(f"device tier: copy {src.dtype} {list(src.shape)} -> "
                              f"{dst.dtype} {list(dst.shape)}: shapes/dtypes differ")
@@ -186,7 +197,10 @@ class DeviceTier(BudgetedTier):
             return DoneTicket(nbytes)
         host, dev = (src, dst) if inbound else (dst, src)
         stream = self.h2d_stream if inbound else self.d2h_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # dev was made on the current stream
+        if after is not None:  # dev was made on the compute stream when `after` was recorded
+            stream.wait_event(after)
+        else:  # dev was made on the current stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         start = None
         if self.timing:
             start = torch.cuda.Event(enable_timing=True)
