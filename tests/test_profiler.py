@@ -510,3 +510,50 @@ def test_whole_run_totals_outlive_the_kept_window(tmp_path):
     path.write_text(json.dumps(trace))
     with pytest.raises(ZerotierError, match=r"zerotier\.run_totals\.by_link\.nvme->host\.bytes is -1, not a count"):
         load_trace(str(path))
+
+
+class _FakeEvent:
+    """A CUDA timing event as the profiler uses it: reached (query) after `lag` later records."""
+
+    clock = 0
+
+    def __init__(self, lag):
+        _FakeEvent.clock += 1
+        self.t, self.reached_at = _FakeEvent.clock, _FakeEvent.clock + lag
+
+    def query(self):
+        return _FakeEvent.clock >= self.reached_at
+
+    def synchronize(self):
+        _FakeEvent.clock = max(_FakeEvent.clock, self.reached_at)
+
+
+def test_cuda_timing_records_stay_bounded():
+    """GPU review N11, checked on the CPU with fake events: event-timed records were kept until the
+    report (millions on a long run); reached ones are now resolved as they pile up and the pending
+    list never exceeds MAX_PENDING, whatever the device's lag."""
+    from zerotier.profiler import events as ev
+
+    class FakeClock:
+        RESOLVE_AT, MAX_PENDING = ev._CudaClock.RESOLVE_AT, ev._CudaClock.MAX_PENDING
+
+        def __init__(self):
+            self.pending, self.lock = [], threading.Lock()
+
+        def record(self, stream=None):
+            return _FakeEvent(lag=3000)  # the device runs 3000 records behind the host
+
+        def ns(self, event):
+            event.synchronize()
+            return event.t * 1000
+
+    prof = ev.Profiler(ProfileConfig(enabled=True, max_events=100_000))
+    prof._cuda = FakeClock()
+    most = 0
+    for i in range(20_000):
+        start = prof._cuda.record()
+        prof._pend_cuda(("wait", (f"u{i}", "main"), (start, prof._cuda.record())))
+        most = max(most, len(prof._cuda.pending))
+    assert most <= ev._CudaClock.MAX_PENDING
+    prof._resolve_cuda()
+    assert not prof._cuda.pending and len(prof.snapshot()["waits"]) == 20_000

@@ -126,7 +126,7 @@ class Profiler:
         waiting on it, if known here."""
         events = getattr(copy, "timing_events", None)
         if self._cuda is not None and events is not None:
-            self._cuda.pending.append(("transfer", token[:6] + (copy.stream_name, token[7], stall_ns), events))
+            self._pend_cuda(("transfer", token[:6] + (copy.stream_name, token[7], stall_ns), events))
         else:
             self._add_transfer(token[:8] + (_now(), stall_ns))
         if token[8] is not None:
@@ -174,7 +174,7 @@ class Profiler:
 
     def wait_end(self, token: tuple) -> None:
         if token[4] is not None:
-            self._cuda.pending.append(("wait", token[:2], (token[4], self._cuda.record())))
+            self._pend_cuda(("wait", token[:2], (token[4], self._cuda.record())))
         else:
             self._waits.append(token[:3] + (_now(),))
         if token[3] is not None:
@@ -207,7 +207,7 @@ class Profiler:
 
     def compute_end(self, token: tuple) -> None:
         if token[6] is not None:  # device work: timed by events on the compute stream
-            self._cuda.pending.append(("compute", token[:3] + (token[4],), (token[6], self._cuda.record())))
+            self._pend_cuda(("compute", token[:3] + (token[4],), (token[6], self._cuda.record())))
         else:
             self._computes.append(token[:4] + (_now(), token[4]))
         if token[5] is not None:
@@ -349,12 +349,29 @@ class Profiler:
 
     # ------------------------------------------------------------------ internals
 
-    def _resolve_cuda(self) -> None:
-        """Turn the event-timed records into perf_counter_ns records ([Note: CUDA timing])."""
+    def _pend_cuda(self, record: tuple) -> None:
+        """Keep an event-timed record until its events are reached. Bounded (GPU review N11: a long
+        profiled run held millions of events until the report): past RESOLVE_AT pending records
+        the ones whose events have been reached are resolved without waiting; past MAX_PENDING
+        the oldest half is resolved, waiting for its events."""
         clock = self._cuda
-        n = len(clock.pending)
-        batch = clock.pending[:n]
-        del clock.pending[:n]  # one bytecode: records appended meanwhile by workers stay
+        clock.pending.append(record)
+        if len(clock.pending) >= clock.RESOLVE_AT:
+            self._resolve_cuda(wait=False)
+
+    def _resolve_cuda(self, wait: bool = True) -> None:
+        """Turn the event-timed records into perf_counter_ns records ([Note: CUDA timing]): all of
+        them (waiting for their events), or with wait=False those already reached, and with
+        too many pending the oldest half."""
+        clock = self._cuda
+        with clock.lock:
+            if wait:
+                batch = list(clock.pending)
+            else:
+                batch = clock.pending[: len(clock.pending) // 2] if len(clock.pending) >= clock.MAX_PENDING else []
+                batch += [r for r in clock.pending[len(batch):] if r[2][0].query() and r[2][1].query()]
+            taken = {id(r) for r in batch}
+            clock.pending[:] = [r for r in clock.pending if id(r) not in taken]
         for what, fields, (start_ev, end_ev) in batch:
             end = clock.ns(end_ev)
             start = min(clock.ns(start_ev), end)
@@ -385,11 +402,15 @@ _DEVICE_KINDS = frozenset(("forward", "backward", "device-optimizer"))  # timed 
 class _CudaClock:
     """Timing events on one CUDA device, in the perf_counter_ns clock ([Note: CUDA timing])."""
 
+    RESOLVE_AT = 512     # pending records before the reached ones are resolved (Profiler._pend_cuda)
+    MAX_PENDING = 4096   # pending records before the oldest half is resolved, waiting
+
     def __init__(self, device):
         import torch
 
         self.torch, self.device = torch, device
         self.pending: list[tuple] = []  # (what, fields, (start_event, end_event)), resolved by snapshot()
+        self.lock = threading.Lock()    # appends come from every thread; resolving takes a batch
         self.reference = self.record()
         self.reference.synchronize()
         self.reference_ns = _now()
