@@ -716,6 +716,11 @@ CASES = {
     "load_state_dict into the live model": Case(seeded(Net), load_state_dict_live),
     "in-place edit under no_grad": Case(seeded(Net), inplace_edit_no_grad),
     "engine checkpoint round trip": Case(seeded(Net, block=NormBlock), engine_checkpoint),
+    "tied model: state_dict into a fresh model": Case(seeded(TiedLM), state_dict_to_fresh_model,
+                                                      functools.partial(batches, STEPS, tokens=True)),
+    "engine checkpoint with frozen parameters": Case(
+        frozen(seeded(Net, blocks=3, block=NormBlock), lambda m: [*m.blocks[0].parameters(), m.head.bias]),
+        engine_checkpoint),
     "optimizer state_dict round trip": Case(seeded(Net), optimizer_state_dict_roundtrip),
 }
 
