@@ -596,3 +596,29 @@ def test_adam_step_multi_with_hyperparameters_per_buffer_is_each_buffers_own_ste
     for a, b in zip(together, alone):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+
+def skipping_rank_state_dict(rank, world_size, nvme_dir):
+    """Rank 1 skips one batch rank 0 trains on, then both ask for the optimizer's state."""
+    cfg = {"zero": {"stage": 3, "persistence_threshold": 0, "timeout_s": 15}, "offload": PLACEMENTS["host"],
+           "tiers": {"nvme_path": nvme_dir}, "train": {"grad_accum_steps": 1}}
+    engine = zerotier.initialize(make_model(), cfg)
+    half = BATCH // world_size
+    for i, (x, y) in enumerate(data(4, accum=1)):
+        if rank == 1 and i == 3:
+            continue
+        engine.backward(engine(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]))
+        engine.step()
+    return engine.optimizer.state_dict()
+
+
+def test_state_dict_on_ranks_out_of_step_fails_every_rank(tmp_path):
+    """[Note: ranks out of step] in dist/sharding.py: state_dict()'s gathers would pair with the
+    other rank's next forward; every rank fails instead, naming the fix."""
+    from zerotier.dist import SpawnError
+    with pytest.raises(SpawnError) as info:
+        spawn(skipping_rank_state_dict, 2, str(tmp_path), timeout_s=240, collective_timeout_s=15)
+    failures = info.value.failures
+    assert set(failures) == {0, 1}, failures
+    assert "rank 1: gathering the optimizer state after step" in failures[1], failures[1]
+    assert "every rank must run the same number of micro-batches" in failures[1], failures[1]

@@ -250,6 +250,8 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def _read_state(self, index: dict[int, int]) -> dict[int, dict[str, torch.Tensor]]:
         engine = self._live("state_dict()")
+        engine.sharding.sync_point(engine.global_steps, engine.micro_steps,
+                                   "gathering the optimizer state")  # [Note: ranks out of step] in dist/sharding.py
         engine.synchronize()  # updates and write-backs in flight land first
         opt, sharding = engine.unit_optimizer, engine.sharding
         state: dict[int, dict[str, torch.Tensor]] = {}
