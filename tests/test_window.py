@@ -357,9 +357,6 @@ def test_zero_grad_set_to_none_false_keeps_stepping_with_zero_gradients(placemen
     assert not torch.equal(reference["b.weight"], TwoBranch().b.weight.detach()), "b moved on zero gradients"
 
 
-@pytest.mark.xfail(strict=True, reason="engine.optimizer.zero_grad() does not pass set_to_none to "
-                   "engine.zero_grad() yet (zerotier/optim/torch_optimizer.py, the optimizer's scope): "
-                   "strict, so this fails once it does and the mark must go")
 def test_zero_grad_set_to_none_false_through_the_optimizer(tmp_path):
     gen = torch.Generator().manual_seed(3)
     xs = [torch.randn(4, 8, generator=gen) for _ in range(3)]
