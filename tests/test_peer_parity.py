@@ -112,6 +112,17 @@ class RepeatedEntryNet(Net):
         self.blocks.append(self.blocks[0])
 
 
+class EmptyParamBlock(Block):
+    """Holds a parameter with no elements, used in forward (DeepSpeed's empty-parameter test)."""
+
+    def __init__(self):
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0, DIM))
+
+    def forward(self, h):
+        return super().forward(h) + self.empty.sum(0)
+
+
 class TwiceUsedBlock(Block):
     """The block's weight enters its forward twice (the gradient is the sum of two uses)."""
 
@@ -553,6 +564,18 @@ def freeze_after_init_then_unfreeze(run, data):
     return freeze_after(2, blocks_of, True)(run, data)
 
 
+def alternate_requires_grad(run, data):
+    """Every step trains every other parameter (by position, alternating), then turns all back
+    on (DeepSpeed's unbalanced-gradients test): units get gradients for part of their parameters."""
+    for step, batch in enumerate(data):
+        for i, p in enumerate(run.model.parameters()):
+            p.requires_grad_(i % 2 == step % 2)
+        engine_loop(run, [batch])
+        for p in run.model.parameters():
+            p.requires_grad_(True)
+    return run
+
+
 def register_after_init(add_to_optimizer: bool):
     def loop(run, data):
         engine_loop(run, data[:2])
@@ -643,6 +666,7 @@ CASES = {
     # shared parameters
     "tied embedding and head": Case(seeded(TiedLM), engine_loop, functools.partial(batches, STEPS, tokens=True)),
     "module shared by two units": Case(seeded(SharedLinearNet), engine_loop),
+    "parameter with no elements": Case(seeded(Net, block=EmptyParamBlock), engine_loop),
     "one block at two places of a ModuleList": Case(seeded(RepeatedEntryNet), engine_loop),
     "parameter used twice in a forward": Case(seeded(Net, block=TwiceUsedBlock), engine_loop),
     "module called twice per forward": Case(seeded(CalledTwiceNet), engine_loop),
@@ -663,6 +687,7 @@ CASES = {
                                                                     m.head.weight]), engine_loop),
     "frozen after two steps": Case(seeded(Net), freeze_after(2, blocks_of, False)),
     "unfrozen after two steps": Case(frozen(seeded(Net), blocks_of), freeze_after(2, blocks_of, True)),
+    "requires_grad alternating per step": Case(seeded(Net), alternate_requires_grad),
     "frozen after init, unfrozen after two steps": Case(seeded(Net), freeze_after_init_then_unfreeze),
     # containers and outputs
     "ModuleDict, default wrap": Case(seeded(DictNet), engine_loop),
@@ -754,7 +779,8 @@ def reference(name: str) -> tuple[dict, dict, dict]:
     tolerance = {}
     for key, value in [*state.items(), *log.items()]:
         other = state64[key] if key in state else log64[key]
-        tolerance[key] = max(1e-4, 3 * float((value.double() - other.double()).abs().max()))
+        own = float((value.double() - other.double()).abs().max()) if value.numel() else 0.0
+        tolerance[key] = max(1e-4, 3 * own)
     return state, log, tolerance
 
 
