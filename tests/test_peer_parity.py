@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import zerotier
 from zerotier.errors import ZerotierError
@@ -172,6 +173,29 @@ class ParentCallsChildsLayerNet(Net):
     def body(self, x):
         h = super().body(x)
         return h + 0.5 * torch.tanh(self.blocks[0].lin(h))
+
+
+class UnusedOutputNet(Net):
+    """A block runs every forward but its output never reaches the loss (FSDP's unused forward
+    output): its backward never runs, its parameters get no gradient."""
+
+    def __init__(self):
+        super().__init__(blocks=3)
+
+    def body(self, x):
+        h = self.blocks[0](self.inp(x))
+        self.last_probe = self.blocks[1](h)  # computed, kept, never used in the loss
+        return self.blocks[2](h)
+
+
+class CheckpointedNet(Net):
+    """Blocks under non-reentrant activation checkpointing (forward re-run during backward)."""
+
+    def body(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return h
 
 
 class ReturnsParamBlock(Block):
@@ -679,6 +703,8 @@ CASES = {
     "block returns its own parameter": Case(seeded(ReturnsParamNet), engine_loop),
     # parameters without gradients
     "unused block and branch": Case(seeded(UnusedNet), engine_loop),
+    "block output unused in the loss": Case(seeded(UnusedOutputNet), engine_loop),
+    "activation checkpointing": Case(seeded(CheckpointedNet), engine_loop),
     "data-dependent routing": Case(seeded(MoENet), engine_loop, functools.partial(batches, STEPS, route=True)),
     "routing, plain loop, zero_grad(set_to_none=False)": Case(
         seeded(MoENet), functools.partial(plain_loop, set_to_none=lambda step: step % 2 == 0),
