@@ -487,6 +487,16 @@ def engine_loop(run: Run, data, *, eval_batch=None, eval_mode=None) -> Run:
     return run
 
 
+def read_parameters_every_step(run: Run, data) -> Run:
+    """After every step, read each parameter the plain way (FSDP's per-iteration parity check)."""
+    for step, batch in enumerate(data):
+        engine_loop(run, [batch])
+        for name, p in run.model.named_parameters():
+            run.record(f"after step {step}: {name}", p.detach().clone())
+            run.record(f"after step {step}: {name}.norm()", p.norm())
+    return run
+
+
 def outside_root_loop(run: Run, data) -> Run:
     """The loss is computed by calling submodules from the loop, never the root's forward
     (FSDP's chunked-loss pattern): the head runs on two halves of the batch."""
@@ -699,6 +709,7 @@ CASES = {
     "parent reads a child's weight": Case(seeded(ParentReadsChildNet), engine_loop),
     "parent calls a child's layer": Case(seeded(ParentCallsChildsLayerNet), engine_loop),
     "block returns its own parameter": Case(seeded(ReturnsParamNet), engine_loop),
+    "parameters read after every step": Case(seeded(Net), read_parameters_every_step),
     # forwards
     "two forwards before one backward": Case(seeded(Net), two_forwards_loop, functools.partial(batches, 2 * STEPS)),
     "activation checkpointing": Case(seeded(CheckpointedNet), engine_loop),
