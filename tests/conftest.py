@@ -6,7 +6,52 @@ runs its engines on the CPU, on any host.
 """
 from __future__ import annotations
 
+import threading
+
 import pytest
+
+
+class RegistrationLedger:
+    """cudaHostRegister's bookkeeping on any host (issue 22 item 3a; [Note: registrations end with
+    the pool] in zerotier/tiers/host.py): every host-pool block is registered here, pinned or not,
+    and a registration overlapping one still held fails as the driver's would (error 712). A test
+    instrument for the CPU suite, never a GPU result."""
+
+    def __init__(self):
+        self.ranges: dict[int, int] = {}  # ptr -> nbytes
+        self._lock = threading.Lock()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            for p, n in self.ranges.items():
+                if ptr < p + n and p < ptr + nbytes:
+                    raise RuntimeError(f"registration ledger: [{ptr:#x}, +{nbytes}) overlaps a range still "
+                                       f"registered [{p:#x}, +{n}): a block was freed while registered "
+                                       "(cudaHostRegister would fail with 712)")
+            self.ranges[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        with self._lock:
+            if self.ranges.pop(ptr, None) is None:
+                raise RuntimeError(f"registration ledger: unregister of {ptr:#x}, which is not registered")
+
+
+_LEDGER = RegistrationLedger()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _registration_ledger():
+    """On for the whole CPU suite: a leaked registration fails the test that reuses its range."""
+    from zerotier.tiers import host
+
+    host.ledger = _LEDGER
+    yield _LEDGER
+    host.ledger = None
+
+
+@pytest.fixture
+def ledger(_registration_ledger):
+    return _registration_ledger
 
 
 @pytest.fixture(autouse=True)

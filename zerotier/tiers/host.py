@@ -22,8 +22,11 @@ registered block in `_registered` and unregisters all of them when it closes, or
 it is collected without close() (a `weakref.finalize` that holds the set, not the
 pool); the memory stays valid as pageable for whoever still holds it. A failed
 register clears the pending CUDA error before falling back to pageable memory.
-`_register`/`_unregister` are the only calls into the driver, so the CPU suite checks
-the rule with a fake driver that refuses overlapping registrations.
+`_register`/`_unregister` are the only calls into the driver. On any host, a test
+instrument can stand in for the driver's bookkeeping: `ledger` (tests/conftest.py sets
+one for the whole CPU suite) sees every block registered and unregistered by the same
+rules, pinned or not, and refuses an overlapping registration as the driver would (712),
+so CI catches a leaked registration without a GPU.
 
 [Note: deferred free]
 A block must not be reused while an async copy or a file write still reads it.
@@ -77,6 +80,9 @@ def trim_heap() -> None:
 _BEST_FIT_SLACK = 2
 
 
+ledger = None  # test instrument: register(ptr, nbytes) / unregister(ptr) for every block ([Note: registrations ...])
+
+
 def _register(ptr: int, nbytes: int) -> None:
     """cudaHostRegister ([Note: registrations end with the pool]); raises on failure."""
     torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
@@ -97,14 +103,22 @@ def _clear_cuda_error() -> None:
             continue
 
 
+def _unregister_block(block) -> None:
+    if block.pinned:
+        block.pinned = False
+        _unregister(block.data.data_ptr())
+    if block.ledger is not None:
+        ledger_, block.ledger = block.ledger, None
+        ledger_.unregister(block.data.data_ptr())
+
+
 def _unregister_all(registered: set) -> None:
     """The pool's finalizer and close(): every block still registered becomes pageable memory."""
     for block in list(registered):
         registered.discard(block)
-        if block.pinned and block.data is not None:
-            block.pinned = False
+        if block.data is not None:
             try:
-                _unregister(block.data.data_ptr())
+                _unregister_block(block)
             except Exception:  # noqa: BLE001 - at exit the CUDA context may already be gone
                 pass
 
@@ -116,6 +130,7 @@ class _Block:
     data: torch.Tensor
     size: int
     pinned: bool
+    ledger: object = None  # the test ledger that saw it registered, if any
 
 
 @dataclass(eq=False)
@@ -333,7 +348,15 @@ class HostPool(BudgetedTier):
             raise MemoryError(f"host tier: allocating {format_size(size)} for {what} failed: {exc}. "
                               f"Lower tiers.host or free host memory.") from exc
         block = _Block(data=data, size=size, pinned=self._pin(data) if self.pin else False)
-        if block.pinned:
+        if ledger is not None:
+            try:
+                ledger.register(data.data_ptr(), size)
+            except BaseException:
+                _unregister_block(block)
+                self.release(size)
+                raise
+            block.ledger = ledger
+        if block.pinned or block.ledger is not None:
             self._registered.add(block)
         return block
 
@@ -353,9 +376,7 @@ class HostPool(BudgetedTier):
             return False
 
     def _drop_block(self, block: _Block) -> None:
-        if block.pinned:
-            self._registered.discard(block)
-            block.pinned = False
-            _unregister(block.data.data_ptr())
+        self._registered.discard(block)
+        _unregister_block(block)
         self.release(block.size)
         block.data = None  # type: ignore[assignment]  # memory returns when views are dropped
