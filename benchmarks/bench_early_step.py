@@ -1,6 +1,7 @@
 """What `train.early_step` (Adam during the window's last backward, [Note: early step]) saves.
 
     python benchmarks/bench_early_step.py [--dim 512 --layers 6 --steps 6 --rounds 5]
+    python benchmarks/bench_early_step.py --interleaved --steps 12   # one process, steps alternating
 
 Off is the default since issue 21 (the update must not be visible before step(), so that
 zero_grad() / p.grad = None / clip_grad_norm_ between backward and step are exact). Each
@@ -45,6 +46,34 @@ def one_case(args) -> None:
     print(json.dumps({"median": statistics.median(times)}))
 
 
+def interleaved(args) -> None:
+    """Both engines in one process, steps alternating off/on: drift hits them alike."""
+    import torch
+    import zerotier
+    from zerotier.models import TinyGPT, batches
+    for case, offload in PLACEMENTS.items():
+        engines = []
+        for early in (False, True):
+            torch.manual_seed(0)
+            model = TinyGPT(vocab=4096, dim=args.dim, layers=args.layers, heads=8, seq=128)
+            engines.append(zerotier.initialize(model, {"offload": offload, "tiers": {"nvme_path": args.nvme_path},
+                                                       "train": {"early_step": early, "handle_signals": False}}))
+        times = ([], [])
+        for i, (x, y) in enumerate(batches(4096, 128, 4, args.steps + 1)):
+            for k in ((0, 1) if i % 2 else (1, 0)):
+                loss = engines[k](x, y)
+                start = time.perf_counter()
+                engines[k].backward(loss)
+                engines[k].step()
+                if i:
+                    times[k].append(time.perf_counter() - start)
+        for engine in engines:
+            engine.close()
+        off, on = statistics.median(times[0]), statistics.median(times[1])
+        print(f"{case:26s} early_step off {off * 1e3:8.1f} ms   on {on * 1e3:8.1f} ms   off/on {off / on:.3f}"
+              f"   (interleaved, {args.steps} steps each)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim", type=int, default=512)
@@ -54,11 +83,15 @@ def main() -> None:
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--early", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--interleaved", action="store_true",
+                    help="one process, off/on steps alternating (less drift than process rounds on a busy box)")
     args = ap.parse_args()
     if args.nvme_path is None:
         args.nvme_path = tempfile.mkdtemp()
     if args.case:
         return one_case(args)
+    if args.interleaved:
+        return interleaved(args)
     results: dict[tuple[str, bool], list[float]] = {}
     for _ in range(args.rounds):
         for case in PLACEMENTS:
