@@ -119,6 +119,20 @@ _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itrued
                     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 
 
+_RESIDENT = ParamState.RESIDENT
+_KINDS: dict = {}  # func -> "metadata" / "read" / "other" (see _kind), filled as calls come
+
+
+def _kind(func) -> str:
+    """"metadata" never reads bytes; "read" may take the hot path when every unit is resident;
+    "other" (grad, data, alias, conversion, escape, repr, write) always goes through dispatch()."""
+    if func in _METADATA:
+        return "metadata"
+    special = func in _GRAD_GET or func in _GRAD_SET or func == _DATA_SET or func in _ALIAS \
+        or func in _CONVERSIONS or func in _ESCAPES or func is _T.__repr__
+    return "other" if special or _is_write(func) else "read"
+
+
 def _is_write(func) -> bool:
     name = getattr(func, "__name__", "")
     return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
@@ -127,11 +141,11 @@ def _is_write(func) -> bool:
 def _managed(args, kwargs) -> list:
     """The managed tensors among a call's arguments (one level into lists and tuples: foreach ops)."""
     found = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            found.extend(t for t in a if isinstance(t, _T) and hasattr(t, "_zt"))
-        elif isinstance(a, _T) and hasattr(a, "_zt"):
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if hasattr(a, "_zt"):
             found.append(a)
+        elif type(a) in (list, tuple):
+            found.extend(t for t in a if hasattr(t, "_zt"))
     return found
 
 
@@ -175,13 +189,20 @@ class ManagedTensor:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(_local, "internal", False) or func in _METADATA:
-            return _plain(func, args, kwargs)
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = _kind(func)
+        if kind == "metadata" or getattr(_local, "internal", False):
+            with DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         found = _managed(args, kwargs)
         surface = found[0]._zt.surface if found else None
         if surface is None or not surface.live:  # the engine closed: an alias reads its parameter
             subst = {id(t): t._zt.param() for t in found if isinstance(t, ManagedView) and t._zt.param() is not None}
             return _plain(func, *_replaced(args, kwargs, subst))
+        if kind == "read" and all(surface.state[t._zt.unit] is _RESIDENT for t in found):
+            with DisableTorchFunctionSubclass():  # the hot path: forward's own ops on resident units
+                return func(*args, **kwargs)
         return surface.dispatch(func, args, kwargs, found)
 
     def __deepcopy__(self, memo):
@@ -228,6 +249,7 @@ class ParamSurface:
     def __init__(self, engine):
         self._engine = weakref.ref(engine)
         self.live = False
+        self.state: list = []  # every unit's ParamState (the engine's params.state)
         self._batch: dict[int, torch.Tensor] | None = None  # unit index -> full fp32 master being edited
         self._classes: dict[int, type] = {}                  # id(param) -> its class before adopt()
         self._warned = False
@@ -236,6 +258,7 @@ class ParamSurface:
 
     def adopt(self) -> None:
         engine = self._engine()
+        self.state = engine.params.state  # ParamStore's list: transition() writes it in place
         for unit in engine.units:
             for k, p in enumerate(unit.params):
                 self._classes[id(p)] = type(p)
