@@ -152,7 +152,7 @@ def _managed(args, kwargs) -> list:
 def _replace(obj, subst: dict):
     if isinstance(obj, _T):
         return subst.get(id(obj), obj)
-    if isinstance(obj, (list, tuple)):
+    if type(obj) in (list, tuple):  # the containers _managed looks into
         return type(obj)(_replace(o, subst) for o in obj)
     return obj
 
@@ -244,7 +244,7 @@ ManagedParameter = _managed_class(torch.nn.Parameter)
 
 
 class ParamSurface:
-    """The engine's side of [Note: the parameter surface]: fetch for reads, pins, writes to the master."""
+    """The engine's side of [Note: the parameter surface]: fetches for reads, writes to the master."""
 
     def __init__(self, engine):
         self._engine = weakref.ref(engine)
@@ -252,7 +252,6 @@ class ParamSurface:
         self.state: list = []  # every unit's ParamState (the engine's params.state)
         self._batch: dict[int, torch.Tensor] | None = None  # unit index -> full fp32 master being edited
         self._classes: dict[int, type] = {}                  # id(param) -> its class before adopt()
-        self._warned = False
 
     # ------------------------------------------------------------------ adopt / disown
 
@@ -282,11 +281,10 @@ class ParamSurface:
     def dispatch(self, func, args, kwargs, found):
         engine = self._engine()
         target = args[0] if args else None
-        if func in _GRAD_GET:
-            return engine._grad_get(target._zt.param()) if hasattr(engine, "_grad_get") else _plain(func, args, kwargs)
-        if func in _GRAD_SET:
-            return engine._grad_set(target._zt.param(), args[1]) if hasattr(engine, "_grad_set") \
-                else _plain(func, args, kwargs)
+        if func in _GRAD_GET or func in _GRAD_SET:  # "gradients as torch shows them" in engine.py
+            if isinstance(target, ManagedView):  # p.data / p.detach(): no gradient of its own, as in torch
+                return _plain(func, args, kwargs)
+            return engine._grad_get(target) if func in _GRAD_GET else engine._grad_set(target, args[1])
         if func == _DATA_SET:  # a method-wrapper: equal, not identical, from one access to the next
             return self._assign(target, args[1])
         if func in _ALIAS:
