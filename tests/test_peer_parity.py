@@ -725,7 +725,11 @@ CASES = {
     "frozen at init": Case(frozen(seeded(Net, blocks=3), lambda m: [m.blocks[0].lin.weight, m.blocks[0].lin.bias,
                                                                     m.head.weight]), engine_loop),
     "frozen after two steps": Case(seeded(Net), freeze_after(2, blocks_of, False)),
-    "unfrozen after two steps": Case(frozen(seeded(Net), blocks_of), freeze_after(2, blocks_of, True)),
+    # frozen when initialize ran, unfrozen later: zerotier does not manage it (no state to step); it
+    # refuses at the next forward, naming the parameter and the fix (issue 21 row; state created on
+    # demand is not built: see docs/errors.md)
+    "unfrozen after two steps": Case(frozen(seeded(Net), blocks_of), freeze_after(2, blocks_of, True),
+                                     refusal=r"'blocks\.1\.lin\.weight'.*zerotier\.initialize"),
     "requires_grad alternating per step": Case(seeded(Net), alternate_requires_grad),
     "frozen after init, unfrozen after two steps": Case(seeded(Net), freeze_after_init_then_unfreeze),
     # containers

@@ -207,3 +207,26 @@ def test_reading_a_released_parameter_fetches_it(placement, tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for key in ref_weights:
         torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_module_shared_by_two_blocks_is_fetched_by_both():
+    """A layer shared by two repeated blocks (blocks[2].lin is blocks[0].lin): both blocks are users of
+    the owning unit, so each one's forward fetches it (named_modules() lists a shared module once)."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, h):
+            return h + torch.tanh(self.lin(h))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+
+    net = Net()
+    net.blocks[2].lin = net.blocks[0].lin
+    units = {u.name: u for u in zerotier.state.build_units(net)}
+    assert units["blocks.0"].modules == ("blocks.0", "blocks.2")
+    assert "blocks.2" not in units  # its only parameters belong to blocks.0's unit

@@ -383,6 +383,11 @@ class ParamStore:
         elif not unit.part.replicated and not self.sharding.gathered(unit):
             self._gather_commit(unit, out)
         elif self.loc is Location.NVME:
+            if isinstance(out, torch.Tensor):  # the optimizer is on the device: home through a pool block
+                staged = self.host_pool.alloc(nbytes, self.lp_dtype, unit.param_key)
+                self.device_tier.copy_d2h(staged.tensor, out).wait()  # the file write reads the block
+                self.device_tier.free(out)
+                out = staged
             ticket = self.store.write(unit.param_key, out)
             self.host_pool.free(out, after=ticket)
             self._track_write(i, ticket)

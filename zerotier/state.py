@@ -180,7 +180,7 @@ def build_units(model: torch.nn.Module, wrap="auto") -> list[Unit]:
     found: list[tuple[str, list[torch.nn.Parameter], list[str]]] = []
     unit_of: dict[str, int] = {}   # wrapped module name -> index in found
     owner: dict[int, int] = {}     # id(param) -> index in found
-    for mod_name, module in model.named_modules():
+    for mod_name, module in model.named_modules(remove_duplicate=False):  # a shared module under each name
         wrapper = _nearest(mod_name, wrapped)
         for p in module._parameters.values():
             if p is None or not p.requires_grad:
