@@ -67,6 +67,8 @@ PLACEMENTS = {
     "optimizer-nvme": {"params": "device", "gradients": "host", "optimizer": "nvme"},
     "params-host": {"params": "host", "gradients": "host", "optimizer": "host"},
     "params-nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
+    # the new parameters go home through a pool block (it crashed at step 1: issue 26 item 3)
+    "params-nvme-optimizer-device": {"params": "nvme", "gradients": "device", "optimizer": "device"},
     "auto-small-device": "auto",  # the planner decides, under a device budget of ~3 B/param
 }
 
