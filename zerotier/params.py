@@ -54,6 +54,7 @@ import torch
 from .device import enter as enter_device
 from .errors import BudgetError, ZerotierError
 from .state import PARAM_TRANSITIONS, Location, ParamState, Unit, transition
+from .threads import COMPUTE, UPDATER, owned
 
 
 class _Fetch:
@@ -115,6 +116,7 @@ class ParamStore:
 
     # ------------------------------------------------------------------ place
 
+    @owned(COMPUTE)
     def place(self, unit: Unit, lp: torch.Tensor) -> None:
         """Put this rank's low-precision bytes `lp` (full flat, or its ZeRO-3 shard; CPU) at home
         and point the parameters at the device flat. The user's original tensors are dropped."""
@@ -154,6 +156,7 @@ class ParamStore:
 
     # ------------------------------------------------------------------ fetch / release
 
+    @owned(COMPUTE)
     def prefetch(self, index: int) -> None:
         """Start fetching unit `index` if it is released and nothing is in flight. A prefetch
         that does not fit the device budget is skipped (the demand fetch will report it)."""
@@ -176,6 +179,7 @@ class ParamStore:
         with self._lock:
             return sum(self.units[i].numel * self.lp_dtype.itemsize for i in self._inflight)
 
+    @owned(COMPUTE)
     def demand(self, unit: Unit, then=None) -> None:
         """Compute needs `unit` now: make it resident (using a prefetch of the current version).
         `then()` runs once the unit's fetch is issued, before waiting for it (the prefetches)."""
@@ -222,6 +226,7 @@ class ParamStore:
                 prof.wait_end(waited)
         transition(self.state, i, ParamState.RESIDENT, PARAM_TRANSITIONS, "parameters")
 
+    @owned(COMPUTE)
     def release(self, unit: Unit) -> None:
         """Drop a streamed unit's device bytes (no-op when not resident or not streamed)."""
         i = unit.index
@@ -230,6 +235,7 @@ class ParamStore:
         self.device_tier.free_storage(self.device_flat[i])
         transition(self.state, i, ParamState.RELEASED, PARAM_TRANSITIONS, "parameters")
 
+    @owned(COMPUTE)
     def drop_inflight(self) -> None:
         """Discard fetches issued but not consumed (e.g. before loading new weights)."""
         with self._lock:
@@ -304,7 +310,9 @@ class ParamStore:
             self.store.read(unit.param_key, block).wait()
             host = block.tensor
         ticket = None
-        if self.device.type == "cpu":  # host memory is the device's: the gather reads it in place
+        # host memory is the device's: the gather reads it in place (not on the lagging device,
+        # which copies as a GPU would: [Note: the lagging device] in tiers/device.py)
+        if self.device.type == "cpu" and not self.device_tier.lagging:
             self.device_tier.count_in(nbytes)
             shard = host
         else:
@@ -355,6 +363,7 @@ class ParamStore:
             return self.host_buf[i].tensor
         return None
 
+    @owned(UPDATER)
     def out_buffer(self, unit: Unit) -> torch.Tensor:
         """Where the optimizer writes this rank's new low-precision shard (shard_numel elements)."""
         home = self._shard_home(unit)
@@ -365,6 +374,7 @@ class ParamStore:
             out = self._out[unit.index] = self._temp(unit.shard_numel, self.out_on_device)
         return _tensor(out)
 
+    @owned(UPDATER)
     def commit(self, unit: Unit) -> None:
         """The optimizer wrote out_buffer(unit): bump the version and send the bytes home (async)."""
         i = unit.index
@@ -432,6 +442,7 @@ class ParamStore:
             return self.host_pool.alloc(numel * self.lp_dtype.itemsize, self.lp_dtype, "param write-back")
         return self.device_tier.alloc((numel,), self.lp_dtype, "param write-back")
 
+    @owned(COMPUTE)
     def finish_commits(self) -> None:
         """End of a step: the ZeRO-1/2 gathers complete, compute waits for device write-backs.
         NVMe writes stay in flight: the next fetch of each unit waits on its own."""
@@ -496,6 +507,7 @@ class ParamStore:
         self.commit(unit)
         self._check_writes([i])  # landed: no longer stale; the drive still refuses: its error again
 
+    @owned(COMPUTE)
     def synchronize(self) -> None:
         """Finish all parameter work in flight: unconsumed prefetches, gathers, NVMe write-backs."""
         self.drop_inflight()
