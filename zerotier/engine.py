@@ -109,7 +109,7 @@ from .scaler import LossScaler
 from .schedule import PrefetchScheduler
 from .state import DTYPES, GradState, Location, ParamState, build_units, nested_numel
 from .surface import ParamSurface, internal
-from . import clip, stop
+from . import clip, stop, threads
 from .tiers.device import DeviceTier
 from .tiers.host import HostPool, trim_heap
 
@@ -579,8 +579,10 @@ class Engine:
         self._maybe_stop()
 
     def _start_early_step(self, unit) -> None:
-        """[Note: early step] update `unit` on the optimizer thread while backward goes on."""
-        self.grads.ready(unit)
+        """[Note: early step] update `unit` on the optimizer thread while backward goes on. The
+        unit's gradient is handed over whole: the optimizer thread waits for its host adds
+        (`grads.ready` -> settle), so backward never blocks on the host per unit (GPU review N8)."""
+        self.grads.hand_over(unit)
         if self.device.type == "cuda":  # the gradient add above was queued on the compute stream
             done = torch.cuda.Event()
             done.record()
@@ -591,7 +593,9 @@ class Engine:
         def run():
             if done is not None:
                 done.synchronize()
+            self.grads.ready(unit)
             self._update([unit], hyper_of, scale, drain=False)  # step() waits for the writes
+        threads.hand(threads.OPTIMIZER, self.grads, self.params, self.unit_optimizer)  # [Note: thread ownership]
         self._early.append(self._optim_thread.submit(run))
 
     def _update(self, units: list, hyper_of, grad_scale: float, drain: bool = True) -> None:
@@ -796,6 +800,7 @@ class Engine:
                     break
                 except KeyboardInterrupt:
                     continue
+        self._take_back_update()
         try:
             self.unit_optimizer.finish()
         except BaseException:  # noqa: BLE001 - the error being raised already tells the story
@@ -819,7 +824,8 @@ class Engine:
         """Wait for the updates started during backward and for their NVMe write-backs (left in
         flight so each unit's read overlapped the previous writes); re-raise the first error."""
         early, self._early = self._early, []
-        waits = [future.result for future in early] + ([self.unit_optimizer.finish] if early else [])
+        waits = [future.result for future in early] + ([self._take_back_update] if early else []) + \
+            ([self.unit_optimizer.finish] if early else [])
         first = None
         for wait in waits:  # every one is waited, then the first error (from the optimizer thread) raised
             try:
@@ -828,6 +834,10 @@ class Engine:
                 first = first or exc
         if first is not None:
             raise first
+
+    def _take_back_update(self) -> None:
+        """Every early step's future was waited: the updater's state is the compute thread's again."""
+        threads.hand(threads.COMPUTE, self.grads, self.params, self.unit_optimizer)
 
     def synchronize(self) -> None:
         """Finish the work in flight: Adam updates started during backward, parameter fetches

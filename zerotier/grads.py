@@ -88,6 +88,7 @@ from .dist.buckets import GradBucketer
 from .state import GRAD_TRANSITIONS, GradState, Location, Unit, transition
 from .optim import _kernels
 from .optim.offload import NvmeGrad
+from .threads import COMPUTE, GRAD_ADD, GRAD_IO, UPDATER, owned
 
 GRAD_WRITES = 2  # [Note: gradients on NVMe]: folds in flight (the worker threads)
 OPEN_UNITS = 2   # units being filled at once that the planner counts (the root unit and the one in backward)
@@ -131,7 +132,9 @@ class GradStore:
         self._final = [False] * n                                # final in this backward, not yet queued
         self._queued = 0                                         # reduce-order position reached
         self._agreed = False                                     # this window's Sharding.agree() done
+        self._handed: set[int] = set()  # units whose gradient an early step owns until step() ([Note: thread ownership])
 
+    @owned(COMPUTE)
     def place(self, unit: Unit) -> None:
         i = unit.index
         self.acc[i] = self._alloc(self.loc, unit.numel, f"{unit.key}.grad")
@@ -153,6 +156,7 @@ class GradStore:
 
     # ------------------------------------------------------------------ backward
 
+    @owned(COMPUTE)
     def accumulate(self, unit: Unit, i: int, grad: torch.Tensor) -> bool:
         """Fold parameter i's fresh gradient into the unit's accumulator. True once every
         parameter of the unit has delivered its gradient in this backward."""
@@ -185,6 +189,7 @@ class GradStore:
         self._seen[index] += 1
         return self._seen[index] >= len(unit.params)
 
+    @owned(GRAD_ADD)
     def _add_after(self, ticket, acc: torch.Tensor, block, first: bool) -> None:
         ticket.wait()
         acc.copy_(block.tensor) if first else acc.add_(block.tensor)
@@ -196,6 +201,7 @@ class GradStore:
         for future in adds:
             future.result()
 
+    @owned(COMPUTE)
     def reduce(self, unit: Unit) -> None:
         """The unit's accumulator is final for this backward: queue it for the reduce-scatter
         once every unit before it in the fixed order is ([Note: the same collectives on every rank])."""
@@ -223,11 +229,14 @@ class GradStore:
         else:
             reduced.copy_(shard)  # the accumulator held the window's sum
 
+    @owned(COMPUTE)
     def end_backward(self, reduced: bool) -> None:
-        """After loss.backward(): reset per-backward counts; finish the reductions issued."""
+        """After loss.backward(): reset per-backward counts; finish the reductions issued. A unit
+        handed to an early step is the optimizer thread's to settle (GPU review N8)."""
         self._seen = [0] * len(self.units)
         for unit in self.units:
-            self.settle(unit)
+            if unit.index not in self._handed:
+                self.settle(unit)
         if reduced:
             self._queue_final(everything=True)  # units without a gradient too, in the same order
             self._final, self._queued = [False] * len(self.units), 0
@@ -240,6 +249,14 @@ class GradStore:
 
     # ------------------------------------------------------------------ step
 
+    @owned(COMPUTE)
+    def hand_over(self, unit: Unit) -> None:
+        """[Note: early step] The unit's gradient is final for this window and now belongs to the
+        optimizer thread, which settles it (`ready`) before its update: the autograd thread does
+        not wait for the unit's host adds (GPU review N8). Returned at `zero()`, after step()."""
+        self._handed.add(unit.index)
+
+    @owned(UPDATER)
     def ready(self, unit: Unit) -> None:
         """The unit's gradient is final for this window (its reduced shard is complete)."""
         self.settle(unit)
@@ -250,6 +267,7 @@ class GradStore:
             self._stale[i] = False
         transition(self.state, unit.index, GradState.READY, GRAD_TRANSITIONS, "gradient")
 
+    @owned(COMPUTE)
     def ready_all(self) -> list[Unit]:
         """End of the window: every accumulating unit is final. Returns the units now READY
         (with several ranks: the units that got a gradient on any rank)."""
@@ -305,6 +323,7 @@ class GradStore:
             return torch.zeros(unit.shapes[k], dtype=self.grad_dtype, device=self.acc[i].device)
         return self.acc[i][offset: offset + numel].view(unit.shapes[k])
 
+    @owned(COMPUTE)
     def set_param(self, unit: Unit, k: int, value: "torch.Tensor | None") -> None:
         """`p.grad = value` for parameter k inside the window (one rank): its slice becomes `value`,
         or it has no gradient any more (None: not stepped, as torch skips a .grad of None)."""
@@ -324,6 +343,7 @@ class GradStore:
         if self.state[i] is GradState.EMPTY:
             transition(self.state, i, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
 
+    @owned(UPDATER)
     def stepped(self, unit: Unit) -> None:
         transition(self.state, unit.index, GradState.STEPPED, GRAD_TRANSITIONS, "gradient")
 
@@ -348,10 +368,12 @@ class GradStore:
             return host
         return torch.stack(device).sum() + host
 
+    @owned(COMPUTE)
     def zero(self, set_to_none: "bool | None" = None) -> None:
         """Drop every gradient (end of a step, or a skipped one). `set_to_none`: the user's zero_grad
         (False: parameters that had a gradient keep a zero one, [Note: zero gradients that still
         step]); None: the engine's own drop after a step, which keeps the user's last choice."""
+        self._handed = set()
         if set_to_none is not None:
             self._keep_zeros = not set_to_none
         if set_to_none:
@@ -437,6 +459,7 @@ class NvmeGradStore(GradStore):
 
     # ------------------------------------------------------------------ backward
 
+    @owned(COMPUTE)
     def accumulate(self, unit: Unit, i: int, grad: torch.Tensor) -> bool:
         index = unit.index
         fresh = self._fresh[index]
@@ -512,6 +535,7 @@ class NvmeGradStore(GradStore):
             self._jobs[index].append(job)
             self._inflight.append(job)
 
+    @owned(GRAD_IO)
     def _fold_job(self, key: str, src, waits: list, add: bool, sumsq_index: int | None) -> None:
         """On a zerotier-grad-io worker: read-modify-write of one gradient file."""
         out = None
@@ -604,6 +628,7 @@ class NvmeGradStore(GradStore):
             return torch.zeros(unit.shapes[k], dtype=self.grad_dtype)
         return self._with_file(unit, None)[offset: offset + numel].clone().view(unit.shapes[k])
 
+    @owned(COMPUTE)
     def set_param(self, unit: Unit, k: int, value: "torch.Tensor | None") -> None:
         i, offset, numel = unit.index, unit.offsets[k], unit.shapes[k].numel()
         if self.state[i] not in (GradState.EMPTY, GradState.ACCUMULATING):
@@ -641,9 +666,10 @@ class NvmeGradStore(GradStore):
         finally:
             self.host_pool.free(block)
 
+    @owned(UPDATER)
     def ready(self, unit: Unit) -> None:
-        """Files hold zeros for parameters without a gradient: nothing to fix. Not settled here
-        (an early step calls this from the autograd thread): shard() settles."""
+        """Files hold zeros for parameters without a gradient: nothing to fix. Not settled here:
+        shard() settles (on the optimizer thread for an early step)."""
         transition(self.state, unit.index, GradState.READY, GRAD_TRANSITIONS, "gradient")
 
     def shard(self, unit: Unit) -> NvmeGrad:
@@ -659,6 +685,7 @@ class NvmeGradStore(GradStore):
                 total += self._sumsq[unit.index]
         return total
 
+    @owned(COMPUTE)
     def zero(self, set_to_none: "bool | None" = None) -> None:
         self._forget()
         super().zero(set_to_none)

@@ -60,6 +60,7 @@ from ..device import local_world_size
 from ..errors import ConfigError
 from ..io import aligned_empty
 from ..state import Location, Unit
+from ..threads import UPDATER, owned
 from . import _kernels
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -154,6 +155,7 @@ class UnitOptimizer:
         """Host-pool bytes of [Note: device gradients, host optimizer]: two gradient shards."""
         return 2 * largest_shard * grad_itemsize
 
+    @owned(UPDATER)
     def finish_place(self) -> None:
         """Wait for the initial NVMe writes still in flight; free their blocks."""
         self._finish_placing(0)
@@ -177,6 +179,7 @@ class UnitOptimizer:
 
     # ------------------------------------------------------------------ place
 
+    @owned(UPDATER)
     def place(self, unit: Unit, master: torch.Tensor) -> None:
         """Put the fp32 master of this rank's shard (a CPU tensor) and zero moments on the tier.
         [Note: initial NVMe writes] NVMe: the writes are left in flight; finish_place() waits."""
@@ -209,6 +212,7 @@ class UnitOptimizer:
 
     # ------------------------------------------------------------------ step
 
+    @owned(UPDATER)
     def step(self, units: list[Unit], grad_of: Callable[[Unit], torch.Tensor],
              out_of: Callable[[Unit], torch.Tensor], hyper_of: HyperOf, grad_scale: float,
              drain: bool = True, got_of: Callable[[Unit], "frozenset[int] | None"] | None = None
@@ -270,15 +274,18 @@ class UnitOptimizer:
             if drain or not completed:  # after an error every write is waited, and the error raised
                 self._drain_writes()
 
+    @owned(UPDATER)
     def finish(self) -> None:
         """Wait for the NVMe write-backs still in flight; raise the first error."""
         self._drain_writes()
 
+    @owned(UPDATER)
     def prefetch(self, unit: Unit) -> None:
         """NVMe state: start reading `unit`'s state now if a staging set is free (never waits)."""
         if self.locs[unit.index] is Location.NVME and unit.index not in self._reads:
             self._issue_read(unit, block=False)
 
+    @owned(UPDATER)
     def _adam(self, unit: Unit, master, exp_avg, exp_avg_sq, grad, out, hypers: Sequence[Hyper],
               grad_scale: float) -> None:
         """[Note: parameters without a gradient] Each parameter keeps its own step count and
@@ -425,6 +432,7 @@ class UnitOptimizer:
         if first is not None:
             raise first
 
+    @owned(UPDATER)
     def drop_prefetched(self) -> None:
         """Forget state reads issued ahead (before the state is replaced, when a step is skipped
         or failed). Their errors are dropped with them: the next read of the unit is issued
@@ -484,6 +492,7 @@ class UnitOptimizer:
                 except Exception:  # noqa: BLE001 - the caller is already leaving with its own error
                     pass
 
+    @owned(UPDATER)
     def write_state(self, unit: Unit, state: dict[str, torch.Tensor], steps: "int | list[int]") -> None:
         """Replace the state tensors in `state` (master, exp_avg, exp_avg_sq: any of them; CPU
         tensors of the shard's size, padding zero) of a unit and its parameters' step counts

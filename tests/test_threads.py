@@ -1,0 +1,139 @@
+"""Threading rules ([Note: thread ownership] in zerotier/threads.py, docs/design.md "Threads"):
+each store's state has one owner thread, handoffs go through a ticket, future or queue, and
+ZEROTIER_CHECK_THREADS=1 asserts the owner on every mutating call."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import torch
+
+import zerotier
+from zerotier import threads
+from zerotier.models import TinyGPT, batches
+
+DATA = list(batches(64, 16, 2, 3))
+
+
+def model():
+    torch.manual_seed(0)
+    return TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
+
+
+def plain_step(engine, x, y):
+    engine.backward(engine(x, y))
+    engine.step()
+
+
+def train(early_step: bool, step=plain_step):
+    cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "host"}, "optimizer": {"lr": 3e-3},
+           "train": {"max_grad_norm": None, "early_step": early_step}}
+    with zerotier.initialize(model(), cfg) as engine:
+        for x, y in DATA:
+            step(engine, x, y)
+        return engine.parameters_fp32()
+
+
+def test_early_step_backward_never_waits_for_a_units_host_adds():
+    """GPU review N8: a unit's early step settles its gradient (waits for its host adds) on the
+    optimizer thread, never on the autograd thread. Each optimizer-thread settle here blocks
+    until backward has returned: backward must still finish, and no unit handed to the optimizer
+    may be settled by the compute thread during backward."""
+    gate = threading.Event()
+
+    def step_with_slow_adds(engine, x, y):
+        calls, settle = [], engine.grads.settle
+
+        def slow_settle(unit):
+            calls.append((threads.role(), unit.index, engine._in_backward))
+            if threads.role() == threads.OPTIMIZER:
+                assert gate.wait(timeout=60), "backward never returned while an early step settled"
+            settle(unit)
+        engine.grads.settle = slow_settle
+        gate.clear()
+        try:
+            engine.backward(engine(x, y))
+            assert engine._early, "with no clipping, units are updated during backward"
+            assert not any(f.done() for f in engine._early), "the optimizer thread waits for the gate"
+            handed = set(engine.grads._handed)
+            on_compute = {i for role, i, in_backward in calls if role == threads.COMPUTE and in_backward}
+            assert handed and not handed & on_compute, f"units {sorted(handed & on_compute)} settled in backward"
+        finally:
+            gate.set()
+        engine.step()
+        assert {i for role, i, _ in calls if role == threads.OPTIMIZER} == handed
+        del engine.grads.settle
+
+    ours = train(early_step=True, step=step_with_slow_adds)
+    ref = train(early_step=False)
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+_CHECKED = textwrap.dedent("""
+    import threading
+    import torch
+    import zerotier
+    from zerotier import threads
+    from zerotier.models import TinyGPT, batches
+    from zerotier.params import ParamStore
+
+    assert threads.CHECK and hasattr(ParamStore.commit, "__wrapped__")
+    torch.manual_seed(0)
+    cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "host"},
+           "train": {"max_grad_norm": None, "early_step": True}}
+    with zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16), cfg) as engine:
+        early = 0
+        for x, y in batches(64, 16, 2, 2):  # early steps hand the updater's state over and back
+            engine.backward(engine(x, y))
+            early += len(engine._early)
+            engine.step()
+        assert early > 0
+        unit = engine.units[0]
+        caught = []
+
+        def worker():  # a fetch worker must hand its result back, never mutate the store
+            try:
+                engine.params.release(unit)
+            except threads.ThreadOwnershipError as exc:
+                caught.append(exc)
+        t = threading.Thread(target=worker, name="zerotier-fetch-test")
+        t.start()
+        t.join()
+        assert caught and "zerotier-fetch-test" in str(caught[0]), caught
+        threads.hand(threads.OPTIMIZER, engine.params)  # as during an early step
+        try:
+            engine.params.commit(unit)
+        except threads.ThreadOwnershipError as exc:
+            assert "updater (now optimizer)" in str(exc), exc
+        else:
+            raise AssertionError("the compute thread committed while the optimizer thread owned the write-back")
+        threads.hand(threads.COMPUTE, engine.params)
+    print("CHECKED")
+""")
+
+
+def _python(code: str, check: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ZEROTIER_CHECK_THREADS=check)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_check_threads_switch_asserts_the_owner():
+    """ZEROTIER_CHECK_THREADS=1: early steps pass (their handoffs are recorded), a worker mutating a
+    store and a compute-thread commit while the optimizer owns the write-back both raise."""
+    out = _python(_CHECKED, "1")
+    assert out.returncode == 0 and "CHECKED" in out.stdout, out.stdout + out.stderr
+
+
+def test_check_threads_switch_off_costs_nothing():
+    """Off, the stores' methods are the undecorated functions (the env var is read once, at import)."""
+    out = _python("from zerotier import threads; from zerotier.params import ParamStore; "
+                  "from zerotier.grads import GradStore; from zerotier.optim.offload import UnitOptimizer; "
+                  "assert not threads.CHECK; "
+                  "assert not any(hasattr(f, '__wrapped__') for f in "
+                  "(ParamStore.commit, ParamStore.demand, GradStore.accumulate, GradStore.ready, UnitOptimizer.step))",
+                  "0")
+    assert out.returncode == 0, out.stderr
