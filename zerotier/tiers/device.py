@@ -108,7 +108,12 @@ def _holds(t: torch.Tensor, ptr: int) -> bool:
 class LateTicket:
     """A copy on the lagging CPU device ([Note: the lagging device]): done() only once the tier's
     worker completed it, `lag` after issue; wait() completes it now; land() (join) gives the
-    destination its bytes without completing it."""
+    destination its bytes without completing it.
+
+    Where the copy reads a source written since issue, the bytes it delivers are undefined: the
+    destination gets NaN instead of data (whoever uses it fails; a dropped prefetch is harmless).
+    A source written after the destination landed, before the event, is the N5 defect (compute
+    read good bytes here, undefined ones on a GPU): a violation."""
 
     def __init__(self, tier: "DeviceTier", dst: torch.Tensor, src: torch.Tensor, nbytes: int, inbound: bool):
         self._tier = tier
@@ -120,31 +125,39 @@ class LateTicket:
         _poison(dst)  # until the data lands
         self.deadline = time.monotonic() + tier.lag_s
         self._lock = threading.Lock()
-        self._landed = False
+        self._landed = False  # the destination holds what the copy delivers (good bytes or NaN)
+        self._good = True     # the source was intact when the copy delivered
         self._done = False
         self._error: str | None = None
 
+    def _source_intact(self) -> bool:
+        return not _holds(self._src, self._src_ptr) or _same_bytes(self._src, self._snapshot)
+
     def land(self) -> None:
-        """Compute waits for the copy: the destination holds the bytes from here on."""
+        """Compute waits for the copy: the destination holds its bytes from here on."""
         with self._lock:
             self._land_locked()
 
     def _land_locked(self) -> None:
-        if not self._landed:
-            if _holds(self._dst, self._dst_ptr):
-                self._dst.copy_(self._snapshot)
-            self._landed = True
+        if self._landed or self._done:
+            return
+        self._landed = True
+        self._good = self._source_intact()
+        if self._good and _holds(self._dst, self._dst_ptr):
+            self._dst.copy_(self._snapshot)  # else it stays poisoned: the copy read undefined bytes
 
     def complete(self) -> None:
-        """The copy's event: check the source was left alone since issue, then release both sides."""
+        """The copy's event: deliver if not yet, check the source was left alone, release both sides."""
         with self._lock:
             if self._done:
                 return
+            landed_before = self._landed
             self._land_locked()
-            if _holds(self._src, self._src_ptr) and not _same_bytes(self._src, self._snapshot):
+            if landed_before and self._good and not self._source_intact():
                 self._error = (f"lagging device: the source of a {self._what} ({self._nbytes} B) was written "
-                               f"before the copy's event: reused before its ticket was done (free(block, "
-                               f"after=ticket), ticket.wait()); on a GPU the copy reads undefined bytes")
+                               f"after compute joined the copy but before its event: reused before its ticket "
+                               f"was done (free(block, after=ticket), ticket.wait()); on a GPU the copy may "
+                               f"read the new bytes (GPU review N5)")
                 if _holds(self._dst, self._dst_ptr):
                     _poison(self._dst)
             self._dst = self._src = self._snapshot = None
