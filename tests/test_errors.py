@@ -333,12 +333,18 @@ def test_every_row_of_docs_errors_md_is_tested():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != 3 or cells[2] in ("Test", "---"):
             continue
-        other = re.fullmatch(r"`(tests/\w+\.py)::(test_\w+)`", cells[2])
-        if other:  # a row owned by another test file: the test must exist there
-            source = (Path(__file__).parent.parent / other.group(1)).read_text()
-            assert f"def {other.group(2)}(" in source, f"{cells[2]} does not exist"
-            continue
-        named.add(re.fullmatch(r"`(test_\w+)(\[\w+\])?`", cells[2]).group(1))
+        # one test or several: `tests/x.py::test_a`, `test_b` (a bare name is in the file named before
+        # it in the cell, or here)
+        tests = re.findall(r"`(?:(tests/\w+\.py)::)?(test_\w+)(?:\[[\w-]+\])?`", cells[2])
+        assert tests, f"docs/errors.md row without a test: {cells[2]}"
+        owner = None
+        for path, name in tests:
+            owner = path or owner
+            if owner is None:
+                named.add(name)
+                continue
+            source = (Path(__file__).parent.parent / owner).read_text()
+            assert f"def {name}(" in source, f"{owner}::{name} named in docs/errors.md does not exist"
     here = {name for name, obj in globals().items() if name.startswith("test_") and callable(obj)}
     assert named - here == set(), "rows naming a test that does not exist"
     assert here - named - {"test_every_row_of_docs_errors_md_is_tested"} == set(), "tests without a row"
