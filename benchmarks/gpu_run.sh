@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
 # Run the GPU test suite and the GPU benchmarks on a bare GPU machine with no network.
 #
-#   benchmarks/gpu_run.sh OUT_DIR
+#   benchmarks/gpu_run.sh OUT_DIR [tests|bench|all]     (default: tests)
+#
+# `tests` and `bench` are meant as two device calls, each with its own time limit (a device
+# command runs at most 10 minutes): the suite first, then the benchmark on the warm machine,
+# which reuses .gpuvenv and the JIT-built DeepSpeed ops (TORCH_EXTENSIONS_DIR in the repo).
 #
 # From the repo root of a copy of the working tree that includes wheels/ (filled by
 # benchmarks/gpu_wheels.sh where PyPI is reachable), e.g. through the device tool:
 # command `benchmarks/gpu_run.sh "$OUT"` with carry ["wheels"].
 #
 # Steps (each logged to OUT_DIR/<step>.log; a failed step does not stop the others):
-#   machine     nvidia-smi, torch/CUDA versions and devices -> OUT_DIR/machine.txt
-#   venv        .gpuvenv with --system-site-packages (the machine's torch/transformers),
-#               test needs from wheels/ (pip --no-index), zerotier built editable offline,
-#               both native libraries must report "loaded"
-#   bench_deps  deepspeed (no ops: JIT-built when used) and torchao from wheels/
-#   pytest      python -m pytest -m cuda -> OUT_DIR/junit-cuda.xml
-#   bench_*     zerotier bench pcie/mem/adam/io --quick -> OUT_DIR/bench_node.json
-#   bench_gpu   benchmarks/bench_gpu.py --out OUT_DIR/bench_gpu.json (if that file exists)
+#   machine     nvidia-smi, torch/CUDA versions and devices -> OUT_DIR/machine.txt    (both)
+#   venv        .gpuvenv with --system-site-packages (the machine's torch/transformers),  (both;
+#               test needs from wheels/ (pip --no-index), zerotier built editable   bench reuses
+#               offline, both native libraries must report "loaded"               a working one)
+#   pytest      python -m pytest -m cuda -> OUT_DIR/junit-cuda.xml                      (tests)
+#               A stuck test fails alone: pytest-timeout, PYTEST_TIMEOUT s per test (default
+#               150, signal method: the session goes on). The step's own limit stops pytest
+#               with SIGINT, so pytest still writes the junit xml of every test that ran.
+#   bench_*     zerotier bench pcie/mem/adam/io --quick -> OUT_DIR/bench_node.json      (tests)
+#   bench_deps  deepspeed (no ops: JIT-built when used) and torchao from wheels/        (bench)
+#   bench_gpu   benchmarks/bench_gpu.py --out OUT_DIR/bench_gpu.json (if that file exists),
+#               its own limit GPU_BENCH_SECONDS (default 420)                           (bench)
 # then OUT_DIR/summary.txt: exit code and duration per step, pytest counts.
 # Every step runs under `timeout`; the whole run ends within GPU_RUN_SECONDS (default 570).
 # Exit code: 0 if every step passed (a missing bench_gpu.py counts as skipped), else 1.
@@ -26,7 +34,9 @@
 # .pth file, since --system-site-packages only reaches the base interpreter's packages.
 set -u
 
-OUT="${1:?usage: benchmarks/gpu_run.sh OUT_DIR}"
+OUT="${1:?usage: benchmarks/gpu_run.sh OUT_DIR [tests|bench|all]}"
+MODE="${2:-tests}"
+case "$MODE" in tests|bench|all) ;; *) echo "usage: benchmarks/gpu_run.sh OUT_DIR [tests|bench|all]" >&2; exit 2 ;; esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
 mkdir -p "$OUT" || exit 1
@@ -39,16 +49,19 @@ export VENV="$ROOT/.gpuvenv"
 export VPY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PYTHONUNBUFFERED=1
 export ZEROTIER_BENCH_FILE="$OUT/bench_node.json"   # `zerotier bench` saves here, not in ~/.cache
+export TORCH_EXTENSIONS_DIR="$ROOT/.gpu_torch_extensions"  # DeepSpeed's JIT ops survive between calls
+export PYTEST_TIMEOUT="${PYTEST_TIMEOUT:-150}"
 
 RUN_START=$(date +%s)
 DEADLINE=$((RUN_START + ${GPU_RUN_SECONDS:-570}))
 FAILED=0
 SUMMARY=()
 
-# step NAME BUDGET_S FUNCTION: run FUNCTION under timeout (its budget, capped by the time
-# left), log to OUT/NAME.log, record exit code and duration.
+# step NAME BUDGET_S FUNCTION [SIGNAL]: run FUNCTION under timeout (its budget, capped by the
+# time left), log to OUT/NAME.log, record exit code and duration. At the limit `timeout` sends
+# SIGNAL (default TERM) to the step's process group, and KILL 20 s later.
 step() {
-    local name="$1" budget="$2" fn="$3" log="$OUT/$1.log"
+    local name="$1" budget="$2" fn="$3" sig="${4:-TERM}" log="$OUT/$1.log"
     local left=$((DEADLINE - $(date +%s) - 5))
     (( budget > left )) && budget=$left
     if (( budget < 10 )); then
@@ -59,7 +72,7 @@ step() {
     fi
     echo "== $name (budget ${budget}s)"
     local t0=$(date +%s)
-    timeout --kill-after=10 "$budget" bash -c "$fn" >"$log" 2>&1
+    timeout -s "$sig" --kill-after=20 "$budget" bash -c "$fn" >"$log" 2>&1
     local rc=$? dt=$(($(date +%s) - t0)) note=""
     if (( rc == 124 || rc == 137 )); then note="  timed out after ${budget}s"; fi
     if (( rc == 99 )); then note="  skipped: $(tail -n 1 "$log")"; rc=0; fi
@@ -92,6 +105,9 @@ EOF
 
 venv() {
     set -e
+    if [[ "$MODE" == bench && -x "$VPY" ]] && "$VPY" -c 'import zerotier, pytest' 2>/dev/null; then
+        echo "reusing $VENV (built by the tests call)"; return 0
+    fi
     "$PYTHON" -m venv --clear --system-site-packages "$VENV" \
         || { "$PYTHON" -m venv --clear --without-pip --system-site-packages "$VENV"
              "$VPY" "$(ls "$WHEELS"/pip-*.whl | head -n 1)/pip" install --no-index --find-links "$WHEELS" pip; }
@@ -104,7 +120,7 @@ if sys.prefix != sys.base_prefix:
     print("added", site.getsitepackages(), "to", target)
 EOF
     vpip "setuptools>=64" wheel
-    vpip crc32c pytest pyyaml "tomli; python_version < '3.11'" numpy psutil py-cpuinfo tqdm
+    vpip crc32c pytest pytest-timeout pyyaml "tomli; python_version < '3.11'" numpy psutil py-cpuinfo tqdm
     vpip --no-build-isolation --no-deps -e .
     "$VPY" - <<'EOF'
 import sys, torch
@@ -125,8 +141,9 @@ bench_deps() {
     "$VPY" -c 'import deepspeed, torchao; print("deepspeed", deepspeed.__version__, "torchao", torchao.__version__)'
 }
 
-run_pytest() {
-    "$VPY" -m pytest -m cuda -v -rA --junitxml "$OUT/junit-cuda.xml"
+run_pytest() {  # exec: pytest itself gets the step's SIGINT, ends the session and writes the xml
+    exec "$VPY" -m pytest -m cuda -v -rA --junitxml "$OUT/junit-cuda.xml" \
+        -p timeout --timeout "$PYTEST_TIMEOUT" --timeout-method signal
 }
 
 node_bench() {  # zerotier bench SECTION --quick, saved to $ZEROTIER_BENCH_FILE
@@ -145,18 +162,24 @@ bench_gpu() {
     "$VPY" benchmarks/bench_gpu.py --out "$OUT/bench_gpu.json"
 }
 
+export MODE
 export -f vpip machine venv bench_deps run_pytest node_bench bench_gpu
 
 step machine      60 machine
 step venv        180 venv
-step bench_deps   60 bench_deps
-step pytest      330 run_pytest
-for section in pcie mem adam io; do
-    step "bench_$section" 45 "node_bench $section"
-done
-step bench_gpu   300 bench_gpu
+if [[ "$MODE" != bench ]]; then
+    step pytest      330 run_pytest INT
+    for section in pcie mem adam io; do
+        step "bench_$section" 45 "node_bench $section"
+    done
+fi
+if [[ "$MODE" != tests ]]; then
+    step bench_deps   90 bench_deps
+    step bench_gpu   "${GPU_BENCH_SECONDS:-420}" bench_gpu INT
+fi
 
-counts="$("$PYTHON" - "$OUT/junit-cuda.xml" <<'EOF' 2>&1
+counts="pytest: not in this call (mode bench)"
+[[ "$MODE" != bench ]] && counts="$("$PYTHON" - "$OUT/junit-cuda.xml" <<'EOF' 2>&1
 import sys, xml.etree.ElementTree as ET
 try:
     root = ET.parse(sys.argv[1]).getroot()

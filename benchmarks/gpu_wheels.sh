@@ -25,8 +25,9 @@ PY_VERSIONS=(3.10 3.11 3.12)
 # for Python 3.10 (zerotier.config); exceptiongroup/tomli are pytest's 3.10 back-ports,
 # named explicitly because pip download evaluates markers for the running interpreter;
 # pip bootstraps a venv where python3 lacks ensurepip; nvidia-ml-py is what DeepSpeed's
-# CUDA accelerator imports (a CUDA build of DeepSpeed requires it; this CPU build does not).
-BASE_PKGS=(crc32c pytest iniconfig pluggy packaging pygments exceptiongroup tomli pyyaml
+# CUDA accelerator imports (a CUDA build of DeepSpeed requires it; this CPU build does not);
+# pytest-timeout stops a stuck test so the rest of the suite still runs (gpu_run.sh --timeout).
+BASE_PKGS=(crc32c pytest pytest-timeout iniconfig pluggy packaging pygments exceptiongroup tomli pyyaml
            setuptools wheel pip nvidia-ml-py)
 
 "$PYTHON" -c 'import torch' 2>/dev/null || {

@@ -45,17 +45,24 @@ copies the way a lagging GPU does:
   - `join(ticket)` lands the data (compute may read the destination) but the copy's
     event stays pending, as `stream.wait_event` leaves the host free on a GPU;
     `ticket.wait()` completes it now (the host blocked until the copy ran);
-  - its source is checked at completion against a snapshot taken at issue: a write into
-    it before the copy's event (a block freed without `after=` and handed to the next
-    read, GPU review N5) fails loudly. The ticket's wait() raises, every later copy,
-    join or close() of the tier raises, the destination is poisoned again (the bytes a
-    GPU would have copied are undefined) and the failure is listed in
-    `lagging_violations`, which the suite's fixture checks after every test.
+  - its source is compared with a snapshot taken at issue. Written before the data
+    landed: the copy read undefined bytes, so the destination stays NaN (whoever uses
+    it fails; a prefetch dropped unused is harmless). Written after compute joined the
+    copy, before its event (a block freed without `after=` and handed to the next read,
+    GPU review N5): a violation. The ticket's wait() raises, every later copy, join or
+    close() of the tier raises, and the failure is listed in `lagging_violations`, which
+    the suite's fixture checks after every test.
 The issue's "poison the source after completion" is done as this check instead: a
 source such as a unit's host home is legitimately read by every fetch of the unit, so
 poisoning it would break correct code, while the snapshot catches every write into
 the source between issue and completion, whether or not anyone reads it afterwards.
-Cost per copy: a snapshot, a fill, the copy and a byte compare, all memcpy-speed.
+Where the CPU path copies synchronously instead of through the tier (gradients, a
+host-resident optimizer reading them in place), the GPU path's syncs have no ticket to
+carry them; so the copies compute has joined also complete when a copy ordered after
+compute is issued (every copy waits for the current stream or a mark), at a synchronous
+CPU copy (`count_in`/`count_out`) and when a copy's destination is released
+(`free_storage`, `free`: compute is done with it).
+Cost per copy: a snapshot, a fill, the copy and two byte compares, all memcpy-speed.
 """
 from __future__ import annotations
 
@@ -329,7 +336,8 @@ class DeviceTier(BudgetedTier):
 
     def join(self, ticket) -> None:
         """Make compute wait for a copy: on CUDA the current stream waits on the copy's event
-        (the host does not block); on the CPU the copy has run, so this only re-raises its error."""
+        (the host does not block); on the CPU the copy has run, so this only re-raises its error
+        (on the lagging device the bytes land and the event stays pending)."""
         if isinstance(ticket, EventTicket):
             ticket.wait_on(torch.cuda.current_stream(self.device))
         elif isinstance(ticket, LateTicket):  # compute waits; the copy's event stays pending
