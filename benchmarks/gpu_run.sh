@@ -141,8 +141,11 @@ bench_deps() {
     "$VPY" -c 'import deepspeed, torchao; print("deepspeed", deepspeed.__version__, "torchao", torchao.__version__)'
 }
 
-run_pytest() {  # exec: pytest itself gets the step's SIGINT, ends the session and writes the xml
-    exec "$VPY" -m pytest -m cuda -v -rA --junitxml "$OUT/junit-cuda.xml" \
+# exec: pytest itself gets the step's SIGINT, ends the session and writes the xml; SIGINT is
+# handled even where the caller started this script with it ignored (a background job).
+run_pytest() {
+    exec "$VPY" -c 'import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.exit(pytest.main(sys.argv[1:]))' -m cuda -v -rA --junitxml "$OUT/junit-cuda.xml" \
         -p timeout --timeout "$PYTEST_TIMEOUT" --timeout-method signal
 }
 
