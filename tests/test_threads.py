@@ -137,3 +137,102 @@ def test_check_threads_switch_off_costs_nothing():
                   "(ParamStore.commit, ParamStore.demand, GradStore.accumulate, GradStore.ready, UnitOptimizer.step))",
                   "0")
     assert out.returncode == 0, out.stderr
+
+
+def test_a_write_back_checked_by_two_threads_fails_both():
+    """ParamStore's NVMe write-back tickets are shared by the compute thread (a fetch checks the
+    unit's last write) and the updater (_track_write waits for the oldest). While one thread waits
+    on a failing write, the other checking the same unit must see the failure too, not find the
+    ticket gone and read the file's previous weights ([Note: a failed write-back])."""
+    from zerotier.params import ParamStore
+
+    store = ParamStore.__new__(ParamStore)  # only the write-back bookkeeping is exercised
+    store._lock, store._writes, store._stale = threading.Lock(), {}, {}
+    waiting, release = threading.Event(), threading.Event()
+
+    class FailingWrite:  # a write that fails with ENOSPC once `release` is set
+        def wait(self, timeout=None):
+            waiting.set()
+            assert release.wait(timeout=30)
+            raise OSError(28, "No space left on device")
+
+        def done(self):
+            return release.is_set()
+
+    store._writes[3] = FailingWrite()
+    seen = []
+
+    def optimizer_thread():
+        try:
+            store._check_writes([3])
+        except OSError as exc:
+            seen.append(exc)
+    t = threading.Thread(target=optimizer_thread, name="zerotier-optim_test")
+    t.start()
+    assert waiting.wait(timeout=30)
+    threading.Timer(0.2, release.set).start()  # fails while the compute thread checks the same unit
+    try:
+        store._check_writes([3])
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the compute thread found no write to check while the optimizer thread waited on it")
+    t.join(timeout=30)
+    assert seen and isinstance(store._stale.get(3), OSError) and not store._writes
+
+
+def test_gradient_staging_in_flight_is_bounded():
+    """GPU review N6: per-parameter D2H staging blocks wait for the oldest adds once STAGED_UNITS x
+    the largest unit's bytes are in flight (an adder that lags must not grow them to the model's
+    gradient bytes). The bound on its own, with futures standing in for the adder's adds."""
+    from concurrent.futures import Future
+
+    from zerotier.grads import _StagingBound
+
+    bound = _StagingBound(limit=2 * 4096, alignment=4096)
+    adds = [Future(), Future(), Future()]
+    for add in adds[:2]:
+        bound.add(add, bound.admit(3000))  # each counted as its aligned pool block: 4096
+    admitted = threading.Event()
+
+    def third():
+        bound.add(adds[2], bound.admit(10))
+        admitted.set()
+    t = threading.Thread(target=third)
+    t.start()
+    assert not admitted.wait(timeout=0.3), "a third block was staged past the bound"
+    adds[0].set_result(None)  # the oldest add ran and freed its block
+    assert admitted.wait(timeout=30)
+    t.join()
+    assert bound.bytes == 2 * 4096 and bound.peak == 2 * 4096
+    adds[1].set_result(None)
+    adds[2].set_result(None)
+    big = bound.admit(5 * 4096)  # one block larger than the bound is admitted alone
+    assert big == 5 * 4096 and bound.bytes <= 4096
+
+
+def test_planner_counts_the_gradient_staging_on_cuda():
+    """GPU review N6, "plans that fit, run": with host gradients on a CUDA device the plan counts
+    the staging the store may hold (GradStore.offload_staging_bytes), and a host budget one byte
+    short of it does not fit. On the CPU there is no staging (the gradient is host memory)."""
+    from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+    from zerotier.grads import GradStore
+    from zerotier.planner import PlanDoesNotFit, make_plan
+
+    numels, big = [5000, 3000, 1000], 1 << 40
+    offload = OffloadConfig(params="device", gradients="host", optimizer="host")
+
+    def plan(device, host=big):
+        return make_plan(numels, TiersConfig(), offload, PrecisionConfig(param_dtype="bf16"), PrefetchConfig(),
+                         torch.device(device), budgets={"device": big, "host": host, "nvme": 0}, alignment=4096)
+    cpu, cuda = plan("cpu"), plan("cuda")
+    staging = GradStore.offload_staging_bytes(5000, 2, 4096)
+    assert staging == 2 * 12288
+    assert cuda.need["host"] - cpu.need["host"] == staging
+    plan("cuda", host=cuda.need["host"])  # exactly the budget: fits
+    try:
+        plan("cuda", host=cuda.need["host"] - 1)
+    except PlanDoesNotFit:
+        pass
+    else:
+        raise AssertionError("a host budget without room for the gradient staging was planned")

@@ -92,6 +92,7 @@ from .threads import COMPUTE, GRAD_ADD, GRAD_IO, UPDATER, owned
 
 GRAD_WRITES = 2  # [Note: gradients on NVMe]: folds in flight (the worker threads)
 OPEN_UNITS = 2   # units being filled at once that the planner counts (the root unit and the one in backward)
+STAGED_UNITS = 2  # GPU review N6: gradient D2H staging in flight, in the largest unit's bytes (_StagingBound)
 
 
 def make_grad_store(units: list[Unit], loc: Location, grad_dtype: torch.dtype, device_tier, host_pool, sharding,
@@ -133,6 +134,7 @@ class GradStore:
         self._queued = 0                                         # reduce-order position reached
         self._agreed = False                                     # this window's Sharding.agree() done
         self._handed: set[int] = set()  # units whose gradient an early step owns until step() ([Note: thread ownership])
+        self._staging: _StagingBound | None = None  # D2H staging of host gradients (CUDA), made at the first offload
 
     @owned(COMPUTE)
     def place(self, unit: Unit) -> None:
@@ -140,6 +142,13 @@ class GradStore:
         self.acc[i] = self._alloc(self.loc, unit.numel, f"{unit.key}.grad")
         self.reduced[i] = self.acc[i] if self._aliased(unit) else self._alloc(self.loc, unit.shard_numel,
                                                                               f"{unit.key}.grad_shard")
+
+    @staticmethod
+    def offload_staging_bytes(largest: int, grad_itemsize: int, alignment: int) -> int:
+        """Host-pool bytes of the per-parameter D2H staging blocks in flight with host gradients on
+        a CUDA device ([Note: a unit's gradient bytes]; GPU review N6): STAGED_UNITS x the largest
+        unit's gradient, each block rounded up to the pool's alignment. The planner counts exactly this."""
+        return STAGED_UNITS * (-(-largest * grad_itemsize // alignment) * alignment)
 
     def _aliased(self, unit: Unit) -> bool:
         """The optimizer reads the accumulator itself ([Note: a unit's gradient bytes])."""
@@ -179,9 +188,16 @@ class GradStore:
             if offload:
                 self.device_tier.count_out(nbytes)
         else:  # [Note: a unit's gradient bytes]: async D2H into a pool block, add after its event
+            if self._staging is None:
+                self._staging = _StagingBound(self.offload_staging_bytes(
+                    max(u.numel for u in self.units), grad.element_size(), self.host_pool.alignment),
+                    self.host_pool.alignment)
+            size = self._staging.admit(nbytes)  # waits for the oldest adds past the bound (N6)
             block = self.host_pool.alloc(nbytes, grad.dtype, "gradient staging")
             ticket = self.device_tier.copy_d2h(block.tensor, flat)
-            self._adds[index].append(self._adder.submit(self._add_after, ticket, acc, block, first))
+            add = self._adder.submit(self._add_after, ticket, acc, block, first)
+            self._staging.add(add, size)
+            self._adds[index].append(add)
         if token is not None:
             prof.end(token, copy=ticket)
         if self.state[index] is not GradState.ACCUMULATING:
@@ -191,9 +207,11 @@ class GradStore:
 
     @owned(GRAD_ADD)
     def _add_after(self, ticket, acc: torch.Tensor, block, first: bool) -> None:
-        ticket.wait()
-        acc.copy_(block.tensor) if first else acc.add_(block.tensor)
-        self.host_pool.free(block)
+        try:
+            ticket.wait()
+            acc.copy_(block.tensor) if first else acc.add_(block.tensor)
+        finally:
+            self.host_pool.free(block)  # before the future completes: _StagingBound counts on it
 
     def settle(self, unit: Unit) -> None:
         """Wait for the unit's pending host adds (re-raising their errors)."""
@@ -718,6 +736,33 @@ class NvmeGradStore(GradStore):
         self._io.shutdown(wait=True)
         self._forget()
         super().close()
+
+
+class _StagingBound:
+    """GPU review N6: per-parameter gradient staging blocks in flight (a D2H copy, then the adder's
+    add, which frees the block) hold at most `limit` pool bytes (GradStore.offload_staging_bytes,
+    counted by the planner): past it, the next gradient waits for the oldest adds. Compute thread
+    only; each add's future is the handoff ([Note: thread ownership])."""
+
+    def __init__(self, limit: int, alignment: int):
+        self.limit, self.alignment = limit, alignment
+        self._inflight: collections.deque[tuple[Future, int]] = collections.deque()  # oldest first
+        self.bytes = 0   # pool bytes (rounded to the alignment) of the blocks in flight
+        self.peak = 0
+
+    def admit(self, nbytes: int) -> int:
+        """Wait until a block of `nbytes` fits (a single one always does); returns its counted size."""
+        size = -(-nbytes // self.alignment) * self.alignment
+        while self._inflight and (self._inflight[0][0].done() or self.bytes + size > self.limit):
+            future, n = self._inflight.popleft()
+            wait_futures([future])  # its error is raised by settle()
+            self.bytes -= n
+        return size
+
+    def add(self, future: Future, size: int) -> None:
+        self._inflight.append((future, size))
+        self.bytes += size
+        self.peak = max(self.peak, self.bytes)
 
 
 def _wait_quietly(tickets: list) -> None:

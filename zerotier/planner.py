@@ -28,6 +28,8 @@ Working sets come on top of the model state, on the tier that pays for them:
   gradients on NVMe: the fresh gradients being filled and the read-modify-writes in flight,
       `NvmeGradStore.staging_bytes`, and the optimizer's two gradient read blocks
       (`UnitOptimizer.grad_staging_bytes`, as for device gradients read by a host optimizer)
+  gradients on host with a CUDA device: the per-parameter D2H staging blocks in flight,
+      2 x the largest unit's gradient, `GradStore.offload_staging_bytes` (GPU review N6)
   ZeRO-1/2 with several ranks: every unit's updated low-precision shard, on the optimizer's
       side until the step's all-gathers finish, `ParamStore.writeback_bytes`
 These are the functions the stores size their allocations with, so the plan cannot drift
@@ -77,7 +79,7 @@ import torch
 from .config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, format_duration, format_size
 from .device import local_world_size
 from .errors import BudgetError, ConfigError
-from .grads import GRAD_WRITES, OPEN_UNITS, NvmeGradStore
+from .grads import GRAD_WRITES, OPEN_UNITS, GradStore, NvmeGradStore
 from .optim.offload import OPTIMIZER_BYTES, UnitOptimizer
 from .params import ParamStore
 from .state import DTYPES, TIER_NAMES as TIERS, Location
@@ -253,6 +255,7 @@ class _Sizes:
     pipeline_depth: int = 3
     engine_buffers: bool = True  # count the engine's transient buffers (False: the ZeRO paper's pure model state)
     grads_on_gpu: bool = False   # gradients placed on a CUDA device (a host optimizer stages them)
+    cuda: bool = False           # the compute device is CUDA: host gradients arrive through D2H staging
     grads_on_nvme: bool = False  # gradients placed on NVMe (the optimizer stages them, on any tier)
     nested: int = 0              # elements of enclosing units resident around a fetch (state.nested_numel)
     alignment: int = 4096        # io.alignment: host-pool blocks are rounded up to it
@@ -336,6 +339,8 @@ def _state_and_buffers(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
             need["host"] += ParamStore.host_staging_bytes(s.lookahead, s.rank_shards(kind), s.lp_bytes)
     elif kind == "gradients":
         need[loc.value] += s.grad_bytes * n
+        if loc is Location.HOST and s.cuda and s.engine_buffers:  # GPU review N6: the D2H staging in flight
+            need["host"] += GradStore.offload_staging_bytes(s.largest, s.lp_bytes, s.alignment)
         if loc is Location.NVME:  # [Note: gradients on NVMe]: the full gradient is staging only
             if s.engine_buffers:
                 need["host"] += NvmeGradStore.staging_bytes(s.largest, s.rank_largest(kind), s.lp_bytes,
@@ -380,7 +385,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
                    grad_bytes=DTYPES[precision.grad_dtype].itemsize if grad_bytes is None else grad_bytes,
                    lookahead=prefetch.lookahead if prefetch.enabled else 0, stage=stage, world_size=world_size,
                    pipeline_depth=pipeline_depth, engine_buffers=grad_bytes is None, nested=nested_numel,
-                   alignment=alignment)
+                   alignment=alignment, cuda=device.type == "cuda")
     state_bytes = {kind: b * sizes.rank_numel(kind) for kind, b in
                    (("params", lp_bytes), ("gradients", sizes.grad_bytes), ("optimizer", OPTIMIZER_BYTES))}
     assert sum(state_bytes.values()) == model_state_bytes(sizes.numel, stage, world_size, lp_bytes,
