@@ -478,18 +478,28 @@ class ParamStore:
         """Wait for the NVMe write-backs of these units; raise the first error (TierIOError...)."""
         first = None
         for i in indices:
+            # The ticket stays in _writes until its outcome is recorded: a thread checking the same
+            # unit meanwhile (the compute thread's fetch while the optimizer thread's _track_write
+            # waits) waits on it too and sees its error, never an unchecked home ([Note: thread ownership])
             with self._lock:
-                ticket = self._writes.pop(i, None)
+                ticket = self._writes.get(i)
             if ticket is None:
                 continue
+            outcome = None
             try:
                 ticket.wait()
-                self._stale.pop(i, None)  # a newer write-back landed
             except Exception as exc:  # noqa: BLE001 - every ticket is waited, the first error raised
-                self._stale[i] = exc  # [Note: a failed write-back]
-                first = first or exc
+                first, outcome = first or exc, exc
             except BaseException as exc:  # noqa: BLE001 - Ctrl-C: the write itself may still succeed
                 first = first or exc
+                outcome = False
+            with self._lock:  # _stale is shared like _writes: both under _lock
+                if self._writes.get(i) is ticket:
+                    del self._writes[i]
+                    if outcome is None:
+                        self._stale.pop(i, None)  # a newer write-back landed
+                    elif outcome is not False:
+                        self._stale[i] = outcome  # [Note: a failed write-back]
         if first is not None:
             raise first
 
