@@ -198,12 +198,14 @@ def test_gradient_staging_in_flight_is_bounded():
     def third():
         bound.add(adds[2], bound.admit(10))
         admitted.set()
-    t = threading.Thread(target=third)
+    t = threading.Thread(target=third, daemon=True)  # never left blocked past a failed assert
     t.start()
-    assert not admitted.wait(timeout=0.3), "a third block was staged past the bound"
-    adds[0].set_result(None)  # the oldest add ran and freed its block
+    try:
+        assert not admitted.wait(timeout=0.3), "a third block was staged past the bound"
+    finally:
+        adds[0].set_result(None)  # the oldest add ran and freed its block
     assert admitted.wait(timeout=30)
-    t.join()
+    t.join(timeout=30)
     assert bound.bytes == 2 * 4096 and bound.peak == 2 * 4096
     adds[1].set_result(None)
     adds[2].set_result(None)
