@@ -8,6 +8,11 @@ Every torch call that touches a managed parameter goes through ManagedParameter.
     medians of --repeats rounds; and plain torch for scale.
 
     python benchmarks/bench_surface.py [--dim 256 --layers 4 --repeats 7]
+
+Last figures (2026-11-26, the 2-core AMD EPYC VM, AVX2, idle, three runs): F.linear((4, 256), (64, 256))
++19.9 / +20.4 / +21.5 us per call on a managed parameter (plain 17.6-17.9 us; a subclass with an empty
+__torch_function__ alone costs +8.5 us, so ~12 us is zerotier's sorting); TinyGPT 256 x 4 forward+backward
+surface on vs off 1.024x / 1.026x / 1.029x (112.0-112.4 vs 109.2-109.7 ms).
 """
 from __future__ import annotations
 
