@@ -63,6 +63,20 @@ def logits(model, **kw):
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
+def step_matches_torch(engine, ref):
+    """One training step of the engine against torch's AdamW on transformers' load of the same directory."""
+    engine.module.train()
+    ref.train()
+    engine.backward(engine(input_ids=IDS, labels=IDS).loss)
+    engine.step()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    ref(input_ids=IDS, labels=IDS).loss.backward()
+    opt.step()
+    trained = engine.parameters_fp32()
+    for key, p in ref.named_parameters():
+        torch.testing.assert_close(trained[key], p.detach(), rtol=1e-5, atol=1e-6, msg=key)
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -72,17 +86,7 @@ def test_from_pretrained_computes_what_transformers_loads_and_trains_like_it(nam
     engine = zerotier.from_pretrained(path, zt_config(placement, tmp_path))
     try:
         torch.testing.assert_close(logits(engine.module), logits(ref), rtol=0, atol=1e-6)
-        # one training step, against torch's AdamW on transformers' load of the same directory
-        engine.module.train()
-        ref.train()
-        engine.backward(engine(input_ids=IDS, labels=IDS).loss)
-        engine.step()
-        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-        ref(input_ids=IDS, labels=IDS).loss.backward()
-        opt.step()
-        trained = engine.parameters_fp32()
-        for key, p in ref.named_parameters():
-            torch.testing.assert_close(trained[key], p.detach(), rtol=1e-5, atol=1e-6, msg=key)
+        step_matches_torch(engine, ref)
     finally:
         engine.close(restore_weights=False)
 
@@ -275,16 +279,7 @@ def test_tied_head_that_differs_in_the_checkpoint_is_loaded_untied(name, head, e
         weights = engine.parameters_fp32()
         assert torch.equal(weights[head], own_head)
         torch.testing.assert_close(logits(engine.module), logits(ref), rtol=0, atol=1e-6)
-        engine.module.train()
-        ref.train()
-        engine.backward(engine(input_ids=IDS, labels=IDS).loss)
-        engine.step()
-        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-        ref(input_ids=IDS, labels=IDS).loss.backward()
-        opt.step()
-        trained = engine.parameters_fp32()
-        for key, p in ref.named_parameters():
-            torch.testing.assert_close(trained[key], p.detach(), rtol=1e-5, atol=1e-6, msg=key)
+        step_matches_torch(engine, ref)
     finally:
         engine.close(restore_weights=False)
 
