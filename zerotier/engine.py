@@ -594,14 +594,15 @@ class Engine:
             if done is not None:
                 done.synchronize()
             self.grads.ready(unit)
-            self._update([unit], hyper_of, scale, drain=False)  # step() waits for the writes
+            # step() waits for the writes; the window's norm reads this gradient again
+            self._update([unit], hyper_of, scale, drain=False, keep_grads=True)
         threads.hand(threads.OPTIMIZER, self.grads, self.params, self.unit_optimizer)  # [Note: thread ownership]
         self._early.append(self._optim_thread.submit(run))
 
-    def _update(self, units: list, hyper_of, grad_scale: float, drain: bool = True) -> None:
+    def _update(self, units: list, hyper_of, grad_scale: float, drain: bool = True, keep_grads: bool = False) -> None:
         """Adam on `units`; each one's new parameters are committed as soon as it is done."""
         for unit in self.unit_optimizer.step(units, self.grads.shard, self.params.out_buffer, hyper_of, grad_scale,
-                                             drain, got_of=self.grads.got):
+                                             drain, got_of=self.grads.got, keep_grads=keep_grads):
             self.grads.stepped(unit)
             self.params.commit(unit)
 

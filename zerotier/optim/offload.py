@@ -142,6 +142,7 @@ class UnitOptimizer:
         self._writing: collections.deque[tuple[int, list]] = collections.deque()  # (set, write tickets)
         self._reads: dict[int, tuple[int, list]] = {}   # unit index -> (set, read tickets), in issue order
         self._got: dict[int, frozenset[int] | None] = {}  # step(): parameters with a gradient, by unit
+        self._keep_grads = False  # step(): the gradients are read after the update (not consumed)
         self.applied = 0  # unit updates begun so far (the engine tells a clean failure from a partial one)
         # [Note: initial NVMe writes] Initialization keeps the writes of up to `depth` units in flight
         # (their master blocks + one shared zeros block: within the staging the planner counts,
@@ -215,15 +216,18 @@ class UnitOptimizer:
     @owned(UPDATER)
     def step(self, units: list[Unit], grad_of: Callable[[Unit], torch.Tensor],
              out_of: Callable[[Unit], torch.Tensor], hyper_of: HyperOf, grad_scale: float,
-             drain: bool = True, got_of: Callable[[Unit], "frozenset[int] | None"] | None = None
-             ) -> Iterator[Unit]:
+             drain: bool = True, got_of: Callable[[Unit], "frozenset[int] | None"] | None = None,
+             keep_grads: bool = False) -> Iterator[Unit]:
         """Update `units`, yielding each once its master and its low-precision output are written.
         `grad_of(unit)`: the gradient shard to read; `out_of(unit)`: where the new params go;
         `hyper_of(unit)`: each parameter's hyper-parameters; `got_of(unit)`: the unit's
         parameters that got a gradient (None: all of them) — the others are left untouched
         ([Note: parameters without a gradient]).
         drain=False leaves NVMe write-backs in flight (an early update during backward: the
-        next unit's read overlaps them); `finish()` waits for them."""
+        next unit's read overlaps them); `finish()` waits for them. An fp32 gradient shard on
+        the device is consumed (left scaled by `grad_scale`) unless `keep_grads`, for gradients
+        read after the update ([Note: the fused kernel reads the gradient in place])."""
+        self._keep_grads = keep_grads
         self._got = {u.index: got_of(u) for u in units} if got_of is not None else {}
         if not self._nvme_units:
             order = units
@@ -348,7 +352,8 @@ class UnitOptimizer:
                           decoupled=h.decoupled, **common)
             part = None if out is None else out[a:b]
             if master.is_cuda and self.cfg.bias_correction:  # torch's fused kernel: one pass, no sync
-                _fused_adam(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], part, **kwargs)
+                _fused_adam(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], part, keep_grad=self._keep_grads,
+                            **kwargs)
             else:  # optimizer state on the accelerator: the same math in torch ops
                 _kernels.adam_step_reference(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], param_out=part,
                                              **kwargs)
@@ -524,17 +529,47 @@ class UnitOptimizer:
                 self.host_pool.free(block)
 
 
+# [Note: the fused kernel reads the gradient in place]
+# torch's fused Adam(W) kernel takes the gradient scale as a tensor it *divides* by, and
+# writes the quotient back into the gradient. So zerotier passes 1 / grad_scale and the
+# fp32 gradient shard is read in place, with no scaled copy on the device (GPU review N13;
+# torch.optim.AdamW(fused=True) under a GradScaler does the same). found_inf stays None:
+# the engine skips an overflowed step before calling the optimizer. The shard then holds
+# grad x grad_scale, which is harmless where the step consumes it (the window's gradients
+# are dropped after it); an early step's gradient is read again (the window's norm, p.grad),
+# so there `keep_grad` makes a scaled copy instead. A copy (that one, or the fp32 cast of a
+# low-precision gradient, which the kernel cannot read) is made CAST_CHUNK elements at a
+# time: at most `fused_temp_bytes()` on the device, which the planner counts.
+CAST_CHUNK = 1 << 22  # elements of a gradient cast or scaled at once: 16 MiB of fp32
+
+
+def fused_temp_bytes() -> int:
+    """Device bytes `_fused_adam` allocates at most (one fp32 chunk); the planner counts exactly this."""
+    return 4 * CAST_CHUNK
+
+
 def _fused_adam(master, exp_avg, exp_avg_sq, grad, out, *, step, lr, beta1, beta2, eps, weight_decay,
-                     decoupled, bias_correction, grad_scale) -> None:
-    """Adam(W) with torch's fused kernel (what torch.optim.AdamW(fused=True) runs): one
-    kernel over the shard, no temporaries but the scaled gradient, no host sync (the step count
-    is filled on the device, not copied)."""
-    if grad.dtype != torch.float32 or grad_scale != 1.0:
-        grad = grad.float() * grad_scale
+                decoupled, bias_correction, grad_scale, keep_grad=False) -> None:
+    """Adam(W) with torch's fused kernel (what torch.optim.AdamW(fused=True) runs): one kernel
+    over the shard, no host sync (the step count is filled on the device, not copied). An fp32
+    `grad` is read in place and left scaled by `grad_scale`; see [Note: the fused kernel reads
+    the gradient in place] for when a bounded copy is made instead."""
     step_t = torch.full((), float(step), dtype=torch.float32, device=master.device)
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    fused([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t], amsgrad=False, lr=lr, beta1=beta1,
-          beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=False, grad_scale=None, found_inf=None)
+    kwargs = dict(amsgrad=False, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                  maximize=False, found_inf=None)
+    if grad.dtype == torch.float32 and not (keep_grad and grad_scale != 1.0):
+        divisor = None if grad_scale == 1.0 else torch.full((), 1.0 / grad_scale, dtype=torch.float32,
+                                                             device=master.device)
+        fused([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t], grad_scale=divisor, **kwargs)
+    else:
+        for a in range(0, master.numel(), CAST_CHUNK):
+            b = min(a + CAST_CHUNK, master.numel())
+            chunk = grad[a:b].float() if grad.dtype != torch.float32 else grad[a:b].clone()
+            if grad_scale != 1.0:
+                chunk.mul_(grad_scale)
+            fused([master[a:b]], [chunk], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [step_t], grad_scale=None,
+                  **kwargs)
     if out is not None and out.data_ptr() != master.data_ptr():
         out.copy_(master)
 

@@ -1,0 +1,115 @@
+"""GPU review N13: transient device buffers are either not made or counted by the plan.
+
+The optimizer-on-device path calls torch's fused Adam(W) kernel; its arguments are checked on
+the CPU, where the same kernel exists (torch >= 2.4)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from zerotier.optim import offload
+from zerotier.optim.offload import _fused_adam
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+
+
+class NewTensors(TorchDispatchMode):
+    """Records the size of every tensor an op returns in fresh memory (not one of its inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[tuple[str, int]] = []
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append(str(func))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.sizes.append((str(func), t.numel()))
+        return out
+
+    def largest(self) -> int:
+        return max((n for _, n in self.sizes), default=0)
+
+
+@pytest.mark.parametrize("fused_ref", [False, True])
+def test_fused_adam_matches_torch_adamw_with_clipping_and_loss_scale(fused_ref):
+    """Loss-scaled gradients, unscaled and clipped as the engine does it (one grad_scale =
+    clip / loss scale, handed to the kernel, which divides), against torch: GradScaler-style
+    unscale, clip_grad_norm_, AdamW. The moments match torch's too, so the scale is applied
+    once and the right way round; the gradient is left scaled in place (no copy)."""
+    n, loss_scale, max_norm = 1000, 1024.0, 0.5
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(n, generator=gen)
+    ref = p0.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([ref], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                            weight_decay=HYPER["weight_decay"], fused=fused_ref)
+    master, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    clipped = 0
+    for step in range(1, 6):
+        scaled = torch.randn(n, generator=gen) * (1 + step) * loss_scale  # what backward of loss * scale gives
+        ref.grad = scaled / loss_scale
+        torch.nn.utils.clip_grad_norm_([ref], max_norm)
+        opt.step()
+        norm = scaled.double().norm().item() / loss_scale  # the engine's grad_norm()
+        clip = min(1.0, max_norm / (norm + 1e-6))
+        clipped += clip < 1.0
+        grad = scaled.clone()
+        _fused_adam(master, m, v, grad, out, step=step, decoupled=True, bias_correction=True,
+                    grad_scale=clip / loss_scale, **HYPER)
+        torch.testing.assert_close(grad, ref.grad, rtol=1e-6, atol=0)  # read in place, left unscaled + clipped
+    assert clipped == 5
+    state = opt.state[ref]
+    torch.testing.assert_close(m, state["exp_avg"], rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(v, state["exp_avg_sq"], rtol=1e-5, atol=1e-10)
+    torch.testing.assert_close(master, ref.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(out, master.to(torch.bfloat16))
+
+
+def test_fused_adam_makes_no_copy_of_an_fp32_gradient():
+    """No tensor of the gradient's size is created: the scale travels to the kernel (before,
+    `grad.float() * grad_scale` made a full fp32 copy on the device whenever clipping or a
+    loss scale was on)."""
+    n = 4096
+    master, m, v, grad = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.randn(n)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    with NewTensors() as seen:
+        _fused_adam(master, m, v, grad, out, step=1, decoupled=True, bias_correction=True, grad_scale=0.25,
+                    **HYPER)
+    assert "aten._fused_adamw_.default" in seen.ops
+    assert seen.largest() <= 1, seen.sizes  # the step count and the divisor only
+
+
+@pytest.mark.parametrize("case", ["bf16-gradient", "kept-fp32-gradient"])
+def test_a_gradient_the_kernel_cannot_consume_is_copied_a_chunk_at_a_time(case, monkeypatch):
+    """A bf16 gradient (the kernel reads fp32) or one read again after the update (an early
+    step's: keep_grad) is cast or scaled CAST_CHUNK elements at a time, so the device holds at
+    most fused_temp_bytes() more; the result is bitwise the one-piece copy's, and a kept
+    gradient is unchanged."""
+    n = 1000
+    gen = torch.Generator().manual_seed(1)
+    grad = torch.randn(n, generator=gen)
+    if case == "bf16-gradient":
+        grad, keep = grad.bfloat16(), False
+    else:
+        keep = True
+    before = grad.clone()
+    results = []
+    for chunk in (n, 256):
+        monkeypatch.setattr(offload, "CAST_CHUNK", chunk)
+        master, m, v = torch.randn(n, generator=torch.Generator().manual_seed(2)), torch.zeros(n), torch.zeros(n)
+        with NewTensors() as seen:
+            for step in (1, 2):
+                _fused_adam(master, m, v, grad, None, step=step, decoupled=True, bias_correction=True,
+                            grad_scale=0.125, keep_grad=keep, **HYPER)
+        assert seen.largest() <= chunk and offload.fused_temp_bytes() == 4 * chunk
+        results.append((master, m, v))
+        assert torch.equal(grad, before)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
