@@ -147,7 +147,7 @@ def main(argv=None):
     try:
         import deepspeed  # noqa: F401
     except Exception as exc:  # noqa: BLE001
-        print(f"note: DeepSpeedCPUAdam not compared ({type(exc).__name__}); pip install deepspeed to add it")
+        print(f"note: DeepSpeedCPUAdam not compared ({type(exc).__name__}); to add it: pip install deepspeed")
 
     cases = [(f"fp32 flat {n // 1_000_000}M", [n], False) for n in flat_sizes]
     cases.append((f"fp32 {200 // scale} tensors x 1M", [1_000_000] * (200 // scale), False))

@@ -256,7 +256,7 @@ def test_non_persistent_buffer_the_model_does_not_compute(tmp_path, monkeypatch)
 def test_from_pretrained_without_safetensors_installed(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors raises ImportError
     with pytest.raises(ConfigError, match=r"zerotier.from_pretrained needs transformers and safetensors \(.*\): "
-                                          r"pip install 'zerotier\[hf\]'"):
+                                          r"pip install 'zerotier-offload\[hf\]'"):
         zerotier.from_pretrained(tmp_path)
 
 

@@ -406,7 +406,7 @@ def test_plot_png_or_clear_error(tmp_path):
         assert cli.main(["profile", str(trace_path), "--plot", str(out2)]) == 0
         assert out2.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
-        with pytest.raises(ZerotierError, match=r"pip install matplotlib \(or pip install zerotier\[plot\]\)"):
+        with pytest.raises(ZerotierError, match=r"pip install matplotlib \(or pip install 'zerotier-offload\[plot\]'\)"):
             prof.report().plot(str(out))
         assert not out.exists()
 

@@ -21,6 +21,6 @@ def run(argv: list[str]) -> None:
     example = next((path for path in CANDIDATES if path.exists()), None)
     if example is None:
         raise ZerotierError(f"the demo script is missing (looked for {', '.join(map(str, CANDIDATES))}): "
-                            "reinstall zerotier (pip install zerotier) or run from a source checkout")
+                            "reinstall zerotier from its checkout (pip install -e .)")
     module = runpy.run_path(str(example), run_name="zerotier_demo")
     module["main"](argv)

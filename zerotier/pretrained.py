@@ -53,7 +53,7 @@ def _libraries():
         from safetensors import SafetensorError, safe_open
     except ImportError as exc:
         raise ConfigError(f"zerotier.from_pretrained needs transformers and safetensors ({exc}): "
-                          "pip install 'zerotier[hf]'") from exc
+                          "pip install 'zerotier-offload[hf]'") from exc
     return transformers, safe_open, SafetensorError
 
 

@@ -1,6 +1,6 @@
 """PNG of a trace: residency per tier against its budget, and bandwidth per link, over time.
 
-matplotlib is an optional extra (`pip install zerotier[plot]`). The figure is drawn
+matplotlib is an optional extra (`pip install 'zerotier-offload[plot]'`). The figure is drawn
 with the object API on the Agg canvas, so no pyplot state or GUI backend is touched.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ def plot_trace(trace: dict, path: str) -> str:
         from matplotlib.figure import Figure
     except ImportError:
         raise ZerotierError("plotting the profile needs matplotlib: pip install matplotlib "
-                            "(or pip install zerotier[plot])") from None
+                            "(or pip install 'zerotier-offload[plot]')") from None
     data = read_trace(trace)
     start_us, end_us = data.meta["window_us"]
     fig = Figure(figsize=(10, 6.5), layout="constrained")
