@@ -40,6 +40,19 @@ def test_bench_io_odd_size_and_cleanup(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_nvme_write_peak_is_the_overwrite_a_step_does(tmp_path, bench_file):
+    """Issue 26 item 7: "% of peak" read 154-277% because the saved nvme_write peak was a fresh
+    file's write (allocation + fsync) while a step's writes overwrite recycled swap files. bench io
+    now measures the overwrite too, and it is the rate load_rates gives the planner and profiler."""
+    out = bench.bench_io(tmp_path, 1 << 20, repeat=2)
+    assert out["overwrite_GBps"] > 0 and out["write_GBps"] > 0 and out["read_GBps"] > 0
+    assert "nvme overwrite" in bench.format_table({"io": out})
+    bench.save({"io": {**out, "o_direct": True, "write_GBps": 0.2, "overwrite_GBps": 0.8}})
+    assert bench.load_rates()["nvme_write"] == pytest.approx(0.8e9)
+    bench.save({"io": {"read_GBps": 0.9, "write_GBps": 0.2, "o_direct": True}})  # a file saved before
+    assert bench.load_rates()["nvme_write"] == pytest.approx(0.2e9)
+
+
 def test_save_and_load_rates_round_trip(bench_file):
     assert bench.load_rates() is None
     results = {"io": {"read_GBps": 7.5, "write_GBps": 4.0, "o_direct": True, "path": "/x"},
@@ -108,11 +121,17 @@ def test_progress_bar_counts_to_total():
     assert lines[0].startswith("zerotier bench: [") and "1/2" in lines[0] and "2/2" in lines[1]
 
 
-def test_pcie_without_cuda_is_skipped_with_a_note():
-    if torch.cuda.is_available():
-        pytest.skip("this node has CUDA")
-    assert bench.bench_pcie(1 << 20) is None
+def test_pcie_without_cuda_is_skipped_with_a_note_and_no_progress_bar(monkeypatch, capsys):
+    """A CPU-only node has no PCIe: `zerotier bench pcie` says it was skipped and shows no progress
+    bar of four "(no CUDA)" steps (issue 26 item 7); `bench all` counts no pcie steps."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.run(("pcie",)) == {"pcie": None}
+    assert capsys.readouterr().err == ""
     assert "skipped: no CUDA" in bench.format_table({"pcie": None})
+    monkeypatch.setattr(bench, "bench_memory", lambda *a, tick, **k: (tick("m1"), tick("m2"), {})[-1])
+    bench.run(("mem", "pcie"))
+    err = capsys.readouterr().err
+    assert "2/2" in err and "pcie" not in err and "/6" not in err
 
 
 @pytest.mark.cuda

@@ -557,3 +557,80 @@ def test_cuda_timing_records_stay_bounded():
     assert most <= ev._CudaClock.MAX_PENDING
     prof._resolve_cuda()
     assert not prof._cuda.pending and len(prof.snapshot()["waits"]) == 20_000
+
+
+# ---------------------------------------------------------------------------------------------
+# output that tells the truth (issue 26 item 7)
+
+
+def _line(build, **kw):
+    prof = make_profiler(**kw)
+    build(prof)
+    summary = prof.report()
+    return summary, summary.verdict_line
+
+
+def test_no_transfers_get_no_transfer_advice():
+    """A run that moves nothing is told what bounds it, not to raise prefetch.lookahead."""
+    summary, line = _line(lambda p: (span(p, "forward", 0, 40), span(p, "backward", 40, 90)))
+    assert summary.verdict == "compute-bound"
+    assert "nothing moved between tiers" in line and "compute alone" in line
+    for advice in ("lookahead", "offload", "hidden", "prefetch"):
+        assert advice not in line, line
+    summary, line = _line(lambda p: (span(p, "forward", 0, 10), span(p, "optimizer", 10, 60, numel=100)))
+    assert summary.verdict == "CPU-optimizer-bound" and "nothing moved" in line and "optimizer.threads" in line
+
+
+@pytest.mark.parametrize("build, verdict, want, unwanted", [
+    # the demo: params on the device, gradients copied off it after backward, nothing prefetched
+    (lambda p: (span(p, "forward", 0, 40), span(p, "backward", 40, 90),
+                xfer(p, "g", "device", "host", 90, 100, reason="grad-offload", role="grad")),
+     "compute-bound", "offload.gradients", "lookahead"),
+    (lambda p: (span(p, "forward", 0, 20),
+                xfer(p, "g", "device", "host", 20, 70, reason="grad-offload", role="grad")),
+     "PCIe-bound", "offload.gradients", "lookahead"),
+    (lambda p: (span(p, "backward", 0, 20), span(p, "optimizer", 20, 40),
+                xfer(p, "m", "host", "nvme", 40, 90, reason="optimizer-write", role="master")),
+     "NVMe-bound", "offload.optimizer", "lookahead"),
+    # parameters fetched by compute itself with prefetch off: turn it on, not "raise lookahead"
+    (lambda p: (span(p, "forward", 0, 20), xfer(p, "w", "host", "device", 20, 70, reason="demand")),
+     "PCIe-bound", "prefetch.enabled = true", "raise prefetch.lookahead"),
+    # late prefetches: here lookahead is the advice
+    (lambda p: (span(p, "forward", 0, 20), xfer(p, "w", "host", "device", 20, 70), p.prefetch_issued("w")),
+     "PCIe-bound", "raise prefetch.lookahead", "offload.gradients"),
+])
+def test_transfer_advice_names_the_reason_that_was_exposed(build, verdict, want, unwanted):
+    summary, line = _line(build)
+    assert summary.verdict == verdict
+    assert want in line and unwanted not in line, line
+
+
+def test_a_link_faster_than_its_saved_peak_marks_the_peak_stale():
+    """'% of peak' read 154-277%: a figure above 100% is no share of a peak, it says the saved
+    peak is stale; the table says so and how to measure again (issue 26 item 7)."""
+    def build(p):
+        span(p, "optimizer", 0, 1, numel=4_000_000)                      # 4e9 params/s
+        xfer(p, "m", "host", "nvme", 0, 1, reason="optimizer-write", role="master", nbytes=3_000_000)
+        xfer(p, "m", "nvme", "host", 2, 3, reason="optimizer-read", role="master", nbytes=500_000)
+    summary, _ = _line(build, peak_rates={"nvme_write": 1e9, "nvme_read": 1e9, "cpu_adam": 1e9})
+    write, read = summary.links
+    assert write.peak_stale and write.pct_of_peak == pytest.approx(300.0)
+    assert not read.peak_stale and read.pct_of_peak == pytest.approx(50.0)
+    table = summary.table()
+    assert "300%" not in table and "400%" not in table
+    assert "host->nvme ran at 3.00 GB/s, above its saved peak of 1.00 GB/s: that figure is stale" in table
+    assert "`zerotier bench io --path DIR_ON_THE_DRIVE`" in table
+    assert "above the saved cpu_adam peak of 1,000 M: that figure is stale" in table
+    assert "50%" in table
+
+
+def test_prefetch_line_when_params_stay_on_the_device():
+    """`prefetch 0 issued, 0 hits ...` meant nothing with params on the device (issue 26 item 7)."""
+    summary, _ = _line(lambda p: (span(p, "backward", 0, 10),
+                                  xfer(p, "g", "device", "host", 5, 8, reason="grad-offload", role="grad")))
+    table = summary.table()
+    assert "  prefetch: params on device: nothing to prefetch (no parameter was fetched onto it)" in table
+    assert "issued" not in table
+    summary, _ = _line(lambda p: (span(p, "forward", 0, 10), xfer(p, "w", "host", "device", 0, 1, reason="demand"),
+                                  p.prefetch_used("w", False)))
+    assert summary.param_fetches == 1 and "prefetch 0 issued, 0 hits, 1 misses" in summary.table()

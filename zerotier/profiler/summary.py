@@ -19,7 +19,16 @@ shorter than that resource's work, so it is the one to speed up or offload less 
 Ties go to compute, then CPU optimizer, NVMe, PCIe.
 
 Overlap is the share of transfer time (summed over transfers) that falls inside
-compute or optimizer spans with stalls cut out: time the transfer was hidden.
+compute or optimizer spans with stalls cut out: time the transfer was hidden. The rest
+of a transfer's time is "exposed".
+
+[Note: advice follows the figures]
+The hint after the verdict is chosen from what was measured, never from the verdict's
+name alone: no transfers, no transfer advice (the line says what bounds the step); a
+compute-bound run with little overlap, or a link-bound one, gets the advice for the
+reason whose transfers were exposed longest (prefetch: lookahead; demand: prefetch;
+optimizer state, gradients, parameter copy-back: their placement). A link running above
+its saved peak marks that peak stale instead of printing more than 100%.
 """
 from __future__ import annotations
 
@@ -37,12 +46,28 @@ RESOURCES = ("compute", "cpu-optimizer", "nvme", "pcie")        # verdict tie-br
 VERDICTS = {"compute": "compute-bound", "cpu-optimizer": "CPU-optimizer-bound", "nvme": "NVMe-bound",
             "pcie": "PCIe-bound"}
 _RESOURCE_NAMES = {"compute": "compute", "cpu-optimizer": "CPU optimizer", "nvme": "NVMe", "pcie": "PCIe"}
-_HINTS = {
-    "compute": "transfers are hidden; more offload would cost little",
-    "cpu-optimizer": "keep more optimizer state on the device, or give CPU Adam more cores (optimizer.threads)",
-    "nvme": "move optimizer state or parameters from nvme to host memory, or use a faster drive / io settings",
-    "pcie": "raise prefetch.lookahead, keep hot parameters on the device, or use pinned host memory",
+_CPU_OPTIMIZER_HINT = "keep more optimizer state on the device, or give CPU Adam more cores (optimizer.threads)"
+# [Note: advice follows the figures]: what to change when transfers of this reason are exposed
+_REASON_ADVICE = {
+    "prefetch": "prefetches arrive after compute needs them: raise prefetch.lookahead (or prefetch.max_bytes), "
+                "or keep the most-used parameters on a faster tier",
+    "demand": "compute fetched parameters itself (prefetch misses): raise prefetch.lookahead",
+    "evict": "tensors were evicted to make room: raise that tier's budget",
+    "optimizer-read": "the optimizer's state moves every step: keep it in host memory (offload.optimizer = "
+                      "\"host\", or a {host, nvme} split) or use a faster drive",
+    "optimizer-write": "the optimizer's state moves every step: keep it in host memory (offload.optimizer = "
+                       "\"host\", or a {host, nvme} split) or use a faster drive",
+    "grad-offload": "gradients leave the device as backward makes them: keep them on the device "
+                    "(offload.gradients = \"device\") if it has room, or in host memory rather than on nvme",
+    "param-copyback": "updated parameters are copied back after every step: keep parameters on the device "
+                      "(offload.params = \"device\") if it has room",
 }
+_NO_PREFETCH_ADVICE = ("compute fetched every parameter itself and nothing was prefetched: turn prefetch on "
+                       "(prefetch.enabled = true, prefetch.lookahead >= 1)")
+# where a saved peak comes from, to re-measure a stale one
+_BENCH_OF = {"h2d": "zerotier bench pcie", "d2h": "zerotier bench pcie",
+             "nvme_read": "zerotier bench io --path DIR_ON_THE_DRIVE",
+             "nvme_write": "zerotier bench io --path DIR_ON_THE_DRIVE", "cpu_adam": "zerotier bench adam"}
 _COMPUTE_KINDS = {"forward", "backward", "device-optimizer"}
 HIDDEN_PCT = 80.0  # compute-bound says "transfers are hidden" only from this overlap on
 # On a CPU-only machine the "device" is a pool of RAM: its host<->device link is a memory copy, not PCIe.
@@ -68,7 +93,14 @@ class LinkStats:
 
     @property
     def pct_of_peak(self) -> float | None:
+        """Achieved share of the peak; above 100 the saved peak is stale (`peak_stale`), not exceeded."""
         return 100.0 * self.gbps / self.peak_gbps if self.peak_gbps else None
+
+    @property
+    def peak_stale(self) -> bool:
+        """The link ran faster than its saved peak: that figure is no peak (measured under load, on a
+        different kind of I/O, or on another drive) and must be measured again."""
+        return self.peak_gbps is not None and self.gbps > self.peak_gbps
 
 
 @dataclass(frozen=True)
@@ -77,6 +109,7 @@ class ReasonStats:
     transfers: int
     bytes: int
     stall_s: float
+    exposed_s: float = 0.0      # summed transfer time not hidden under compute ([Note: verdict])
 
 
 @dataclass(frozen=True)
@@ -128,6 +161,7 @@ class Summary:
     run_transfers: int | None = None
     run_bytes: int | None = None
     run_links: tuple[tuple[str, int, int], ...] = ()   # (link, transfers, bytes), by bytes, largest first
+    param_fetches: int = 0     # parameter fetches onto the device (prefetch + demand) of the whole run
     trace: dict = field(default=None, compare=False, repr=False)  # what it was computed from (for plot)
 
     @property
@@ -177,11 +211,16 @@ def summarize(trace: dict, top: int = 10) -> Summary:
                                peak / 1e9 if peak else None))
     links.sort(key=lambda s: (-s.bytes, s.link))
 
+    hidden = [iv.overlap(t["ts"], t["ts"] + t["dur"], hidden_under(t["stream"])) for t in xs]
+    exposed_us: dict[tuple[str, str], float] = defaultdict(float)   # (resource, reason) -> µs not hidden
+    for t, h in zip(xs, hidden):
+        exposed_us[_resource(t), t["reason"]] += t["dur"] - h
     order = {r: i for i, r in enumerate(data.meta["vocabulary"]["reasons"])}
     by_reason: dict[str, list[dict]] = defaultdict(list)
     for t in xs:
         by_reason[t["reason"]].append(t)
-    reasons = tuple(ReasonStats(r, len(v), sum(t["bytes"] for t in v), sum(t["stall_us"] for t in v) / 1e6)
+    reasons = tuple(ReasonStats(r, len(v), sum(t["bytes"] for t in v), sum(t["stall_us"] for t in v) / 1e6,
+                                sum(e for (_, why), e in exposed_us.items() if why == r) / 1e6)
                     for r, v in sorted(by_reason.items(), key=lambda kv: order.get(kv[0], len(order))))
 
     by_tensor: dict[str, list[dict]] = defaultdict(list)
@@ -194,7 +233,7 @@ def summarize(trace: dict, top: int = 10) -> Summary:
     tensors.sort(key=lambda s: (-s.bytes, s.name))
 
     transfer_us = sum(t["dur"] for t in xs)
-    hidden_us = sum(iv.overlap(t["ts"], t["ts"] + t["dur"], hidden_under(t["stream"])) for t in xs)
+    hidden_us = sum(hidden)
     stall_us = sum(t["stall_us"] for t in xs) + sum(e - s for s, e, _, found, _ in data.stalls if not found)
 
     residency = tuple(TierResidency(tier, max(u for _, u, _ in v), max(b for _, _, b in v), len(v))
@@ -207,8 +246,11 @@ def summarize(trace: dict, top: int = 10) -> Summary:
     busy_s = {r: busy_us[r] / 1e6 for r in RESOURCES}
     device = data.meta.get("device")
     overlap_pct = 100.0 * hidden_us / transfer_us if transfer_us > 0 else None
-    verdict, line = _verdict(busy_s, wall_us / 1e6, device, overlap_pct)
     totals = data.meta.get("run_totals")
+    fetched = (sum(v["transfers"] for r, v in totals["by_reason"].items() if r in ("prefetch", "demand"))
+               if totals is not None else sum(1 for t in xs if t["reason"] in ("prefetch", "demand")))
+    verdict, line = _verdict(busy_s, wall_us / 1e6, device, overlap_pct,
+                             {k: v / 1e6 for k, v in exposed_us.items()}, pf["issued"])
     run_links = () if totals is None else tuple(sorted(
         ((link, v["transfers"], v["bytes"]) for link, v in totals["by_link"].items()), key=lambda t: (-t[2], t[0])))
     return Summary(
@@ -220,7 +262,12 @@ def summarize(trace: dict, top: int = 10) -> Summary:
         optimizer_params_per_s=opt_rate, optimizer_peak_params_per_s=peaks.get("cpu_adam"),
         verdict=verdict, verdict_line=line, device=device, trace=trace,
         run_transfers=None if totals is None else totals["transfers"],
-        run_bytes=None if totals is None else totals["bytes"], run_links=run_links)
+        run_bytes=None if totals is None else totals["bytes"], run_links=run_links, param_fetches=fetched)
+
+
+def _resource(t: dict) -> str:
+    """The resource of [Note: verdict] a transfer keeps busy."""
+    return "nvme" if "nvme" in (t["src"], t["dst"]) else "pcie"
 
 
 def _busy(data: TraceData):
@@ -260,22 +307,48 @@ def _busy(data: TraceData):
 
 
 def _verdict(busy_s: dict[str, float], wall_s: float, device: str | None = None,
-             overlap_pct: float | None = None) -> tuple[str, str]:
-    """[Note: verdict]: the resource with the largest busy time. The hint never contradicts the
-    numbers: compute-bound says transfers are hidden only when most of their time was."""
+             overlap_pct: float | None = None, exposed_s: dict[tuple[str, str], float] | None = None,
+             prefetch_issued: int = 0) -> tuple[str, str]:
+    """[Note: verdict]: the resource with the largest busy time, and a hint that follows from the
+    figures ([Note: advice follows the figures]). `exposed_s`: {(resource, reason): seconds of
+    transfer time not hidden under compute}; empty when nothing moved."""
     if wall_s <= 0 or not any(busy_s.values()):
         return "no activity", "verdict: nothing recorded (no transfers or compute spans in the profiled window)"
     names, verdicts = _names(device)
+    exposed_s = exposed_s or {}
     bound = max(RESOURCES, key=lambda r: (busy_s[r], -RESOURCES.index(r)))
     others = ", ".join(f"{names[r]} {100 * busy_s[r] / wall_s:.0f}%" for r in RESOURCES if r != bound)
     what = "transfers" if bound in ("nvme", "pcie") else "spans"
-    hint = _HINTS[bound]
-    if bound == "compute" and overlap_pct is not None and overlap_pct < HIDDEN_PCT:
-        hint = (f"but only {overlap_pct:.0f}% of transfer time ran under compute: raise prefetch.lookahead "
-                "or keep the most-moved state on a faster tier")
+    if not exposed_s:  # nothing moved: say what bounds the step, no transfer advice
+        hint = ("nothing moved between tiers, so there is no transfer to hide or tune: the step is "
+                + ("compute alone" if bound == "compute" else f"the CPU optimizer's math; {_CPU_OPTIMIZER_HINT}"))
+    elif bound == "cpu-optimizer":
+        hint = _CPU_OPTIMIZER_HINT
+    elif bound == "compute" and (overlap_pct is None or overlap_pct >= HIDDEN_PCT):
+        hint = "transfers are hidden; more offload would cost little"
+    elif bound == "compute":
+        hint = (f"but only {overlap_pct:.0f}% of transfer time ran under compute: "
+                + _transfer_advice(exposed_s, None, prefetch_issued, names))
+    else:
+        hint = _transfer_advice(exposed_s, bound, prefetch_issued, names)
     return verdicts[bound], (f"verdict: {verdicts[bound]}: {names[bound]} {what} busy "
                              f"{100 * busy_s[bound] / wall_s:.0f}% of the profiled {format_duration(wall_s)} ({others}); "
                              f"{hint}")
+
+
+def _transfer_advice(exposed_s: dict[tuple[str, str], float], resource: str | None, prefetch_issued: int,
+                     names: dict[str, str]) -> str:
+    """Advice for the reason whose transfers (on `resource`, or on any link) were exposed longest."""
+    by_reason: dict[str, float] = defaultdict(float)
+    for (res, reason), seconds in exposed_s.items():
+        if resource is None or res == resource:
+            by_reason[reason] += seconds
+    if not by_reason:
+        return "no transfer on it was exposed"
+    reason = max(by_reason, key=lambda r: (by_reason[r], r))
+    advice = _NO_PREFETCH_ADVICE if reason == "demand" and prefetch_issued == 0 else _REASON_ADVICE[reason]
+    where = f"{names[resource]} " if resource is not None else ""
+    return f"most exposed: {reason} {where}transfers ({format_duration(by_reason[reason])}): {advice}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,20 +369,36 @@ def _table(s: Summary) -> str:
         for k in s.links:
             peak = f"{k.peak_gbps:.2f}" if k.peak_gbps else "-"
             lines.append(f"  {k.link:<14} {k.transfers:>9,} {format_size(k.bytes):>11} {1e3 * k.busy_s:>9.1f} "
-                         f"{k.gbps:>7.2f} {peak:>9} {pct(k.pct_of_peak):>7}")
-        lines.append(f"  {'reason':<15} {'transfers':>8} {'bytes':>11} {'stall ms':>9}")
+                         f"{k.gbps:>7.2f} {peak:>9} {'stale' if k.peak_stale else pct(k.pct_of_peak):>7}")
+        for k in s.links:
+            if k.peak_stale:
+                key = LINK_PEAK[k.link]
+                lines.append(f"  note: {k.link} ran at {k.gbps:.2f} GB/s, above its saved peak of "
+                             f"{k.peak_gbps:.2f} GB/s: that figure is stale (measured under load, on another "
+                             f"drive, or by an older zerotier); measure again with `{_BENCH_OF[key]}`")
+        lines.append(f"  {'reason':<15} {'transfers':>8} {'bytes':>11} {'stall ms':>9} {'exposed ms':>10}")
         for r in s.reasons:
-            lines.append(f"  {r.reason:<15} {r.transfers:>8,} {format_size(r.bytes):>11} {1e3 * r.stall_s:>9.1f}")
+            lines.append(f"  {r.reason:<15} {r.transfers:>8,} {format_size(r.bytes):>11} {1e3 * r.stall_s:>9.1f} "
+                         f"{1e3 * r.exposed_s:>10.1f}")
     stall_pct = 100 * s.stall_s / s.wall_s if s.wall_s > 0 else 0.0
     overlap = "-" if s.overlap_pct is None else f"{s.overlap_pct:.1f}%"
     lines.append(f"  stall {format_duration(s.stall_s)} ({stall_pct:.1f}% of profiled time); "
                  f"overlap {overlap} of transfer time hidden under compute")
     rate = s.prefetch_hit_rate
-    lines.append(f"  prefetch {s.prefetch_issued:,} issued, {s.prefetch_hits:,} hits, {s.prefetch_misses:,} misses"
-                 f" ({'-' if rate is None else f'{100 * rate:.1f}%'} hit rate), {s.prefetch_wasted:,} wasted")
+    if s.param_fetches == 0 and not (s.prefetch_issued or s.prefetch_hits or s.prefetch_misses):
+        lines.append("  prefetch: params on device: nothing to prefetch (no parameter was fetched onto it)")
+    else:
+        lines.append(f"  prefetch {s.prefetch_issued:,} issued, {s.prefetch_hits:,} hits, {s.prefetch_misses:,} "
+                     f"misses ({'-' if rate is None else f'{100 * rate:.1f}%'} hit rate), {s.prefetch_wasted:,} "
+                     "wasted")
     if s.optimizer_params_per_s is not None:
         peak = s.optimizer_peak_params_per_s
-        vs = f" ({100 * s.optimizer_params_per_s / peak:.0f}% of the cpu_adam peak {peak / 1e6:,.0f})" if peak else ""
+        vs = ""
+        if peak and s.optimizer_params_per_s > peak:
+            vs = (f" (above the saved cpu_adam peak of {peak / 1e6:,.0f} M: that figure is stale; measure again "
+                  f"with `{_BENCH_OF['cpu_adam']}`)")
+        elif peak:
+            vs = f" ({100 * s.optimizer_params_per_s / peak:.0f}% of the cpu_adam peak {peak / 1e6:,.0f})"
         lines.append(f"  CPU optimizer {s.optimizer_params_per_s / 1e6:,.1f} M params/s{vs}")
     if s.residency:
         lines.append(f"  {'tier':<8} {'peak resident':>13} {'budget':>11} {'peak %':>7}")
