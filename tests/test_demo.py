@@ -41,3 +41,15 @@ def test_installed_package_carries_the_demo_and_runs_it_from_any_directory(tmp_p
                           "d.CANDIDATES[0])"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("True ") and str(build) in out.stdout
+
+
+def test_demo_with_a_missing_nvme_path_says_so(tmp_path, capsys):
+    """Not a FileNotFoundError traceback from the demo's temp dir: one line naming the option, the
+    path and the fix (issue 26 item 7)."""
+    from zerotier import cli
+
+    missing = tmp_path / "no" / "such"
+    assert cli.main(["demo", "--steps", "1", "--nvme-path", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (f"zerotier demo: error: --nvme-path {missing} does not exist: create it (mkdir -p "
+                           f"{missing}) or leave --nvme-path out (the demo then uses the system temp dir)")

@@ -351,6 +351,9 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise ZerotierError(f"--steps: must be >= 1, got {args.steps}")
+    if args.nvme_path and not os.path.isdir(args.nvme_path):  # the demo makes its swap dir inside it
+        raise ZerotierError(f"--nvme-path {args.nvme_path} does not exist: create it (mkdir -p {args.nvme_path}) "
+                            "or leave --nvme-path out (the demo then uses the system temp dir)")
     argv = ["--steps", str(args.steps), "--device-budget", args.device_budget,
             "--optimizer-tier", args.optimizer_tier]
     if args.nvme_path:

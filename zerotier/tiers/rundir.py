@@ -28,7 +28,7 @@ import time
 import warnings
 from pathlib import Path
 
-from ..errors import TierIOError
+from ..errors import ConfigError, TierIOError
 
 log = logging.getLogger("zerotier.tiers.nvme")
 
@@ -130,12 +130,14 @@ def _warn_if_shared(parent: Path) -> None:
 
 
 def _check_parent(parent: Path) -> None:
-    """tiers.nvme_path must be an existing directory we can create entries in."""
+    """tiers.nvme_path must be an existing directory we can create entries in. A path that is
+    not there is a configuration mistake (ConfigError, no raw `[Errno 2]`); other failures are
+    the tier's I/O errors."""
     try:
         st = os.stat(parent)
     except FileNotFoundError:
-        raise TierIOError(errno.ENOENT, f"nvme tier: tiers.nvme_path {parent} does not exist; "
-                                        f"create it or fix tiers.nvme_path") from None
+        raise ConfigError(f"tiers.nvme_path {parent} does not exist: create it (mkdir -p {parent}) or set "
+                          "tiers.nvme_path to a directory on the NVMe drive") from None
     except OSError as exc:
         raise TierIOError(exc.errno, f"nvme tier: cannot stat tiers.nvme_path {parent}: {exc.strerror}; "
                                      f"fix tiers.nvme_path") from None
