@@ -165,8 +165,7 @@ class Plan:
         return any(src in ("measured", "given") for src in self.rate_sources.values())
 
     def summary(self) -> str:
-        sharding = (f", ZeRO stage {self.stage} over {self.world_size} ranks" if self.world_size > 1 or self.stage
-                    else "")
+        sharding = f", {_sharding(self.stage, self.world_size)}" if self.world_size > 1 or self.stage else ""
         lines = [f"zerotier plan: {self.numel / 1e6:,.1f}M trainable parameters{sharding}",
                  f"  {'state':10s} {'tier':6s} {'bytes/rank':>12s} {'GB':>9s}"]
         for kind in KINDS:
@@ -550,12 +549,18 @@ def _does_not_fit(kind: str, candidates: list[Location], s: _Sizes, free: dict[s
         texts.append(" and ".join(f"{format_size(b)} more {t} (tiers.{t} is {format_size(budgets[t])})"
                                   for t, b in short.items()) + f" to place it on {loc.value}")
     per_rank = ""
-    if s.world_size > 1 or s.stage:
-        per_rank = (f" ({s.rank_numel(kind):,} per rank: ZeRO stage {s.stage} over {s.world_size} ranks;"
-                    " budgets are per rank)")
+    if s.world_size > 1:
+        per_rank = f" ({s.rank_numel(kind):,} per rank: {_sharding(s.stage, s.world_size)}; budgets are per rank)"
     message = (f"the {kind} of {s.numel:,} parameters{per_rank} do not fit within the tier budgets; "
                f"it would take: " + "; or ".join(texts))
     return message, options
+
+
+def _sharding(stage: int, world_size: int) -> str:
+    """'ZeRO stage 3 over 4 ranks'; at one rank a stage shards nothing, and the words say so."""
+    if world_size > 1:
+        return f"ZeRO stage {stage} over {world_size} ranks"
+    return f"ZeRO stage {stage} on one rank: nothing to shard"
 
 
 def _whole_shortfall(kind: str, loc: Location, need: dict[str, int], offload: OffloadConfig, s: _Sizes,
