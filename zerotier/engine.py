@@ -249,6 +249,7 @@ class Engine:
             self._place_all()
         except BaseException:
             self._undo_place()  # [Note: a failed initialize]
+            self.sharding.close()
             raise
         self._window_applied = self.unit_optimizer.applied  # unit updates before this window
         self.optimizer = EngineOptimizer(self, no_decay)  # over the placed parameters ([Note: param groups])
@@ -1138,6 +1139,7 @@ class Engine:
         self.grads.close()
         self.unit_optimizer.close()
         self.device_tier.close()  # copies still on its streams finish before their buffers go
+        self.sharding.close()  # after the last collective (_restore_weights' gathers)
         try:
             if self.profiler is not None:
                 self.profiler.close()  # writes profile.trace_path, if set

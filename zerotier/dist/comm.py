@@ -22,21 +22,36 @@ caching allocator may reuse them (no `record_stream`). Always wait every handle.
 With `overlap=False` (zero.overlap_comm) collectives run on the caller's stream /
 thread and are complete when issued.
 
+[Note: which group runs a collective]
+`Comm.route(device)` is the one place that answers it. The backend is read per device
+from the group itself (`dist.get_backend_config`: what torch made for each device
+type when the group was created), never parsed from the group's name: a group made
+with no backend or by a plugin name is whatever torch resolved it to. A tensor on a
+device the group has a backend for runs there. A CPU tensor on a group with no CPU
+backend (an NCCL-only group made by the user or accelerate) runs on a gloo group of
+the same ranks that the Comm makes once, at its first host collective (the initial
+weight broadcast, for the engine), and destroys in `close()`. Only the world group
+gets one: `dist.new_group` must be called by every rank of the world in the same
+order, which holds because every rank issues the same collectives in the same order.
+
 [Note: native or emulated]
-NCCL implements every collective natively, with AVG: CUDA tensors are never probed
-(a probe that failed on one rank only, e.g. out of memory, would make that rank
-emulate while the others do not, and the job would hang). On gloo, whether it has `reduce_scatter_single`/`reduce_scatter_tensor`,
+NCCL implements every collective natively, with AVG: it is never probed. Device
+tensors are never probed on any backend (a probe that failed on one rank only, e.g.
+out of memory, would make that rank emulate while the others do not, and the job would
+hang): a non-NCCL backend on a device (gloo on CUDA, a plugin) gets the emulations
+below, which need only all_reduce(SUM) and the list all_gather. On the CPU (gloo or
+another backend), whether it has `reduce_scatter_single`/`reduce_scatter_tensor`,
 `all_gather_single`/`all_gather_into_tensor` and `ReduceOp.AVG` for a dtype is not
 guessed from versions: the first call tries the native collective, and a
 synchronous "unsupported" error (raised identically on every rank, before any
-byte moves) is cached per (backend, collective, dtype, op) and the emulation used
-from then on. Emulations: AVG = SUM, then divide by the world size (no extra
+byte moves) is cached per (backend, device type, collective, dtype, op) and the
+emulation used from then on. Emulations: AVG = SUM, then divide by the world size (no extra
 bytes); reduce-scatter = all-reduce of the flat, then keep this rank's chunk (2x
 the bytes of a ring reduce-scatter; the flat is all-reduced in place when the
 caller marks it scratch, as the gradient buckets do, else a copy); all-gather =
 list all-gather into views of the output (same bytes). `Comm(reduce_scatter=
-"auto")` uses the all-reduce emulation on gloo even though gloo has a native
-reduce-scatter: on one node it measured ~2x faster (docs/dist.md).
+"auto")` uses the all-reduce emulation wherever gloo runs the collective, even though
+gloo has a native reduce-scatter: on one node it measured ~2x faster (docs/dist.md).
 
 [Note: byte counters]
 `Comm.stats()` counts bytes *sent per rank* by the ring-algorithm convention, for
@@ -52,6 +67,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -145,11 +161,12 @@ class _Counter:
 
 class Comm:
     """Issues collectives on one process group (default: the world); owns the CUDA comm stream,
-    the native-or-emulated cache and the byte counters.
+    the gloo group for host tensors where the group has no CPU backend, the native-or-emulated
+    cache and the byte counters. `close()` when done (it destroys that gloo group).
 
     `reduce_scatter` picks the implementation ([Note: native or emulated]): "native" (the
     backend's, emulated only where it refuses), "all_reduce" (always the all-reduce
-    emulation), or "auto": "all_reduce" on gloo, where the backend's reduce-scatter measured
+    emulation), or "auto": "all_reduce" where gloo runs it, its reduce-scatter having measured
     ~2x slower than an in-place all-reduce of a bucket (docs/dist.md), else "native".
     `all_gather`: "native" / "auto" (the backend's where it has one) or "list" (always the
     list all-gather emulation).
@@ -172,6 +189,10 @@ class Comm:
         # Collectives queue here so they overlap compute on the caller's stream; ordering both
         # ways is by events ([Note: where collectives run]). Created on first CUDA collective.
         self.stream: torch.cuda.Stream | None = None
+        # [Note: which group runs a collective]: made by the first host collective on a world
+        # group with no CPU backend, which any issuing thread (autograd's too) may reach first.
+        self._host_group: Any = None
+        self._host_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, zero_cfg, group: Any = None) -> "Comm":
@@ -191,6 +212,38 @@ class Comm:
 
     def world_size(self, group: Any = None) -> int:
         return dist.get_world_size(self._group(group)) if self._active() else 1
+
+    def route(self, device: torch.device, group: Any = None) -> tuple[Any, str]:
+        """(process group, backend name) that runs a collective on tensors on `device`
+        ([Note: which group runs a collective]); a clear error where none can."""
+        group = self._group(group)
+        backends = backends_by_device(group)
+        if device.type in backends:
+            return group, backends[device.type]
+        world = group is None or group is dist.group.WORLD
+        if device.type == "cpu" and world:
+            return self._world_host_group(), "gloo"
+        config = ",".join(f"{d}:{b}" for d, b in backends.items())
+        fix = ("zerotier makes a gloo group for host tensors only on the world group: give this group a CPU "
+               "backend (dist.new_group(ranks, backend='cpu:gloo,cuda:nccl'))" if device.type == "cpu"
+               else "pass tensors on a device it has a backend for")
+        raise ValueError(f"collective on a {device.type} tensor, but the process group ({config}) has no backend "
+                         f"for that device; {fix}")
+
+    def _world_host_group(self) -> Any:
+        with self._host_lock:
+            if self._host_group is None:
+                timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
+                self._host_group = dist.new_group(backend="gloo", timeout=timeout)
+            return self._host_group
+
+    def close(self) -> None:
+        """Destroy the gloo group this Comm made for host tensors, if any: a local call, no
+        collective, so ranks that stopped on an error may skip it. Idempotent."""
+        with self._host_lock:
+            group, self._host_group = self._host_group, None
+        if group is not None and self._active():  # else it went with the world
+            dist.destroy_process_group(group)
 
     # ------------------------------------------------------------ counters
 
@@ -230,7 +283,8 @@ class Comm:
                 output_shard.copy_(input_flat.view(-1))
                 return Handle("reduce_scatter", rank, self.timeout_s)
 
-            backend = _backend_for(group, input_flat)
+            group, backend = self.route(input_flat.device, group)
+            device_type = input_flat.device.type
 
             def body():
                 fn = _first_attr(("reduce_scatter_single", "reduce_scatter_tensor"))
@@ -238,7 +292,7 @@ class Comm:
                 if impl == "auto":
                     impl = "all_reduce" if backend == "gloo" else "native"
                 if impl == "native" and fn is not None:
-                    work, divisor = self._reducing("reduce_scatter", backend, input_flat.dtype, op, ws,
+                    work, divisor = self._reducing("reduce_scatter", backend, device_type, input_flat.dtype, op, ws,
                                                    lambda o: fn(output_shard, input_flat, op=o, group=group,
                                                                 async_op=True))
                     if work is not None:
@@ -267,12 +321,12 @@ class Comm:
                 output_flat.view(-1).copy_(input_shard.view(-1))
                 return Handle("all_gather", rank, self.timeout_s)
 
-            backend = _backend_for(group, input_shard)
+            group, backend = self.route(input_shard.device, group)
 
             def body():
                 fn = _first_attr(("all_gather_single", "all_gather_into_tensor"))
                 if self.all_gather_impl != "list" and fn is not None:
-                    work = self._try_native((backend, "all_gather", input_shard.dtype),
+                    work = self._try_native((backend, input_shard.device.type, "all_gather", input_shard.dtype),
                                             lambda: fn(output_flat, input_shard, group=group, async_op=True))
                     if work is not None:
                         self._count("all_gather", ring_bytes("all_gather", nbytes, ws), False)
@@ -295,7 +349,7 @@ class Comm:
             if not self._active():
                 return Handle("all_reduce", rank, self.timeout_s)
 
-            backend = _backend_for(group, tensor)
+            group, backend = self.route(tensor.device, group)
 
             def body():
                 work, divisor = self._all_reduce_work(tensor, group, backend, op, ws)
@@ -314,7 +368,7 @@ class Comm:
             if not self._active():
                 return Handle("broadcast", rank, self.timeout_s)
 
-            _backend_for(group, tensor)
+            group, _ = self.route(tensor.device, group)
 
             def body():
                 work = dist.broadcast(tensor, src=src, group=group, async_op=True)
@@ -331,7 +385,7 @@ class Comm:
         """
         group = self._group(group)
         rank, ws = self.rank(group), self.world_size(group)
-        flags = torch.zeros(ws, dtype=torch.int32, device=self.flags_device(group))
+        flags = torch.zeros(ws, dtype=torch.int32)  # host: a group without a CPU backend routes it to gloo
         flags[rank] = 0 if ok else 1
         self.all_reduce(flags, SUM, group).wait()
         failed = [r for r, f in enumerate(flags.tolist()) if f]
@@ -340,13 +394,6 @@ class Comm:
             raise CollectiveError(f"rank {rank}: {what}: rank(s) {names} failed; see their log")
 
     # ------------------------------------------------------------ internals
-
-    def flags_device(self, group: Any = None) -> torch.device:
-        """Where small bookkeeping tensors (flags, counters) are reduced: the CPU, unless the
-        group is NCCL only."""
-        if self._active() and "gloo" not in str(dist.get_backend(self._group(group))):
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def _issue(self, kind: str, rank: int, body: Callable[[], tuple[list, Callable | None]],
                keep: tuple) -> Handle:
@@ -373,10 +420,13 @@ class Comm:
         return handle
 
     def _try_native(self, key: Hashable, call: Callable[[], Any]) -> Any:
-        """The work of `call()`, or None when the backend refused it ([Note: native or emulated]).
-        key[0] is the backend that runs it: NCCL is never probed."""
-        if key[0] == "nccl":
+        """The work of `call()`, or None when the backend refused it or is not probed ([Note: native
+        or emulated]). key[:2] is (the backend that runs it, the tensors' device type)."""
+        backend, device_type = key[0], key[1]
+        if backend == "nccl":
             return call()
+        if device_type != "cpu":
+            return None
         if self._native.get(key) is False:
             return None
         try:
@@ -389,42 +439,37 @@ class Comm:
         self._native[key] = True
         return work
 
-    def _reducing(self, kind: str, backend: str, dtype: torch.dtype, op, ws: int,
+    def _reducing(self, kind: str, backend: str, device_type: str, dtype: torch.dtype, op, ws: int,
                   call: Callable[[Any], Any]) -> tuple[Any, int]:
         """Issue call(op) natively; where AVG is refused, call(SUM) and return the divisor."""
-        work = self._try_native((backend, kind, dtype, op), lambda: call(op))
+        work = self._try_native((backend, device_type, kind, dtype, op), lambda: call(op))
         if work is not None:
             return work, 1
         if op == AVG:
-            work = self._try_native((backend, kind, dtype, SUM), lambda: call(SUM))
+            work = self._try_native((backend, device_type, kind, dtype, SUM), lambda: call(SUM))
             if work is not None:
                 return work, ws
         return None, 1
 
     def _all_reduce_work(self, tensor: torch.Tensor, group: Any, backend: str, op, ws: int) -> tuple[Any, int]:
-        work, divisor = self._reducing("all_reduce", backend, tensor.dtype, op, ws,
+        work, divisor = self._reducing("all_reduce", backend, tensor.device.type, tensor.dtype, op, ws,
                                        lambda o: dist.all_reduce(tensor, op=o, group=group, async_op=True))
-        if work is None:  # SUM refused too: a real error, let the backend say it
-            work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        if work is None:
+            # Not probed (a device tensor): the plain call, AVG as SUM. On the CPU, SUM was refused
+            # too: this call raises the backend's own reason.
+            divisor = ws if op == AVG else 1
+            work = dist.all_reduce(tensor, op=SUM if op == AVG else op, group=group, async_op=True)
         return work, divisor
 
 
-def _backend_for(group: Any, tensor: torch.Tensor) -> str:
-    """The backend that runs a collective on `tensor` in `group`: the group's own, or for a
-    "cpu:gloo,cuda:nccl" group the one for the tensor's device. A tensor on a device the
-    group has no backend for (a CPU tensor on an NCCL-only group) is a clear error here,
-    not "No backend type associated with device type cpu" from deep inside the call."""
-    name = str(dist.get_backend(group))
-    if ":" in name:
-        by_device = dict(part.split(":", 1) for part in name.split(","))
-    else:
-        by_device = {"cuda": name} if name == "nccl" else {"cpu": name, "cuda": name}
-    backend = by_device.get(tensor.device.type)
-    if backend is None:
-        raise ValueError(f"collective on a {tensor.device.type} tensor, but the process group's backend "
-                         f"{name!r} has none for that device; zerotier.initialize joins a "
-                         "'cpu:gloo,cuda:nccl' group on CUDA (or pass device tensors)")
-    return backend
+def backends_by_device(group: Any = None) -> dict[str, str]:
+    """{device type: backend name} of a process group, as torch made it ([Note: which group runs
+    a collective]): "cpu:gloo,cuda:nccl" -> {"cpu": "gloo", "cuda": "nccl"}; "nccl" ->
+    {"cuda": "nccl"}; a group made without a backend or by a plugin name -> the devices torch
+    made a backend for, never a guess from the name."""
+    config = str(dist.get_backend_config(group))
+    pairs = (pair.split(":", 1) for pair in config.split(",") if pair.strip())
+    return {device.strip(): backend.strip() for device, backend in pairs}
 
 
 def _first_attr(names: Sequence[str]) -> Callable | None:

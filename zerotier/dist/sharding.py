@@ -111,8 +111,7 @@ class Sharding:
         last call: mismatched gathers mix different units' shards, so training must stop. It also
         carries the ranks' stop requests: one rank's SIGTERM stops all ([Note: graceful stop])."""
         fp = self._gather_fp
-        t = torch.tensor([fp, -fp, self.stop_code] + [int(u) for u in used], dtype=torch.int64,
-                         device=self.comm.flags_device())
+        t = torch.tensor([fp, -fp, self.stop_code] + [int(u) for u in used], dtype=torch.int64)  # host
         self.comm.all_reduce(t, MAX).wait()
         values = t.tolist()
         self._gather_fp = 0
@@ -163,6 +162,11 @@ class Sharding:
                 raise ZerotierError(f"rank {self.rank}: {what} after {mine}, but rank {r} after {theirs}: the ranks "
                                     f"trained on different numbers of micro-batches, so their collectives paired "
                                     f"different work and the weights cannot be trusted; {fix}")
+
+    def close(self) -> None:
+        """Free the collectives' resources (the gloo group for host tensors, if one was made); local."""
+        if self.comm is not None:
+            self.comm.close()
 
     def local_sumsq_share(self, unit: Unit) -> bool:
         """Replicated units hold identical gradients on every rank: count them on rank 0 only."""
