@@ -172,3 +172,30 @@ def test_device_only_world_trains_exactly_like_a_gloo_world():
             assert weights.keys() == ref_weights.keys()
             for name in weights:
                 assert torch.equal(weights[name], ref_weights[name]), (rank, stage, name)
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: a real NCCL-only world (one rank: the lent machine has one GPU). Two ranks and
+# `accelerate launch` need two GPUs (GPU review, checks to run, item 8).
+
+
+@pytest.mark.cuda
+def test_nccl_only_world_routes_host_tensors_to_gloo_and_device_tensors_to_nccl(one_rank):
+    torch.cuda.set_device(0)
+    one_rank("nccl")
+    assert backends_by_device() == {"cuda": "nccl"}
+    comm = Comm()
+    host = torch.arange(4.0)
+    comm.broadcast(host).wait()
+    comm.all_reduce(host).wait()
+    full = torch.empty(4)
+    comm.all_gather(full, host).wait()
+    assert torch.equal(full, torch.arange(4.0))
+    assert comm.route(torch.device("cpu"))[1] == "gloo"
+    device = torch.arange(8.0, device="cuda")
+    shard = torch.empty(8, device="cuda")
+    comm.reduce_scatter(shard, device, op=AVG).wait()  # "auto": NCCL's own, AVG included
+    assert torch.equal(shard.cpu(), torch.arange(8.0))
+    assert comm.route(torch.device("cuda")) == (None, "nccl")
+    assert comm.stats(detail=True)["reduce_scatter"]["emulated"] == 0
+    comm.close()

@@ -30,7 +30,9 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 def init_distributed(zero_cfg=None, device: torch.device | None = None) -> tuple[int, int]:
     """Join the default process group if a launcher asked for one; return (rank, world_size).
 
-    - already initialized (by the user or an earlier call): its rank and size, untouched;
+    - already initialized (by the user or an earlier call): its rank and size, untouched; a
+      group with no CPU backend (NCCL-only) is fine: host tensors' collectives then run on a
+      gloo group the engine's Comm makes ([Note: which group runs a collective] in comm.py);
     - torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): init with
       `timeout = zero_cfg.timeout_s` for every collective. On a CUDA `device` (default:
       what train.device = "cuda" picks when CUDA is available) the group is "cpu:gloo,cuda:nccl" bound to
