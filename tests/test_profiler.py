@@ -634,3 +634,67 @@ def test_prefetch_line_when_params_stay_on_the_device():
     summary, _ = _line(lambda p: (span(p, "forward", 0, 10), xfer(p, "w", "host", "device", 0, 1, reason="demand"),
                                   p.prefetch_used("w", False)))
     assert summary.param_fetches == 1 and "prefetch 0 issued, 0 hits, 1 misses" in summary.table()
+
+
+def _three_steps() -> Profiler:
+    """Three steps of 100 ms: forward 20, backward 40, a gradient copy 60-70 that compute waits on
+    for 5 ms, CPU Adam 70-90 on the optimizer thread, an NVMe read 90-95 while nothing runs."""
+    prof = make_profiler(peak_rates={"nvme_read": 1e9})
+    for k in range(3):
+        o = 100 * k
+        span(prof, "forward", o, o + 20)
+        span(prof, "backward", o + 20, o + 60)
+        xfer(prof, "g", "device", "host", o + 60, o + 70, reason="grad-offload", role="grad")
+        prof.record_wait("g", at(prof, o + 60), at(prof, o + 65), thread="main")
+        span(prof, "optimizer", o + 70, o + 90, thread="opt", numel=1000)
+        xfer(prof, "m", "nvme", "host", o + 90, o + 95, reason="optimizer-read", role="master", stream="io")
+    prof.sample({"device": (1 << 20, 2 << 20), "host": (3 << 20, 1 << 40)}, t_ns=at(prof, 0))
+    return prof
+
+
+def test_step_times_add_up_to_each_step():
+    """The plot's bars ([Note: step time]): steps cut at the first forward after optimizer work;
+    compute, stall, CPU optimizer, exposed transfer and other add up to the step's wall time."""
+    from zerotier.profiler import step_times
+
+    steps = step_times(_three_steps().trace())
+    assert [round(s.start_s, 6) for s in steps] == [0.0, 0.1, 0.2]
+    for s in steps:
+        assert (s.compute_s, s.stall_s, s.cpu_optimizer_s, s.exposed_transfer_s) == pytest.approx(
+            (0.060, 0.005, 0.020, 0.010))
+        assert s.compute_s + s.stall_s + s.cpu_optimizer_s + s.exposed_transfer_s + s.other_s == \
+            pytest.approx(s.wall_s)
+    assert steps[0].other_s == pytest.approx(0.005) and steps[-1].wall_s == pytest.approx(0.095)
+    # accumulation: two forwards with no optimizer work between them are one step
+    prof = make_profiler()
+    span(prof, "forward", 0, 10), span(prof, "backward", 10, 20), span(prof, "forward", 20, 30)
+    span(prof, "backward", 30, 40), span(prof, "optimizer", 40, 50), span(prof, "forward", 50, 60)
+    assert [round(s.wall_s, 6) for s in step_times(prof.trace())] == [0.05, 0.01]
+
+
+@pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib (the plot extra) is not installed")
+def test_plot_shows_step_time_bandwidth_and_residency_with_legends_outside(tmp_path, monkeypatch):
+    """Issue 26 item 7: a stacked bar per step, bandwidth per link with its saved peak, one readable
+    residency panel per tier against its budget; no legend over the data."""
+    from matplotlib.figure import Figure
+
+    drawn = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k))[1])
+    out = tmp_path / "p.png"
+    plot_trace(_three_steps().trace(), str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size < 200_000
+    fig, = drawn
+    steps, bandwidth, device, host = fig.axes
+    assert steps.get_title() == ("where step time goes (3 steps: compute 61%, stall 5%, CPU optimizer 20%, "
+                                 "exposed transfer 10%, other 3%)")   # 180, 15, 60, 30, 10 of 295 ms
+    assert [t.get_text() for t in steps.get_legend().get_texts()][:4] == [
+        "compute", "stall (compute waits on a transfer)", "CPU optimizer", "exposed transfer (nothing else runs)"]
+    assert len(steps.patches) == 3 * 5                        # five parts per bar
+    assert "nvme->host saved peak 1.00 GB/s" in [t.get_text() for t in bandwidth.get_legend().get_texts()]
+    assert device.get_title().startswith("device: peak 1.00 MiB of 2.00 MiB (50%)\n(dashed: budget)")
+    assert host.get_title() == "host: peak 3.00 MiB of 1.00 TiB (0%)\n(budget off this scale)"
+    assert host.get_ylim()[1] < 4                             # MiB: the curve is not squashed by the budget
+    renderer = fig.canvas.get_renderer()
+    for ax in (steps, bandwidth):
+        assert ax.get_legend().get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1

@@ -16,8 +16,8 @@ docs/profiler.md explains what is recorded and how to read the outputs.
 """
 from .events import COMPUTE_KINDS, REASONS, ROLES, TIERS, Profiler
 from .plot import plot_trace
-from .summary import LinkStats, ReasonStats, Summary, TensorStats, TierResidency, summarize
+from .summary import LinkStats, ReasonStats, StepTime, Summary, TensorStats, TierResidency, step_times, summarize
 from .trace import load_trace, save_trace
 
 __all__ = ["COMPUTE_KINDS", "REASONS", "ROLES", "TIERS", "Profiler", "plot_trace", "LinkStats", "ReasonStats",
-           "Summary", "TensorStats", "TierResidency", "summarize", "load_trace", "save_trace"]
+           "StepTime", "Summary", "TensorStats", "TierResidency", "step_times", "summarize", "load_trace", "save_trace"]
