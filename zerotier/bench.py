@@ -347,9 +347,10 @@ def format_table(results: dict[str, Any]) -> str:
             rows.append(("nvme overwrite", f"{io['overwrite_GBps']:7.2f} GB/s  (a step's swap writes)"))
         rows.append(("nvme read", f"{io['read_GBps']:7.2f} GB/s"))
         if io.get("crc32c_GBps"):  # the checksum of every swap file, on the writing/reading thread
-            cost = io["write_GBps"] / io["crc32c_GBps"]
-            rows.append(("swap checksum crc32c", f"{io['crc32c_GBps']:7.2f} GB/s  (one core; +{100 * cost:.0f}% "
-                                                 "to a swap write's time at the write rate above)"))
+            rate = io.get("overwrite_GBps") or io["write_GBps"]   # a step's swap writes are overwrites
+            rows.append(("swap checksum crc32c", f"{io['crc32c_GBps']:7.2f} GB/s  (one core; "
+                                                 f"+{100 * rate / io['crc32c_GBps']:.0f}% to a swap write's time "
+                                                 f"at {rate:.2f} GB/s)"))
     adam = results.get("adam")
     if adam:
         note = f"({adam['numel'] / 1e6:.0f}M params, {adam['simd']}, {adam['threads']} threads)"
