@@ -80,10 +80,92 @@ def test_zero_infinity_example():
     assert "pin_memory" not in warning  # zerotier always pins
 
 
-def test_auto_values_keep_defaults_and_are_listed():
-    cfg, warning = convert({"gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 3}})
-    assert cfg.train.grad_accum_steps == 1 and cfg.zero.stage == 3
-    assert 'gradient_accumulation_steps = "auto"' in warning
+# what HF's DeepSpeed integration writes (its docs' ZeRO-3 example): "auto" for the trainer to fill
+HF_AUTO = {
+    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                          "reduce_bucket_size": "auto"},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+}
+FILLED = ("precision.param_dtype", "optimizer.lr", "optimizer.betas", "optimizer.eps", "optimizer.weight_decay",
+          "train.grad_accum_steps", "train.max_grad_norm")
+
+
+def test_auto_values_are_kept_for_the_trainer_to_fill():
+    cfg, warning = convert(HF_AUTO)
+    assert all(cfg.value(key) == "auto" for key in FILLED)
+    assert cfg.offload.params == "host" and cfg.zero.stage == 3
+    for key in ("gradient_accumulation_steps", "gradient_clipping", "optimizer.params", "bf16", "fp16",
+                "train_batch_size", "train_micro_batch_size_per_gpu", "scheduler.params"):
+        assert key not in warning, key  # filled by the trainer: not "no zerotier meaning"
+    assert 'reduce_bucket_size = "auto" (zerotier\'s default is kept)' in warning and "scheduler.type" in warning
+
+
+def test_a_plain_run_with_auto_keys_warns_once_naming_each_default():
+    import torch
+
+    import zerotier
+
+    cfg, _ = convert(HF_AUTO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = zerotier.initialize(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), cfg)
+    ours = [str(w.message) for w in caught if "auto" in str(w.message)]
+    assert len(ours) == 1, ours
+    for text in ("precision.param_dtype = 'fp32'", "optimizer.lr = 0.001", "optimizer.betas = (0.9, 0.999)",
+                 "optimizer.eps = 1e-08", "optimizer.weight_decay = 0.01", "train.grad_accum_steps = 1",
+                 "train.max_grad_norm = None", "ZerotierTrainer"):
+        assert text in ours[0], text
+    assert engine.cfg.optimizer.lr == 1e-3 and engine.cfg.train.max_grad_norm is None
+    engine.close()
+
+
+def test_zerotier_trainer_fills_auto_from_training_arguments(tmp_path):
+    """As HF's HfTrainerDeepSpeedConfig.trainer_config_process fills a DeepSpeed config; an explicit
+    value that differs from TrainingArguments is refused, naming both (HF's mismatch error)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from zerotier.integrations.transformers import ZerotierTrainer
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), bf16=True, learning_rate=2e-3, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6,
+        weight_decay=0.05, max_grad_norm=0.7, gradient_accumulation_steps=3, per_device_train_batch_size=2,
+        use_cpu=True, report_to=[])
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32,
+                                                                 n_positions=8))
+    cfg, _ = convert(HF_AUTO)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # filled: no "defaults used" warning
+        trainer = ZerotierTrainer(model=model, args=args, zerotier_config=cfg)
+    engine = trainer.engine
+    assert engine.cfg.precision.param_dtype == "bf16" and engine.lp_dtype == torch.bfloat16
+    assert (engine.cfg.optimizer.lr, engine.cfg.optimizer.betas, engine.cfg.optimizer.eps,
+            engine.cfg.optimizer.weight_decay) == (2e-3, (0.8, 0.95), 1e-6, 0.05)
+    assert (engine.cfg.train.max_grad_norm, engine.cfg.train.grad_accum_steps) == (0.7, 3)
+    assert engine.grads.grad_dtype == torch.bfloat16  # bf16 accumulators under bf16 parameters (the default)
+    engine.close()
+
+    explicit = {**HF_AUTO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    cfg, _ = convert(explicit)
+    with pytest.raises(ConfigError, match=r"optimizer\.lr = 0\.0001 .* learning_rate gives 0\.002"):
+        ZerotierTrainer(model=model, args=args, zerotier_config=cfg)
+
+
+@pytest.mark.parametrize("grad_dtype, expected", [(None, "bfloat16"), ("fp32", "float32")])
+def test_bf16_parameters_accumulate_in_bf16_unless_fp32_is_asked_for(grad_dtype, expected):
+    import torch
+
+    import zerotier
+
+    precision = {"param_dtype": "bf16", **({"grad_dtype": grad_dtype} if grad_dtype else {})}
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    with zerotier.initialize(model, {"precision": precision}) as engine:
+        assert engine.grads.grad_dtype == getattr(torch, expected)
+        assert engine.plan.grad_dtype == {"bfloat16": "bf16", "float32": "fp32"}[expected]
 
 
 @pytest.mark.parametrize("ds, match", [
@@ -106,6 +188,23 @@ def test_zerotier_convert_cli(tmp_path):
     assert "not used (no zerotier meaning): scheduler.type" in proc.stderr
     cfg = Config.load(out)
     assert cfg.zero.stage == 3 and cfg.offload.params == "nvme" and cfg.tiers.nvme_path == "/local_nvme"
+
+
+def test_zerotier_convert_prints_auto_keys_as_filled_by_the_trainer(tmp_path):
+    src = tmp_path / "ds_config.json"
+    src.write_text(json.dumps(HF_AUTO))
+    proc = subprocess.run([sys.executable, "-m", "zerotier.cli", "convert", str(src)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for line in ("auto (filled by the trainer): optimizer.params.lr -> optimizer.lr",
+                 "auto (filled by the trainer): bf16.enabled / fp16.enabled -> precision.param_dtype",
+                 "auto (filled by the trainer): gradient_clipping -> train.max_grad_norm",
+                 "auto (filled by the trainer): train_micro_batch_size_per_gpu -> the Trainer's own "
+                 "per_device_train_batch_size"):
+        assert line in proc.stderr, line
+    assert 'lr = "auto"' in proc.stdout and 'max_grad_norm = "auto"' in proc.stdout
+    out = tmp_path / "zerotier.toml"
+    out.write_text(proc.stdout)
+    assert Config.load(out).optimizer.lr == "auto"  # the TOML keeps them for ZerotierTrainer
 
 
 @pytest.mark.parametrize("value, dtype", [

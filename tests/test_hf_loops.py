@@ -193,3 +193,118 @@ def test_trainer_load_best_model_at_end_loads_into_the_engine():
         got = engine.parameters_fp32()
     for name, value in expected.items():  # atol: the attention key bias's true gradient is ~0 (Adam steps on noise)
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# --- from a directory to Trainer (issue 26 item 2) ---------------------------------------------
+
+def hf_args(**kw):
+    values = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  max_grad_norm=0.5, learning_rate=3e-3, weight_decay=0.1, num_train_epochs=1, logging_steps=1,
+                  report_to=[], use_cpu=True, save_strategy="no", lr_scheduler_type="linear", seed=0, data_seed=0)
+    return transformers.TrainingArguments(**{**values, **kw})
+
+
+def exempt_names(trainer, model):
+    """Names of the parameters in the trainer's optimizer groups with weight_decay 0."""
+    name = {id(p): n for n, p in model.named_parameters()}
+    return sorted(name[id(p)] for g in trainer.optimizer.param_groups if g["weight_decay"] == 0 for p in g["params"])
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """Plain Trainer on the saved model: its losses, final weights and weight-decay exemptions."""
+    directory = tmp_path_factory.mktemp("gpt2")
+    gpt2().save_pretrained(directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    trainer = transformers.Trainer(model=model, args=hf_args(), train_dataset=Tokens())
+    losses, _ = trainer_logs(trainer)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return directory, losses, weights, exempt_names(trainer, model)
+
+
+@pytest.mark.parametrize("params", ["host", "nvme"])
+@pytest.mark.parametrize("how", ["ZerotierTrainer.from_pretrained", "zerotier.from_pretrained then ZerotierTrainer"])
+def test_a_directory_to_zerotier_trainer_trains_like_plain_trainer(plain_run, tmp_path, how, params):
+    """No optimizer keys in the zerotier config: TrainingArguments fill them (lr, weight decay with
+    Trainer's exemptions, clipping), on the engine before it is built or on the live one."""
+    from zerotier.integrations.transformers import ZerotierTrainer
+
+    directory, expected_losses, expected, expected_exempt = plain_run
+    zt = {"offload": {"params": params, "gradients": "host", "optimizer": "host"},
+          "tiers": {"nvme_path": str(tmp_path)}}
+    if how == "ZerotierTrainer.from_pretrained":
+        trainer = ZerotierTrainer.from_pretrained(directory, hf_args(), train_dataset=Tokens(), zerotier_config=zt)
+    else:
+        engine = zerotier.from_pretrained(directory, zt)
+        trainer = ZerotierTrainer(model=engine.module, args=hf_args(), train_dataset=Tokens())
+        assert trainer.engine is engine
+    assert len(expected_exempt) > 0 and exempt_names(trainer, trainer.engine.module) == expected_exempt
+    losses, _ = trainer_logs(trainer)
+    assert trainer.engine.global_steps == len(losses) == 4
+    cfg = trainer.engine.cfg
+    assert (cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.train.max_grad_norm) == (3e-3, 0.1, 0.5)
+    got = trainer.engine.parameters_fp32()
+    trainer.engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+    for name, value in expected.items():  # atol: the attention key bias's true gradient is ~0 (Adam steps on noise)
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_trainer_exempts_the_same_parameters_from_weight_decay():
+    """Biases and LayerNorm weights (Trainer's get_decay_parameter_names) get weight_decay 0, the
+    rest TrainingArguments' weight_decay, in ZerotierTrainer's optimizer as in plain Trainer's."""
+    from zerotier.integrations.transformers import ZerotierTrainer
+
+    model = gpt2()
+    trainer = ZerotierTrainer(model=model, args=hf_args(weight_decay=0.05), train_dataset=Tokens(),
+                              zerotier_config={"offload": {"params": "host", "gradients": "host", "optimizer": "host"}})
+    decayed = set(trainer.get_decay_parameter_names(model))
+    exempt = exempt_names(trainer, model)
+    assert exempt == sorted(n for n, _ in model.named_parameters() if n not in decayed)
+    assert any(n.endswith(".bias") for n in exempt) and any(".ln_" in n for n in exempt)
+    assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [0.05, 0.0]
+    trainer.engine.close()
+
+
+def test_conflicting_settings_are_refused_naming_both_values(tmp_path):
+    from zerotier.integrations.transformers import ZerotierTrainer
+
+    with pytest.raises(zerotier.ConfigError, match=r"optimizer\.lr = 0\.0001 in the zerotier config but "
+                                                   r"TrainingArguments' learning_rate gives 0\.003"):
+        ZerotierTrainer(model=gpt2(), args=hf_args(), zerotier_config={"optimizer": {"lr": 1e-4}})
+    with pytest.raises(zerotier.ConfigError, match=r"train\.max_grad_norm = 2\.0 .* max_grad_norm gives 0\.5"):
+        ZerotierTrainer(model=gpt2(), args=hf_args(), zerotier_config={"train": {"max_grad_norm": 2.0}})
+    with pytest.raises(zerotier.ConfigError, match=r"optimizer\.no_weight_decay = \['\*\.bias'\] exempts"):
+        ZerotierTrainer(model=gpt2(), args=hf_args(), zerotier_config={"optimizer": {"no_weight_decay": ["*.bias"]}})
+    # "auto" and the keys left out are TrainingArguments' to fill
+    trainer = ZerotierTrainer(model=gpt2(), args=hf_args(), zerotier_config={"optimizer": {"lr": "auto"}})
+    assert trainer.engine.cfg.optimizer.lr == 3e-3
+    trainer.engine.close()
+
+    gpt2().save_pretrained(tmp_path / "gpt2")
+    engine = zerotier.from_pretrained(tmp_path / "gpt2", {"optimizer": {"betas": [0.9, 0.95]}})
+    with pytest.raises(zerotier.ConfigError, match=r"optimizer\.betas = \(0\.9, 0\.95\) in the zerotier config "
+                                                   r"but TrainingArguments' \(adam_beta1, adam_beta2\) gives "
+                                                   r"\(0\.9, 0\.999\).*The engine is built already"):
+        ZerotierTrainer(model=engine.module, args=hf_args())
+    engine.close()
+    engine = zerotier.from_pretrained(tmp_path / "gpt2")
+    with pytest.raises(zerotier.ConfigError, match=r"precision\.param_dtype = 'fp32' .* bf16 / fp16 gives 'bf16'"):
+        ZerotierTrainer(model=engine.module, args=hf_args(bf16=True))
+    assert engine.optimizer.param_groups[0]["lr"] == 1e-3  # a refused trainer changed nothing
+    with pytest.raises(TypeError, match="managed by an engine already"):
+        ZerotierTrainer(model=engine.module, args=hf_args(), zerotier_config={})
+    engine.close()
+
+
+def test_plain_trainer_over_engine_optimizer_refuses_decay_on_exempt_parameters():
+    """Trainer builds its weight-decay exemptions only into an optimizer it makes: over
+    engine.optimizer with weight decay on biases and norms, its first step is refused with the fix."""
+    model = gpt2()
+    with zerotier.initialize(model, dict(ZT, optimizer={"lr": 3e-3, "weight_decay": 0.1})) as engine:
+        trainer = transformers.Trainer(model=model, args=hf_args(), train_dataset=Tokens(),
+                                       optimizers=(engine.optimizer, None))
+        with pytest.raises(zerotier.ZerotierError, match=r"parameters Trainer exempts from weight decay .*"
+                                                         r"Use ZerotierTrainer\(model=engine.module"):
+            trainer.train()
+        assert engine.global_steps == 0

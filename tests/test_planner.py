@@ -22,9 +22,11 @@ def _no_saved_rates(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROTIER_BENCH_FILE", str(tmp_path / "no-bench.json"))
 
 
-def plan(numels, device=BIG, host=BIG, nvme=0, offload=None, dtype="bf16", **kw):
+def plan(numels, device=BIG, host=BIG, nvme=0, offload=None, dtype="bf16", grad_dtype="fp32", **kw):
+    """The byte counts below are for fp32 gradient accumulators (chosen: bf16 is the default under bf16)."""
     kw.setdefault("alignment", 1)  # no block rounding: the formulas below are exact
-    return make_plan(numels, TiersConfig(), OffloadConfig(**(offload or {})), PrecisionConfig(param_dtype=dtype),
+    precision = PrecisionConfig(param_dtype=dtype, grad_dtype=grad_dtype)
+    return make_plan(numels, TiersConfig(), OffloadConfig(**(offload or {})), precision,
                      PrefetchConfig(), CPU, budgets={"device": device, "host": host, "nvme": nvme}, **kw)
 
 
@@ -79,11 +81,14 @@ def test_formula_terms_per_stage():
         model_state_bytes(psi, 4, n)
 
 
-def test_engine_accounting_counts_fp32_gradient_accumulators():
+def test_engine_accounting_counts_the_gradient_accumulators():
     p = plan([1000], offload=ALL_DEVICE)
-    assert p.grad_bytes == 4  # fp32 accumulators (precision.grad_dtype default)
+    assert p.grad_bytes == 4 and p.grad_dtype == "fp32"  # precision.grad_dtype = "fp32" given
     assert p.state_bytes == {"params": 2000, "gradients": 4000, "optimizer": 12000}
     assert p.per_rank_bytes == model_state_bytes(1000, 0, 1, grad_bytes=4)
+    p = plan([1000], offload=ALL_DEVICE, grad_dtype="auto")  # the default: bf16 under bf16 parameters
+    assert p.grad_bytes == 2 and p.grad_dtype == "bf16" and p.state_bytes["gradients"] == 2000
+    assert plan([1000], offload=ALL_DEVICE, dtype="fp32", grad_dtype="auto").grad_bytes == 4
 
 
 # --- fits / does not fit ---------------------------------------------------------------------

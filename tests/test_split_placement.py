@@ -122,7 +122,8 @@ def plan(numels, host=BIG, nvme=BIG, optimizer="auto", device=None, **kw):
     if device is None:
         device = plan(numels, BIG, BIG, optimizer="host" if optimizer == "auto" else optimizer, device=BIG,
                       **kw).need["device"]
-    return make_plan(numels, TiersConfig(), offload, PrecisionConfig(param_dtype="bf16"), PrefetchConfig(), CPU,
+    precision = PrecisionConfig(param_dtype="bf16", grad_dtype="fp32")  # the byte counts below: fp32 gradients
+    return make_plan(numels, TiersConfig(), offload, precision, PrefetchConfig(), CPU,
                      budgets={"device": device, "host": host, "nvme": nvme}, **kw)
 
 

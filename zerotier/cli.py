@@ -240,7 +240,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         cfg["tiers"]["nvme"] = 1 << 60
         note = (f"note: {path} does not exist on this machine, so its free space is unknown: planned with an "
                 "unlimited NVMe budget (pass --nvme SIZE to plan with that machine's)")
-    cfg = Config.from_dict(cfg)
+    cfg = Config.from_dict(cfg).auto_to_defaults()  # [Note: keys a trainer fills]
     if args.world_size < 1:
         raise ZerotierError(f"--world-size: must be >= 1, got {args.world_size}")
     if args.model:
@@ -427,9 +427,11 @@ def _run_convert(args: argparse.Namespace) -> int:
     from zerotier import deepspeed_config
     from zerotier.config import Config
 
-    sections, unmapped = deepspeed_config.load(args.ds_config)
+    sections, unmapped, by_trainer = deepspeed_config.load(args.ds_config)
     Config.from_dict(sections)  # the result must be a valid zerotier config
     text = deepspeed_config.to_toml(sections)
+    for line in by_trainer:  # [Note: keys a trainer fills] in config.py
+        print(f"zerotier convert: auto (filled by the trainer): {line}", file=sys.stderr)
     for key in unmapped:
         print(f"zerotier convert: not used (no zerotier meaning): {key}", file=sys.stderr)
     if args.to:

@@ -15,6 +15,17 @@ tuples), driven by the field type hints plus the value rules in `_FIELD_RULES`.
 `Config.__post_init__` adds the rules that span sections. So a `Config` obtained
 any way - from a file, a dict, direct construction, `dataclasses.replace` - is
 valid, and every error names the key path, e.g. `tiers.host`.
+
+[Note: keys a trainer fills]
+The keys in TRAINER_KEYS (optimizer.lr / betas / eps / weight_decay, train.grad_accum_steps /
+max_grad_norm, precision.param_dtype) may be "auto", meaning what Hugging Face's DeepSpeed
+integration means by it: the trainer fills the key from its own arguments (ZerotierTrainer
+from TrainingArguments, as HF's HfTrainerDeepSpeedConfig.trainer_config_process does).
+`zerotier.initialize` gives a key still "auto" zerotier's default, with one warning naming
+each default used (`Config.auto_to_defaults`). A trainer fills a key the config left "auto" or
+did not give, and refuses one the config gave with another value, naming both (HF refuses such
+a mismatch in a DeepSpeed config too). `Config.given(path)`: the keys the source of
+`from_dict` / `load` held; for a Config built otherwise, the keys that differ from the default.
 """
 from __future__ import annotations
 
@@ -27,6 +38,7 @@ import os
 import re
 import reprlib
 import types
+import warnings
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
@@ -39,6 +51,7 @@ _BYTES = "bytes"  # Annotated marker: an int count of bytes, writable as "24GiB"
 Bytes = Annotated[int, _BYTES]
 Size = Union[Bytes, Literal["auto"]]
 Placement = Literal["auto", "device", "host", "nvme"]
+Auto = Literal["auto"]  # a trainer-filled key: [Note: keys a trainer fills]
 TierFractions = dict[Literal["device", "host", "nvme"], float]  # offload.optimizer split: tier -> fraction
 
 
@@ -88,23 +101,32 @@ class OffloadConfig(_Section):
 
 @dataclass(frozen=True)
 class PrecisionConfig(_Section):
-    param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    param_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
     master_dtype: Literal["fp32"] = "fp32"
-    grad_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # gradient accumulators, on whichever tier
+    grad_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # accumulators; auto: bf16 with bf16 params, else fp32
     loss_scale: Union[float, Literal["dynamic"]] = 1.0  # "dynamic" for fp16
     initial_scale_power: int = 16          # dynamic scaling starts at 2**power
     loss_scale_window: int = 1000          # good steps before the scale doubles
     hysteresis: int = 2                    # overflows tolerated before halving
     min_loss_scale: float = 1.0
 
+    @property
+    def accumulator_dtype(self) -> str:
+        """The gradient accumulators' dtype: grad_dtype, or for "auto" bf16 under bf16 parameters
+        (half the bytes; each micro-batch is added in fp32 and rounded once, docs/config.md) and
+        fp32 otherwise."""
+        if self.grad_dtype != "auto":
+            return self.grad_dtype
+        return "bf16" if self.param_dtype == "bf16" else "fp32"
+
 
 @dataclass(frozen=True)
 class OptimizerConfig(_Section):
     type: Literal["adamw", "adam"] = "adamw"   # adam = L2 weight decay added to the gradient
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
+    lr: float | Auto = 1e-3
+    betas: tuple[float, float] | Auto = (0.9, 0.999)
+    eps: float | Auto = 1e-8
+    weight_decay: float | Auto = 0.01
     no_weight_decay: tuple[str, ...] = ()      # parameter-name globs exempt from weight decay ("*.bias")
     bias_correction: bool = True
     threads: int | Literal["auto"] = "auto"    # CPU Adam threads; auto = physical cores
@@ -114,8 +136,8 @@ class OptimizerConfig(_Section):
 
 @dataclass(frozen=True)
 class TrainConfig(_Section):
-    grad_accum_steps: int = 1
-    max_grad_norm: float | None = None     # global grad-norm clipping; None disables
+    grad_accum_steps: int | Auto = 1
+    max_grad_norm: float | None | Auto = None  # global grad-norm clipping; None disables
     early_step: bool = False               # Adam during the window's last backward ([Note: early step])
     device: str = "auto"                   # auto | cpu | cuda | cuda:N (see zerotier/device.py)
     wrap: Literal["auto"] | tuple[str, ...] = "auto"  # unit boundaries: auto | module class names (state.py)
@@ -186,7 +208,10 @@ class Config:
             if section_cls is None:
                 raise _unknown_key_error(str(name), "", _SECTIONS)
             sections[name] = _section_from_value(section_cls, name, value)
-        return cls(**sections)
+        cfg = cls(**sections)
+        given = {f"{name}.{key}" for name, value in data.items() if isinstance(value, Mapping) for key in value}
+        object.__setattr__(cfg, "_given", frozenset(given))  # [Note: keys a trainer fills]
+        return cfg
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Config:
@@ -227,13 +252,52 @@ class Config:
     @classmethod
     def from_deepspeed(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> Config:
         """A zerotier Config from a DeepSpeed config (dict or JSON file): every key with a zerotier
-        meaning mapped, the others listed in one warning ([Note: DeepSpeed keys] in
+        meaning mapped, "auto" kept for the trainer to fill, the others listed in one warning ([Note: DeepSpeed keys] in
         deepspeed_config.py)."""
         from . import deepspeed_config
 
-        sections, unmapped = deepspeed_config.load(source)
-        deepspeed_config.warn_unmapped(unmapped)
-        return cls.from_dict(sections)
+        converted = deepspeed_config.load(source)
+        deepspeed_config.warn_unmapped(converted.unmapped)
+        return cls.from_dict(converted.sections)  # "auto" keys stay "auto" ([Note: keys a trainer fills])
+
+    def value(self, path: str) -> Any:
+        """The value at "section.key"."""
+        section, key = path.split(".")
+        return getattr(getattr(self, section), key)
+
+    def given(self, path: str) -> bool:
+        """Whether the config's source set `path` ([Note: keys a trainer fills])."""
+        given = self.__dict__.get("_given")
+        if given is not None:
+            return path in given
+        section, key = path.split(".")
+        return self.value(path) != next(f.default for f in dataclasses.fields(getattr(self, section))
+                                        if f.name == key)
+
+    def with_values(self, values: Mapping[str, Any]) -> Config:
+        """This config with the "section.key" paths of `values` set (validated as any Config); those
+        count as filled, not given, and `given` answers as before for every other key."""
+        changes: dict[str, dict[str, Any]] = {}
+        for path, value in values.items():
+            section, key = path.split(".")
+            changes.setdefault(section, {})[key] = value
+        out = dataclasses.replace(self, **{name: dataclasses.replace(getattr(self, name), **kv)
+                                           for name, kv in changes.items()})
+        object.__setattr__(out, "_given", frozenset(p for p in _paths() if self.given(p) and p not in values))
+        return out
+
+    def auto_to_defaults(self) -> Config:
+        """Keys still "auto" that a trainer was to fill get zerotier's defaults, with one warning
+        naming each ([Note: keys a trainer fills]); the config itself when none is."""
+        left = [path for path in TRAINER_KEYS if self.value(path) == "auto"]
+        if not left:
+            return self
+        defaults = {path: _DEFAULTS[path] for path in left}
+        warnings.warn("config keys left \"auto\" (filled by a trainer) take zerotier's defaults: "
+                      + ", ".join(f"{p} = {v!r}" for p, v in defaults.items())
+                      + ". Set them in the config, or let ZerotierTrainer fill them from TrainingArguments",
+                      UserWarning, stacklevel=3)
+        return self.with_values(defaults)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain JSON-serializable dict (sizes as int bytes, tuples as lists); from_dict accepts it back."""
@@ -448,6 +512,8 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
     if origin in (Union, types.UnionType):
         if any(_is_bytes(arm) for arm in args):  # Size
             return parse_size(value, path, allow_auto=Literal["auto"] in args)
+        if path in TRAINER_KEYS and len(args) == 2 and value != "auto":  # a trainer key: the value arm's own message
+            return _convert(value, next(arm for arm in args if arm != Auto), path)
         for arm in args:
             try:
                 return _convert(value, arm, path)
@@ -583,6 +649,8 @@ _FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 def _check_field_rule(path: str, value: Any) -> None:
     rule = _FIELD_RULES.get(path)
+    if path in TRAINER_KEYS and value == "auto":
+        return
     if rule is not None and not rule[0](value):
         raise ConfigError(f"{path}: {rule[1]}, got {_shown(value)}")
 
@@ -649,5 +717,16 @@ def _check_nvme_placement(cfg: Config) -> None:
             )
 
 
+TRAINER_KEYS = ("precision.param_dtype", "optimizer.lr", "optimizer.betas", "optimizer.eps",
+                "optimizer.weight_decay", "train.grad_accum_steps", "train.max_grad_norm")
+
 _SECTIONS: dict[str, type] = {f.name: _type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
 _SECTION_NAMES: dict[type, str] = {cls: name for name, cls in _SECTIONS.items()}
+
+
+def _paths() -> list[str]:
+    return [f"{name}.{f.name}" for name, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+_DEFAULTS: dict[str, Any] = {path: next(f.default for f in dataclasses.fields(_SECTIONS[path.split(".")[0]])
+                                        if f.name == path.split(".")[1]) for path in TRAINER_KEYS}

@@ -4,8 +4,14 @@
 [Note: DeepSpeed keys]
 Every DeepSpeed key is either mapped to the zerotier key with the same meaning, known to be
 what zerotier always does (no warning), or listed in the one warning `from_deepspeed` gives
-(never ignored silently). "auto" values (what HF's integration writes) keep zerotier's default
-and are listed too. What each key maps to:
+(never ignored silently). "auto" (what HF's integration writes) means what HF means: filled by
+the trainer. On a key with a zerotier counterpart among TRAINER_KEYS (precision, lr, betas,
+eps, weight_decay, clipping, accumulation) the zerotier key is "auto" too, and ZerotierTrainer
+fills it from TrainingArguments ([Note: keys a trainer fills] in config.py); the batch sizes and
+scheduler.params are the Trainer's own (its per_device_train_batch_size, lr_scheduler_type and
+warmup), so zerotier has no key for them. `zerotier convert` lists both kinds as "auto (filled
+by the trainer)". Any other "auto" (bucket sizes, thresholds) keeps zerotier's default and is
+in the warning. What each key maps to:
 
   zero_optimization.stage                      zero.stage
   zero_optimization.offload_optimizer.device   offload.optimizer (cpu -> host, nvme, none -> device)
@@ -37,7 +43,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from .errors import ConfigError
 
@@ -63,16 +69,32 @@ def _bool(path: str, value: Any) -> bool | None:
     raise ConfigError(f"{path} = {value!r}: expected true or false")
 
 
-def convert(ds: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """({section: {key: value}} for Config.from_dict, [DeepSpeed keys with no zerotier meaning])."""
+# "auto" DeepSpeed keys that TrainingArguments fill and the Trainer itself applies (no zerotier key)
+_TRAINERS_OWN = {"train_batch_size": "per_device_train_batch_size x gradient_accumulation_steps",
+                 "train_micro_batch_size_per_gpu": "per_device_train_batch_size"}
+
+
+class Converted(NamedTuple):
+    sections: dict[str, dict[str, Any]]  # {section: {key: value}} for Config.from_dict
+    unmapped: list[str]                  # DeepSpeed keys with no zerotier meaning (the warning)
+    by_trainer: list[str]                # "auto" keys the trainer fills: "ds key -> zerotier key" lines
+
+
+def convert(ds: Mapping[str, Any]) -> Converted:
+    """A DeepSpeed config in zerotier's terms ([Note: DeepSpeed keys])."""
     if not isinstance(ds, Mapping):
         raise ConfigError(f"a DeepSpeed config is a JSON object, got {type(ds).__name__}")
     out: dict[str, dict[str, Any]] = {}
     unmapped: list[str] = []
+    by_trainer: list[str] = []
     seen: set[str] = set()
+    auto_ok = {"gradient_accumulation_steps", "gradient_clipping", "optimizer.params.lr", "optimizer.params.eps",
+               "optimizer.params.weight_decay", "optimizer.params.betas", "bf16.enabled", "fp16.enabled"}
 
     def put(section: str, key: str, value: Any) -> None:
         out.setdefault(section, {})[key] = value
+        if value == "auto":
+            by_trainer.append(f"{section}.{key}")
 
     def get(path: str) -> Any:
         node: Any = ds
@@ -81,7 +103,7 @@ def convert(ds: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]
                 return None
             node = node[part]
         seen.add(path)
-        if node == "auto":
+        if node == "auto" and path not in auto_ok:
             unmapped.append(f"{path} = \"auto\" (zerotier's default is kept)")
             return None
         return node
@@ -121,25 +143,30 @@ def convert(ds: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]
         if value is not None:
             put("io", key, int(value))
 
-    bf16, fp16 = _bool("bf16.enabled", get("bf16.enabled")), _bool("fp16.enabled", get("fp16.enabled"))
-    if bf16 and fp16:
+    bf16, fp16 = get("bf16.enabled"), get("fp16.enabled")
+    bf16, fp16 = (v if v == "auto" else _bool(f"{k}.enabled", v) for k, v in (("bf16", bf16), ("fp16", fp16)))
+    if bf16 is True and fp16 is True:
         raise ConfigError("bf16.enabled and fp16.enabled are both true: choose one")
-    if bf16:
+    if bf16 is True:
         put("precision", "param_dtype", "bf16")
-    if fp16:
-        put("precision", "param_dtype", "fp16")
+    elif "auto" in (bf16, fp16) and fp16 is not True:
+        put("precision", "param_dtype", "auto")  # TrainingArguments' bf16 / fp16
+    if fp16 is True or fp16 == "auto":  # "auto": the scaling applies if the trainer turns fp16 on
+        if fp16 is True:
+            put("precision", "param_dtype", "fp16")
         scale = get("fp16.loss_scale")
-        put("precision", "loss_scale", "dynamic" if not scale else float(scale))
+        if fp16 is True or scale is not None:
+            put("precision", "loss_scale", "dynamic" if not scale else float(scale))
         for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
             value = get(f"fp16.{key}")
             if value is not None:
                 put("precision", key, float(value) if key == "min_loss_scale" else int(value))
     accum = get("gradient_accumulation_steps")
     if accum is not None:
-        put("train", "grad_accum_steps", int(accum))
+        put("train", "grad_accum_steps", accum if accum == "auto" else int(accum))
     clip = get("gradient_clipping")
     if clip is not None:
-        put("train", "max_grad_norm", float(clip) if clip else None)
+        put("train", "max_grad_norm", clip if clip == "auto" else float(clip) if clip else None)
 
     opt_type = get("optimizer.type")
     if opt_type is not None:
@@ -152,15 +179,39 @@ def convert(ds: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]
     for key in ("lr", "eps", "weight_decay"):
         value = get(f"optimizer.params.{key}")
         if value is not None:
-            put("optimizer", key, float(value))
+            put("optimizer", key, value if value == "auto" else float(value))
     betas = get("optimizer.params.betas")
     if betas is not None:
-        put("optimizer", "betas", [float(b) for b in betas])
+        put("optimizer", "betas", betas if betas == "auto" else [float(b) for b in betas])
 
+    trainer_lines = [f"{_ds_key(ds, k)} -> {k}" for k in by_trainer]
     for path in _leaves(ds):
-        if path not in seen and path not in _ALWAYS:
+        if path in seen or path in _ALWAYS:
+            continue
+        if _value_at(ds, path) == "auto" and (path in _TRAINERS_OWN or path.startswith("scheduler.params.")):
+            trainer_lines.append(f"{path} -> the Trainer's own "
+                                 f"{_TRAINERS_OWN.get(path, 'scheduler (lr_scheduler_type, warmup_steps)')}")
+        else:
             unmapped.append(path)
-    return out, unmapped
+    return Converted(out, unmapped, trainer_lines)
+
+
+_DS_KEY = {"train.grad_accum_steps": "gradient_accumulation_steps", "train.max_grad_norm": "gradient_clipping",
+           "optimizer.lr": "optimizer.params.lr", "optimizer.eps": "optimizer.params.eps",
+           "optimizer.weight_decay": "optimizer.params.weight_decay", "optimizer.betas": "optimizer.params.betas"}
+
+
+def _ds_key(ds: Mapping[str, Any], key: str) -> str:
+    if key == "precision.param_dtype":
+        return " / ".join(k for k in ("bf16.enabled", "fp16.enabled") if _value_at(ds, k) == "auto")
+    return _DS_KEY[key]
+
+
+def _value_at(ds: Mapping[str, Any], path: str) -> Any:
+    node: Any = ds
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
 
 
 def _leaves(node: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -174,7 +225,7 @@ def _leaves(node: Mapping[str, Any], prefix: str = "") -> list[str]:
     return paths
 
 
-def load(source: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+def load(source: Mapping[str, Any] | str | os.PathLike[str]) -> Converted:
     """convert() of a dict or a DeepSpeed JSON file."""
     if isinstance(source, Mapping):
         return convert(source)

@@ -119,7 +119,7 @@ def initialize(model: torch.nn.Module, config=None, *, wrap=None, init_fn=None) 
     (module name, module) -> bool choosing the modules that are units; overrides train.wrap
     ([Note: units] in state.py). A model built on the meta device is materialized unit by unit,
     by each module's reset_parameters() or `init_fn(module)` ([Note: meta-device models])."""
-    engine = Engine(model, Config.coerce(config), wrap, init_fn)
+    engine = Engine(model, Config.coerce(config).auto_to_defaults(), wrap, init_fn)  # [Note: keys a trainer fills]
     clip.install(engine)  # torch.nn.utils.clip_grad_norm_ on its parameters ([Note: the user's clipping])
     return engine
 
@@ -219,7 +219,7 @@ class Engine:
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
         self.params.master_of = lambda unit: self.unit_optimizer.read_state(unit, ("master",))["master"]
-        self.grads = make_grad_store(self.units, placement["gradients"], DTYPES[cfg.precision.grad_dtype],
+        self.grads = make_grad_store(self.units, placement["gradients"], DTYPES[cfg.precision.accumulator_dtype],
                                      self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,
                                      self.store, self.profiler)
         # The "optimizer stream": one thread running early Adam updates during backward.

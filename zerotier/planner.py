@@ -148,7 +148,7 @@ class Plan:
     rate_sources: dict[str, str] = field(default_factory=dict)   # rate key used -> measured | default | given
     grad_bytes: int = 4
     param_bytes: int = 4
-    grad_dtype: str = "fp32"            # precision.grad_dtype (the engine's accumulators)
+    grad_dtype: str = "fp32"            # precision.accumulator_dtype (the engine's accumulators)
     # [Note: optimizer split]: each unit's optimizer tier by unit index (None: all on placement["optimizer"]),
     # and the optimizer-state bytes and unit count per tier of the split
     optimizer_units: tuple[Location, ...] | None = None
@@ -381,7 +381,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     rates, rate_sources = _resolve_rates(rates)
     lp_bytes = DTYPES[precision.param_dtype].itemsize
     sizes = _Sizes(numels=tuple(sorted(unit_numels, reverse=True)), lp_bytes=lp_bytes,
-                   grad_bytes=DTYPES[precision.grad_dtype].itemsize if grad_bytes is None else grad_bytes,
+                   grad_bytes=DTYPES[precision.accumulator_dtype].itemsize if grad_bytes is None else grad_bytes,
                    lookahead=prefetch.lookahead if prefetch.enabled else 0, stage=stage, world_size=world_size,
                    pipeline_depth=pipeline_depth, engine_buffers=grad_bytes is None, nested=nested_numel,
                    alignment=alignment, cuda=device.type == "cuda")
@@ -442,7 +442,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
         b, k = split.get(loc.value, (0, 0))
         split[loc.value] = (b + OPTIMIZER_BYTES * n, k + 1)
     return Plan(placement, need, budgets, sum(breakdown.values()), breakdown, sizes.numel, world_size, stage,
-                state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes, precision.grad_dtype,
+                state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes, precision.accumulator_dtype,
                 units_on, split)
 
 

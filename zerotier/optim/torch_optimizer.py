@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import itertools
+import sys
 import weakref
 from typing import Any
 
@@ -92,6 +93,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         self._layout_key = None           # what _layout was built from
         self._layout: list[list[int]] = []  # unit index -> group index of each of its parameters
         self._groups_only = False
+        self._trainer_checked = False  # train(): the plain Trainer's exemptions checked
         where = {id(p): (u.index, k) for u in engine.units for k, p in enumerate(u.params)}
         trained = list({id(p): p for p in engine.module.parameters() if id(p) in where}.values())
         seen = {id(p) for p in trained}
@@ -155,6 +157,16 @@ class EngineOptimizer(torch.optim.Optimizer):
         if engine is not None:
             engine._optimizer_step()
         return loss
+
+    def train(self) -> None:
+        """transformers' Trainer calls this before each training step (its hook for schedule-free
+        optimizers): the first call checks that Trainer's weight-decay exemptions hold
+        ([Note: TrainingArguments and the zerotier config] in integrations/transformers.py)."""
+        if not self._trainer_checked and "transformers" in sys.modules:
+            from ..integrations.transformers import check_plain_trainer
+
+            check_plain_trainer(self._live("train()"))
+        self._trainer_checked = True
 
     def zero_grad(self, set_to_none: bool = True):
         """engine.zero_grad(set_to_none): the window's gradients are dropped (set_to_none=False:
