@@ -10,6 +10,12 @@
 # (tqdm, psutil, py-cpuinfo and ninja are, being tiny DeepSpeed requirements).
 # DeepSpeed is an sdist: its wheel is built here without ops (DS_BUILD_OPS=0, the ops are
 # JIT-compiled on the GPU machine), with PYTHON's torch (default: the repo's .venv).
+# DeepSpeed's async_io op (ZeRO-Infinity's NVMe path) needs libaio's header and .so, which the
+# GPU image lacks: Debian's libaio1 + libaio-dev .debs (~45 KB, amd64; apt-get download) are
+# unpacked into wheels/libaio/{include,lib}, and gpu_run.sh points the compiler there
+# (CFLAGS/LDFLAGS for DeepSpeed's is_compatible() probe, CPATH/LIBRARY_PATH for the JIT build's
+# -laio, an rpath and LD_LIBRARY_PATH for loading it). Where apt-get is missing it says so and
+# goes on: bench_gpu's ZeRO-Infinity row then reads n/a.
 # The folder is rebuilt in a staging folder and swapped in only on success, so a rerun is
 # safe and leaves no stale versions; pip's HTTP cache makes reruns quick.
 set -euo pipefail
@@ -81,6 +87,37 @@ for PY in "${PY_VERSIONS[@]}"; do
     "$PYTHON" -m pip download "${TARGET[@]}" --no-deps torchao
 done
 
+echo "== libaio (DeepSpeed async_io, offline)"
+fetch_libaio() {
+    local dir="$1" debs="$1/debs" lists="$BUILD/apt-lists"
+    command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null || {
+        echo "warning: no apt-get/dpkg-deb here: libaio not carried (ZeRO-Infinity will be n/a)" >&2; return 0; }
+    mkdir -p "$debs" "$lists/partial"
+    local apt=(apt-get -oAPT::Architecture=amd64 -oAPT::Architectures=amd64)
+    get() {  # libaio1 was renamed libaio1t64 (Debian trixie, Ubuntu 24.04)
+        (cd "$debs" && "${apt[@]}" "$@" download libaio-dev \
+            && { "${apt[@]}" "$@" download libaio1 || "${apt[@]}" "$@" download libaio1t64; })
+    }
+    # the machine's own package lists first, else fresh ones in a private folder (no root needed)
+    get || { "${apt[@]}" -oDir::State::Lists="$lists" update >/dev/null && get -oDir::State::Lists="$lists"; } || {
+        echo "warning: apt-get could not download libaio: not carried (ZeRO-Infinity will be n/a)" >&2
+        rm -rf "$dir"; return 0; }
+    local root="$BUILD/libaio-root"
+    for deb in "$debs"/*.deb; do dpkg-deb -x "$deb" "$root"; done
+    mkdir -p "$dir/include" "$dir/lib"
+    cp "$root"/usr/include/libaio.h "$dir/include/"
+    cp -P "$root"/usr/lib/x86_64-linux-gnu/libaio.so* "$dir/lib/"
+    # the check DeepSpeed's AsyncIOBuilder.is_compatible() makes: compile and link io_submit
+    if command -v cc >/dev/null; then
+        printf '#include <libaio.h>\nint main(void) { return io_submit(0, 0, 0) > 0; }\n' >"$BUILD/aio.c"
+        cc "$BUILD/aio.c" -I"$dir/include" -L"$dir/lib" -laio -o "$BUILD/aio" \
+            && LD_LIBRARY_PATH="$dir/lib" "$BUILD/aio"; true   # io_submit(0, ...) fails: linking is the check
+        [[ -x "$BUILD/aio" ]] || { echo "error: the carried libaio does not link" >&2; return 1; }
+        echo "libaio: $(ls "$dir/lib" | tr '\n' ' ')links"
+    fi
+}
+fetch_libaio "$STAGE/libaio"
+
 rm -rf "$BUILD"
 if ls "$STAGE" | grep -qiE '^(torch|numpy|nvidia_(cu|nccl|cus))[-_0-9]' ; then
     echo "error: a torch/numpy/CUDA wheel was pulled in:" >&2; ls "$STAGE" >&2; exit 1
@@ -92,7 +129,7 @@ trap - EXIT
 echo "== $DEST"
 ls -1 "$DEST"
 SIZE_KIB="$(du -sk "$DEST" | cut -f1)"
-echo "total: $((SIZE_KIB / 1024)) MiB ($(ls "$DEST" | wc -l) wheels)"
+echo "total: $((SIZE_KIB / 1024)) MiB ($(ls "$DEST"/*.whl | wc -l) wheels$([[ -d "$DEST/libaio" ]] && echo ", libaio"))"
 if (( SIZE_KIB > LIMIT_MIB * 1024 )); then
     echo "error: $DEST exceeds $LIMIT_MIB MiB" >&2
     exit 1
