@@ -6,8 +6,8 @@ The README's two commands run this before `pip install -e .`, which then keeps t
 - a torch that is already installed (at least the version pyproject.toml requires) is kept, whatever
   its build (CUDA, ROCm, CPU, a source build);
 - on Linux with an NVIDIA driver: torch from the default index (PyPI's Linux wheel is the CUDA build);
-- on Linux without one: the CPU wheel from PyTorch's CPU index (PyPI's Linux wheel would pull ~3 GB
-  of CUDA libraries that a CPU-only host cannot use);
+- on Linux without one: the CPU wheel from PyTorch's CPU index (PyPI's Linux wheel would pull 2.8 GiB
+  of wheels, 16 of them CUDA packages, that a CPU-only host cannot use);
 - on macOS and Windows: the default index, whose wheels there carry no CUDA libraries.
 
 For another build (ROCm, another CUDA version) install torch first as pytorch.org says; it is kept.

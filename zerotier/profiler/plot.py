@@ -9,7 +9,7 @@ Three rows, read top to bottom:
      far above what was resident is written in the title instead of squashing the curve).
 
 Legends sit outside the axes, so they cover no data. matplotlib is an optional extra
-(`pip install zerotier[plot]`). The figure is drawn with the object API on the Agg canvas,
+(`pip install 'zerotier-offload[plot]'`). The figure is drawn with the object API on the Agg canvas,
 so no pyplot state or GUI backend is touched.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def plot_trace(trace: dict, path: str) -> str:
         from matplotlib.figure import Figure
     except ImportError:
         raise ZerotierError("plotting the profile needs matplotlib: pip install matplotlib "
-                            "(or pip install zerotier[plot])") from None
+                            "(or pip install 'zerotier-offload[plot]')") from None
     data = read_trace(trace)
     tiers = sorted(data.residency, key=lambda t: (list(_TIER_COLORS).index(t) if t in _TIER_COLORS else 9, t))
     fig = Figure(figsize=(11, 9.5), layout="constrained")
