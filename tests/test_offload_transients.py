@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import zerotier
 from zerotier.optim import offload
 from zerotier.optim.offload import _fused_adam
 
@@ -113,3 +114,87 @@ def test_a_gradient_the_kernel_cannot_consume_is_copied_a_chunk_at_a_time(case, 
         assert torch.equal(grad, before)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+# --- the plan's device term covers the transient buffers (2 gloo ranks) ---------------------------
+
+PLACEMENTS = {
+    "zero3-params-nvme": (3, {"params": "nvme", "gradients": "host", "optimizer": "host"}),
+    "zero3-params-host": (3, {"params": "host", "gradients": "device", "optimizer": "device"}),
+    "zero2-device": (2, {"params": "device", "gradients": "device", "optimizer": "device"}),
+    "zero1-params-host": (1, {"params": "host", "gradients": "host", "optimizer": "host"}),
+}
+
+
+def exact_device_budget_rank(rank, world_size, nvme_dir):
+    """Each placement trains with tiers.device set to exactly the plan's device need; returns the
+    names of the device-tier allocations made while training, the need and the tier's peak."""
+    from zerotier.models import TinyGPT, batches
+
+    out = {}
+    for name, (stage, offload) in PLACEMENTS.items():
+        cfg = {"zero": {"stage": stage, "persistence_threshold": 200, "reduce_bucket_size": 4096,
+                        "allgather_bucket_size": 4096},
+               "offload": offload, "tiers": {"nvme_path": nvme_dir}, "prefetch": {"lookahead": 2},
+               "train": {"max_grad_norm": 1.0}}
+        torch.manual_seed(0)
+        with zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=3, heads=2, seq=16), cfg) as engine:
+            need = engine.plan.need["device"]
+        cfg["tiers"]["device"] = need
+        torch.manual_seed(0)
+        with zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=3, heads=2, seq=16), cfg) as engine:
+            tier, names = engine.device_tier, set()
+            real_alloc = tier.alloc
+
+            def alloc(shape, dtype, what=""):
+                names.add(what)
+                return real_alloc(shape, dtype, what)
+            tier.alloc = alloc
+            for x, y in batches(64, 16, 2, 3, seed=rank):
+                engine.backward(engine(x, y))
+                engine.step()
+            out[name] = (sorted(names), need, tier.peak)
+    return out
+
+
+def test_the_plans_device_term_covers_the_transient_buffers(tmp_path):
+    """GPU review N13(b): the collectives' bucket buffers and the ZeRO-3 shards staged for their
+    gather are allocated from the device tier (before: plain torch.empty, outside tiers.device),
+    and the plan counts them: with tiers.device at exactly the plan's need every placement trains.
+    (On the CPU suite's lagging device the ZeRO-3 shard is copied to a device buffer as on a GPU.)"""
+    from zerotier.dist import spawn
+
+    for results in spawn(exact_device_budget_rank, 2, str(tmp_path), timeout_s=600):
+        for name, (names, need, peak) in results.items():
+            assert peak <= need, name
+            assert "collective bucket" in names, (name, names)
+            if name.startswith("zero3-"):
+                assert any(n.endswith(" shard") for n in names), (name, names)
+
+
+def test_the_plan_counts_the_cuda_only_transients():
+    """The terms that exist only with a CUDA device (the CPU computes in host memory): the fused
+    Adam kernel's gradient chunk with the optimizer on the device, and the casts of fresh NVMe
+    gradients to grad_dtype at ZeRO-2 with several ranks. Each is exactly the store's own figure,
+    and a device budget one byte short of the plan does not fit."""
+    from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+    from zerotier.grads import NvmeGradStore
+    from zerotier.planner import PlanDoesNotFit, make_plan
+
+    numels, big = [5000, 3000, 1000], 1 << 40
+
+    def plan(device, offload, dev_budget=big, **kw):
+        return make_plan(numels, TiersConfig(), OffloadConfig(**offload),
+                         PrecisionConfig(param_dtype="bf16", grad_dtype="fp32"), PrefetchConfig(), torch.device(device),
+                         budgets={"device": dev_budget, "host": big, "nvme": big}, alignment=4096, **kw)
+    on_device = {"params": "device", "gradients": "device", "optimizer": "device"}
+    nvme_grads = {"params": "device", "gradients": "nvme", "optimizer": "host"}
+    cases = [(on_device, {}, offload.fused_temp_bytes()),
+             (nvme_grads, dict(world_size=2, stage=2), NvmeGradStore.conversion_bytes(5000, 2, 4, 2, 2))]
+    for placement, kw, term in cases:
+        assert term > 0
+        cuda = plan("cuda", placement, **kw)
+        assert cuda.need["device"] - plan("cpu", placement, **kw).need["device"] == term
+        plan("cuda", placement, cuda.need["device"], **kw)
+        with pytest.raises(PlanDoesNotFit):
+            plan("cuda", placement, cuda.need["device"] - 1, **kw)

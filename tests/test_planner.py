@@ -119,11 +119,13 @@ def test_does_not_fit_names_every_alternative_with_bytes():
 
 
 def test_sharded_message_says_per_rank():
+    buckets = 1280 * (4 + 2)  # a bucket of the one unit (5 x its 256-element padded shard): fp32 reduce, bf16 gather
     with pytest.raises(PlanDoesNotFit, match=r"\(250 per rank: ZeRO stage 1 over 4 ranks; budgets are per rank\)"):
-        plan([1000], device=8000, host=0, nvme=0, offload=ALL_DEVICE, world_size=4, stage=1)
+        plan([1000], device=8000 + buckets, host=0, nvme=0, offload=ALL_DEVICE, world_size=4, stage=1)
     # ...and sharding is what makes it fit (device: 9000 B of model state, the 1000 B full gradient
-    # kept beside its reduced shard and the 500 B updated bf16 shard awaiting its all-gather)
-    assert plan([1000], device=10500, host=0, offload=ALL_DEVICE, world_size=4, stage=1).per_rank_bytes == 9000
+    # kept beside its reduced shard, the 500 B updated bf16 shard awaiting its all-gather, the buckets)
+    assert plan([1000], device=10500 + buckets, host=0, offload=ALL_DEVICE, world_size=4,
+                stage=1).per_rank_bytes == 9000
 
 
 def test_nvme_optimizer_needs_host_staging():

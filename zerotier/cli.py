@@ -255,7 +255,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     try:
         plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device,
-                         world_size=args.world_size, stage=cfg.zero.stage, grad_bytes=grad_bytes,
+                         world_size=args.world_size, stage=cfg.zero.stage, zero=cfg.zero, grad_bytes=grad_bytes,
                          ranks_per_node=args.ranks_per_node, nested_numel=nested)
     except PlanDoesNotFit as exc:
         if args.json:  # the object on stdout, the message on stderr (by main), exit status 1

@@ -195,7 +195,7 @@ class Engine:
         self.sharding = Sharding(cfg.zero, self.rank, self.world_size)
         self.units = self.sharding.assign(units)
         self.plan = make_plan([u.numel for u in self.units], cfg.tiers, cfg.offload, cfg.precision,
-                              cfg.prefetch, self.device, world_size=self.world_size, stage=cfg.zero.stage,
+                              cfg.prefetch, self.device, world_size=self.world_size, stage=cfg.zero.stage, zero=cfg.zero,
                               pipeline_depth=cfg.optimizer.pipeline_depth, nested_numel=nested_numel(self.units),
                               alignment=cfg.io.alignment)
         placement = self.plan.placement

@@ -83,7 +83,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .device import enter as enter_device
-from .io.ticket import wait_all
+from .io.ticket import ChainTicket, wait_all
 from .dist.buckets import GradBucketer
 from .state import GRAD_TRANSITIONS, GradState, Location, Unit, transition
 from .optim import _kernels
@@ -129,6 +129,8 @@ class GradStore:
             if self.device.type == "cuda" and loc is Location.HOST else None
         self.bucketer = GradBucketer(reduce_bucket_size, self._shard_ready, comm=sharding.comm,
                                      reduce_dtype=torch.float32, device=self.device) if sharding.active else None
+        if self.bucketer is not None:  # the buckets live on the device: counted there (GPU review N13)
+            self.bucketer.allocate_from(device_tier, [u.part for u in units])
         self._reduce_order = [u.index for u in reversed(units)]  # [Note: the same collectives on every rank]
         self._final = [False] * n                                # final in this backward, not yet queued
         self._queued = 0                                         # reduce-order position reached
@@ -469,6 +471,15 @@ class NvmeGradStore(GradStore):
         fold = max(fresh, 4 * largest_shard) + largest * grad_bytes
         return OPEN_UNITS * fresh + GRAD_WRITES * fold + (3 * largest * grad_bytes if several else 0)
 
+    @staticmethod
+    def conversion_bytes(largest: int, lp_bytes: int, grad_bytes: int, world_size: int, stage: int) -> int:
+        """Device bytes of the casts of fresh gradients to grad_dtype on a CUDA device (stages 2-3
+        with several ranks, where the fresh gradient is the reduce input), alive until the unit's
+        reduce waits for its copies: OPEN_UNITS units' worth. The planner counts exactly this."""
+        if world_size == 1 or stage < 2 or lp_bytes == grad_bytes:
+            return 0
+        return OPEN_UNITS * largest * grad_bytes
+
     def place(self, unit: Unit) -> None:
         total = f"{unit.key}.grad"
         aliased = self._aliased(unit)
@@ -495,9 +506,18 @@ class NvmeGradStore(GradStore):
         if flat.device.type == "cpu":
             dst.copy_(flat)
             self.device_tier.count_out(nbytes)
-        else:  # rounded on the device, where the gradient is (the same rounding as the CPU's copy_)
-            ticket = self.device_tier.copy_d2h(dst, flat.to(dst.dtype))
+        elif flat.dtype == dst.dtype:
+            ticket = self.device_tier.copy_d2h(dst, flat)
             self._copies[index].append(ticket)
+        else:  # rounded on the device, where the gradient is (the same rounding as the CPU's copy_), in a
+            # device-tier buffer given back when the copy is waited (GPU review N13: conversion_bytes)
+            cast = self.device_tier.alloc(flat.shape, dst.dtype, f"{unit.key}.grad cast")
+            try:
+                ticket = self.device_tier.copy_d2h(dst, cast.copy_(flat))
+            except BaseException:
+                self.device_tier.free(cast)
+                raise
+            self._copies[index].append(ChainTicket(ticket, _freeing(self.device_tier, cast)))
         if token is not None:
             prof.end(token, copy=ticket)
         self._fresh_got[index].add(i)
@@ -763,6 +783,16 @@ class _StagingBound:
         self._inflight.append((future, size))
         self.bytes += size
         self.peak = max(self.peak, self.bytes)
+
+
+def _freeing(device_tier, tensor: torch.Tensor):
+    """A ChainTicket's finish: the copy out of `tensor` is done (or failed), give it back."""
+    def finish(outcome):
+        device_tier.free(tensor)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+    return finish
 
 
 def _wait_quietly(tickets: list) -> None:

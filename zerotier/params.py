@@ -18,6 +18,20 @@ into the flat instead. A prefetch runs the same code on a fetch worker (the CPU'
 "stream"); the compute thread `join`s its ticket before use. Releasing resizes the
 flat's storage to 0 ([Note: freeing by storage resize] in tiers/device.py).
 
+[Note: ZeRO-3 reads off the compute thread]
+At ZeRO-3 a fetch is an all-gather, which every rank must issue in the same order from
+the compute thread, among its other collectives. With the home on NVMe the shard must
+first be read, and a read's duration differs per rank, so the gather cannot be issued
+when the read lands. A prefetch hands the read (and the H2D copy of the shard, after a
+mark taken when its device buffer was allocated) to a fetch worker, as at one rank, and
+the compute thread issues the gathers of the prefetches read so far at its next demand
+(`_issue_gathers`), oldest first: a point in the program every rank reaches in the same
+order. It waits there only for a read still running after a module's compute; a demand
+that was not prefetched reads on the compute thread (GPU review N14). A prefetch dropped
+before its gather was issued (`drop_inflight`) issues none, on every rank alike. A read
+that failed is read again on the compute thread before the gather, as at one rank
+(hostile trial #24); the gather itself is collective, never retried alone.
+
 [Note: parameter versions]
 Every optimizer update of a unit bumps its version (`commit`). A fetch records the
 version it copies; `demand` uses a prefetched copy only if its version is current,
@@ -46,6 +60,7 @@ refuses and names load_checkpoint.
 """
 from __future__ import annotations
 
+import collections
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -60,11 +75,22 @@ from .threads import COMPUTE, UPDATER, owned
 class _Fetch:
     """A fetch in flight: the parameter version it copies and how to finish it on the compute thread."""
 
-    def __init__(self, version: int, future=None, handle=None, keep=None):
+    def __init__(self, version: int, future=None, handle=None, keep=None, read=None):
         self.version = version
         self.future = future    # fetch worker: returns the copy's ticket
         self.handle = handle    # ZeRO-3: the all-gather's handle
-        self.keep = keep        # ZeRO-3: the gather's input shard and its pool block, alive until done
+        self.keep = keep        # ZeRO-3: the gather's input (_Staged), alive until the gather is done
+        self.read = read        # ZeRO-3, home on NVMe: a fetch worker's read of the shard, not gathered yet
+
+
+class _Staged:
+    """ZeRO-3: this rank's shard where the all-gather reads it. `shard`: a device-tier tensor
+    (`temp`, freed once the gather is done), the ZeRO-3 device home, or on the CPU the host
+    bytes themselves; `block`: the NVMe read's pool block, reused only after `copy` (the H2D
+    copy into `temp`) ran."""
+
+    def __init__(self, shard: torch.Tensor, temp: "torch.Tensor | None" = None, block=None, copy=None):
+        self.shard, self.temp, self.block, self.copy = shard, temp, block, copy
 
 
 class ParamStore:
@@ -85,6 +111,7 @@ class ParamStore:
         self.host_buf = [None] * n                                   # HostBuffer home (host placement)
         self.wasted_prefetches = 0                # fetches dropped unused (stale version, or synchronize())
         self._inflight: dict[int, _Fetch] = {}   # issued, not consumed; guarded by _lock
+        self._reading: collections.deque[tuple[int, _Fetch]] = collections.deque()  # ZeRO-3 reads, not gathered
         self._writes: dict[int, object] = {}     # NVMe write-back tickets not yet checked, oldest first
         self._stale: dict[int, Exception] = {}   # units whose last write-back failed ([Note: a failed write-back])
         self.master_of = None                     # unit -> its fp32 master shard (set by the engine)
@@ -98,6 +125,8 @@ class ParamStore:
         # the device tier's h2d stream).
         self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerotier-fetch",
                                            initializer=enter_device, initargs=(self.device,))
+        if sharding.active:  # ZeRO-1/2 commits: the gather buckets on the device count there (GPU review N13)
+            sharding.gatherer.allocate_from(device_tier, [u.part for u in units if not u.part.replicated])
 
     @staticmethod
     def host_staging_bytes(lookahead: int, shard_numels: list[int], lp_itemsize: int) -> int:
@@ -107,6 +136,13 @@ class ParamStore:
         sizes. `shard_numels`: every unit's rank shard. The planner counts exactly this."""
         top = sorted(shard_numels, reverse=True)
         return (sum(top[:lookahead + 1]) + sum(top[:lookahead + 2])) * lp_itemsize
+
+    @staticmethod
+    def gather_staging_bytes(lookahead: int, shard_numels: list[int], lp_itemsize: int) -> int:
+        """Device bytes of the ZeRO-3 shards staged for their all-gather (`_shard_buffer`), homes
+        off the device: one per fetch in flight (`lookahead` prefetches + the demand), so the
+        largest (padded) shards. The planner counts exactly this (GPU review N13)."""
+        return sum(sorted(shard_numels, reverse=True)[:lookahead + 1]) * lp_itemsize
 
     @staticmethod
     def writeback_bytes(rank_numel: int, lp_itemsize: int) -> int:
@@ -183,6 +219,8 @@ class ParamStore:
     def demand(self, unit: Unit, then=None) -> None:
         """Compute needs `unit` now: make it resident (using a prefetch of the current version).
         `then()` runs once the unit's fetch is issued, before waiting for it (the prefetches)."""
+        if self._reading:
+            self._issue_gathers()
         i = unit.index
         if self.state[i] is ParamState.RESIDENT:
             if then is not None:
@@ -240,6 +278,7 @@ class ParamStore:
         """Discard fetches issued but not consumed (e.g. before loading new weights)."""
         with self._lock:
             inflight, self._inflight = self._inflight, {}
+        self._reading.clear()  # every rank drops the same ones: no gather is issued for them
         for i, fetch in inflight.items():
             self._drop(self.units[i], fetch)
 
@@ -248,15 +287,22 @@ class ParamStore:
         i = unit.index
         self.device_tier.fill_storage(self.device_flat[i], unit.param_key)
         transition(self.state, i, ParamState.FETCHING, PARAM_TRANSITIONS, "parameters")
+        fetch = None
         try:
             self._check_writes([i])  # the bytes at home must be the last committed ones
             if i in self._stale:
                 self._rewrite_home(unit)
             if self.sharding.gathered(unit):
                 # Issued on the thread running forward/backward: every rank gathers in the same order.
-                shard, block, copy = self._shard_on_device(unit, reason)
-                handle = self.sharding.all_gather(unit, self.device_flat[i], shard)
-                return _Fetch(self.version[i], handle=handle, keep=(shard, block, copy))
+                fetch = _Fetch(self.version[i], keep=_Staged(None, self._shard_buffer(unit)))
+                if reason == "prefetch" and self.loc is Location.NVME:  # [Note: ZeRO-3 reads off the compute thread]
+                    # the copy into the shard buffer waits for the compute work enqueued now (GPU review N7)
+                    fetch.read = self._workers.submit(self._stage_shard, unit, reason, fetch.keep.temp,
+                                                      self.device_tier.mark())
+                    self._reading.append((i, fetch))
+                else:
+                    self._gather(unit, fetch, self._stage_shard(unit, reason, fetch.keep.temp))
+                return fetch
             if reason == "demand":  # the compute thread needs it now: no hop through a worker
                 ticket = self._load(unit, reason, None)
                 return _Fetch(self.version[i], future=_Now(ticket))
@@ -264,6 +310,8 @@ class ParamStore:
             issued = self.device_tier.mark()
             return _Fetch(self.version[i], future=self._workers.submit(self._load, unit, reason, issued))
         except BaseException:
+            if fetch is not None and fetch.read is None:
+                self._release_staged(fetch.keep)
             self._abandon(unit)
             raise
 
@@ -292,46 +340,99 @@ class ParamStore:
             if token is not None:
                 prof.end(token, copy=ticket)
 
-    def _shard_on_device(self, unit: Unit, reason: str):
-        """ZeRO-3: this rank's shard where the all-gather can read it; (tensor, pool block or None,
-        the H2D copy's ticket or None: the block is reused only after that copy ran)."""
+    def _shard_buffer(self, unit: Unit) -> "torch.Tensor | None":
+        """ZeRO-3: a device-tier buffer for this rank's shard (counted: the planner's
+        ParamStore.gather_staging_bytes), or None where the gather reads the shard where it is:
+        the device home, or host memory, which is the CPU device's (not on the lagging device,
+        which copies as a GPU would: [Note: the lagging device] in tiers/device.py)."""
+        if self.loc is Location.DEVICE or (self.device.type == "cpu" and not self.device_tier.lagging):
+            return None
+        return self.device_tier.alloc((unit.shard_numel,), self.lp_dtype, f"{unit.param_key} shard")
+
+    def _stage_shard(self, unit: Unit, reason: str, temp: "torch.Tensor | None", issued=None) -> _Staged:
+        """ZeRO-3: this rank's shard where the all-gather can read it: read from NVMe into a pool
+        block (a fetch worker for a prefetch: [Note: ZeRO-3 reads off the compute thread]) and
+        copied into `temp` (after `issued`, a mark taken when `temp` was allocated). On an error
+        nothing is left but `temp`, the caller's."""
         i = unit.index
         if self.loc is Location.DEVICE:
-            return self.device_shard[i], None, None
+            return _Staged(self.device_shard[i])
         nbytes = unit.shard_numel * self.lp_dtype.itemsize
         prof = self.profiler
         token = prof.begin(unit.param_key, "param", self.loc.value, "device", nbytes, reason) \
             if prof is not None else None
-        block = None
-        if self.loc is Location.HOST:
-            host = self.host_buf[i].tensor
-        else:
-            block = self.host_pool.alloc(nbytes, self.lp_dtype, unit.param_key)
-            self.store.read(unit.param_key, block).wait()
-            host = block.tensor
-        ticket = None
-        # host memory is the device's: the gather reads it in place (not on the lagging device,
-        # which copies as a GPU would: [Note: the lagging device] in tiers/device.py)
-        if self.device.type == "cpu" and not self.device_tier.lagging:
-            self.device_tier.count_in(nbytes)
-            shard = host
-        else:
-            shard = torch.empty(host.numel(), dtype=self.lp_dtype, device=self.device)
-            ticket = self.device_tier.copy_h2d(shard, host)
-            self.device_tier.join(ticket)
-        if token is not None:
-            prof.end(token, copy=ticket)
-        return shard, block, ticket
+        block = ticket = None
+        try:
+            if self.loc is Location.HOST:
+                host = self.host_buf[i].tensor
+            else:
+                block = self.host_pool.alloc(nbytes, self.lp_dtype, unit.param_key)
+                self.store.read(unit.param_key, block).wait()
+                host = block.tensor
+            if temp is None:  # host memory is the device's: the gather reads it in place
+                self.device_tier.count_in(nbytes)
+                return _Staged(host, block=block)
+            ticket = self.device_tier.copy_h2d(temp, host, after=issued)
+            return _Staged(temp, temp, block, ticket)
+        except BaseException:
+            if block is not None:
+                self.host_pool.free(block)
+            raise
+        finally:
+            if token is not None:
+                prof.end(token, copy=ticket)
+
+    def _gather(self, unit: Unit, fetch: _Fetch, staged: _Staged) -> None:
+        """ZeRO-3, compute thread: issue the all-gather of the staged shard into the device flat."""
+        fetch.keep = staged
+        if staged.copy is not None:  # compute waits for the H2D copy on the device, not on the host
+            self.device_tier.join(staged.copy)
+        fetch.handle = self.sharding.all_gather(unit, self.device_flat[unit.index], staged.shard)
+
+    def _issue_gathers(self) -> None:
+        """[Note: ZeRO-3 reads off the compute thread] At a demand: the gathers of the prefetches
+        whose shard a fetch worker read, oldest first (waiting for a read still running)."""
+        while self._reading:
+            i, fetch = self._reading[0]
+            unit = self.units[i]
+            try:
+                try:
+                    staged = fetch.read.result()
+                except Exception:  # noqa: BLE001 - the worker is done; its read may predate a fix (#24)
+                    fetch.read = None
+                    staged = self._stage_shard(unit, "demand", fetch.keep.temp)
+                fetch.read = None
+                self._gather(unit, fetch, staged)
+            except BaseException:
+                self._reading.popleft()
+                with self._lock:
+                    self._inflight.pop(i, None)
+                self._drop(unit, fetch, wasted=False)
+                raise
+            self._reading.popleft()
+
+    def _release_staged(self, staged: _Staged) -> None:
+        """The gather read the staged shard (or none will): give its buffers back."""
+        if staged.block is not None:  # GPU review N5: reused only after the H2D copy ran
+            self.host_pool.free(staged.block, after=staged.copy)
+        if staged.temp is not None:
+            self.device_tier.free(staged.temp)
 
     def _finish(self, fetch: _Fetch) -> None:
-        if fetch.handle is not None:
-            fetch.handle.wait()
-            _shard, block, copy = fetch.keep
-            fetch.keep = None
-            if block is not None:  # GPU review N5: join() made compute wait for the copy, not the host
-                self.host_pool.free(block, after=copy)
-        else:
+        if fetch.future is not None:
             self.device_tier.join(fetch.future.result())
+            return
+        if fetch.keep is None:
+            return  # ZeRO-3: finished already
+        try:
+            if fetch.handle is not None:
+                fetch.handle.wait()
+            elif fetch.read is not None:  # dropped before its gather was issued: only the read to wait for
+                read, fetch.read = fetch.read, None
+                fetch.keep = read.result()
+        finally:
+            staged, fetch.keep = fetch.keep, None
+            self._release_staged(staged)
 
     def _drop(self, unit: Unit, fetch: _Fetch, wasted: bool = True) -> None:
         """Wait for an unwanted or failed fetch (it writes the flat), then release its bytes."""

@@ -32,6 +32,13 @@ Working sets come on top of the model state, on the tier that pays for them:
       2 x the largest unit's gradient, `GradStore.offload_staging_bytes` (GPU review N6)
   ZeRO-1/2 with several ranks: every unit's updated low-precision shard, on the optimizer's
       side until the step's all-gathers finish, `ParamStore.writeback_bytes`
+  transient device buffers (GPU review N13), allocated from the device tier: with several
+      ranks the gradient reduce buckets (`GradBucketer.buffer_bytes`), at ZeRO-1/2 the commits'
+      gather buckets where the parameters live on the device (`ParamGatherer.buffer_bytes`; on
+      a CPU device every home is its memory), at ZeRO-3 with params off the device each
+      fetch's shard staged for its gather (`ParamStore.gather_staging_bytes`), NVMe gradients
+      cast to grad_dtype on a CUDA device at stages 2-3 (`NvmeGradStore.conversion_bytes`),
+      and the optimizer on a CUDA device: the fused kernel's gradient chunk (`fused_temp_bytes`)
 These are the functions the stores size their allocations with, so the plan cannot drift
 from the code.
 
@@ -76,11 +83,14 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from .config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, format_duration, format_size
+from .config import (OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, ZeroConfig, format_duration,
+                     format_size)
 from .device import local_world_size
 from .errors import BudgetError, ConfigError
+from .dist.buckets import GradBucketer, ParamGatherer
+from .dist.partition import Partition, partition_units
 from .grads import GRAD_WRITES, OPEN_UNITS, GradStore, NvmeGradStore
-from .optim.offload import OPTIMIZER_BYTES, UnitOptimizer
+from .optim.offload import OPTIMIZER_BYTES, UnitOptimizer, fused_temp_bytes
 from .params import ParamStore
 from .state import DTYPES, TIER_NAMES as TIERS, Location
 
@@ -91,6 +101,7 @@ DEFAULT_RATES = {"h2d": 20e9, "d2h": 20e9, "nvme_read": 7e9, "nvme_write": 4.5e9
 
 KINDS = ("params", "gradients", "optimizer")  # in auto-placement priority order
 SHARDED_FROM_STAGE = {"params": 3, "gradients": 2, "optimizer": 1}
+_SHARD_ALIGN = 32  # elements: the alignment Sharding.assign partitions units with
 
 
 class PlanDoesNotFit(BudgetError):
@@ -256,6 +267,9 @@ class _Sizes:
     grads_on_gpu: bool = False   # gradients placed on a CUDA device (a host optimizer stages them)
     cuda: bool = False           # the compute device is CUDA: host gradients arrive through D2H staging
     grads_on_nvme: bool = False  # gradients placed on NVMe (the optimizer stages them, on any tier)
+    reduce_bucket: int = ZeroConfig().reduce_bucket_size     # zero.reduce_bucket_size
+    gather_bucket: int = ZeroConfig().allgather_bucket_size  # zero.allgather_bucket_size
+    persistence: int = ZeroConfig().persistence_threshold    # zero.persistence_threshold
     nested: int = 0              # elements of enclosing units resident around a fetch (state.nested_numel)
     alignment: int = 4096        # io.alignment: host-pool blocks are rounded up to it
     unit_order: tuple[int, ...] = ()  # every unit's numel in unit order ([Note: optimizer split])
@@ -276,6 +290,12 @@ class _Sizes:
 
     def rank_shards(self, kind: str) -> list[int]:
         return [shard_numel(n, kind, self.stage, self.world_size) for n in self.numels]
+
+    def partitions(self) -> list[Partition]:
+        """Every unit's partition over the ranks, as Sharding.assign makes them (stage 0 replicates
+        every unit, stage 3 those below zero.persistence_threshold)."""
+        threshold = {0: 2 ** 63, 3: self.persistence}.get(self.stage, 0)
+        return partition_units(self.numels, self.world_size, align=_SHARD_ALIGN, persistence_threshold=threshold)
 
 
 def _bytes_for(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
@@ -336,6 +356,13 @@ def _state_and_buffers(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
             need["device"] += min(sum(s.numels[:s.lookahead + 2]) + s.nested, s.numel) * s.lp_bytes
         if loc is Location.NVME:
             need["host"] += ParamStore.host_staging_bytes(s.lookahead, s.rank_shards(kind), s.lp_bytes)
+        if s.engine_buffers and s.world_size > 1:
+            sharded = [p for p in s.partitions() if not p.replicated]
+            if s.stage >= 3 and loc is not Location.DEVICE:
+                need["device"] += ParamStore.gather_staging_bytes(s.lookahead, [p.shard_numel for p in sharded],
+                                                                  s.lp_bytes)
+            if s.stage in (1, 2) and (loc is Location.DEVICE or not s.cuda):
+                need["device"] += ParamGatherer.buffer_bytes(s.gather_bucket, s.lp_bytes, sharded)
     elif kind == "gradients":
         need[loc.value] += s.grad_bytes * n
         if loc is Location.HOST and s.cuda and s.engine_buffers:  # GPU review N6: the D2H staging in flight
@@ -351,8 +378,15 @@ def _state_and_buffers(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
             # it per bucket is future work) and this rank's reduced shard, on the gradient
             # tier. Stages >= 2 counted the shard above, stage 1 the full flat.
             need[loc.value] += s.grad_bytes * (s.numel if n < s.numel else s.numel // s.world_size)
+        if s.engine_buffers and s.world_size > 1:  # the reduce buckets: fp32, on the device
+            need["device"] += GradBucketer.buffer_bytes(s.reduce_bucket, 4, s.partitions())
+            if loc is Location.NVME and s.cuda:
+                need["device"] += NvmeGradStore.conversion_bytes(s.largest, s.lp_bytes, s.grad_bytes, s.world_size,
+                                                                 s.stage)
     else:
         need[loc.value] += OPTIMIZER_BYTES * n
+        if loc is Location.DEVICE and s.cuda and s.engine_buffers:
+            need["device"] += fused_temp_bytes()
         if loc is Location.NVME:
             need["host"] += UnitOptimizer.staging_bytes(s.pipeline_depth, s.rank_largest(kind))
         if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu and loc is not Location.DEVICE):
@@ -367,6 +401,7 @@ def _state_and_buffers(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
 def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig, precision: PrecisionConfig,
               prefetch: PrefetchConfig, device: torch.device, budgets: dict[str, int] | None = None,
               rates: dict[str, float] | None = None, *, world_size: int = 1, stage: int = 0,
+              zero: ZeroConfig | None = None,
               grad_bytes: int | None = None, ranks_per_node: int | None = None, pipeline_depth: int = 3,
               nested_numel: int = 0, alignment: int = 4096) -> Plan:
     """Choose a tier for each kind of state within the per-rank budgets, or raise PlanDoesNotFit.
@@ -390,6 +425,9 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     assert sum(state_bytes.values()) == model_state_bytes(sizes.numel, stage, world_size, lp_bytes,
                                                           sizes.grad_bytes)
     sizes = dataclasses.replace(sizes, unit_order=tuple(unit_numels))
+    if zero is not None:  # the collectives' bucket sizes (zero.*_bucket_size; default: ZeroConfig's)
+        sizes = dataclasses.replace(sizes, reduce_bucket=zero.reduce_bucket_size,
+                                    gather_bucket=zero.allgather_bucket_size, persistence=zero.persistence_threshold)
     local = ranks_per_node or world_size
     free = dict(budgets)
     need = {"device": 0, "host": 0, "nvme": 0}

@@ -33,28 +33,44 @@ from .partition import Partition
 class _BufferPool:
     """Bucket buffers kept for reuse: a fresh CPU allocation of bucket size page-faults on first
     touch (~0.45 ms per MiB here, as long as the copy itself x7), once per bucket otherwise.
-    Holds at most `keep` buffers; a buffer is given back only after its bucket's handle was
-    waited, so on CUDA its next use (on the compute stream) is ordered after the last one."""
+    At most `keep` buffers exist, in use or free: one that fits none of the free ones replaces
+    the smallest of them when the pool is full. A buffer is given back only after its bucket's
+    handle was waited, so on CUDA its next use (on the compute stream) is ordered after the
+    last one. With a device tier, buffers on its device are allocated from it (counted against
+    tiers.device: GPU review N13; the planner's term is `_Bucketer.buffer_bytes`)."""
 
-    def __init__(self, keep: int):
-        self.keep = keep
+    def __init__(self, keep: int, device_tier=None):
+        self.keep, self.device_tier = keep, device_tier
+        self.limit: int | None = None  # elements of a bucket of every unit: no buffer is larger
         self._free: list[torch.Tensor] = []
+        self._count = 0  # buffers alive: free or in use
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device, capacity: int) -> torch.Tensor:
         for i, buf in enumerate(self._free):
             if buf.dtype == dtype and buf.device == device and buf.numel() >= numel:
                 return self._free.pop(i)[:numel]
-        return torch.empty(max(numel, capacity), dtype=dtype, device=device)[:numel]
+        if self._free and self._count >= self.keep:
+            self._drop(self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel())))
+        shape, tier = (max(numel, capacity if self.limit is None else min(capacity, self.limit)),), self.device_tier
+        if tier is not None and device == tier.device:
+            buf = tier.alloc(shape, dtype, "collective bucket")
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+        self._count += 1
+        return buf[:numel]
 
     def give(self, view: torch.Tensor) -> None:
-        base = view._base if view._base is not None else view
-        self._free.append(base)
-        if len(self._free) > self.keep:
-            smallest = min(range(len(self._free)), key=lambda i: self._free[i].numel())
-            del self._free[smallest]
+        self._free.append(view._base if view._base is not None else view)
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        self._count -= 1
+        if self.device_tier is not None and buf.device == self.device_tier.device:
+            self.device_tier.free(buf)
 
     def clear(self) -> None:
-        self._free = []
+        free, self._free = self._free, []
+        for buf in free:
+            self._drop(buf)
 
 
 class _Bucketer:
@@ -67,13 +83,43 @@ class _Bucketer:
         self.max_inflight = max_inflight
         self.buckets_launched = 0
         self._inflight: collections.deque[tuple[Handle, Callable[[], None]]] = collections.deque()
-        self._pool = _BufferPool(keep=max_inflight + 1)
+        self._pool = _BufferPool(max_inflight + 1)  # in flight, and the one being packed
         self._lock = threading.RLock()
         self.rank, self.world_size = self.comm.rank(group), self.comm.world_size(group)
 
+    @staticmethod
+    def _capacity(bucket_bytes: int, itemsize: int, world_size: int) -> int:
+        """Elements of a bucket buffer: a bucket of bucket_bytes needs (N + 1) / N of it, the
+        N-chunk flat and one chunk."""
+        return bucket_bytes // itemsize * (world_size + 1) // world_size + 1
+
+    @staticmethod
+    def _limit(parts: Sequence[Partition]) -> int:
+        """Elements of a bucket holding every unit in `parts`: no buffer needs more."""
+        return sum(p.numel if p.replicated else (p.world_size + 1) * p.shard_numel for p in parts)
+
+    @classmethod
+    def buffer_bytes(cls, bucket_bytes: int, itemsize: int, parts: Sequence[Partition], max_inflight: int = 2) -> int:
+        """Bytes of the bucket buffers a bucketer of the units `parts` (those it buckets) holds at
+        most, buffers allocated from a device tier (`allocate_from`): max_inflight + 1 buffers of a
+        bucket's capacity, or of a unit larger than a bucket, or of every unit (then one buffer of
+        each kind, sharded and replicated, reused every step). The planner counts exactly this
+        (GPU review N13)."""
+        if not parts:
+            return 0
+        limit, capacity = cls._limit(parts), cls._capacity(bucket_bytes, itemsize, parts[0].world_size)
+        if capacity >= limit:
+            return len({p.replicated for p in parts}) * limit * itemsize
+        largest = max(cls._limit([p]) for p in parts)
+        return (max_inflight + 1) * itemsize * min(max(capacity, largest), limit)
+
+    def allocate_from(self, device_tier, parts: Sequence[Partition]) -> None:
+        """Before the first bucket: allocate the buffers that live on `device_tier`'s device from it,
+        none larger than a bucket of every unit in `parts` (the units this bucketer will see)."""
+        self._pool.device_tier, self._pool.limit = device_tier, self._limit(parts)
+
     def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # a bucket of bucket_bytes needs (N + 1) / N of it: the N-chunk flat and one chunk
-        capacity = self.bucket_bytes // dtype.itemsize * (self.world_size + 1) // self.world_size + 1
+        capacity = self._capacity(self.bucket_bytes, dtype.itemsize, self.world_size)
         return self._pool.take(numel, dtype, device, capacity)
 
     def _launch(self, handle: Handle, complete: Callable[[], None]) -> None:
