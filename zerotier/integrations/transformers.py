@@ -41,6 +41,7 @@ param groups only: the Adam state is in `zerotier/`, written and read once.
 """
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import sys
@@ -101,7 +102,6 @@ def _decay_conflict(cfg: Config, model, exempt: set[str], weight_decay: float) -
     """The conflict between the config's no_weight_decay and Trainer's exemptions, if the decay matters."""
     if not cfg.given("optimizer.no_weight_decay") or weight_decay == 0:
         return None
-    import fnmatch
     theirs = {n for n, p in model.named_parameters() if p.requires_grad
               and any(fnmatch.fnmatchcase(n, g) for g in cfg.optimizer.no_weight_decay)}
     if theirs == exempt:
@@ -110,6 +110,9 @@ def _decay_conflict(cfg: Config, model, exempt: set[str], weight_decay: float) -
     return (f"optimizer.no_weight_decay = {list(cfg.optimizer.no_weight_decay)} exempts {len(theirs)} parameters but "
             f"Trainer exempts {len(exempt)} (get_decay_parameter_names: biases and norm weights); they differ on "
             + ", ".join(differ[:4]) + (" ..." if len(differ) > 4 else ""))
+
+
+_SET_IT = "Set the zerotier key to the Trainer's value, or to \"auto\" (or leave it out) to take TrainingArguments'"
 
 
 def _refuse(conflicts: list[str], fix: str) -> None:
@@ -132,8 +135,7 @@ class ZerotierTrainer(Trainer):
             fills, conflicts = _fill(cfg, args, live=False)
             wd = fills.get("optimizer.weight_decay", cfg.optimizer.weight_decay)
             conflicts += filter(None, [_decay_conflict(cfg, model, exempt, wd)])
-            _refuse(conflicts, "Set the zerotier key to the Trainer's value, or to \"auto\" (or leave it out) "
-                               "to take TrainingArguments'")
+            _refuse(conflicts, _SET_IT)
             if not cfg.given("optimizer.no_weight_decay"):
                 fills["optimizer.no_weight_decay"] = tuple(glob.escape(n) for n in sorted(exempt))
             self.engine = initialize(model, cfg.with_values(fills))
@@ -158,8 +160,7 @@ class ZerotierTrainer(Trainer):
 
         cfg = Config.coerce(zerotier_config)
         fills, conflicts = _fill(cfg, args, live=False)
-        _refuse(conflicts, "Set the zerotier key to the Trainer's value, or to \"auto\" (or leave it out) to take "
-                           "TrainingArguments'")
+        _refuse(conflicts, _SET_IT)
         engine = from_pretrained(path, cfg.with_values(fills), model_cls=model_cls, wrap=wrap)
         try:  # the exemptions need the model: filled on the live engine
             return cls(engine.module, args, *posargs, **kwargs)
