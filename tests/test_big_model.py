@@ -3,7 +3,8 @@ smaller than its Adam state, and peak RSS stays under a stated bound.
 
 Bound: peak RSS < 8 GiB, measured with psutil every 20 ms in a fresh process. What
 lives in RAM: the bf16 model as the user built it (2 GB, released into NVMe at
-initialize), fp32 gradient accumulators (4 GB, on host by placement), staging
+initialize), bf16 gradient accumulators (2 GB, the default under bf16 params; on host by
+placement), staging
 buffers. The fp32 master + Adam moments (12 GB) live only on NVMe.
 """
 import json
