@@ -335,7 +335,10 @@ def _check_writable_dir(path: str, option: str) -> None:
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=120, help="optimizer steps to train (default 120, ~1 min)")
+    from zerotier.demo import DURATION, DURATION_BUSY
+
+    parser.add_argument("--steps", type=int, default=120,
+                        help=f"optimizer steps to train (default 120: {DURATION}; {DURATION_BUSY})")
     parser.add_argument("--nvme-path", metavar="DIR", default=None,
                         help="directory for the optimizer's swap files (default: the system temp dir)")
     parser.add_argument("--device-budget", default="24MiB", metavar="SIZE",
