@@ -364,14 +364,23 @@ def run_case(case: str, args) -> dict:
     step, close, engine = setup(case, args, device, out)
     out["setup_s"] = time.perf_counter() - t0
 
+    store = engine.store if engine is not None else None
     losses, times = [], []
-    for micro in data[:args.warmup + args.steps]:
+    for i, micro in enumerate(data[:args.warmup + args.steps]):
+        if i == args.warmup and store is not None:
+            io_before = store.stats()
         t0 = time.perf_counter()
         loss = step(micro)
         sync()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))   # after the clock stopped: .item() would sync it
     out.update(step_s=statistics.median(times[args.warmup:]), step_times_s=times, losses=losses)
+    if store is not None:  # zerotier's swap traffic per timed step, and its rate over the timed steps
+        io_after, timed_s = store.stats(), sum(times[args.warmup:])
+        moved = {"written": io_after["bytes_in"] - io_before["bytes_in"],
+                 "read": io_after["bytes_out"] - io_before["bytes_out"]}
+        out["nvme_traffic"] = {k: v / args.steps for k, v in moved.items()}
+        out["nvme_GBps"] = {k: v / timed_s / 1e9 for k, v in moved.items()}
     if not all(math.isfinite(v) for v in losses):
         raise RuntimeError(f"non-finite loss: {losses}")
 
@@ -390,9 +399,6 @@ def run_case(case: str, args) -> dict:
         out["zt_verdict"] = report.verdict
         pool = engine.host_pool.stats()
         out["zt_pinned_peak"] = pool["peak"] if pool["pinned"] else 0
-        if engine.store is not None:
-            st = engine.store.stats()
-            out["nvme_traffic"] = {"written": st["bytes_in"], "read": st["bytes_out"]}
     out["nvme_bytes"] = _disk_bytes(args.nvme_path)
     close()
     out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -551,8 +557,20 @@ def _matmul_peak(device) -> float:
     return 2 * n ** 3 / best / 1e12
 
 
+def _die_with_parent() -> None:
+    """[Note: case processes]: a case runs in its own session, out of reach of the signals
+    gpu_run.sh's step limit sends to the parent's group; the parent kills it when it stops, and
+    this makes the kernel kill it too if the parent is killed outright (SIGKILL after the limit)."""
+    import ctypes
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before prctl
+        os._exit(1)
+
+
 def child(args) -> None:
     """--child CASE: run one case (or `env`) and write its result to --result, whatever happens."""
+    _die_with_parent()
     try:
         result = environment(args) if args.child == "env" else run_case(args.child, args)
     except NotApplicable as exc:
@@ -574,7 +592,7 @@ def child(args) -> None:
 
 def spawn(name: str, args, limit: float, log) -> dict:
     """Run `--child name` in its own session (so its own children, e.g. ninja, go with it) and
-    wait at most `limit` s; the result file is the only channel back."""
+    wait at most `limit` s; the result file is the only channel back ([Note: case processes])."""
     fd, result = tempfile.mkstemp(prefix="bench_gpu.", suffix=".json")
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--result", result,
@@ -664,30 +682,33 @@ def table(results: list[dict], env: dict, args) -> str:
         f"bench rates {'measured' if env.get('zerotier_rates') else 'none (plan uses default rates)'}",
         f"- bf16 matmul peak (this run): {f(env.get('matmul_peak_tflops'))} TFLOPS; MFU = 6 N tokens / step / peak",
         "",
-        "| case | status | step ms | tokens/s | TFLOPS | MFU % | x torch | x DS-Offload | zt overlap % per link "
+        "| case | status | setup s | step ms | tokens/s | TFLOPS | MFU % | x torch | x DS-Offload | zt overlap % per link "
         "| torch.prof H2D/D2H overlap % | GPU busy % | host syncs/step | peak dev alloc/resv GiB | peak RSS GiB "
-        "| pinned GiB | NVMe GB | plan need dev/host/nvme GB | plan pred s / meas s | loss@K | max abs dloss |",
-        "|" + "---|" * 20,
+        "| pinned GiB | NVMe GB on disk (swap GB/s) | plan need dev/host/nvme GB | plan pred s / meas s | loss@K | max abs dloss |",
+        "|" + "---|" * 21,
     ]
     rows = []
     for r in results:
         if r.get("status") != "ok":
-            rows.append(f"| {r['case']} | {r.get('status')} ({r.get('reason', '')}) |" + " - |" * 18)
+            rows.append(f"| {r['case']} | {r.get('status')} ({r.get('reason', '')}) |" + " - |" * 19)
             continue
         links = ", ".join(f"{LINK.get(k, k)} {v:.0f}" for k, v in (r.get("zt_link_overlap_pct") or {}).items()) or "-"
         tp = r.get("torch_profiler") or {}
         plan = r.get("plan") or {}
         need = plan.get("need")
         pinned = r.get("zt_pinned_peak") if r.get("zt_pinned_peak") is not None else r.get("torch_pinned_peak")
+        io = r.get("nvme_GBps")
+        nvme_io = f" (w {io['written']:.1f} / r {io['read']:.1f} GB/s)" if io else ""
         pred = (f"{plan['predicted_step_s']:.3f}{'' if plan['rates_measured'] else '*'} / {r['step_s']:.3f}"
                 if plan else "-")
         rows.append(
-            f"| {r['case']} | ok | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3g} "
+            f"| {r['case']} | ok | {r['setup_s']:.1f} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3g} "
             f"| {f(r.get('mfu_pct'), '{:.3g}')} | {f(r.get('x_torch'), '{:.2f}')} | {f(r.get('x_ds-z2-offload'), '{:.2f}')} "
             f"| {links} | {f(tp.get('h2d_pct'), '{:.0f}')}/{f(tp.get('d2h_pct'), '{:.0f}')} "
             f"| {f(tp.get('gpu_busy_pct'), '{:.0f}')} | {f(r.get('host_syncs_per_step'), '{:.0f}')} "
             f"| {f(r.get('peak_device_allocated'), '{:.1f}', GiB)}/{f(r.get('peak_device_reserved'), '{:.1f}', GiB)} "
-            f"| {f(r.get('peak_rss'), '{:.1f}', GiB)} | {f(pinned, '{:.1f}', GiB)} | {f(r.get('nvme_bytes'), '{:.1f}', 1e9)} "
+            f"| {f(r.get('peak_rss'), '{:.1f}', GiB)} | {f(pinned, '{:.1f}', GiB)} | {f(r.get('nvme_bytes'), '{:.1f}', 1e9)}"
+            f"{nvme_io} "
             f"| {'/'.join(f'{need[t] / 1e9:.1f}' for t in ('device', 'host', 'nvme')) if need else '-'} "
             f"| {pred} | {r['losses'][-1]:.4f} | {f(r.get('max_abs_dloss'), '{:.4f}')} |")
     notes = ["", "x torch / x DS-Offload: step time over that case's (lower is faster). "
