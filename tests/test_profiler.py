@@ -698,3 +698,15 @@ def test_plot_shows_step_time_bandwidth_and_residency_with_legends_outside(tmp_p
     renderer = fig.canvas.get_renderer()
     for ax in (steps, bandwidth):
         assert ax.get_legend().get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1
+
+
+def test_a_link_bound_run_whose_transfers_were_all_hidden_is_told_so():
+    """PCIe busier than compute and than the optimizer, every transfer under one or the other: no
+    advice about a reason that exposed nothing."""
+    def build(p):
+        span(p, "forward", 0, 30)
+        span(p, "optimizer", 20, 50, thread="opt")
+        xfer(p, "w", "host", "device", 0, 50)
+    summary, line = _line(build)
+    assert summary.verdict == "PCIe-bound" and summary.overlap_pct == pytest.approx(100.0)
+    assert line.endswith("its transfers all ran under compute or the optimizer: none was exposed"), line

@@ -181,7 +181,7 @@ class Summary:
         return out
 
     def plot(self, path: str) -> str:
-        """PNG of residency per tier and bandwidth per link over time (needs matplotlib)."""
+        """PNG of where each step's time goes, bandwidth per link and residency per tier (needs matplotlib)."""
         from .plot import plot_trace
 
         return plot_trace(self.trace, path)
@@ -418,9 +418,9 @@ def _transfer_advice(exposed_s: dict[tuple[str, str], float], resource: str | No
     for (res, reason), seconds in exposed_s.items():
         if resource is None or res == resource:
             by_reason[reason] += seconds
-    if not by_reason:
-        return "no transfer on it was exposed"
-    reason = max(by_reason, key=lambda r: (by_reason[r], r))
+    reason = max(by_reason, key=lambda r: (by_reason[r], r), default=None)
+    if reason is None or by_reason[reason] <= 0:
+        return "its transfers all ran under compute or the optimizer: none was exposed"
     advice = _NO_PREFETCH_ADVICE if reason == "demand" and prefetch_issued == 0 else _REASON_ADVICE[reason]
     where = f"{names[resource]} " if resource is not None else ""
     return f"most exposed: {reason} {where}transfers ({format_duration(by_reason[reason])}): {advice}"
