@@ -769,6 +769,7 @@ def main(argv=None) -> int:
     nvme_root = tempfile.mkdtemp(prefix=".bench_gpu_nvme.", dir=args.nvme_path or ROOT)
     results: list[dict] = []
     env: dict = {}
+    current = "env"  # the process running when an interrupt came
     log_path = os.path.join(args.out, "cases.log") if args.out else os.devnull
     try:
         with open(log_path, "w") as log:
@@ -780,6 +781,7 @@ def main(argv=None) -> int:
             print(f"env: {env.get('gpu', 'no GPU')}, torch {env.get('torch')}, "
                   f"bf16 matmul peak {env.get('matmul_peak_tflops') or 0:.1f} TFLOPS", flush=True)
             for name in names:
+                current = name
                 framework = CASES[name][0]
                 if framework in PEER_MODULE and args.tiny:
                     res = {"case": name, "status": "n/a", "reason": "--tiny runs zerotier and torch only"}
@@ -797,7 +799,7 @@ def main(argv=None) -> int:
                 print(f"  {name:22s} {res['status']:7s} " + (f"{res['step_s'] * 1e3:9.1f} ms/step"
                       if res["status"] == "ok" else res.get("reason", "")), flush=True)
     except KeyboardInterrupt:  # gpu_run.sh's step limit: keep what was measured
-        results.append({"case": "(interrupted)", "status": "not run", "reason": "SIGINT: the run's time limit"})
+        results.append({"case": current, "status": "not run", "reason": "interrupted (SIGINT: the run's time limit)"})
         print(write(results, env, args))
         return 130
     finally:

@@ -22,11 +22,18 @@
 #               with SIGINT, so pytest still writes the junit xml of every test that ran.
 #   bench_*     zerotier bench pcie/mem/adam/io --quick -> OUT_DIR/bench_node.json      (tests)
 #   bench_deps  deepspeed (no ops: JIT-built when used) and torchao from wheels/        (bench)
-#   bench_gpu   benchmarks/bench_gpu.py --out OUT_DIR/bench_gpu.json (if that file exists),
-#               its own limit GPU_BENCH_SECONDS (default 420)                           (bench)
+#   bench_gpu   benchmarks/bench_gpu.py --out OUT_DIR/bench_gpu $BENCH_GPU_ARGS        (bench)
+#               (bench_gpu.json, bench_gpu.md, cases.log), its own limit GPU_BENCH_SECONDS
+#               (default 420), passed on as --time-limit so the table is written before it;
+#               each case has its own limit too (--case-timeout). With wheels/libaio (from
+#               gpu_wheels.sh) the compiler finds libaio, so DeepSpeed's async_io op builds
+#               (ZeRO-Infinity); without it that row reads n/a.
 # then OUT_DIR/summary.txt: exit code and duration per step, pytest counts.
 # Every step runs under `timeout`; the whole run ends within GPU_RUN_SECONDS (default 570).
 # Exit code: 0 if every step passed (a missing bench_gpu.py counts as skipped), else 1.
+# e.g. the 7B comparison (optimizer on host) as its own call:
+#   BENCH_GPU_ARGS="--size 7b --cases zt-opt-host,zt-opt-host-early,ds-z2-offload,torchao-offload" \
+#       benchmarks/gpu_run.sh "$OUT" bench
 #
 # Environment: PYTHON (default python3) is the interpreter whose packages are reused.
 # If PYTHON belongs to a virtualenv (local testing on a machine whose python3 has no torch,
@@ -48,7 +55,9 @@ export WHEELS="$ROOT/wheels"
 export VENV="$ROOT/.gpuvenv"
 export VPY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PYTHONUNBUFFERED=1
-export ZEROTIER_BENCH_FILE="$OUT/bench_node.json"   # `zerotier bench` saves here, not in ~/.cache
+# `zerotier bench` saves here, not in ~/.cache; in the repo so that the bench call on the warm
+# machine plans with the rates the tests call measured (copied to OUT_DIR/bench_node.json)
+export ZEROTIER_BENCH_FILE="$ROOT/.gpu_bench_node.json"
 export TORCH_EXTENSIONS_DIR="$ROOT/.gpu_torch_extensions"  # DeepSpeed's JIT ops survive between calls
 export PYTEST_TIMEOUT="${PYTEST_TIMEOUT:-150}"
 
@@ -72,7 +81,7 @@ step() {
     fi
     echo "== $name (budget ${budget}s)"
     local t0=$(date +%s)
-    timeout -s "$sig" --kill-after=20 "$budget" bash -c "$fn" >"$log" 2>&1
+    STEP_BUDGET=$budget timeout -s "$sig" --kill-after=20 "$budget" bash -c "$fn" >"$log" 2>&1
     local rc=$? dt=$(($(date +%s) - t0)) note=""
     if (( rc == 124 || rc == 137 )); then note="  timed out after ${budget}s"; fi
     if (( rc == 99 )); then note="  skipped: $(tail -n 1 "$log")"; rc=0; fi
@@ -136,6 +145,9 @@ EOF
 
 bench_deps() {
     set -e
+    if "$VPY" -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("deepspeed") and u.find_spec("torchao")))'; then
+        echo "deepspeed and torchao already in $VENV (an earlier bench call)"; return 0
+    fi
     vpip deepspeed
     vpip --no-deps torchao
     "$VPY" -c 'import deepspeed, torchao; print("deepspeed", deepspeed.__version__, "torchao", torchao.__version__)'
@@ -157,16 +169,35 @@ node_bench() {  # zerotier bench SECTION --quick, saved to $ZEROTIER_BENCH_FILE
     return $rc
 }
 
+# libaio carried by gpu_wheels.sh: CFLAGS/LDFLAGS for DeepSpeed's is_compatible() probe (it compiles
+# with them), CPATH/LIBRARY_PATH for the JIT build (torch's ninja build ignores CFLAGS/LDFLAGS; gcc
+# reads these for -laio), an rpath and LD_LIBRARY_PATH (read by the loader at start) to load it.
+libaio_env() {
+    local aio="$WHEELS/libaio"
+    if [[ ! -f "$aio/include/libaio.h" ]]; then
+        echo "libaio: not carried (run benchmarks/gpu_wheels.sh): ZeRO-Infinity will be n/a"; return 0
+    fi
+    export CFLAGS="-I$aio/include ${CFLAGS:-}" LDFLAGS="-L$aio/lib -Wl,-rpath,$aio/lib ${LDFLAGS:-}"
+    export CPATH="$aio/include${CPATH:+:$CPATH}" LIBRARY_PATH="$aio/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
+    export LD_LIBRARY_PATH="$aio/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "libaio: $aio"
+}
+
 bench_gpu() {
     if [[ ! -f benchmarks/bench_gpu.py ]]; then
         echo "benchmarks/bench_gpu.py missing"
         return 99
     fi
-    "$VPY" benchmarks/bench_gpu.py --out "$OUT/bench_gpu.json"
+    libaio_env
+    # exec: the step's SIGINT reaches bench_gpu.py itself, which stops its case and writes the table
+    # word splitting of BENCH_GPU_ARGS is intended (several options)
+    # shellcheck disable=SC2086
+    exec "$VPY" benchmarks/bench_gpu.py --out "$OUT/bench_gpu" --time-limit $((STEP_BUDGET - 15)) ${BENCH_GPU_ARGS:-}
 }
 
 export MODE
-export -f vpip machine venv bench_deps run_pytest node_bench bench_gpu
+export BENCH_GPU_ARGS="${BENCH_GPU_ARGS:-}"
+export -f vpip machine venv bench_deps run_pytest node_bench libaio_env bench_gpu
 
 step machine      60 machine
 step venv        180 venv
@@ -199,4 +230,11 @@ EOF
     echo "$counts"
     echo "total: $(($(date +%s) - RUN_START))s, $( ((FAILED)) && echo "FAILED" || echo "all steps passed")"
 } | tee "$OUT/summary.txt"
+[[ -f "$ZEROTIER_BENCH_FILE" ]] && cp "$ZEROTIER_BENCH_FILE" "$OUT/bench_node.json"
+[[ -f "$OUT/bench_gpu/bench_gpu.md" ]] && { echo; cat "$OUT/bench_gpu/bench_gpu.md"; }
+# The device tool brings back at most 8 files from OUT_DIR: past that, the logs go into one archive.
+if (( $(find "$OUT" -type f | wc -l) > 8 )); then
+    (cd "$OUT" && find . -name '*.log' -print0 | tar czf logs.tar.gz --null -T - --remove-files) \
+        && echo "logs: $OUT/logs.tar.gz ($(find "$OUT" -type f | wc -l) files in $OUT)"
+fi
 exit "$FAILED"
