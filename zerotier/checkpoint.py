@@ -157,7 +157,8 @@ def fingerprint(engine) -> list[dict]:
 
 
 def _unmanaged_state(engine) -> dict[str, torch.Tensor]:
-    """Frozen parameters and buffers (everything in module.state_dict() zerotier does not train)."""
+    """Frozen parameters and buffers (everything in module.state_dict() zerotier does not train); frozen
+    units' parameters are read from their home through the surface ([Note: frozen units] in state.py)."""
     managed = {id(p) for u in engine.units for p in u.params}
     out = {}
     for name, t in engine.raw_state_dict().items():
@@ -521,7 +522,7 @@ def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
         engine.params.synchronize()
     finally:
         files.close()
-    with torch.no_grad():
+    with torch.no_grad(), engine._surface.batch():  # frozen units' parameters: one store per unit
         for name, t in state["module_unmanaged"].items():
             if name in sd:
                 sd[name].data.copy_(t) if isinstance(sd[name], torch.nn.Parameter) else sd[name].copy_(t)

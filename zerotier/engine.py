@@ -140,6 +140,22 @@ class _FetchOnBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """Identity in forward on a module's inputs; in backward, release the module's frozen units
+    ([Note: releasing frozen units after backward])."""
+
+    @staticmethod
+    def forward(ctx, engine, units, tensor):
+        ctx.engine, ctx.units = engine, units
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        for unit in ctx.units:
+            ctx.engine.params.release(unit)
+        return None, None, grad
+
+
 def _autocast_dtype(device_type: str) -> "torch.dtype | None":
     """The dtype torch.autocast casts to on `device_type` now, or None when it is off."""
     if not torch.is_autocast_enabled(device_type):
@@ -185,7 +201,7 @@ class Engine:
         # [Note: choosing the device] in device.py: before anything allocates or a group exists
         self.device = choose_device(cfg.train.device)
         units = build_units(model, cfg.train.wrap if wrap is None else wrap)
-        if not units:
+        if not any(not u.frozen for u in units):
             raise ConfigError("the model has no trainable parameters (all are frozen or there are none); "
                               "there is nothing for zerotier to train")
         self.lp_dtype = DTYPES[cfg.precision.param_dtype]
@@ -193,11 +209,15 @@ class Engine:
         self._user_form = {id(p): (p.dtype, p.device) for u in units for p in u.params}
         self.rank, self.world_size = init_distributed(cfg.zero, self.device)
         self.sharding = Sharding(cfg.zero, self.rank, self.world_size)
-        self.units = self.sharding.assign(units)
+        # [Note: frozen units] in state.py: the stepped units, then the frozen ones (indices go on)
+        self.param_units = self.sharding.assign(units)
+        self.units = [u for u in self.param_units if not u.frozen]
+        self.frozen_units = self.param_units[len(self.units):]
         self.plan = make_plan([u.numel for u in self.units], cfg.tiers, cfg.offload, cfg.precision,
                               cfg.prefetch, self.device, world_size=self.world_size, stage=cfg.zero.stage, zero=cfg.zero,
-                              pipeline_depth=cfg.optimizer.pipeline_depth, nested_numel=nested_numel(self.units),
-                              alignment=cfg.io.alignment)
+                              pipeline_depth=cfg.optimizer.pipeline_depth,
+                              nested_numel=nested_numel(self.param_units), alignment=cfg.io.alignment,
+                              frozen_numels=[u.numel for u in self.frozen_units])
         placement = self.plan.placement
         self.store = None
         if Location.NVME in placement.values():
@@ -215,7 +235,7 @@ class Engine:
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, optimizer_loc, self.device_tier,
                                             self.host_pool, self.store, self.profiler)
         no_decay = exempt_from_decay(model, self.units, cfg.optimizer.no_weight_decay)  # checked before placing
-        self.params = ParamStore(self.units, placement["params"], self.lp_dtype, self.device_tier,
+        self.params = ParamStore(self.param_units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
         self.params.master_of = lambda unit: self.unit_optimizer.read_state(unit, ("master",))["master"]
@@ -254,10 +274,11 @@ class Engine:
         self._window_applied = self.unit_optimizer.applied  # unit updates before this window
         self.optimizer = EngineOptimizer(self, no_decay)  # over the placed parameters ([Note: param groups])
         self.scheduler = PrefetchScheduler(
-            cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.units], [u.name for u in self.units],
+            cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.param_units],
+            [u.name for u in self.param_units],
             self.params.prefetch, self.params.inflight_bytes)
         self._hooks = []
-        self._register_hooks([u for u in self.units if self.params.streamed[u.index]])
+        self._register_hooks([u for u in self.param_units if self.params.streamed[u.index]])
         self._stop_code = 0  # [Note: graceful stop] in stop.py
         if cfg.train.handle_signals:
             stop.register(self)
@@ -283,10 +304,17 @@ class Engine:
         The user's tensors are dropped (the parameters become views of the engine's flats)."""
         sharding = self.sharding
         materializer = self._materializer = Materializer(self.module, self._init_fn)  # [Note: meta-device models]
-        for i, unit in enumerate(self.units):
-            if is_meta(unit):  # the stores hold this list: they see the rebuilt unit
-                unit = self.units[i] = materializer.unit(unit)
+        for i, unit in enumerate(self.param_units):
+            if is_meta(unit):  # the stores hold these lists: they see the rebuilt unit
+                unit = self.param_units[i] = materializer.unit(unit)
+                (self.frozen_units if unit.frozen else self.units)[i - len(self.units) * unit.frozen] = unit
                 self._user_form.update({id(p): (p.dtype, torch.device("meta")) for p in unit.params})
+            if unit.frozen:  # [Note: frozen units]: its low-precision bytes only
+                full = torch.cat([p.detach().reshape(-1).to(self.lp_dtype).cpu() for p in unit.params])
+                sharding.broadcast(full)
+                self._swapped = i + 1
+                self.params.place(unit, full if not sharding.gathered(unit) else sharding.shard_of(unit, full))
+                continue
             flats = [p.detach().reshape(-1).float().cpu() for p in unit.params]
             if len(flats) > 1:
                 full = torch.cat(flats)
@@ -315,13 +343,14 @@ class Engine:
         materializer = getattr(self, "_materializer", None)
         materialized = {id(p) for p in materializer.replaced.values()} if materializer is not None else set()
         lost = []
-        for unit in self.units[:getattr(self, "_swapped", 0)]:
+        for unit in self.param_units[:getattr(self, "_swapped", 0)]:
             if all(id(p) in materialized for p in unit.params):
                 continue
             try:
                 if self.sharding.active:
                     raise ZerotierError("the fp32 masters are sharded over ranks")
-                master = self.unit_optimizer.read_state(unit, ("master",))["master"].cpu()
+                master = self._frozen_value(unit) if unit.frozen else \
+                    self.unit_optimizer.read_state(unit, ("master",))["master"].cpu()
                 for p, view in unit.views(master):
                     dtype, device = self._user_form[id(p)]
                     p.data = view.to(device=device, dtype=dtype, copy=True)
@@ -356,7 +385,7 @@ class Engine:
         return {name: (t.used, t.budget) for name, t in tiers.items()}
 
     def _move_unmanaged_to_device(self) -> None:
-        """Frozen parameters and buffers go to the compute device.
+        """Parameters no unit holds (non-floating frozen ones) and buffers go to the compute device.
 
         [Note: buffers and inputs in low precision]
         Under a bf16/fp16 precision.param_dtype, compute sees the model as `model.to(dtype)` would
@@ -365,7 +394,7 @@ class Engine:
         close), and floating tensors passed to the root's forward are cast to it
         (cast_forward_inputs); integer inputs (token ids, labels) are left alone. Buffers of
         modules without parameters (rotary inv_freq) keep their dtype: their module casts."""
-        managed = {id(p) for u in self.units for p in u.params}
+        managed = {id(p) for u in self.param_units for p in u.params}
         low = self.lp_dtype if self.lp_dtype != torch.float32 else None
         self._buffer_dtypes = []  # (module, name, the user's dtype) of buffers cast to param_dtype
         for module in self.module.modules():
@@ -406,6 +435,10 @@ class Engine:
                 self._hooks.append(module.register_forward_pre_hook(self._pre_forward(module is root, units)))
             if units:
                 self._hooks.append(module.register_forward_hook(self._post_forward(units)))
+            frozen = [u for u in units if u.frozen]
+            if frozen and module is not root:
+                self._hooks.append(module.register_forward_pre_hook(self._release_frozen_after_backward(frozen),
+                                                                    with_kwargs=True))
         for unit in self.units:
             for i, p in enumerate(unit.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, i)))
@@ -438,7 +471,7 @@ class Engine:
         inside, so many reads of them fetch each unit once (FSDP's summon_full_params). Reads and
         writes outside it work too, one fetch per call ([Note: the parameter surface])."""
         wanted = None if params is None else {id(p) for p in params}
-        units = [u for u in self.units if wanted is None or any(id(p) in wanted for p in u.params)]
+        units = [u for u in self.param_units if wanted is None or any(id(p) in wanted for p in u.params)]
         return self._surface.fetched(units)
 
     def _inputs_to_device(self, module, args, kwargs):
@@ -482,18 +515,38 @@ class Engine:
             "(zerotier keeps the fp32 master and updates it in fp32), or keep the parameters on the device "
             "(offload.params = \"device\")")
 
+    def _release_frozen_after_backward(self, frozen: list):
+        """[Note: releasing frozen units after backward]
+        A trainable unit is released by its last gradient hook; a frozen unit has none, yet the
+        module's backward refetches it (_FetchOnBackward: its weights carry the gradient to the
+        module's inputs). Like FSDP2's post-backward, each input that requires grad passes through
+        _ReleaseAfterBackward, whose backward runs once the gradient of that input is complete: every
+        node of the module that feeds it has run (all created after it, so autograd ran them first),
+        and a later output gradient refetches through _FetchOnBackward. A module whose inputs need
+        no gradient (the first block over frozen embeddings) keeps its frozen unit until backward ends."""
+        def hook(module, args, kwargs):
+            if not torch.is_grad_enabled():
+                return None
+
+            def wrap(t):
+                return _ReleaseAfterBackward.apply(self, frozen, t) if t.requires_grad else t
+            return _map_tensors(args, wrap), _map_tensors(kwargs, wrap)
+        return hook
+
     def _post_forward(self, units: list):
         def hook(module, args, output):
             if torch.is_grad_enabled():
-                wrapped = []
+                wrapped, seen = [], []
 
                 def wrap(t):
+                    seen.append(t)
                     if not t.requires_grad:
                         return t
                     wrapped.append(t)
                     return _FetchOnBackward.apply(self, units, t)[0]
                 output = _map_tensors(output, wrap)
-                if not wrapped and output is not None:
+                no_backward = seen and all(u.frozen for u in units)  # frozen layers under frozen inputs
+                if not wrapped and output is not None and not no_backward:
                     # Outputs zerotier cannot see into (a plain object, a generator): nothing would
                     # refetch the units before their backward, so they stay resident until their
                     # gradients are in (the grad hook releases them) or backward ends.
@@ -557,7 +610,7 @@ class Engine:
     def _end_plain_backward(self) -> None:
         """The end of a plain loss.backward() (queued by _ensure_backward)."""
         self._in_backward = self._plain_backward = False
-        for unit in self.units:
+        for unit in self.param_units:
             self.params.release(unit)
         self.grads.end_backward(reduced=False)
         self._plain_grads = True
@@ -661,7 +714,7 @@ class Engine:
                     self.profiler.compute_end(span)
                 self._in_backward = False
                 self._early_step_ok = self._prefetch_state = False
-                for unit in self.units:
+                for unit in self.param_units:
                     self.params.release(unit)
             self.grads.end_backward(reduced=self._reduce_now)
         except BaseException as exc:
@@ -982,6 +1035,14 @@ class Engine:
                     "train or release tensors it does not hold. Run torch.func on a model zerotier does not manage: "
                     "engine.close() first (the model then holds the trained weights), or load "
                     "engine.parameters_fp32() into a copy")
+            if id(p) not in self._slots and p.requires_grad and id(p) not in self._user_form:
+                raise ZerotierError(
+                    f"parameter '{name}' requires grad but was added to the model after zerotier.initialize (an "
+                    "adapter: peft.get_peft_model(engine.module, ...) after initialize or zerotier.from_pretrained), "
+                    "so zerotier would never train it. Add adapters first: model = peft.get_peft_model(model, "
+                    "lora_config), then engine = zerotier.initialize(model, config); the frozen base is then "
+                    "offloaded like any parameter (offload.params). From a Hugging Face directory: load it with "
+                    "transformers, apply peft, then initialize")
             if id(p) not in self._slots and p.requires_grad:
                 raise ZerotierError(
                     f"parameter '{name}' requires grad but zerotier does not train it: it was frozen (or not yet "
@@ -1031,6 +1092,18 @@ class Engine:
             master = self.sharding.gather_full(unit, self.unit_optimizer.read_state(unit, ("master",))["master"].cpu())
             yield unit, list(unit.views(master))
 
+    def _frozen_value(self, unit) -> torch.Tensor:
+        """[Note: frozen units] A frozen unit's full flat as its home holds it (param dtype, on the CPU,
+        a copy): fetched and released again unless resident. A collective when it is gathered."""
+        resident = self.params.state[unit.index] is ParamState.RESIDENT
+        if not resident:
+            self.params.demand(unit)
+        try:
+            return self.params.device_flat[unit.index][: unit.numel].to("cpu", copy=True)
+        finally:
+            if not resident:
+                self.params.release(unit)
+
     def _trained_state_dict(self, module, state_dict, prefix) -> None:
         """[Note: the user's model stays the truth] model.state_dict() holds the trained weights
         (from the fp32 masters, in each parameter's original dtype), never the released buffers
@@ -1044,6 +1117,11 @@ class Engine:
                 names.setdefault(id(p), []).append(prefix + name)
         for unit, views in self._trained_units():
             for p, view in views:
+                value = view.to(self._user_form[id(p)][0], copy=True)
+                for key in names.get(id(p), ()):
+                    state_dict[key] = value
+        for unit in self.frozen_units:  # [Note: frozen units]: their home's values (safetensors reads raw memory)
+            for p, view in unit.views(self._frozen_value(unit)):
                 value = view.to(self._user_form[id(p)][0], copy=True)
                 for key in names.get(id(p), ()):
                     state_dict[key] = value
@@ -1155,7 +1233,7 @@ class Engine:
     def _leave_no_released_storage(self) -> None:
         """Parameters not put back (restore_weights=False, a broken engine, a meta-built model)
         are left empty (0 elements, their dtype and device), never views of freed memory."""
-        for unit in self.units:
+        for unit in self.param_units:
             for p in unit.params:
                 if p.numel() and p.untyped_storage().nbytes() < p.numel() * p.element_size():
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -1165,6 +1243,14 @@ class Engine:
         left = 0
         for unit, views in self._trained_units():
             for p, view in views:
+                dtype, device = self._user_form[id(p)]
+                if device.type != "meta":
+                    p.data = view.to(device=device, dtype=dtype, copy=True)
+                else:
+                    left += 1
+        for unit in self.frozen_units:  # [Note: frozen units]: their home holds them
+            value = self._frozen_value(unit)
+            for p, view in unit.views(value):
                 dtype, device = self._user_form[id(p)]
                 if device.type != "meta":
                     p.data = view.to(device=device, dtype=dtype, copy=True)

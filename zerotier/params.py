@@ -608,6 +608,11 @@ class ParamStore:
         """[Note: a failed write-back] Write the unit's home again from the fp32 master."""
         i = unit.index
         cause = self._stale[i]
+        if unit.frozen:  # [Note: frozen units]: no master; its home was the only copy
+            raise ZerotierError(
+                f"frozen unit '{unit.name or '<root>'}': writing its parameters to {self.loc.value} failed ({cause}), "
+                "so its file holds the values before that write and nothing else holds the new ones. Free the drive "
+                "and build the engine again (zerotier.initialize, or from_pretrained)") from cause
         if self.master_of is None or (not unit.part.replicated and not self.sharding.gathered(unit)):
             raise ZerotierError(
                 f"unit '{unit.name or '<root>'}': writing its updated parameters to {self.loc.value} failed "

@@ -164,6 +164,10 @@ class Plan:
     # and the optimizer-state bytes and unit count per tier of the split
     optimizer_units: tuple[Location, ...] | None = None
     optimizer_split: dict[str, tuple[int, int]] = field(default_factory=dict)  # tier -> (bytes, units)
+    # [Note: frozen units] in state.py: parameters with no gradient or optimizer state, held on
+    # placement["params"] with the trainable ones (their bytes are in state_bytes["params"])
+    frozen_numel: int = 0
+    frozen_param_bytes: int = 0         # per rank
 
     @property
     def per_rank_bytes(self) -> int:
@@ -177,18 +181,23 @@ class Plan:
 
     def summary(self) -> str:
         sharding = f", {_sharding(self.stage, self.world_size)}" if self.world_size > 1 or self.stage else ""
-        lines = [f"zerotier plan: {self.numel / 1e6:,.1f}M trainable parameters{sharding}",
+        frozen = f" + {self.frozen_numel / 1e6:,.1f}M frozen" if self.frozen_numel else ""
+        lines = [f"zerotier plan: {self.numel / 1e6:,.1f}M trainable parameters{frozen}{sharding}",
                  f"  {'state':10s} {'tier':6s} {'bytes/rank':>12s} {'GB':>9s}"]
         for kind in KINDS:
             b = self.state_bytes.get(kind, 0)
             tier = "split" if kind == "optimizer" and self.optimizer_units else self.placement[kind].value
             lines.append(f"  {kind:10s} {tier:6s} {format_size(b):>12s} {b / 1e9:9.2f}")
+            if kind == "params" and self.frozen_numel:
+                for part, pb in (("trainable", b - self.frozen_param_bytes), ("frozen", self.frozen_param_bytes)):
+                    lines.append(f"    {part:10s} {format_size(pb):>11s} {pb / 1e9:9.2f}")
         for tier, (b, units) in self.optimizer_split.items():
             lines.append(f"    on {tier:6s} {format_size(b):>12s} {b / 1e9:9.2f}   ({units} of "
                          f"{len(self.optimizer_units)} units)")
         total = self.per_rank_bytes
         lines.append(f"  {'total':10s} {'':6s} {format_size(total):>12s} {total / 1e9:9.2f}"
-                     f"   ({total / max(self.numel, 1):.2f} B per model parameter; gradients {self.grad_bytes} B/param"
+                     f"   ({total / max(self.numel + self.frozen_numel, 1):.2f} B per model parameter; "
+                     f"gradients {self.grad_bytes} B/param"
                      + (f": the engine's {self.grad_dtype} accumulators)"
                         if self.grad_bytes == DTYPES[self.grad_dtype].itemsize else ")"))
         lines.append(f"  {'tier':8s} {'needed':>12s} {'budget':>12s}   (needed includes working sets)")
@@ -215,6 +224,7 @@ class Plan:
             "optimizer_split": ({t: {"bytes": b, "units": u} for t, (b, u) in self.optimizer_split.items()}
                                 if self.optimizer_units else None),
             "per_rank_bytes": self.per_rank_bytes, "state_bytes": dict(self.state_bytes),
+            "frozen_numel": self.frozen_numel, "frozen_param_bytes": self.frozen_param_bytes,
             "tiers": dict(self.need), "budgets": dict(self.budgets),
             "fits": True, "missing": None,
             "predicted_step_s": self.predicted_step_s if measured else None,
@@ -273,6 +283,13 @@ class _Sizes:
     nested: int = 0              # elements of enclosing units resident around a fetch (state.nested_numel)
     alignment: int = 4096        # io.alignment: host-pool blocks are rounded up to it
     unit_order: tuple[int, ...] = ()  # every unit's numel in unit order ([Note: optimizer split])
+    frozen: tuple[int, ...] = ()      # frozen units' numels: parameters only ([Note: frozen units] in state.py)
+
+    def with_frozen(self) -> "_Sizes":
+        """The sizes the parameter store holds: trainable and frozen units together."""
+        if not self.frozen:
+            return self
+        return dataclasses.replace(self, numels=tuple(sorted(self.numels + self.frozen, reverse=True)), frozen=())
 
     @property
     def numel(self) -> int:
@@ -299,6 +316,8 @@ class _Sizes:
 
 
 def _bytes_for(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
+    if kind == "params":
+        s = s.with_frozen()
     need = _state_and_buffers(kind, loc, s)
     if s.engine_buffers:  # each host-pool block is rounded up to io.alignment: count the worst case
         need["host"] += _host_blocks(kind, loc, s) * (s.alignment - 1)
@@ -403,7 +422,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
               rates: dict[str, float] | None = None, *, world_size: int = 1, stage: int = 0,
               zero: ZeroConfig | None = None,
               grad_bytes: int | None = None, ranks_per_node: int | None = None, pipeline_depth: int = 3,
-              nested_numel: int = 0, alignment: int = 4096) -> Plan:
+              nested_numel: int = 0, alignment: int = 4096, frozen_numels: list[int] = ()) -> Plan:
     """Choose a tier for each kind of state within the per-rank budgets, or raise PlanDoesNotFit.
 
     world_size/stage shard each kind's bytes as ZeRO does ([Note: bytes per parameter]);
@@ -419,11 +438,12 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
                    grad_bytes=DTYPES[precision.accumulator_dtype].itemsize if grad_bytes is None else grad_bytes,
                    lookahead=prefetch.lookahead if prefetch.enabled else 0, stage=stage, world_size=world_size,
                    pipeline_depth=pipeline_depth, engine_buffers=grad_bytes is None, nested=nested_numel,
-                   alignment=alignment, cuda=device.type == "cuda")
-    state_bytes = {kind: b * sizes.rank_numel(kind) for kind, b in
+                   alignment=alignment, cuda=device.type == "cuda", frozen=tuple(frozen_numels))
+    state_bytes = {kind: b * (sizes.with_frozen() if kind == "params" else sizes).rank_numel(kind) for kind, b in
                    (("params", lp_bytes), ("gradients", sizes.grad_bytes), ("optimizer", OPTIMIZER_BYTES))}
-    assert sum(state_bytes.values()) == model_state_bytes(sizes.numel, stage, world_size, lp_bytes,
-                                                          sizes.grad_bytes)
+    frozen_bytes = state_bytes["params"] - lp_bytes * sizes.rank_numel("params")  # [Note: frozen units]
+    assert sum(state_bytes.values()) - frozen_bytes == model_state_bytes(sizes.numel, stage, world_size, lp_bytes,
+                                                                         sizes.grad_bytes)
     sizes = dataclasses.replace(sizes, unit_order=tuple(unit_numels))
     if zero is not None:  # the collectives' bucket sizes (zero.*_bucket_size; default: ZeroConfig's)
         sizes = dataclasses.replace(sizes, reduce_bucket=zero.reduce_bucket_size,
@@ -481,7 +501,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
         split[loc.value] = (b + OPTIMIZER_BYTES * n, k + 1)
     return Plan(placement, need, budgets, sum(breakdown.values()), breakdown, sizes.numel, world_size, stage,
                 state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes, precision.accumulator_dtype,
-                units_on, split)
+                units_on, split, sum(frozen_numels), frozen_bytes)
 
 
 def _rank_shards_in_order(s: _Sizes) -> list[int]:
@@ -647,7 +667,7 @@ def _predict(placement: dict[str, Location], s: _Sizes, device: torch.device, ra
             used.append(key)
 
     on_gpu = device.type == "cuda"
-    n_param, n_grad, n_opt = (s.rank_numel(k) for k in KINDS)
+    n_param, n_grad, n_opt = ((s.with_frozen() if k == "params" else s).rank_numel(k) for k in KINDS)
     if placement["params"] is not Location.DEVICE:  # fetched for forward and again for backward
         if on_gpu:
             add("params_h2d", 2 * s.lp_bytes * n_param, "h2d")

@@ -1,11 +1,12 @@
-"""What zerotier manages: one `Unit` (layout only) per module that owns trainable parameters,
-and the states a unit's parameters and gradient pass through in a step.
+"""What zerotier manages: one `Unit` (layout only) per module that owns parameters (a trainable
+unit, and a frozen one for its requires_grad=False parameters), and the states a unit's
+parameters and gradient pass through in a step.
 
 [Note: units]
-A unit is the set of trainable parameters of a *wrapped* module's subtree that no
-nested wrapped module holds, flattened in registration order (FSDP's wrapping). The
-wrapped modules are the root plus those `train.wrap` picks: by default the model's
-repeated blocks — the children of a ModuleList/Sequential/ModuleDict whose class occurs
+A unit is the set of trainable parameters (a frozen unit: frozen ones, [Note: frozen
+units]) of a *wrapped* module's subtree that no nested wrapped module holds, flattened
+in registration order (FSDP's wrapping). The wrapped modules are the root plus those
+`train.wrap` picks: by default the model's repeated blocks — the children of a ModuleList/Sequential/ModuleDict whose class occurs
 more than once there (each transformer layer, each MoE expert) — or every module of the
 listed classes. A unit is resident for its module's whole forward (and refetched for
 its backward), so a parameter read anywhere inside that module — by a child's
@@ -23,6 +24,20 @@ and how it moves is owned by one store each:
   low-precision params     params.ParamStore        device flat / host pool block / NVMe file `<key>.param`
   gradient accumulator     grads.GradStore          device tensor / host pool block
   fp32 master, exp_avg(_sq) optim.UnitOptimizer     device tensors / host pool blocks / NVMe files
+
+[Note: frozen units]
+`offload.params` covers every parameter. The frozen (requires_grad=False) floating
+parameters of a wrapped module's subtree form a second unit of that module, flagged
+`frozen`, listed after every trainable unit (indices continue). ParamStore holds it
+like any other (home on device/host/NVMe, in precision.param_dtype) and the module's
+hooks fetch and release it with the trainable unit, but it has no gradient, no fp32
+master and no optimizer state: GradStore, UnitOptimizer and everything that steps or
+clips see `engine.units` (the trainable ones) only; `engine.param_units` is both.
+Its home bytes are its truth: a write through the surface stores there, and
+state_dict/checkpoints read them (so with a bf16 param_dtype a frozen fp32 weight is
+rounded to bf16 once, as model.to(bf16) would). Non-floating frozen parameters stay
+unmanaged on the device. LoRA is the case it is for: the frozen base streams from
+host or NVMe while only the adapters train.
 """
 from __future__ import annotations
 
@@ -119,6 +134,7 @@ class Unit:
     part: object = field(default=None)         # dist.partition.Partition
     shard_lo: int = 0                          # this rank's real elements: [shard_lo, shard_hi)
     shard_hi: int = 0
+    frozen: bool = False                       # [Note: frozen units]: no gradient, master or optimizer state
 
     @property
     def key(self) -> str:
@@ -168,41 +184,43 @@ def wrapped_modules(model: torch.nn.Module, wrap) -> set[str]:
 
 
 def build_units(model: torch.nn.Module, wrap="auto") -> list[Unit]:
-    """One unit per wrapped module that holds trainable parameters ([Note: units]), in the order
-    their first parameter is registered.
+    """The units ([Note: units], [Note: frozen units]): per wrapped module one unit of its
+    trainable parameters and one of its frozen floating ones; the trainable units first, then the
+    frozen ones, each kind in the order its first parameter is registered.
 
     A parameter shared by several modules (tied weights) belongs to the unit of the first
     module that registers it; the wrapped modules of later users are listed in `modules`.
-    Frozen parameters (requires_grad=False) are not managed: they stay where
-    the model put them.
     """
     wrapped = wrapped_modules(model, wrap)
-    found: list[tuple[str, list[torch.nn.Parameter], list[str]]] = []
-    unit_of: dict[str, int] = {}   # wrapped module name -> index in found
-    owner: dict[int, int] = {}     # id(param) -> index in found
+    found = {False: [], True: []}   # frozen? -> [(wrapper, params, users)]
+    unit_of: dict[tuple[bool, str], int] = {}   # (frozen, wrapped module name) -> index in found[frozen]
+    owner: dict[int, tuple[bool, int]] = {}     # id(param) -> (frozen, index in found[frozen])
     for mod_name, module in model.named_modules(remove_duplicate=False):  # a shared module under each name
         wrapper = _nearest(mod_name, wrapped)
         for p in module._parameters.values():
-            if p is None or not p.requires_grad:
-                continue
+            if p is None or not (p.requires_grad or p.is_floating_point()):
+                continue  # an integer buffer-like parameter: unmanaged
             if id(p) in owner:  # tied: the wrapper of this module fetches the owner's unit too
-                users = found[owner[id(p)]][2]
+                frozen, k = owner[id(p)]
+                users = found[frozen][k][2]
                 if wrapper not in users:
                     users.append(wrapper)
                 continue
-            if wrapper not in unit_of:
-                unit_of[wrapper] = len(found)
-                found.append((wrapper, [], [wrapper]))
-            owner[id(p)] = unit_of[wrapper]
-            found[unit_of[wrapper]][1].append(p)
+            frozen = not p.requires_grad
+            if (frozen, wrapper) not in unit_of:
+                unit_of[frozen, wrapper] = len(found[frozen])
+                found[frozen].append((wrapper, [], [wrapper]))
+            owner[id(p)] = frozen, unit_of[frozen, wrapper]
+            found[frozen][unit_of[frozen, wrapper]][1].append(p)
     units = []
-    for index, (name, params, users) in enumerate(found):
-        offsets, total = [], 0
-        for p in params:
-            offsets.append(total)
-            total += p.numel()
-        units.append(Unit(index=index, name=name, params=tuple(params), shapes=tuple(p.shape for p in params),
-                          offsets=tuple(offsets), numel=total, modules=tuple(users)))
+    for frozen in (False, True):
+        for name, params, users in found[frozen]:
+            offsets, total = [], 0
+            for p in params:
+                offsets.append(total)
+                total += p.numel()
+            units.append(Unit(index=len(units), name=name, params=tuple(params), shapes=tuple(p.shape for p in params),
+                              offsets=tuple(offsets), numel=total, modules=tuple(users), frozen=frozen))
     return units
 
 
@@ -210,7 +228,9 @@ def nested_numel(units: list[Unit]) -> int:
     """Elements of the units that stay resident around another one: the most, over all units, of
     the summed numel of the units whose module encloses it (the root's, and any wrapped ancestor's:
     resident for their whole forward). The planner adds it to the fetch working set."""
-    by_name = {u.name: u.numel for u in units}
+    by_name: dict[str, int] = {}  # a module's trainable and frozen units together
+    for u in units:
+        by_name[u.name] = by_name.get(u.name, 0) + u.numel
     most = 0
     for unit in units:
         if not unit.name:

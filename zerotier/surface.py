@@ -258,7 +258,7 @@ class ParamSurface:
     def adopt(self) -> None:
         engine = self._engine()
         self.state = engine.params.state  # ParamStore's list: transition() writes it in place
-        for unit in engine.units:
+        for unit in engine.param_units:
             for k, p in enumerate(unit.params):
                 self._classes[id(p)] = type(p)
                 p.__class__ = _managed_class(type(p))
@@ -269,7 +269,7 @@ class ParamSurface:
         """The parameters become what they were (close())."""
         engine = self._engine()
         self.live = False
-        for unit in engine.units:
+        for unit in engine.param_units:
             for p in unit.params:
                 if id(p) in self._classes:
                     p.__class__ = self._classes[id(p)]
@@ -347,7 +347,7 @@ class ParamSurface:
             if func is _T.__repr__:  # printed as the tensor it is, not as zerotier's class
                 return _plain(func, (_plain(_T.as_subclass, (args[0], _T), {}),), {})
             return _plain(func, args, kwargs)
-        units = [engine.units[i] for i in sorted(away)]
+        units = [engine.param_units[i] for i in sorted(away)]
         with self.fetched(units):
             copies = {id(t): _plain(_T.clone, (t,), {}) for t in found if t._zt.unit in away}
         if torch.is_grad_enabled():  # the copy's gradient reaches the parameter
@@ -414,10 +414,11 @@ class ParamSurface:
         return target if kwargs.get("out") is target else args[0]
 
     def master_value(self, t) -> torch.Tensor:
-        """The fp32 master of the parameter `t` aliases, full (gathered) on the CPU; a copy."""
+        """The fp32 master of the parameter `t` aliases, full (gathered) on the CPU; a copy. A frozen
+        parameter has no master: its value at home, in fp32 ([Note: frozen units] in state.py)."""
         engine = self._engine()
         ref = t._zt
-        unit = engine.units[ref.unit]
+        unit = engine.param_units[ref.unit]
         full = self._unit_master(unit)
         off, shape = unit.offsets[ref.k], unit.shapes[ref.k]
         return full[off: off + shape.numel()].view(shape).clone()
@@ -425,7 +426,7 @@ class ParamSurface:
     def store_value(self, t, value: torch.Tensor) -> None:
         engine = self._engine()
         ref = t._zt
-        unit = engine.units[ref.unit]
+        unit = engine.param_units[ref.unit]
         full = self._unit_master(unit)
         off, shape = unit.offsets[ref.k], unit.shapes[ref.k]
         full[off: off + shape.numel()].copy_(value.reshape(-1))
@@ -437,22 +438,27 @@ class ParamSurface:
             return self._batch[unit.index]
         engine = self._engine()
         engine.synchronize()  # updates and write-backs in flight land first
-        shard = engine.unit_optimizer.read_state(unit, ("master",))["master"]
-        full = engine.sharding.gather_full(unit, shard.cpu()).clone()
+        if unit.frozen:
+            full = engine._frozen_value(unit).float()
+        else:
+            shard = engine.unit_optimizer.read_state(unit, ("master",))["master"]
+            full = engine.sharding.gather_full(unit, shard.cpu()).clone()
         if self._batch is not None:
             self._batch[unit.index] = full
         return full
 
     def _store_unit(self, unit, full: torch.Tensor) -> None:
-        """The unit's new fp32 master (full, CPU): master shard, moments kept, low-precision copy home."""
+        """The unit's new fp32 master (full, CPU): master shard, moments kept, low-precision copy home.
+        A frozen unit's value goes home only ([Note: frozen units] in state.py)."""
         engine = self._engine()
-        opt = engine.unit_optimizer
-        state = opt.read_state(unit)
         shard = torch.zeros(unit.shard_numel)
         lo, hi = unit.shard_lo, unit.shard_hi
         shard[: hi - lo] = full[lo:hi]
-        opt.write_state(unit, {"master": shard, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]},
-                        list(opt.steps[unit.index]))
+        if not unit.frozen:
+            opt = engine.unit_optimizer
+            state = opt.read_state(unit)
+            opt.write_state(unit, {"master": shard, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]},
+                            list(opt.steps[unit.index]))
         engine.params.load(unit, shard)
         engine.params.finish_commits()
         i = unit.index
@@ -472,7 +478,7 @@ class ParamSurface:
             edited, self._batch = self._batch, None
             engine = self._engine()
             for i, full in sorted(edited.items()):
-                self._store_unit(engine.units[i], full)
+                self._store_unit(engine.param_units[i], full)
 
     # ------------------------------------------------------------------ module-level guards
 
@@ -481,7 +487,7 @@ class ParamSurface:
         engine = self._engine()
         forms = {}
         with internal():
-            for unit in engine.units:
+            for unit in engine.param_units:
                 for p in unit.params:
                     forms.setdefault((p.dtype, p.device), p)
             for (dtype, device), p in forms.items():
