@@ -14,8 +14,10 @@ from .errors import ZerotierError
 
 # How long the default demo takes, said wherever it is promised (cli.py's --steps help, the
 # example's docstring). Measured: new-user trial at 8424d6b on a quiet 2-core VM, 81 s of training
-# and 1:27 with start-up (not "~1 min"); this VM shared with other jobs (issue 26 item 7): 10.6 s a
-# step at load 4-6 and ~30 s at load 16, where plain PyTorch ran the same model at the same speed.
+# and 1:27 with start-up (not "~1 min"). On this VM shared with other jobs (issue 26 item 7, one run
+# each, never quiet): 4 steps at load 4-6 trained in 42 s (10.6 s a step), 12 steps at load 12 in
+# 179 s (14.9 s a step, 204 s wall: the default 120 would take ~30 min), and at load 16 plain PyTorch
+# ran the same model as slowly as the demo (~30 s a step): busy cores, not zerotier.
 DURATION = "~1.5 min on a quiet 2-core CPU"
 DURATION_BUSY = "much longer while other jobs share the cores; the progress bar shows the estimate"
 
