@@ -188,3 +188,15 @@ def test_two_ranks_with_frozen_layers_match_single_process(tmp_path):
                                        msg=str(key))
             for name, ref in ref_weights.items():
                 torch.testing.assert_close(state[name], ref, rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
+
+
+def test_consolidated_state_dict_holds_frozen_values_not_released_views(tmp_path):
+    """engine.consolidated_state_dict() (what `zerotier export` writes) copies the frozen weights out
+    of their home: a released view would hand safetensors freed memory."""
+    model = make_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    with zerotier.initialize(model, config("host", tmp_path)) as engine:
+        engine_steps(engine)
+        out = engine.consolidated_state_dict()
+        for name, value in before.items():
+            assert type(out[name]) is torch.Tensor and torch.equal(out[name], value), name

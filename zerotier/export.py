@@ -45,7 +45,7 @@ def consolidated_state_dict(engine, dtype: torch.dtype = torch.float32) -> dict[
             out[name] = by_id[id(t)]
         else:
             t = t.detach().cpu()
-            out[name] = t.to(dtype) if t.is_floating_point() else t.clone()
+            out[name] = t.to(dtype, copy=True) if t.is_floating_point() else t.clone()  # frozen: read from home
     return out
 
 
