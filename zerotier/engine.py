@@ -422,13 +422,25 @@ class Engine:
     # ------------------------------------------------------------ hooks
 
     def _register_hooks(self, streamed: list) -> None:
+        """[Note: compiled units]
+        torch.compile works on a zerotier model the way FSDP2's recipe uses it: compile each wrapped
+        block (`block.compile()` or `torch.compile(block)`, before or after initialize). The module
+        hooks below are `torch.compiler.disable`d, so dynamo never traces a fetch or a release (locks,
+        storage resizes, worker threads): each is a graph break that runs eagerly, and the unit is
+        resident before the compiled code reads it and released after. Inside a compiled region
+        ManagedParameter's sorting is skipped (surface.py): the parameters are plain resident tensors
+        there, and dynamo guards on nothing of zerotier's, so the block code compiles once, not once
+        per unit. A compiled region that reads another unit's parameters without that unit's module
+        running (none of the usual models do) reads released storage: keep such reads in eager code.
+        tests/test_compile.py pins all of this."""
         by_module: dict[str, list] = {}
         for unit in streamed:
             for name in unit.modules:
                 by_module.setdefault(name, []).append(unit)
         root = self.module
         if self.device.type == "cuda" or self.lp_dtype != torch.float32:  # inputs follow the model, as FSDP does
-            self._hooks.append(root.register_forward_pre_hook(self._inputs_to_device, with_kwargs=True))
+            self._hooks.append(root.register_forward_pre_hook(torch.compiler.disable(self._inputs_to_device),
+                                                              with_kwargs=True))
         for name, module in self.module.named_modules():
             units = by_module.get(name, [])
             if units or module is root:
@@ -501,7 +513,7 @@ class Engine:
                 self._refuse_autocast(units[0], amp)
             for unit in units:
                 self._demand(unit)
-        return hook
+        return torch.compiler.disable(hook)  # [Note: compiled units]
 
     def _refuse_autocast(self, unit, amp: torch.dtype) -> None:
         """[Note: autocast and streamed parameters]: the casts would pin a copy of every
@@ -554,7 +566,7 @@ class Engine:
             for unit in units:
                 self.params.release(unit)
             return output
-        return hook
+        return torch.compiler.disable(hook)  # [Note: compiled units]
 
     def _grad_hook(self, unit, i: int):
         def hook(p: torch.Tensor) -> None:
