@@ -397,6 +397,8 @@ def run_case(case: str, args) -> dict:
         out["zt_overlap_pct"] = report.overlap_pct
         out["zt_link_overlap_pct"] = _link_overlap(engine.profiler.trace())
         out["zt_verdict"] = report.verdict
+        out["zt_links"] = [{"link": k.link, "bytes": k.bytes, "GBps": k.gbps, "pct_of_peak": k.pct_of_peak}
+                           for k in report.links]   # achieved bandwidth per link vs `zerotier bench`
         pool = engine.host_pool.stats()
         out["zt_pinned_peak"] = pool["peak"] if pool["pinned"] else 0
     out["nvme_bytes"] = _disk_bytes(args.nvme_path)

@@ -41,6 +41,7 @@ def test_tiny_run_writes_every_row_with_sane_figures(tmp_path):
         assert rows[case]["zt_verdict"]
     assert plan["placement"] == {"params": "nvme", "gradients": "host", "optimizer": "nvme"}
     assert "nvme->host" in rows["zt-params-nvme"]["zt_link_overlap_pct"]
+    assert any(k["link"] == "nvme->host" and k["GBps"] > 0 for k in rows["zt-params-nvme"]["zt_links"])
     assert rows["zt-params-nvme"]["nvme_bytes"] > 0 and rows["zt-params-nvme"]["nvme_traffic"]["read"] > 0
     assert rows["zt-opt-host"]["nvme_bytes"] == 0
     md = (out / "bench_gpu.md").read_text()
