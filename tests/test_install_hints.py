@@ -195,7 +195,7 @@ def test_install_torch_minimum_is_pyprojects():
     assert install_torch.TORCH_MINIMUM == (int(minimum[1]), int(minimum[2]))
 
 
-CPU = ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"]
+CPU = ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu", "--retries", "2"]
 
 
 @pytest.mark.parametrize("installed, nvidia_driver, platform, expected", [
