@@ -275,6 +275,14 @@ def setup(case: str, args, device, out: dict):
     framework, settings = CASES[case]
     numel = param_count(args.size)
     fits(framework, settings, args, numel, device)
+    if framework == "torchao" and args.clip is not None:
+        raise NotApplicable("CPUOffloadOptimizer copies gradients to the host during backward: "
+                            "clipping them afterwards is not supported (run with --clip none)")
+    if settings.get("offload_gradients") and args.accum > 1:
+        raise NotApplicable("offload_gradients=True does not accumulate gradients (--accum 1)")
+    if settings.get("early_step") and args.clip is not None:
+        raise NotApplicable("train.early_step steps each unit before the window's norm is known: "
+                            "it runs without clipping (--clip none)")
     model = llama(args.size, device)
     params = list(model.parameters())
     to_dev = lambda t: t.to(device, non_blocking=True)  # noqa: E731
@@ -284,11 +292,6 @@ def setup(case: str, args, device, out: dict):
         return _autocast_step(model, params, opt, args, device, to_dev), lambda: None, None
 
     if framework == "torchao":
-        if args.clip is not None:
-            raise NotApplicable("CPUOffloadOptimizer copies gradients to the host during backward: "
-                                "clipping them afterwards is not supported (run with --clip none)")
-        if settings["offload_gradients"] and args.accum > 1:
-            raise NotApplicable("offload_gradients=True does not accumulate gradients (--accum 1)")
         try:
             from torchao.optim import CPUOffloadOptimizer
         except ImportError:
@@ -300,8 +303,8 @@ def setup(case: str, args, device, out: dict):
     if framework == "deepspeed":
         import deepspeed
         if settings["offload_optimizer"] == "nvme":
-            from deepspeed.ops.op_builder import AsyncIOBuilder
-            if not AsyncIOBuilder().is_compatible(verbose=True):
+            from deepspeed.accelerator import get_accelerator
+            if not get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=True):
                 raise NotApplicable("DeepSpeed's async_io op cannot build here: libaio's headers or .so not found "
                                     "(gpu_wheels.sh carries them in wheels/libaio; gpu_run.sh sets CFLAGS/LDFLAGS)")
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params,

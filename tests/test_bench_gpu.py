@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -65,3 +66,12 @@ def test_memcpy_overlap_from_a_kineto_trace():
     assert out["h2d_pct"] == pytest.approx(50.0) and out["d2h_pct"] == pytest.approx(100.0)
     assert out["gpu_busy_pct"] == pytest.approx(100.0 * 20 / 30)
     assert bench_gpu.memcpy_overlap({"traceEvents": []})["h2d_pct"] is None
+
+
+@pytest.mark.parametrize("case", ["zt-opt-host-early", "torchao-offload"])
+def test_a_case_that_cannot_clip_is_refused_not_run_without_it(tmp_path, case):
+    """train.early_step ignores clipping and torchao cannot clip: with --clip the row says so
+    instead of timing a run that silently trains differently from the others."""
+    args = bench_gpu.parse_args(["--tiny", "--clip", "1.0", "--nvme-path", str(tmp_path)])
+    with pytest.raises(bench_gpu.NotApplicable, match="--clip none"):
+        bench_gpu.setup(case, args, torch.device("cpu"), {})
