@@ -171,13 +171,14 @@ node_bench() {  # zerotier bench SECTION --quick, saved to $ZEROTIER_BENCH_FILE
 
 # libaio carried by gpu_wheels.sh: CFLAGS/LDFLAGS for DeepSpeed's is_compatible() probe (it compiles
 # with them), CPATH/LIBRARY_PATH for the JIT build (torch's ninja build ignores CFLAGS/LDFLAGS; gcc
-# reads these for -laio), an rpath and LD_LIBRARY_PATH (read by the loader at start) to load it.
+# reads these for -laio), LD_LIBRARY_PATH to load the built op (it has no rpath; the loader reads the
+# variable when the process starts, so it is set here, before python).
 libaio_env() {
     local aio="$WHEELS/libaio"
     if [[ ! -f "$aio/include/libaio.h" ]]; then
         echo "libaio: not carried (run benchmarks/gpu_wheels.sh): ZeRO-Infinity will be n/a"; return 0
     fi
-    export CFLAGS="-I$aio/include ${CFLAGS:-}" LDFLAGS="-L$aio/lib -Wl,-rpath,$aio/lib ${LDFLAGS:-}"
+    export CFLAGS="-I$aio/include ${CFLAGS:-}" LDFLAGS="-L$aio/lib ${LDFLAGS:-}"
     export CPATH="$aio/include${CPATH:+:$CPATH}" LIBRARY_PATH="$aio/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
     export LD_LIBRARY_PATH="$aio/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     echo "libaio: $aio"

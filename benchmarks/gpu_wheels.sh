@@ -14,7 +14,7 @@
 # GPU image lacks: Debian's libaio1 + libaio-dev .debs (~45 KB, amd64; apt-get download) are
 # unpacked into wheels/libaio/{include,lib}, and gpu_run.sh points the compiler there
 # (CFLAGS/LDFLAGS for DeepSpeed's is_compatible() probe, CPATH/LIBRARY_PATH for the JIT build's
-# -laio, an rpath and LD_LIBRARY_PATH for loading it). Where apt-get is missing it says so and
+# -laio, LD_LIBRARY_PATH for loading the built op). Where apt-get is missing it says so and
 # goes on: bench_gpu's ZeRO-Infinity row then reads n/a.
 # The folder is rebuilt in a staging folder and swapped in only on success, so a rerun is
 # safe and leaves no stale versions; pip's HTTP cache makes reruns quick.
