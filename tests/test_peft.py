@@ -105,6 +105,42 @@ def test_lora_with_the_base_offloaded_trains_as_peft(params, tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_lora_with_gradient_checkpointing_and_the_base_on_nvme_trains_as_peft(reentrant, tmp_path):
+    """HF's gradient checkpointing recomputes each layer's forward inside backward: its frozen unit is
+    fetched again for the recompute and released after the layer's backward, as without it."""
+    def run(engine_for):
+        model = lora_model()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        if reentrant:
+            model.enable_input_require_grads()  # peft's recipe: the frozen embeddings' output requires grad
+        model.train()
+        engine = engine_for(model)
+        opt = None if engine else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                                                    weight_decay=0.01)
+        losses = []
+        for _ in range(3):
+            loss = model(input_ids=IDS, labels=IDS).loss
+            if engine:
+                engine.backward(loss)
+                engine.step()
+            else:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            losses.append(float(loss.detach()))
+        trained = adapters(model)
+        if engine:
+            engine.close()
+        return losses, trained
+
+    ref_losses, ref_adapters = run(lambda model: None)
+    losses, trained = run(lambda model: zerotier.initialize(model, zt_config("nvme", tmp_path)))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for name, ref in ref_adapters.items():
+        torch.testing.assert_close(trained[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_adapters_added_after_initialize_are_refused_with_the_working_order(tmp_path):
     """zerotier.from_pretrained (or initialize) then peft.get_peft_model(engine.module): the adapters are
     parameters zerotier never saw, so nothing would train (issue 26: 4 steps, LoRA weights moved 0.0)."""
