@@ -16,6 +16,7 @@ import bench_gpu  # noqa: E402
 CASES = ["torch", "zt-opt-host", "zt-params-nvme", "ds-z2-offload"]
 
 
+@pytest.mark.slow  # five processes importing torch: ~25 s of CPU
 def test_tiny_run_writes_every_row_with_sane_figures(tmp_path):
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--tiny",
