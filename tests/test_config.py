@@ -171,7 +171,7 @@ def test_config_and_sections_are_frozen():
 
 def test_direct_construction_and_replace_are_validated():
     assert TiersConfig(host="24GiB").host == 24 * GiB
-    with pytest.raises(ConfigError, match=r"^io\.queue_depth: must be >= 1, got 0$"):
+    with pytest.raises(ConfigError, match=r"^io\.queue_depth: must be in \[1, 4096\] \(io_uring's ring limit\), got 0$"):
         IOConfig(queue_depth=0)
     with pytest.raises(ConfigError, match=r"^zero\.stage"):
         dataclasses.replace(Config().zero, stage=9)
@@ -327,9 +327,12 @@ INVALID = [
     ("io", {"alignment": 1000}, r"io\.alignment: must be a power of two >= 512, got 1000"),
     ("io", {"alignment": 256}, r"io\.alignment: must be a power of two >= 512, got 256"),
     ("io", {"block_size": "1000KB"}, r"io\.block_size: must be a multiple of io\.alignment \(4096\), got 1000000"),
-    ("io", {"block_size": 0}, r"io\.block_size: must be > 0"),
-    ("io", {"queue_depth": 0}, r"io\.queue_depth: must be >= 1"),
-    ("io", {"threads": 0}, r"io\.threads: must be >= 1"),
+    ("io", {"block_size": 0}, r"io\.block_size: must be in \(0, 1 GiB\], got 0"),
+    ("io", {"block_size": "2GiB"}, r"io\.block_size: must be in \(0, 1 GiB\], got 2147483648"),
+    ("io", {"queue_depth": 0}, r"io\.queue_depth: must be in \[1, 4096\] \(io_uring's ring limit\), got 0"),
+    ("io", {"queue_depth": 4097}, r"io\.queue_depth: must be in \[1, 4096\] \(io_uring's ring limit\), got 4097"),
+    ("io", {"threads": 0}, r"io\.threads: must be in \[1, 1024\], got 0"),
+    ("io", {"threads": 1025}, r"io\.threads: must be in \[1, 1024\], got 1025"),
     ("io", {"o_direct": "true"}, r"io\.o_direct: expected true or false, got 'true'"),
     ("io", {"backend": "libaio"}, r"io\.backend: must be one of"),
     ("profile", {"sample_interval_ms": 0}, r"profile\.sample_interval_ms: must be > 0"),

@@ -146,13 +146,20 @@ def test_native_disabled_selects_aiofiles(monkeypatch):
     assert buf.data_ptr() % 4096 == 0 and buf.numel() == 4096
 
 
-def test_config_validation():
-    with pytest.raises(ConfigError, match="io.block_size"):
-        open_engine(IOConfig(block_size=4096 + 512))
-    with pytest.raises(ConfigError, match="io.queue_depth"):
-        open_engine(IOConfig(queue_depth=0))
-    with pytest.raises(ConfigError, match="io.backend"):
-        open_engine(IOConfig(backend="libaio"))  # type: ignore[arg-type]
+def test_io_limits_are_the_config_rules_only():
+    """The I/O limits are checked once, by IOConfig's rules (issue 23): an IOConfig that exists
+    is one open_engine can open, and the limits io/__init__.py used to check again still hold."""
+    for bad, why in [({"block_size": 4096 + 512}, r"io\.block_size: must be a multiple of io\.alignment"),
+                     ({"block_size": 2 << 30}, r"io\.block_size: must be in \(0, 1 GiB\]"),
+                     ({"queue_depth": 0}, r"io\.queue_depth: must be in \[1, 4096\]"),
+                     ({"queue_depth": 4097}, r"io\.queue_depth: must be in \[1, 4096\]"),
+                     ({"threads": 1025}, r"io\.threads: must be in \[1, 1024\]"),
+                     ({"backend": "libaio"}, r"io\.backend: must be one of")]:
+        with pytest.raises(ConfigError, match=why):
+            IOConfig(**bad)
+    assert not hasattr(zio, "_validate")
+    with open_engine(IOConfig(queue_depth=4096, threads=1)):  # the upper bound opens
+        pass
 
 
 # --- aligned buffers and O_DIRECT ---------------------------------------------------------

@@ -636,9 +636,10 @@ _FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.device": (lambda v: v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()),
                      "must be auto, cpu, cuda or cuda:N"),
     "prefetch.lookahead": (_non_negative, "must be >= 0"),
-    "io.block_size": (_positive, "must be > 0"),
-    "io.queue_depth": (_at_least_one, "must be >= 1"),
-    "io.threads": (_at_least_one, "must be >= 1"),
+    # the I/O limits live here only (issue 23): the engines take them as validated
+    "io.block_size": (lambda v: 0 < v <= 1 << 30, "must be in (0, 1 GiB]"),
+    "io.queue_depth": (lambda v: 1 <= v <= 4096, "must be in [1, 4096] (io_uring's ring limit)"),
+    "io.threads": (lambda v: 1 <= v <= 1024, "must be in [1, 1024]"),
     "io.alignment": (_power_of_two_from_512, "must be a power of two >= 512"),
     "profile.trace_path": (_not_blank, "must be a file path, or left out"),
     "train.checkpoint_on_signal": (_not_blank, "must be a checkpoint directory, or left out"),

@@ -26,7 +26,7 @@ import warnings
 
 from .. import _native
 from ..config import IOConfig
-from ..errors import ConfigError, NativeUnavailableError, TierIOError
+from ..errors import NativeUnavailableError, TierIOError
 from .memory import aligned_empty, is_aligned, round_up
 from .ticket import (ChainTicket, CompletedTicket, FutureTicket, IOEngine, Ticket, TicketLike,
                      wait_all)
@@ -56,21 +56,6 @@ def probe_io_uring() -> tuple[bool, str]:
     return native.probe_io_uring()
 
 
-def _validate(cfg: IOConfig) -> None:
-    if cfg.backend not in ("auto", "io_uring", "threads", "aiofiles"):
-        raise ConfigError(
-            f"io.backend: expected auto|io_uring|threads|aiofiles, got {cfg.backend!r}")
-    if cfg.alignment < 1 or cfg.alignment & (cfg.alignment - 1):
-        raise ConfigError(f"io.alignment: must be a power of two, got {cfg.alignment}")
-    if not (512 <= cfg.block_size <= 1 << 30) or cfg.block_size % cfg.alignment:
-        raise ConfigError(f"io.block_size: must be a multiple of io.alignment ({cfg.alignment}) "
-                          f"in [512 B, 1 GiB], got {cfg.block_size}")
-    if not 1 <= cfg.queue_depth <= 4096:
-        raise ConfigError(f"io.queue_depth: must be in [1, 4096], got {cfg.queue_depth}")
-    if not 1 <= cfg.threads <= 1024:
-        raise ConfigError(f"io.threads: must be in [1, 1024], got {cfg.threads}")
-
-
 _warned: set[str] = set()
 
 
@@ -82,8 +67,7 @@ def _warn_once(key: str, msg: str) -> None:
 
 def open_engine(cfg: IOConfig | None = None) -> IOEngine:
     """An IOEngine for `cfg.backend` (see the module docstring for the choice)."""
-    cfg = cfg if cfg is not None else IOConfig()
-    _validate(cfg)
+    cfg = cfg if cfg is not None else IOConfig()  # validated by the config rules
     want = cfg.backend
     from .aio import AioFilesEngine
     if want == "aiofiles":
