@@ -204,9 +204,9 @@ CPU = ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu", "
     (None, False, "darwin", ["torch==2.13.0"]),            # macOS/Windows wheels carry no CUDA
     (None, False, "win32", ["torch==2.13.0"]),
     ("2.13.0+cpu", False, "linux", None),                  # an installed torch is kept, any build
-    ("2.5.1+cu121", True, "linux", None),
-    ("2.4.0", False, "linux", None),
-    ("2.3.1", False, "linux", CPU),                        # older than pyproject's minimum: replaced
+    ("2.11.0+cu130", True, "linux", None),
+    ("2.11.0", False, "linux", None),
+    ("2.10.0", False, "linux", CPU),                       # older than pyproject's minimum: replaced
 ])
 def test_install_torch_picks_the_build_for_the_host(installed, nvidia_driver, platform, expected):
     assert install_torch.TORCH_VERSION == "2.13.0"

@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 TORCH_VERSION = "2.13.0"                    # the version CI and the test suite run on
-TORCH_MINIMUM = (2, 4)                      # pyproject.toml's "torch>=2.4" (tests/test_install_hints.py)
+TORCH_MINIMUM = (2, 11)                     # pyproject.toml's "torch>=2.11" (tests/test_install_hints.py)
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"   # pytorch.org's command for Linux, CPU
 
 

@@ -288,9 +288,7 @@ class Engine:
             engine = owner()
             if engine is not None:
                 engine._trained_state_dict(module, state_dict, prefix)
-        # public from torch 2.5; torch 2.4 has the same hook (same signature) only as the private one
-        register = getattr(model, "register_state_dict_post_hook", None) or model._register_state_dict_hook
-        self._hooks.append(register(trained_state_dict))
+        self._hooks.append(model.register_state_dict_post_hook(trained_state_dict))
         # [Note: the parameter surface] in surface.py: reads and writes of managed parameters
         self._surface = ParamSurface(self)
         self._surface.adopt()
