@@ -188,3 +188,36 @@ def test_memory_with_the_base_on_nvme_is_flat_in_base_size(tmp_path):
     assert large[1] - small[1] < added / 20, (small, large)  # the 4 more layers' adapters and their state
     assert large[2] == small[2], (small, large)
     assert large[2] < large[0] / 2  # a few units, not the base
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def test_zerotier_trainer_trains_a_peft_model_like_trainer(tmp_path):
+    """HF Trainer's loop (clipping, linear schedule) on a peft model: ZerotierTrainer with the base on
+    host gives the adapters plain transformers.Trainer gives them."""
+    from zerotier.integrations.transformers import ZerotierTrainer
+
+    def args(out):
+        return transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), per_device_train_batch_size=4, max_steps=3, learning_rate=LR,
+            weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+            seed=0, data_seed=0)
+    plain = transformers.Trainer(model=lora_model(), args=args("plain"), train_dataset=_Tokens())
+    plain.train()
+    trainer = ZerotierTrainer(model=lora_model(), args=args("zt"), train_dataset=_Tokens(),
+                              zerotier_config={"offload": {"params": "host", "gradients": "host", "optimizer": "host"}})
+    trainer.train()
+    try:
+        assert trainer.engine.frozen_units
+        trained, expected = adapters(trainer.model), adapters(plain.model)
+        for name, ref in expected.items():
+            torch.testing.assert_close(trained[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        trainer.engine.close()
