@@ -441,3 +441,24 @@ def test_budget_unlinks_recycled_files_first(tmp_path):
         s.write("b", torch.ones(3072)).wait()   # 3 pages: the recycled file is unlinked first
         st = s.stats()
         assert st["recycled"] == 0 and s.used == 12288 and len(list(s.run_dir.glob("*.swp"))) == 1
+
+
+def test_nvme_auto_budget_is_the_planners_per_rank_share(tmp_path, monkeypatch):
+    """tiers.nvme = "auto" is resolved once, by planner.resolve_budgets (issue 23 item 4): the store
+    holds the plan's per-rank budget. The store used to resolve it again without dividing by the
+    node's ranks (2 here), so it would have held twice the plan's 90%-of-free share."""
+    import shutil
+
+    import zerotier
+    from zerotier.models import TinyGPT
+
+    free = 64 << 30
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr("shutil.disk_usage", lambda path: type(usage)(usage.total, usage.used, free))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = {"offload": {"params": "host", "optimizer": "nvme"}, "tiers": {"nvme_path": str(tmp_path), "nvme": "auto"}}
+    with zerotier.initialize(TinyGPT(vocab=32, dim=16, layers=1, heads=2, seq=8), cfg) as engine:
+        assert engine.plan.budgets["nvme"] == int(free * 0.9) // 2
+        assert engine.store.budget == engine.plan.budgets["nvme"]
+    with pytest.raises(ValueError, match=r"tiers\.nvme = 'auto' is resolved by planner\.resolve_budgets"):
+        NVMeStore(TiersConfig(nvme="auto", nvme_path=str(tmp_path)), IOConfig())

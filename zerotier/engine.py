@@ -222,7 +222,7 @@ class Engine:
         self.store = None
         if Location.NVME in placement.values():
             from .tiers.nvme import NVMeStore  # only runs that use NVMe open a run directory
-            self.store = NVMeStore(cfg.tiers, cfg.io)
+            self.store = NVMeStore(cfg.tiers, cfg.io, budget=self.plan.budgets["nvme"])
         # Every byte the engine keeps on the compute device is counted by the device tier,
         # every host byte is a block of the pinned aligned host pool (tiers.host).
         self.device_tier = DeviceTier(self.plan.budgets["device"], self.device, timing=cfg.profile.enabled)

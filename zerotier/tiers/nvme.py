@@ -143,15 +143,20 @@ class NVMeStore(BudgetedTier):
     Tickets return the shard's logical byte count from wait().
     """
 
-    def __init__(self, tiers_cfg: TiersConfig, io_cfg: IOConfig, *, engine=None) -> None:
+    def __init__(self, tiers_cfg: TiersConfig, io_cfg: IOConfig, *, budget: int | None = None,
+                 engine=None) -> None:
+        """`budget`: this rank's bytes, `plan.budgets["nvme"]`; "auto" is resolved by the planner
+        alone (planner.resolve_budgets, per rank), so a fixed tiers.nvme is the only default."""
         if tiers_cfg.nvme_path is None:
             raise ConfigError("tiers.nvme_path: the nvme tier needs a directory (tiers.nvme is "
                               f"{tiers_cfg.nvme!r}); set tiers.nvme_path or set tiers.nvme = 0")
         parent = Path(tiers_cfg.nvme_path)
         _check_parent(parent)
-        budget = tiers_cfg.nvme
-        if budget == "auto":  # 90% of what the filesystem has free right now
-            budget = int(shutil.disk_usage(parent).free * 0.9)
+        if budget is None:
+            if tiers_cfg.nvme == "auto":
+                raise ValueError("NVMeStore: tiers.nvme = 'auto' is resolved by planner.resolve_budgets; "
+                                 "pass budget=plan.budgets['nvme']")
+            budget = tiers_cfg.nvme
         self.parent = parent
         super().__init__("nvme", int(budget), hint=f"Raise tiers.nvme (free space on {parent}: "
                                                    f"{format_size(shutil.disk_usage(parent).free)}) "
