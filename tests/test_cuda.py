@@ -387,6 +387,7 @@ def assert_bitwise_equal(a: dict, b: dict, what):
 
 
 @cuda
+@pytest.mark.timeout(360)  # four child runs, two under the sanitizer: over gpu_run.sh's 150 s per test
 @pytest.mark.parametrize("name", ["params-host", "params-nvme"])
 def test_stream_race_stress_bitwise_and_sanitizer_clean(name, tmp_path):
     proc, lagging = race_run("cuda", name, tmp_path, "async")
