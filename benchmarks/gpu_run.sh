@@ -203,7 +203,7 @@ export -f vpip machine venv bench_deps run_pytest node_bench libaio_env bench_gp
 step machine      60 machine
 step venv        180 venv
 if [[ "$MODE" != bench ]]; then
-    step pytest      330 run_pytest INT
+    step pytest      400 run_pytest INT   # ~200-330 s expected (the stress tests: four child runs each)
     for section in pcie mem adam io; do
         step "bench_$section" 45 "node_bench $section"
     done
