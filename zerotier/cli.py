@@ -130,8 +130,12 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                        help="trainable parameters of the model, e.g. 7B, 350M, 7.5e9 or 1200000")
     model.add_argument("--model", metavar="MODULE:FACTORY",
                        help="a callable returning an nn.Module, e.g. zerotier.models:TinyGPT; built on the "
-                            "meta device if it takes a `device` keyword, else normally; its trainable "
-                            "parameters and per-module units are counted as the engine does")
+                            "meta device if it takes a `device` keyword, else normally; its trainable and "
+                            "frozen (requires_grad=False) parameters and per-module units are counted as the "
+                            "engine does")
+    parser.add_argument("--frozen-params", metavar="N",
+                        help="with --params: frozen parameters besides the trainable ones (a LoRA base), "
+                             "placed by offload.params with no gradient or optimizer state, e.g. 7B")
     parser.add_argument("--layers", type=int, default=32,
                         help="with --params: transformer layers; the model is treated as 4 equal units per "
                              "layer (default 32)")
@@ -163,7 +167,15 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "fits, missing, predicted_step_s (null without `zerotier bench` results)")
 
 
-def _count(text: str) -> int:
+def _equal_units(total: int, units: int) -> list[int]:
+    """`total` elements as `units` equal units (the last takes the remainder)."""
+    units = min(units, total)
+    numels = [total // units] * units
+    numels[-1] += total - sum(numels)
+    return numels
+
+
+def _count(text: str, flag: str = "--params") -> int:
     from decimal import Decimal, InvalidOperation
 
     scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -173,13 +185,14 @@ def _count(text: str) -> int:
     except InvalidOperation:
         value = Decimal(-1)
     if not value.is_finite() or value < 1 or value != int(value):
-        raise ZerotierError(f"--params: cannot read {text!r}; use a count like 7B, 350M, 7.5e9 or 1200000")
+        raise ZerotierError(f"{flag}: cannot read {text!r}; use a count like 7B, 350M, 7.5e9 or 1200000")
     return int(value)
 
 
-def _factory_units(spec: str, wrap="auto") -> tuple[list[int], int]:
+def _factory_units(spec: str, wrap="auto") -> tuple[list[int], list[int], int]:
     """Build `module:factory` (on the meta device when it takes `device=`) and return the
-    numel of each unit as zerotier.state.build_units groups them, and their nested_numel."""
+    numel of each trainable unit and of each frozen one as zerotier.state.build_units groups
+    them ([Note: frozen units]), and their nested_numel."""
     import importlib
     import inspect
 
@@ -206,9 +219,10 @@ def _factory_units(spec: str, wrap="auto") -> tuple[list[int], int]:
     if not isinstance(model, torch.nn.Module):
         raise ZerotierError(f"--model: {spec} returned {type(model).__name__}, not a torch.nn.Module")
     units = build_units(model, wrap)
-    if not units:
+    trainable = [unit.numel for unit in units if not unit.frozen]
+    if not trainable:
         raise ZerotierError(f"--model: {spec} has no trainable parameters")
-    return [unit.numel for unit in units], nested_numel(units)
+    return trainable, [unit.numel for unit in units if unit.frozen], nested_numel(units)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -244,19 +258,21 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise ZerotierError(f"--world-size: must be >= 1, got {args.world_size}")
     if args.model:
-        numels, nested = _factory_units(args.model, cfg.train.wrap)
+        if args.frozen_params is not None:
+            raise ZerotierError("--frozen-params goes with --params; with --model the model's own "
+                                "requires_grad=False parameters are the frozen ones")
+        numels, frozen_numels, nested = _factory_units(args.model, cfg.train.wrap)
     else:
         nested = 0
-        total, units = _count(args.params), 4 * max(args.layers, 1)
-        units = min(units, total)
-        numels = [total // units] * units
-        numels[-1] += total - sum(numels)
+        numels = _equal_units(_count(args.params), 4 * max(args.layers, 1))
+        frozen_numels = (_equal_units(_count(args.frozen_params, "--frozen-params"), 4 * max(args.layers, 1))
+                         if args.frozen_params is not None else [])
     grad_bytes = DTYPES[cfg.precision.param_dtype].itemsize if args.accounting == "paper" else None
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     try:
         plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device,
                          world_size=args.world_size, stage=cfg.zero.stage, zero=cfg.zero, grad_bytes=grad_bytes,
-                         ranks_per_node=args.ranks_per_node, nested_numel=nested)
+                         ranks_per_node=args.ranks_per_node, nested_numel=nested, frozen_numels=frozen_numels)
     except PlanDoesNotFit as exc:
         if args.json:  # the object on stdout, the message on stderr (by main), exit status 1
             print(json.dumps({"numel": sum(numels), "world_size": args.world_size, "stage": cfg.zero.stage,
