@@ -9,7 +9,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from .comm import AVG, Comm, Handle, default_comm
+from .comm import AVG, Comm, Handle
 from .partition import Partition
 
 # [Note: buckets]
@@ -67,17 +67,12 @@ class _BufferPool:
         if self.device_tier is not None and buf.device == self.device_tier.device:
             self.device_tier.free(buf)
 
-    def clear(self) -> None:
-        free, self._free = self._free, []
-        for buf in free:
-            self._drop(buf)
-
 
 class _Bucketer:
-    def __init__(self, bucket_bytes: int, comm: Comm | None, group: Any, max_inflight: int):
+    def __init__(self, bucket_bytes: int, comm: Comm, group: Any, max_inflight: int):
         if bucket_bytes <= 0 or max_inflight < 1:
             raise ValueError(f"bucket_bytes must be > 0 and max_inflight >= 1, got {bucket_bytes}, {max_inflight}")
-        self.comm = comm if comm is not None else default_comm()
+        self.comm = comm
         self.group = group
         self.bucket_bytes = bucket_bytes
         self.max_inflight = max_inflight
@@ -146,11 +141,6 @@ class _Bucketer:
             while self._inflight:
                 self._complete_oldest()
 
-    def release_buffers(self) -> None:
-        """Drop the kept bucket buffers (e.g. at the end of training)."""
-        with self._lock:
-            self._pool.clear()
-
 
 class GradBucketer(_Bucketer):
     """Reduce-scatters units' flat gradients in buckets during backward ([Note: buckets]).
@@ -166,7 +156,7 @@ class GradBucketer(_Bucketer):
     """
 
     def __init__(self, bucket_bytes: int, on_ready: Callable[[Hashable, torch.Tensor], None], *,
-                 comm: Comm | None = None, group: Any = None, op=AVG, reduce_dtype: torch.dtype | None = None,
+                 comm: Comm, group: Any = None, op=AVG, reduce_dtype: torch.dtype | None = None,
                  max_inflight: int = 2, device: torch.device | None = None):
         super().__init__(bucket_bytes, comm, group, max_inflight)
         self.on_ready, self.op, self.reduce_dtype = on_ready, op, reduce_dtype
@@ -235,7 +225,7 @@ class ParamGatherer(_Bucketer):
     """
 
     def __init__(self, bucket_bytes: int, on_ready: Callable[[Hashable, torch.Tensor], None] | None = None, *,
-                 comm: Comm | None = None, group: Any = None, max_inflight: int = 2):
+                 comm: Comm, group: Any = None, max_inflight: int = 2):
         super().__init__(bucket_bytes, comm, group, max_inflight)
         self.on_ready = on_ready or (lambda key, flat: None)
         self._pending: list[tuple[Hashable, torch.Tensor, Partition, torch.Tensor]] = []

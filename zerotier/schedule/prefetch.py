@@ -30,8 +30,6 @@ class PrefetchScheduler:
         self.recording: list[int] = []       # order seen during this step
         self.pos = 0
         self.diverged = False
-        self.hits = 0
-        self.misses = 0
         self.divergences = 0
 
     def on_demand(self, index: int) -> None:

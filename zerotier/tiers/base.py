@@ -17,13 +17,6 @@ from ..config import format_size
 from ..errors import BudgetError
 from ..state import TIER_NAMES
 
-# Names device.py, host.py and nvme.py import from here; all are defined in zerotier.io.
-# DoneTicket and align_up are other spellings of CompletedTicket and round_up, kept only
-# until those modules import them from zerotier.io directly.
-from ..io.memory import round_up as align_up  # noqa: F401
-from ..io.ticket import ChainTicket, TicketLike  # noqa: F401
-from ..io.ticket import CompletedTicket as DoneTicket  # noqa: F401
-
 
 class BudgetedTier:
     """Thread-safe byte accounting against a fixed budget (see [Note: tier accounting]).

@@ -74,7 +74,9 @@ import time
 import torch
 
 from ..errors import ZerotierError
-from .base import BudgetedTier, DoneTicket, align_up
+from ..io.memory import round_up
+from ..io.ticket import CompletedTicket
+from .base import BudgetedTier
 
 # Accounting granularity on CUDA: the caching allocator rounds blocks up to 512 B.
 _CUDA_ROUND = 512
@@ -259,7 +261,7 @@ class DeviceTier(BudgetedTier):
             self.d2h_stream = torch.cuda.Stream(device)
 
     def _accounted(self, nbytes: int) -> int:
-        return align_up(nbytes, _CUDA_ROUND) if self.is_cuda else nbytes
+        return round_up(nbytes, _CUDA_ROUND) if self.is_cuda else nbytes
 
     def alloc(self, shape, dtype: torch.dtype, what: str = "") -> torch.Tensor:
         """An uninitialised tensor on the device, counted against tiers.device."""
@@ -358,7 +360,7 @@ class DeviceTier(BudgetedTier):
             if self.lagging:
                 return self._lagging_copy(dst, src, nbytes, inbound, after)
             dst.copy_(src)  # the calling worker thread is the CPU's copy stream
-            return DoneTicket(nbytes)
+            return CompletedTicket(nbytes)
         host, dev = (src, dst) if inbound else (dst, src)
         stream = self.h2d_stream if inbound else self.d2h_stream
         if after is not None:  # dev was made on the compute stream when `after` was recorded

@@ -57,9 +57,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import format_size
 from ..errors import ZerotierError
 from ..io import aligned_empty
-from .base import BudgetedTier, TicketLike, align_up, format_size
+from ..io.memory import round_up
+from ..io.ticket import TicketLike
+from .base import BudgetedTier
 
 log = logging.getLogger(__name__)
 _malloc_trim = None  # glibc's malloc_trim once looked up; False where there is none
@@ -214,7 +217,7 @@ class HostPool(BudgetedTier):
             raise ValueError(f"host pool: {nbytes} B is not a whole number of {dtype} elements")
         if self._closed:
             raise ZerotierError("host pool is closed")
-        size = max(align_up(nbytes, self.alignment), self.alignment)
+        size = max(round_up(nbytes, self.alignment), self.alignment)
         self._reap()
         with self._lock:
             self._alloc_calls += 1

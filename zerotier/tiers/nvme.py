@@ -56,10 +56,12 @@ from typing import Callable
 import crc32c
 import torch
 
-from ..config import IOConfig, TiersConfig
+from ..config import IOConfig, TiersConfig, format_size
 from ..errors import ConfigError, TierIOError, ZerotierError
 from ..io import aligned_empty, lexists_at, open_direct, open_engine
-from .base import BudgetedTier, ChainTicket, DoneTicket, align_up, format_size
+from ..io.memory import round_up
+from ..io.ticket import ChainTicket, CompletedTicket
+from .base import BudgetedTier
 from .host import HostBuffer
 from .rundir import _RECYCLED_PREFIX, _SUFFIX, _TMP_SUFFIX, RunDir, _check_parent, scan_stale
 
@@ -138,7 +140,7 @@ class NVMeStore(BudgetedTier):
     """The NVMe tier (see [Note: NVMe layout]). Thread-safe.
 
     write(key, src) -> ticket     read(key, dst) -> ticket     free(key)
-    contains(key), nbytes(key), entry(key), keys(), stats(), close()
+    contains(key), nbytes(key), entry(key), stats(), close()
 
     Tickets return the shard's logical byte count from wait().
     """
@@ -202,7 +204,7 @@ class NVMeStore(BudgetedTier):
         self._check_key(key)
         tensor = src.view() if isinstance(src, HostBuffer) else src
         nbytes = tensor.numel() * tensor.element_size()
-        file_bytes = align_up(nbytes, self.alignment)
+        file_bytes = round_up(nbytes, self.alignment)
         self._claim(key)  # waits for an earlier write of this key: writes commit in order
         fd = -1
         try:
@@ -232,7 +234,7 @@ class NVMeStore(BudgetedTier):
                 entry = NVMeEntry(key=key, file=f"{stem}{_SUFFIX}", dtype=str(tensor.dtype),
                                   shape=tuple(tensor.shape), nbytes=nbytes, file_bytes=file_bytes,
                                   checksum=checksum, checksum_algo=self.checksum_algo)
-                inner = self.engine.write(fd, buf, 0, path=str(path)) if file_bytes else DoneTicket(0)
+                inner = self.engine.write(fd, buf, 0, path=str(path)) if file_bytes else CompletedTicket(0)
             except BaseException:
                 if fd >= 0:
                     os.close(fd)
@@ -361,7 +363,7 @@ class NVMeStore(BudgetedTier):
             return entry.nbytes
 
         try:
-            inner = self.engine.read(fd, buf, 0, path=str(path)) if entry.file_bytes else DoneTicket(0)
+            inner = self.engine.read(fd, buf, 0, path=str(path)) if entry.file_bytes else CompletedTicket(0)
         except BaseException:
             os.close(fd)
             with self._lock:
@@ -412,10 +414,6 @@ class NVMeStore(BudgetedTier):
 
     def nbytes(self, key: str) -> int:
         return self.entry(key).nbytes
-
-    def keys(self) -> list[str]:
-        with self._lock:
-            return sorted(self._index)
 
     def stats(self) -> dict[str, int]:
         """Base figures (current = bytes of all files: shards + recycled) plus store details."""
