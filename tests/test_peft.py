@@ -1,13 +1,15 @@
 """peft LoRA on a transformers Llama with the frozen base offloaded ([Note: frozen units] in
 zerotier/state.py): the adapters train as with peft alone, the base lives in the parameter
 store on host or NVMe (released between uses, no gradient or optimizer state), and the order
-that would train nothing (adapters added after initialize) is refused with the working order.
+that would train nothing (adapters added after initialize) is refused with the working order;
+`zerotier.from_pretrained(dir, config, peft_config=)` streams the base under the adapters.
 
 peft and transformers are in the `test` extra, so CI always runs this; the importorskip only
 spares users who run the suite without the extra."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 import zerotier
-from zerotier.errors import ZerotierError
+from zerotier.errors import ConfigError, ZerotierError
 from zerotier.state import ParamState
 
 transformers = pytest.importorskip("transformers", reason="pip install transformers (part of .[test])")
@@ -153,23 +155,35 @@ def test_adapters_added_after_initialize_are_refused_with_the_working_order(tmp_
     try:
         model = peft.get_peft_model(engine.module, peft.LoraConfig(r=4, target_modules=["q_proj"]))
         with pytest.raises(ZerotierError, match=r"added to the model after zerotier.initialize .*peft.get_peft_model"
-                                                r"\(model, lora_config\), then engine = zerotier.initialize"):
+                                                r"\(model, lora_config\), then engine = zerotier.initialize.*"
+                                                r"zerotier.from_pretrained\(dir, config, peft_config=lora_config\)"):
             model(input_ids=IDS, labels=IDS)
     finally:
         engine.close()
 
 
-def base_on_nvme_peaks(layers, tmp_path):
-    """(frozen base bytes, host-pool peak, compute-tier peak) over 2 LoRA steps of a 128-wide Llama."""
+def base_on_nvme_peaks(layers, tmp_path, streamed=False):
+    """(frozen base bytes, host-pool peak, compute-tier peak) over 2 LoRA steps of a 128-wide Llama:
+    peft applied before initialize, or (streamed) from_pretrained(dir, peft_config=) from its files."""
     torch.manual_seed(0)
-    model = peft.get_peft_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64)), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+        num_key_value_heads=4, max_position_embeddings=64))
+    if streamed:
+        base.save_pretrained(tmp_path / f"hf{layers}")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"]))
     base_bytes = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
     (tmp_path / str(layers)).mkdir()
     cfg = {"offload": {"params": "nvme", "gradients": "host", "optimizer": "host"},
            "tiers": {"nvme_path": str(tmp_path / str(layers))}}
-    with zerotier.initialize(model, cfg) as engine:
+    if streamed:
+        del base, model
+        engine = zerotier.from_pretrained(tmp_path / f"hf{layers}", cfg,
+                                          peft_config=peft.LoraConfig(r=4, target_modules=["q_proj"]))
+        model = engine.module
+    else:
+        engine = zerotier.initialize(model, cfg)
+    with engine:
         model.train()
         for _ in range(2):
             engine.backward(model(input_ids=IDS, labels=IDS).loss)
@@ -177,17 +191,135 @@ def base_on_nvme_peaks(layers, tmp_path):
         return base_bytes, engine.host_pool.stats()["peak"], engine.device_tier.stats()["peak"]
 
 
-def test_memory_with_the_base_on_nvme_is_flat_in_base_size(tmp_path):
+@pytest.mark.parametrize("streamed", [False, True], ids=["peft-then-initialize", "from_pretrained-peft_config"])
+def test_memory_with_the_base_on_nvme_is_flat_in_base_size(streamed, tmp_path):
     """The host pool (NVMe staging, the adapters' state) and the compute tier (the fetched units:
     on the CPU it is RAM) do not grow with the base (2 and 6 layers): the base is
-    in its files, only the units in flight are in memory. (The process's RSS on the CPU also
-    holds glibc's retained heap: [Note: heap trimming]; see docs/design.md [Note: frozen units].)"""
-    small, large = base_on_nvme_peaks(2, tmp_path), base_on_nvme_peaks(6, tmp_path)
+    in its files, only the units in flight are in memory; streamed from a directory, loading included.
+    (The process's RSS on the CPU also holds glibc's retained heap: [Note: heap trimming]; see
+    docs/design.md [Note: frozen units].)"""
+    small, large = base_on_nvme_peaks(2, tmp_path, streamed), base_on_nvme_peaks(6, tmp_path, streamed)
     added = large[0] - small[0]
     assert added > 1.5 * small[0]
     assert large[1] - small[1] < added / 20, (small, large)  # the 4 more layers' adapters and their state
     assert large[2] == small[2], (small, large)
     assert large[2] < large[0] / 2  # a few units, not the base
+
+
+def save_llama(path, seed=0):
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)).save_pretrained(path)
+    return path
+
+
+def lora_config(**kw):
+    return peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"],
+                              "lora_dropout": 0.0, **kw})
+
+
+def test_from_pretrained_with_peft_config_trains_as_transformers_and_peft(tmp_path):
+    """[Note: LoRA on a streamed base] from_pretrained(dir, peft_config=) with the base on NVMe trains the
+    adapters as transformers.from_pretrained + peft.get_peft_model + torch's AdamW do. The adapters'
+    first values are drawn from another random stream than peft's, so the reference's are loaded
+    into the engine before training (their distribution: the test below)."""
+    hf = save_llama(tmp_path / "hf")
+    reference = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf), lora_config())
+    reference.train()
+    start = adapters(reference)
+    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+    ref_losses = []
+    for _ in range(STEPS):
+        loss = reference(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    base = {n: t for n, t in reference.state_dict().items() if "lora_" not in n}
+
+    with zerotier.from_pretrained(hf, zt_config("nvme", tmp_path), peft_config=lora_config()) as engine:
+        model = engine.module
+        assert isinstance(model, peft.PeftModel)
+        assert sum(u.numel for u in engine.frozen_units) == sum(t.numel() for t in base.values())
+        assert all(engine.store.contains(u.param_key) for u in engine.frozen_units)  # the base is on NVMe
+        loaded = model.state_dict()
+        for name, value in base.items():  # the base streamed from the files under peft's names
+            assert torch.equal(loaded[name], value), name
+        assert not model.load_state_dict(start, strict=False).unexpected_keys
+        model.train()
+        losses = []
+        for _ in range(STEPS):
+            loss = model(input_ids=IDS, labels=IDS).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        trained, expected = adapters(model), adapters(reference)
+        assert trained.keys() == expected.keys()
+        for name, ref in expected.items():
+            torch.testing.assert_close(trained[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+        assert max(float((trained[n] - start[n]).abs().max()) for n in start) > 1e-3  # the adapters trained
+
+
+@pytest.mark.parametrize("init", [True, "gaussian", False])
+def test_from_pretrained_with_peft_config_initializes_adapters_as_peft(init, tmp_path):
+    """peft's init on the streamed adapters: lora_A kaiming-uniform (peft's bound 1/sqrt(in_features)) or
+    normal with std 1/r, lora_B zeros; init_lora_weights=False: nn.Linear's own init for both. Each
+    lora_A is drawn once (the layer's lora_B, materialized after it, does not redraw it), and a
+    modules_to_save copy starts from the checkpoint's head."""
+    hf = save_llama(tmp_path / "hf")
+    config = lora_config(init_lora_weights=init, modules_to_save=["lm_head"])
+    with zerotier.from_pretrained(hf, zt_config("host", tmp_path), peft_config=config) as engine:
+        sd = engine.module.state_dict()
+    head = transformers.LlamaForCausalLM.from_pretrained(hf).lm_head.weight.detach()
+    assert torch.equal(sd["base_model.model.lm_head.modules_to_save.default.weight"], head)
+    assert torch.equal(sd["base_model.model.lm_head.original_module.weight"], head)
+    a = {n: t for n, t in sd.items() if ".lora_A." in n}
+    b = {n: t for n, t in sd.items() if ".lora_B." in n}
+    assert len(a) == len(b) == 6
+    assert len({tuple(t.flatten()[:4].tolist()) for t in a.values()}) == 6  # each drawn apart
+    for name, t in a.items():
+        bound = 1 / t.shape[1] ** 0.5  # kaiming_uniform_(a=sqrt(5)), nn.Linear's and peft's default
+        assert bool(t.ne(0).all()), name
+        if init == "gaussian":
+            assert 0.5 / 4 < float(t.std()) < 1.5 / 4, name  # std 1/r
+        else:
+            assert float(t.abs().max()) <= bound, name
+    for name, t in b.items():
+        if init is False:
+            assert bool(t.ne(0).all()) and float(t.abs().max()) <= 1 / t.shape[1] ** 0.5, name
+        else:
+            assert bool(t.eq(0).all()), name
+
+
+def test_from_pretrained_with_peft_config_and_each_adapter_its_own_unit(tmp_path):
+    """[Note: LoRA on a streamed base] wrap= puts lora_A and lora_B in units of their own: lora_A is
+    placed (a released view) when lora_B is materialized, and peft's init for lora_B must not write
+    it (it did: a segmentation fault with the base on NVMe)."""
+    hf = save_llama(tmp_path / "hf")
+    with zerotier.from_pretrained(hf, zt_config("nvme", tmp_path), wrap=("LlamaDecoderLayer", "Linear"),
+                                  peft_config=lora_config()) as engine:
+        assert any(u.name.endswith("q_proj.lora_B.default") for u in engine.units)
+        sd = engine.module.state_dict()
+        engine.module.train()
+        engine.backward(engine.module(input_ids=IDS, labels=IDS).loss)
+        engine.step()
+    for name, t in sd.items():
+        if ".lora_A." in name:
+            assert bool(t.ne(0).all()) and float(t.abs().max()) <= 1 / t.shape[1] ** 0.5, name
+        elif ".lora_B." in name:
+            assert bool(t.eq(0).all()), name
+
+
+def test_from_pretrained_refuses_peft_configs_it_cannot_stream(tmp_path):
+    """Inits that read the base weights, and tuners other than LoRA, name the order that works."""
+    hf = save_llama(tmp_path / "hf")
+    for config, what in [(lora_config(init_lora_weights="pissa"), "init_lora_weights='pissa'"),
+                         (lora_config(use_dora=True), "use_dora=True"),
+                         (peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[]), "IA3Config")]:
+        with pytest.raises(ConfigError, match=re.escape(what) + r".*apply peft.get_peft_model"):
+            zerotier.from_pretrained(hf, zt_config("host", tmp_path), peft_config=config)
 
 
 class _Tokens(torch.utils.data.Dataset):

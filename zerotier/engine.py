@@ -1051,8 +1051,9 @@ class Engine:
                     "adapter: peft.get_peft_model(engine.module, ...) after initialize or zerotier.from_pretrained), "
                     "so zerotier would never train it. Add adapters first: model = peft.get_peft_model(model, "
                     "lora_config), then engine = zerotier.initialize(model, config); the frozen base is then "
-                    "offloaded like any parameter (offload.params). From a Hugging Face directory: load it with "
-                    "transformers, apply peft, then initialize")
+                    "offloaded like any parameter (offload.params). From a Hugging Face directory: "
+                    "zerotier.from_pretrained(dir, config, peft_config=lora_config) streams the base under the "
+                    "adapters (or load it with transformers, apply peft, then initialize: the base is in RAM once)")
             if id(p) not in self._slots and p.requires_grad:
                 raise ZerotierError(
                     f"parameter '{name}' requires grad but zerotier does not train it: it was frozen (or not yet "

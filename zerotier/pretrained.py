@@ -27,6 +27,26 @@ Non-persistent buffers (rotary `inv_freq`) are in no file: the model computes th
 its `_init_weights(module)` — what transformers' own loading does for them. They are
 filled with a sentinel first (NaN, or the integer minimum) and one still holding it after
 is a ConfigError: never uninitialized memory.
+
+[Note: LoRA on a streamed base]
+`from_pretrained(dir, config, peft_config=LoraConfig(...))` applies
+`peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)` to the meta model, so the
+adapters are meta too, and `initialize` then places the whole peft model: the frozen base
+streams from the files into its frozen units ([Note: frozen units] in state.py), never whole
+in RAM, which loading with transformers and applying peft before initialize cannot avoid.
+peft renames the base weights it wraps (`q_proj.weight` -> `q_proj.base_layer.weight`,
+`lm_head.weight` -> `lm_head.original_module.weight` and its trained copy
+`lm_head.modules_to_save.<adapter>.weight`): those segments are dropped to find the
+checkpoint's name. The adapter tensors are in no checkpoint: the init_fn runs peft's own
+`LoraLayer.reset_lora_parameters(adapter, init_lora_weights)` on the layer as each adapter
+module is materialized (lora_A kaiming-uniform or gaussian, lora_B zeros; with
+init_lora_weights=False the modules' own reset_parameters(), i.e. nn.Linear's init, as peft
+leaves them). It sets every adapter tensor of the layer, so the layer's other adapter
+tensors are meta stand-ins during the call: one placed already (lora_A and lora_B in units
+of their own under wrap=) is a released view that must not be written. Each is drawn once,
+from its unit's random stream ([Note: meta-device models]), so the values differ from
+peft's own draws on the CPU (the distribution is the same). Inits that read the base weights (PiSSA, OLoRA, LoftQ, EVA,
+CorDA, DoRA's magnitude) and tuners other than LoRA are refused with the working order.
 """
 from __future__ import annotations
 
@@ -57,21 +77,24 @@ def _libraries():
     return transformers, safe_open, SafetensorError
 
 
-def from_pretrained(path, config=None, *, model_cls=None, wrap=None) -> Engine:
+def from_pretrained(path, config=None, *, model_cls=None, wrap=None, peft_config=None) -> Engine:
     """An Engine training the transformers model saved in the Hugging Face directory `path`,
     its weights streamed from the safetensors files unit by unit into the tiers `config`
     places them on ([Note: streamed pretrained loading]). model_cls: the class that builds the
     model from config.json (AutoModelForCausalLM by default; AutoModel, LlamaForCausalLM ...).
-    wrap: as for zerotier.initialize. The model is `engine.module`."""
+    wrap: as for zerotier.initialize. peft_config: a peft.LoraConfig; the model is then the
+    peft model, its base frozen and streamed, its adapters initialized as peft does ([Note:
+    LoRA on a streamed base]). The model is `engine.module`."""
     transformers, safe_open, safetensor_error = _libraries()
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path}: no config.json; a Hugging Face model directory holds config.json and "
                           f"{_SINGLE} (or {_INDEX} and its shards), as save_pretrained writes it")
     model = _build_on_meta(path, transformers, model_cls)
+    adapters = _LoraAdapters(model, peft_config) if peft_config is not None else None
     with _SafetensorsFiles(path, safe_open, safetensor_error) as files:
-        loader = _Loader(model, files)
-        return initialize(model, config, wrap=wrap, init_fn=loader.fill)
+        loader = _Loader(model, files, adapters)
+        return initialize(adapters.peft_model if adapters else model, config, wrap=wrap, init_fn=loader.fill)
 
 
 def _build_on_meta(path: Path, transformers, model_cls) -> torch.nn.Module:
@@ -90,6 +113,79 @@ def _build_on_meta(path: Path, transformers, model_cls) -> torch.nn.Module:
         raise ConfigError(f"{path}: {getattr(model_cls, '__name__', model_cls)} cannot build this "
                           f"'{hf_config.model_type}' model ({first_line}); pass model_cls=, the class to build, "
                           "e.g. transformers.AutoModel") from exc
+
+
+_STREAMED_LORA_INITS = (True, False, "gaussian")  # the ones peft's reset_lora_parameters runs, from no data
+# peft's names for a base weight it wraps: q_proj.base_layer.weight, lm_head.original_module.weight, and
+# the trained copy lm_head.modules_to_save.default.weight (all read from the checkpoint's <module>.weight)
+_PEFT_WRAPPER_SEGMENT = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+
+
+class _LoraAdapters:
+    """[Note: LoRA on a streamed base] peft's LoRA adapters on the meta model: which tensors
+    are adapters (in no checkpoint), the checkpoint name of a wrapped base weight, and peft's
+    init run on an adapter module as it is materialized."""
+
+    def __init__(self, model: torch.nn.Module, peft_config):
+        try:
+            import peft
+            from peft.tuners.lora import LoraLayer
+        except ImportError as exc:
+            raise ConfigError(f"from_pretrained(..., peft_config=) needs peft ({exc}): pip install peft") from exc
+        working_order = ("or load the model with transformers, apply peft.get_peft_model, then "
+                         "zerotier.initialize(model, config) (the base is then in RAM once, while loading)")
+        kind = getattr(peft_config, "peft_type", None)
+        if kind != peft.PeftType.LORA:
+            raise ConfigError(f"from_pretrained(..., peft_config=) streams the base under LoRA adapters "
+                              f"(peft.LoraConfig); got {type(peft_config).__name__} ({kind}): {working_order}")
+        self.init = peft_config.init_lora_weights
+        if self.init not in _STREAMED_LORA_INITS or getattr(peft_config, "use_dora", False):
+            what = "use_dora=True" if self.init in _STREAMED_LORA_INITS else f"init_lora_weights={self.init!r}"
+            raise ConfigError(f"from_pretrained(..., peft_config=): {what} initializes the adapters from the base "
+                              "weights, which are not in memory while they stream; use init_lora_weights=True, "
+                              f"'gaussian' or False without DoRA, {working_order}")
+        self.peft_model = peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)
+        # the module owning each adapter tensor -> (its LoRA layer, adapter name, that layer's adapter tensors)
+        self.layer_of: dict[int, tuple[torch.nn.Module, str, list[tuple[torch.nn.Module, str]]]] = {}
+        self.tensor_ids: set[int] = set()
+        for layer in model.modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            for adapter in layer.active_adapters:
+                slots = []  # (owning module, parameter name)
+                for attr in ("lora_A", "lora_B"):
+                    if adapter in getattr(layer, attr):
+                        slots += [(m, n) for m in getattr(layer, attr)[adapter].modules()
+                                  for n, t in m._parameters.items() if t is not None]
+                for attr in ("lora_embedding_A", "lora_embedding_B"):
+                    if adapter in getattr(layer, attr):
+                        slots.append((getattr(layer, attr), adapter))
+                for owner, name in slots:
+                    self.layer_of[id(owner)] = (layer, adapter, slots)
+                    self.tensor_ids.add(id(owner._parameters[name]))
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        return _PEFT_WRAPPER_SEGMENT.sub("", name)
+
+    def fill(self, module: torch.nn.Module) -> None:
+        """peft's reset_lora_parameters for the layer of adapter module `module`, setting `module`'s
+        tensors only: the layer's other adapter tensors are meta stand-ins during the call."""
+        layer, adapter, slots = self.layer_of[id(module)]
+        # [Note: LoRA on a streamed base] another adapter module of the layer may be placed already (a
+        # unit of its own under wrap=): its parameter is then a released view, whose bytes are not to be
+        # written, and one materialized before is not drawn twice.
+        others = [(owner, name, owner._parameters[name]) for owner, name in slots if owner is not module]
+        try:
+            for owner, name, p in others:
+                owner._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+            layer.reset_lora_parameters(adapter, self.init)
+        finally:
+            for owner, name, p in others:
+                owner._parameters[name] = p
+        if self.init is False and isinstance(module, torch.nn.ParameterDict):
+            for name in module._parameters:  # peft's embedding adapters start as torch.randn with no init
+                module._parameters[name].normal_()
 
 
 class _SafetensorsFiles:
@@ -151,8 +247,8 @@ class _Loader:
     """Which file tensor fills each of the model's tensors (checked up front), and the init_fn
     that fills a module's tensors when the materializer allocates them."""
 
-    def __init__(self, model: torch.nn.Module, files: _SafetensorsFiles):
-        self.model, self.files = model, files
+    def __init__(self, model: torch.nn.Module, files: _SafetensorsFiles, adapters: _LoraAdapters | None = None):
+        self.model, self.files, self.adapters = model, files, adapters
         self.prefix = {id(m): f"{n}." if n else "" for n, m in model.named_modules()}
         self.non_persistent = {f"{n}.{b}" if n else b for n, m in model.named_modules()
                                for b in m._non_persistent_buffers_set}
@@ -162,7 +258,7 @@ class _Loader:
         tensors: dict[int, tuple[list[str], torch.Size]] = {}  # one entry per tensor, with all its names
         for name, t in [*model.named_parameters(remove_duplicate=False),
                         *model.named_buffers(remove_duplicate=False)]:
-            if name not in self.non_persistent:
+            if name not in self.non_persistent and not (adapters and id(t) in adapters.tensor_ids):
                 tensors.setdefault(id(t), ([], t.shape))[0].append(name)
         self.source: dict[str, str] = {}  # model name (every alias) -> file tensor name
         self.filled: set[int] = set()     # ids of tensors filled already (tied, or placed with an earlier unit)
@@ -216,16 +312,17 @@ class _Loader:
         """model name -> file name. By the model's base_model_prefix, a base model's checkpoint
         loads into its task model and the reverse, as in transformers' loading."""
         prefix = getattr(self.model, "base_model_prefix", "") or ""
-        model_names = [n for n, _ in self.model.named_parameters(remove_duplicate=False)]
+        peft_name = self.adapters.checkpoint_name if self.adapters else (lambda n: n)
+        model_names = [peft_name(n) for n, _ in self.model.named_parameters(remove_duplicate=False)]
         under = f"{prefix}."
         if not prefix or any(n in file_names for n in model_names):
-            return lambda n: n
+            return peft_name
         if any(n.startswith(under) for n in model_names) and not any(k.startswith(under) for k in file_names):
-            return lambda n: n.removeprefix(under)  # base model's checkpoint -> task model
+            return lambda n: peft_name(n).removeprefix(under)  # base model's checkpoint -> task model
         if any(k.startswith(under) for k in file_names):  # task model's checkpoint -> base model
             self.head = {k for k in file_names if not k.startswith(under)}
-            return lambda n: under + n
-        return lambda n: n
+            return lambda n: under + peft_name(n)
+        return peft_name
 
     def _ignorable(self, key: str) -> bool:
         patterns = [*(getattr(self.model, "_keys_to_ignore_on_load_unexpected", None) or ()),
@@ -234,7 +331,11 @@ class _Loader:
 
     def fill(self, module: torch.nn.Module) -> None:
         """init_fn for the materializer: `module`'s tensors not filled yet, from the files (a
-        non-persistent buffer: computed by the model). [Note: streamed pretrained loading]"""
+        non-persistent buffer: computed by the model; an adapter: peft's init). [Note: streamed
+        pretrained loading]"""
+        if self.adapters and id(module) in self.adapters.layer_of:
+            self.adapters.fill(module)
+            return
         prefix = self.prefix[id(module)]
         computed = [(n, b) for n, b in module._buffers.items()
                     if b is not None and id(b) not in self.filled and n in module._non_persistent_buffers_set]
