@@ -541,7 +541,7 @@ class Engine:
             def wrap(t):
                 return _ReleaseAfterBackward.apply(self, frozen, t) if t.requires_grad else t
             return _map_tensors(args, wrap), _map_tensors(kwargs, wrap)
-        return hook
+        return torch.compiler.disable(hook)  # [Note: compiled units]
 
     def _post_forward(self, units: list):
         def hook(module, args, output):
