@@ -10,6 +10,7 @@ its choice is tested here, and CI runs the README's test command verbatim.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import importlib.util
 import re
 import shlex
@@ -214,8 +215,10 @@ def test_install_torch_picks_the_build_for_the_host(installed, nvidia_driver, pl
 
 
 def test_install_torch_keeps_the_installed_torch():
-    import torch
+    # the wheel's metadata version, which the tool reads: PyPI's CUDA wheels carry no local tag
+    # ("2.11.0", torch.__version__ "2.11.0+cu130"); the CPU index's do ("2.13.0+cpu")
+    installed = importlib.metadata.version("torch")
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "install_torch.py")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"install_torch: torch {torch.__version__} is installed in {sys.prefix}: kept\n"
+    assert result.stdout == f"install_torch: torch {installed} is installed in {sys.prefix}: kept\n"
