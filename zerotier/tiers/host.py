@@ -53,10 +53,12 @@ first unit-sized temporary (a 1024 x 4096 fp32 weight: 16 MiB) every unit-sized 
 outside the pool — materialization, casts, autograd temporaries — comes from the heap and
 stays there when freed: a 101M-parameter TinyGPT (dim 1024, units on NVMe) kept 203 MB of
 free heap after two steps, RSS 464 MB over the base for a 206 MB pool. `bound_heap()`
-(once, when a HostPool is made) pins the threshold at 1 MiB, which also stops the rise:
-the same run keeps 11 MB of free heap, RSS 309 MB, initialize's peak 219 MB (330 before),
-step time within this machine's noise (benchmarks/bench_rss_budget.py; docs/tiers.md
-§ RSS beyond the budgets). A threshold the user set (MALLOC_MMAP_THRESHOLD_) is kept.
+(once, when a HostPool is made) pins the threshold at 4 MiB, which also stops the rise:
+the same run (pinned at 1 MiB) keeps 11 MB of free heap, RSS 309 MB, initialize's peak
+219 MB (330 before). Not lower: at 1 MiB the activations of a CPU step are mapped and
+unmapped every op (TinyGPT 768 x 6 layers, batch 4 x 128, median step 8.0 s -> 10.8-16.4 s;
+at 4 MiB 7.6-9.6 s: noise on this loaded machine). benchmarks/bench_rss_budget.py;
+docs/tiers.md § RSS beyond the budgets. A threshold the user set (MALLOC_MMAP_THRESHOLD_) is kept.
 """
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ def trim_heap() -> None:
         _malloc_trim(0)
 
 
-_HEAP_MMAP_THRESHOLD = 1 << 20  # [Note: heap bound]
+_HEAP_MMAP_THRESHOLD = 4 << 20  # [Note: heap bound]
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
