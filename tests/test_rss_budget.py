@@ -58,3 +58,12 @@ def test_run_rss_growth_within_budgets(tmp_path):
     last = run["rows"][-1]
     assert run["peak_growth"] - last["host_peak"] - last["device_peak"] < 256 * MiB, run
     assert not list(tmp_path.iterdir()), "run directories left behind"
+
+
+def test_plan_names_the_fixed_part(capsys):
+    from zerotier.cli import main
+    from zerotier.tiers.host import RSS_OUTSIDE_BUDGETS
+
+    assert main(["plan", "--params", "350M", "--device", "20GiB", "--host", "20GiB"]) == 0
+    assert f"outside the budgets: ~{RSS_OUTSIDE_BUDGETS >> 20}.00 MiB of RSS, fixed in model size" in \
+        capsys.readouterr().out

@@ -93,6 +93,7 @@ from .grads import GRAD_WRITES, OPEN_UNITS, GradStore, NvmeGradStore
 from .optim.offload import OPTIMIZER_BYTES, UnitOptimizer, fused_temp_bytes
 from .params import ParamStore
 from .state import DTYPES, TIER_NAMES as TIERS, Location
+from .tiers.host import RSS_OUTSIDE_BUDGETS
 
 # Bandwidths assumed when none were measured on this node (bytes/s, params/s);
 # `zerotier bench` measures the real ones. Figures: GUIDE.md section 3 and PCIe 4 x16.
@@ -203,6 +204,8 @@ class Plan:
         lines.append(f"  {'tier':8s} {'needed':>12s} {'budget':>12s}   (needed includes working sets)")
         for tier in TIERS:
             lines.append(f"  {tier:8s} {format_size(self.need[tier]):>12s} {format_size(self.budgets[tier]):>12s}")
+        lines.append(f"  outside the budgets: ~{format_size(RSS_OUTSIDE_BUDGETS)} of RSS, fixed in model size (torch's "
+                     "runtime and compute temporaries: docs/tiers.md § RSS beyond the budgets)")
         lines.append("  fits: yes")
         if not self.rates_measured:
             lines.append("  step time: run `zerotier bench` for a step-time prediction")

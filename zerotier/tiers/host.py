@@ -95,6 +95,10 @@ def trim_heap() -> None:
 
 
 _HEAP_MMAP_THRESHOLD = 4 << 20  # [Note: heap bound]
+# What a run adds to RSS beyond the host pool and device tier, fixed in model size: torch's
+# runtime (~75 MiB, its meta kernels) and compute temporaries (~40 MiB at dim 1024, batch 4 x 16),
+# measured 144-154 MiB (docs/tiers.md § RSS beyond the budgets); `zerotier plan` prints it
+RSS_OUTSIDE_BUDGETS = 160 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
