@@ -127,6 +127,7 @@ def pin_malloc() -> bool:
     if _LIBC is None:
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # kept by HostPool ([Note: heap bound])
     return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \
         bool(_LIBC.mallopt(M_TRIM_THRESHOLD, 4 * MMAP_THRESHOLD))
 
