@@ -20,7 +20,7 @@ GiB = 1 << 30
 @pytest.mark.slow
 def test_1b_model_on_nvme_stays_under_rss_bound(tmp_path):
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("big_model_run.py")), str(tmp_path), "8GiB"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=1500)  # RSS, not speed: ~10 min here under load
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     adam_state = 12 * result["numel"]
