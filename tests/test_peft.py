@@ -188,20 +188,26 @@ def base_on_nvme_peaks(layers, tmp_path, streamed=False):
         for _ in range(2):
             engine.backward(model(input_ids=IDS, labels=IDS).loss)
             engine.step()
-        return base_bytes, engine.host_pool.stats()["peak"], engine.device_tier.stats()["peak"]
+        largest_unit = max(u.numel for u in engine.frozen_units) * 4
+        window = (engine.params.max_writes + 1) * largest_unit
+        return base_bytes, engine.host_pool.stats()["peak"], engine.device_tier.stats()["peak"], window
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["peft-then-initialize", "from_pretrained-peft_config"])
 def test_memory_with_the_base_on_nvme_is_flat_in_base_size(streamed, tmp_path):
     """The host pool (NVMe staging, the adapters' state) and the compute tier (the fetched units:
-    on the CPU it is RAM) do not grow with the base (2 and 6 layers): the base is
-    in its files, only the units in flight are in memory; streamed from a directory, loading included.
-    (The process's RSS on the CPU also holds glibc's retained heap: [Note: heap trimming]; see
-    docs/design.md [Note: frozen units].)"""
-    small, large = base_on_nvme_peaks(2, tmp_path, streamed), base_on_nvme_peaks(6, tmp_path, streamed)
+    on the CPU it is RAM) do not grow with the base (2 and 10 layers): the base is in its files,
+    only the units in flight are in memory; streamed from a directory, loading included.
+    The pool's peak is placement's NVMe writes in flight: at most ParamStore.max_writes units
+    (plus the one being filled), whatever the base; how many are in flight at once depends on the
+    drive's timing, so it is checked against that window, which does not grow with the base.
+    (The process's RSS on the CPU also holds glibc's retained heap: [Note: heap bound].)"""
+    small, large = base_on_nvme_peaks(2, tmp_path, streamed), base_on_nvme_peaks(10, tmp_path, streamed)
     added = large[0] - small[0]
-    assert added > 1.5 * small[0]
-    assert large[1] - small[1] < added / 20, (small, large)  # the 4 more layers' adapters and their state
+    assert added > 3 * small[0]
+    assert small[3] == large[3] < added, (small, large)  # the window: a few units, not the base
+    adapters = 1 << 20  # the adapters' Adam state and gradients on host, and rounding
+    assert small[1] <= small[3] + adapters and large[1] <= large[3] + adapters, (small, large)
     assert large[2] == small[2], (small, large)
     assert large[2] < large[0] / 2  # a few units, not the base
 
