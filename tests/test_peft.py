@@ -42,8 +42,8 @@ def adapters(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def peft_alone():
-    model = lora_model()
+def train_alone(model):
+    """STEPS of torch AdamW on the model's trainable (adapter) parameters: (losses, adapters)."""
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
     losses = []
@@ -54,6 +54,10 @@ def peft_alone():
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return losses, adapters(model)
+
+
+def peft_alone():
+    return train_alone(lora_model())
 
 
 def zt_config(params, tmp_path):
@@ -232,16 +236,8 @@ def test_from_pretrained_with_peft_config_trains_as_transformers_and_peft(tmp_pa
     into the engine before training (their distribution: the test below)."""
     hf = save_llama(tmp_path / "hf")
     reference = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf), lora_config())
-    reference.train()
     start = adapters(reference)
-    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
-    ref_losses = []
-    for _ in range(STEPS):
-        loss = reference(input_ids=IDS, labels=IDS).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(float(loss.detach()))
+    ref_losses, _ = train_alone(reference)
     base = {n: t for n, t in reference.state_dict().items() if "lora_" not in n}
 
     with zerotier.from_pretrained(hf, zt_config("nvme", tmp_path), peft_config=lora_config()) as engine:
