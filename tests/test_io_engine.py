@@ -172,8 +172,19 @@ def test_aligned_empty(nbytes, alignment):
     assert t.numel() == -(-nbytes // alignment) * alignment
     assert t.data_ptr() % alignment == 0
     assert zio.is_aligned(t, alignment)
+    if nbytes:  # torch asks the driver about the storage's first byte: it must be the aligned one
+        assert t.untyped_storage().data_ptr() == t.data_ptr()  # [Note: the storage starts at ...]
     with pytest.raises(ValueError):
         aligned_empty(10, 3000)
+
+
+def test_aligned_empty_keeps_its_allocation_alive():
+    import gc
+    t = aligned_empty(1 << 20)
+    gc.collect()
+    filler = [torch.full((1 << 18,), 7, dtype=torch.int32) for _ in range(8)]  # reuse freed memory
+    t.fill_(3)
+    assert int(t.sum()) == 3 << 20 and all(int(f[0]) == 7 for f in filler)
 
 
 def test_open_direct_real(data_dir):

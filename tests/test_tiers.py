@@ -72,6 +72,8 @@ def test_host_pool_alignment_views_and_reuse():
         assert b.block.data_ptr() % PAGE == 0 and b.capacity % PAGE == 0
         assert b.tensor.dtype == torch.bfloat16 and b.tensor.numel() == b.nbytes // 2
         assert b.tensor.data_ptr() == b.block.data_ptr()
+        # the bytes a CUDA pool registers are where torch's is_pinned() looks: the storage's start
+        assert b.tensor.untyped_storage().data_ptr() == b.block.data_ptr()
     assert bufs[1].view((4097, 1)).shape == (4097, 1)
     assert bufs[1].view(dtype=torch.uint8).numel() == 4097 * 2
     held = pool.stats()["current"]
