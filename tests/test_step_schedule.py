@@ -1,0 +1,90 @@
+"""[Note: the step schedule] pinned by hand: three units whose schedules are worked out on paper
+below, so any change to what waits for what shows up as a different step time."""
+import pytest
+
+from zerotier.schedule.step_model import StepShape, UnitWork, simulate
+
+# A: parameters on the device, gradients there, a CPU optimizer (gradient shards staged d2h),
+# the new parameters copied back. forward 1, 2, 3 s; backward 2, 4, 6 s.
+DEVICE_PARAMS = [UnitWork(forward_s=f, backward_s=b, adam_s=1, grad_stage_s=0.5, copyback_s=0.25)
+                 for f, b in ((1, 2), (2, 4), (3, 6))]
+
+
+def test_device_params_host_optimizer():
+    # forward 0-6, backward (units 2, 1, 0) 6-18. Optimizer in unit order after backward:
+    # d2h0 18-18.5, d2h1 18.5-19 (link busy), adam0 18.5-19.5, copy0 19.5-19.75,
+    # adam1 19.5-20.5, d2h2 (one unit ahead: after adam0) 19.5-20, copy1 20.5-20.75,
+    # adam2 20.5-21.5, copy2 21.5-21.75 -> 21.75 s (a serial sum is 23.25 s)
+    s = simulate(DEVICE_PARAMS, StepShape())
+    assert s.step_s == 21.75
+    assert sum(s.critical.values()) == pytest.approx(21.75)
+    assert s.critical["forward"] == 6 and s.critical["backward"] == 12 and s.critical["optimizer"] == 3
+    assert s.seconds["grads_d2h"] == 1.5 and s.critical["grads_d2h"] == 0.5  # two of three copies hidden
+
+
+def test_device_params_host_optimizer_clipped():
+    # the global norm (1 s on compute) after backward 18-19 gates the optimizer:
+    # d2h0 19-19.5, d2h1 19.5-20, adam0 19.5-20.5, d2h2 20.5-21, adam1 20.5-21.5, adam2 21.5-22.5,
+    # copy2 22.5-22.75
+    s = simulate(DEVICE_PARAMS, StepShape(clip=True, norm_s=1.0))
+    assert s.step_s == 22.75 and s.critical["grad_norm"] == 1.0
+
+
+def test_device_params_host_optimizer_accumulation_2():
+    # two passes of 18 s, then the same 3.75 s of optimizer: 39.75 s
+    s = simulate(DEVICE_PARAMS, StepShape(accum_steps=2))
+    assert s.step_s == 39.75 and s.critical["forward"] == 12 and s.critical["backward"] == 24
+
+
+# B: parameters streamed from host (1 s per fetch, lookahead 1), optimizer state on NVMe
+# (read 2 s, write 2 s per unit, 3 staging sets), Adam 1 s. forward 1 s, backward 2 s each.
+STREAMED = [UnitWork(forward_s=1, backward_s=2, adam_s=1, fetch_h2d_s=1, state_read_s=2, state_write_s=2)
+            for _ in range(3)]
+B = dict(lookahead=1, state_on_nvme=True, streamed=True)
+
+
+def test_streamed_params_nvme_optimizer():
+    # fetch0 0-1 (demand) and fetch1 1-2 (prefetched at the same demand); fwd0 1-2; fetch2 2-3
+    # (issued at unit 1's demand); fwd1 2-3; fwd2 3-4. Backward 2, 1, 0: unit 2 was in use, so its
+    # fetch is a demand 4-5, unit 1's prefetch 5-6; bwd2 5-7; fetch0 7-8; bwd1 7-9; bwd0 9-11.
+    # State reads start as gradients are final: read2 7-9, read1 9-11, read0 11-13 (3 sets free);
+    # adam2 11-12, adam1 12-13, adam0 13-14; writes queue behind read0: 13-15, 15-17, 17-19.
+    s = simulate(STREAMED, StepShape(**B))
+    assert s.step_s == 19.0
+    assert s.critical["optimizer_nvme"] == 8.0  # the drive after backward: read0 and three writes
+    assert sum(s.critical.values()) == pytest.approx(19.0)
+
+
+def test_streamed_params_nvme_optimizer_early_step():
+    # early step: each unit is its own step([unit]) on the optimizer thread, reading its state
+    # when taken up (no read-ahead): read2 7-9, adam2 9-10, write2 10-12; read1 (after adam2)
+    # 12-14, adam1 14-15, write1 15-17; read0 17-19, adam0 19-20, write0 20-22 -> 22 s: slower
+    # than without it here (the drive serializes every unit behind the previous write)
+    s = simulate(STREAMED, StepShape(early_step=True, **B))
+    assert s.step_s == 22.0
+
+
+def test_streamed_params_nvme_optimizer_clipped():
+    # the norm (3 s) 11-14 gates Adam, not the reads: adam2 14-15, write2 15-17, adam1 15-16,
+    # write1 17-19, adam0 16-17, write0 19-21
+    s = simulate(STREAMED, StepShape(clip=True, norm_s=3.0, **B))
+    assert s.step_s == 21.0
+    assert simulate(STREAMED, StepShape(clip=True, early_step=True, norm_s=3.0, **B)).step_s == 21.0  # no early step
+
+
+def test_streamed_params_nvme_optimizer_accumulation_2():
+    # the second pass starts at 11: fetch0 11-12, fetch1 12-13, fwd 12-15, fetch (demand) 15-16,
+    # prefetch 16-17, bwd2 16-18, fetch0 18-19, bwd1 18-20, bwd0 20-22; reads 18-20, 20-22, 22-24;
+    # adam 22-23, 23-24, 24-25; writes 24-26, 26-28, 28-30 -> 30 s
+    s = simulate(STREAMED, StepShape(accum_steps=2, **B))
+    assert s.step_s == 30.0
+
+
+def test_write_backs_in_flight_carry_into_the_next_step():
+    # parameters on NVMe: each unit's write-back (3 s) is left in flight when step() returns; the
+    # next step's fetch of that unit waits for it. One unit, fwd 1, bwd 1, adam 1, read 1:
+    # step 1 ends at 5 (fetch 0-1, fwd 1-2, fetch 2-3, bwd 3-4, adam 4-5), its write 5-8; step 2's
+    # fetch waits for the write: 8-9, fwd 9-10, fetch 10-11, bwd 11-12, adam 12-13 -> 8 s
+    unit = [UnitWork(forward_s=1, backward_s=1, adam_s=1, fetch_nvme_s=1, copyback_s=3, copyback_on="nvme")]
+    s = simulate(unit, StepShape(lookahead=0, streamed=True))
+    assert s.step_s == 8.0 and s.critical["params_copyback"] == 3.0

@@ -1,0 +1,304 @@
+"""The step the engine runs, as tasks on shared resources; its critical path is the predicted step.
+
+[Note: the step schedule]
+One optimizer step is built as a graph of tasks, each on one resource, each with the
+tasks it waits for, in the order the engine issues them:
+
+  resource   what runs on it                                     one at a time because
+  compute    each unit's forward and backward                    the compute stream / thread
+  cpu        CPU Adam per unit (optimizer thread)                 its threads take every core
+  nvme       parameter / gradient / optimizer-state reads and writes   one drive, shared by direction
+  h2d, d2h   parameter fetches and copy-backs, gradient copies    one link per direction
+On a CPU device, compute and CPU Adam are the same cores: both run on `compute`
+(`StepShape.cpu_device`), so an early step does not overlap backward there.
+
+What waits for what (the engine's schedule, engine.py and the stores' Notes):
+  * fetches ([Note: prefetch trace]): a pass demands the units in forward order, then in
+    backward order; a unit's fetch (NVMe read, then host->device copy) is issued at the
+    demand `lookahead` positions earlier, or at the first demand after the unit's previous
+    use was released (a unit in use is not fetched twice), or at its own demand; compute of
+    a unit waits for its fetch. A pass's first unit is fetched at its own demand.
+  * an enclosing unit (the root: `UnitWork.encloses`) is fetched at the pass's start and its
+    backward compute runs first (the loss and the head), its gradient is final at the end.
+  * gradients: host gradients with a CUDA device are copied out (d2h) after the unit's
+    backward; NVMe gradients are folded after it (the window's first micro-batch writes the
+    file, later ones read, add and write it), at most `grad_writes` folds in flight: the
+    next backward waits for the oldest ([Note: gradients on NVMe]).
+  * the optimizer, in the window's last micro-batch: with `early_step` (no clipping) each
+    unit's Adam starts as soon as its gradient is final, in backward order, on the optimizer
+    thread; otherwise after backward (and, with clipping, after the global norm, a pass over
+    every gradient: `norm_s`), units whose NVMe state reads were issued during backward
+    first, in that order, then the others in unit order ([Note: NVMe optimizer pipeline]).
+  * NVMe optimizer state goes through `pipeline_depth` staging sets: a unit's read waits
+    for a free set (the write of the unit `pipeline_depth` earlier) and is issued when the
+    unit `pipeline_depth - 2` ahead of it starts; Adam waits for its read, the write follows
+    Adam. During the last backward the reads start as gradients become final, as far as sets
+    are free. A CPU optimizer reading device or NVMe gradients stages them one unit ahead
+    (two blocks: a unit's staging waits for the Adam two units earlier).
+  * the new parameters go home after each unit's Adam (`copyback_s`: host->device, or an
+    NVMe write); NVMe write-backs stay in flight (at most lookahead + 2: the optimizer waits
+    for the oldest) and the next fetch of the unit waits for its write.
+  * engine.step() returns when every Adam and optimizer-state write is done; parameter
+    write-backs may still be in flight into the next step.
+
+Each resource serves its tasks first come, first served by the time they become ready
+(ties: issue order). The prediction simulates two steps and takes the second (steady
+state: the first has no write-backs carried in). Its critical path is walked back from the
+step's last task through whatever each task waited for last (a task it depends on, or the
+task ahead of it on its resource) to the previous step's end; `critical` sums each
+component's seconds on it, so they add up to the step time exactly.
+
+Ranks sharing a node share its CPU, memory bus and drive: the caller multiplies those
+tasks' seconds by the ranks per node (`ranks_per_node` in planner.py); links are per GPU.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+RESOURCES = ("compute", "cpu", "nvme", "h2d", "d2h")
+
+
+@dataclass(frozen=True)
+class UnitWork:
+    """Seconds of each piece of one unit's work per micro-batch (fetches: per use) or per step."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    fetch_nvme_s: float = 0.0    # parameters read from NVMe into the host pool
+    fetch_h2d_s: float = 0.0     # parameters copied host -> device
+    grad_d2h_s: float = 0.0      # host gradients on a CUDA device: the fresh gradient copied out
+    grad_write_s: float = 0.0    # gradients on NVMe: one fold's write
+    grad_read_s: float = 0.0     # gradients on NVMe: one read of the file (a fold after the first, the optimizer's)
+    grad_stage_s: float = 0.0    # device gradients read by a CPU optimizer: the shard's d2h copy
+    adam_s: float = 0.0
+    state_read_s: float = 0.0    # NVMe optimizer state: master + moments read
+    state_write_s: float = 0.0   # and written back
+    copyback_s: float = 0.0      # the new parameters sent home
+    copyback_on: str = "h2d"     # "h2d" (device home) or "nvme" (an NVMe home's write)
+    encloses: bool = False       # resident for the whole pass (the root unit)
+    trainable: bool = True       # frozen units have no gradient and no optimizer work
+    adam_on: str = "cpu"         # "cpu", or "compute" (optimizer on the device, or a CPU device)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    lookahead: int = 2
+    pipeline_depth: int = 3
+    accum_steps: int = 1
+    clip: bool = False
+    early_step: bool = False
+    grad_writes: int = 2         # grads.GRAD_WRITES
+    state_on_nvme: bool = False
+    norm_s: float = 0.0          # the global norm's pass over the gradients (clip only)
+    norm_on: str = "compute"
+    streamed: bool = False       # parameters fetched per use (off the device, or ZeRO-3)
+
+
+@dataclass
+class Schedule:
+    """The timed step: predicted seconds, each component's total seconds and its seconds on the
+    critical path ([Note: the step schedule])."""
+    step_s: float
+    seconds: dict[str, float] = field(default_factory=dict)
+    critical: dict[str, float] = field(default_factory=dict)
+    busy: dict[str, float] = field(default_factory=dict)   # resource -> seconds of work in the step
+
+
+class _Graph:
+    def __init__(self):
+        self.component: list[str] = []
+        self.resource: list[str | None] = []
+        self.seconds: list[float] = []
+        self.after: list[tuple[int, ...]] = []
+        self.step: list[int] = []
+        self.current_step = 0
+
+    def add(self, component: str, resource: str | None, seconds: float, after=()) -> int:
+        self.component.append(component)
+        self.resource.append(resource if seconds > 0 else None)  # nothing to do: no turn on the resource
+        self.seconds.append(max(0.0, float(seconds)))
+        self.after.append(tuple(a for a in after if a is not None))
+        self.step.append(self.current_step)
+        return len(self.seconds) - 1
+
+    def run(self) -> tuple[list[float], list[float], list[int | None]]:
+        """First come, first served per resource by ready time (ties: issue order). Returns each
+        task's start, end and the task it waited for last (None: nothing)."""
+        n = len(self.seconds)
+        waiting = [len(set(a)) for a in self.after]
+        users: list[list[int]] = [[] for _ in range(n)]
+        for t, deps in enumerate(self.after):
+            for d in set(deps):
+                users[d].append(t)
+        start, end = [0.0] * n, [0.0] * n
+        why: list[int | None] = [None] * n
+        free: dict[str, tuple[float, int | None]] = {}
+        ready = [(0.0, t) for t in range(n) if waiting[t] == 0]
+        heapq.heapify(ready)
+        while ready:
+            at, t = heapq.heappop(ready)
+            dep = max(self.after[t], key=lambda d: (end[d], d), default=None)
+            res = self.resource[t]
+            busy_until, last = free.get(res, (0.0, None)) if res is not None else (0.0, None)
+            if busy_until > at:
+                start[t], why[t] = busy_until, last
+            else:
+                start[t], why[t] = at, dep
+            end[t] = start[t] + self.seconds[t]
+            if res is not None:
+                free[res] = (end[t], t)
+            for u in users[t]:
+                waiting[u] -= 1
+                if waiting[u] == 0:
+                    heapq.heappush(ready, (max(end[d] for d in self.after[u]), u))
+        return start, end, why
+
+
+def _pass(g: _Graph, units: list[UnitWork], shape: StepShape, begin: int | None, micro: int,
+          home_write: dict[int, int]) -> tuple[int, dict[int, int], list[int]]:
+    """One micro-batch's forward and backward ([Note: the step schedule]). Returns the pass's last
+    compute task, each unit's 'gradient final' task and the order they became final."""
+    n = len(units)
+    outer = [i for i in range(n) if units[i].encloses]
+    inner = [i for i in range(n) if not units[i].encloses]
+    order = outer + inner + outer + inner[::-1]  # demand positions: forward, then backward
+    fetched: dict[int, int] = {}
+    prev = begin
+    folds: list[int] = []
+    grad_final: dict[int, int] = {}
+    final_order: list[int] = []
+
+    def fetch(pos: int, issue: int | None) -> int:
+        u = units[order[pos]]
+        read = g.add("params_nvme", "nvme", u.fetch_nvme_s, (issue, home_write.get(order[pos])))
+        return g.add("params_h2d", "h2d", u.fetch_h2d_s, (read,))
+
+    for pos, i in enumerate(order):
+        u = units[i]
+        backward = pos >= n
+        if shape.streamed:
+            if pos not in fetched:  # nothing prefetched it: fetched at its demand
+                fetched[pos] = fetch(pos, prev)
+            for nxt in range(pos + 1, min(pos + 1 + shape.lookahead, len(order))):
+                unit = order[nxt]  # a unit in use (or used before nxt) is fetched after its release
+                if nxt not in fetched and not units[unit].encloses and unit not in order[pos:nxt]:
+                    fetched[nxt] = fetch(nxt, prev)
+        after = [prev, fetched.get(pos)]
+        if backward and len(folds) >= shape.grad_writes > 0:
+            after.append(folds[-shape.grad_writes])  # accumulate waits for the oldest fold in flight
+        prev = g.add("backward" if backward else "forward", "compute", u.backward_s if backward else u.forward_s,
+                     after)
+        if backward and u.trainable and not u.encloses:
+            grad_final[i] = _gradient_out(g, u, micro, prev, folds)
+            final_order.append(i)
+    for i in outer:  # the enclosing unit's gradient is complete at backward's end
+        if units[i].trainable:
+            grad_final[i] = _gradient_out(g, units[i], micro, prev, folds)
+            final_order.append(i)
+    return prev, grad_final, final_order
+
+
+def _gradient_out(g: _Graph, u: UnitWork, micro: int, after: int, folds: list[int]) -> int:
+    """A unit's fresh gradient leaves the device and, on NVMe, is folded into its file."""
+    last = g.add("grads_d2h", "d2h", u.grad_d2h_s, (after,)) if u.grad_d2h_s else after
+    if u.grad_write_s or u.grad_read_s:
+        if micro > 0:
+            last = g.add("grads_nvme", "nvme", u.grad_read_s, (last,))
+        last = g.add("grads_nvme", "nvme", u.grad_write_s, (last,))
+        folds.append(last)
+    return last
+
+
+def _optimizer(g: _Graph, units: list[UnitWork], shape: StepShape, grad_final: dict[int, int],
+               final_order: list[int], backward_end: int, home_write: dict[int, int]) -> list[int]:
+    """The window's update ([Note: NVMe optimizer pipeline]); returns the tasks engine.step() waits for."""
+    trainable = [i for i in range(len(units)) if units[i].trainable]
+    early = shape.early_step and not shape.clip
+    gate = backward_end
+    if shape.clip:
+        gate = g.add("grad_norm", shape.norm_on, shape.norm_s, (backward_end,))
+    if early:
+        order = list(final_order)
+    elif shape.state_on_nvme:  # reads issued during backward first, as gradients became final
+        ahead = final_order[:shape.pipeline_depth]
+        order = ahead + [i for i in trainable if i not in ahead]
+    else:
+        order = trainable
+    depth = shape.pipeline_depth
+    ahead_reads = max(1, depth - 2)
+    adam: list[int] = []
+    writes: list[int] = []
+    reads: dict[int, int] = {}
+    staged: dict[int, int] = {}
+    commits: list[int] = []
+    waits: list[int] = []
+    for k, i in enumerate(order):
+        u = units[i]
+        if shape.state_on_nvme:
+            # during backward (not early): the read starts when the gradient is final, if a set is free
+            if early:  # each unit is its own step([unit]): read when the thread takes it up
+                issue = adam[k - 1] if k else grad_final[i]
+            elif k < depth:  # prefetch(unit) as its gradient became final: every set is free then
+                issue = grad_final[i]
+            else:  # step() reads `depth - 2` units ahead of the one it updates
+                issue = adam[k - ahead_reads - 1]
+            set_free = writes[k - depth] if k - depth >= 0 else None
+            reads[i] = g.add("optimizer_nvme", "nvme", u.state_read_s, (issue, set_free))
+        if u.grad_stage_s or u.grad_read_s:  # two staging blocks: one unit ahead (early: none)
+            back = 1 if early else 2
+            issue = adam[k - back] if k >= back else (grad_final[i] if early else gate)
+            res, comp, secs = (("nvme", "grads_nvme", u.grad_read_s) if u.grad_read_s else
+                               ("d2h", "grads_d2h", u.grad_stage_s))
+            staged[i] = g.add(comp, res, secs, (issue, grad_final[i]))
+        after = [grad_final[i], reads.get(i), staged.get(i), adam[-1] if adam else None]
+        if not early:
+            after.append(gate)
+        if len(commits) > shape.lookahead + 2:  # ParamStore.max_writes write-backs in flight: the oldest waited
+            after.append(commits[-(shape.lookahead + 3)])
+        adam.append(g.add("optimizer", u.adam_on, u.adam_s, after))
+        if shape.state_on_nvme:
+            writes.append(g.add("optimizer_nvme", "nvme", u.state_write_s, (adam[-1],)))
+            waits.append(writes[-1])
+        if u.copyback_s:
+            c = g.add("params_copyback", u.copyback_on, u.copyback_s, (adam[-1],))
+            commits.append(c)
+            home_write[i] = c
+            if u.copyback_on != "nvme":
+                waits.append(c)
+        waits.append(adam[-1])
+    return waits
+
+
+def simulate(units: list[UnitWork], shape: StepShape, steps: int = 2) -> Schedule:
+    """[Note: the step schedule] The steady-state step: `steps` steps back to back, the last one timed."""
+    g = _Graph()
+    home_write: dict[int, int] = {}
+    step_end: int | None = None
+    ends: list[int | None] = []
+    for s in range(steps):
+        g.current_step = s
+        begin = step_end
+        for m in range(shape.accum_steps):
+            prev, grad_final, final_order = _pass(g, units, shape, begin, m, home_write)
+            begin = prev
+        backward_end = g.add("backward", None, 0.0, [prev] + list(grad_final.values()))
+        waits = _optimizer(g, units, shape, grad_final, final_order, backward_end, home_write)
+        step_end = g.add("step", None, 0.0, [backward_end] + waits)
+        ends.append(step_end)
+    start, end, why = g.run()
+    t0 = end[ends[-2]] if steps > 1 else 0.0
+    t1 = end[ends[-1]]
+    seconds: dict[str, float] = {}
+    busy: dict[str, float] = {}
+    for t in range(len(g.seconds)):
+        if g.step[t] == steps - 1 and g.resource[t] is not None:
+            seconds[g.component[t]] = seconds.get(g.component[t], 0.0) + g.seconds[t]
+            busy[g.resource[t]] = busy.get(g.resource[t], 0.0) + g.seconds[t]
+    critical = {c: 0.0 for c in seconds}
+    t = ends[-1]
+    while t is not None and end[t] > t0:
+        part = end[t] - max(start[t], t0)
+        if part > 0:
+            critical[g.component[t]] = critical.get(g.component[t], 0.0) + part
+        t = why[t]
+    return Schedule(t1 - t0, seconds, critical, busy)
