@@ -521,7 +521,7 @@ def test_pinned_host_bytes_are_the_pools_and_within_budget(tmp_path):
             engine.step()
         engine.synchronize()
         pool = engine.host_pool.stats()
-        bufs = [b for b in engine.params.host_buf if b is not None]
+        bufs = [slot.host_buf for slot in engine.params.slots if slot.host_buf is not None]
         unpinned = [b.what for b in bufs if not b.pinned]
         not_page_locked = [b.what for b in bufs if not b.tensor.is_pinned()]
     after = torch.cuda.host_memory_stats() if before is not None else None

@@ -99,7 +99,7 @@ def test_transient_read_error_is_not_raised_again_by_the_next_attempt(tmp_path, 
         with pytest.raises(TierIOError) as info:
             engine.backward(engine(x, y))
         assert info.value.errno == errno.EACCES and "u00001.param" in str(info.value)
-        stale = engine.params._inflight.get(2)
+        stale = engine.params.slots[2].fetch
         assert stale is not None and isinstance(stale.future.exception(), TierIOError)  # the setup
         denied.clear()                      # the permission is back
         run(engine, data[3:])               # the first retry succeeds

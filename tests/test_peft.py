@@ -82,10 +82,11 @@ def test_lora_with_the_base_offloaded_trains_as_peft(params, tmp_path):
         assert plan.frozen_numel * 4 == base_bytes and plan.frozen_param_bytes == base_bytes
         assert "frozen" in plan.summary()
         if params == "host":
-            assert engine.params.host_bytes() >= base_bytes  # the base's home is the host pool
-        else:
-            assert all(engine.store.contains(u.param_key) for u in engine.frozen_units)
-            assert sum(engine.store.nbytes(u.param_key) for u in engine.frozen_units) >= base_bytes
+            homes = [engine.params.slots[u.index].host_buf for u in engine.frozen_units]
+            assert sum(b.capacity for b in homes) >= base_bytes  # the base's home is the host pool
+        else:  # each frozen unit's file holds its parameters
+            assert sum(engine.store.read(u.param_key, torch.empty(u.numel, dtype=engine.lp_dtype)).wait()
+                       for u in engine.frozen_units) >= base_bytes
         model.train()
         losses = []
         for _ in range(STEPS):
@@ -244,7 +245,7 @@ def test_from_pretrained_with_peft_config_trains_as_transformers_and_peft(tmp_pa
         model = engine.module
         assert isinstance(model, peft.PeftModel)
         assert sum(u.numel for u in engine.frozen_units) == sum(t.numel() for t in base.values())
-        assert all(engine.store.contains(u.param_key) for u in engine.frozen_units)  # the base is on NVMe
+        assert all(engine.params.slots[u.index].nvme_key == u.param_key for u in engine.frozen_units)  # on NVMe
         loaded = model.state_dict()
         for name, value in base.items():  # the base streamed from the files under peft's names
             assert torch.equal(loaded[name], value), name

@@ -190,4 +190,4 @@ def test_cli_plan_shows_the_split_and_the_predicted_time(tmp_path):
     assert "optimizer  split" in r.stdout
     assert "on host" in r.stdout and "(24 of 40 units)" in r.stdout
     assert "on nvme" in r.stdout and "(16 of 40 units)" in r.stdout
-    assert "predicted optimizer+swap time per step" in r.stdout and "optimizer_nvme" in r.stdout
+    assert "predicted swap + optimizer time per step" in r.stdout and "optimizer_nvme" in r.stdout

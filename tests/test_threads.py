@@ -144,10 +144,10 @@ def test_a_write_back_checked_by_two_threads_fails_both():
     unit's last write) and the updater (_track_write waits for the oldest). While one thread waits
     on a failing write, the other checking the same unit must see the failure too, not find the
     ticket gone and read the file's previous weights ([Note: a failed write-back])."""
-    from zerotier.params import ParamStore
+    from zerotier.params import ParamSlot, ParamStore
 
     store = ParamStore.__new__(ParamStore)  # only the write-back bookkeeping is exercised
-    store._lock, store._writes, store._stale = threading.Lock(), {}, {}
+    store._lock, store._writes, store.slots = threading.Lock(), {}, [ParamSlot() for _ in range(4)]
     waiting, release = threading.Event(), threading.Event()
 
     class FailingWrite:  # a write that fails with ENOSPC once `release` is set
@@ -178,7 +178,7 @@ def test_a_write_back_checked_by_two_threads_fails_both():
     else:
         raise AssertionError("the compute thread found no write to check while the optimizer thread waited on it")
     t.join(timeout=30)
-    assert seen and isinstance(store._stale.get(3), OSError) and not store._writes
+    assert seen and isinstance(store.slots[3].failed_write, OSError) and not store._writes
 
 
 def test_gradient_staging_in_flight_is_bounded():

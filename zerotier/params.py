@@ -63,11 +63,13 @@ from __future__ import annotations
 import collections
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from .device import enter as enter_device
 from .errors import BudgetError, ZerotierError
+from .slots import SlotField
 from .state import PARAM_TRANSITIONS, Location, ParamState, Unit, transition
 from .threads import COMPUTE, UPDATER, owned
 
@@ -93,6 +95,25 @@ class _Staged:
         self.shard, self.temp, self.block, self.copy = shard, temp, block, copy
 
 
+@dataclass(slots=True, eq=False)
+class ParamSlot:
+    """One unit's parameter bytes and their life ([Note: a unit's parameter bytes]). Its home is
+    one of `device_flat` (not streamed), `device_shard`, `host_buf` or `nvme_key`. `fetch` and
+    `failed_write` are shared by the compute and updater threads: read and written under the
+    store's `_lock` ([Note: thread ownership] in threads.py)."""
+
+    state: ParamState = ParamState.RESIDENT
+    version: int = 0                                # [Note: parameter versions]
+    streamed: bool = False                          # fetched / released per use
+    device_flat: "torch.Tensor | None" = None       # compute copy (views = p.data); the home if not streamed
+    device_shard: "torch.Tensor | None" = None      # ZeRO-3 home on the device
+    host_buf: object = None                         # home in the host pool (HostBuffer)
+    nvme_key: "str | None" = None                   # home in this NVMe file
+    fetch: "_Fetch | None" = None                   # issued, not consumed yet
+    out: object = None                              # out_buffer(): awaiting commit (updater thread)
+    failed_write: "BaseException | None" = None     # [Note: a failed write-back]
+
+
 class ParamStore:
     def __init__(self, units: list[Unit], loc: Location, lp_dtype: torch.dtype, device_tier, host_pool, store,
                  sharding, out_loc: Location, lookahead: int = 0, profiler=None):
@@ -102,21 +123,14 @@ class ParamStore:
         self.out_on_device = out_loc is Location.DEVICE  # the optimizer's side; its temporaries count there
         self.out_device = self.device if self.out_on_device else torch.device("cpu")
         self.profiler = profiler              # None when profiling is off
-        n = len(units)
-        self.state = [ParamState.RESIDENT] * n
-        self.version = [0] * n
-        self.streamed = [False] * n
-        self.device_flat: list[torch.Tensor | None] = [None] * n   # compute copy (views = p.data)
-        self.device_shard: list[torch.Tensor | None] = [None] * n  # ZeRO-3 home on the device
-        self.host_buf = [None] * n                                   # HostBuffer home (host placement)
+        self.slots = [ParamSlot() for _ in units]  # by unit index
+        self._states = SlotField(self.slots, "state")  # what transition() writes
         self.wasted_prefetches = 0                # fetches dropped unused (stale version, or synchronize())
-        self._inflight: dict[int, _Fetch] = {}   # issued, not consumed; guarded by _lock
         self._reading: collections.deque[tuple[int, _Fetch]] = collections.deque()  # ZeRO-3 reads, not gathered
-        self._writes: dict[int, object] = {}     # NVMe write-back tickets not yet checked, oldest first
-        self._stale: dict[int, Exception] = {}   # units whose last write-back failed ([Note: a failed write-back])
+        # NVMe write-back tickets not yet checked, by unit, oldest first: the queue _track_write bounds
+        self._writes: dict[int, object] = {}
         self.master_of = None                     # unit -> its fp32 master shard (set by the engine)
-        self.max_writes = lookahead + 2          # write-backs in flight at most (host_staging_bytes)
-        self._out: dict[int, object] = {}        # out_buffer blocks awaiting commit
+        self.max_writes = self.writes_in_flight(lookahead)
         self._joins: list = []                   # device copies of commits compute must wait for
         self._keep: list = []                    # write-back temporaries, freed by finish_commits()
         self._lock = threading.Lock()
@@ -128,14 +142,52 @@ class ParamStore:
         if sharding.active:  # ZeRO-1/2 commits: the gather buckets on the device count there (GPU review N13)
             sharding.gatherer.allocate_from(device_tier, [u.part for u in units if not u.part.replicated])
 
+    # Read-only views kept for the engine's and surface's readers (slots[i].<field> is the truth).
+    # To go once engine.py and surface.py read `slots`.
+    @property
+    def state(self) -> SlotField:
+        """Every unit's ParamState, live (surface keeps it: transition() writes through it)."""
+        return self._states
+
+    @property
+    def streamed(self) -> SlotField:
+        return SlotField(self.slots, "streamed")
+
+    @property
+    def version(self) -> list[int]:
+        """A snapshot of every unit's parameter version."""
+        return [slot.version for slot in self.slots]
+
+    @property
+    def device_flat(self) -> SlotField:
+        return SlotField(self.slots, "device_flat")
+
+    # ------------------------------------------------------------------ sizing (the planner's terms)
+
+    @staticmethod
+    def writes_in_flight(lookahead: int) -> int:
+        """NVMe write-backs in flight at most (`max_writes`, bounded by _track_write): distinct units."""
+        return lookahead + 2
+
+    @staticmethod
+    def host_blocks(loc: Location, lookahead: int, units: int) -> int:
+        """Host-pool blocks the parameters hold at most at once: a home per unit on the host; on NVMe
+        a block per fetch in flight (`lookahead` prefetches + the demand) and per write-back in
+        flight (`writes_in_flight`), as host_staging_bytes counts their bytes."""
+        if loc is Location.HOST:
+            return units
+        if loc is Location.NVME:
+            return lookahead + 1 + ParamStore.writes_in_flight(lookahead)
+        return 0
+
     @staticmethod
     def host_staging_bytes(lookahead: int, shard_numels: list[int], lp_itemsize: int) -> int:
         """Pool bytes NVMe-resident params need at most: a block per fetch in flight (`lookahead`
         prefetches + the demand: distinct units) plus one per write-back in flight (at most
-        `max_writes` = lookahead + 2 distinct units, see _track_write), so the largest units'
+        `writes_in_flight(lookahead)` distinct units, see _track_write), so the largest units'
         sizes. `shard_numels`: every unit's rank shard. The planner counts exactly this."""
         top = sorted(shard_numels, reverse=True)
-        return (sum(top[:lookahead + 1]) + sum(top[:lookahead + 2])) * lp_itemsize
+        return (sum(top[:lookahead + 1]) + sum(top[:ParamStore.writes_in_flight(lookahead)])) * lp_itemsize
 
     @staticmethod
     def gather_staging_bytes(lookahead: int, shard_numels: list[int], lp_itemsize: int) -> int:
@@ -156,35 +208,35 @@ class ParamStore:
     def place(self, unit: Unit, lp: torch.Tensor) -> None:
         """Put this rank's low-precision bytes `lp` (full flat, or its ZeRO-3 shard; CPU) at home
         and point the parameters at the device flat. The user's original tensors are dropped."""
-        i = unit.index
+        slot = self.slots[unit.index]
         gathered = self.sharding.gathered(unit)
-        streamed = self.loc is not Location.DEVICE or gathered
-        self.streamed[i] = streamed
+        streamed = slot.streamed = self.loc is not Location.DEVICE or gathered
         if streamed:  # views are taken while the storage is whole, then it is dropped
             flat = torch.empty(unit.part.padded_numel if gathered else unit.numel, dtype=self.lp_dtype,
                                device=self.device)
         else:
             flat = self.device_tier.alloc((unit.numel,), self.lp_dtype, unit.param_key)
             flat.copy_(lp)
-        self.device_flat[i] = flat
+        slot.device_flat = flat
         for p, view in unit.views(flat):
             p.data = view
         if not streamed:
             return
         flat.untyped_storage().resize_(0)
-        self.state[i] = ParamState.RELEASED
+        slot.state = ParamState.RELEASED
         if self.loc is Location.DEVICE:  # ZeRO-3 shard on the device
-            self.device_shard[i] = self.device_tier.alloc((lp.numel(),), self.lp_dtype, unit.param_key)
-            self.device_shard[i].copy_(lp)
+            slot.device_shard = self.device_tier.alloc((lp.numel(),), self.lp_dtype, unit.param_key)
+            slot.device_shard.copy_(lp)
         elif self.loc is Location.HOST:
-            self.host_buf[i] = self.host_pool.alloc(lp.numel() * lp.element_size(), self.lp_dtype, unit.param_key)
-            self.host_buf[i].tensor.copy_(lp)
+            slot.host_buf = self.host_pool.alloc(lp.numel() * lp.element_size(), self.lp_dtype, unit.param_key)
+            slot.host_buf.tensor.copy_(lp)
         else:
+            slot.nvme_key = unit.param_key
             block = self.host_pool.alloc(lp.numel() * lp.element_size(), self.lp_dtype, unit.param_key)
             block.tensor.copy_(lp)
-            ticket = self.store.write(unit.param_key, block)
+            ticket = self.store.write(slot.nvme_key, block)
             self.host_pool.free(block, after=ticket)
-            self._track_write(i, ticket)
+            self._track_write(unit.index, ticket)
 
     def finish_place(self) -> None:
         """Wait for the initial NVMe writes still in flight (place() keeps at most max_writes)."""
@@ -196,16 +248,16 @@ class ParamStore:
     def prefetch(self, index: int) -> None:
         """Start fetching unit `index` if it is released and nothing is in flight. A prefetch
         that does not fit the device budget is skipped (the demand fetch will report it)."""
-        unit = self.units[index]
+        unit, slot = self.units[index], self.slots[index]
         with self._lock:
-            if self.state[index] is not ParamState.RELEASED or index in self._inflight:
+            if slot.state is not ParamState.RELEASED or slot.fetch is not None:
                 return
         try:
             fetch = self._start(unit, "prefetch")
         except BudgetError:
             return
         with self._lock:
-            self._inflight[index] = fetch
+            slot.fetch = fetch
         if self.profiler is not None:
             self.profiler.prefetch_issued(unit.param_key)
 
@@ -213,7 +265,8 @@ class ParamStore:
         # Counts every issued, not yet consumed fetch (not only unfinished ones): the prefetch
         # decision must not depend on timing, or ranks would issue ZeRO-3 gathers differently.
         with self._lock:
-            return sum(self.units[i].numel * self.lp_dtype.itemsize for i in self._inflight)
+            return sum(unit.numel * self.lp_dtype.itemsize for unit, slot in zip(self.units, self.slots)
+                       if slot.fetch is not None)
 
     @owned(COMPUTE)
     def demand(self, unit: Unit, then=None) -> None:
@@ -221,14 +274,14 @@ class ParamStore:
         `then()` runs once the unit's fetch is issued, before waiting for it (the prefetches)."""
         if self._reading:
             self._issue_gathers()
-        i = unit.index
-        if self.state[i] is ParamState.RESIDENT:
+        slot = self.slots[unit.index]
+        if slot.state is ParamState.RESIDENT:
             if then is not None:
                 then()
             return
         with self._lock:
-            fetch = self._inflight.pop(i, None)
-        if fetch is not None and fetch.version != self.version[i]:  # [Note: parameter versions]
+            fetch, slot.fetch = slot.fetch, None
+        if fetch is not None and fetch.version != slot.version:  # [Note: parameter versions]
             self._drop(unit, fetch)
             fetch = None
         prof = self.profiler
@@ -262,39 +315,43 @@ class ParamStore:
         finally:
             if waited is not None:
                 prof.wait_end(waited)
-        transition(self.state, i, ParamState.RESIDENT, PARAM_TRANSITIONS, "parameters")
+        transition(self._states, unit.index, ParamState.RESIDENT, PARAM_TRANSITIONS, "parameters")
 
     @owned(COMPUTE)
     def release(self, unit: Unit) -> None:
         """Drop a streamed unit's device bytes (no-op when not resident or not streamed)."""
-        i = unit.index
-        if not self.streamed[i] or self.state[i] is not ParamState.RESIDENT:
+        slot = self.slots[unit.index]
+        if not slot.streamed or slot.state is not ParamState.RESIDENT:
             return
-        self.device_tier.free_storage(self.device_flat[i])
-        transition(self.state, i, ParamState.RELEASED, PARAM_TRANSITIONS, "parameters")
+        self.device_tier.free_storage(slot.device_flat)
+        transition(self._states, unit.index, ParamState.RELEASED, PARAM_TRANSITIONS, "parameters")
 
     @owned(COMPUTE)
     def drop_inflight(self) -> None:
         """Discard fetches issued but not consumed (e.g. before loading new weights)."""
+        inflight = []
         with self._lock:
-            inflight, self._inflight = self._inflight, {}
+            for unit, slot in zip(self.units, self.slots):
+                if slot.fetch is not None:
+                    inflight.append((unit, slot.fetch))
+                    slot.fetch = None
         self._reading.clear()  # every rank drops the same ones: no gather is issued for them
-        for i, fetch in inflight.items():
-            self._drop(self.units[i], fetch)
+        for unit, fetch in inflight:
+            self._drop(unit, fetch)
 
     def _start(self, unit: Unit, reason: str) -> _Fetch:
         """RELEASED -> FETCHING: give the flat its bytes and issue the copy (or gather)."""
-        i = unit.index
-        self.device_tier.fill_storage(self.device_flat[i], unit.param_key)
-        transition(self.state, i, ParamState.FETCHING, PARAM_TRANSITIONS, "parameters")
+        i, slot = unit.index, self.slots[unit.index]
+        self.device_tier.fill_storage(slot.device_flat, unit.param_key)
+        transition(self._states, i, ParamState.FETCHING, PARAM_TRANSITIONS, "parameters")
         fetch = None
         try:
             self._check_writes([i])  # the bytes at home must be the last committed ones
-            if i in self._stale:
+            if slot.failed_write is not None:
                 self._rewrite_home(unit)
             if self.sharding.gathered(unit):
                 # Issued on the thread running forward/backward: every rank gathers in the same order.
-                fetch = _Fetch(self.version[i], keep=_Staged(None, self._shard_buffer(unit)))
+                fetch = _Fetch(slot.version, keep=_Staged(None, self._shard_buffer(unit)))
                 if reason == "prefetch" and self.loc is Location.NVME:  # [Note: ZeRO-3 reads off the compute thread]
                     # the copy into the shard buffer waits for the compute work enqueued now (GPU review N7)
                     fetch.read = self._workers.submit(self._stage_shard, unit, reason, fetch.keep.temp,
@@ -305,10 +362,10 @@ class ParamStore:
                 return fetch
             if reason == "demand":  # the compute thread needs it now: no hop through a worker
                 ticket = self._load(unit, reason, None)
-                return _Fetch(self.version[i], future=_Now(ticket))
+                return _Fetch(slot.version, future=_Now(ticket))
             # the copy waits for the compute work enqueued *now*, not when the worker runs (GPU review N7)
             issued = self.device_tier.mark()
-            return _Fetch(self.version[i], future=self._workers.submit(self._load, unit, reason, issued))
+            return _Fetch(slot.version, future=self._workers.submit(self._load, unit, reason, issued))
         except BaseException:
             if fetch is not None and fetch.read is None:
                 self._release_staged(fetch.keep)
@@ -317,7 +374,7 @@ class ParamStore:
 
     def _load(self, unit: Unit, reason: str, issued):
         """Home -> device flat (a fetch worker for prefetches). Returns the copy's ticket."""
-        i = unit.index
+        slot = self.slots[unit.index]
         nbytes = unit.numel * self.lp_dtype.itemsize
         prof = self.profiler
         token = prof.begin(unit.param_key, "param", self.loc.value, "device", nbytes, reason) \
@@ -325,12 +382,12 @@ class ParamStore:
         ticket = None
         try:
             if self.loc is Location.HOST:
-                ticket = self.device_tier.copy_h2d(self.device_flat[i], self.host_buf[i].tensor, after=issued)
+                ticket = self.device_tier.copy_h2d(slot.device_flat, slot.host_buf.tensor, after=issued)
                 return ticket
             block = self.host_pool.alloc(nbytes, self.lp_dtype, unit.param_key)
             try:
-                self.store.read(unit.param_key, block).wait()
-                ticket = self.device_tier.copy_h2d(self.device_flat[i], block.tensor, after=issued)
+                self.store.read(slot.nvme_key, block).wait()
+                ticket = self.device_tier.copy_h2d(slot.device_flat, block.tensor, after=issued)
             except BaseException:
                 self.host_pool.free(block)
                 raise
@@ -354,9 +411,9 @@ class ParamStore:
         block (a fetch worker for a prefetch: [Note: ZeRO-3 reads off the compute thread]) and
         copied into `temp` (after `issued`, a mark taken when `temp` was allocated). On an error
         nothing is left but `temp`, the caller's."""
-        i = unit.index
+        slot = self.slots[unit.index]
         if self.loc is Location.DEVICE:
-            return _Staged(self.device_shard[i])
+            return _Staged(slot.device_shard)
         nbytes = unit.shard_numel * self.lp_dtype.itemsize
         prof = self.profiler
         token = prof.begin(unit.param_key, "param", self.loc.value, "device", nbytes, reason) \
@@ -364,10 +421,10 @@ class ParamStore:
         block = ticket = None
         try:
             if self.loc is Location.HOST:
-                host = self.host_buf[i].tensor
+                host = slot.host_buf.tensor
             else:
                 block = self.host_pool.alloc(nbytes, self.lp_dtype, unit.param_key)
-                self.store.read(unit.param_key, block).wait()
+                self.store.read(slot.nvme_key, block).wait()
                 host = block.tensor
             if temp is None:  # host memory is the device's: the gather reads it in place
                 self.device_tier.count_in(nbytes)
@@ -387,7 +444,7 @@ class ParamStore:
         fetch.keep = staged
         if staged.copy is not None:  # compute waits for the H2D copy on the device, not on the host
             self.device_tier.join(staged.copy)
-        fetch.handle = self.sharding.all_gather(unit, self.device_flat[unit.index], staged.shard)
+        fetch.handle = self.sharding.all_gather(unit, self.slots[unit.index].device_flat, staged.shard)
 
     def _issue_gathers(self) -> None:
         """[Note: ZeRO-3 reads off the compute thread] At a demand: the gathers of the prefetches
@@ -406,7 +463,8 @@ class ParamStore:
             except BaseException:
                 self._reading.popleft()
                 with self._lock:
-                    self._inflight.pop(i, None)
+                    if self.slots[i].fetch is fetch:
+                        self.slots[i].fetch = None
                 self._drop(unit, fetch, wasted=False)
                 raise
             self._reading.popleft()
@@ -448,20 +506,20 @@ class ParamStore:
 
     def _abandon(self, unit: Unit) -> None:
         """FETCHING -> RELEASED after a failed or unwanted fetch."""
-        self.device_tier.free_storage(self.device_flat[unit.index])
-        transition(self.state, unit.index, ParamState.RELEASED, PARAM_TRANSITIONS, "parameters")
+        self.device_tier.free_storage(self.slots[unit.index].device_flat)
+        transition(self._states, unit.index, ParamState.RELEASED, PARAM_TRANSITIONS, "parameters")
 
     # ------------------------------------------------------------------ write-back ([Note: write-back])
 
     def _shard_home(self, unit: Unit) -> torch.Tensor | None:
         """This rank's low-precision shard at home when it is memory the optimizer can write."""
-        i = unit.index
+        slot = self.slots[unit.index]
         if not unit.part.replicated and not self.sharding.gathered(unit):
             return None  # ZeRO-1/2: home holds the full flat, filled by the all-gather
         if self.loc is Location.DEVICE:
-            return self.device_shard[i] if self.sharding.gathered(unit) else self.device_flat[i]
+            return slot.device_shard if self.sharding.gathered(unit) else slot.device_flat
         if self.loc is Location.HOST:
-            return self.host_buf[i].tensor
+            return slot.host_buf.tensor
         return None
 
     @owned(UPDATER)
@@ -470,17 +528,18 @@ class ParamStore:
         home = self._shard_home(unit)
         if home is not None and home.device.type == self.out_device.type:
             return home
-        out = self._out.get(unit.index)
-        if out is None:
-            out = self._out[unit.index] = self._temp(unit.shard_numel, self.out_on_device)
+        slot = self.slots[unit.index]
+        if slot.out is None:
+            slot.out = self._temp(unit.shard_numel, self.out_on_device)
+        out = slot.out
         return _tensor(out)
 
     @owned(UPDATER)
     def commit(self, unit: Unit) -> None:
         """The optimizer wrote out_buffer(unit): bump the version and send the bytes home (async)."""
-        i = unit.index
-        self.version[i] += 1
-        out = self._out.pop(i, None)
+        i, slot = unit.index, self.slots[unit.index]
+        slot.version += 1
+        out, slot.out = slot.out, None
         nbytes = unit.shard_numel * self.lp_dtype.itemsize
         src = "host" if self.out_device.type == "cpu" else "device"
         prof = self.profiler
@@ -499,7 +558,7 @@ class ParamStore:
                 self.device_tier.copy_d2h(staged.tensor, out).wait()  # the file write reads the block
                 self.device_tier.free(out)
                 out = staged
-            ticket = self.store.write(unit.param_key, out)
+            ticket = self.store.write(slot.nvme_key, out)
             self.host_pool.free(out, after=ticket)
             self._track_write(i, ticket)
         else:  # home is memory on the other side of the host/device link
@@ -514,20 +573,20 @@ class ParamStore:
 
     def _gather_commit(self, unit: Unit, out) -> None:
         """ZeRO-1/2: all-gather every rank's new shard into the full flat at home."""
-        i = unit.index
+        i, slot = unit.index, self.slots[unit.index]
         shard = _tensor(out)
         self._keep.append((out, None))
         if self.loc is Location.NVME:
             full = self.host_pool.alloc(unit.numel * self.lp_dtype.itemsize, self.lp_dtype, unit.param_key)
 
             def write(_flat):
-                ticket = self.store.write(unit.param_key, full)
+                ticket = self.store.write(slot.nvme_key, full)
                 self.host_pool.free(full, after=ticket)
                 with self._lock:
                     self._writes[i] = ticket
             target, done = full.tensor, write
         else:
-            target = self.device_flat[i] if self.loc is Location.DEVICE else self.host_buf[i].tensor
+            target = slot.device_flat if self.loc is Location.DEVICE else slot.host_buf.tensor
             done = None
         if shard.device.type != target.device.type:  # gather where the target lives
             moved = self._temp(shard.numel(), on_device=target.device.type != "cpu")
@@ -594,20 +653,20 @@ class ParamStore:
             except BaseException as exc:  # noqa: BLE001 - Ctrl-C: the write itself may still succeed
                 first = first or exc
                 outcome = False
-            with self._lock:  # _stale is shared like _writes: both under _lock
+            with self._lock:  # failed_write is shared like _writes: both under _lock
                 if self._writes.get(i) is ticket:
                     del self._writes[i]
                     if outcome is None:
-                        self._stale.pop(i, None)  # a newer write-back landed
+                        self.slots[i].failed_write = None  # a newer write-back landed
                     elif outcome is not False:
-                        self._stale[i] = outcome  # [Note: a failed write-back]
+                        self.slots[i].failed_write = outcome  # [Note: a failed write-back]
         if first is not None:
             raise first
 
     def _rewrite_home(self, unit: Unit) -> None:
         """[Note: a failed write-back] Write the unit's home again from the fp32 master."""
         i = unit.index
-        cause = self._stale[i]
+        cause = self.slots[i].failed_write
         if unit.frozen:  # [Note: frozen units]: no master; its home was the only copy
             raise ZerotierError(
                 f"frozen unit '{unit.name or '<root>'}': writing its parameters to {self.loc.value} failed ({cause}), "
@@ -636,10 +695,6 @@ class ParamStore:
         """Replace this rank's shard with `lp_source` (e.g. a checkpoint's fp32 master shard)."""
         self.out_buffer(unit).copy_(lp_source)
         self.commit(unit)
-
-    def host_bytes(self) -> int:
-        """Pool bytes the parameter homes hold (host placement)."""
-        return sum(b.capacity for b in self.host_buf if b is not None)
 
     def close(self) -> None:
         self._workers.shutdown(wait=True)

@@ -33,11 +33,13 @@ Working sets come on top of the model state, on the tier that pays for them:
   ZeRO-1/2 with several ranks: every unit's updated low-precision shard, on the optimizer's
       side until the step's all-gathers finish, `ParamStore.writeback_bytes`
   transient device buffers (GPU review N13), allocated from the device tier: with several
-      ranks the gradient reduce buckets (`GradBucketer.buffer_bytes`), at ZeRO-1/2 the commits'
-      gather buckets where the parameters live on the device (`ParamGatherer.buffer_bytes`; on
-      a CPU device every home is its memory), at ZeRO-3 with params off the device each
-      fetch's shard staged for its gather (`ParamStore.gather_staging_bytes`), NVMe gradients
-      cast to grad_dtype on a CUDA device at stages 2-3 (`NvmeGradStore.conversion_bytes`),
+      ranks the gradient reduce buckets (`GradBucketer.buffer_bytes`; gradients off the device
+      add a unit cast there, `GradBucketer.conversion_bytes`, and the reduced shards landing in
+      the host pool, `GradBucketer.staging_bytes`), at ZeRO-1/2 the commits' gather buckets,
+      counted in the tier where the parameters live (`ParamGatherer.buffer_bytes`), at ZeRO-3
+      with params off the device each fetch's shard staged for its gather
+      (`ParamStore.gather_staging_bytes`), NVMe gradients cast to grad_dtype on a CUDA device
+      at stages 2-3 (`NvmeGradStore.conversion_bytes`),
       and the optimizer on a CUDA device: the fused kernel's gradient chunk (`fused_temp_bytes`)
 These are the functions the stores size their allocations with, so the plan cannot drift
 from the code.
@@ -62,19 +64,15 @@ records each unit's tier (`Plan.optimizer_units`) and counts each part as its ti
 NVMe unit), the gradient staging once. `placement["optimizer"]` is then NVMe (the
 slowest tier in the split: the NVMe store is opened, updates land in host memory).
 
-[Note: step-time prediction]
-`_predict` sums the seconds a step spends on optimizer math and swap traffic, serially
-(no overlap credited: an upper bound for a well-pipelined run; forward/backward compute
-and collectives are not included). Rates come from `zerotier bench` results saved on
-this node (`zerotier.bench.load_rates()`) where present, else DEFAULT_RATES; the Plan
-records which (`rate_sources`). The CPU, its memory bus and the NVMe drive are shared by
-the ranks on one node (`ranks_per_node`, default: all of them, the product's one-node
-case), so their per-rank time is the node's work divided by the node's rate; host<->device
-copies are per GPU.
+The step time: [Note: step-time prediction] in predict.py, the schedule it lays out in
+schedule/step_model.py. `auto` placement: among the placements (and the optimizer split) that
+fit, the one with the lowest predicted step; ties keep the fastest-tier-first order above
+(`Plan.alternatives` lists every candidate considered).
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import shutil
 from pathlib import Path
@@ -92,13 +90,9 @@ from .dist.partition import Partition, partition_units
 from .grads import GRAD_WRITES, OPEN_UNITS, GradStore, NvmeGradStore
 from .optim.offload import OPTIMIZER_BYTES, UnitOptimizer, fused_temp_bytes
 from .params import ParamStore
+from .predict import COMPONENTS, DEFAULT_RATES, StepOptions, UnitCompute, bound_by, predict
 from .state import DTYPES, TIER_NAMES as TIERS, Location
 from .tiers.host import RSS_OUTSIDE_BUDGETS
-
-# Bandwidths assumed when none were measured on this node (bytes/s, params/s);
-# `zerotier bench` measures the real ones. Figures: GUIDE.md section 3 and PCIe 4 x16.
-DEFAULT_RATES = {"h2d": 20e9, "d2h": 20e9, "nvme_read": 7e9, "nvme_write": 4.5e9, "cpu_adam": 1.9e9,
-                 "device_adam": 50e9}
 
 KINDS = ("params", "gradients", "optimizer")  # in auto-placement priority order
 SHARDED_FROM_STAGE = {"params": 3, "gradients": 2, "optimizer": 1}
@@ -169,6 +163,13 @@ class Plan:
     # placement["params"] with the trainable ones (their bytes are in state_bytes["params"])
     frozen_numel: int = 0
     frozen_param_bytes: int = 0         # per rank
+    # [Note: step-time prediction]: seconds of each component on the critical path (they sum to
+    # predicted_step_s), the resource group with the most of them, whether forward/backward were
+    # measured (zerotier.plan) or left out (make_plan alone), and the placements `auto` compared
+    critical: dict[str, float] = field(default_factory=dict)
+    bound_by: str = ""
+    compute_measured: bool = False
+    alternatives: tuple[dict, ...] = ()
 
     @property
     def per_rank_bytes(self) -> int:
@@ -209,12 +210,17 @@ class Plan:
         lines.append("  fits: yes")
         if not self.rates_measured:
             lines.append("  step time: run `zerotier bench` for a step-time prediction")
-        else:
-            parts = ", ".join(f"{k} {format_duration(v)}" for k, v in self.breakdown.items() if v > 0)
-            label = ", ".join(f"{k} {src}" for k, src in self.rate_sources.items())
-            lines.append(f"  predicted optimizer+swap time per step: {format_duration(self.predicted_step_s)}"
-                         f" ({parts or 'no swap traffic'}; serial, plus forward/backward and collectives)")
-            lines.append(f"  rates: {label}")
+            return "\n".join(lines)
+        what = "step" if self.compute_measured else "swap + optimizer time per step (no forward/backward measured)"
+        lines.append(f"  predicted {what}: {format_duration(self.predicted_step_s)}, bound by {self.bound_by} "
+                     "(critical path of the engine's schedule)")
+        lines.append(f"  {'component':16s} {'seconds':>9s} {'on critical path':>17s}")
+        for k, v in self.breakdown.items():
+            if v > 0:
+                lines.append(f"  {k:16s} {v:9.3f} {self.critical.get(k, 0.0):17.3f}")
+        lines.append("  rates: " + ", ".join(f"{k} {src}" for k, src in self.rate_sources.items()))
+        if len(self.alternatives) > 1:
+            lines.append(alternatives_table(self.alternatives))
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -232,6 +238,9 @@ class Plan:
             "fits": True, "missing": None,
             "predicted_step_s": self.predicted_step_s if measured else None,
             "breakdown_s": dict(self.breakdown) if measured else None,
+            "critical_path_s": dict(self.critical) if measured else None,
+            "bound_by": self.bound_by if measured else None, "compute_measured": self.compute_measured,
+            "alternatives": list(self.alternatives),
             "rate_sources": dict(self.rate_sources),
         }
 
@@ -383,8 +392,10 @@ def _state_and_buffers(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
             if s.stage >= 3 and loc is not Location.DEVICE:
                 need["device"] += ParamStore.gather_staging_bytes(s.lookahead, [p.shard_numel for p in sharded],
                                                                   s.lp_bytes)
-            if s.stage in (1, 2) and (loc is Location.DEVICE or not s.cuda):
-                need["device"] += ParamGatherer.buffer_bytes(s.gather_bucket, s.lp_bytes, sharded)
+            if s.stage in (1, 2):  # the gather buckets live with the parameters ([Note: bucket memory])
+                on_device = loc is Location.DEVICE
+                need["device" if on_device else "host"] += ParamGatherer.buffer_bytes(
+                    s.gather_bucket, s.lp_bytes, sharded, alignment=1 if on_device else s.alignment)
     elif kind == "gradients":
         need[loc.value] += s.grad_bytes * n
         if loc is Location.HOST and s.cuda and s.engine_buffers:  # GPU review N6: the D2H staging in flight
@@ -402,6 +413,9 @@ def _state_and_buffers(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
             need[loc.value] += s.grad_bytes * (s.numel if n < s.numel else s.numel // s.world_size)
         if s.engine_buffers and s.world_size > 1:  # the reduce buckets: fp32, on the device
             need["device"] += GradBucketer.buffer_bytes(s.reduce_bucket, 4, s.partitions())
+            if loc is not Location.DEVICE:  # [Note: bucket memory]: host gradients cross by the tier's copies
+                need["host"] += GradBucketer.staging_bytes(s.reduce_bucket, 4, s.partitions(), alignment=s.alignment)
+                need["device"] += GradBucketer.conversion_bytes(s.largest, s.grad_bytes)
             if loc is Location.NVME and s.cuda:
                 need["device"] += NvmeGradStore.conversion_bytes(s.largest, s.lp_bytes, s.grad_bytes, s.world_size,
                                                                  s.stage)
@@ -425,17 +439,83 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
               rates: dict[str, float] | None = None, *, world_size: int = 1, stage: int = 0,
               zero: ZeroConfig | None = None,
               grad_bytes: int | None = None, ranks_per_node: int | None = None, pipeline_depth: int = 3,
-              nested_numel: int = 0, alignment: int = 4096, frozen_numels: list[int] = ()) -> Plan:
+              nested_numel: int = 0, alignment: int = 4096, frozen_numels: list[int] = (),
+              compute: UnitCompute | None = None, step: StepOptions = StepOptions()) -> Plan:
     """Choose a tier for each kind of state within the per-rank budgets, or raise PlanDoesNotFit.
 
     world_size/stage shard each kind's bytes as ZeRO does ([Note: bytes per parameter]);
     grad_bytes defaults to the engine's accumulators (precision.grad_dtype), pass the param dtype's size
     for the ZeRO paper's accounting. rates=None uses this node's `zerotier bench` results
-    where saved, else DEFAULT_RATES ([Note: step-time prediction]).
+    where saved, else DEFAULT_RATES ([Note: step-time prediction]). compute: each unit's measured
+    forward/backward (zerotier.plan measures them); step: accumulation, clipping, early step.
+    `auto` kinds: every tier choice (and the optimizer split) that fits is predicted and the
+    fastest taken, ties to the fastest-tier-first choice; all are in `Plan.alternatives`.
     """
     _check_sharding(stage, world_size)
     budgets = budgets or resolve_budgets(tiers, device)
-    rates, rate_sources = _resolve_rates(rates)
+    resolved = _resolve_rates(rates)
+    args = (unit_numels, tiers, precision, prefetch, device, budgets, resolved)
+    kw = dict(world_size=world_size, stage=stage, zero=zero, grad_bytes=grad_bytes, ranks_per_node=ranks_per_node,
+              pipeline_depth=pipeline_depth, nested_numel=nested_numel, alignment=alignment,
+              frozen_numels=frozen_numels, compute=compute, step=step)
+    autos = [k for k in KINDS if getattr(offload, k) == "auto"]
+    try:
+        first, error = _place(offload, *args, **kw), None
+    except PlanDoesNotFit as exc:
+        first, error = None, exc
+    if not autos:
+        if error is not None:
+            raise error
+        return first
+    tried = [first] if first is not None else []
+    choices = [[loc.value for loc in Location] + (["auto"] if k == "optimizer" else []) for k in autos]
+    for combo in itertools.product(*choices):  # "auto" optimizer: a split where one is faster
+        try:
+            plan = _place(dataclasses.replace(offload, **dict(zip(autos, combo))), *args, **kw)
+        except PlanDoesNotFit:
+            continue
+        if all((p.placement, p.optimizer_units) != (plan.placement, plan.optimizer_units) for p in tried):
+            tried.append(plan)
+    if not tried:
+        raise error
+    best = tried[0]
+    for plan in tried[1:]:
+        if plan.predicted_step_s < best.predicted_step_s * (1 - 1e-9):
+            best = plan
+    rows = tuple(sorted((_alternative(p, p is best) for p in tried), key=lambda r: r["predicted_step_s"]))
+    return dataclasses.replace(best, alternatives=rows)
+
+
+def _alternative(plan: Plan, chosen: bool) -> dict:
+    """One row of the alternatives table."""
+    where = {k: ("split" if k == "optimizer" and plan.optimizer_units else v.value)
+             for k, v in plan.placement.items()}
+    return {"placement": where, "optimizer_split": {t: b for t, (b, _) in plan.optimizer_split.items()} or None,
+            "tiers": dict(plan.need), "predicted_step_s": plan.predicted_step_s, "bound_by": plan.bound_by,
+            "chosen": chosen}
+
+
+def alternatives_table(rows: tuple[dict, ...]) -> str:
+    """The placements `auto` compared: tier per kind, bytes per tier, predicted step, bound by."""
+    lines = ["  alternatives that fit (auto takes the fastest):",
+             f"    {'params':7s} {'grads':7s} {'optimizer':10s} {'device':>10s} {'host':>10s} {'nvme':>10s} "
+             f"{'step':>10s}  bound by"]
+    for r in rows:
+        p, t = r["placement"], r["tiers"]
+        lines.append(f"  {'*' if r['chosen'] else ' '} {p['params']:7s} {p['gradients']:7s} {p['optimizer']:10s} "
+                     f"{format_size(t['device']):>10s} {format_size(t['host']):>10s} {format_size(t['nvme']):>10s} "
+                     f"{format_duration(r['predicted_step_s']):>10s}  {r['bound_by']}")
+    return "\n".join(lines)
+
+
+def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, precision: PrecisionConfig,
+           prefetch: PrefetchConfig, device: torch.device, budgets: dict[str, int],
+           resolved: tuple[dict[str, float], dict[str, str]], *, world_size: int, stage: int,
+           zero: ZeroConfig | None, grad_bytes: int | None, ranks_per_node: int | None, pipeline_depth: int,
+           nested_numel: int, alignment: int, frozen_numels: list[int], compute: UnitCompute | None,
+           step: StepOptions) -> Plan:
+    """One placement: `auto` kinds take the fastest tier that fits, in KINDS order."""
+    rates, rate_sources = resolved
     lp_bytes = DTYPES[precision.param_dtype].itemsize
     sizes = _Sizes(numels=tuple(sorted(unit_numels, reverse=True)), lp_bytes=lp_bytes,
                    grad_bytes=DTYPES[precision.accumulator_dtype].itemsize if grad_bytes is None else grad_bytes,
@@ -477,10 +557,11 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
             if kind == "optimizer" and requested == "auto" and chosen in (None, Location.NVME):
                 units_on = _auto_split(sizes, free)
                 if units_on is not None and chosen is Location.NVME:  # the split only where it is faster
-                    whole = _predict({**placement, kind: chosen}, sizes, device, rates, local)[0]
-                    split = _predict({**placement, kind: chosen}, sizes, device, rates, local,
-                                     _nvme_numel(units_on, sizes))[0]
-                    units_on = units_on if sum(split.values()) < sum(whole.values()) else None
+                    whole = predict({**placement, kind: chosen}, sizes, device.type, rates, local, None, compute,
+                                    step)[0]
+                    split = predict({**placement, kind: chosen}, sizes, device.type, rates, local, units_on,
+                                    compute, step)[0]
+                    units_on = units_on if split.step_s < whole.step_s else None
                 chosen = Location.NVME if units_on is not None else chosen
         if units_on is not None and len(set(units_on)) == 1:  # fractions rounded to whole units: one tier
             chosen, units_on = units_on[0], None
@@ -496,15 +577,17 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
         if kind == "gradients":
             sizes = dataclasses.replace(sizes, grads_on_gpu=device.type == "cuda" and chosen is Location.DEVICE,
                                         grads_on_nvme=chosen is Location.NVME)
-    nvme_numel = _nvme_numel(units_on, sizes) if units_on else None
-    breakdown, used = _predict(placement, sizes, device, rates, local, nvme_numel)
+    schedule, used = predict(placement, sizes, device.type, rates, local, units_on, compute, step)
+    breakdown = {c: schedule.seconds.get(c, 0.0) for c in COMPONENTS}
     split: dict[str, tuple[int, int]] = {}
     for loc, n in zip(units_on or (), _rank_shards_in_order(sizes)):
         b, k = split.get(loc.value, (0, 0))
         split[loc.value] = (b + OPTIMIZER_BYTES * n, k + 1)
-    return Plan(placement, need, budgets, sum(breakdown.values()), breakdown, sizes.numel, world_size, stage,
+    return Plan(placement, need, budgets, schedule.step_s, breakdown, sizes.numel, world_size, stage,
                 state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes, precision.accumulator_dtype,
-                units_on, split, sum(frozen_numels), frozen_bytes)
+                units_on, split, sum(frozen_numels), frozen_bytes,
+                {c: schedule.critical.get(c, 0.0) for c in COMPONENTS},
+                bound_by(schedule.critical, device.type, placement["optimizer"] is Location.DEVICE), compute is not None)
 
 
 def _rank_shards_in_order(s: _Sizes) -> list[int]:
@@ -540,10 +623,6 @@ def _split_bytes(units_on: tuple[Location, ...], s: _Sizes) -> dict[str, int]:
         need["host"] += UnitOptimizer.grad_staging_bytes(s.rank_largest("optimizer"), s.grad_bytes)
         need["host"] += 2 * (s.alignment - 1)
     return need
-
-
-def _nvme_numel(units_on: tuple[Location, ...], s: _Sizes) -> int:
-    return sum(n for n, at in zip(_rank_shards_in_order(s), units_on) if at is Location.NVME)
 
 
 def _auto_split(s: _Sizes, free: dict[str, int]) -> tuple[Location, ...] | None:
@@ -653,44 +732,3 @@ def _whole_shortfall(kind: str, loc: Location, need: dict[str, int], offload: Of
     what = " and ".join(f"{format_size(b)} more {t} (needs {format_size(total[t])}, tiers.{t} is "
                         f"{format_size(budgets[t])})" for t, b in short.items())
     return f". The whole plan ({', '.join(counted)} after the kinds already placed) needs {what}"
-
-
-def _predict(placement: dict[str, Location], s: _Sizes, device: torch.device, rates: dict[str, float],
-             local_ranks: int, optimizer_nvme_numel: int | None = None) -> tuple[dict[str, float], tuple[str, ...]]:
-    """Seconds per step spent on optimizer math and swap traffic, and the rate keys used
-    ([Note: step-time prediction]). optimizer_nvme_numel: a split's elements on NVMe
-    ([Note: optimizer split]; None: all of them when placement["optimizer"] is NVMe)."""
-    out = {"params_h2d": 0.0, "params_nvme": 0.0, "grads_d2h": 0.0, "grads_nvme": 0.0, "optimizer": 0.0,
-           "optimizer_nvme": 0.0, "params_copyback": 0.0}
-    used: list[str] = []
-
-    def add(part: str, work: float, key: str) -> None:
-        out[part] += work / rates[key]
-        if key not in used:
-            used.append(key)
-
-    on_gpu = device.type == "cuda"
-    n_param, n_grad, n_opt = ((s.with_frozen() if k == "params" else s).rank_numel(k) for k in KINDS)
-    if placement["params"] is not Location.DEVICE:  # fetched for forward and again for backward
-        if on_gpu:
-            add("params_h2d", 2 * s.lp_bytes * n_param, "h2d")
-        if placement["params"] is Location.NVME:
-            add("params_nvme", 2 * s.lp_bytes * n_param * local_ranks, "nvme_read")
-    if on_gpu and (placement["optimizer"] is not Location.DEVICE or placement["gradients"] is Location.NVME):
-        # the CPU optimizer reads this rank's gradient shard in host memory (NVMe: staged through it)
-        add("grads_d2h", s.grad_bytes * (n_opt if placement["gradients"] is Location.DEVICE else n_grad), "d2h")
-    if placement["gradients"] is Location.NVME:  # one micro-batch per step: written once, read once
-        nbytes = s.grad_bytes * n_grad * local_ranks
-        add("grads_nvme", nbytes, "nvme_write")
-        add("grads_nvme", nbytes, "nvme_read")
-    if placement["optimizer"] is Location.DEVICE and on_gpu:
-        add("optimizer", 28 * n_opt, "device_adam")
-    else:  # the node's CPU steps every local rank's shard
-        add("optimizer", n_opt * local_ranks, "cpu_adam")
-    if placement["optimizer"] is Location.NVME:
-        nbytes = OPTIMIZER_BYTES * (n_opt if optimizer_nvme_numel is None else optimizer_nvme_numel) * local_ranks
-        add("optimizer_nvme", nbytes, "nvme_read")
-        add("optimizer_nvme", nbytes, "nvme_write")
-    if placement["optimizer"] is not Location.DEVICE and placement["params"] is Location.DEVICE and on_gpu:
-        add("params_copyback", s.lp_bytes * n_opt, "h2d")
-    return out, tuple(used)

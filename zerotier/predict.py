@@ -1,0 +1,161 @@
+"""The planner's step-time prediction: a placement, unit sizes, rates and measured compute ->
+the schedule of one step ([Note: the step schedule] in schedule/step_model.py) and its time.
+
+[Note: step-time prediction]
+Each unit's work is sized from its bytes and this node's rates, then laid out as the engine
+runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit:
+
+  forward_s / backward_s   measured (zerotier.unit_timing), zero when no compute was given
+                           (make_plan at initialize: then it is the swap + optimizer path)
+  params fetched           per use (forward and backward): NVMe read (ranks per node share the
+                           drive) then the host->device copy; on a CPU device the "link" is a
+                           memory copy at `mem_copy`
+  gradients                host gradients with CUDA: the fresh gradient (param dtype) copied out;
+                           NVMe: grad_bytes written per micro-batch, read back per later one and
+                           once by the optimizer; device gradients with a CPU optimizer: the
+                           shard staged d2h
+  optimizer                CPU Adam at `cpu_adam` params/s over the node's ranks (on a CPU
+                           device it runs on the cores compute uses); on a CUDA device
+                           28 B/param at `device_adam`
+  optimizer state on NVMe  12 B/param read and written per step
+  new parameters home      host->device copy when they live on a CUDA device, an NVMe write
+                           when on NVMe; none when the home is the optimizer's memory
+  global norm (clipping)   one read of every gradient: host or CPU device at `mem_read`,
+                           CUDA device gradients at 28 x device_adam bytes/s (its Adam's stream
+                           rate), NVMe gradients none (their sums of squares are kept as folded)
+
+Rates come from `zerotier bench` results saved on this node (`zerotier.bench.load_rates()`)
+where present, else DEFAULT_RATES; the Plan records which (`rate_sources`). The CPU, its
+memory bus and the NVMe drive are shared by the ranks on one node (`ranks_per_node`): their
+per-rank time is the node's work over the node's rate; host<->device copies are per GPU.
+Collectives (several ranks) are not in the schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .optim.offload import OPTIMIZER_BYTES
+from .schedule.step_model import Schedule, StepShape, UnitWork, simulate
+from .state import Location
+
+# Rates assumed when none were measured on this node (bytes/s, params/s, flop/s);
+# `zerotier bench` measures the real ones. Figures: GUIDE.md section 3 and PCIe 4 x16.
+DEFAULT_RATES = {"h2d": 20e9, "d2h": 20e9, "nvme_read": 7e9, "nvme_write": 4.5e9, "cpu_adam": 1.9e9,
+                 "device_adam": 50e9, "mem_copy": 5e9, "mem_read": 10e9}
+DEVICE_ADAM_BYTES = 28  # fp32 master, m, v read and written, the gradient read: bytes per param per step
+
+COMPONENTS = ("forward", "backward", "params_h2d", "params_nvme", "grads_d2h", "grads_nvme", "grad_norm", "optimizer",
+              "optimizer_nvme", "params_copyback")  # Plan.breakdown's keys
+# bound-by groups of the alternatives table: component -> resource a user can change
+BOUND_BY = {"forward": "compute", "backward": "compute", "grad_norm": "compute",
+            "params_h2d": "PCIe", "grads_d2h": "PCIe", "params_copyback": "PCIe",
+            "params_nvme": "NVMe", "grads_nvme": "NVMe", "optimizer_nvme": "NVMe", "optimizer": "CPU Adam"}
+
+
+@dataclass(frozen=True)
+class UnitCompute:
+    """Measured seconds of each unit's forward and backward for one micro-batch, by unit index
+    (frozen units after the trainable ones, as build_units lists them), and which units enclose
+    the others (the root: resident for the whole pass)."""
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    encloses: tuple[bool, ...]
+
+    def scaled(self, factor: float) -> "UnitCompute":
+        return UnitCompute(tuple(t * factor for t in self.forward_s), tuple(t * factor for t in self.backward_s),
+                           self.encloses)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What of train.* and optimizer.* shapes the schedule (defaults: the engine's)."""
+    accum_steps: int = 1
+    clip: bool = False
+    early_step: bool = False
+
+
+def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str, float], local_ranks: int,
+            optimizer_units: tuple[Location, ...] | None = None, compute: UnitCompute | None = None,
+            options: StepOptions = StepOptions()) -> tuple[Schedule, tuple[str, ...]]:
+    """[Note: step-time prediction] The step's schedule and the rate keys it used. `s` is the
+    planner's _Sizes (unit_order, frozen, lp_bytes, grad_bytes, lookahead, pipeline_depth, stage,
+    world_size); optimizer_units: each unit's optimizer tier ([Note: optimizer split])."""
+    from .planner import shard_numel  # the one definition of a rank's share
+
+    used: list[str] = []
+
+    def secs(nbytes: float, key: str) -> float:
+        if nbytes <= 0:
+            return 0.0
+        if key not in used:
+            used.append(key)
+        return nbytes / rates[key]
+
+    cuda = device_type == "cuda"
+    link_in, link_out = ("h2d", "d2h") if cuda else ("mem_copy", "mem_copy")
+    params_at, grads_at, opt_at = placement["params"], placement["gradients"], placement["optimizer"]
+    streamed = params_at is not Location.DEVICE or s.stage >= 3
+    trainable = list(s.unit_order)
+    numels = trainable + list(s.frozen)
+    works: list[UnitWork] = []
+    norm_bytes = 0
+    for i, n in enumerate(numels):
+        is_trainable = i < len(trainable)
+        p_shard = shard_numel(n, "params", s.stage, s.world_size)
+        g_shard = shard_numel(n, "gradients", s.stage, s.world_size)
+        o_shard = shard_numel(n, "optimizer", s.stage, s.world_size)
+        unit_opt = optimizer_units[i] if optimizer_units and is_trainable else opt_at
+        w = dict(forward_s=compute.forward_s[i] if compute else 0.0,
+                 backward_s=compute.backward_s[i] if compute else 0.0,
+                 encloses=bool(compute and compute.encloses[i]), trainable=is_trainable)
+        if streamed:
+            w["fetch_h2d_s"] = secs(s.lp_bytes * n, link_in)
+            if params_at is Location.NVME:
+                w["fetch_nvme_s"] = secs(s.lp_bytes * p_shard * local_ranks, "nvme_read")
+        if is_trainable:
+            if grads_at is Location.HOST and cuda:
+                w["grad_d2h_s"] = secs(s.lp_bytes * n, "d2h")
+            if grads_at is Location.NVME:
+                if cuda:
+                    w["grad_d2h_s"] = secs(s.lp_bytes * n, "d2h")
+                w["grad_write_s"] = secs(s.grad_bytes * g_shard * local_ranks, "nvme_write")
+                w["grad_read_s"] = secs(s.grad_bytes * g_shard * local_ranks, "nvme_read")
+            elif grads_at is Location.DEVICE and cuda and unit_opt is not Location.DEVICE:
+                w["grad_stage_s"] = secs(s.grad_bytes * o_shard, "d2h")
+            norm_bytes += 0 if grads_at is Location.NVME else s.grad_bytes * g_shard
+            if unit_opt is Location.DEVICE and cuda:
+                w["adam_s"], w["adam_on"] = secs(DEVICE_ADAM_BYTES * o_shard, "device_adam"), "compute"
+            else:
+                w["adam_s"] = secs(o_shard * local_ranks, "cpu_adam")
+                w["adam_on"] = "cpu" if cuda else "compute"  # a CPU device's compute is the same cores
+            if unit_opt is Location.NVME:
+                w["state_read_s"] = secs(OPTIMIZER_BYTES * o_shard * local_ranks, "nvme_read")
+                w["state_write_s"] = secs(OPTIMIZER_BYTES * o_shard * local_ranks, "nvme_write")
+            if params_at is Location.NVME:
+                w["copyback_s"], w["copyback_on"] = secs(s.lp_bytes * o_shard * local_ranks, "nvme_write"), "nvme"
+            elif cuda and unit_opt is not Location.DEVICE and params_at is Location.DEVICE:
+                w["copyback_s"] = secs(s.lp_bytes * o_shard, "h2d")
+        works.append(UnitWork(**w))
+    if options.clip and grads_at is Location.DEVICE and cuda:
+        norm_s, norm_on = secs(norm_bytes / DEVICE_ADAM_BYTES, "device_adam"), "compute"
+    else:
+        norm_s = secs(norm_bytes * local_ranks, "mem_read") if options.clip else 0.0  # the node's memory bus
+        norm_on = "cpu" if cuda else "compute"
+    shape = StepShape(lookahead=s.lookahead, pipeline_depth=s.pipeline_depth, accum_steps=options.accum_steps,
+                      clip=options.clip, early_step=options.early_step,
+                      state_on_nvme=any(u.state_read_s for u in works), norm_s=norm_s, norm_on=norm_on,
+                      streamed=streamed)
+    return simulate(works, shape), tuple(used)
+
+
+def bound_by(critical: dict[str, float], device_type: str, optimizer_on_device: bool = False) -> str:
+    """The resource group with the most seconds on the critical path (the alternatives table)."""
+    groups: dict[str, float] = {}
+    for component, seconds in critical.items():
+        group = BOUND_BY.get(component, component)
+        if group == "PCIe" and device_type != "cuda":
+            group = "RAM copy"  # a CPU device's host<->device link is a memory copy
+        if component == "optimizer" and optimizer_on_device and device_type == "cuda":
+            group = "compute"
+        groups[group] = groups.get(group, 0.0) + seconds
+    return max(groups, key=lambda g: groups[g]) if groups and max(groups.values()) > 0 else "nothing"
