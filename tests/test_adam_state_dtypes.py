@@ -1,0 +1,162 @@
+"""Compact optimizer state in the CPU Adam kernel (issue 27): a bf16 master with stochastic
+rounding, bf16 moments, and 8-bit blockwise-quantized moments ([Note: compact optimizer
+state], [Note: 8-bit moments] in zerotier/optim/_kernels.py).
+
+The pure-torch reference `adam_step_reference` defines the math; these tests pin the
+reference's quantization and rounding, the interface's errors, and that the native kernels
+equal the reference bit for bit on odd sizes and block tails.
+"""
+import pytest
+import torch
+
+import zerotier.optim as zo
+from zerotier.errors import ZerotierError
+from zerotier.optim import _kernels
+from zerotier.optim._kernels import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise, state_bytes_per_param
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_quantize_picks_the_nearest_code_per_block(signed):
+    gen = torch.Generator().manual_seed(0)
+    n = 5 * QUANT_BLOCK + 37  # a partial last block
+    x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-20, 4, (n,), generator=gen).float())
+    if not signed:
+        x = x.abs()
+    codes, absmax = quantize_blockwise(x, signed)
+    assert codes.dtype == torch.uint8 and codes.shape == (n,) and absmax.shape == (-(-n // QUANT_BLOCK),)
+    blocks = torch.nn.functional.pad(x, (0, absmax.numel() * QUANT_BLOCK - n)).view(-1, QUANT_BLOCK)
+    assert torch.equal(absmax, blocks.abs().amax(dim=1))
+    qmap = _kernels._QMAPS[0 if signed else 2]
+    xn = x / absmax.repeat_interleave(QUANT_BLOCK)[:n]
+    nearest = (xn[:, None] - qmap[None, :]).abs().argmin(dim=1)  # ties (measure zero here) aside
+    assert torch.equal(codes.long(), nearest)
+    back = dequantize_blockwise(codes, absmax, signed)
+    # the dynamic map's widest gap is its top decade: 0.9/64 (signed), 0.9/128 (unsigned)
+    half_gap = 0.9 / (64 if signed else 128) / 2
+    assert bool(((back - x).abs() <= half_gap * absmax.repeat_interleave(QUANT_BLOCK)[:n] * 1.001).all())
+
+
+def test_dynamic_maps_are_bitsandbytes_tree_maps():
+    signed, unsigned = _kernels._QMAPS[0], _kernels._QMAPS[2]
+    for qmap in (signed, unsigned):
+        assert qmap.numel() == 256 and qmap[-1] == 1.0 and bool((qmap[1:] > qmap[:-1]).all())
+    assert (signed < 0).sum() == 127 and (signed == 0).sum() == 1 and unsigned[0] == 0
+    # the smallest non-zero magnitudes, means of the first decade: 1e-6 * (0.1 + 1) / 2, 1e-6 * (0.1 + 0.55) / 2
+    assert torch.isclose(signed[128], torch.tensor(0.55e-6)) and torch.isclose(unsigned[1], torch.tensor(0.325e-6))
+
+
+def test_zero_and_nan_blocks_are_defined():
+    x = torch.zeros(2 * QUANT_BLOCK)
+    x[QUANT_BLOCK + 3] = float("nan")
+    codes, absmax = quantize_blockwise(x, signed=True)
+    assert absmax[0] == 0 and torch.isnan(absmax[1])
+    back = dequantize_blockwise(codes, absmax, signed=True)
+    assert torch.equal(back[:QUANT_BLOCK], torch.zeros(QUANT_BLOCK))  # zero bytes, zero scale: zero moments
+    assert bool(torch.isnan(back[QUANT_BLOCK:]).all())  # a NaN poisons its block, visibly
+
+
+def test_stochastic_rounding_is_unbiased_reproducible_and_between_neighbours():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(20000, generator=gen) * 1e-3
+    a = _kernels._to_bf16_stochastic(x, 12345)
+    assert torch.equal(a.view(torch.int16), _kernels._to_bf16_stochastic(x, 12345).view(torch.int16))
+    assert not torch.equal(a, _kernels._to_bf16_stochastic(x, 12346))
+    down = (x.view(torch.int32) & ~0xFFFF).view(torch.float32)  # truncation toward zero
+    up = ((x.view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32)
+    af = a.float()
+    assert bool(((af == down) | (af == up)).all())
+    mean = torch.stack([_kernels._to_bf16_stochastic(x, s).float() for s in range(0, 400 * 7919, 7919)]).mean(0)
+    rne_err = (x.bfloat16().float() - x).abs().mean()
+    assert (mean - x).abs().mean() < rne_err / 8  # 400 draws: ~1/20 of a rounding error left
+    assert (mean - x).mean().abs() < rne_err / 50  # and no bias
+
+
+def test_stochastic_rounding_keeps_specials():
+    x = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0])
+    y = _kernels._to_bf16_stochastic(x, 7).float()
+    assert y[0] == float("inf") and y[1] == float("-inf") and torch.isnan(y[2])
+    assert torch.equal(y[3:].view(torch.int32), x[3:].view(torch.int32))
+
+
+def test_state_bytes_per_param():
+    assert state_bytes_per_param("fp32", "fp32") == 12.0
+    assert state_bytes_per_param("bf16", "bf16") == 6.0
+    assert state_bytes_per_param("fp32", "bf16") == 8.0
+    assert state_bytes_per_param("bf16", "int8") == 2 + 2 * (1 + 4 / QUANT_BLOCK)
+    assert state_bytes_per_param(torch.bfloat16, torch.uint8) == state_bytes_per_param("bf16", "int8")
+    with pytest.raises(ZerotierError, match="master dtype"):
+        state_bytes_per_param("int8", "fp32")
+    with pytest.raises(ZerotierError, match="moment dtype"):
+        state_bytes_per_param("fp32", "fp16")
+
+
+def make_state(n, master_dtype, moment_dtype, seed=0):
+    """Random but realistic state: a master, moments from a few fp32 steps, then stored in the dtypes."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen)
+    m = torch.randn(n, generator=gen) * 1e-2 * torch.exp2(torch.randint(-8, 2, (n,), generator=gen).float())
+    v = m * m * torch.rand(n, generator=gen) * 3 + 1e-9
+    state = {"master": master.to(master_dtype), "exp_avg_absmax": None, "exp_avg_sq_absmax": None}
+    for key, value, signed in (("exp_avg", m, True), ("exp_avg_sq", v, False)):
+        if moment_dtype == torch.uint8:
+            state[key], state[key + "_absmax"] = quantize_blockwise(value, signed)
+        else:
+            state[key] = value.to(moment_dtype)
+    grad = torch.randn(n, generator=gen) * 1e-2
+    return state, grad
+
+
+def test_compact_state_errors_say_what_to_pass():
+    n = 3 * QUANT_BLOCK
+    state, grad = make_state(n, torch.bfloat16, torch.uint8)
+    kw = dict(step=1, **HYPER)
+    with pytest.raises(ZerotierError, match="pass sr_seed"):
+        zo.adam_step(state["master"], state["exp_avg"], state["exp_avg_sq"], grad, exp_avg_absmax=state["exp_avg_absmax"],
+                     exp_avg_sq_absmax=state["exp_avg_sq_absmax"], **kw)
+    with pytest.raises(ZerotierError, match="pass exp_avg_sq_absmax"):
+        zo.adam_step(state["master"], state["exp_avg"], state["exp_avg_sq"], grad, exp_avg_absmax=state["exp_avg_absmax"],
+                     sr_seed=1, **kw)
+    with pytest.raises(ZerotierError, match="exp_avg_absmax has 2 elements, expected 3"):
+        zo.adam_step(state["master"], state["exp_avg"], state["exp_avg_sq"], grad, exp_avg_absmax=state["exp_avg_absmax"][:2],
+                     exp_avg_sq_absmax=state["exp_avg_sq_absmax"], sr_seed=1, **kw)
+    a = 100  # a sub-range starting inside block 0
+    with pytest.raises(ZerotierError, match="must start on a block boundary"):
+        zo.adam_step(state["master"][a:], state["exp_avg"][a:], state["exp_avg_sq"][a:], grad[a:],
+                     exp_avg_absmax=state["exp_avg_absmax"][:3], exp_avg_sq_absmax=state["exp_avg_sq_absmax"][:3],
+                     sr_seed=1, **kw)
+    with pytest.raises(ZerotierError, match="block scales belong to uint8 codes"):
+        zo.adam_step(torch.zeros(n), torch.zeros(n), torch.zeros(n), grad, exp_avg_absmax=torch.zeros(3), **kw)
+    with pytest.raises(ZerotierError, match="tuples of 5"):
+        zo.adam_step_multi([(state["master"], state["exp_avg"], state["exp_avg_sq"], grad, None, None)], step=1, **HYPER)
+
+
+def test_reference_bf16_moments_are_the_rounded_fp32_moments():
+    """With bf16 moments and an fp32 master the update is the fp32 one from the widened
+    moments; the stored moments are its round-to-nearest-even."""
+    n = 1000
+    state, grad = make_state(n, torch.float32, torch.bfloat16)
+    m32, v32, p32 = state["exp_avg"].float(), state["exp_avg_sq"].float(), state["master"].clone()
+    zo.adam_step_reference(state["master"], state["exp_avg"], state["exp_avg_sq"], grad, step=3, **HYPER)
+    zo.adam_step_reference(p32, m32, v32, grad, step=3, **HYPER)
+    assert torch.equal(state["master"], p32)
+    assert torch.equal(state["exp_avg"], m32.bfloat16()) and torch.equal(state["exp_avg_sq"], v32.bfloat16())
+
+
+def test_reference_stochastic_master_pieces_equal_one_call():
+    """Stepping a shard in pieces with the piece's offset added to sr_seed rounds exactly as
+    one call over the shard (what the engine does with sub-ranges)."""
+    n, cut, seed = 2 * QUANT_BLOCK + 11, QUANT_BLOCK, 2**40 + 5
+    whole, grad = make_state(n, torch.bfloat16, torch.uint8, seed=3)
+    pieces = {k: (v.clone() if v is not None else None) for k, v in whole.items()}
+    zo.adam_step_reference(whole["master"], whole["exp_avg"], whole["exp_avg_sq"], grad, step=2, sr_seed=seed,
+                           exp_avg_absmax=whole["exp_avg_absmax"], exp_avg_sq_absmax=whole["exp_avg_sq_absmax"],
+                           **HYPER)
+    for a, b in ((0, cut), (cut, n)):
+        blocks = slice(a // QUANT_BLOCK, -(-b // QUANT_BLOCK))
+        zo.adam_step_reference(pieces["master"][a:b], pieces["exp_avg"][a:b], pieces["exp_avg_sq"][a:b], grad[a:b],
+                               step=2, sr_seed=seed + a, exp_avg_absmax=pieces["exp_avg_absmax"][blocks],
+                               exp_avg_sq_absmax=pieces["exp_avg_sq_absmax"][blocks], **HYPER)
+    for key in whole:
+        assert torch.equal(whole[key].view(torch.uint8), pieces[key].view(torch.uint8)), key
