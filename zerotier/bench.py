@@ -10,6 +10,8 @@ Sections (each a function returning a dict of figures; GB = 1e9 bytes):
         recycling]) and is the planner's and the profiler's nvme_write peak
   adam  CPU Adam throughput (params/s) of `zerotier.optim.adam_step`: fp32 grads, and the
         mixed form (bf16 grads in, bf16 params out)
+  compute  the compute device's dense matmul rate (flop/s, fp32 and bf16): what `zerotier plan
+        --rates FILE` scales measured unit times by ([Note: another node's rates] in planning.py)
 
 Results are merged into a JSON file, per host (a home directory may be shared by nodes):
 
@@ -17,7 +19,7 @@ Results are merged into a JSON file, per host (a home directory may be shared by
      "hosts": {"<hostname>": {"timestamp": ..., "mem": {..., "timestamp": ...}, "io": {...}, ...}}}
 
 at `--save PATH`, else $ZEROTIER_BENCH_FILE, else ~/.cache/zerotier/bench.json.
-`load_rates()` maps this host's figures to the planner's rate keys (zerotier.planner.DEFAULT_RATES).
+`load_rates()` maps this host's figures to the planner's rate keys (zerotier.predict.DEFAULT_RATES).
 
 Only `load_rates`/`load`/`bench_file` run at import-light cost: the planner calls them on every
 `initialize()`; torch and the engine are imported inside the measuring functions.
@@ -35,12 +37,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 FORMAT = 1
-SECTIONS = ("mem", "pcie", "io", "adam")
-# default / --quick sizes: bytes for mem, pcie, io; parameters for adam
-SIZES = {"mem": 1 << 30, "pcie": 512 << 20, "io": 1 << 30, "adam": 50_000_000}
-QUICK_SIZES = {"mem": 256 << 20, "pcie": 64 << 20, "io": 64 << 20, "adam": 8_000_000}
+SECTIONS = ("mem", "pcie", "io", "adam", "compute")
+# default / --quick sizes: bytes for mem, pcie, io; parameters for adam; matrix side for compute
+SIZES = {"mem": 1 << 30, "pcie": 512 << 20, "io": 1 << 30, "adam": 50_000_000, "compute": 4096}
+QUICK_SIZES = {"mem": 256 << 20, "pcie": 64 << 20, "io": 64 << 20, "adam": 8_000_000, "compute": 1024}
 ADAM_BYTES_PER_PARAM = 16  # fp32 master, exp_avg, exp_avg_sq, grad: what one Adam pass streams
-STEPS = {"mem": 2, "pcie": 4, "io": 3, "adam": 2}  # progress-bar ticks per section (pcie: with CUDA only)
+STEPS = {"mem": 2, "pcie": 4, "io": 3, "adam": 2, "compute": 2}  # progress-bar ticks per section (pcie: CUDA only)
 
 Tick = Callable[[str], None]
 
@@ -256,6 +258,33 @@ def bench_adam(numel: int, repeat: int = 3, tick: Tick = _noop) -> dict[str, Any
     return out
 
 
+def bench_compute(side: int | None = None, repeat: int = 3, tick: Tick = _noop, quick: bool = False,
+                  device=None) -> dict[str, Any]:
+    """Dense matmul flop/s (2 side^3 per product) on the compute device, fp32 and bf16; CPU: side
+    at most 2048 (a GPU-sized product takes minutes there)."""
+    import torch
+
+    device = torch.device(device) if device is not None else \
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    side = side or (QUICK_SIZES if quick else SIZES)["compute"]
+    if device.type == "cpu":
+        side = min(side, 2048)
+    out: dict[str, Any] = {"side": side, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                           else "cpu", "threads": torch.get_num_threads()}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = torch.randn(side, side, device=device).to(dtype)
+        b = torch.randn(side, side, device=device).to(dtype)
+
+        def product() -> None:
+            a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        product()
+        out[f"{name}_flops"] = 2 * side ** 3 / _best_seconds(product, repeat)
+        tick(f"compute: {name} matmul")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # driver
 
@@ -316,6 +345,8 @@ def run(sections: tuple[str, ...] = SECTIONS, *, size: int | None = None, params
             results["io"] = bench_io(path, size or table["io"], tick=tick)
         elif section == "adam":
             results["adam"] = bench_adam(params or adam_numel(table["adam"]), repeat=3, tick=tick)
+        elif section == "compute":
+            results["compute"] = bench_compute(table["compute"], repeat=3, tick=tick)
         else:
             raise ValueError(f"unknown bench section {section!r}; choose from {', '.join(SECTIONS)}")
     return results
@@ -356,6 +387,11 @@ def format_table(results: dict[str, Any]) -> str:
         note = f"({adam['numel'] / 1e6:.0f}M params, {adam['simd']}, {adam['threads']} threads)"
         rows += [("cpu adam fp32", f"{adam['fp32_params_per_s'] / 1e9:7.2f} G params/s  {note}"),
                  ("cpu adam bf16 grad+out", f"{adam['bf16_params_per_s'] / 1e9:7.2f} G params/s")]
+    compute = results.get("compute")
+    if compute:
+        note = f"({compute['side']}^2 matmul on {compute['device']})"
+        rows += [("matmul fp32", f"{compute['fp32_flops'] / 1e12:7.3f} TFLOP/s  {note}"),
+                 ("matmul bf16", f"{compute['bf16_flops'] / 1e12:7.3f} TFLOP/s")]
     width = max((len(k) for k, _ in rows), default=0)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -423,24 +459,41 @@ def load(path: str | os.PathLike | None = None) -> dict[str, Any] | None:
 
 
 def load_rates(path: str | os.PathLike | None = None) -> dict[str, float] | None:
-    """This host's saved figures as the planner's rates: h2d, d2h, nvme_read, nvme_write
-    (bytes/s) and cpu_adam (params/s, fp32 grads: what the engine's fp32 accumulators feed);
-    only the keys measured. None when nothing usable is saved. NVMe figures taken without
-    O_DIRECT (page cache) are left out. nvme_write is the overwrite rate (a step's writes),
-    the fresh-file rate only in files saved before it was measured."""
-    entry = load(path)
+    """This host's saved figures as the planner's rates (None when nothing usable is saved)."""
+    return entry_rates(load(path))
+
+
+def rates_from_file(path: str | os.PathLike) -> dict[str, float] | None:
+    """The rates of a bench file written on another node ([Note: another node's rates] in
+    planning.py): its one host's entry, or the most recently saved one."""
+    data = _read(Path(path).expanduser())
+    if data is None:
+        return None
+    entries = [e for e in data["hosts"].values() if isinstance(e, dict)]
+    return entry_rates(max(entries, key=lambda e: str(e.get("timestamp", "")), default=None))
+
+
+def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
+    """One host's figures as the planner's rates: h2d, d2h, nvme_read, nvme_write, mem_copy,
+    mem_read (bytes/s), cpu_adam (params/s, fp32 grads: what the engine's fp32 accumulators feed),
+    compute_fp32 / compute_bf16 (matmul flop/s); only the keys measured. NVMe figures taken
+    without O_DIRECT (page cache) are left out. nvme_write is the overwrite rate (a step's
+    writes), the fresh-file rate only in files saved before it was measured. The memory
+    figures count read + write bytes: a copy of B bytes moves 2B (mem_copy is half of copy_),
+    a read pass moves B (mem_read is the in-place rate)."""
     if not entry:
         return None
     rates: dict[str, float] = {}
     pcie, io, adam = entry.get("pcie") or {}, entry.get("io") or {}, entry.get("adam") or {}
-    for key, (section, field) in {"h2d": (pcie, "h2d_pinned_GBps"), "d2h": (pcie, "d2h_pinned_GBps"),
-                                  "nvme_read": (io, "read_GBps"),
-                                  "nvme_write": (io, "overwrite_GBps" if "overwrite_GBps" in io else "write_GBps"),
-                                  }.items():
+    mem, compute = entry.get("mem") or {}, entry.get("compute") or {}
+    for key, (section, field, factor) in {
+            "h2d": (pcie, "h2d_pinned_GBps", 1e9), "d2h": (pcie, "d2h_pinned_GBps", 1e9),
+            "nvme_read": (io, "read_GBps", 1e9),
+            "nvme_write": (io, "overwrite_GBps" if "overwrite_GBps" in io else "write_GBps", 1e9),
+            "mem_copy": (mem, "copy_GBps", 0.5e9), "mem_read": (mem, "inplace_GBps", 1e9),
+            "cpu_adam": (adam, "fp32_params_per_s", 1.0),
+            "compute_fp32": (compute, "fp32_flops", 1.0), "compute_bf16": (compute, "bf16_flops", 1.0)}.items():
         value = section.get(field)
         if isinstance(value, (int, float)) and value > 0 and (section is not io or io.get("o_direct")):
-            rates[key] = float(value) * 1e9
-    value = adam.get("fp32_params_per_s")
-    if isinstance(value, (int, float)) and value > 0:
-        rates["cpu_adam"] = float(value)
+            rates[key] = float(value) * factor
     return rates or None

@@ -162,9 +162,19 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", metavar="SIZE", help="host budget per rank, e.g. 200GiB (overrides the config)")
     parser.add_argument("--nvme", metavar="SIZE", help="NVMe budget per rank, e.g. 2TiB (overrides the config)")
     parser.add_argument("--nvme-path", metavar="DIR", help="NVMe directory (overrides the config)")
+    parser.add_argument("--inputs", metavar="MODULE:FACTORY",
+                        help="with --model: a callable returning one micro-batch's positional arguments (a tuple); "
+                             "each distinct unit's forward and backward is then measured on this machine's device, "
+                             "one unit's parameters at a time, and the prediction is the whole step (what "
+                             "zerotier.plan(model, config, inputs=...) returns)")
+    parser.add_argument("--rates", metavar="FILE",
+                        help="plan for another node: a `zerotier bench --save FILE` result written there; its rates "
+                             "replace this node's and measured unit times scale by the ratio of the two nodes' "
+                             "matmul rates (bench compute)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object: per_rank_bytes, tiers (bytes needed per tier), placement, "
-                             "fits, missing, predicted_step_s (null without `zerotier bench` results)")
+                             "fits, missing, predicted_step_s (null without `zerotier bench` results), "
+                             "breakdown_s, critical_path_s, bound_by, alternatives")
 
 
 def _equal_units(total: int, units: int) -> list[int]:
@@ -189,28 +199,31 @@ def _count(text: str, flag: str = "--params") -> int:
     return int(value)
 
 
-def _factory_units(spec: str, wrap="auto") -> tuple[list[int], list[int], int]:
-    """Build `module:factory` (on the meta device when it takes `device=`) and return the
-    numel of each trainable unit and of each frozen one as zerotier.state.build_units groups
-    them ([Note: frozen units]), and their nested_numel."""
+def _load_factory(spec: str, flag: str):
+    """The callable `module:attr` names (from the current directory too, as python -m finds modules)."""
     import importlib
-    import inspect
-
-    import torch
-
-    from zerotier.state import build_units, nested_numel
 
     module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:  # --model my_model:build from the directory one is in, as python -m does
+    if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     if not module_name or not attr:
-        raise ZerotierError(f"--model: expected MODULE:FACTORY (e.g. zerotier.models:TinyGPT), got {spec!r}")
+        raise ZerotierError(f"{flag}: expected MODULE:FACTORY (e.g. zerotier.models:TinyGPT), got {spec!r}")
     try:
         factory = importlib.import_module(module_name)
         for part in attr.split("."):
             factory = getattr(factory, part)
     except (ImportError, AttributeError) as exc:
-        raise ZerotierError(f"--model: cannot load {spec!r}: {exc}") from None
+        raise ZerotierError(f"{flag}: cannot load {spec!r}: {exc}") from None
+    return factory
+
+
+def _build_model(spec: str):
+    """Build `module:factory`, on the meta device when it takes `device=`."""
+    import inspect
+
+    import torch
+
+    factory = _load_factory(spec, "--model")
     try:
         takes_device = "device" in inspect.signature(factory).parameters
     except (TypeError, ValueError):  # builtins without a signature
@@ -218,7 +231,15 @@ def _factory_units(spec: str, wrap="auto") -> tuple[list[int], list[int], int]:
     model = factory(device="meta") if takes_device else factory()
     if not isinstance(model, torch.nn.Module):
         raise ZerotierError(f"--model: {spec} returned {type(model).__name__}, not a torch.nn.Module")
-    units = build_units(model, wrap)
+    return model
+
+
+def _factory_units(spec: str, wrap="auto") -> tuple[list[int], list[int], int]:
+    """Build `module:factory` and return the numel of each trainable unit and of each frozen one
+    as zerotier.state.build_units groups them ([Note: frozen units]), and their nested_numel."""
+    from zerotier.state import build_units, nested_numel
+
+    units = build_units(_build_model(spec), wrap)
     trainable = [unit.numel for unit in units if not unit.frozen]
     if not trainable:
         raise ZerotierError(f"--model: {spec} has no trainable parameters")
@@ -257,6 +278,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     cfg = Config.from_dict(cfg).auto_to_defaults()  # [Note: keys a trainer fills]
     if args.world_size < 1:
         raise ZerotierError(f"--world-size: must be >= 1, got {args.world_size}")
+    if args.inputs and not args.model:
+        raise ZerotierError("--inputs goes with --model: the micro-batch is measured through that model")
+    if args.model and args.inputs:  # the whole step, measured: zerotier.plan's path
+        return _plan_measured(args, cfg)
     if args.model:
         if args.frozen_params is not None:
             raise ZerotierError("--frozen-params goes with --params; with --model the model's own "
@@ -269,10 +294,19 @@ def _run_plan(args: argparse.Namespace) -> int:
                          if args.frozen_params is not None else [])
     grad_bytes = DTYPES[cfg.precision.param_dtype].itemsize if args.accounting == "paper" else None
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    rates = None
+    if args.rates:
+        from zerotier.bench import rates_from_file
+
+        rates = rates_from_file(args.rates)
+        if rates is None:
+            raise ZerotierError(f"--rates: {args.rates} holds no zerotier bench results (write one with "
+                                "`zerotier bench --save FILE` on the node to plan for)")
     try:
-        plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device,
+        plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device, rates=rates,
                          world_size=args.world_size, stage=cfg.zero.stage, zero=cfg.zero, grad_bytes=grad_bytes,
-                         ranks_per_node=args.ranks_per_node, nested_numel=nested, frozen_numels=frozen_numels)
+                         ranks_per_node=args.ranks_per_node, nested_numel=nested, frozen_numels=frozen_numels,
+                         pipeline_depth=cfg.optimizer.pipeline_depth)
     except PlanDoesNotFit as exc:
         if args.json:  # the object on stdout, the message on stderr (by main), exit status 1
             print(json.dumps({"numel": sum(numels), "world_size": args.world_size, "stage": cfg.zero.stage,
@@ -287,14 +321,32 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_measured(args: argparse.Namespace, cfg) -> int:
+    """`zerotier plan --model M:F --inputs M:F`: the Plan zerotier.plan(model, config, inputs=...) returns."""
+    import torch
+
+    from zerotier.planning import plan_model
+    from zerotier.state import DTYPES
+
+    model = _build_model(args.model)
+    inputs = _load_factory(args.inputs, "--inputs")
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    grad_bytes = DTYPES[cfg.precision.param_dtype].itemsize if args.accounting == "paper" else None
+    plan = plan_model(model, cfg, inputs, rates=args.rates, device=device, world_size=args.world_size,
+                      ranks_per_node=args.ranks_per_node, grad_bytes=grad_bytes)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.summary())
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # zerotier bench
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", nargs="?", default="all", choices=("all", "mem", "pcie", "io", "adam"),
+    parser.add_argument("what", nargs="?", default="all", choices=("all", "mem", "pcie", "io", "adam", "compute"),
                         help="what to measure: all (default), mem (memory bandwidth), pcie (host<->GPU "
-                             "copies), io (NVMe read/write with zerotier's engine), adam (CPU Adam)")
+                             "copies), io (NVMe read/write with zerotier's engine), adam (CPU Adam), compute "
+                             "(matmul rate of the compute device: `zerotier plan --rates` scales unit times by it)")
     parser.add_argument("--path", "--nvme-path", dest="path", default=".", metavar="DIR",
                         help="directory on the drive to test; a temp subdir is made and removed "
                              "(default: the current directory)")

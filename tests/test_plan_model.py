@@ -1,0 +1,129 @@
+"""zerotier.plan(model, config, inputs=...) and `zerotier plan --model --inputs`: the whole step,
+measured compute, auto placement by predicted time, another node's rates (issue 24)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import zerotier
+from zerotier.bench import save
+from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+from zerotier.planner import make_plan
+from zerotier.predict import UnitCompute
+from zerotier.models import TinyGPT
+
+RATES = {"io": {"read_GBps": 1.0, "overwrite_GBps": 0.5, "write_GBps": 0.5, "o_direct": True},
+         "adam": {"fp32_params_per_s": 1e9}, "mem": {"copy_GBps": 8.0, "inplace_GBps": 8.0},
+         "compute": {"fp32_flops": 4e10, "bf16_flops": 2e10}}
+
+
+@pytest.fixture
+def bench_file(tmp_path, monkeypatch):
+    path = tmp_path / "bench.json"
+    save(RATES, path)
+    monkeypatch.setenv("ZEROTIER_BENCH_FILE", str(path))
+    return path
+
+
+def tiny(device="cpu"):
+    with torch.device(device):
+        return TinyGPT(vocab=128, dim=32, layers=3, heads=4, seq=16)
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g)
+
+
+def test_plan_measures_every_unit_of_a_meta_model_and_predicts_the_whole_step(bench_file, tmp_path):
+    model = tiny("meta")
+    cfg = {"tiers": {"device": "1MiB", "host": "1GiB", "nvme": "1GiB", "nvme_path": str(tmp_path)},
+           "train": {"grad_accum_steps": 2, "max_grad_norm": 1.0}}
+    plan = zerotier.plan(model, cfg, inputs=batch, repeat=1)
+    assert all(p.is_meta for p in model.parameters())  # measured one unit at a time, given back
+    assert plan.compute_measured and plan.breakdown["forward"] > 0 and plan.breakdown["backward"] > 0
+    assert plan.breakdown["grad_norm"] > 0  # clipping: the norm's pass is in the schedule
+    assert plan.predicted_step_s == pytest.approx(sum(plan.critical.values()))
+    assert plan.critical["forward"] == pytest.approx(plan.breakdown["forward"])  # compute is serial: all on it
+    assert plan.rate_sources["cpu_adam"] == "measured"
+    assert len(plan.alternatives) > 1 and sum(r["chosen"] for r in plan.alternatives) == 1
+    best = min(r["predicted_step_s"] for r in plan.alternatives)
+    assert plan.predicted_step_s == best
+
+
+def test_auto_takes_the_fastest_placement_that_fits_not_the_first():
+    """The device holds the parameters only; the host holds the optimizer state and either the
+    gradients' NVMe staging or part of the gradients. Fastest tier first puts the gradients on host
+    and splits the optimizer state over host and NVMe (12 B/param read and written for the NVMe
+    part); gradients on NVMe with the whole optimizer state on host move 8 B/param."""
+    numels = [100_000] * 16
+    n = sum(numels)
+    budgets = {"device": 4 * n + 1000, "host": 24_000_000, "nvme": 10**9}
+    compute = UnitCompute((0.01,) * 16, (0.02,) * 16, (False,) * 16)
+    plan = make_plan(numels, TiersConfig(), OffloadConfig(), PrecisionConfig(), PrefetchConfig(),
+                     torch.device("cpu"), budgets=budgets, compute=compute,
+                     rates={"nvme_read": 1e9, "nvme_write": 1e9, "cpu_adam": 1e9, "mem_copy": 1e10})
+    first_fit = [r for r in plan.alternatives if r["placement"] == {"params": "device", "gradients": "host",
+                                                                     "optimizer": "split"}]
+    assert first_fit, plan.alternatives
+    assert (plan.placement["gradients"].value, plan.placement["optimizer"].value) == ("nvme", "host")
+    assert plan.predicted_step_s < first_fit[0]["predicted_step_s"]
+    assert plan.predicted_step_s == min(r["predicted_step_s"] for r in plan.alternatives)
+    assert all(r["tiers"]["host"] <= budgets["host"] for r in plan.alternatives)  # only what fits
+
+
+def test_cli_plan_with_inputs_prints_the_step_and_the_alternatives(bench_file, tmp_path):
+    (tmp_path / "tinyplan.py").write_text(textwrap.dedent("""
+        import torch
+        from zerotier.models import TinyGPT
+
+        def model(device=None):
+            with torch.device(device or "cpu"):
+                return TinyGPT(vocab=128, dim=32, layers=3, heads=4, seq=16)
+
+        def inputs():
+            g = torch.Generator().manual_seed(0)
+            return torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g)
+        """))
+    env = dict(os.environ, ZEROTIER_BENCH_FILE=str(bench_file))
+    base = [sys.executable, "-m", "zerotier.cli", "plan", "--model", "tinyplan:model", "--inputs", "tinyplan:inputs",
+            "--device", "1MiB", "--host", "1GiB", "--nvme", "1GiB", "--nvme-path", str(tmp_path)]
+    r = subprocess.run(base, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "predicted step:" in r.stdout and "alternatives that fit" in r.stdout and "bound by" in r.stdout
+    r = subprocess.run(base + ["--json"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    out = json.loads(r.stdout)
+    api = zerotier.plan(tiny("meta"), {"tiers": {"device": "1MiB", "host": "1GiB", "nvme": "1GiB",
+                                                 "nvme_path": str(tmp_path)}}, inputs=batch, repeat=1)
+    assert out["placement"] == {k: v.value for k, v in api.placement.items()} and out["tiers"] == api.need
+    assert [r["placement"] for r in out["alternatives"]] and out["compute_measured"] is True
+    assert {json.dumps(r["placement"]) for r in out["alternatives"]} == \
+        {json.dumps(r["placement"]) for r in api.alternatives}
+
+
+def test_another_nodes_rates_scale_the_measured_compute(bench_file, tmp_path):
+    """[Note: another node's rates]: a node with twice this one's matmul rate runs each unit in half."""
+    from zerotier.planning import _compute_scale
+    from zerotier.bench import rates_from_file
+
+    there = tmp_path / "other.json"
+    save({**RATES, "compute": {"fp32_flops": 8e10, "bf16_flops": 4e10}}, there)
+    rates = rates_from_file(there)
+    assert rates["compute_fp32"] == 8e10 and rates["nvme_read"] == 1e9 and rates["mem_copy"] == 4e9
+    assert _compute_scale(rates, "fp32", torch.device("cpu")) == pytest.approx(0.5)
+    assert _compute_scale(rates, "bf16", torch.device("cpu")) == pytest.approx(0.5)
+    plan = zerotier.plan(tiny("meta"), {"tiers": {"device": "1GiB", "host": "1GiB", "nvme": 0}}, inputs=batch,
+                         rates=there, repeat=1)
+    assert plan.rate_sources["cpu_adam"] == "given"
+
+
+def test_bench_compute_section_times_a_matmul():
+    from zerotier.bench import bench_compute, format_table
+
+    out = bench_compute(64, repeat=1)
+    assert out["fp32_flops"] > 0 and out["bf16_flops"] > 0 and out["side"] == 64
+    assert "matmul fp32" in format_table({"compute": out})

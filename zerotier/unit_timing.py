@@ -1,0 +1,260 @@
+"""Each unit's forward and backward, measured on the device, one unit's parameters at a time.
+
+[Note: measuring units]
+The planner's compute figures ([Note: step-time prediction] in predict.py) are measured, not
+guessed, and a model that exists only on the meta device never exists whole:
+
+  1. capture: one forward of the whole model under no_grad, with the root unit's own tensors
+     resident and each top-level wrapped module (a transformer block) given tensors by a
+     forward pre-hook and stripped again by its post-hook. Each block's inputs are kept for
+     the first block of each signature (class, parameter shapes, input shapes) and every
+     block's output is kept (one micro-batch's activations, what training saves anyway);
+  2. each distinct block: its tensors made resident, a forward on its captured inputs and
+     a backward from a random gradient of its output, each timed (median of `repeat`
+     after a warm-up); blocks of the same signature share the figures;
+  3. the root's own work (embeddings, head, loss): the model's forward and backward with
+     every block replaced by a stand-in returning its captured output (tied to the block's
+     input so the gradient flows back to the embeddings), the root's tensors resident.
+
+Resident tensors are fresh ones on the device in precision.param_dtype (floating buffers
+too, as the engine casts them): normal(0, 0.02) for meta parameters, zeros for meta
+buffers, a copy for real ones; the module gets its own tensors back afterwards. Values
+do not change a dense model's time; data-dependent work (MoE routing) is measured for
+these weights only. A wrapped module nested inside a block is timed inside the block (its
+own unit gets no compute of its own). The loss is the output itself when a scalar, its
+`.loss`, else the sum of its first tensor.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .predict import UnitCompute
+from .state import build_units, wrapped_modules
+
+
+def measure(model: torch.nn.Module, inputs: tuple | Callable[[], tuple], device: torch.device,
+            dtype: torch.dtype, wrap="auto", repeat: int = 3) -> UnitCompute:
+    """[Note: measuring units] Forward and backward seconds of every unit for one micro-batch."""
+    args = inputs() if callable(inputs) else inputs
+    if not isinstance(args, tuple):
+        args = (args,)
+    args = pytree.tree_map(lambda t: _to(t, device, dtype) if isinstance(t, torch.Tensor) else t, args)
+    units = build_units(model, wrap)
+    wrapped = wrapped_modules(model, wrap)
+    modules = dict(model.named_modules())
+    blocks = [n for n in sorted(wrapped, key=list(modules).index) if n and _enclosing(n, wrapped) == ""]
+    clock = _Clock(device)
+    fwd: dict[str, float] = {}
+    bwd: dict[str, float] = {}
+    with _Resident(model, _own_modules(model, "", wrapped), device, dtype):
+        captured = _capture(model, blocks, modules, wrapped, args, device, dtype)
+        timed: dict[tuple, tuple[float, float]] = {}
+        for name in blocks:
+            key = captured.signature[name]
+            if key not in timed:
+                with _Resident(model, _subtree(modules, name), device, dtype):
+                    timed[key] = _time_block(modules[name], *captured.inputs[key], clock, repeat)
+            fwd[name], bwd[name] = timed[key]
+        fwd[""], bwd[""] = _time_root(model, blocks, modules, captured.outputs, args, clock, repeat)
+    by_unit = {}
+    for unit in units:  # a module's trainable unit carries its compute (else its frozen one)
+        by_unit.setdefault(unit.name, unit.index)
+    forward_s, backward_s = [0.0] * len(units), [0.0] * len(units)
+    for name, index in by_unit.items():
+        forward_s[index], backward_s[index] = fwd.get(name, 0.0), bwd.get(name, 0.0)
+    return UnitCompute(tuple(forward_s), tuple(backward_s), tuple(u.name == "" for u in units))
+
+
+def _to(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(device, dtype if t.is_floating_point() else t.dtype)
+
+
+def _enclosing(name: str, wrapped: set[str]) -> str:
+    """The nearest wrapped module strictly enclosing `name`."""
+    while name:
+        name = name.rpartition(".")[0]
+        if name in wrapped:
+            return name
+    return ""
+
+
+def _own_modules(model: torch.nn.Module, root: str, wrapped: set[str]) -> list[torch.nn.Module]:
+    """The modules whose tensors belong to wrapped module `root` itself (not to a wrapped one inside)."""
+    out = []
+    for name, module in model.named_modules():
+        inner = name if name in wrapped else _enclosing(name, wrapped)
+        if inner == root:
+            out.append(module)
+    return out
+
+
+def _subtree(modules: dict[str, torch.nn.Module], name: str) -> list[torch.nn.Module]:
+    return [m for n, m in modules.items() if n == name or n.startswith(name + ".")]
+
+
+class _Resident:
+    """The modules' parameters and buffers as fresh device tensors while inside; put back after."""
+
+    def __init__(self, model, modules, device, dtype):
+        self.modules, self.device, self.dtype = modules, device, dtype
+        self.saved: list[tuple[dict, str, Any]] = []
+
+    def __enter__(self):
+        for module in self.modules:
+            for table in (module._parameters, module._buffers):
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    self.saved.append((table, name, t))
+                    new = self._fresh(t, table is module._parameters)
+                    table[name] = torch.nn.Parameter(new, requires_grad=t.requires_grad) \
+                        if table is module._parameters else new
+        return self
+
+    def _fresh(self, t: torch.Tensor, is_param: bool) -> torch.Tensor:
+        dtype = self.dtype if t.is_floating_point() else t.dtype
+        if not t.is_meta:
+            return t.detach().to(self.device, dtype, copy=True)
+        if is_param and t.is_floating_point():
+            return torch.randn(t.shape, device=self.device, dtype=dtype) * 0.02
+        return torch.zeros(t.shape, device=self.device, dtype=dtype)
+
+    def __exit__(self, *exc):
+        for table, name, t in reversed(self.saved):
+            table[name] = t
+        self.saved.clear()
+
+
+class _Clock:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+
+
+class _Captured:
+    def __init__(self):
+        self.signature: dict[str, tuple] = {}
+        self.inputs: dict[tuple, tuple[tuple, dict]] = {}
+        self.outputs: dict[str, Any] = {}
+
+
+def _shapes(tree) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                 for t in pytree.tree_leaves(tree))
+
+
+def _capture(model, blocks, modules, wrapped, args, device, dtype) -> _Captured:
+    """Step 1 of [Note: measuring units]: every block's output, each signature's inputs."""
+    got = _Captured()
+    resident: dict[str, _Resident] = {}
+    handles = []
+    for name in blocks:
+        module = modules[name]
+
+        def pre(mod, a, kw, name=name):
+            resident[name] = _Resident(model, _subtree(modules, name), device, dtype).__enter__()
+            params = tuple((tuple(p.shape), p.dtype) for p in mod.parameters())
+            key = (type(mod).__name__, params, _shapes((a, kw)))
+            got.signature[name] = key
+            if key not in got.inputs:
+                got.inputs[key] = pytree.tree_map(_detached, (a, kw))
+
+        def post(mod, a, kw, out, name=name):
+            got.outputs[name] = pytree.tree_map(_detached, out)
+            resident.pop(name).__exit__()
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(*args)
+    finally:
+        for h in handles:
+            h.remove()
+        for r in resident.values():
+            r.__exit__()
+    return got
+
+
+def _detached(x):
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _grad_leaves(out) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _time_block(module, args, kwargs, clock: _Clock, repeat: int) -> tuple[float, float]:
+    """Step 2: a block's forward and backward on its captured inputs (median after a warm-up)."""
+    def leaf(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.detach().requires_grad_(True)
+        return x
+
+    fwd, bwd = [], []
+    for i in range(repeat + 1):
+        a, kw = pytree.tree_map(leaf, (args, kwargs))
+        tf, out = clock(lambda: module(*a, **kw))
+        outs = _grad_leaves(out)
+        grads = [torch.randn_like(t) for t in outs]
+        tb, _ = clock(lambda: torch.autograd.backward(outs, grads))
+        if i:  # the first run warms caches and kernels up
+            fwd.append(tf)
+            bwd.append(tb)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _time_root(model, blocks, modules, outputs, args, clock: _Clock, repeat: int) -> tuple[float, float]:
+    """Step 3: the model with every block standing in by its captured output."""
+    def stand_in(name):
+        def forward(*a, **kw):
+            x = next((t for t in pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor) and t.requires_grad),
+                     None)
+            tie = [x is not None]
+
+            def attach(t):
+                if tie[0] and isinstance(t, torch.Tensor) and t.is_floating_point():
+                    tie[0] = False
+                    return t + x.reshape(-1)[0] * 0  # the gradient reaches the block's input
+                return t
+            return pytree.tree_map(attach, outputs[name])
+        return forward
+
+    fwd, bwd = [], []
+    try:
+        for name in blocks:
+            modules[name].forward = stand_in(name)
+        for i in range(repeat + 1):
+            tf, out = clock(lambda: _loss(model(*args)))
+            tb, _ = clock(lambda: out.backward())
+            if i:
+                fwd.append(tf)
+                bwd.append(tb)
+    finally:
+        for name in blocks:
+            modules[name].__dict__.pop("forward", None)  # the class's forward again
+        model.zero_grad(set_to_none=True)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _loss(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        return out.float().reshape(())
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    first = next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return first.float().sum()
