@@ -75,7 +75,7 @@ class PhaseRSS:
 
 
 def child(dim: int, layers: int, nvme_dir: str, host: str, device: str, trim_phases: bool,
-          grads: str) -> dict:
+          grads: str, steps: int = 2) -> dict:
     import psutil
     proc = psutil.Process()
     import torch  # noqa: F401  (the base: the runtime every torch program pays)
@@ -129,7 +129,7 @@ def child(dim: int, layers: int, nvme_dir: str, host: str, device: str, trim_pha
     engine = zerotier.initialize(model, cfg, init_fn=init_tiny_gpt)
     end("initialize")
     step_s = []
-    for i, (x, y) in enumerate(batches(256, 16, 4, 2)):
+    for i, (x, y) in enumerate(batches(256, 16, 4, steps)):
         t = time.perf_counter()
         saved.update(bytes=0, peak=0, ptrs=set())
         sampler.phase = f"forward {i}"
@@ -168,12 +168,12 @@ def over_budget(r: dict) -> int:
 
 
 def run(dim: int, layers: list[int], nvme_path: str | None, host: str = "1GiB", device: str = "512MiB",
-        trim_phases: bool = False, grads: str = "nvme", env: dict | None = None) -> dict:
+        trim_phases: bool = False, grads: str = "nvme", env: dict | None = None, steps: int = 2) -> dict:
     rows = []
     for n in layers:
         with tempfile.TemporaryDirectory(prefix="zt-rss-", dir=nvme_path) as tmp:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", str(dim), str(n), tmp, "--host", host,
-                   "--device", device, "--grads", grads] + (["--trim-phases"] if trim_phases else [])
+                   "--device", device, "--grads", grads, "--steps", str(steps)] + (["--trim-phases"] if trim_phases else [])
             out = subprocess.run(cmd, capture_output=True, text=True, check=False,
                                  env={**os.environ, **(env or {})})
             if out.returncode != 0:
@@ -190,6 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--host", default="1GiB")
     ap.add_argument("--device", default="512MiB", help="tiers.device (RAM on a machine without CUDA)")
     ap.add_argument("--grads", default="nvme", help="offload.gradients")
+    ap.add_argument("--steps", type=int, default=2, help="training steps after initialize (0: initialize only)")
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--trim-phases", action="store_true", help="malloc_trim(0) at each phase end")
     ap.add_argument("--child", nargs=3, metavar=("DIM", "LAYERS", "NVME_DIR"), help=argparse.SUPPRESS)
@@ -197,9 +198,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(int(args.child[0]), int(args.child[1]), args.child[2], args.host, args.device,
-                               args.trim_phases, args.grads)))
+                               args.trim_phases, args.grads, args.steps)))
         return 0
-    r = run(args.dim, args.layers, args.nvme_path, args.host, args.device, args.trim_phases, args.grads)
+    r = run(args.dim, args.layers, args.nvme_path, args.host, args.device, args.trim_phases, args.grads,
+            steps=args.steps)
     if args.json:
         print(json.dumps(r, indent=1))
         return 0

@@ -7,9 +7,16 @@ import json
 import platform
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+import torch
+
+from zerotier.errors import BudgetError
+from zerotier.io import FutureTicket
+from zerotier.tiers.host import HostPool
 
 _spec = importlib.util.spec_from_file_location(
     "zt_rss_budget", Path(__file__).parent.parent / "benchmarks" / "bench_rss_budget.py")
@@ -17,6 +24,7 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 MiB = 1 << 20
+PAGE = 4096
 
 _RETENTION = r"""
 import gc, json, psutil, torch
@@ -58,6 +66,68 @@ def test_run_rss_growth_within_budgets(tmp_path):
     last = run["rows"][-1]
     assert run["peak_growth"] - last["host_peak"] - last["device_peak"] < 256 * MiB, run
     assert not list(tmp_path.iterdir()), "run directories left behind"
+
+
+def test_initialize_materializes_a_large_unit_in_the_pool(tmp_path):
+    """[Note: materialization in the host pool] A meta-built TinyGPT (dim 2048: a 2048 x 8192
+    Linear is 64 MiB in fp32), params and optimizer state on NVMe: initialize's RSS peak is the
+    pool's peak plus little, not the unit's fp32 tensors, their concatenation and its bf16 cast
+    on the heap (166 MiB beyond the pool before; it grew with the largest unit)."""
+    r = bench.run(dim=2048, layers=[1], nvme_path=str(tmp_path), host="2GiB", device="512MiB", steps=0)
+    (run,) = r["runs"]
+    rows = {row["phase"]: row for row in run["rows"]}
+    init = rows["initialize"]
+    assert init["host_peak"] > 2 * 64 * MiB, run  # the pool saw the fp32 unit and its cast
+    assert init["peak_rss"] - rows["meta build"]["rss"] - init["host_peak"] < 48 * MiB, run
+    assert not list(tmp_path.iterdir()), "run directories left behind"
+
+
+def test_meta_units_are_materialized_in_pool_blocks_and_given_back(tmp_path, monkeypatch):
+    """Each meta unit's parameters are views of one pool block of the unit's size, freed once
+    the stores have their copies: initialize ends with no materialization block in use."""
+    import zerotier
+    from zerotier.materialize import Materializer
+    from zerotier.models import TinyGPT, init_tiny_gpt
+
+    seen = []
+    unit_of = Materializer.unit
+
+    def unit(self, u):
+        out = unit_of(self, u)
+        flat = self.flat(out)
+        seen.append((out.numel, flat.numel() if flat is not None else None,
+                     all(flat is not None and p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+                         for p in out.params)))
+        return out
+    monkeypatch.setattr(Materializer, "unit", unit)
+    with torch.device("meta"):
+        model = TinyGPT(vocab=64, dim=64, layers=2, heads=2, seq=16)
+    cfg = {"offload": {"params": "nvme", "optimizer": "nvme"}, "tiers": {"nvme_path": str(tmp_path)},
+           "train": {"wrap": ["Linear", "Embedding"]}}
+    engine = zerotier.initialize(model, cfg, init_fn=init_tiny_gpt)
+    try:
+        assert seen and all(numel == flat and viewed for numel, flat, viewed in seen), seen
+        assert not engine._materializer._blocks  # every block given back
+    finally:
+        engine.close(restore_weights=False)
+
+
+def test_a_full_pool_waits_for_blocks_parked_behind_writes():
+    """[Note: a full pool waits] With the budget taken and one block parked behind a write still
+    in flight, an alloc waits for that write and reuses the block (it raised BudgetError before);
+    with nothing parked the refusal says what the budget would need."""
+    pool = HostPool(2 * PAGE, alignment=PAGE, pin=False)
+    a, b = pool.alloc(PAGE), pool.alloc(PAGE)
+    fut = Future()
+    pool.free(a, after=FutureTicket(fut))  # an NVMe write still reads it
+    threading.Timer(0.2, fut.set_result, (PAGE,)).start()
+    c = pool.alloc(PAGE, what="a unit's staging")
+    assert fut.done() and c.block.data_ptr() == a.block.data_ptr()
+    with pytest.raises(BudgetError, match=r"for a unit's cast.*needs a budget of at least 12.00 KiB"):
+        pool.alloc(PAGE, what="a unit's cast")
+    pool.free(b)
+    pool.free(c)
+    pool.close()
 
 
 def test_plan_names_the_fixed_part(capsys):

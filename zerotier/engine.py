@@ -301,29 +301,37 @@ class Engine:
         """Every rank starts from rank 0's weights; each store takes its part of every unit.
         The user's tensors are dropped (the parameters become views of the engine's flats)."""
         sharding = self.sharding
-        materializer = self._materializer = Materializer(self.module, self._init_fn)  # [Note: meta-device models]
+        # [Note: meta-device models]; [Note: materialization in the host pool]
+        materializer = self._materializer = Materializer(self.module, self._init_fn, self.host_pool)
         for i, unit in enumerate(self.param_units):
             if is_meta(unit):  # the stores hold these lists: they see the rebuilt unit
                 unit = self.param_units[i] = materializer.unit(unit)
                 (self.frozen_units if unit.frozen else self.units)[i - len(self.units) * unit.frozen] = unit
                 self._user_form.update({id(p): (p.dtype, torch.device("meta")) for p in unit.params})
+            pooled = materializer.flat(unit)  # the materialized unit's flat in the host pool, or None
             if unit.frozen:  # [Note: frozen units]: its low-precision bytes only
-                full = torch.cat([p.detach().reshape(-1).to(self.lp_dtype).cpu() for p in unit.params])
+                full = materializer.cast(unit, pooled, self.lp_dtype) if pooled is not None else \
+                    torch.cat([p.detach().reshape(-1).to(self.lp_dtype).cpu() for p in unit.params])
                 sharding.broadcast(full)
                 self._swapped = i + 1
                 self.params.place(unit, full if not sharding.gathered(unit) else sharding.shard_of(unit, full))
+                materializer.release(unit)
                 continue
-            flats = [p.detach().reshape(-1).float().cpu() for p in unit.params]
-            if len(flats) > 1:
-                full = torch.cat(flats)
+            if pooled is not None:
+                full = pooled.float()  # the pool block itself when fp32
+            elif len(unit.params) > 1:
+                full = torch.cat([p.detach().reshape(-1).float().cpu() for p in unit.params])
             else:  # the parameter itself (no copy) unless the broadcast below writes into it
-                full = flats[0].clone() if sharding.active else flats[0]
+                full = unit.params[0].detach().reshape(-1).float().cpu()
+                full = full.clone() if sharding.active else full
             sharding.broadcast(full)
             master = sharding.shard_of(unit, full)  # fp32 master of this rank's shard (all of it on one rank)
             self.unit_optimizer.place(unit, master)
             self._swapped = i + 1  # the user's tensors of units[:i + 1] may be dropped ([Note: a failed initialize])
-            self.params.place(unit, (master if sharding.gathered(unit) else full).to(self.lp_dtype))
+            lp = materializer.cast(unit, master if sharding.gathered(unit) else full, self.lp_dtype)
+            self.params.place(unit, lp)
             self.grads.place(unit)
+            materializer.release(unit)
         self.unit_optimizer.finish_place()
         self.params.finish_place()
         materializer.rest()

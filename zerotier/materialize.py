@@ -21,6 +21,19 @@ full-precision tensors exist in RAM at a time:
      index`), so the weights do not depend on placement, ZeRO stage or world size.
 The Unit is rebuilt with the new Parameter objects; everything after works as for a model
 built normally.
+
+[Note: materialization in the host pool]
+A unit's new tensors are bytes the budgets must see: a 4096 x 16384 Linear is 268 MB in
+fp32, and on the heap its tensors, their concatenation and the low-precision cast were
+2.5x that beyond tiers.host (202M parameters at dim 4096: initialize's RSS peak 730 MiB over
+the pool's). So with a host pool, a unit whose parameters are all meta and of one dtype gets
+one pool block, laid out as the unit's flat (Unit.offsets): its parameters are views of it,
+`flat(unit)` hands the block to placement without a concatenation, `cast(unit, t, dtype)`
+makes the low-precision copy in the pool too, and `release(unit)` frees both once the stores
+have copied what they keep (each store copies into blocks of its own). A pool at its budget
+first waits for its blocks parked behind NVMe writes ([Note: a full pool waits] in
+tiers/host.py), then raises BudgetError naming what the budget would need. Buffers and units
+of mixed dtypes stay on the heap (small, or rare).
 """
 from __future__ import annotations
 
@@ -31,6 +44,7 @@ import torch
 
 from .errors import ConfigError
 from .state import Unit
+from .tiers.host import HostBuffer, HostPool
 
 _RESETS_BUFFERS = (torch.nn.modules.batchnorm._NormBase,)  # reset_parameters() resets running stats
 
@@ -59,8 +73,9 @@ def is_meta(unit: Unit) -> bool:
 
 
 class Materializer:
-    def __init__(self, model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None):
-        self.model, self.init_fn = model, init_fn
+    def __init__(self, model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None,
+                 host_pool: HostPool | None = None):
+        self.model, self.init_fn, self.host_pool = model, init_fn, host_pool
         self.seed = torch.initial_seed()
         # every (module, name) slot holding each parameter: tied ones are replaced everywhere
         self._slots: dict[int, list[tuple[torch.nn.Module, str]]] = {}
@@ -72,6 +87,8 @@ class Materializer:
                     self._owners.setdefault(id(p), []).append((mod_name, module))
         self.replaced: dict[int, torch.nn.Parameter] = {}  # id(meta parameter) -> its materialized one
         self._meta: list[tuple[dict, str, torch.Tensor]] = []  # (module dict, name, meta tensor) replaced
+        # (frozen, unit index) -> the pool blocks of its materialized flat and its cast ([Note: materialization in the host pool])
+        self._blocks: dict[tuple[bool, int], list[HostBuffer]] = {}
 
     def undo(self) -> None:
         """Every parameter and buffer this materializer replaced goes back to its meta tensor: after a
@@ -80,6 +97,8 @@ class Materializer:
             slots[name] = meta
         self._meta.clear()
         self.replaced.clear()
+        for key in list(self._blocks):
+            self._free(key)
 
     def unit(self, unit: Unit) -> Unit:
         """[Note: meta-device models] The unit with real CPU parameters, initialized."""
@@ -87,13 +106,51 @@ class Materializer:
         for p in unit.params:
             for name, module in self._owners.get(id(p), ()):
                 modules.setdefault(id(module), (name, module))
+        into = self._pool_views(unit)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed + unit.index)
             for name, module in modules.values():
-                self._module(name, module)
+                self._module(name, module, into)
         return dataclasses.replace(unit, params=tuple(self.replaced.get(id(p), p) for p in unit.params))
 
-    def _module(self, name: str, module: torch.nn.Module) -> None:
+    def _pool_views(self, unit: Unit) -> dict[int, torch.Tensor]:
+        """id(meta parameter) -> its view of the unit's pool block, NaN-filled (or zeros); {} where
+        the unit's tensors stay on the heap ([Note: materialization in the host pool])."""
+        dtypes = {p.dtype for p in unit.params}
+        if self.host_pool is None or len(dtypes) != 1 or any(id(p) in self.replaced for p in unit.params):
+            return {}
+        (dtype,) = dtypes
+        block = self.host_pool.alloc(unit.numel * dtype.itemsize, dtype,
+                                     f"materializing unit '{unit.name or '<root>'}' ({unit.numel:,} {dtype})")
+        self._blocks[(unit.frozen, unit.index)] = [block]
+        flat = block.tensor
+        flat.fill_(float("nan")) if flat.is_floating_point() or flat.is_complex() else flat.zero_()
+        return {id(p): view for p, view in unit.views(flat)}
+
+    def flat(self, unit: Unit) -> torch.Tensor | None:
+        """The unit's materialized flat in its pool block (Unit.offsets layout), or None."""
+        blocks = self._blocks.get((unit.frozen, unit.index))
+        return blocks[0].tensor if blocks else None
+
+    def cast(self, unit: Unit, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`t` in `dtype`: a copy in the pool while the unit holds a block (freed by release), else t.to()."""
+        blocks = self._blocks.get((unit.frozen, unit.index))
+        if not blocks or t.dtype == dtype:
+            return t.to(dtype)
+        out = self.host_pool.alloc(t.numel() * dtype.itemsize, dtype, f"unit '{unit.name or '<root>'}' as {dtype}")
+        blocks.append(out)
+        return out.tensor.copy_(t.reshape(-1)).view(t.shape)
+
+    def release(self, unit: Unit) -> None:
+        """Free the unit's pool blocks: the stores have copied what they keep, and the parameters
+        view the engine's flats by now."""
+        self._free((unit.frozen, unit.index))
+
+    def _free(self, key: tuple[bool, int]) -> None:
+        for block in self._blocks.pop(key, ()):
+            self.host_pool.free(block)
+
+    def _module(self, name: str, module: torch.nn.Module, into: dict[int, torch.Tensor] | None = None) -> None:
         meta_params = [(n, p) for n, p in module._parameters.items() if p is not None and p.is_meta]
         meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
         if not meta_params and not meta_buffers:
@@ -108,7 +165,8 @@ class Materializer:
                               "reset_parameters() does not set: pass init_fn=fn to zerotier.initialize so that "
                               "fn(module) fills them")
         for n, p in meta_params:
-            new = torch.nn.Parameter(_unset_like(p), requires_grad=p.requires_grad)
+            data = into[id(p)] if into and id(p) in into else _unset_like(p)
+            new = torch.nn.Parameter(data, requires_grad=p.requires_grad)
             for holder, slot in self._slots[id(p)]:
                 self._meta.append((holder._parameters, slot, holder._parameters[slot]))
                 holder._parameters[slot] = new

@@ -111,7 +111,8 @@ class BudgetedTier:
         return (
             f"{self.name} tier budget exceeded: requested {_both(nbytes)}{subject}, "
             f"free {_both(free)} of budget {format_size(self._budget)} "
-            f"(in use {format_size(self._used)}). {self._hint}"
+            f"(in use {format_size(self._used)}: this needs a budget of at least "
+            f"{format_size(self._used + nbytes)}). {self._hint}"
         )
 
 

@@ -33,6 +33,15 @@ A block must not be reused while an async copy or a file write still reads it.
 `free(buf, after=ticket)` parks the block until `ticket.done()`; only then does it
 return to the free lists.
 
+[Note: a full pool waits]
+A block parked behind a ticket ([Note: deferred free]) comes back as soon as its write or
+copy ends, so an alloc that does not fit while blocks are parked waits for the oldest
+ticket and tries again; only when nothing is parked does the budget refuse it, with a
+BudgetError saying what the budget would need. Materialization and NVMe staging in
+initialize run ahead of their writes this way without leaving the budget
+([Note: materialization in the host pool] in materialize.py). A failed ticket's owner
+reports its error: here it only means the block is free again.
+
 [Note: heap trimming]
 Outside the pool, host memory comes from malloc, and glibc keeps freed heap memory for
 reuse: chunks below its mmap threshold, which rises (up to 32 MiB) as large blocks are
@@ -251,16 +260,25 @@ class HostPool(BudgetedTier):
         if self._closed:
             raise ZerotierError("host pool is closed")
         size = max(round_up(nbytes, self.alignment), self.alignment)
-        self._reap()
-        with self._lock:
-            self._alloc_calls += 1
-            block = self._take_cached_locked(size)
-            if block is not None:
-                self._reuses += 1
-            else:
-                block = self._new_block_locked(size, what or f"{format_size(nbytes)} host buffer")
-            self._in_use += block.size
-            self._live += 1
+        self._alloc_calls += 1
+        while True:
+            self._reap()
+            with self._lock:
+                block = self._take_cached_locked(size)
+                if block is not None:
+                    self._reuses += 1
+                else:
+                    block = self._new_block_locked(size, what or f"{format_size(nbytes)} host buffer",
+                                                   refuse=not self._parked)
+                if block is not None:
+                    self._in_use += block.size
+                    self._live += 1
+                    break
+                ticket = self._parked[0][1]
+            try:  # [Note: a full pool waits]: not under the lock (see _reap())
+                ticket.wait()
+            except Exception:  # noqa: BLE001 - the owner of the ticket reports it
+                pass
         tensor = block.data[:nbytes].view(dtype)
         return HostBuffer(tensor=tensor, nbytes=nbytes, what=what, _block=block)
 
@@ -371,11 +389,14 @@ class HostPool(BudgetedTier):
             released += block.size
         return released
 
-    def _new_block_locked(self, size: int, what: str) -> _Block:
+    def _new_block_locked(self, size: int, what: str, refuse: bool = True) -> _Block | None:
+        """A new block of `size`; None where it does not fit and `refuse` is False, else BudgetError."""
         if not self.try_reserve(size):
             # Give cached blocks back first; only what is in use (or parked) can refuse us.
             self._trim_locked(self.used + size - self.budget)
             if not self.try_reserve(size):
+                if not refuse:
+                    return None
                 self.reserve(size, what)  # raises BudgetError with the standard message
         try:
             data = aligned_empty(size, self.alignment)
