@@ -446,6 +446,9 @@ def _profile_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also draw residency per tier and bandwidth per link over time (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object instead of a table")
     parser.add_argument("--top", type=int, default=10, metavar="N", help="tensors listed by traffic (default 10)")
+    parser.add_argument("--plan", metavar="PLAN.json",
+                        help="a `zerotier plan --json` of this run: each component's measured seconds per step "
+                             "beside the plan's, and the component furthest from it")
 
 
 def _run_profile(args: argparse.Namespace) -> int:
@@ -453,7 +456,25 @@ def _run_profile(args: argparse.Namespace) -> int:
 
     trace = load_trace(args.trace)
     summary = summarize(trace, top=args.top)
-    print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.table())
+    comparison = None
+    if args.plan:
+        from zerotier.profiler.summary import plan_comparison, plan_table
+
+        try:
+            plan = json.loads(Path(args.plan).read_text())
+        except (OSError, ValueError) as exc:
+            raise ZerotierError(f"--plan: cannot read {args.plan}: {exc}") from None
+        if not plan.get("breakdown_s"):
+            raise ZerotierError(f"--plan: {args.plan} has no breakdown_s (a `zerotier plan --json` made with "
+                                "`zerotier bench` results has one)")
+        comparison = plan_comparison(trace, plan)
+    if args.json:
+        out = summary.to_dict()
+        if comparison is not None:
+            out["plan"] = {"rows": comparison[0], "verdict": comparison[1]}
+        print(json.dumps(out, indent=2))
+    else:
+        print(summary.table() + ("\n" + plan_table(*comparison) if comparison is not None else ""))
     if args.plot:
         print(f"plot written to {plot_trace(trace, args.plot)}", file=sys.stderr)
     return 0

@@ -492,3 +492,77 @@ def _table(s: Summary) -> str:
                  + " of profiled time")
     lines.append(s.verdict_line)
     return "\n".join(lines)
+
+
+# [Note: measured against the plan]
+# `zerotier profile TRACE --plan PLAN.json` (a `zerotier plan --json` or Plan.to_dict()) puts
+# each component of the plan's breakdown ([Note: step-time prediction] in predict.py) beside
+# the same work measured in the trace, per step (the window's totals over its steps):
+#   forward / backward / optimizer   compute spans of that kind (optimizer: CPU or device)
+#   params_h2d / params_nvme         prefetch and demand transfers: to the device / from nvme
+#   grads_d2h / grads_nvme           grad-offload transfers: device->host / to or from nvme
+#   optimizer_nvme                   optimizer-read and optimizer-write transfers
+#   params_copyback                  param-copyback transfers
+# Transfer seconds are the union of their spans (concurrent transfers count once), so a
+# component's figure is the time its resource was busy with it, as the plan's seconds are.
+# The verdict names the component furthest from the plan in seconds: the one whose rate or
+# overlap the prediction got most wrong. Components the trace does not time (grad_norm: inside
+# the step, not a span of its own) are listed with the plan's figure only.
+
+
+def _component(t: dict) -> str | None:
+    reason, src, dst = t["reason"], t["src"], t["dst"]
+    if reason in ("prefetch", "demand"):
+        return "params_nvme" if src == "nvme" else "params_h2d"
+    if reason == "grad-offload":
+        return "grads_nvme" if "nvme" in (src, dst) else "grads_d2h"
+    if reason in ("optimizer-read", "optimizer-write"):
+        return "optimizer_nvme"
+    if reason == "param-copyback":
+        return "params_nvme" if dst == "nvme" else "params_copyback"
+    return None
+
+
+def measured_components(trace: dict) -> tuple[dict[str, float], int]:
+    """[Note: measured against the plan] Seconds per step of each plan component, and the steps."""
+    data = read_trace(trace)
+    steps = max(1, len(step_times(trace)))
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for s, e, kind, _, _ in data.computes:
+        name = {"forward": "forward", "backward": "backward", "optimizer": "optimizer",
+                "device-optimizer": "optimizer"}.get(kind)
+        if name is not None:
+            spans[name].append((s, e))
+    for t in data.transfers:
+        name = _component(t)
+        if name is not None:
+            spans[name].append((t["ts"], t["ts"] + t["dur"]))
+    return {name: iv.length(iv.union(v)) / 1e6 / steps for name, v in spans.items()}, steps
+
+
+def plan_comparison(trace: dict, plan: dict) -> tuple[list[tuple[str, float, float | None]], str]:
+    """Rows (component, planned s, measured s or None) and the verdict line naming the component
+    furthest from the plan ([Note: measured against the plan])."""
+    planned = plan.get("breakdown_s") or {}
+    measured, steps = measured_components(trace)
+    rows = [(name, float(planned.get(name, 0.0)), measured.get(name))
+            for name in dict.fromkeys([*planned, *measured])
+            if planned.get(name, 0.0) > 0 or measured.get(name, 0.0) > 0]
+    timed = [(name, p, m) for name, p, m in rows if m is not None or name != "grad_norm"]
+    if not timed:
+        return rows, "plan: nothing to compare (no component in the plan or the trace)"
+    name, p, m = max(timed, key=lambda r: abs((r[2] or 0.0) - r[1]))
+    walls = sorted(s.wall_s for s in step_times(trace))
+    step = walls[len(walls) // 2] if walls else None
+    predicted = plan.get("predicted_step_s")
+    head = (f"plan: step measured {format_duration(step)} (median of {steps}) vs predicted "
+            f"{format_duration(predicted)}; " if step is not None and predicted else "plan: ")
+    return rows, (head + f"furthest from the plan: {name}, measured {format_duration(m or 0.0)} per step vs "
+                  f"planned {format_duration(p)}")
+
+
+def plan_table(rows: list[tuple[str, float, float | None]], line: str) -> str:
+    out = [f"  {'component':16s} {'planned':>10s} {'measured':>10s}"]
+    for name, p, m in rows:
+        out.append(f"  {name:16s} {format_duration(p):>10s} {format_duration(m) if m is not None else '-':>10s}")
+    return "\n".join(out + [line])
