@@ -184,9 +184,9 @@ def test_units_sharing_hyperparameters_keep_the_single_pass(tmp_path, monkeypatc
     calls = []
     real = UnitOptimizer._adam_ranges
 
-    def spy(self, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale):
-        calls.append([(a, b) for a, b, _, _ in ranges] == [(0, master.numel())])
-        return real(self, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale)
+    def spy(self, unit, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale):
+        calls.append([(a, b) for a, b, _, _ in ranges] == [(0, unit.shard_numel)])
+        return real(self, unit, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale)
     monkeypatch.setattr(UnitOptimizer, "_adam_ranges", spy)
     model = make_model()
     with zerotier.initialize(model, config("host", tmp_path)) as engine:

@@ -12,13 +12,24 @@ zerotier/export.py.
     root/ckpt-<step>/manifest.json   format, world size, stage, dtypes, fingerprint (units with
                                  their parameter names and shapes), per rank and unit the real
                                  element range [lo, hi) and the records (offset, nbytes, crc32c)
-    root/ckpt-<step>/rank<r>.bin fp32 master, exp_avg, exp_avg_sq of rank r's real range of every
-                                 unit, one record each, in unit order (raw little-endian fp32)
+    root/ckpt-<step>/rank<r>.bin master, exp_avg, exp_avg_sq of rank r's real range of every
+                                 unit, one record each, in unit order, in the state's layout
+                                 (manifest "state_dtypes", "quant_block": [Note: optimizer state
+                                 layout] in optim/offload.py; raw little-endian; no state_dtypes:
+                                 fp32, as written before compact state)
     root/ckpt-<step>/rank<r>.pt  rank r's RNG states (torch CPU, CUDA, python, numpy)
     root/ckpt-<step>/state.pt    rank 0: steps, loss scaler, lr holder, lr scheduler,
                                  client_state, unmanaged module state (frozen params, buffers)
 The .pt files' crc32c are in the manifest too. Low-precision parameters are not saved: on
 load they are the master rounded to the param dtype, which is what the engine keeps.
+
+[Note: converting state dtypes on load]
+A checkpoint loads into any precision.master_dtype / moment_dtype: each key is decoded to fp32
+from the checkpoint's dtype and stored in the engine's (round to nearest; int8 re-quantized in
+blocks from the new shard's first element), with one warning naming each conversion that loses
+precision (to a narrower dtype, or int8 re-blocked under another sharding). Same dtypes load
+exactly: fp32 and bf16 round-trip through fp32 unchanged, and int8 records whose range is the
+new shard's are copied byte for byte (codes and block scales).
 
 [Note: checkpoint atomicity]
 Every rank writes into root/.ckpt-<step>.tmp-<random>/ and fsyncs its files; a
@@ -53,15 +64,17 @@ import re
 import secrets
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .checkpoint_read import (FORMAT, CheckpointError, RankFiles, crc, load_rng, load_state, manifest_crc,
-                              read_manifest, resolve, step_of)
+                              read_manifest, resolve, state_layout, step_of)
 from .errors import ZerotierError
-from .io import open_direct, open_engine, round_up
+from .io import aligned_empty, open_direct, open_engine, round_up
+from .optim import _kernels
 from .optim.offload import STATE_KEYS
 
 KEEP = 2  # checkpoints of the current run kept by default ([Note: checkpoint retention])
@@ -314,6 +327,7 @@ def _write_rank_data(engine, path: Path) -> list[dict]:
     align = io_cfg.alignment
     records, inflight = [], collections.deque()
     offset = 0
+    layout = engine.unit_optimizer.layout
 
     def retire(item) -> None:
         ticket, want, _keep = item
@@ -327,10 +341,12 @@ def _write_rank_data(engine, path: Path) -> list[dict]:
                 for unit, state in engine.unit_optimizer.iter_state(engine.units, align):
                     n = unit.shard_hi - unit.shard_lo
                     for k in STATE_KEYS:
-                        nbytes = 4 * n
+                        nbytes = layout.nbytes(k, n)
                         padded = round_up(nbytes, align) if nbytes else 0
                         t = state[k]  # aligned, with room for `padded` bytes (iter_state)
-                        raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), 4 * t.storage_offset(),
+                        if layout.dtype(k) == "int8" and n != unit.shard_numel:  # block scales move up
+                            t = layout.resize(k, t, unit.shard_numel, n, aligned_empty(nbytes, align)[:nbytes])
+                        raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), t.storage_offset(),
                                                                     (padded,))
                         raw[nbytes:].zero_()
                         records.append({"unit": unit.index, "key": k, "offset": offset, "nbytes": nbytes,
@@ -386,6 +402,8 @@ def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list, keep: in
         "world_size": world, "zero_stage": engine.sharding.stage,
         "param_dtype": str(engine.lp_dtype).replace("torch.", ""),
         "unit_steps": [list(steps) for steps in engine.unit_optimizer.steps],  # per unit, per parameter
+        "state_dtypes": {k: engine.unit_optimizer.layout.dtype(k) for k in STATE_KEYS},
+        "quant_block": _kernels.QUANT_BLOCK,
         "units": fingerprint(engine), "ranks": ranks, "state": gathered[0][1]["state.pt"],
         "hf_config": _hf_config(engine.module),  # for `zerotier export --to DIR` (config.json)
         "run": {"id": engine.run_id, "saved_ns": time.time_ns()},  # [Note: checkpoint retention]
@@ -462,6 +480,42 @@ def _only_our_files(path: Path) -> bool:
 
 # ------------------------------------------------------------------------------- load
 
+def _same_range(engine, manifest: dict, unit) -> int | None:
+    """The old rank whose range of `unit` is this rank's, or None."""
+    for r, rank in enumerate(manifest["ranks"]):
+        if rank["ranges"][unit.index] == [unit.shard_lo, unit.shard_hi]:
+            return r
+    return None
+
+
+def _warn_lossy(engine, ckpt: Path, manifest: dict) -> None:
+    """[Note: converting state dtypes on load] One warning naming the conversions that lose precision."""
+    old, new = state_layout(manifest), engine.unit_optimizer.layout
+    lossy = [f"{k} {old.dtype(k)} -> {new.dtype(k)}" for k in STATE_KEYS if new.lossy_from(old, k)]
+    if new.moments == old.moments == "int8" and any(_same_range(engine, manifest, u) is None for u in engine.units):
+        lossy.append("int8 moments re-quantized in the new sharding's blocks")
+    if lossy:
+        warnings.warn(f"load_checkpoint({ckpt}): the optimizer state loses precision: {', '.join(lossy)} "
+                      f"(precision.master_dtype = {new.master!r}, moment_dtype = {new.moments!r}; the checkpoint "
+                      f"was saved with {old.master!r} / {old.moments!r})", stacklevel=3)
+
+
+def _load_unit_state(engine, files: RankFiles, unit, steps) -> None:
+    """[Note: converting state dtypes on load] One unit's state into the engine's layout."""
+    opt, old = engine.unit_optimizer, files.layout
+    lo, hi, n = unit.shard_lo, unit.shard_hi, unit.part.shard_numel
+    same = _same_range(engine, files.manifest, unit)
+    for k in STATE_KEYS:
+        if old.dtype(k) == opt.layout.dtype(k) == "int8" and same is not None:  # byte for byte
+            raw = opt.layout.resize(k, files.read(same, unit.index, k), hi - lo, n,
+                                    torch.zeros(opt.layout.nbytes(k, n), dtype=torch.uint8))
+            opt.write_state(unit, {k: raw}, steps, encoded=True)
+            continue
+        values = torch.zeros(n)
+        files.piece(unit.index, k, lo, hi, values)
+        opt.write_state(unit, {k: values}, steps)
+
+
 def _check_fingerprint(engine, manifest: dict, ckpt: Path) -> None:
     ours, theirs = fingerprint(engine), manifest["units"]
     for i in range(max(len(ours), len(theirs))):
@@ -509,16 +563,10 @@ def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
         old_world = manifest["world_size"]
         src = engine.rank if engine.rank < old_world else 0
         rng = load_rng(ckpt, manifest, src, trust_pickle)
+        _warn_lossy(engine, ckpt, manifest)
         for unit, step in zip(engine.units, manifest["unit_steps"]):
-            lo, hi = unit.shard_lo, unit.shard_hi
-            bufs = {}
-            for k in STATE_KEYS:
-                buf = torch.zeros(unit.part.shard_numel)
-                files.piece(unit.index, k, lo, hi, buf)
-                bufs[k] = buf
-            engine.unit_optimizer.write_state(unit, bufs, step)
-            engine.params.load(unit, bufs["master"])  # new low-precision params from the master
-            del bufs
+            _load_unit_state(engine, files, unit, step)
+            engine.params.load(unit, engine.unit_optimizer.read_state(unit, ("master",))["master"].cpu())
         engine.params.synchronize()
     finally:
         files.close()

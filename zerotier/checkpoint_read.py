@@ -38,7 +38,8 @@ import crc32c as _crc32c
 import torch
 
 from .errors import TierIOError
-from .optim.offload import STATE_KEYS
+from .optim import _kernels
+from .optim.offload import STATE_DTYPES, STATE_KEYS, StateLayout
 
 FORMAT = 1
 
@@ -49,6 +50,13 @@ class CheckpointError(TierIOError):
 
 def crc(data) -> int:
     return _crc32c.crc32c(data)
+
+
+def state_layout(manifest: dict) -> StateLayout:
+    """The optimizer state's layout the checkpoint was saved in ([Note: optimizer state layout]);
+    checkpoints written before compact state have none: fp32."""
+    dtypes = manifest.get("state_dtypes") or {}
+    return StateLayout(dtypes.get("master", "fp32"), dtypes.get("exp_avg", "fp32"))
 
 
 def _load_pt(path: Path, meta: dict, trust_pickle: bool = False) -> Any:
@@ -298,6 +306,19 @@ def _check_manifest(m: dict, where: str) -> None:
         for s in items(steps, f"unit_steps[{i}]", len(units[i]["params"]), int):
             count(s, f"unit_steps[{i}]")
     file_meta(m.get("state"), "state")
+    dtypes = m.get("state_dtypes")
+    if dtypes is not None:
+        if not isinstance(dtypes, dict) or set(dtypes) != set(STATE_KEYS) \
+                or not all(dtypes[k] in STATE_DTYPES for k in STATE_KEYS) or dtypes["exp_avg"] != dtypes["exp_avg_sq"] \
+                or dtypes["master"] not in ("fp32", "bf16"):
+            bad(f"state_dtypes is {reprlib.repr(dtypes)}, not a master dtype (fp32, bf16) and one moment dtype "
+                f"(fp32, bf16, int8) for {', '.join(STATE_KEYS)}")
+        if dtypes["exp_avg"] == "int8" and m.get("quant_block") != _kernels.QUANT_BLOCK:
+            raise CheckpointError(f"{where}: its int8 moments are quantized in blocks of "
+                                  f"{reprlib.repr(m.get('quant_block'))} elements, this zerotier reads blocks of "
+                                  f"{_kernels.QUANT_BLOCK}: load it with the zerotier version that saved it and "
+                                  f"save it with precision.moment_dtype = 'fp32' or 'bf16'")
+    layout = state_layout(m)
     ranks = items(m.get("ranks"), "ranks", world)
     for r, rank in enumerate(ranks):
         if rank.get("file") != f"rank{r}.bin":  # a plain name: nothing outside the checkpoint is read
@@ -315,9 +336,9 @@ def _check_manifest(m: dict, where: str) -> None:
                 bad(f"ranks[{r}] has a record for unit {reprlib.repr(unit)} key {reprlib.repr(key)}")
             seen.add((unit, key))
             lo, hi = ranges[unit]
-            if count(rec.get("nbytes"), f"ranks[{r}] record nbytes") != 4 * (hi - lo):
+            if count(rec.get("nbytes"), f"ranks[{r}] record nbytes") != layout.nbytes(key, hi - lo):
                 bad(f"ranks[{r}]'s {key} record of unit {unit} holds {rec['nbytes']} bytes, its range "
-                    f"[{lo}, {hi}) is {4 * (hi - lo)}")
+                    f"[{lo}, {hi}) in {layout.dtype(key)} is {layout.nbytes(key, hi - lo)}")
             count(rec.get("offset"), f"ranks[{r}] record offset")
             count(rec.get("crc32c"), f"ranks[{r}] record crc32c")
         if len(seen) != len(units) * len(STATE_KEYS):
@@ -333,10 +354,12 @@ def _check_manifest(m: dict, where: str) -> None:
 
 
 class RankFiles:
-    """Open data files of a checkpoint; reads records with crc32c verification."""
+    """Open data files of a checkpoint; reads records with crc32c verification. `read` returns a
+    record's bytes as saved (in `layout`), `piece` fp32 values."""
 
     def __init__(self, ckpt: Path, manifest: dict):
         self.ckpt, self.manifest = ckpt, manifest
+        self.layout = state_layout(manifest)
         self.fh: dict[int, Any] = {}
         self.index = [{(rec["unit"], rec["key"]): rec for rec in r["records"]} for r in manifest["ranks"]]
 
@@ -352,8 +375,8 @@ class RankFiles:
             raise CheckpointError(f"checkpoint {path}: short read of {name} at offset {rec['offset']} "
                                   f"({max(0, size - rec['offset'])} of {rec['nbytes']} bytes) — the file is "
                                   f"truncated; load an earlier checkpoint")
-        out = torch.empty(rec["nbytes"] // 4, dtype=torch.float32)
-        view = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(bytearray())
+        out = torch.empty(rec["nbytes"], dtype=torch.uint8)
+        view = memoryview(out.numpy()) if out.numel() else memoryview(bytearray())
         fh.seek(rec["offset"])
         got = fh.readinto(view) if out.numel() else 0
         if got != rec["nbytes"]:
@@ -365,7 +388,8 @@ class RankFiles:
         return out
 
     def piece(self, unit_index: int, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
-        """Fill out[:hi-lo] with elements [lo, hi) of a unit's flat, from every old rank overlapping."""
+        """Fill out[:hi-lo] (fp32) with elements [lo, hi) of a unit's flat, from every old rank
+        overlapping, decoded from the checkpoint's dtype."""
         seen = set()
         for r, rank in enumerate(self.manifest["ranks"]):
             olo, ohi = rank["ranges"][unit_index]
@@ -373,7 +397,7 @@ class RankFiles:
             if a >= b or (olo, ohi) in seen:  # replicated units: every rank saved the same flat
                 continue
             seen.add((olo, ohi))
-            data = self.read(r, unit_index, key)
+            data = self.layout.decode(key, self.read(r, unit_index, key), ohi - olo)
             out[a - lo: b - lo].copy_(data[a - olo: b - olo])
 
     def close(self) -> None:

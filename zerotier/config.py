@@ -102,7 +102,8 @@ class OffloadConfig(_Section):
 @dataclass(frozen=True)
 class PrecisionConfig(_Section):
     param_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
-    master_dtype: Literal["fp32"] = "fp32"
+    master_dtype: Literal["fp32", "bf16"] = "fp32"  # optimizer's master weights; bf16: stochastic rounding
+    moment_dtype: Literal["fp32", "bf16", "int8"] = "fp32"  # Adam's moments; int8: blockwise, per-block absmax
     grad_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # accumulators; auto: bf16 with bf16 params, else fp32
     loss_scale: Union[float, Literal["dynamic"]] = 1.0  # "dynamic" for fp16
     initial_scale_power: int = 16          # dynamic scaling starts at 2**power

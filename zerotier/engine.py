@@ -100,7 +100,7 @@ from .dist.sharding import Sharding
 from .errors import ConfigError, ZerotierError
 from .grads import make_grad_store
 from .materialize import Materializer, is_meta
-from .optim.offload import UnitOptimizer
+from .optim.offload import StateLayout, UnitOptimizer
 from .optim.torch_optimizer import EngineOptimizer, exempt_from_decay
 from .params import ParamStore
 from .planner import make_plan
@@ -233,7 +233,7 @@ class Engine:
         self.scaler = LossScaler(cfg.precision)
         optimizer_loc = self.plan.optimizer_units or placement["optimizer"]  # a tier, or one per unit (a split)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, optimizer_loc, self.device_tier,
-                                            self.host_pool, self.store, self.profiler)
+                                            self.host_pool, self.store, self.profiler, StateLayout.of(cfg.precision))
         no_decay = exempt_from_decay(model, self.units, cfg.optimizer.no_weight_decay)  # checked before placing
         self.params = ParamStore(self.param_units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],

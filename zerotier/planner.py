@@ -88,7 +88,7 @@ from .errors import BudgetError, ConfigError
 from .dist.buckets import GradBucketer, ParamGatherer
 from .dist.partition import Partition, partition_units
 from .grads import GRAD_WRITES, OPEN_UNITS, GradStore, NvmeGradStore
-from .optim.offload import OPTIMIZER_BYTES, UnitOptimizer, fused_temp_bytes
+from .optim.offload import OPTIMIZER_BYTES, StateLayout, UnitOptimizer, fused_temp_bytes
 from .params import ParamStore
 from .predict import COMPONENTS, DEFAULT_RATES, StepOptions, UnitCompute, bound_by, predict
 from .state import DTYPES, TIER_NAMES as TIERS, Location
@@ -137,7 +137,7 @@ def model_state_bytes(numel: int, stage: int, world_size: int, param_bytes: int 
     """
     _check_sharding(stage, world_size)
     per_element = {"params": param_bytes, "gradients": grad_bytes, "optimizer": k}
-    return sum(b * shard_numel(numel, kind, stage, world_size) for kind, b in per_element.items())
+    return round(sum(b * shard_numel(numel, kind, stage, world_size) for kind, b in per_element.items()))
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,7 @@ class Plan:
     bound_by: str = ""
     compute_measured: bool = False
     alternatives: tuple[dict, ...] = ()
+    state_layout: StateLayout = StateLayout()  # precision.master_dtype / moment_dtype
 
     @property
     def per_rank_bytes(self) -> int:
@@ -202,6 +203,7 @@ class Plan:
                      f"gradients {self.grad_bytes} B/param"
                      + (f": the engine's {self.grad_dtype} accumulators)"
                         if self.grad_bytes == DTYPES[self.grad_dtype].itemsize else ")"))
+        lines.append(_state_dtypes_line(self.state_layout))
         lines.append(f"  {'tier':8s} {'needed':>12s} {'budget':>12s}   (needed includes working sets)")
         for tier in TIERS:
             lines.append(f"  {tier:8s} {format_size(self.need[tier]):>12s} {format_size(self.budgets[tier]):>12s}")
@@ -275,6 +277,20 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[str, int]:
     return {"device": dev, "host": host, "nvme": nvme}
 
 
+_STATE_CHOICES = (("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "int8"))  # what `plan` compares
+
+
+def _state_dtypes_line(layout: StateLayout) -> str:
+    """The optimizer state's B/param and what each precision.master_dtype / moment_dtype choice saves."""
+    def bpp(master, moments):
+        return StateLayout(master, moments).bytes_per_param
+    choices = " -> ".join(f"{m}/{v} {bpp(m, v):.4g}" for m, v in _STATE_CHOICES)
+    saved = 1 - layout.bytes_per_param / OPTIMIZER_BYTES
+    return (f"  optimizer state: master {layout.master}, moments {layout.moments}: {layout.bytes_per_param:.4g} B/param"
+            + (f" ({saved:.0%} less than fp32)" if saved else " (exact: torch AdamW's state)")
+            + f"; master/moments B/param: {choices} (precision.master_dtype, precision.moment_dtype)")
+
+
 @dataclass(frozen=True)
 class _Sizes:
     """What `_bytes_for` needs besides the kind and tier (see [Note: bytes per parameter])."""
@@ -295,6 +311,7 @@ class _Sizes:
     nested: int = 0              # elements of enclosing units resident around a fetch (state.nested_numel)
     alignment: int = 4096        # io.alignment: host-pool blocks are rounded up to it
     unit_order: tuple[int, ...] = ()  # every unit's numel in unit order ([Note: optimizer split])
+    state: StateLayout = StateLayout()  # the optimizer state's dtypes: state.bytes_per_param B/param
     frozen: tuple[int, ...] = ()      # frozen units' numels: parameters only ([Note: frozen units] in state.py)
 
     def with_frozen(self) -> "_Sizes":
@@ -354,7 +371,7 @@ def _nvme_rewrites(kind: str, s: _Sizes) -> int:
         rewrite = s.grad_bytes * sum(shards[:inflight])
     else:
         files, inflight = 3, s.pipeline_depth
-        rewrite = OPTIMIZER_BYTES * sum(shards[:inflight])
+        rewrite = round(s.state.bytes_per_param * sum(shards[:inflight]))
     return rewrite + files * (len(shards) + min(inflight, len(shards))) * (s.alignment - 1)
 
 
@@ -420,11 +437,11 @@ def _state_and_buffers(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
                 need["device"] += NvmeGradStore.conversion_bytes(s.largest, s.lp_bytes, s.grad_bytes, s.world_size,
                                                                  s.stage)
     else:
-        need[loc.value] += OPTIMIZER_BYTES * n
+        need[loc.value] += round(s.state.bytes_per_param * n)
         if loc is Location.DEVICE and s.cuda and s.engine_buffers:
             need["device"] += fused_temp_bytes()
         if loc is Location.NVME:
-            need["host"] += UnitOptimizer.staging_bytes(s.pipeline_depth, s.rank_largest(kind))
+            need["host"] += UnitOptimizer.staging_bytes(s.pipeline_depth, s.rank_largest(kind), s.state)
         if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu and loc is not Location.DEVICE):
             need["host"] += UnitOptimizer.grad_staging_bytes(s.rank_largest(kind), s.grad_bytes)
         if s.engine_buffers and s.world_size > 1 and s.stage in (1, 2):
@@ -521,12 +538,14 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                    grad_bytes=DTYPES[precision.accumulator_dtype].itemsize if grad_bytes is None else grad_bytes,
                    lookahead=prefetch.lookahead if prefetch.enabled else 0, stage=stage, world_size=world_size,
                    pipeline_depth=pipeline_depth, engine_buffers=grad_bytes is None, nested=nested_numel,
-                   alignment=alignment, cuda=device.type == "cuda", frozen=tuple(frozen_numels))
-    state_bytes = {kind: b * (sizes.with_frozen() if kind == "params" else sizes).rank_numel(kind) for kind, b in
-                   (("params", lp_bytes), ("gradients", sizes.grad_bytes), ("optimizer", OPTIMIZER_BYTES))}
+                   alignment=alignment, cuda=device.type == "cuda", frozen=tuple(frozen_numels),
+                   state=StateLayout.of(precision))
+    state_bytes = {kind: round(b * (sizes.with_frozen() if kind == "params" else sizes).rank_numel(kind)) for kind, b
+                   in (("params", lp_bytes), ("gradients", sizes.grad_bytes),
+                       ("optimizer", sizes.state.bytes_per_param))}
     frozen_bytes = state_bytes["params"] - lp_bytes * sizes.rank_numel("params")  # [Note: frozen units]
     assert sum(state_bytes.values()) - frozen_bytes == model_state_bytes(sizes.numel, stage, world_size, lp_bytes,
-                                                                         sizes.grad_bytes)
+                                                                         sizes.grad_bytes, sizes.state.bytes_per_param)
     sizes = dataclasses.replace(sizes, unit_order=tuple(unit_numels))
     if zero is not None:  # the collectives' bucket sizes (zero.*_bucket_size; default: ZeroConfig's)
         sizes = dataclasses.replace(sizes, reduce_bucket=zero.reduce_bucket_size,
@@ -582,12 +601,13 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
     split: dict[str, tuple[int, int]] = {}
     for loc, n in zip(units_on or (), _rank_shards_in_order(sizes)):
         b, k = split.get(loc.value, (0, 0))
-        split[loc.value] = (b + OPTIMIZER_BYTES * n, k + 1)
+        split[loc.value] = (b + round(sizes.state.bytes_per_param * n), k + 1)
     return Plan(placement, need, budgets, schedule.step_s, breakdown, sizes.numel, world_size, stage,
                 state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes, precision.accumulator_dtype,
                 units_on, split, sum(frozen_numels), frozen_bytes,
                 {c: schedule.critical.get(c, 0.0) for c in COMPONENTS},
-                bound_by(schedule.critical, device.type, placement["optimizer"] is Location.DEVICE), compute is not None)
+                bound_by(schedule.critical, device.type, placement["optimizer"] is Location.DEVICE), compute is not None,
+                state_layout=sizes.state)
 
 
 def _rank_shards_in_order(s: _Sizes) -> list[int]:

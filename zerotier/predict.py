@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .optim.offload import OPTIMIZER_BYTES
 from .schedule.step_model import Schedule, StepShape, UnitWork, simulate
 from .state import Location
 
@@ -129,8 +128,8 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
                 w["adam_s"] = secs(o_shard * local_ranks, "cpu_adam")
                 w["adam_on"] = "cpu" if cuda else "compute"  # a CPU device's compute is the same cores
             if unit_opt is Location.NVME:
-                w["state_read_s"] = secs(OPTIMIZER_BYTES * o_shard * local_ranks, "nvme_read")
-                w["state_write_s"] = secs(OPTIMIZER_BYTES * o_shard * local_ranks, "nvme_write")
+                w["state_read_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, "nvme_read")
+                w["state_write_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, "nvme_write")
             if params_at is Location.NVME:
                 w["copyback_s"], w["copyback_on"] = secs(s.lp_bytes * o_shard * local_ranks, "nvme_write"), "nvme"
             elif cuda and unit_opt is not Location.DEVICE and params_at is Location.DEVICE:

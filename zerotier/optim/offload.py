@@ -64,7 +64,116 @@ from ..threads import UPDATER, owned
 from . import _kernels
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
-OPTIMIZER_BYTES = 4 * len(STATE_KEYS)  # fp32 master + two moments per element
+OPTIMIZER_BYTES = 4 * len(STATE_KEYS)  # fp32 master + two moments per element (the default StateLayout)
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}  # int8: the codes' storage
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """[Note: optimizer state layout] The bytes of one unit's optimizer state, the same on every
+    tier, in NVMe unit files and in checkpoints: one buffer per STATE_KEYS key (so one file per
+    key per unit), sized `nbytes(key, n)` for a shard of n elements. An fp32 or bf16 key holds n
+    values. An int8 moment holds n one-byte codes, padded to 4 bytes, then one fp32 absmax per
+    QUANT_BLOCK elements of the shard (blocks start at the shard's first element): its block
+    scales travel with it, and zero bytes mean zero moments in every dtype (absmax 0).
+    exp_avg is signed, exp_avg_sq unsigned ([Note: 8-bit moments] in _kernels.py).
+
+    The master's dtype is `master` (fp32, or bf16 updated with stochastic rounding: `sr_seed`),
+    both moments' `moments`. fp32/fp32 is the default and torch AdamW's exact state."""
+
+    master: str = "fp32"   # precision.master_dtype
+    moments: str = "fp32"  # precision.moment_dtype
+
+    @classmethod
+    def of(cls, precision) -> "StateLayout":
+        return cls(precision.master_dtype, precision.moment_dtype)
+
+    def dtype(self, key: str) -> str:
+        return self.master if key == "master" else self.moments
+
+    @property
+    def exact(self) -> bool:
+        """fp32 everywhere: torch AdamW's state, bit for bit."""
+        return self.master == self.moments == "fp32"
+
+    def nbytes(self, key: str, n: int) -> int:
+        """Bytes of `key`'s buffer for a shard of n elements."""
+        if self.dtype(key) == "int8":
+            return _codes_bytes(n) + 4 * _blocks(n)
+        return n * STATE_DTYPES[self.dtype(key)].itemsize
+
+    def state_bytes(self, n: int) -> int:
+        """Bytes of a shard's whole state (the three buffers)."""
+        return sum(self.nbytes(k, n) for k in STATE_KEYS)
+
+    @property
+    def bytes_per_param(self) -> float:
+        """The state's bytes per element, block scales included (what the planner counts)."""
+        return _kernels.state_bytes_per_param(self.master, self.moments)
+
+    def typed(self, key: str, raw: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`key`'s buffer `raw` (uint8, at least nbytes(key, n)) as (values, absmax or None): views, no copy."""
+        if self.dtype(key) == "int8":
+            at = _codes_bytes(n)
+            return raw[:n], raw[at: at + 4 * _blocks(n)].view(torch.float32)
+        return raw[: self.nbytes(key, n)].view(STATE_DTYPES[self.dtype(key)]), None
+
+    def decode(self, key: str, raw: torch.Tensor, n: int) -> torch.Tensor:
+        """`key`'s values as a new fp32 tensor of n elements."""
+        values, absmax = self.typed(key, raw, n)
+        if absmax is None:
+            return values.float() if values.dtype != torch.float32 else values.clone()
+        return _kernels.dequantize_blockwise(values, absmax, signed=key == "exp_avg")
+
+    def encode(self, key: str, values: torch.Tensor, raw: torch.Tensor) -> None:
+        """Write fp32 `values` into `key`'s buffer `raw` (round to nearest; int8: re-blocked from the
+        shard's first element, absmax recomputed)."""
+        n = values.numel()
+        dst, absmax = self.typed(key, raw, n)
+        if absmax is None:
+            dst.copy_(values)
+            return
+        codes, scales = _kernels.quantize_blockwise(values.float().contiguous(), signed=key == "exp_avg")
+        dst.copy_(codes)
+        absmax.copy_(scales)
+        raw[n: _codes_bytes(n)].zero_()
+
+    def resize(self, key: str, raw: torch.Tensor, n: int, m: int, out: torch.Tensor) -> torch.Tensor:
+        """`key`'s buffer for n elements as the buffer for m (out: uint8, nbytes(key, m)): the first
+        min(n, m) elements and their block scales, zeros after. For the real range of a padded shard
+        and back (checkpoints hold the real range)."""
+        out.zero_()
+        k = min(n, m)
+        (src, src_absmax), (dst, dst_absmax) = self.typed(key, raw, n), self.typed(key, out, m)
+        dst[:k].copy_(src[:k])
+        if src_absmax is not None:
+            dst_absmax[: _blocks(k)].copy_(src_absmax[: _blocks(k)])
+        return out
+
+    def lossy_from(self, old: "StateLayout", key: str) -> bool:
+        """Whether converting `key` from `old`'s dtype to this layout's loses precision."""
+        rank = {"fp32": 2, "bf16": 1, "int8": 0}
+        return rank[self.dtype(key)] < rank[old.dtype(key)]
+
+
+def _blocks(n: int) -> int:
+    return -(-n // _kernels.QUANT_BLOCK)
+
+
+def _codes_bytes(n: int) -> int:
+    return -(-n // 4) * 4  # the absmax after the codes is 4-byte aligned
+
+
+def sr_seed(unit_index: int, step: int) -> int:
+    """[Note: stochastic rounding seed] The seed of a bf16 master's stochastic rounding in one unit's
+    update: a function of the unit's index and the step count alone (splitmix64), so a resumed run
+    rounds exactly as the uninterrupted one. The kernel rounds element i with seed + i; the caller
+    adds the shard's offset in the unit, so each element of the unit draws its own stream whatever
+    the world size."""
+    z = ((unit_index << 32) ^ step) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 2  # < 2**62: room to add element offsets within int64
 
 
 class Hyper(NamedTuple):
@@ -117,10 +226,16 @@ class UnitOptimizer:
     """Adam(W) step over units, wherever their state lives (see the module docstring)."""
 
     def __init__(self, units: list[Unit], cfg: OptimizerConfig, loc: "Location | tuple[Location, ...]", device_tier,
-                 host_pool, store, profiler=None):
+                 host_pool, store, profiler=None, layout: StateLayout = StateLayout()):
+        if not layout.exact and Location.DEVICE in self.locs and device_tier.device.type != "cpu":
+            raise ConfigError(f"precision.master_dtype = {layout.master!r}, precision.moment_dtype = "
+                              f"{layout.moments!r}: compact optimizer state is updated by the CPU kernel, and "
+                              f"offload.optimizer puts it on {device_tier.device} (fp32 only there, torch's fused "
+                              "Adam): set offload.optimizer = 'host' or 'nvme', or both dtypes to 'fp32'")
         """loc: the tier of every unit's state, or each unit's tier by unit index ([Note: units on
-        different tiers]; a split spans host and NVMe only)."""
-        self.units, self.cfg = units, cfg
+        different tiers]; a split spans host and NVMe only). layout: the state's dtypes
+        ([Note: optimizer state layout])."""
+        self.units, self.cfg, self.layout = units, cfg, layout
         self.locs: list[Location] = [loc] * len(units) if isinstance(loc, Location) else list(loc)
         if len(self.locs) != len(units) or (Location.DEVICE in self.locs and len(set(self.locs)) > 1):
             raise ConfigError(f"optimizer state placement {[at.value for at in self.locs]} for {len(units)} "
@@ -174,29 +289,33 @@ class UnitOptimizer:
                 self.host_pool.free(block)
 
     @staticmethod
-    def staging_bytes(depth: int, largest_shard: int) -> int:
+    def staging_bytes(depth: int, largest_shard: int, layout: StateLayout = StateLayout()) -> int:
         """Host-pool bytes of the NVMe pipeline's staging sets (the planner counts exactly this)."""
-        return depth * OPTIMIZER_BYTES * largest_shard
+        return depth * layout.state_bytes(largest_shard)
+        layout = self.layout
 
     # ------------------------------------------------------------------ place
 
     @owned(UPDATER)
     def place(self, unit: Unit, master: torch.Tensor) -> None:
-        """Put the fp32 master of this rank's shard (a CPU tensor) and zero moments on the tier.
+        """Put the fp32 master of this rank's shard (a CPU tensor) and zero moments on the tier, in
+        the state's layout (a bf16 master: rounded to nearest).
         [Note: initial NVMe writes] NVMe: the writes are left in flight; finish_place() waits."""
         n = unit.shard_numel
         loc = self.locs[unit.index]
         if loc is Location.NVME:
-            if self._zeros is None or self._zeros.tensor.numel() < n:
+            moment_bytes = layout.nbytes("exp_avg", n)
+            if self._zeros is None or self._zeros.tensor.numel() < moment_bytes:
                 self._finish_placing(0)  # writes in flight read the old zeros block
                 if self._zeros is not None:
                     self.host_pool.free(self._zeros)
                 largest = max(u.shard_numel for u in self._nvme_units)
-                self._zeros = self.host_pool.alloc(4 * largest, torch.float32, "optimizer.zeros")
+                self._zeros = self.host_pool.alloc(layout.nbytes("exp_avg", largest), torch.uint8, "optimizer.zeros")
+            nbytes = layout.nbytes(key, n)
                 self._zeros.tensor.zero_()
-            block = self.host_pool.alloc(4 * n, torch.float32, f"{unit.key}.master")
-            block.tensor.copy_(master)
-            zeros = self._zeros.tensor[:n]  # aligned, with the room of the largest shard after it
+            block = self.host_pool.alloc(layout.nbytes("master", n), torch.uint8, f"{unit.key}.master")
+            layout.encode("master", master, block.tensor)
+            zeros = self._zeros.tensor[:moment_bytes]  # aligned, with the room of the largest shard after it
             self._placing.append((block, [self.store.write(f"{unit.key}.{k}", block if k == "master" else zeros)
                                           for k in STATE_KEYS]))
             self._finish_placing(self.depth)
@@ -204,11 +323,10 @@ class UnitOptimizer:
         state = {}
         for key in STATE_KEYS:
             if loc is Location.DEVICE:
-                t = state[key] = self.device_tier.alloc((n,), torch.float32, f"{unit.key}.{key}")
+                raw = state[key] = self.device_tier.alloc((nbytes,), torch.uint8, f"{unit.key}.{key}")
             else:
-                buf = self.host_pool.alloc(4 * n, torch.float32, f"{unit.key}.{key}")
-                t = state[key] = buf.tensor
-            t.copy_(master) if key == "master" else t.zero_()
+                raw = state[key] = self.host_pool.alloc(nbytes, torch.uint8, f"{unit.key}.{key}").tensor
+            layout.encode(key, master, raw) if key == "master" else raw.zero_()
         self._state[unit.index] = state
 
     # ------------------------------------------------------------------ step
@@ -256,9 +374,7 @@ class UnitOptimizer:
                     if nxt.index not in self._reads:
                         self._issue_read(nxt, block=on_nvme)  # before a host unit: only free sets
                 if not on_nvme:
-                    s = self._state[unit.index]
-                    self._adam(unit, s["master"], s["exp_avg"], s["exp_avg_sq"], grad_of(unit), out_of(unit),
-                               hyper_of(unit), grad_scale)
+                    self._adam(unit, self._state[unit.index], grad_of(unit), out_of(unit), hyper_of(unit), grad_scale)
                     yield unit
                     continue
                 done += 1
@@ -269,8 +385,7 @@ class UnitOptimizer:
                     self._free_sets.append(slot)  # nothing was read into it that anyone will use
                     raise
                 bufs = self._set_views(slot, unit)
-                self._adam(unit, bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"], grad_of(unit), out_of(unit),
-                           hyper_of(unit), grad_scale)
+                self._adam(unit, bufs, grad_of(unit), out_of(unit), hyper_of(unit), grad_scale)
                 self._writing.append((slot, self._io(unit, bufs, "optimizer-write")))
                 yield unit
             completed = True
@@ -290,8 +405,7 @@ class UnitOptimizer:
             self._issue_read(unit, block=False)
 
     @owned(UPDATER)
-    def _adam(self, unit: Unit, master, exp_avg, exp_avg_sq, grad, out, hypers: Sequence[Hyper],
-              grad_scale: float) -> None:
+    def _adam(self, unit: Unit, raw: dict, grad, out, hypers: Sequence[Hyper], grad_scale: float) -> None:
         """[Note: parameters without a gradient] Each parameter keeps its own step count and
         hyper-parameters, as in torch. When every parameter of the unit got a gradient and their
         counts and hyper-parameters agree (always, unless data-dependent control flow skipped one
@@ -299,20 +413,23 @@ class UnitOptimizer:
         shard. Otherwise the parameters' slices of the shard are updated, each with its own count
         and hyper-parameters (adjacent slices that share them as one range; on the CPU, all of
         them in one native call), and the slices of parameters without a gradient are left as
-        they are (their new low-precision output is the cast of the unchanged master)."""
+        they are (their new low-precision output is the cast of the unchanged master). `raw`: the
+        unit's state buffers ([Note: optimizer state layout])."""
         self.applied += 1  # from here on the unit's state may differ from before the step
         got = self._got.pop(unit.index, None)
         steps = self.steps[unit.index]
         for k in range(len(steps)):
             if got is None or k in got:
                 steps[k] += 1
-        if grad.device != master.device:
-            grad = grad.to(master.device)
+        n, layout = unit.shard_numel, self.layout
+        master, exp_avg, exp_avg_sq = (layout.typed(k, raw[k], n) for k in STATE_KEYS)
+        if grad.device != master[0].device:
+            grad = grad.to(master[0].device)
         prof = self.profiler
-        span = prof.compute_begin("optimizer" if master.device.type == "cpu" else "device-optimizer",
+        span = prof.compute_begin("optimizer" if master[0].device.type == "cpu" else "device-optimizer",
                                   label=unit.key, numel=unit.numel) if prof is not None else None
         if got is None and len(set(steps)) == 1 and len(set(hypers)) == 1:
-            self._adam_ranges(master, exp_avg, exp_avg_sq, grad, out, [(0, master.numel(), steps[0], hypers[0])],
+            self._adam_ranges(unit, master, exp_avg, exp_avg_sq, grad, out, [(0, n, steps[0], hypers[0])],
                               grad_scale)
         else:
             ranges: list[list] = []  # [a, b, step, hyper]: slices of the shard to update
@@ -326,20 +443,40 @@ class UnitOptimizer:
                         ranges[-1][1] = b
                     else:
                         ranges.append([a, b, steps[k], hypers[k]])
-                elif out is not None and out.data_ptr() != master.data_ptr():
-                    out[a:b].copy_(master[a:b])
-            self._adam_ranges(master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale)
+                elif out is not None and out.data_ptr() != master[0].data_ptr():
+                    out[a:b].copy_(master[0][a:b])
+            self._adam_ranges(unit, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale)
         if span is not None:
             prof.compute_end(span)
 
-    def _adam_ranges(self, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale: float) -> None:
-        """Adam(W) over the slices [a, b) of the shard in `ranges` ((a, b, step, hyper) each)."""
+    def _adam_ranges(self, unit: Unit, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale: float) -> None:
+        (master, _), (exp_avg, avg_absmax), (exp_avg_sq, sq_absmax) = master, exp_avg, exp_avg_sq
+        """Adam(W) over the slices [a, b) of the shard in `ranges` ((a, b, step, hyper) each).
+        master, exp_avg, exp_avg_sq: (values, absmax or None) pairs ([Note: optimizer state layout]).
+        A bf16 master is rounded stochastically, seeded by [Note: stochastic rounding seed]. int8
+        moments are quantized in blocks from the shard's first element, which parameter slices do
+        not follow: a whole-shard range goes to the kernel as is; slices are updated on fp32 copies
+        of the moments (8 B per element of the shard, in the rare case of [Note: parameters without
+        a gradient]), re-quantized once after."""
         if not ranges:
             return
         common = dict(bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
         if master.device.type == "cpu":  # `out` is host memory too (ParamStore.out_buffer): one native call
-            buffers = [(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], None if out is None else out[a:b])
-                       for a, b, _, _ in ranges]
+            codes = None
+            if avg_absmax is not None and not (len(ranges) == 1 and tuple(ranges[0][:2]) == (0, master.numel())):
+                codes = (exp_avg, avg_absmax), (exp_avg_sq, sq_absmax)
+                exp_avg = _kernels.dequantize_blockwise(exp_avg, avg_absmax, signed=True)
+                exp_avg_sq = _kernels.dequantize_blockwise(exp_avg_sq, sq_absmax, signed=False)
+                avg_absmax = sq_absmax = None
+            if codes is not None:
+                for values, (dst, dst_absmax), signed in ((exp_avg, codes[0], True), (exp_avg_sq, codes[1], False)):
+                    new_codes, new_absmax = _kernels.quantize_blockwise(values, signed=signed)
+                    dst.copy_(new_codes)
+                    dst_absmax.copy_(new_absmax)
+            bf16_master = master.dtype == torch.bfloat16
+            buffers = [(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], None if out is None else out[a:b],
+                        avg_absmax, sq_absmax, sr_seed(unit.index, step) + unit.shard_lo + a if bf16_master else None)
+                       for a, b, step, _ in ranges]
             hs = [h for _, _, _, h in ranges]
             _kernels.adam_step_multi(buffers, step=[s for _, _, s, _ in ranges], lr=[h.lr for h in hs],
                                      beta1=[h.beta1 for h in hs], beta2=[h.beta2 for h in hs],
@@ -347,7 +484,7 @@ class UnitOptimizer:
                                      decoupled=[h.decoupled for h in hs], simd=self.cfg.simd,
                                      threads=self.threads, **common)
             return
-        for a, b, step, h in ranges:
+        for a, b, step, h in ranges:  # fp32 state (the constructor refuses compact state on an accelerator)
             kwargs = dict(step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
                           decoupled=h.decoupled, **common)
             part = None if out is None else out[a:b]
@@ -362,7 +499,7 @@ class UnitOptimizer:
 
     def _make_sets(self) -> None:
         largest = max(u.shard_numel for u in self._nvme_units)  # the planner's staging_bytes figure
-        self._sets = [{k: self.host_pool.alloc(4 * largest, torch.float32, f"optimizer staging {k}")
+        self._sets = [{k: self.host_pool.alloc(self.layout.nbytes(k, largest), torch.uint8, f"optimizer staging {k}")
                        for k in STATE_KEYS} for _ in range(self.depth)]
         self._free_sets.extend(range(self.depth))
 
@@ -395,7 +532,7 @@ class UnitOptimizer:
 
     def _set_views(self, slot: int, unit: Unit) -> dict:
         """The set's blocks as this unit's state: pool buffers sized to the shard, padded room after."""
-        return {k: buf.tensor[: unit.shard_numel] for k, buf in self._sets[slot].items()}
+        return {k: buf.tensor[: self.layout.nbytes(k, unit.shard_numel)] for k, buf in self._sets[slot].items()}
 
     def _io(self, unit: Unit, bufs: dict, reason: str) -> list:
         """Submit reads or writes of a unit's three state tensors; tickets carry profiler info."""
@@ -406,7 +543,7 @@ class UnitOptimizer:
             return tickets
         start = time.perf_counter_ns()
         src, dst = ("nvme", "host") if read else ("host", "nvme")
-        return [_Profiled(t, f"{unit.key}.{k}", k, src, dst, unit.shard_numel * 4, reason, start)
+        return [_Profiled(t, f"{unit.key}.{k}", k, src, dst, self.layout.nbytes(k, unit.shard_numel), reason, start)
                 for t, k in zip(tickets, STATE_KEYS)]
 
     def _wait(self, tickets: list) -> None:
@@ -454,16 +591,24 @@ class UnitOptimizer:
     # ------------------------------------------------------------------ access
 
     def read_state(self, unit: Unit, keys: tuple[str, ...] = STATE_KEYS) -> dict[str, torch.Tensor]:
-        """fp32 `keys` (master, exp_avg, exp_avg_sq) of a unit's shard (copies on the CPU when on NVMe)."""
+        """fp32 `keys` (master, exp_avg, exp_avg_sq) of a unit's shard: the live tensors for fp32 state
+        on host or device, else fp32 copies on the CPU (decoded: [Note: optimizer state layout])."""
+        n = unit.shard_numel
         if self.locs[unit.index] is not Location.NVME:
-            return {k: self._state[unit.index][k] for k in keys}
-        out = {k: torch.empty(unit.shard_numel) for k in keys}
+            raw = self._state[unit.index]
+            if self.layout.exact:
+                return {k: self.layout.typed(k, raw[k], n)[0] for k in keys}
+            return {k: self.layout.decode(k, raw[k].cpu(), n) for k in keys}
+        out = {}
         for k in keys:
-            self.store.read(f"{unit.key}.{k}", out[k]).wait()
+            raw = torch.empty(self.layout.nbytes(k, n), dtype=torch.uint8)
+            self.store.read(f"{unit.key}.{k}", raw).wait()
+            out[k] = self.layout.typed(k, raw, n)[0] if self.layout.exact else self.layout.decode(k, raw, n)
         return out
 
     def iter_state(self, units: list[Unit], alignment: int) -> Iterator[tuple[Unit, dict[str, torch.Tensor]]]:
-        """Each unit's fp32 state as aligned CPU tensors of its shard (storage padded to `alignment`
+        """Each unit's state buffers as they are stored ([Note: optimizer state layout]: uint8,
+        `layout.nbytes(key, shard_numel)` each) in aligned CPU memory (storage padded to `alignment`
         bytes: [Note: checkpoint streaming] in checkpoint.py), the next unit's NVMe reads already in
         flight; reads still in flight are waited for if the caller stops early. Host-resident state
         is yielded as it lives in its pool blocks (aligned and padded already: no copy); the caller
@@ -473,7 +618,8 @@ class UnitOptimizer:
             loc = self.locs[unit.index]
             if loc is Location.HOST:
                 return self._state[unit.index], []
-            bufs = {k: aligned_empty(4 * n, alignment).view(torch.float32)[:n] for k in STATE_KEYS}
+            bufs = {k: aligned_empty(self.layout.nbytes(k, n), alignment)[: self.layout.nbytes(k, n)]
+                    for k in STATE_KEYS}
             if loc is Location.NVME:
                 return bufs, [self.store.read(f"{unit.key}.{k}", bufs[k], padded=True) for k in STATE_KEYS]
             for k in STATE_KEYS:
@@ -498,22 +644,37 @@ class UnitOptimizer:
                     pass
 
     @owned(UPDATER)
-    def write_state(self, unit: Unit, state: dict[str, torch.Tensor], steps: "int | list[int]") -> None:
-        """Replace the state tensors in `state` (master, exp_avg, exp_avg_sq: any of them; CPU
-        tensors of the shard's size, padding zero) of a unit and its parameters' step counts
-        (one int: all of them), wherever they live; the keys not in `state` are kept."""
+    def write_state(self, unit: Unit, state: dict[str, torch.Tensor], steps: "int | list[int]",
+                    encoded: bool = False) -> None:
+        """Replace the state tensors in `state` (master, exp_avg, exp_avg_sq: any of them) of a unit
+        and its parameters' step counts (one int: all of them), wherever they live; the keys not in
+        `state` are kept. The tensors are fp32 CPU tensors of the shard's size, stored in the
+        layout's dtypes (round to nearest, int8 re-blocked), or with `encoded` the layout's own
+        buffers (`layout.nbytes(key, n)` uint8 each, as iter_state yields them), stored as they are."""
         unknown = set(state) - set(STATE_KEYS)
         if unknown:
             raise ValueError(f"write_state: unknown state keys {sorted(unknown)} (known: {STATE_KEYS})")
         self.drop_prefetched()
         self.steps[unit.index] = [steps] * len(unit.params) if isinstance(steps, int) else list(steps)
         keys = [k for k in STATE_KEYS if k in state]
-        if self.locs[unit.index] is Location.NVME:
-            for k in keys:
-                self.store.write(f"{unit.key}.{k}", state[k].contiguous()).wait()
-            return
+        n = unit.shard_numel
+        on_nvme = self.locs[unit.index] is Location.NVME
         for k in keys:
-            self._state[unit.index][k].copy_(state[k])
+            live = None if on_nvme else self._state[unit.index][k]
+            if encoded:
+                raw = state[k].contiguous()
+                if raw.dtype != torch.uint8 or raw.numel() != self.layout.nbytes(k, n):
+                    raise ValueError(f"write_state(encoded=True): {k} must be {self.layout.nbytes(k, n)} uint8 "
+                                     f"bytes, got {raw.numel()} {raw.dtype}")
+                if live is not None:
+                    live.copy_(raw)
+            elif live is not None:
+                self.layout.encode(k, state[k], live)
+            else:
+                raw = torch.empty(self.layout.nbytes(k, n), dtype=torch.uint8)
+                self.layout.encode(k, state[k], raw)
+            if on_nvme:
+                self.store.write(f"{unit.key}.{k}", raw).wait()
 
     def close(self) -> None:
         """Finish NVMe I/O in flight and give the staging sets back (the state stays readable). Idempotent."""
