@@ -1,0 +1,210 @@
+"""The planner's predicted step against the measured one (issue 24): placement x model x dtype x
+clipping x accumulation.
+
+    python benchmarks/bench_planner.py --quick                 # a subset at small shapes
+    python benchmarks/bench_planner.py                         # every case, GPT-2-small-like widths
+    python benchmarks/bench_planner.py --models gpt2 --placements device opt-nvme --dtypes fp32 --accum 1 4
+
+Each case: `zerotier.plan(meta_model, config, inputs=batch, rates=...)` (compute measured one unit at a
+time, [Note: measuring units]) with rates measured by `zerotier bench` (quick) at the start of this
+run, then the engine trains the same shape on the same batch for `--steps` steps (profiling on),
+and the median step after the first two (the trace is recorded in step 1) is compared with the
+prediction. The component furthest from the plan comes from the profile ([Note: measured against
+the plan]). On a shared machine the figures drift between runs (GUIDE.md section 3): read a
+case's error together with its neighbours, and rerun a case alone before trusting one figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+PLACEMENTS = {
+    "device": {"params": "device", "gradients": "device", "optimizer": "device"},
+    "opt-host": {"params": "device", "gradients": "host", "optimizer": "host"},
+    "opt-nvme": {"params": "device", "gradients": "host", "optimizer": "nvme"},
+    "params+opt-nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
+    "grads-nvme": {"params": "device", "gradients": "nvme", "optimizer": "host"},
+    "opt-split": {"params": "device", "gradients": "host", "optimizer": {"host": 0.5, "nvme": 0.5}},
+}
+
+
+def models(quick: bool):
+    """name -> (factory(device) -> module, vocab, seq). quick: small widths (same shapes of layer)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from zerotier.models import TinyGPT
+
+    class RMSNorm(nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(dim))
+
+        def reset_parameters(self):
+            nn.init.ones_(self.weight)
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+    class LlamaBlock(nn.Module):
+        """Grouped-query attention (kv_heads < heads) and a SwiGLU MLP, pre-RMSNorm."""
+
+        def __init__(self, dim, heads, kv_heads, hidden):
+            super().__init__()
+            self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+            self.n1, self.n2 = RMSNorm(dim), RMSNorm(dim)
+            self.q = nn.Linear(dim, dim, bias=False)
+            self.kv = nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+            self.o = nn.Linear(dim, dim, bias=False)
+            self.gate = nn.Linear(dim, hidden, bias=False)
+            self.up = nn.Linear(dim, hidden, bias=False)
+            self.down = nn.Linear(hidden, dim, bias=False)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            h = self.n1(x)
+            q = self.q(h).view(b, t, self.heads, self.hd).transpose(1, 2)
+            k, v = self.kv(h).view(b, t, 2, self.kv_heads, self.hd).permute(2, 0, 3, 1, 4)
+            rep = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+            x = x + self.o(y)
+            return x + self.down(F.silu(self.gate(self.n2(x))) * self.up(self.n2(x)))
+
+    class Llama(nn.Module):
+        def __init__(self, vocab, dim, layers, heads, kv_heads, hidden):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, dim)
+            self.blocks = nn.ModuleList(LlamaBlock(dim, heads, kv_heads, hidden) for _ in range(layers))
+            self.norm = RMSNorm(dim)
+            self.head = nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, idx, targets):
+            x = self.emb(idx)
+            for block in self.blocks:
+                x = block(x)
+            logits = self.head(self.norm(x))
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    dim, layers, seq = (256, 4, 64) if quick else (768, 6, 128)
+
+    def gpt2(device):
+        with torch.device(device):
+            return TinyGPT(vocab=8192 if quick else 50257, dim=dim, layers=layers, heads=max(4, dim // 64), seq=seq)
+
+    def llama(device):
+        with torch.device(device):
+            return Llama(8192 if quick else 32000, dim, layers, max(4, dim // 64), max(1, dim // 256),
+                         int(8 * dim / 3) // 64 * 64)
+
+    def tied(device):  # the embedding (tied head) is most of the model
+        with torch.device(device):
+            return TinyGPT(vocab=32000 if quick else 128000, dim=dim // 2, layers=2, heads=4, seq=seq)
+
+    return {"gpt2": (gpt2, 8192 if quick else 50257, seq), "llama": (llama, 8192 if quick else 32000, seq),
+            "tied": (tied, 32000 if quick else 128000, seq)}
+
+
+def init_fn(module):
+    """Meta-built models: normal(0, 0.02) weights, ones for norms (every module kind used here)."""
+    import torch.nn as nn
+
+    for name, p in module.named_parameters(recurse=False):
+        if name == "weight" and p.dim() == 1:
+            nn.init.ones_(p)
+        elif name == "bias":
+            nn.init.zeros_(p)
+        else:
+            nn.init.normal_(p, std=0.02)
+
+
+def run_case(name, factory, vocab, seq, placement, dtype, clip, accum, args, rates, nvme_path):
+    import torch
+
+    import zerotier
+    from zerotier.profiler.summary import plan_comparison
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (args.batch, seq), generator=g)
+    y = torch.randint(0, vocab, (args.batch, seq), generator=g)
+    cfg = {"offload": PLACEMENTS[placement], "tiers": {"nvme_path": nvme_path},
+           "precision": {"param_dtype": dtype}, "train": {"grad_accum_steps": accum, "handle_signals": False,
+                                                          "max_grad_norm": 1.0 if clip else None},
+           "profile": {"enabled": True, "record_function": False}}
+    plan = zerotier.plan(factory("meta"), cfg, inputs=(x, y), rates=rates, repeat=args.repeat)
+    torch.manual_seed(0)
+    model = factory("meta")
+    times = []
+    with zerotier.initialize(model, cfg, init_fn=init_fn) as engine:
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            for _ in range(accum):
+                engine.backward(engine(x, y))
+                engine.step()
+            times.append(time.perf_counter() - t0)
+        trace = engine.profiler.trace()
+    measured = statistics.median(times[2:])
+    _, line = plan_comparison(trace, plan.to_dict())
+    return {"model": name, "placement": placement, "dtype": dtype, "clip": clip, "accum": accum,
+            "predicted_s": plan.predicted_step_s, "measured_s": measured,
+            "error_pct": 100 * (plan.predicted_step_s - measured) / measured, "bound_by": plan.bound_by,
+            "furthest": line.split("furthest from the plan: ")[-1]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small widths and a subset: gpt2 x every placement at "
+                   "fp32, clip off, accum 1, plus llama and tied at device / opt-nvme and bf16 / clip / accum 4")
+    p.add_argument("--models", nargs="+", choices=("gpt2", "llama", "tied"))
+    p.add_argument("--placements", nargs="+", choices=tuple(PLACEMENTS))
+    p.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"))
+    p.add_argument("--clip", nargs="+", choices=("off", "on"))
+    p.add_argument("--accum", nargs="+", type=int)
+    p.add_argument("--steps", type=int, default=6, help="steps per case; the median is over steps 3.. (default 6)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per unit in the plan's measurement")
+    p.add_argument("--nvme-path", default=None, help="directory on the drive (default: a temp dir here)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    from zerotier import bench
+
+    nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="zt-bench-planner-", dir=".")
+    catalogue = models(args.quick)
+    if any(v is not None for v in (args.models, args.placements, args.dtypes, args.clip, args.accum)) or \
+            not args.quick:
+        cases = [(m, pl, d, c == "on", a) for m in args.models or catalogue for pl in args.placements or PLACEMENTS
+                 for d in args.dtypes or ("fp32", "bf16") for c in args.clip or ("off", "on")
+                 for a in args.accum or (1, 4)]
+    else:
+        cases = [("gpt2", pl, "fp32", False, 1) for pl in PLACEMENTS]
+        cases += [(m, pl, "fp32", False, 1) for m in ("llama", "tied") for pl in ("device", "opt-nvme")]
+        cases += [("gpt2", "opt-nvme", "bf16", False, 1), ("gpt2", "opt-nvme", "fp32", True, 1),
+                  ("gpt2", "opt-nvme", "fp32", False, 4)]
+    print(f"zerotier bench (quick) for the rates, in {nvme_path} ...", file=sys.stderr)
+    rates = bench.entry_rates(bench.run(bench.SECTIONS, quick=True, path=nvme_path,
+                                        progress=lambda _: None))
+    print("rates: " + ", ".join(f"{k} {v:.3g}" for k, v in rates.items()), file=sys.stderr)
+    rows = []
+    print(f"{'model':6s} {'placement':16s} {'dtype':5s} {'clip':4s} {'acc':>3s} {'predicted':>10s} "
+          f"{'measured':>10s} {'error':>7s}  bound by / furthest from the plan (per step)")
+    for m, pl, d, c, a in cases:
+        factory, vocab, seq = catalogue[m]
+        r = run_case(m, factory, vocab, seq, pl, d, c, a, args, rates, nvme_path)
+        rows.append(r)
+        print(f"{m:6s} {pl:16s} {d:5s} {'on' if c else 'off':4s} {a:3d} {r['predicted_s']:9.3f}s "
+              f"{r['measured_s']:9.3f}s {r['error_pct']:+6.1f}%  {r['bound_by']} / {r['furthest']}", flush=True)
+    within = sum(abs(r["error_pct"]) <= 15 for r in rows)
+    print(f"{within} of {len(rows)} cases within 15%")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
