@@ -362,7 +362,7 @@ def _nvme_rewrites(kind: str, s: _Sizes) -> int:
     the largest units each), the parameters' `lookahead + 2` write-backs (ParamStore.max_writes)."""
     shards = sorted(s.rank_shards(kind), reverse=True)
     if kind == "params":
-        files, inflight = 1, s.lookahead + 2
+        files, inflight = 1, ParamStore.writes_in_flight(s.lookahead)
         rewrite = s.lp_bytes * sum(shards[:inflight])
     elif kind == "gradients":  # [Note: gradients on NVMe]: GRAD_WRITES folds, each a rewrite
         files, inflight = 1, GRAD_WRITES
@@ -379,8 +379,7 @@ def _host_blocks(kind: str, loc: Location, s: _Sizes) -> int:
     """How many host-pool blocks `kind` on `loc` holds at most at once (for the rounding)."""
     units, sharded_grads = len(s.numels), s.world_size > 1 and s.stage >= 1
     if kind == "params":
-        blocks = units if loc is Location.HOST else 0
-        return blocks + (2 * s.lookahead + 3 if loc is Location.NVME else 0)
+        return ParamStore.host_blocks(loc, s.lookahead, units)
     if kind == "gradients":
         if loc is Location.NVME:  # NvmeGradStore.staging_bytes: fresh, fold sources and sums, reduce inputs
             return OPEN_UNITS + 2 * GRAD_WRITES + (3 if s.world_size > 1 else 0)
