@@ -37,8 +37,11 @@ setup(
         Extension(
             "zerotier._zt_cpu",
             sources=["native/cpu/adam.cpp", "native/cpu/threadpool.cpp", "native/cpu/cpu_info.cpp"],
+            depends=["native/cpu/adam_simd.inc", "native/cpu/threadpool.h", "native/zt_api.h"],
             include_dirs=["native"],
-            extra_compile_args=COMMON,
+            # no a*b+c contraction: the kernels equal the Python reference bit for bit
+            # ([Note: one rounding per operation] in native/cpu/adam.cpp)
+            extra_compile_args=COMMON + ["-ffp-contract=off"],
             extra_link_args=["-pthread"],
             language="c++",
         ),

@@ -20,8 +20,10 @@
 
 #define ZT_API extern "C" __attribute__((visibility("default")))
 
-// dtype codes shared with zerotier/optim/_kernels.py
-enum ZtDtype { ZT_F32 = 0, ZT_BF16 = 1, ZT_F16 = 2, ZT_NONE = -1 };
+// dtype codes shared with zerotier/optim/_kernels.py. ZT_Q8: uint8 codes of blockwise 8-bit
+// quantization, one fp32 absmax per ZT_QUANT_BLOCK elements (optimizer moments only).
+enum ZtDtype { ZT_F32 = 0, ZT_BF16 = 1, ZT_F16 = 2, ZT_Q8 = 3, ZT_NONE = -1 };
+#define ZT_QUANT_BLOCK 256  // QUANT_BLOCK in zerotier/optim/_kernels.py
 
 // SIMD levels, ordered: a higher level implies the lower ones are usable too.
 enum ZtSimd { ZT_SIMD_AUTO = -1, ZT_SIMD_SCALAR = 0, ZT_SIMD_AVX2 = 1, ZT_SIMD_AVX512 = 2 };

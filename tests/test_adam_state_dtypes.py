@@ -160,3 +160,86 @@ def test_reference_stochastic_master_pieces_equal_one_call():
                                exp_avg_sq_absmax=pieces["exp_avg_sq_absmax"][blocks], **HYPER)
     for key in whole:
         assert torch.equal(whole[key].view(torch.uint8), pieces[key].view(torch.uint8)), key
+
+
+NATIVE_LEVELS = zo.simd_levels_available()
+MASTER_DTYPES = [torch.float32, torch.bfloat16]
+MOMENT_DTYPES = [torch.float32, torch.bfloat16, torch.uint8]
+# odd sizes, a block's tail, a block and one, several blocks plus a partial one
+BITWISE_SIZES = [1, 15, 17, 255, QUANT_BLOCK + 1, 3 * QUANT_BLOCK + 13, 70001]
+
+
+def step_state(state, grad, level, *, seed, step=3, out_dtype=torch.bfloat16, **hyper):
+    out = torch.empty(grad.numel(), dtype=out_dtype)
+    kw = dict(HYPER, step=step, param_out=out, exp_avg_absmax=state["exp_avg_absmax"],
+              exp_avg_sq_absmax=state["exp_avg_sq_absmax"], sr_seed=seed if state["master"].dtype == torch.bfloat16
+              else None)
+    kw.update(hyper)
+    if level == "python":
+        n_bad = zo.adam_step_reference(state["master"], state["exp_avg"], state["exp_avg_sq"], grad, **kw)
+    else:
+        n_bad = zo.adam_step(state["master"], state["exp_avg"], state["exp_avg_sq"], grad, simd=level, **kw)
+    return dict(state, out=out), n_bad
+
+
+def assert_same_bits(ours, ref):
+    for key, value in ref.items():
+        if value is not None:
+            assert torch.equal(ours[key].view(torch.uint8), value.view(torch.uint8)), \
+                f"{key}: {(ours[key].view(torch.uint8) != value.view(torch.uint8)).sum()} bytes differ"
+
+
+@pytest.mark.parametrize("level", NATIVE_LEVELS)
+@pytest.mark.parametrize("moment_dtype", MOMENT_DTYPES, ids=str)
+@pytest.mark.parametrize("master_dtype", MASTER_DTYPES, ids=str)
+@pytest.mark.parametrize("size", BITWISE_SIZES)
+def test_native_kernel_equals_reference_bitwise(level, master_dtype, moment_dtype, size):
+    """Every state dtype combination (fp32/fp32 included), every native kernel: master,
+    moments, block scales and param_out bit for bit equal to adam_step_reference."""
+    ref, grad = make_state(size, master_dtype, moment_dtype, seed=size)
+    ours = {k: (v.clone() if v is not None else None) for k, v in ref.items()}
+    seed = 2**32 - 5  # the counters' low word wraps inside the first vector
+    ref, ref_bad = step_state(ref, grad, "python", seed=seed)
+    ours, our_bad = step_state(ours, grad, level, seed=seed)
+    assert our_bad == ref_bad
+    assert_same_bits(ours, ref)
+
+
+@pytest.mark.parametrize("level", NATIVE_LEVELS)
+@pytest.mark.parametrize("moment_dtype", MOMENT_DTYPES, ids=str)
+def test_native_adam_l2_fp16_grads_and_outputs_bitwise(level, moment_dtype):
+    """The other branches: Adam with L2 decay, fp16/bf16 gradients, fp32/fp16 param_out,
+    grad_scale, no bias correction, non-finite gradients counted."""
+    size = 2 * QUANT_BLOCK + 77
+    for grad_dtype, out_dtype in ((torch.float16, torch.float16), (torch.bfloat16, torch.float32)):
+        ref, grad = make_state(size, torch.bfloat16, moment_dtype, seed=9)
+        grad = (grad * 100).to(grad_dtype)
+        grad[5] = float("inf")
+        ours = {k: (v.clone() if v is not None else None) for k, v in ref.items()}
+        hyper = dict(decoupled=False, weight_decay=0.1, grad_scale=0.5, bias_correction=False, out_dtype=out_dtype)
+        ref, ref_bad = step_state(ref, grad, "python", seed=77, **hyper)
+        ours, our_bad = step_state(ours, grad, level, seed=77, **hyper)
+        assert our_bad == ref_bad == 1
+        # the inf gradient poisons its 8-bit block (NaN absmax) the same way in both
+        assert_same_bits(ours, ref)
+
+
+@pytest.mark.parametrize("moment_dtype", MOMENT_DTYPES, ids=str)
+def test_native_threads_and_multi_call_do_not_change_bits(moment_dtype):
+    """Threads split at block boundaries and a multi-tensor call equals one call per tensor."""
+    sizes = [3 * QUANT_BLOCK + 5, 1, 10**5 + 17]
+    states = [make_state(n, torch.bfloat16, moment_dtype, seed=n) for n in sizes]
+    results = []
+    for threads in (1, 2, 3):
+        copies = [({k: (v.clone() if v is not None else None) for k, v in s.items()}, g) for s, g in states]
+        buffers = [(s["master"], s["exp_avg"], s["exp_avg_sq"], g, None, s["exp_avg_absmax"], s["exp_avg_sq_absmax"],
+                    1000 * t) for t, (s, g) in enumerate(copies)]
+        zo.adam_step_multi(buffers, step=2, threads=threads, **HYPER)
+        results.append([s for s, _ in copies])
+    singles = []
+    for t, (s, g) in enumerate(states):
+        s = {k: (v.clone() if v is not None else None) for k, v in s.items()}
+        singles.append(step_state(s, g, "auto", seed=1000 * t, step=2, threads=1)[0])
+    for other in results[1:] + [singles]:
+        for a, b in zip(results[0], other):
+            assert_same_bits(b, a)

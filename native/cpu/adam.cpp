@@ -1,14 +1,25 @@
-// CPU Adam / AdamW over flat fp32 master weights and moments.
+// CPU Adam / AdamW over flat master weights and moments, in place.
 //
 // One pass per element: read grad (fp32/bf16/fp16, optionally scaled by
-// 1/loss_scale and clip coefficient), update master/exp_avg/exp_avg_sq in place,
-// optionally write the new parameter as bf16/fp16 (round-to-nearest-even) into a
-// separate buffer, and count non-finite gradients.
+// 1/loss_scale and clip coefficient), update master/exp_avg/exp_avg_sq, optionally
+// write the new parameter as fp32/bf16/fp16 into a separate buffer, and count
+// non-finite gradients. State dtypes ([Note: compact optimizer state] and [Note: 8-bit
+// moments] in zerotier/optim/_kernels.py): master fp32 or bf16 (stochastic rounding),
+// moments fp32, bf16 (round to nearest even) or uint8 codes with one fp32 absmax per
+// QUANT_BLOCK elements.
 //
-// Three kernels compute the same math: a scalar reference loop (the oracle the
-// SIMD paths are tested against), AVX2+FMA+F16C and AVX-512 (F/BW/VL). They are
-// compiled with per-function target attributes, so the library itself needs only
-// baseline x86-64 and picks a kernel at run time (zt_cpu_simd_supported).
+// Three kernels compute the same math bit for bit: a scalar reference loop (the oracle
+// the SIMD paths are tested against, itself equal to adam_step_reference in Python),
+// AVX2+FMA+F16C and AVX-512 (F/BW/VL). The SIMD kernel is written once
+// (cpu/adam_simd.inc) over each ISA's vector helpers and compiled per ISA with a target
+// pragma, so the library itself needs only baseline x86-64 and picks a kernel at run
+// time (zt_cpu_simd_supported).
+//
+// [Note: one rounding per operation] Every fp32 operation rounds once, in every kernel
+// and in the Python reference: no fused multiply-add (setup.py compiles with
+// -ffp-contract=off, so the compiler does not contract a*b+c either). That is what makes
+// the kernels bitwise equal to each other and to the reference, which 8-bit moments
+// need: a one-ulp difference can move a value across a code boundary.
 //
 // The math follows torch.optim.AdamW / torch's fused CPU kernel:
 //   adamw: p *= 1 - lr*wd              adam: g += wd*p
@@ -33,11 +44,11 @@ extern "C" int zt_cpu_simd_supported(void) noexcept;
 
 // Must match ctypes.Structure ZtAdamArgs in zerotier/optim/_kernels.py.
 struct ZtAdamArgs {
-  float* param;        // fp32 master weights, updated in place
-  float* exp_avg;      // fp32 first moment
-  float* exp_avg_sq;   // fp32 second moment
+  void* master;        // master weights (master_dtype), updated in place
+  void* exp_avg;       // first moment (exp_avg_dtype)
+  void* exp_avg_sq;    // second moment (exp_avg_sq_dtype)
   const void* grad;    // gradient, dtype grad_dtype
-  void* param_out;     // optional copy of the new param in out_dtype (NULL = none)
+  void* param_out;     // optional copy of the new master in out_dtype (NULL = none)
   int64_t n;
   int32_t grad_dtype;  // ZtDtype
   int32_t out_dtype;   // ZtDtype (ZT_NONE when param_out is NULL)
@@ -50,13 +61,24 @@ struct ZtAdamArgs {
   int32_t bias_correction;
   int32_t simd;        // ZtSimd; ZT_SIMD_AUTO picks the best supported
   int32_t threads;     // <= 0 means all hardware threads
+  int32_t master_dtype;      // ZT_F32 or ZT_BF16 (stochastic rounding with sr_seed)
+  int32_t exp_avg_dtype;     // ZT_F32, ZT_BF16 or ZT_Q8 (signed map)
+  int32_t exp_avg_sq_dtype;  // ZT_F32, ZT_BF16 or ZT_Q8 (unsigned map)
+  float* exp_avg_absmax;     // ZT_Q8: ceil(n / ZT_QUANT_BLOCK) block scales, updated
+  float* exp_avg_sq_absmax;
+  const float* qmaps;        // [4][256]: signed map, its midpoints, unsigned map, its midpoints
+  uint64_t sr_seed;          // element i of a bf16 master rounds with sr_bits(sr_seed + i)
 };
 
 namespace {
 
+constexpr int64_t QB = ZT_QUANT_BLOCK;
+
 struct Coef {
   float lr, b1, b2, one_minus_b1, one_minus_b2, eps, wd, decay, step_size, bc2_sqrt, scale;
   bool decoupled;
+  bool plain;  // fp32 master and moments: the kernels skip the dtype dispatch
+  const float *map_m, *mid_m, *map_v, *mid_v;  // exp_avg: signed, exp_avg_sq: unsigned
 };
 
 Coef make_coef(const ZtAdamArgs& a) {
@@ -79,6 +101,11 @@ Coef make_coef(const ZtAdamArgs& a) {
   }
   c.step_size = (float)(a.lr / bc1);
   c.bc2_sqrt = (float)sqrt(bc2);
+  c.plain = a.master_dtype == ZT_F32 && a.exp_avg_dtype == ZT_F32 && a.exp_avg_sq_dtype == ZT_F32;
+  c.map_m = a.qmaps;
+  c.mid_m = a.qmaps ? a.qmaps + 256 : nullptr;
+  c.map_v = a.qmaps ? a.qmaps + 512 : nullptr;
+  c.mid_v = a.qmaps ? a.qmaps + 768 : nullptr;
   return c;
 }
 
@@ -97,6 +124,27 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
   if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
   u += 0x7fffu + ((u >> 16) & 1u);
   return (uint16_t)(u >> 16);
+}
+
+inline uint32_t fmix32(uint32_t x) {  // murmur3's finalizer
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  return x ^ (x >> 16);
+}
+
+// The hash of the high word, shared by 2^32 consecutive counters (hoisted by the SIMD kernels).
+inline uint32_t sr_key(uint64_t counter) { return fmix32((uint32_t)(counter >> 32) ^ 0x9E3779B9u); }
+
+// Stochastic rounding of f to bf16 with the 16 random bits of `counter` ([Note: compact
+// optimizer state]): add them below the kept bits, truncate. NaN as in f32_to_bf16.
+inline uint16_t f32_to_bf16_sr(float f, uint64_t counter) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  uint32_t r = fmix32((uint32_t)counter ^ sr_key(counter)) >> 16;
+  return (uint16_t)((u + r) >> 16);
 }
 
 inline float f16_to_f32(uint16_t h) {
@@ -152,163 +200,302 @@ inline float load_grad_scalar(const void* g, int dt, int64_t i) {
   }
 }
 
-int64_t adam_scalar(const ZtAdamArgs& a, const Coef& c, int64_t begin, int64_t end) {
-  int64_t nonfinite = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    float g = load_grad_scalar(a.grad, a.grad_dtype, i) * c.scale;
-    if (!isfinite(g)) ++nonfinite;
-    float p = a.param[i];
-    if (c.decoupled) p = p * c.decay;
-    else if (c.wd != 0.0f) g = g + c.wd * p;
-    float m = a.exp_avg[i];
-    m = m + c.one_minus_b1 * (g - m);
-    float v = a.exp_avg_sq[i] * c.b2 + c.one_minus_b2 * (g * g);
-    float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
-    p = p - c.step_size * (m / denom);
-    a.param[i] = p;
-    a.exp_avg[i] = m;
-    a.exp_avg_sq[i] = v;
-    if (a.out_dtype == ZT_BF16) ((uint16_t*)a.param_out)[i] = f32_to_bf16(p);
-    else if (a.out_dtype == ZT_F16) ((uint16_t*)a.param_out)[i] = f32_to_f16(p);
-    else if (a.out_dtype == ZT_F32) ((float*)a.param_out)[i] = p;
+// A moment's value: fp32, widened bf16, or map[code] * the block's absmax.
+inline float load_moment(const void* buf, int dt, int64_t i, const float* map, float absmax) {
+  switch (dt) {
+    case ZT_BF16: return bf16_to_f32(((const uint16_t*)buf)[i]);
+    case ZT_Q8: return map[((const uint8_t*)buf)[i]] * absmax;
+    default: return ((const float*)buf)[i];
   }
-  return nonfinite;
 }
 
-#ifdef ZT_X86
-// ---- AVX2 + FMA + F16C ---------------------------------------------------------
-#define ZT_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-ZT_AVX2 inline __m256 avx2_load_grad(const void* g, int dt, int64_t i) {
-  if (dt == ZT_BF16) {
-    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)g + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+// fp32/bf16 moments are stored at once; 8-bit ones wait in `block` (their block's new
+// values, index j) until the whole block is known.
+inline void store_moment(void* buf, int dt, int64_t i, float x, float* block, int64_t j) {
+  switch (dt) {
+    case ZT_BF16: ((uint16_t*)buf)[i] = f32_to_bf16(x); break;
+    case ZT_Q8: block[j] = x; break;
+    default: ((float*)buf)[i] = x;
   }
-  if (dt == ZT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)g + i)));
-  return _mm256_loadu_ps((const float*)g + i);
 }
 
-ZT_AVX2 inline __m128i avx2_to_bf16(__m256 p) {
-  __m256i u = _mm256_castps_si256(p);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  // NaN lanes keep their top half with the quiet bit set.
-  __m256 isnan = _mm256_cmp_ps(p, p, _CMP_UNORD_Q);
-  __m256i nanv = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
-  r = _mm256_blendv_epi8(r, nanv, _mm256_castps_si256(isnan));
-  r = _mm256_srli_epi32(r, 16);
-  // pack 8 x u32 (values < 65536) into 8 x u16
-  __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
-  return _mm_packus_epi32(lo, hi);
+inline void store_out(const ZtAdamArgs& a, int64_t i, float p) {
+  if (a.out_dtype == ZT_BF16) ((uint16_t*)a.param_out)[i] = f32_to_bf16(p);
+  else if (a.out_dtype == ZT_F16) ((uint16_t*)a.param_out)[i] = f32_to_f16(p);
+  else if (a.out_dtype == ZT_F32) ((float*)a.param_out)[i] = p;
 }
 
-ZT_AVX2 int64_t adam_avx2(const ZtAdamArgs& a, const Coef& c, int64_t begin, int64_t end) {
-  const __m256 vb2 = _mm256_set1_ps(c.b2), v1mb1 = _mm256_set1_ps(c.one_minus_b1),
-               v1mb2 = _mm256_set1_ps(c.one_minus_b2), veps = _mm256_set1_ps(c.eps),
-               vwd = _mm256_set1_ps(c.wd), vdecay = _mm256_set1_ps(c.decay),
-               vstep = _mm256_set1_ps(c.step_size), vbc2 = _mm256_set1_ps(c.bc2_sqrt),
-               vscale = _mm256_set1_ps(c.scale), vinf = _mm256_set1_ps(INFINITY),
-               vabs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  int64_t nonfinite = 0;
-  int64_t i = begin;
-  for (; i + 8 <= end; i += 8) {
-    __m256 g = _mm256_mul_ps(avx2_load_grad(a.grad, a.grad_dtype, i), vscale);
-    // !(|g| < inf) is true for inf and NaN
-    __m256 bad = _mm256_cmp_ps(_mm256_and_ps(g, vabs), vinf, _CMP_NLT_UQ);
-    nonfinite += __builtin_popcount(_mm256_movemask_ps(bad));
-    __m256 p = _mm256_loadu_ps(a.param + i);
-    if (c.decoupled) p = _mm256_mul_ps(p, vdecay);
-    else g = _mm256_fmadd_ps(vwd, p, g);
-    __m256 m = _mm256_loadu_ps(a.exp_avg + i);
-    m = _mm256_fmadd_ps(v1mb1, _mm256_sub_ps(g, m), m);
-    __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(a.exp_avg_sq + i), vb2, _mm256_mul_ps(v1mb2, _mm256_mul_ps(g, g)));
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), vbc2), veps);
-    p = _mm256_fnmadd_ps(vstep, _mm256_div_ps(m, denom), p);
-    _mm256_storeu_ps(a.param + i, p);
-    _mm256_storeu_ps(a.exp_avg + i, m);
-    _mm256_storeu_ps(a.exp_avg_sq + i, v);
-    if (a.out_dtype == ZT_BF16)
-      _mm_storeu_si128((__m128i*)((uint16_t*)a.param_out + i), avx2_to_bf16(p));
-    else if (a.out_dtype == ZT_F16)
-      _mm_storeu_si128((__m128i*)((uint16_t*)a.param_out + i), _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
-    else if (a.out_dtype == ZT_F32)
-      _mm256_storeu_ps((float*)a.param_out + i, p);
-  }
-  return nonfinite + adam_scalar(a, c, i, end);
-}
-
-// ---- AVX-512 (F, BW, VL) -------------------------------------------------------
-#define ZT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
-
-template <bool FULL>
-ZT_AVX512 inline __m512 avx512_load_grad(const void* g, int dt, int64_t i, __mmask16 k) {
-  if (dt == ZT_F32) return FULL ? _mm512_loadu_ps((const float*)g + i) : _mm512_maskz_loadu_ps(k, (const float*)g + i);
-  const uint16_t* src = (const uint16_t*)g + i;
-  __m256i h = FULL ? _mm256_loadu_si256((const __m256i*)src) : _mm256_maskz_loadu_epi16(k, src);
-  if (dt == ZT_F16) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16
-}
-
-ZT_AVX512 inline __m256i avx512_to_bf16(__m512 p) {
-  __m512i u = _mm512_castps_si512(p);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  __mmask16 isnan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, isnan, u, _mm512_set1_epi32(0x400000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
-// One vector of 16 lanes. FULL=true uses plain loads/stores; the tail uses masks
-// (masked stores are slow on some CPUs, e.g. AMD Zen 4, so only the tail pays).
-template <bool FULL>
-ZT_AVX512 inline int adam_avx512_vec(const ZtAdamArgs& a, const Coef& c, int64_t i, __mmask16 k) {
-  const __m512 vscale = _mm512_set1_ps(c.scale);
-  __m512 g = _mm512_mul_ps(avx512_load_grad<FULL>(a.grad, a.grad_dtype, i, k), vscale);
-  int bad = __builtin_popcount(_mm512_mask_cmp_ps_mask(k, _mm512_abs_ps(g), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ));
-  __m512 p = FULL ? _mm512_loadu_ps(a.param + i) : _mm512_maskz_loadu_ps(k, a.param + i);
-  __m512 m = FULL ? _mm512_loadu_ps(a.exp_avg + i) : _mm512_maskz_loadu_ps(k, a.exp_avg + i);
-  __m512 v = FULL ? _mm512_loadu_ps(a.exp_avg_sq + i) : _mm512_maskz_loadu_ps(k, a.exp_avg_sq + i);
-  if (c.decoupled) p = _mm512_mul_ps(p, _mm512_set1_ps(c.decay));
-  else g = _mm512_fmadd_ps(_mm512_set1_ps(c.wd), p, g);
-  m = _mm512_fmadd_ps(_mm512_set1_ps(c.one_minus_b1), _mm512_sub_ps(g, m), m);
-  v = _mm512_fmadd_ps(v, _mm512_set1_ps(c.b2), _mm512_mul_ps(_mm512_set1_ps(c.one_minus_b2), _mm512_mul_ps(g, g)));
-  __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c.bc2_sqrt)), _mm512_set1_ps(c.eps));
-  p = _mm512_fnmadd_ps(_mm512_set1_ps(c.step_size), _mm512_div_ps(m, denom), p);
-  if (FULL) {
-    _mm512_storeu_ps(a.param + i, p);
-    _mm512_storeu_ps(a.exp_avg + i, m);
-    _mm512_storeu_ps(a.exp_avg_sq + i, v);
+// One element: the oracle of every kernel (llm.c's gpt2_update, with the state dtypes).
+// Returns 1 when the scaled gradient is not finite.
+inline int adam_element(const ZtAdamArgs& a, const Coef& c, int64_t i, float m_absmax, float v_absmax,
+                        float* m_block, float* v_block, int64_t j) {
+  float g = load_grad_scalar(a.grad, a.grad_dtype, i) * c.scale;
+  int bad = !isfinite(g);
+  float p = a.master_dtype == ZT_BF16 ? bf16_to_f32(((const uint16_t*)a.master)[i]) : ((const float*)a.master)[i];
+  if (c.decoupled) p = p * c.decay;
+  else if (c.wd != 0.0f) g = g + c.wd * p;
+  float m = load_moment(a.exp_avg, a.exp_avg_dtype, i, c.map_m, m_absmax);
+  float v = load_moment(a.exp_avg_sq, a.exp_avg_sq_dtype, i, c.map_v, v_absmax);
+  m = m + c.one_minus_b1 * (g - m);
+  v = v * c.b2 + c.one_minus_b2 * (g * g);
+  float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
+  p = p - c.step_size * (m / denom);
+  if (a.master_dtype == ZT_BF16) {
+    uint16_t h = f32_to_bf16_sr(p, a.sr_seed + (uint64_t)i);
+    ((uint16_t*)a.master)[i] = h;
+    p = bf16_to_f32(h);  // param_out receives the stored master
   } else {
-    _mm512_mask_storeu_ps(a.param + i, k, p);
-    _mm512_mask_storeu_ps(a.exp_avg + i, k, m);
-    _mm512_mask_storeu_ps(a.exp_avg_sq + i, k, v);
+    ((float*)a.master)[i] = p;
   }
-  if (a.out_dtype == ZT_F32) {
-    if (FULL) _mm512_storeu_ps((float*)a.param_out + i, p);
-    else _mm512_mask_storeu_ps((float*)a.param_out + i, k, p);
-  } else if (a.out_dtype != ZT_NONE) {
-    __m256i h = a.out_dtype == ZT_BF16 ? avx512_to_bf16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT);
-    if (FULL) _mm256_storeu_si256((__m256i*)((uint16_t*)a.param_out + i), h);
-    else _mm256_mask_storeu_epi16((uint16_t*)a.param_out + i, k, h);
-  }
+  store_moment(a.exp_avg, a.exp_avg_dtype, i, m, m_block, j);
+  store_moment(a.exp_avg_sq, a.exp_avg_sq_dtype, i, v, v_block, j);
+  store_out(a, i, p);
   return bad;
 }
 
-ZT_AVX512 int64_t adam_avx512(const ZtAdamArgs& a, const Coef& c, int64_t begin, int64_t end) {
+// The 8-bit code of x / scale: #{k : mid[k] < x / scale} by an 8-step binary search over
+// the 255 midpoints (a NaN compares false everywhere: code 0).
+inline uint8_t quantize_scalar(float x, float scale, const float* mid) {
+  float xn = x / scale;
+  uint32_t pos = 0;
+  for (uint32_t s = 128; s >= 1; s >>= 1)
+    if (mid[pos + s - 1] < xn) pos += s;
+  return (uint8_t)pos;
+}
+
+// max |x| over a block, NaN if any element is NaN (torch.amax's rule).
+inline float absmax_scalar(const float* x, int64_t len) {
+  float mx = 0.0f;
+  bool nan = false;
+  for (int64_t j = 0; j < len; ++j) {
+    float ax = fabsf(x[j]);
+    if (ax != ax) nan = true;
+    else if (ax > mx) mx = ax;
+  }
+  return nan ? NAN : mx;
+}
+
+// The block scale a block is divided by: its absmax, or 1 for an all-zero (or NaN) block.
+inline float block_scale(float absmax) { return absmax > 0.0f ? absmax : 1.0f; }
+
+// Re-quantizes block `blk` of an 8-bit moment from its new fp32 values x[0, len).
+void quantize_block_scalar(const float* x, int64_t len, uint8_t* codes, float* absmax, const float* mid) {
+  float mx = absmax_scalar(x, len);
+  *absmax = mx;
+  float scale = block_scale(mx);
+  for (int64_t j = 0; j < len; ++j) codes[j] = quantize_scalar(x[j], scale, mid);
+}
+
+// Elements [begin, end) of one buffer; begin is a multiple of QB (a block start).
+int64_t adam_scalar(const ZtAdamArgs& a, const Coef& c, int64_t begin, int64_t end) {
+  alignas(64) float m_block[QB], v_block[QB];
   int64_t nonfinite = 0;
-  int64_t i = begin;
-  for (; i + 16 <= end; i += 16) nonfinite += adam_avx512_vec<true>(a, c, i, (__mmask16)0xffff);
-  if (i < end) nonfinite += adam_avx512_vec<false>(a, c, i, (__mmask16)((1u << (end - i)) - 1));
+  for (int64_t b0 = begin; b0 < end; b0 += QB) {
+    int64_t len = std::min(QB, end - b0), blk = b0 / QB;
+    float m_absmax = a.exp_avg_dtype == ZT_Q8 ? a.exp_avg_absmax[blk] : 0.0f;
+    float v_absmax = a.exp_avg_sq_dtype == ZT_Q8 ? a.exp_avg_sq_absmax[blk] : 0.0f;
+    for (int64_t j = 0; j < len; ++j) nonfinite += adam_element(a, c, b0 + j, m_absmax, v_absmax, m_block, v_block, j);
+    if (a.exp_avg_dtype == ZT_Q8)
+      quantize_block_scalar(m_block, len, (uint8_t*)a.exp_avg + b0, a.exp_avg_absmax + blk, c.mid_m);
+    if (a.exp_avg_sq_dtype == ZT_Q8)
+      quantize_block_scalar(v_block, len, (uint8_t*)a.exp_avg_sq + b0, a.exp_avg_sq_absmax + blk, c.mid_v);
+  }
   return nonfinite;
 }
+
+}  // namespace
+
+#ifdef ZT_X86
+// ---- AVX2 + FMA + F16C: 8 lanes ------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+namespace {
+constexpr int W = 8;
+using F = __m256;
+inline F vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, F x) { _mm256_storeu_ps(p, x); }
+inline F vset(float x) { return _mm256_set1_ps(x); }
+inline F vadd(F a, F b) { return _mm256_add_ps(a, b); }
+inline F vsub(F a, F b) { return _mm256_sub_ps(a, b); }
+inline F vmul(F a, F b) { return _mm256_mul_ps(a, b); }
+inline F vdiv(F a, F b) { return _mm256_div_ps(a, b); }
+inline F vsqrt(F a) { return _mm256_sqrt_ps(a); }
+inline F vwiden_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline F vload_bf16(const uint16_t* p) { return vwiden_bf16(_mm_loadu_si128((const __m128i*)p)); }
+inline F vload_grad(const void* g, int dt, int64_t i) {
+  if (dt == ZT_BF16) return vload_bf16((const uint16_t*)g + i);
+  if (dt == ZT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)g + i)));
+  return _mm256_loadu_ps((const float*)g + i);
+}
+inline int vnonfinite(F g) {  // !(|g| < inf) is true for inf and NaN
+  F absg = _mm256_and_ps(g, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  return __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(absg, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ)));
+}
+// 8 x u32 (each < 65536) to 8 x u16
+inline __m128i vpack16(__m256i r) {
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+inline __m256i vnan_bf16(__m256i u) {  // NaN lanes keep their top half with the quiet bit set
+  return _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+}
+inline void vstore_bf16(uint16_t* dst, F p) {  // round to nearest even
+  __m256i u = _mm256_castps_si256(p);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, vnan_bf16(u), _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q)));
+  _mm_storeu_si128((__m128i*)dst, vpack16(r));
+}
+inline __m256i vfmix32(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x85ebca6bu));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0xc2b2ae35u));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+// Stochastic rounding of lane l with counter + l; the lanes share the high word's key
+// (the caller falls back to scalar where the low word wraps inside the vector).
+inline void vstore_bf16_sr(uint16_t* dst, F p, uint64_t counter) {
+  __m256i lo = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)counter), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i r = _mm256_srli_epi32(vfmix32(_mm256_xor_si256(lo, _mm256_set1_epi32((int)sr_key(counter)))), 16);
+  __m256i u = _mm256_castps_si256(p);
+  __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, r), 16);
+  h = _mm256_blendv_epi8(h, vnan_bf16(u), _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q)));
+  _mm_storeu_si128((__m128i*)dst, vpack16(h));
+}
+inline void vstore_f16(uint16_t* dst, F p) {
+  _mm_storeu_si128((__m128i*)dst, _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
+}
+inline F vdequant(const uint8_t* codes, const float* map, F absmax) {
+  __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)codes));
+  return _mm256_mul_ps(_mm256_i32gather_ps(map, idx, 4), absmax);
+}
+inline void vquantize(uint8_t* codes, F x, F scale, const float* mid) {
+  F xn = _mm256_div_ps(x, scale);
+  __m256i pos = _mm256_setzero_si256();
+  for (int s = 128; s >= 1; s >>= 1) {
+    F m = _mm256_i32gather_ps(mid, _mm256_add_epi32(pos, _mm256_set1_epi32(s - 1)), 4);
+    __m256i lt = _mm256_castps_si256(_mm256_cmp_ps(m, xn, _CMP_LT_OQ));
+    pos = _mm256_add_epi32(pos, _mm256_and_si256(lt, _mm256_set1_epi32(s)));
+  }
+  __m128i w = vpack16(pos);
+  _mm_storel_epi64((__m128i*)codes, _mm_packus_epi16(w, w));
+}
+inline float vabsmax(const float* x, int64_t len) {  // absmax_scalar's result
+  F mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  const F abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  int64_t j = 0;
+  for (; j + W <= len; j += W) {
+    F ax = _mm256_and_ps(_mm256_loadu_ps(x + j), abs);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(ax, ax, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, ax);  // a NaN lane is flagged above; max only of the others matters
+  }
+  float lanes[W];
+  _mm256_storeu_ps(lanes, mx);
+  float tail = absmax_scalar(x + j, len - j);
+  if (_mm256_movemask_ps(nan) || tail != tail) return NAN;
+  for (float l : lanes) tail = std::max(tail, l);
+  return tail;
+}
+#include "cpu/adam_simd.inc"
+}  // namespace
+}  // namespace avx2
+#pragma GCC pop_options
+
+// ---- AVX-512 (F, BW, VL): 16 lanes ---------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+namespace avx512 {
+namespace {
+constexpr int W = 16;
+using F = __m512;
+inline F vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, F x) { _mm512_storeu_ps(p, x); }
+inline F vset(float x) { return _mm512_set1_ps(x); }
+inline F vadd(F a, F b) { return _mm512_add_ps(a, b); }
+inline F vsub(F a, F b) { return _mm512_sub_ps(a, b); }
+inline F vmul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F vdiv(F a, F b) { return _mm512_div_ps(a, b); }
+inline F vsqrt(F a) { return _mm512_sqrt_ps(a); }
+inline F vload_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline F vload_grad(const void* g, int dt, int64_t i) {
+  if (dt == ZT_BF16) return vload_bf16((const uint16_t*)g + i);
+  if (dt == ZT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)g + i)));
+  return _mm512_loadu_ps((const float*)g + i);
+}
+inline int vnonfinite(F g) {
+  return __builtin_popcount(_mm512_cmp_ps_mask(_mm512_abs_ps(g), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ));
+}
+inline void vstore_bf16(uint16_t* dst, F p) {
+  __m512i u = _mm512_castps_si512(p);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  __mmask16 isnan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, isnan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(r));
+}
+inline __m512i vfmix32(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x85ebca6bu));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0xc2b2ae35u));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+inline void vstore_bf16_sr(uint16_t* dst, F p, uint64_t counter) {
+  __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)counter),
+                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  __m512i r = _mm512_srli_epi32(vfmix32(_mm512_xor_si512(lo, _mm512_set1_epi32((int)sr_key(counter)))), 16);
+  __m512i u = _mm512_castps_si512(p);
+  __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
+  __mmask16 isnan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
+  h = _mm512_mask_or_epi32(h, isnan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(h));
+}
+inline void vstore_f16(uint16_t* dst, F p) {
+  _mm256_storeu_si256((__m256i*)dst, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
+}
+inline F vdequant(const uint8_t* codes, const float* map, F absmax) {
+  __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)codes));
+  return _mm512_mul_ps(_mm512_i32gather_ps(idx, map, 4), absmax);
+}
+inline void vquantize(uint8_t* codes, F x, F scale, const float* mid) {
+  F xn = _mm512_div_ps(x, scale);
+  __m512i pos = _mm512_setzero_si512();
+  for (int s = 128; s >= 1; s >>= 1) {
+    F m = _mm512_i32gather_ps(_mm512_add_epi32(pos, _mm512_set1_epi32(s - 1)), mid, 4);
+    pos = _mm512_mask_add_epi32(pos, _mm512_cmp_ps_mask(m, xn, _CMP_LT_OQ), pos, _mm512_set1_epi32(s));
+  }
+  _mm_storeu_si128((__m128i*)codes, _mm512_cvtepi32_epi8(pos));
+}
+inline float vabsmax(const float* x, int64_t len) {
+  F mx = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  int64_t j = 0;
+  for (; j + W <= len; j += W) {
+    F ax = _mm512_abs_ps(_mm512_loadu_ps(x + j));
+    nan |= _mm512_cmp_ps_mask(ax, ax, _CMP_UNORD_Q);
+    mx = _mm512_max_ps(mx, ax);
+  }
+  float tail = absmax_scalar(x + j, len - j);
+  if (nan || tail != tail) return NAN;
+  return std::max(tail, _mm512_reduce_max_ps(mx));
+}
+#include "cpu/adam_simd.inc"
+}  // namespace
+}  // namespace avx512
+#pragma GCC pop_options
 #endif  // ZT_X86
+
+namespace {
 
 using Kernel = int64_t (*)(const ZtAdamArgs&, const Coef&, int64_t, int64_t);
 
 Kernel pick_kernel(int simd) {
 #ifdef ZT_X86
-  if (simd >= ZT_SIMD_AVX512) return adam_avx512;
-  if (simd >= ZT_SIMD_AVX2) return adam_avx2;
+  if (simd >= ZT_SIMD_AVX512) return avx512::adam_simd;
+  if (simd >= ZT_SIMD_AVX2) return avx2::adam_simd;
 #endif
   return adam_scalar;
 }
@@ -324,8 +511,21 @@ namespace {
 int64_t check_args(const ZtAdamArgs& a, int64_t t, int supported) {
   const char* fn = "zt_adam_step_multi";
   if (a.n < 0) return zt::set_error(fn, "args[%lld].n = %lld < 0", (long long)t, (long long)a.n), ZT_ERR_ARGS;
-  if (a.n > 0 && (!a.param || !a.exp_avg || !a.exp_avg_sq || !a.grad))
+  if (a.n > 0 && (!a.master || !a.exp_avg || !a.exp_avg_sq || !a.grad))
     return zt::set_error(fn, "args[%lld] has a NULL buffer", (long long)t), ZT_ERR_ARGS;
+  if (a.master_dtype != ZT_F32 && a.master_dtype != ZT_BF16)
+    return zt::set_error(fn, "args[%lld].master_dtype = %d is not ZT_F32 or ZT_BF16", (long long)t, a.master_dtype),
+           ZT_ERR_ARGS;
+  for (int k = 0; k < 2; ++k) {
+    int dt = k ? a.exp_avg_sq_dtype : a.exp_avg_dtype;
+    const char* name = k ? "exp_avg_sq" : "exp_avg";
+    if (dt != ZT_F32 && dt != ZT_BF16 && dt != ZT_Q8)
+      return zt::set_error(fn, "args[%lld].%s_dtype = %d is not ZT_F32, ZT_BF16 or ZT_Q8", (long long)t, name, dt),
+             ZT_ERR_ARGS;
+    if (dt == ZT_Q8 && a.n > 0 && (!(k ? a.exp_avg_sq_absmax : a.exp_avg_absmax) || !a.qmaps))
+      return zt::set_error(fn, "args[%lld]: 8-bit %s without its absmax or the quantization maps", (long long)t, name),
+             ZT_ERR_ARGS;
+  }
   if (a.grad_dtype < ZT_F32 || a.grad_dtype > ZT_F16)
     return zt::set_error(fn, "args[%lld].grad_dtype = %d is not a ZtDtype", (long long)t, a.grad_dtype), ZT_ERR_ARGS;
   if (a.out_dtype != ZT_NONE && (a.out_dtype < ZT_F32 || a.out_dtype > ZT_F16 || !a.param_out))
@@ -367,15 +567,15 @@ int64_t adam_step_multi(const ZtAdamArgs* args, int64_t count) {
   std::atomic<int64_t> nonfinite{0};
   zt::ThreadPool::instance().run(threads, [&](int tid, int nt) {
     // Contiguous slices of the concatenated range. Where a slice boundary falls
-    // inside a buffer it is rounded up to a multiple of 16 elements of that buffer
-    // (both neighbours round the same boundary the same way), so every element is
-    // computed by the same vector code whatever the thread count (bitwise-stable
-    // results) and threads never share a 64-byte line of fp32 state.
+    // inside a buffer it is rounded up to a block of that buffer (QB elements; both
+    // neighbours round the same boundary the same way), so an 8-bit block is
+    // re-quantized by one thread, every element is computed by the same code whatever
+    // the thread count (bitwise-stable results), and threads never share a cache line.
     int64_t per = (total + nt - 1) / nt;
     int64_t begin = std::min<int64_t>(total, per * tid), end = std::min<int64_t>(total, begin + per);
     auto local_bound = [&](int64_t global, int64_t t) {
       int64_t x = std::min(std::max(global, starts[t]), starts[t + 1]) - starts[t];
-      return std::min<int64_t>(args[t].n, (x + 15) & ~(int64_t)15);
+      return std::min<int64_t>(args[t].n, (x + QB - 1) / QB * QB);
     };
     int64_t local = 0;
     auto first = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;

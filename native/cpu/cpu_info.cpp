@@ -16,4 +16,6 @@ ZT_API int zt_cpu_simd_supported(void) noexcept {
 // zerotier/optim/_kernels.py checks it at load.
 // 2: zt_grad_sumsq returns a status and writes *out; zt_adam_step and zt_cpu_hardware_threads
 //    removed; zt_cpu_last_error and zt_adam_args_size added.
-ZT_API int zt_abi_version(void) noexcept { return 2; }
+// 3: ZtAdamArgs: `param` is `master` (fp32 or bf16); state dtypes, block scales, the
+//    quantization maps and the stochastic-rounding seed appended.
+ZT_API int zt_abi_version(void) noexcept { return 3; }

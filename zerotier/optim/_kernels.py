@@ -22,7 +22,7 @@ from .. import _native
 from ..errors import ZerotierError
 
 SIMD_LEVELS = ("scalar", "avx2", "avx512")  # index == ZtSimd code
-_ABI_VERSION = 2  # zt_abi_version() in native/cpu/cpu_info.cpp; bump both together
+_ABI_VERSION = 3  # zt_abi_version() in native/cpu/cpu_info.cpp; bump both together
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # ZtDtype
 _Q8 = 3  # ZtDtype ZT_Q8: uint8 codes of blockwise 8-bit quantization
 _STATE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: _Q8}  # moments' dtypes
@@ -96,7 +96,7 @@ class ZtAdamArgs(ctypes.Structure):
     checked against the library's zt_adam_args_size() at load)."""
 
     _fields_ = [
-        ("param", ctypes.c_void_p),
+        ("master", ctypes.c_void_p),
         ("exp_avg", ctypes.c_void_p),
         ("exp_avg_sq", ctypes.c_void_p),
         ("grad", ctypes.c_void_p),
@@ -115,6 +115,13 @@ class ZtAdamArgs(ctypes.Structure):
         ("bias_correction", ctypes.c_int32),
         ("simd", ctypes.c_int32),
         ("threads", ctypes.c_int32),
+        ("master_dtype", ctypes.c_int32),
+        ("exp_avg_dtype", ctypes.c_int32),
+        ("exp_avg_sq_dtype", ctypes.c_int32),
+        ("exp_avg_absmax", ctypes.c_void_p),
+        ("exp_avg_sq_absmax", ctypes.c_void_p),
+        ("qmaps", ctypes.c_void_p),
+        ("sr_seed", ctypes.c_uint64),
     ]
 
 
@@ -307,9 +314,7 @@ def adam_step_multi(buffers, *, step, lr, beta1, beta2, eps, weight_decay, decou
         if s < 1:
             raise ZerotierError(f"step must be >= 1 (the step number after this update), got {s}")
     level = simd_level(simd)
-    compact = any(b[0].dtype != torch.float32 or b[1].dtype != torch.float32 or b[2].dtype != torch.float32
-                  for b in buffers)
-    if level == "python" or compact:  # the native kernel for compact state follows
+    if level == "python":
         return sum(adam_step_reference(*bufs[:4], step=s, param_out=bufs[4], exp_avg_absmax=bufs[5],
                                        exp_avg_sq_absmax=bufs[6], sr_seed=bufs[7], lr=lr_, beta1=b1, beta2=b2, eps=e,
                                        weight_decay=wd, decoupled=dec, bias_correction=bias_correction,
@@ -324,6 +329,8 @@ def adam_step_multi(buffers, *, step, lr, beta1, beta2, eps, weight_decay, decou
             _DTYPE_CODES[out.dtype] if out is not None else -1, lrs[i], b1s[i], b2s[i], epss[i], wds[i], grad_scale,
             s, int(decs[i]), int(bias_correction), SIMD_LEVELS.index(level),
             threads if threads is not None else default_threads(),
+            _MASTER_CODES[master.dtype], _STATE_CODES[exp_avg.dtype], _STATE_CODES[exp_avg_sq.dtype],
+            ptr(m_absmax), ptr(v_absmax), _QMAPS.data_ptr(), seed or 0,
         )
     lib = _lib()
     result = lib.zt_adam_step_multi(args, len(buffers))
@@ -450,7 +457,10 @@ def adam_step_reference(
     v = v * f32(beta2) + f32(1.0 - beta2) * (g * g)
     bc1 = 1.0 - beta1**step if bias_correction else 1.0
     bc2 = 1.0 - beta2**step if bias_correction else 1.0
-    denom = torch.sqrt(v) / f32(bc2**0.5) + f32(eps)
+    # torch.sqrt on fp32 CPU tensors is not correctly rounded (SLEEF, up to 1 ulp off);
+    # the fp64 root rounded to fp32 is, like the kernels' sqrtps (double rounding is
+    # exact for the square root of an fp32)
+    denom = v.double().sqrt().float() / f32(bc2**0.5) + f32(eps)
     p = p - f32(lr / bc1) * (m / denom)
     if master.dtype == torch.bfloat16:
         master.copy_(_to_bf16_stochastic(p, sr_seed))
