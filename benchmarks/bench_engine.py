@@ -2,6 +2,12 @@
 
     python benchmarks/bench_engine.py              # 124M params (GPT-2 small), batch 4x128, fp32
     python benchmarks/bench_engine.py --quick      # ~10M params, smoke run
+    python benchmarks/bench_engine.py --state fp32,int8 --cases NVMe   # optimizer-state dtypes (issue 27)
+
+`--state` runs each zerotier case once per optimizer-state choice, alternating with the
+others: fp32 (the default: fp32 master and moments, 12 B/param), bf16 (bf16 master and
+moments, 6 B/param), int8 (bf16 master + int8 moments with block scales, ~4 B/param). The
+NVMe bytes per step come from the store's counters: deterministic, whatever the noise.
 
 Cases, each with gradient clipping at 1.0 and without: plain torch with
 AdamW(fused=True), everything in RAM; zerotier with the optimizer on host; the
@@ -44,6 +50,7 @@ TARGETS = {  # case -> (max ratio with clipping, max ratio without)
     "params+optimizer on NVMe": (1.35, 1.35),
 }
 LR = 1e-4
+STATES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "int8": ("bf16", "int8")}  # --state: master, moments
 
 
 def shape(quick: bool) -> dict:
@@ -52,7 +59,8 @@ def shape(quick: bool) -> dict:
     return dict(vocab=50257, dim=768, layers=12, heads=12, seq=128)  # GPT-2 small: 124M
 
 
-def run_case(case: str, clip: float | None, quick: bool, batch: int, steps: int, nvme_dir: str) -> dict:
+def run_case(case: str, clip: float | None, quick: bool, batch: int, steps: int, nvme_dir: str,
+             state: str = "fp32") -> dict:
     """One process's measurement: median step time over `steps` after one warm-up step."""
     from zerotier.models import TinyGPT, batches
 
@@ -79,8 +87,9 @@ def run_case(case: str, clip: float | None, quick: bool, batch: int, steps: int,
 
     import zerotier
 
+    master, moments = STATES[state]
     cfg = {"offload": offload, "tiers": {"nvme_path": nvme_dir}, "optimizer": {"lr": LR},
-           "train": {"max_grad_norm": clip}}
+           "precision": {"master_dtype": master, "moment_dtype": moments}, "train": {"max_grad_norm": clip}}
     with zerotier.initialize(model, cfg) as engine:
         for x, y in data:
             before = engine.store.stats() if engine.store else None
@@ -124,13 +133,22 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="timed steps per process, after one warm-up (default 3)")
     ap.add_argument("--rounds", type=int, default=3, help="processes per case, alternating (default 3)")
     ap.add_argument("--nvme-path", default=None, help="directory for swap files (default: a temp dir)")
+    ap.add_argument("--state", default="fp32", help="optimizer-state choices, comma-separated: fp32, bf16, int8 "
+                    "(default fp32); each zerotier case runs once per choice")
+    ap.add_argument("--cases", default="", help="run only the cases whose name contains this (plain torch always runs)")
     ap.add_argument("--case", help=argparse.SUPPRESS)   # internal: run one case in this process
     ap.add_argument("--clip", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
+    states = args.state.split(",")
+    unknown = [st for st in states if st not in STATES]
+    if unknown:
+        ap.error(f"--state {','.join(unknown)}: choose from {', '.join(STATES)}")
     if args.case:
-        print(json.dumps(run_case(args.case, args.clip, args.quick, args.batch, args.steps, args.nvme_path)))
+        print(json.dumps(run_case(args.case, args.clip, args.quick, args.batch, args.steps, args.nvme_path, states[0])))
         return
+    runs = [(case, "fp32") for case in CASES if CASES[case] is None] + \
+        [(case, st) for case in CASES if CASES[case] is not None and args.cases in case for st in states]
 
     s = shape(args.quick)
     print(f"model: GPT {s['layers']}x{s['dim']}, vocab {s['vocab']}, batch {args.batch}x{s['seq']}, fp32, "
@@ -141,8 +159,8 @@ def main(argv=None):
         print(f"swap directory: O_DIRECT write {write_bw / 1e9:.2f} GB/s, read {read_bw / 1e9:.2f} GB/s")
         for r in range(args.rounds):
             for clip in (1.0, None):
-                for case in CASES:
-                    cmd = [sys.executable, __file__, "--case", case, "--batch", str(args.batch),
+                for case, st in runs:
+                    cmd = [sys.executable, __file__, "--case", case, "--batch", str(args.batch), "--state", st,
                            "--steps", str(args.steps), "--nvme-path", nvme_dir] + (["--quick"] if args.quick else [])
                     if clip is not None:
                         cmd += ["--clip", str(clip)]
@@ -150,23 +168,23 @@ def main(argv=None):
                     if out.returncode != 0:
                         raise SystemExit(f"{case} (clip {clip}) failed:\n{out.stderr[-3000:]}")
                     res = json.loads(out.stdout.strip().splitlines()[-1])
-                    results.setdefault((case, clip), []).append(res)
-                    print(f"  round {r + 1} clip {clip}: {case:26s} {res['step_s']:.3f} s", flush=True)
-    print(f"\n  {'case':26s} {'clip':>5s} {'step s':>7s} {'vs torch':>9s} {'NVMe GB w/r':>12s} {'NVMe s':>7s}"
+                    results.setdefault((case, st, clip), []).append(res)
+                    print(f"  round {r + 1} clip {clip}: {case:26s} {st:5s} {res['step_s']:.3f} s", flush=True)
+    print(f"\n  {'case':26s} {'state':5s} {'clip':>5s} {'step s':>7s} {'vs torch':>9s} {'NVMe GB w/r':>12s} {'NVMe s':>7s}"
           f" {'vs bound':>9s}  target")
     for clip in (1.0, None):
-        base = statistics.median(r["step_s"] for r in results[("plain torch fused AdamW", clip)])
-        for case in CASES:
-            runs = results[(case, clip)]
-            sec = statistics.median(r["step_s"] for r in runs)
-            wr = statistics.median(r["write_bytes"] for r in runs)
-            rd = statistics.median(r["read_bytes"] for r in runs)
+        base = statistics.median(r["step_s"] for r in results[("plain torch fused AdamW", "fp32", clip)])
+        for case, st in runs:
+            got = results[(case, st, clip)]
+            sec = statistics.median(r["step_s"] for r in got)
+            wr = statistics.median(r["write_bytes"] for r in got)
+            rd = statistics.median(r["read_bytes"] for r in got)
             io_s = wr / write_bw + rd / read_bw
             target = ""
             if case in TARGETS:
                 limit = TARGETS[case][0 if clip is not None else 1]
                 target = f"<= {limit:.2f}x: {'PASS' if sec / base <= limit else 'MISS'}"
-            print(f"  {case:26s} {'on' if clip else 'off':>5s} {sec:7.3f} {sec / base:8.3f}x "
+            print(f"  {case:26s} {st:5s} {'on' if clip else 'off':>5s} {sec:7.3f} {sec / base:8.3f}x "
                   f"{wr / 1e9:5.2f}/{rd / 1e9:<6.2f} {io_s:7.2f} {sec / max(base, io_s):8.3f}x  {target}")
 
 
