@@ -10,7 +10,8 @@ runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit
   params fetched           per use (forward and backward): NVMe read (ranks per node share the
                            drive) then the host->device copy; on a CPU device the "link" is a
                            memory copy at `mem_copy`
-  gradients                host gradients with CUDA: the fresh gradient (param dtype) copied out;
+  gradients                off the device: the fresh gradient (param dtype) copied out (d2h, on
+                           a CPU device a memory copy: its device tier is a pool of its own);
                            NVMe: grad_bytes written per micro-batch, read back per later one and
                            once by the optimizer; device gradients with a CPU optimizer: the
                            shard staged d2h
@@ -112,11 +113,9 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             if params_at is Location.NVME:
                 w["fetch_nvme_s"] = secs(s.lp_bytes * p_shard * local_ranks, "nvme_read")
         if is_trainable:
-            if grads_at is Location.HOST and cuda:
-                w["grad_d2h_s"] = secs(s.lp_bytes * n, "d2h")
+            if grads_at is not Location.DEVICE:  # the fresh gradient leaves the device (a CPU device: a copy)
+                w["grad_d2h_s"] = secs(s.lp_bytes * n, link_out)
             if grads_at is Location.NVME:
-                if cuda:
-                    w["grad_d2h_s"] = secs(s.lp_bytes * n, "d2h")
                 w["grad_write_s"] = secs(s.grad_bytes * g_shard * local_ranks, "nvme_write")
                 w["grad_read_s"] = secs(s.grad_bytes * g_shard * local_ranks, "nvme_read")
             elif grads_at is Location.DEVICE and cuda and unit_opt is not Location.DEVICE:
