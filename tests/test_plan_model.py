@@ -162,3 +162,21 @@ def test_profile_puts_each_component_beside_the_plan_and_names_the_furthest(tmp_
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(plan))
     assert cli.main(["profile", str(trace_path), "--plan", str(plan_path)]) == 0
+
+
+def test_cli_plans_a_gpu_node_from_its_bench_file(tmp_path, capsys):
+    """--rates from a node whose bench measured PCIe: planned as a CUDA device (host gradients cross
+    PCIe there), and its GPU memory must be given, since this machine cannot see it."""
+    from zerotier import cli
+
+    there = tmp_path / "gpu-node.json"
+    save({**RATES, "pcie": {"h2d_pinned_GBps": 25.0, "d2h_pinned_GBps": 25.0}}, there)
+    base = ["plan", "--params", "1B", "--layers", "8", "--rates", str(there), "--host", "64GiB",
+            "--offload", "gradients=host", "--offload", "optimizer=host", "--json"]
+    if not torch.cuda.is_available():  # (a GPU machine plans with its own device budget)
+        assert cli.main(base) == 1
+        assert "pass --device SIZE" in capsys.readouterr().err
+    assert cli.main(base + ["--device", "80GiB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["breakdown_s"]["grads_d2h"] == pytest.approx(4e9 / 25e9)  # 1B fp32 gradients at 25 GB/s
+    assert out["rate_sources"]["d2h"] == "given"

@@ -302,6 +302,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         if rates is None:
             raise ZerotierError(f"--rates: {args.rates} holds no zerotier bench results (write one with "
                                 "`zerotier bench --save FILE` on the node to plan for)")
+        device = _planned_device(rates, cfg, device)
     try:
         plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device, rates=rates,
                          world_size=args.world_size, stage=cfg.zero.stage, zero=cfg.zero, grad_bytes=grad_bytes,
@@ -319,6 +320,18 @@ def _run_plan(args: argparse.Namespace) -> int:
     if note is not None:
         print(note, file=sys.stderr)
     return 0
+
+
+def _planned_device(rates: dict, cfg, here):
+    """[Note: another node's rates] in planning.py: a node whose bench measured PCIe has a GPU."""
+    import torch
+
+    if "h2d" not in rates or here.type == "cuda":
+        return here
+    if cfg.tiers.device == "auto":
+        raise ZerotierError("--rates: that node has a GPU (its bench measured PCIe) and this one does not: pass "
+                            "--device SIZE, the GPU memory per rank there")
+    return torch.device("cuda")
 
 
 def _plan_measured(args: argparse.Namespace, cfg) -> int:

@@ -58,6 +58,11 @@ def plan_model(model, cfg: Config, inputs, *, rates, device: torch.device, world
         compute = measure(model, inputs, device, dtype, cfg.train.wrap, repeat=repeat)
         if elsewhere:
             compute = compute.scaled(_compute_scale(rate_dict, cfg.precision.param_dtype, device))
+    if elsewhere and "h2d" in rate_dict and device.type != "cuda":  # planning a GPU node from a CPU one
+        if cfg.tiers.device == "auto":
+            raise ConfigError("rates: that node has a GPU (its bench measured PCIe) and this one does not: set "
+                              "tiers.device to the GPU memory per rank there")
+        device = torch.device("cuda")
     step = StepOptions(accum_steps=cfg.train.grad_accum_steps, clip=cfg.train.max_grad_norm is not None,
                        early_step=cfg.train.early_step)
     return make_plan([u.numel for u in units if not u.frozen], cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch,
