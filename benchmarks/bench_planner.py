@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--repeat", type=int, default=3, help="timed runs per unit in the plan's measurement")
     p.add_argument("--nvme-path", default=None, help="directory on the drive (default: a temp dir here)")
+    p.add_argument("--skip", type=int, default=0, help="leave out the first N cases (resume a run)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -186,21 +187,28 @@ def main(argv=None) -> int:
         cases += [(m, pl, "fp32", False, 1) for m in ("llama", "tied") for pl in ("device", "opt-nvme")]
         cases += [("gpt2", "opt-nvme", "bf16", False, 1), ("gpt2", "opt-nvme", "fp32", True, 1),
                   ("gpt2", "opt-nvme", "fp32", False, 4)]
+    cases = cases[args.skip:]
     print(f"zerotier bench (quick) for the rates, in {nvme_path} ...", file=sys.stderr)
     rates = bench.entry_rates(bench.run(bench.SECTIONS, quick=True, path=nvme_path,
                                         progress=lambda _: None))
     print("rates: " + ", ".join(f"{k} {v:.3g}" for k, v in rates.items()), file=sys.stderr)
-    rows = []
+    rows, failed = [], []
     print(f"{'model':6s} {'placement':16s} {'dtype':5s} {'clip':4s} {'acc':>3s} {'predicted':>10s} "
           f"{'measured':>10s} {'error':>7s}  bound by / furthest from the plan (per step)")
     for m, pl, d, c, a in cases:
         factory, vocab, seq = catalogue[m]
-        r = run_case(m, factory, vocab, seq, pl, d, c, a, args, rates, nvme_path)
+        try:
+            r = run_case(m, factory, vocab, seq, pl, d, c, a, args, rates, nvme_path)
+        except Exception as exc:  # noqa: BLE001 - one case failing must not hide the others' figures
+            print(f"{m:6s} {pl:16s} {d:5s} {'on' if c else 'off':4s} {a:3d} failed: {type(exc).__name__}: "
+                  f"{str(exc)[:200]}", flush=True)
+            failed.append((m, pl, d, c, a, repr(exc)))
+            continue
         rows.append(r)
         print(f"{m:6s} {pl:16s} {d:5s} {'on' if c else 'off':4s} {a:3d} {r['predicted_s']:9.3f}s "
               f"{r['measured_s']:9.3f}s {r['error_pct']:+6.1f}%  {r['bound_by']} / {r['furthest']}", flush=True)
     within = sum(abs(r["error_pct"]) <= 15 for r in rows)
-    print(f"{within} of {len(rows)} cases within 15%")
+    print(f"{within} of {len(rows)} cases within 15%" + (f"; {len(failed)} failed" if failed else ""))
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0
