@@ -204,3 +204,18 @@ def test_compact_state_converges_like_fp32():
     for master, moments in (("bf16", "bf16"), ("bf16", "int8")):
         got = final_loss(loss_curve(master, moments, steps), 10)
         assert abs(got / base - 1) < 0.02, (master, moments, got, base)
+
+
+def test_auto_placement_keeps_compact_state_off_the_gpu():
+    """offload.optimizer = auto never picks the GPU for compact state (the CPU kernel updates it):
+    where fp32 state goes to the device, bf16/int8 state goes to host."""
+    budgets = {"device": 8 << 30, "host": 8 << 30, "nvme": 0}
+    placed = {}
+    for master, moments in (("fp32", "fp32"), ("bf16", "int8")):
+        cfg = zerotier.Config.from_dict({"precision": {"master_dtype": master, "moment_dtype": moments},
+                                         "tiers": {"nvme": 0}})
+        plan = make_plan([1_000_000] * 4, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, torch.device("cuda"),
+                         budgets=budgets)
+        placed[moments] = plan.placement["optimizer"].value
+        assert all(row["placement"]["optimizer"] != "device" for row in plan.alternatives) or moments == "fp32"
+    assert placed == {"fp32": "device", "int8": "host"}

@@ -277,6 +277,12 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[str, int]:
     return {"device": dev, "host": host, "nvme": nvme}
 
 
+def _tier_holds(kind: str, loc: Location, cuda: bool, layout: StateLayout) -> bool:
+    """Whether `auto` may put `kind` on `loc`: compact optimizer state (precision.master_dtype /
+    moment_dtype other than fp32) is updated by the CPU kernel, never on a GPU (UnitOptimizer refuses it)."""
+    return not (kind == "optimizer" and loc is Location.DEVICE and cuda and not layout.exact)
+
+
 _STATE_CHOICES = (("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "int8"))  # what `plan` compares
 
 
@@ -484,7 +490,9 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
             raise error
         return first
     tried = [first] if first is not None else []
-    choices = [[loc.value for loc in Location] + (["auto"] if k == "optimizer" else []) for k in autos]
+    layout = StateLayout.of(precision)
+    choices = [[loc.value for loc in Location if _tier_holds(k, loc, device.type == "cuda", layout)]
+               + (["auto"] if k == "optimizer" else []) for k in autos]
     for combo in itertools.product(*choices):  # "auto" optimizer: a split where one is faster
         try:
             plan = _place(dataclasses.replace(offload, **dict(zip(autos, combo))), *args, **kw)
@@ -565,7 +573,8 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                                      [{"tier": "split", "more": short}], placement, sum(state_bytes.values()))
             chosen = Location.NVME
         else:
-            candidates = [Location(requested)] if requested != "auto" else list(Location)
+            candidates = [Location(requested)] if requested != "auto" else \
+                [loc for loc in Location if _tier_holds(kind, loc, sizes.cuda, sizes.state)]
             chosen = None
             for loc in candidates:
                 want = _bytes_for(kind, loc, sizes)
