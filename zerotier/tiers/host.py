@@ -260,7 +260,8 @@ class HostPool(BudgetedTier):
         if self._closed:
             raise ZerotierError("host pool is closed")
         size = max(round_up(nbytes, self.alignment), self.alignment)
-        self._alloc_calls += 1
+        with self._lock:
+            self._alloc_calls += 1
         while True:
             self._reap()
             with self._lock:
