@@ -6,12 +6,16 @@
 - a prefetch issued before an optimizer step is never used after it (parameter versions);
 - the host pool's bytes are what the planner predicted;
 - bf16 gradient accumulation halves the gradient bytes and still trains.
+
+The first two also run on 2 gloo ranks at ZeRO stages 1-3, where the reduce buckets and the
+parameter gathers add their copies ([Note: buckets] in dist/buckets.py).
 """
 import pytest
 import torch
 
 import zerotier
 import zerotier.tiers.nvme as nvme_mod
+from zerotier.dist import spawn
 from zerotier.models import TinyGPT, batches
 
 VOCAB, SEQ, BATCH, LR = 128, 16, 4, 3e-3
@@ -95,6 +99,109 @@ def test_copies_and_nvme_bytes_per_step(params, tmp_path):
             assert d["store_in"] == 12 * numel + param_writes, (step, d)
             if step > 1:  # step 0 has no trace, step 1 the first prefetches: the cache then has what it needs
                 assert d["new_blocks"] == 0, (step, d)
+
+
+STAGES = (1, 2, 3)
+
+
+def _no_staging(*args, **kwargs):
+    raise AssertionError("the NVMe store made a staging copy on the training path")
+
+
+def _step_counters(engine):
+    dev, st = engine.device_tier.stats(), engine.store.stats()
+    return {"h2d": dev["bytes_in"], "d2h": dev["bytes_out"], "store_in": st["bytes_in"], "store_out": st["bytes_out"]}
+
+
+def _data_path_rank(rank, world_size, nvme_dir):
+    """On each rank, per stage: TinyGPT steps with every NVMe byte zero-copy (both NVMe placements,
+    the staging allocator raising), and the mlp's per-step copy and NVMe byte counts (params on
+    host and on NVMe). Returns {("staging", stage, name): NVMe bytes read} and
+    {("copies", stage, params): (units as (numel, shard_numel, replicated), per-step deltas,
+    {tier: (peak, the plan's need)})}."""
+    out = {}
+    for stage in STAGES:
+        zero = {"stage": stage, "persistence_threshold": 0, "reduce_bucket_size": 4096,
+                "allgather_bucket_size": 4096}
+        for name, offload in NVME.items():
+            cfg = {"zero": zero, "offload": offload, "tiers": {"nvme_path": nvme_dir},
+                   "train": {"max_grad_norm": 1.0}, "optimizer": {"lr": LR}}
+            with zerotier.initialize(tiny_gpt(), cfg) as engine:
+                real = nvme_mod.aligned_empty
+                nvme_mod.aligned_empty = _no_staging
+                try:
+                    for x, y in batches(VOCAB, SEQ, BATCH, 3):
+                        half = BATCH // world_size
+                        engine.backward(engine(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]))
+                        engine.step()
+                    engine.synchronize()
+                finally:
+                    nvme_mod.aligned_empty = real
+                out[("staging", stage, name)] = engine.store.stats()["bytes_out"]
+        for params in ("host", "nvme"):
+            cfg = {"zero": zero, "offload": {"params": params, "gradients": "host", "optimizer": "nvme"},
+                   "tiers": {"nvme_path": nvme_dir}, "precision": {"param_dtype": "bf16"},
+                   "train": {"max_grad_norm": 1.0}}
+            with zerotier.initialize(mlp(), cfg) as engine:
+                deltas = []
+                for x, y in mlp_batches(4, seed=rank):
+                    engine.synchronize()
+                    before = _step_counters(engine)
+                    engine.backward(torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y))
+                    engine.step()
+                    engine.synchronize()
+                    deltas.append({k: v - before[k] for k, v in _step_counters(engine).items()})
+                units = [(u.numel, u.part.shard_numel, u.part.replicated) for u in engine.units]
+                peaks = {"host": (engine.host_pool.stats()["peak"], engine.plan.need["host"]),
+                         "device": (engine.device_tier.stats()["peak"], engine.plan.need["device"])}
+            out[("copies", stage, params)] = (units, deltas, peaks)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_data_path(tmp_path_factory):
+    return spawn(_data_path_rank, 2, str(tmp_path_factory.mktemp("nvme")), timeout_s=600)
+
+
+@pytest.mark.parametrize("name", NVME)
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_ranks_make_no_staging_copy(two_rank_data_path, stage, name):
+    """As test_training_step_makes_no_staging_copy, on 2 gloo ranks: the reduced gradient shards,
+    the gathered parameters and the sharded optimizer state move zero-copy too."""
+    for rank_result in two_rank_data_path:
+        assert rank_result[("staging", stage, name)] > 0
+
+
+@pytest.mark.parametrize("params", ["host", "nvme"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_ranks_copies_and_nvme_bytes_per_step(two_rank_data_path, stage, params):
+    """As test_copies_and_nvme_bytes_per_step, on 2 gloo ranks, with gradients on the host and
+    the reduce buckets on the device ([Note: bucket memory]): per step, host->device are the two
+    fetches (the full flat, at stage 3 this rank's shard of it, gathered on the device) and the
+    gradient packed into its reduce bucket (G*Psi, bf16 accumulators under bf16 parameters);
+    device->host are the gradients autograd delivers (L*Psi) and this rank's reduced shard
+    (4*Psi/N: buckets reduce in fp32). Every one of them is a device-tier copy, counted; none is
+    a synchronous copy beside the tier. NVMe moves 12*Psi/N of optimizer
+    state each way, the fetched bytes and the write-back (the full flat at stages 1-2, where
+    each rank's home holds the gathered flat). The bucket buffers and the landing blocks of the
+    reduced shards are tier memory the planner counts: neither tier's peak passes the plan's need.
+    (Whether the pool makes a block after the first steps depends here on NVMe write timing: the
+    ZeRO-1/2 write-back temporaries share block sizes with the parked write blocks.)"""
+    lp, grad, reduced = 2, 2, 4  # bf16 parameters and gradient accumulators, fp32 reduce buckets
+    for rank_result in two_rank_data_path:
+        units, deltas, peaks = rank_result[("copies", stage, params)]
+        numel = sum(n for n, _, _ in units)
+        shards = sum(s for _, s, _ in units)
+        fetched = shards if stage == 3 else numel  # elements one fetch of every unit copies to the device
+        for step, d in enumerate(deltas):
+            assert d["h2d"] == 2 * lp * fetched + grad * numel, (step, d)
+            assert d["d2h"] == lp * numel + reduced * shards, (step, d)
+            param_reads = 2 * lp * fetched if params == "nvme" else 0
+            param_writes = lp * fetched if params == "nvme" else 0
+            assert d["store_out"] == 12 * shards + param_reads, (step, d)
+            assert d["store_in"] == 12 * shards + param_writes, (step, d)
+        for tier, (peak, need) in peaks.items():
+            assert 0 < peak <= need, (tier, peak, need)
 
 
 class Routed(torch.nn.Module):

@@ -20,8 +20,16 @@ from zerotier.dist import (AVG, SUM, CollectiveError, Comm, GradBucketer, ParamG
                            SpawnError, init_distributed, is_persistent, padded_numel, partition_units,
                            ring_bytes, shard_numel, shard_range, spawn)
 from zerotier.errors import ZerotierError
+from zerotier.tiers import DeviceTier, HostPool
 
 WORLD = 2
+
+
+def _tiered(bucketer, parts, host_pool=None, device="cpu"):
+    """The bucketer with its buffers from a device tier ([Note: bucket memory]), as the engine's."""
+    bucketer.allocate_from(DeviceTier(1 << 30, device), [p for p in parts if not p.replicated]
+                           if isinstance(bucketer, ParamGatherer) else parts, host_pool)
+    return bucketer
 
 # ------------------------------------------------------------------------------------------------
 # Partition: pure
@@ -131,7 +139,7 @@ def test_local_world_without_process_group():
 def test_local_buckets_pack_padding_and_order():
     got = {}
     parts = [Partition(n, 1, align=4) for n in (5, 3, 9)]
-    b = GradBucketer(64, lambda k, s: got.__setitem__(k, s.clone()), comm=Comm())
+    b = _tiered(GradBucketer(64, lambda k, s: got.__setitem__(k, s.clone()), comm=Comm()), parts)
     grads = [torch.arange(p.numel, dtype=torch.float32) + 10 * i for i, p in enumerate(parts)]
     for i, (g, p) in enumerate(zip(grads, parts)):
         b.add(i, g, p)
@@ -147,6 +155,55 @@ def test_local_buckets_pack_padding_and_order():
             b.add(i, g, p)
         b.wait()
     assert set(storages[3:]) == set(storages[:3]) and len(set(storages)) <= b.max_inflight + 1
+
+
+def test_host_gradients_cross_by_the_device_tiers_copies():
+    """[Note: bucket memory]: host gradients (host-pool blocks, fp32 and bf16) reach their device
+    bucket by the device tier's H2D copies and the reduced shards come back by its D2H copy into
+    a host-pool block, every byte counted; the buckets are device-tier memory, the landing blocks
+    host-pool memory within GradBucketer.staging_bytes. On the lagging device (the suite's), a copy not joined before the
+    collective or not waited before delivery reads NaN."""
+    parts = [Partition(n, 1, align=4) for n in (5, 3, 9, 40)]
+    pool, tier = HostPool(1 << 24), DeviceTier(1 << 30, "cpu")
+    got = {}
+    b = GradBucketer(64, lambda k, s: got.__setitem__(k, s.clone()), comm=Comm(), reduce_dtype=torch.float32)
+    b.allocate_from(tier, parts, pool)
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float32]
+    blocks = [pool.alloc(p.numel * d.itemsize, d) for p, d in zip(parts, dtypes)]
+    for i, (blk, p) in enumerate(zip(blocks, parts)):
+        blk.tensor.copy_(torch.arange(p.numel) + 10 * i)
+    for i, (blk, p) in enumerate(zip(blocks, parts)):
+        b.add(i, blk.tensor, p)
+    b.wait()
+    for i, p in enumerate(parts):
+        assert_close(got[i], torch.cat([torch.arange(p.numel, dtype=torch.float32) + 10 * i,
+                                        torch.zeros(p.padded_numel - p.numel)]))
+    stats = tier.stats()
+    assert stats["bytes_in"] == sum(p.numel * d.itemsize for p, d in zip(parts, dtypes))
+    assert stats["bytes_out"] == 4 * sum(p.shard_numel for p in parts)
+    landing = pool.stats()["in_use"] - sum(blk.capacity for blk in blocks)  # kept for the next backward
+    assert 0 < landing <= GradBucketer.staging_bytes(64, 4, parts, alignment=pool.alignment)
+    assert stats["current"] <= GradBucketer.buffer_bytes(64, 4, parts)  # only the buckets stay
+    tier.close()
+
+
+def test_host_parameter_gathers_use_host_pool_buckets():
+    """[Note: bucket memory]: a gatherer of host-resident parameters packs into host-pool blocks,
+    counted in the host budget (the planner's ParamGatherer.buffer_bytes there), none on the device."""
+    parts = [Partition(n, 1, align=4) for n in (5, 3, 9)]
+    pool, tier = HostPool(1 << 24), DeviceTier(1 << 30, "cpu")
+    g = ParamGatherer(32, comm=Comm())
+    g.allocate_from(tier, parts, pool)
+    shards = [torch.arange(p.shard_numel, dtype=torch.float32) + 10 * i for i, p in enumerate(parts)]
+    outs = [torch.full((p.numel,), float("nan")) for p in parts]
+    for i, p in enumerate(parts):
+        g.add(i, shards[i], p, outs[i])
+    g.wait()
+    for i, p in enumerate(parts):
+        assert_close(outs[i], shards[i][:p.numel])
+    assert tier.stats()["peak"] == 0
+    assert 0 < pool.stats()["current"] <= ParamGatherer.buffer_bytes(32, 4, parts, alignment=pool.alignment)
+    tier.close()
 
 
 def test_init_distributed_without_launcher(monkeypatch):
@@ -243,7 +300,7 @@ def _check_buckets(rank: int, ws: int, comm: Comm) -> dict:
     expected = {i: sum(_data(r, n) for r in range(ws)) / ws for i, n in enumerate(numels)}
     got: dict[int, torch.Tensor] = {}
     comm.reset_stats()
-    bucketer = GradBucketer(1024, lambda k, s: got.__setitem__(k, s.clone()), comm=comm)
+    bucketer = _tiered(GradBucketer(1024, lambda k, s: got.__setitem__(k, s.clone()), comm=comm), parts)
     for i in range(len(numels)):
         bucketer.add(i, grads[i], parts[i])
     bucketer.flush()
@@ -264,7 +321,7 @@ def _check_buckets(rank: int, ws: int, comm: Comm) -> dict:
     shards.update({i: expected[i].clone() for i, p in enumerate(parts) if p.replicated})
     outs = {i: torch.full((p.padded_numel if i == 6 else p.numel,), float("nan")) for i, p in enumerate(parts)}
     ready = []
-    gatherer = ParamGatherer(1024, lambda k, flat: ready.append(k), comm=comm)
+    gatherer = _tiered(ParamGatherer(1024, lambda k, flat: ready.append(k), comm=comm), parts)
     for i, p in enumerate(parts):
         gatherer.add(i, shards[i], p, outs[i])
     gatherer.wait()
@@ -283,12 +340,12 @@ def _zero_step_bytes(rank: int, ws: int, comm: Comm, stage: int) -> dict:
         for n in numels:
             comm.all_reduce(torch.ones(n), AVG).wait()
         return comm.stats()
-    gatherer = ParamGatherer(1 << 20, comm=comm)
+    gatherer = _tiered(ParamGatherer(1 << 20, comm=comm), parts)
     for _ in range(2 if stage == 3 else 1):  # stage 3: forward and backward gathers
         for i, p in enumerate(parts):
             gatherer.add(i, torch.ones(p.shard_numel), p, torch.empty(p.padded_numel))
         gatherer.wait()
-    bucketer = GradBucketer(1 << 20, lambda k, s: None, comm=comm)
+    bucketer = _tiered(GradBucketer(1 << 20, lambda k, s: None, comm=comm), parts)
     for i, p in enumerate(parts):
         bucketer.add(i, torch.ones(p.numel), p)
     bucketer.wait()
@@ -492,7 +549,8 @@ def test_cuda_collectives_on_comm_stream(monkeypatch, emulate):
         comm.all_gather(full, shard).wait()
         assert torch.equal(full, x * 2)
         got = []
-        b = GradBucketer(1 << 16, lambda k, s: got.append(s.clone()), comm=comm)
+        b = _tiered(GradBucketer(1 << 16, lambda k, s: got.append(s.clone()), comm=comm), [Partition(y.numel(), 1)],
+                    device="cuda")
         b.add(0, y, Partition(y.numel(), 1))
         b.wait()
         assert torch.equal(got[0], x * 2)

@@ -128,9 +128,10 @@ class GradStore:
                                          initializer=enter_device, initargs=(self.device,)) \
             if self.device.type == "cuda" and loc is Location.HOST else None
         self.bucketer = GradBucketer(reduce_bucket_size, self._shard_ready, comm=sharding.comm,
-                                     reduce_dtype=torch.float32, device=self.device) if sharding.active else None
-        if self.bucketer is not None:  # the buckets live on the device: counted there (GPU review N13)
-            self.bucketer.allocate_from(device_tier, [u.part for u in units])
+                                     reduce_dtype=torch.float32) if sharding.active else None
+        if self.bucketer is not None:  # the buckets live on the device: counted there ([Note: bucket memory])
+            self.bucketer.allocate_from(device_tier, [u.part for u in units],
+                                        host_pool if loc is not Location.DEVICE else None)
         self._reduce_order = [u.index for u in reversed(units)]  # [Note: the same collectives on every rank]
         self._final = [False] * n                                # final in this backward, not yet queued
         self._queued = 0                                         # reduce-order position reached
@@ -245,7 +246,7 @@ class GradStore:
     def _shard_ready(self, index: int, shard: torch.Tensor) -> None:
         reduced = self.reduced[index]
         if self.sharding.stage >= 2:
-            reduced.add_(shard.to(reduced.device))  # accumulated over micro-batches
+            reduced.add_(shard)  # accumulated over micro-batches (the bucketer delivers it where it lives)
         else:
             reduced.copy_(shard)  # the accumulator held the window's sum
 

@@ -139,8 +139,9 @@ class ParamStore:
         # the device tier's h2d stream).
         self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerotier-fetch",
                                            initializer=enter_device, initargs=(self.device,))
-        if sharding.active:  # ZeRO-1/2 commits: the gather buckets on the device count there (GPU review N13)
-            sharding.gatherer.allocate_from(device_tier, [u.part for u in units if not u.part.replicated])
+        if sharding.active:  # ZeRO-1/2 commits: the gather buckets count where the parameters live
+            sharding.gatherer.allocate_from(device_tier, [u.part for u in units if not u.part.replicated],
+                                            host_pool if loc is not Location.DEVICE else None)  # [Note: bucket memory]
 
     # Read-only views kept for the engine's and surface's readers (slots[i].<field> is the truth).
     # To go once engine.py and surface.py read `slots`.

@@ -4,6 +4,7 @@
     comm = Comm.from_config(cfg.zero)                    # collectives: async handles, byte counters
     parts = partition_units([u.numel for u in units], world)
     bucketer = GradBucketer(cfg.zero.reduce_bucket_size, on_grad_shard, comm=comm)
+    bucketer.allocate_from(device_tier, parts, host_pool)  # buffers from the tiers ([Note: bucket memory])
 
 See docs/dist.md for the protocol per stage.
 """

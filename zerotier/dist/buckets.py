@@ -29,43 +29,66 @@ from .partition import Partition
 # thread that calls add/flush/wait, after the bucket's handle was waited. All ranks must
 # add the same units in the same order (the same model gives the same backward order).
 
+# [Note: bucket memory]
+# Bucket buffers are memory of the one memory system, counted where they live: device-tier
+# tensors, or host-pool blocks where a ParamGatherer's units live on the host (gloo gathers
+# host memory in place). The planner counts `buffer_bytes` in that tier's need. Gradient
+# buckets stay on the device, where NCCL reduces; gradients on the host cross the link
+# only by the device tier's copies, with tickets, as a one-rank fetch does: an H2D copy per
+# unit (compute joins them before the collective: on a GPU the copy stream runs them while
+# the host goes on) and one D2H copy of the bucket's reduced shards into a host-pool block
+# (`staging_bytes`), delivered once done. No synchronous copy beside the tier, no
+# allocation outside it: tests/test_data_path.py counts every copy with 2 ranks.
+
 
 class _BufferPool:
     """Bucket buffers kept for reuse: a fresh CPU allocation of bucket size page-faults on first
     touch (~0.45 ms per MiB here, as long as the copy itself x7), once per bucket otherwise.
     At most `keep` buffers exist, in use or free: one that fits none of the free ones replaces
     the smallest of them when the pool is full. A buffer is given back only after its bucket's
-    handle was waited, so on CUDA its next use (on the compute stream) is ordered after the
-    last one. With a device tier, buffers on its device are allocated from it (counted against
-    tiers.device: GPU review N13; the planner's term is `_Bucketer.buffer_bytes`)."""
+    handle was waited and every copy reading it ran, so its next use is ordered after the last.
+    [Note: bucket memory]: every buffer comes from a tier, counted against its budget: a host-pool
+    block where the bucket's tensors are host memory (`on_host`), else a device-tier tensor."""
 
-    def __init__(self, keep: int, device_tier=None):
-        self.keep, self.device_tier = keep, device_tier
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.device_tier = self.host_pool = None  # set by _Bucketer.allocate_from
+        self.on_host = False
         self.limit: int | None = None  # elements of a bucket of every unit: no buffer is larger
-        self._free: list[torch.Tensor] = []
+        self._free: list = []  # device-tier tensors or host-pool blocks (HostBuffer)
         self._count = 0  # buffers alive: free or in use
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device, capacity: int) -> torch.Tensor:
+    def take(self, numel: int, dtype: torch.dtype, capacity: int):
+        """(buffer, its first numel elements as `dtype`); give the buffer back with give()."""
+        if self.device_tier is None:
+            raise RuntimeError("bucket buffers come from the tiers: call allocate_from() before the first add()")
         for i, buf in enumerate(self._free):
-            if buf.dtype == dtype and buf.device == device and buf.numel() >= numel:
-                return self._free.pop(i)[:numel]
+            t = _tensor(buf)
+            if t.dtype == dtype and t.numel() >= numel:
+                return self._free.pop(i), t[:numel]
         if self._free and self._count >= self.keep:
-            self._drop(self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel())))
-        shape, tier = (max(numel, capacity if self.limit is None else min(capacity, self.limit)),), self.device_tier
-        if tier is not None and device == tier.device:
-            buf = tier.alloc(shape, dtype, "collective bucket")
+            self._drop(self._free.pop(min(range(len(self._free)), key=lambda i: _tensor(self._free[i]).numel())))
+        numel_alloc = max(numel, capacity if self.limit is None else min(capacity, self.limit))
+        if self.on_host:
+            buf = self.host_pool.alloc(numel_alloc * dtype.itemsize, dtype, "collective bucket")
         else:
-            buf = torch.empty(shape, dtype=dtype, device=device)
+            buf = self.device_tier.alloc((numel_alloc,), dtype, "collective bucket")
         self._count += 1
-        return buf[:numel]
+        return buf, _tensor(buf)[:numel]
 
-    def give(self, view: torch.Tensor) -> None:
-        self._free.append(view._base if view._base is not None else view)
+    def give(self, buf) -> None:
+        self._free.append(buf)
 
-    def _drop(self, buf: torch.Tensor) -> None:
+    def _drop(self, buf) -> None:
         self._count -= 1
-        if self.device_tier is not None and buf.device == self.device_tier.device:
+        if self.on_host:
+            self.host_pool.free(buf)
+        else:
             self.device_tier.free(buf)
+
+
+def _tensor(buf) -> torch.Tensor:
+    return buf if isinstance(buf, torch.Tensor) else buf.tensor
 
 
 class _Bucketer:
@@ -94,28 +117,38 @@ class _Bucketer:
         return sum(p.numel if p.replicated else (p.world_size + 1) * p.shard_numel for p in parts)
 
     @classmethod
-    def buffer_bytes(cls, bucket_bytes: int, itemsize: int, parts: Sequence[Partition], max_inflight: int = 2) -> int:
+    def _largest_buffer(cls, bucket_bytes: int, itemsize: int, parts: Sequence[Partition]) -> int:
+        """Elements of the largest bucket buffer: a bucket's capacity, or a unit larger than a
+        bucket, never more than a bucket of every unit."""
+        limit, capacity = cls._limit(parts), cls._capacity(bucket_bytes, itemsize, parts[0].world_size)
+        return min(max(capacity, max(cls._limit([p]) for p in parts)), limit)
+
+    @classmethod
+    def buffer_bytes(cls, bucket_bytes: int, itemsize: int, parts: Sequence[Partition], max_inflight: int = 2,
+                     alignment: int = 1) -> int:
         """Bytes of the bucket buffers a bucketer of the units `parts` (those it buckets) holds at
-        most, buffers allocated from a device tier (`allocate_from`): max_inflight + 1 buffers of a
-        bucket's capacity, or of a unit larger than a bucket, or of every unit (then one buffer of
-        each kind, sharded and replicated, reused every step). The planner counts exactly this
-        (GPU review N13)."""
+        most ([Note: bucket memory]): max_inflight + 1 buffers of a bucket's capacity, or of a unit
+        larger than a bucket, or of every unit (then one buffer of each kind, sharded and replicated,
+        reused every step); each rounded up to `alignment` (the host pool's, for buffers there).
+        The planner counts exactly this (GPU review N13)."""
         if not parts:
             return 0
         limit, capacity = cls._limit(parts), cls._capacity(bucket_bytes, itemsize, parts[0].world_size)
         if capacity >= limit:
-            return len({p.replicated for p in parts}) * limit * itemsize
-        largest = max(cls._limit([p]) for p in parts)
-        return (max_inflight + 1) * itemsize * min(max(capacity, largest), limit)
+            return len({p.replicated for p in parts}) * _round(limit * itemsize, alignment)
+        return (max_inflight + 1) * _round(itemsize * cls._largest_buffer(bucket_bytes, itemsize, parts), alignment)
 
-    def allocate_from(self, device_tier, parts: Sequence[Partition]) -> None:
-        """Before the first bucket: allocate the buffers that live on `device_tier`'s device from it,
-        none larger than a bucket of every unit in `parts` (the units this bucketer will see)."""
-        self._pool.device_tier, self._pool.limit = device_tier, self._limit(parts)
+    def allocate_from(self, device_tier, parts: Sequence[Partition], host_pool=None) -> None:
+        """Before the first bucket: the tiers the bucket buffers come from ([Note: bucket memory]),
+        none larger than a bucket of every unit in `parts` (the units this bucketer will see).
+        `host_pool`: the units' tensors are host memory; the buckets are then blocks of it (a
+        ParamGatherer gathers where its outputs live; GradBucketer overrides this)."""
+        self._pool.device_tier, self._pool.host_pool, self._pool.limit = device_tier, host_pool, self._limit(parts)
+        self._pool.on_host = host_pool is not None
 
-    def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _buffer(self, numel: int, dtype: torch.dtype):
         capacity = self._capacity(self.bucket_bytes, dtype.itemsize, self.world_size)
-        return self._pool.take(numel, dtype, device, capacity)
+        return self._pool.take(numel, dtype, capacity)
 
     def _launch(self, handle: Handle, complete: Callable[[], None]) -> None:
         self.buckets_launched += 1
@@ -142,27 +175,78 @@ class _Bucketer:
                 self._complete_oldest()
 
 
+def _round(nbytes: int, alignment: int) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
 class GradBucketer(_Bucketer):
     """Reduce-scatters units' flat gradients in buckets during backward ([Note: buckets]).
 
     add(key, grad_flat, partition) when a unit's gradient is final for this backward;
-    `grad_flat` (numel elements, any float dtype) must stay unchanged until its bucket
-    launches (at the latest in flush()); it may live elsewhere than `device` (the bucket is
-    packed by a copy). on_ready(key, grad_shard) then receives this rank's
-    reduced shard: `partition.shard_numel` elements (padding included, zero) in
-    `reduce_dtype` (default: the gradient's dtype). It is a view of a reused bucket buffer,
-    valid only until on_ready returns: copy or accumulate it where the shard lives.
+    `grad_flat` (numel elements, any float dtype) must stay unchanged until its bucket's
+    result is delivered (at the latest in wait()). on_ready(key, grad_shard) then receives this
+    rank's reduced shard: `partition.shard_numel` elements (padding included, zero) in
+    `reduce_dtype` (default: the gradient's dtype), valid only until on_ready returns (a view
+    of a reused buffer): copy or accumulate it where the shard lives.
     Replicated units are all-reduced: on_ready gets the whole reduced flat.
+
+    The buckets live on the device tier's device (NCCL reduces device memory). Gradients that
+    are host memory (`allocate_from(..., host_pool=)`) move through the device tier's copies
+    ([Note: bucket memory]): each is packed into its bucket by an H2D copy that compute joins
+    before the collective, and a bucket's reduced shards come back by one D2H copy into a
+    host-pool block, delivered (on_ready gets views of that block) once the copy is done: at
+    the next bucket launch, or in wait().
     """
 
     def __init__(self, bucket_bytes: int, on_ready: Callable[[Hashable, torch.Tensor], None], *,
                  comm: Comm, group: Any = None, op=AVG, reduce_dtype: torch.dtype | None = None,
-                 max_inflight: int = 2, device: torch.device | None = None):
+                 max_inflight: int = 2):
         super().__init__(bucket_bytes, comm, group, max_inflight)
         self.on_ready, self.op, self.reduce_dtype = on_ready, op, reduce_dtype
-        self.device = device  # where buckets live and reduce (None: the gradient's device)
         self._pending: dict[bool, list[tuple[Hashable, torch.Tensor, Partition]]] = {False: [], True: []}
         self._pending_bytes = {False: 0, True: 0}
+        # host gradients: buckets reduced, their shards' D2H copies issued, not delivered yet
+        self._landing: collections.deque[tuple[Any, Callable[[], None]]] = collections.deque()
+        self._parts: Sequence[Partition] = ()
+        self._landing_free: list = []  # host-pool blocks of `_landing_blocks`' size, kept for reuse
+
+    def allocate_from(self, device_tier, parts: Sequence[Partition], host_pool=None) -> None:
+        """The buckets come from `device_tier`; with `host_pool` the gradients and their reduced
+        shards are host memory, and the shards land in blocks of it."""
+        super().allocate_from(device_tier, parts, host_pool)
+        self._pool.on_host = False
+        self._parts = parts
+
+    @classmethod
+    def _landing_blocks(cls, bucket_bytes: int, itemsize: int, parts: Sequence[Partition],
+                        max_inflight: int) -> tuple[int, int]:
+        """(count, elements each) of the host-pool blocks the reduced shards land in: one per bucket
+        in flight or landing (max_inflight + 1, `_deliver`), each as large as the largest result (a
+        sharded bucket's is 1 / (N + 1) of its buffer); where one bucket holds every unit, one per
+        kind (sharded, replicated). Every block has the one size, so any serves any bucket: after
+        the first step the host pool makes none."""
+        if cls._capacity(bucket_bytes, itemsize, parts[0].world_size) >= cls._limit(parts):
+            sizes = [sum(p.shard_numel for p in parts if p.replicated == kind) for kind in {p.replicated for p in parts}]
+            return len(sizes), max(sizes)
+        largest, n = cls._largest_buffer(bucket_bytes, itemsize, parts), parts[0].world_size
+        return max_inflight + 1, max(largest if p.replicated else largest // (n + 1) for p in parts)
+
+    @classmethod
+    def staging_bytes(cls, bucket_bytes: int, itemsize: int, parts: Sequence[Partition], max_inflight: int = 2,
+                      alignment: int = 1) -> int:
+        """Host-pool bytes of the blocks the reduced shards land in from the device buckets,
+        gradients on the host (`_landing_blocks`), each rounded up to the pool's `alignment`.
+        The planner counts exactly this."""
+        if not parts:
+            return 0
+        count, numel = cls._landing_blocks(bucket_bytes, itemsize, parts, max_inflight)
+        return count * _round(numel * itemsize, alignment)
+
+    @staticmethod
+    def conversion_bytes(largest_numel: int, grad_itemsize: int, reduce_itemsize: int = 4) -> int:
+        """Device-tier bytes of a host gradient of another dtype than the buckets', copied to the
+        device before it is cast into its bucket: one unit at a time. The planner counts this."""
+        return 0 if grad_itemsize == reduce_itemsize else largest_numel * grad_itemsize
 
     def add(self, key: Hashable, grad_flat: torch.Tensor, partition: Partition) -> None:
         if grad_flat.numel() != partition.numel:
@@ -188,29 +272,129 @@ class GradBucketer(_Bucketer):
                 if self._pending[rep]:
                     self._launch_pending(rep)
 
+    def wait(self) -> None:
+        with self._lock:
+            super().wait()
+            self._deliver(every=True)
+
+    def _launch(self, handle: Handle, complete: Callable[[], None]) -> None:
+        super()._launch(handle, complete)
+        self._deliver(every=False)
+
+    def _deliver(self, every: bool) -> None:
+        """Deliver the landed results, oldest first: all of them (`every`), else those whose copy
+        is done, and the oldest while more than max_inflight buckets are in flight or landing (so
+        gradients wait in at most max_inflight + 1 buckets, with or without landing, and the
+        host pool holds at most max_inflight + 1 landing blocks: `staging_bytes`)."""
+        while self._landing and (every or self._landing[0][0].done()
+                                 or len(self._landing) + len(self._inflight) > self.max_inflight):
+            ticket, deliver = self._landing.popleft()
+            ticket.wait()
+            deliver()
+
     def _launch_pending(self, replicated: bool) -> None:
         units, self._pending[replicated], self._pending_bytes[replicated] = self._pending[replicated], [], 0
-        first = units[0][1]
-        dtype = self.reduce_dtype or first.dtype
+        dtype = self.reduce_dtype or units[0][1].dtype
         widths = [p.shard_numel for _, _, p in units]
         offsets, total = _offsets(widths), sum(widths)
         n = 1 if replicated else self.world_size
-        buf = self._buffer((n + 1) * total if not replicated else total, dtype, self.device or first.device)
+        buf, flat = self._buffer((n + 1) * total if not replicated else total, dtype)
+        pack = _Packing(self._pool.device_tier, self._pool.host_pool is not None)
+        try:
+            if replicated:
+                result = flat
+                for (_, grad, p), off, w in zip(units, offsets, widths):
+                    pack.rows(result[off:off + w].view(1, w), grad.reshape(-1), p.numel)
+            else:
+                packed, result = flat[:n * total].view(n, total), flat[n * total:]
+                for (_, grad, p), off, w in zip(units, offsets, widths):
+                    pack.rows(packed[:, off:off + w], grad.reshape(-1), p.numel)
+            pack.join()  # the collective reads the bucket after its copies (compute waits, not the host)
+        except BaseException:
+            pack.wait()
+            self._pool.give(buf)
+            raise
         if replicated:
-            for (_, grad, _), off, w in zip(units, offsets, widths):
-                buf[off:off + w].copy_(grad.reshape(-1))
-            handle, result = self.comm.all_reduce(buf, self.op, self.group), buf
+            handle = self.comm.all_reduce(result, self.op, self.group)
         else:
-            packed, result = buf[:n * total].view(n, total), buf[n * total:]
-            for (_, grad, p), off, w in zip(units, offsets, widths):
-                _pack_rows(packed[:, off:off + w], grad.reshape(-1), p.numel)
             handle = self.comm.reduce_scatter(result, packed.view(-1), self.group, self.op, input_is_scratch=True)
 
-        def complete():
+        def deliver(shards: torch.Tensor, staged=None):
+            pack.wait()  # the gradients were read: their owner may write them again
             for (key, _, _), off, w in zip(units, offsets, widths):
-                self.on_ready(key, result[off:off + w])
+                self.on_ready(key, shards[off:off + w])
+            if staged is not None:
+                self._landing_free.append(staged)
             self._pool.give(buf)
+
+        def complete():
+            if self._pool.host_pool is None:
+                deliver(result)
+                return
+            staged = self._landing_block(dtype)
+            try:  # ordered after the collective: handle.wait() made compute wait for it
+                ticket = self._pool.device_tier.copy_d2h(staged.tensor[:total], result)
+            except BaseException:
+                self._landing_free.append(staged)
+                raise
+            self._landing.append((ticket, lambda: deliver(staged.tensor[:total], staged)))
         self._launch(handle, complete)
+
+    def _landing_block(self, dtype: torch.dtype):
+        """A host-pool block for one bucket's reduced shards (`_landing_blocks`: one size for all).
+        The first one comes with all the others, so how many buckets land at once (timing) never
+        makes the pool allocate after the first backward."""
+        for i, block in enumerate(self._landing_free):
+            if block.dtype == dtype:
+                return self._landing_free.pop(i)
+        count, numel = self._landing_blocks(self.bucket_bytes, dtype.itemsize, self._parts, self.max_inflight)
+        blocks = [self._pool.host_pool.alloc(numel * dtype.itemsize, dtype, "reduced gradient shards")
+                  for _ in range(count)]
+        self._landing_free += blocks[1:]
+        return blocks[0]
+
+
+class _Packing:
+    """The copies packing one bucket: rows(dst, flat, numel) lays a unit's flat out as
+    [Note: buckets] says. Gradients in host memory (`from_host`) move by device-tier H2D copies
+    (a gradient in another dtype than the bucket's lands in a device-tier buffer first and is
+    cast there); join() makes compute wait for them, wait() makes the host wait (their sources
+    may then be written)."""
+
+    def __init__(self, device_tier, from_host: bool):
+        self.tier, self.from_host = device_tier, from_host
+        self.tickets: list = []
+
+    def rows(self, dst: torch.Tensor, flat: torch.Tensor, numel: int) -> None:
+        if not self.from_host:
+            _pack_rows(dst, flat, numel, _copy)
+        elif flat.dtype == dst.dtype:
+            _pack_rows(dst, flat, numel, self._copy_h2d)
+        else:
+            moved = self.tier.alloc((numel,), flat.dtype, "gradient for its bucket")
+            try:
+                self.tier.join(self._copy_h2d(moved, flat))
+                _pack_rows(dst, moved, numel, _copy)
+            finally:
+                self.tier.free(moved)
+
+    def _copy_h2d(self, dst: torch.Tensor, src: torch.Tensor):
+        ticket = self.tier.copy_h2d(dst, src)
+        self.tickets.append(ticket)
+        return ticket
+
+    def join(self) -> None:
+        for ticket in self.tickets:
+            self.tier.join(ticket)
+
+    def wait(self) -> None:
+        tickets, self.tickets = self.tickets, []
+        for ticket in tickets:
+            ticket.wait()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
 
 
 class ParamGatherer(_Bucketer):
@@ -222,6 +406,8 @@ class ParamGatherer(_Bucketer):
     must stay unchanged and `out_flat` unread until then. A unit alone in its bucket whose
     `out_flat` has exactly `padded_numel` elements is gathered straight into it (no copies):
     allocate stage-3 gather buffers padded. Replicated units are copied (no communication).
+    Shards and outputs are on one side: with `allocate_from(..., host_pool=)` both are host
+    memory and the buckets are host-pool blocks ([Note: bucket memory]).
     """
 
     def __init__(self, bucket_bytes: int, on_ready: Callable[[Hashable, torch.Tensor], None] | None = None, *,
@@ -265,8 +451,8 @@ class ParamGatherer(_Bucketer):
             n, dtype = self.world_size, shard.dtype
             widths = [p.shard_numel for _, _, p, _ in units]
             offsets, total = _offsets(widths), sum(widths)
-            buf = self._buffer((n + 1) * total, dtype, shard.device)
-            packed, gathered = buf[:total], buf[total:].view(n, total)
+            buf, flat = self._buffer((n + 1) * total, dtype)
+            packed, gathered = flat[:total], flat[total:].view(n, total)
             for (_, s, _, _), off, w in zip(units, offsets, widths):
                 packed[off:off + w].copy_(s.reshape(-1))
             handle = self.comm.all_gather(gathered.view(-1), packed, self.group)
@@ -287,17 +473,18 @@ def _offsets(widths: Sequence[int]) -> list[int]:
     return out
 
 
-def _pack_rows(dst: torch.Tensor, flat: torch.Tensor, numel: int) -> None:
-    """dst (N x s) = the flat padded with zeros to N*s, row r = chunk r."""
+def _pack_rows(dst: torch.Tensor, flat: torch.Tensor, numel: int, copy) -> None:
+    """dst (N x s) = the flat padded with zeros to N*s, row r = chunk r; copy(dst, src) moves the bytes."""
     n_rows, s = dst.shape
     if s == 0:
         return
     full = numel // s
     if full:
-        dst[:full].copy_(flat[:full * s].view(full, s))
+        copy(dst[:full], flat[:full * s].view(full, s))
     if full < n_rows:
         rem = numel - full * s
-        dst[full, :rem].copy_(flat[full * s:numel])
+        if rem:
+            copy(dst[full, :rem], flat[full * s:numel])
         dst[full, rem:].zero_()
         dst[full + 1:].zero_()
 
