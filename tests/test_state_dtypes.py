@@ -219,3 +219,35 @@ def test_auto_placement_keeps_compact_state_off_the_gpu():
         placed[moments] = plan.placement["optimizer"].value
         assert all(row["placement"]["optimizer"] != "device" for row in plan.alternatives) or moments == "fp32"
     assert placed == {"fp32": "device", "int8": "host"}
+
+
+@pytest.mark.parametrize("edit,why", [
+    ({"state_dtypes": {"master": [], "exp_avg": "int8", "exp_avg_sq": "int8"}}, "state_dtypes is"),
+    ({"state_dtypes": {"master": "int8", "exp_avg": "int8", "exp_avg_sq": "int8"}}, "state_dtypes is"),
+    ({"state_dtypes": {"master": "bf16", "exp_avg": "int8", "exp_avg_sq": "bf16"}}, "state_dtypes is"),
+    ({"quant_block": 2048}, "quantized in blocks of 2048 elements, this zerotier reads blocks of 256"),
+    ({"state_dtypes": {"master": "bf16", "exp_avg": "bf16", "exp_avg_sq": "bf16"}}, "record of unit 0 holds"),
+])
+def test_manifest_state_dtypes_are_checked(edit, why, compact_checkpoint, tmp_path):
+    """A manifest's state dtypes and block size are checked before anything is read: a wrong one is
+    a CheckpointError naming it (also the records' sizes, which follow the dtypes)."""
+    import json
+    import shutil
+    from zerotier.checkpoint_read import CheckpointError, manifest_crc, read_manifest
+    ckpt = tmp_path / "ck"
+    shutil.copytree(compact_checkpoint, ckpt)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest.update(edit)
+    manifest["crc32c"] = manifest_crc(manifest)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=why):
+        read_manifest(ckpt)
+
+
+@pytest.fixture(scope="module")
+def compact_checkpoint(tmp_path_factory):
+    """A checkpoint saved with a bf16 master and int8 moments, after one step."""
+    root = tmp_path_factory.mktemp("compact")
+    with zerotier.initialize(make_model(), config(HOST, root, "bf16", "int8")) as engine:
+        train(engine, 0, 1)
+        return engine.save_checkpoint(root / "ck")

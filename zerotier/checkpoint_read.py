@@ -309,7 +309,8 @@ def _check_manifest(m: dict, where: str) -> None:
     dtypes = m.get("state_dtypes")
     if dtypes is not None:
         if not isinstance(dtypes, dict) or set(dtypes) != set(STATE_KEYS) \
-                or not all(dtypes[k] in STATE_DTYPES for k in STATE_KEYS) or dtypes["exp_avg"] != dtypes["exp_avg_sq"] \
+                or not all(isinstance(dtypes[k], str) and dtypes[k] in STATE_DTYPES for k in STATE_KEYS) \
+                or dtypes["exp_avg"] != dtypes["exp_avg_sq"] \
                 or dtypes["master"] not in ("fp32", "bf16"):
             bad(f"state_dtypes is {reprlib.repr(dtypes)}, not a master dtype (fp32, bf16) and one moment dtype "
                 f"(fp32, bf16, int8) for {', '.join(STATE_KEYS)}")
