@@ -307,8 +307,9 @@ def test_bf16_gradient_accumulation_halves_gradient_bytes_and_trains(tmp_path):
                "train": {"grad_accum_steps": 2, "max_grad_norm": 1.0}}
         losses = []
         with zerotier.initialize(tiny_gpt(), cfg) as engine:
-            assert all(acc.dtype == zerotier.state.DTYPES[grad_dtype] for acc in engine.grads.acc)
-            grad_bytes = sum(acc.numel() * acc.element_size() for acc in engine.grads.acc)
+            accs = [slot.acc for slot in engine.grads.backend.slots]
+            assert all(acc.dtype == zerotier.state.DTYPES[grad_dtype] for acc in accs)
+            grad_bytes = sum(acc.numel() * acc.element_size() for acc in accs)
             for x, y in list(batches(VOCAB, SEQ, BATCH, 1)) * 16:  # one batch: the loss must fall
                 loss = engine(x, y)
                 engine.backward(loss)

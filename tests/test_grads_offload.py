@@ -25,9 +25,9 @@ import zerotier
 from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
 from zerotier.dist import spawn
 from zerotier.errors import TierIOError, ZerotierError
-from zerotier.grads import NvmeGradStore
+from zerotier.grads import GradFile, GradStore
 from zerotier.models import TinyGPT, batches
-from zerotier.optim.offload import NvmeGrad, UnitOptimizer
+from zerotier.optim.offload import UnitOptimizer
 from zerotier.planner import make_plan
 from zerotier.state import Location
 
@@ -76,9 +76,9 @@ def gradient_read_by_the_optimizer(engine) -> dict[str, torch.Tensor]:
     out = {}
     for unit in engine.units:
         shard = engine.grads.shard(unit)
-        if isinstance(shard, NvmeGrad):
+        if isinstance(shard, GradFile):  # the gradient store reads its file into our tensor
             flat = torch.empty(shard.numel, dtype=shard.dtype)
-            engine.store.read(shard.key, flat).wait()
+            shard.read_into(flat).wait()
             shard = flat
         for p, view in unit.views(shard):
             out[names[id(p)]] = view.float()
@@ -349,7 +349,7 @@ def test_plan_counts_nvme_gradients_and_their_staging(grad_dtype, grad_bytes):
     on_nvme = plan(numels, {"params": "device", "gradients": "nvme", "optimizer": "host"}, grad_dtype)
     assert on_nvme.placement["gradients"] is Location.NVME
     assert on_nvme.state_bytes["gradients"] == grad_bytes * 6000 == on_host.state_bytes["gradients"]
-    staging = (NvmeGradStore.staging_bytes(3000, 3000, 4, grad_bytes, 1, 0)
+    staging = (GradStore.nvme_staging_bytes(3000, 3000, 4, grad_bytes, 1, 0)
                + UnitOptimizer.grad_staging_bytes(3000, grad_bytes))
     assert on_nvme.need["host"] == on_host.need["host"] - grad_bytes * 6000 + staging
     # the files, and room for GRAD_WRITES rewrites in flight (the two largest units)

@@ -178,7 +178,7 @@ def test_the_plan_counts_the_cuda_only_transients():
     gradients to grad_dtype at ZeRO-2 with several ranks. Each is exactly the store's own figure,
     and a device budget one byte short of the plan does not fit."""
     from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
-    from zerotier.grads import NvmeGradStore
+    from zerotier.grads import GradStore
     from zerotier.planner import PlanDoesNotFit, make_plan
 
     numels, big = [5000, 3000, 1000], 1 << 40
@@ -190,7 +190,7 @@ def test_the_plan_counts_the_cuda_only_transients():
     on_device = {"params": "device", "gradients": "device", "optimizer": "device"}
     nvme_grads = {"params": "device", "gradients": "nvme", "optimizer": "host"}
     cases = [(on_device, {}, offload.fused_temp_bytes()),
-             (nvme_grads, dict(world_size=2, stage=2), NvmeGradStore.conversion_bytes(5000, 2, 4, 2, 2))]
+             (nvme_grads, dict(world_size=2, stage=2), GradStore.nvme_conversion_bytes(5000, 2, 4, 2, 2))]
     for placement, kw, term in cases:
         assert term > 0
         cuda = plan("cuda", placement, **kw)

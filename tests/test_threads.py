@@ -58,7 +58,7 @@ def test_early_step_backward_never_waits_for_a_units_host_adds():
             engine.backward(engine(x, y))
             assert engine._early, "with no clipping, units are updated during backward"
             assert not any(f.done() for f in engine._early), "the optimizer thread waits for the gate"
-            handed = set(engine.grads._handed)
+            handed = {i for i, slot in enumerate(engine.grads.slots) if slot.handed}
             on_compute = {i for role, i, in_backward in calls if role == threads.COMPUTE and in_backward}
             assert handed and not handed & on_compute, f"units {sorted(handed & on_compute)} settled in backward"
         finally:

@@ -27,10 +27,10 @@ A CPU optimizer reading gradients that live on the GPU does not copy them with a
 blocking `.to("cpu")` per unit (a device sync each): `_StagedGrads` copies each unit's
 shard on the device tier's d2h stream into a host-pool block one unit ahead, so the
 next unit's copy runs under this unit's Adam, and Adam waits on that copy's event
-only. Gradients on NVMe (`grad_of` returns an `NvmeGrad`: [Note: gradients on NVMe] in
-grads.py) are read the same way, by the NVMe store into the block, whatever the
-optimizer's tier. At most two staging blocks are alive (`grad_staging_bytes`, counted
-by the planner).
+only. Gradients on NVMe (`grad_of` returns a `grads_nvme.GradFile`: [Note: gradients on
+NVMe] in grads_nvme.py) are read the same way, by the gradient store into the block
+(`read_into`), whatever the optimizer's tier. At most two staging blocks are alive
+(`grad_staging_bytes`, counted by the planner).
 
 [Note: units on different tiers]
 With an optimizer split (planner.py [Note: optimizer split]) each unit's state lives on its own
@@ -190,16 +190,6 @@ class Hyper(NamedTuple):
 HyperOf = Callable[[Unit], Sequence[Hyper]]  # a unit -> each of its parameters' Hyper, in unit.params order
 
 
-@dataclass(frozen=True)
-class NvmeGrad:
-    """A gradient shard in an NVMe file: what GradStore.shard returns for gradients on NVMe;
-    the optimizer reads it through _StagedGrads ([Note: device gradients, host optimizer])."""
-
-    key: str
-    numel: int
-    dtype: torch.dtype
-
-
 class _Profiled:
     """An I/O ticket plus what the profiler needs to record it once it has completed.
     The end time is when the waiter saw completion (an upper bound of the I/O's end)."""
@@ -353,9 +343,9 @@ class UnitOptimizer:
             order = sorted(units, key=lambda u: list(self._reads).index(u.index) if u.index in self._reads
                            else len(self._reads) + u.index)
         first = grad_of(order[0]) if order else None
-        if isinstance(first, NvmeGrad) or (first is not None and self.device.type == "cpu"
-                                           and first.device.type == "cuda"):
-            grad_of = _StagedGrads(order, grad_of, self.device_tier, self.host_pool, self.store, self.profiler)
+        if first is not None and (not isinstance(first, torch.Tensor)  # a GradFile
+                                  or self.device.type == "cpu" and first.device.type == "cuda"):
+            grad_of = _StagedGrads(order, grad_of, self.device_tier, self.host_pool, self.profiler)
         try:
             yield from self._step(order, grad_of, out_of, hyper_of, grad_scale, drain)
         finally:
@@ -741,11 +731,11 @@ class _StagedGrads:
     the copy or read of the next unit already issued. A block is freed when the next unit is asked
     for, or at close()."""
 
-    def __init__(self, order: list[Unit], grad_of: Callable[[Unit], "torch.Tensor | NvmeGrad"], device_tier,
-                 host_pool, store, profiler=None):
+    def __init__(self, order: list[Unit], grad_of: Callable[[Unit], object], device_tier,
+                 host_pool, profiler=None):
         self._next = {a.index: b for a, b in zip(order, order[1:])}
         self._grad_of, self._device_tier, self._host_pool = grad_of, device_tier, host_pool
-        self._store, self._profiler = store, profiler
+        self._profiler = profiler
         self._staged: dict[int, tuple] = {}  # unit index -> (pool block, copy or read ticket)
         self._current: int | None = None
 
@@ -753,13 +743,13 @@ class _StagedGrads:
         if unit.index in self._staged:
             return
         grad = self._grad_of(unit)
-        on_nvme = isinstance(grad, NvmeGrad)
+        on_nvme = not isinstance(grad, torch.Tensor)  # a grads_nvme.GradFile: the gradient store reads it
         nbytes = grad.numel * grad.dtype.itemsize if on_nvme else grad.numel() * grad.element_size()
         block = self._host_pool.alloc(nbytes, grad.dtype, f"{unit.key}.grad staging")
         try:
             if on_nvme:
                 start = time.perf_counter_ns()
-                ticket = self._store.read(grad.key, block)
+                ticket = grad.read_into(block)
                 if self._profiler is not None:
                     ticket = _Profiled(ticket, grad.key, "grad", "nvme", "host", nbytes, "optimizer-read", start)
             else:
