@@ -42,7 +42,8 @@ def store(tmp_path):
 
 
 def swap_file(store, key):
-    return store.run_dir / store.entry(key).file
+    """[Note: NVMe layout]: `<key>.swp` in the run directory, '/' escaped as %2F."""
+    return store.run_dir / (key.replace("/", "%2F") + ".swp")
 
 
 def run_dirs(parent):
@@ -86,7 +87,7 @@ def test_live_run_dir_is_left_alone(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         other = NVMeStore(tiers, io)
-    assert first.run_dir in other.stale["kept"] and first.run_dir.exists()
+    assert first.run_dir in scan_stale(tmp_path)["kept"] and first.run_dir.exists()
     assert other.run_dir != first.run_dir
     other.close()
     y = torch.empty_like(x)
@@ -131,7 +132,7 @@ def test_stale_dir_with_dead_pid_and_marker_is_removed(tmp_path):
     dead = _fake_run_dir(tmp_path, "zerotier-1-dead", _owner())
     with pytest.warns(RuntimeWarning, match="removed stale run directory"):
         s = NVMeStore(*cfgs(tmp_path))
-    assert not dead.exists() and s.stale["removed"] == [dead]
+    assert not dead.exists()
     s.close()
 
 
@@ -199,11 +200,9 @@ def test_round_trip_sizes(store, dtype):
         srcs[n] = rand(n, dtype, seed=n)
         tickets.append(store.write(f"{dtype}/{n}", srcs[n]))
     assert [t.wait() for t in tickets] == [srcs[n].nbytes for n in SIZES]
-    for n in SIZES:
-        e = store.entry(f"{dtype}/{n}")
-        assert (e.nbytes, e.shape, e.dtype) == (srcs[n].nbytes, (n,), str(dtype))
-        assert os.path.getsize(swap_file(store, f"{dtype}/{n}")) == e.file_bytes
-        assert e.file_bytes % 4096 == 0 and e.file_bytes - e.nbytes < 4096
+    for n in SIZES:  # each file holds the bytes rounded up to io.alignment
+        size = os.path.getsize(swap_file(store, f"{dtype}/{n}"))
+        assert size % 4096 == 0 and 0 <= size - srcs[n].nbytes < 4096
     dsts = {n: torch.empty(n, dtype=dtype) for n in SIZES}
     reads = [store.read(f"{dtype}/{n}", dsts[n]) for n in SIZES]
     for t in reads:
@@ -258,12 +257,12 @@ def test_host_buffer_zero_copy(store, monkeypatch):
     pool.free(out)
 
 
-def test_rewrite_replaces_and_free_releases(store):
+def test_rewrite_replaces_and_recycles_the_old_file(store):
     a, b = rand(10_000, torch.float32, 1), rand(20_000, torch.float32, 2)
     store.write("k", a).wait()
-    assert store.used == 40960 and store.contains("k") and "k" in store
-    store.write("k", b).wait()
-    assert store.used == 40960 + 81920 and store.nbytes("k") == b.nbytes
+    assert store.used == 40960 and store.stats()["files"] == 1
+    assert store.write("k", b).wait() == b.nbytes == store.nbytes("k")
+    assert store.used == 40960 + 81920 and store.stats()["files"] == 1
     # the old version's file is kept for reuse and still counted
     names = sorted(p.name for p in store.run_dir.glob("*.swp"))
     assert len(names) == 2 and names[0].startswith("%free-") and names[1] == "k.swp"
@@ -271,22 +270,17 @@ def test_rewrite_replaces_and_free_releases(store):
     out = torch.empty_like(b)
     store.read("k", out).wait()
     assert torch.equal(out, b)
-    path = swap_file(store, "k")
-    store.free("k")
-    assert not path.exists() and not store.contains("k")
-    assert store.used == store.stats()["recycled"] == 40960 + 81920
-    store.write("k2", a).wait()  # same file size as a freed file: reused, not allocated
-    assert store.stats()["reuses"] == 1 and store.used == 40960 + 81920
+    store.write("k2", a).wait()  # same file size as the recycled file: reused, not allocated
+    assert store.stats()["reuses"] == 1 and store.stats()["recycled"] == 0
+    assert store.used == 40960 + 81920 and store.stats()["files"] == 2
     store.read("k2", out[:10_000]).wait()
     assert torch.equal(out[:10_000], a)
-    store.free("k2")
-    assert store.trim() == 40960 + 81920
-    assert store.used == 0 and not list(store.run_dir.glob("*.swp"))
-    assert store.stats()["peak"] >= 81920
-    with pytest.raises(KeyError, match="no shard 'k'"):
-        store.read("k", out)
-    with pytest.raises(KeyError):
-        store.free("k")
+    assert store.stats()["peak"] >= 40960 + 81920
+    with pytest.raises(KeyError, match="no shard 'k3'"):
+        store.read("k3", out)
+    run_dir = store.run_dir
+    store.close()
+    assert store.used == 0 and not run_dir.exists()
 
 
 def test_read_destination_checked(store):
@@ -306,9 +300,7 @@ def test_budget_enforced_on_aligned_size(tmp_path):
     msg = str(ei.value)
     assert "nvme tier" in msg and "requested" in msg and "(4096 B)" in msg and "free 0 B" in msg
     assert "tiers.nvme" in msg and str(tmp_path) in msg
-    assert not s.contains("c") and list(s.run_dir.glob("c*")) == []
-    s.free("a")
-    s.write("c", torch.ones(1)).wait()
+    assert s.stats()["files"] == 2 and s.used == 3 * 4096 and list(s.run_dir.glob("c*")) == []
     s.close()
 
 
@@ -362,11 +354,11 @@ def test_every_io_backend(tmp_path, backend):
         s.engine.inject_fault(op="write", errno=errno.ENOSPC)
         with pytest.raises(TierIOError, match="No space left"):
             s.write("full", xs[-1]).wait()
-        assert not s.contains("full")
+        assert s.stats()["files"] == len(xs) and list(s.run_dir.glob("full*")) == []
 
 
 def test_no_fd_or_disk_leak(tmp_path):
-    """Hundreds of writes/reads/frees, including failures, leave no fd and no file behind."""
+    """Hundreds of writes/reads/rewrites, including failures, leave no fd and no file behind."""
     import errno
     fds_before = len(os.listdir("/proc/self/fd"))
     with NVMeStore(*cfgs(tmp_path, checksum="crc32c")) as s:
@@ -381,8 +373,6 @@ def test_no_fd_or_disk_leak(tmp_path):
                 s.read(f"k{i % 7}", y).wait()
             except TierIOError:
                 pass
-            if i % 3 == 0 and s.contains(f"k{i % 7}"):
-                s.free(f"k{i % 7}")
         assert len(os.listdir("/proc/self/fd")) == fds_open
         st = s.stats()
         assert len(list(s.run_dir.glob("*.swp"))) == st["files"] + st["recycled_files"]
@@ -425,8 +415,8 @@ def test_recycling_never_touches_a_file_being_read(store):
     store.write("a", x).wait()
     y = torch.empty_like(x)
     reading = store.read("a", y)  # not waited: its file must not be recycled
-    store.free("a")
-    assert store.stats()["recycled_files"] == 0 and store.used == 0
+    store.write("a", z).wait()    # the rewrite's old version is unlinked, not kept for reuse
+    assert store.stats()["recycled_files"] == 0 and store.used == 20480
     store.write("b", z).wait()    # same size, but a fresh file
     assert store.stats()["reuses"] == 0
     reading.wait()
@@ -434,13 +424,13 @@ def test_recycling_never_touches_a_file_being_read(store):
 
 
 def test_budget_unlinks_recycled_files_first(tmp_path):
-    with NVMeStore(*cfgs(tmp_path, nvme=3 * 4096)) as s:
+    with NVMeStore(*cfgs(tmp_path, nvme=4 * 4096)) as s:
         s.write("a", torch.ones(2048)).wait()   # 2 pages
-        s.free("a")                             # recycled: still 2 pages counted
-        assert s.used == 8192 and s.stats()["recycled"] == 8192
+        s.write("a", torch.ones(1024)).wait()   # 1 page; the old 2 are recycled: still counted
+        assert s.used == 12288 and s.stats()["recycled"] == 8192
         s.write("b", torch.ones(3072)).wait()   # 3 pages: the recycled file is unlinked first
         st = s.stats()
-        assert st["recycled"] == 0 and s.used == 12288 and len(list(s.run_dir.glob("*.swp"))) == 1
+        assert st["recycled"] == 0 and s.used == 16384 and len(list(s.run_dir.glob("*.swp"))) == 2
 
 
 def test_nvme_auto_budget_is_the_planners_per_rank_share(tmp_path, monkeypatch):

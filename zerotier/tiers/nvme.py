@@ -21,7 +21,7 @@ Training rewrites the same shard sizes every step, so a freed file is not unlink
 renamed to `%free-<n>.swp` and reused by the next write of exactly the same file size
 (renamed onto `<key>.swp` when that write completes). Recycled files keep counting
 against tiers.nvme (they hold disk space); when a write needs their room they are
-unlinked first, and `trim()` / `close()` unlink them all. A file with a read in flight
+unlinked first, and `close()` unlinks them all. A file with a read in flight
 is never recycled (it is unlinked instead), so no read can see a later write.
 
 [Note: NVMe state on error]
@@ -139,8 +139,7 @@ _HINTS = {
 class NVMeStore(BudgetedTier):
     """The NVMe tier (see [Note: NVMe layout]). Thread-safe.
 
-    write(key, src) -> ticket     read(key, dst) -> ticket     free(key)
-    contains(key), nbytes(key), entry(key), stats(), close()
+    write(key, src) -> ticket     read(key, dst) -> ticket     nbytes(key), stats(), close()
 
     Tickets return the shard's logical byte count from wait().
     """
@@ -166,7 +165,7 @@ class NVMeStore(BudgetedTier):
         self.io_cfg = io_cfg
         self.alignment = io_cfg.alignment
         self._checksum, self.checksum_algo = _checksum_impl(io_cfg.checksum), io_cfg.checksum
-        self.stale = scan_stale(parent)
+        scan_stale(parent)  # removes the run directories of dead runs on this path
         self._run = RunDir.create(parent)
         self.run_dir = self._run.path  # for messages: files are reached through _dir_fd only
         self._dir_fd = self._run.dir_fd  # [Note: the held run directory]
@@ -374,46 +373,14 @@ class NVMeStore(BudgetedTier):
             self._inflight.add(ticket)
         return ticket
 
-    def free(self, key: str) -> None:
-        """Drop shard `key`: unlink its file (space returns now) and release its budget."""
-        self._wait_write(key)
-        with self._lock:
-            entry = self._index.pop(key, None)
-            if entry is None:
-                raise KeyError(f"nvme tier: no shard {key!r} in {self.run_dir}")
-            kept = self._recycle_name_for(key) if entry.file_bytes else None
-            if kept is not None:
-                try:
-                    self._rename(entry.file, kept)
-                    self._recycled.setdefault(entry.file_bytes, []).append(kept)
-                    self._recycled_bytes += entry.file_bytes
-                    return
-                except OSError:
-                    pass
-        self._unlink_quiet(entry.file)  # in-flight reads keep their fd: still safe
-        self.release(entry.file_bytes)
-
-    def trim(self) -> int:
-        """Unlink every recycled file (returning its space to the filesystem); bytes released."""
-        with self._lock:
-            return self._trim_locked(self._recycled_bytes)
-
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._index or key in self._pending_writes
-
-    __contains__ = contains
-
-    def entry(self, key: str) -> NVMeEntry:
-        """The committed index entry for key (waits for a pending write of it)."""
-        self._wait_write(key)
-        with self._lock:
-            if key not in self._index:
-                raise KeyError(f"nvme tier: no shard {key!r} in {self.run_dir}")
-            return self._index[key]
-
     def nbytes(self, key: str) -> int:
-        return self.entry(key).nbytes
+        """Logical bytes of shard `key` as last written (waits for a pending write of it)."""
+        self._wait_write(key)
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            raise KeyError(f"nvme tier: no shard {key!r} in {self.run_dir}")
+        return entry.nbytes
 
     def stats(self) -> dict[str, int]:
         """Base figures (current = bytes of all files: shards + recycled) plus store details."""
