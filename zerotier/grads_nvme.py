@@ -46,12 +46,6 @@ GRAD_WRITES = 2  # [Note: gradients on NVMe]: folds in flight (the worker thread
 OPEN_UNITS = 2   # units being filled at once that the planner counts (the root unit and the one in backward)
 
 
-def aliased(sharding, unit: Unit) -> bool:
-    """The optimizer reads the unit's full sum itself, not a reduced shard of its own
-    ([Note: a unit's gradient bytes] in grads.py)."""
-    return not sharding.active or (unit.part.replicated and sharding.stage <= 1)
-
-
 class GradFile:
     """A unit's gradient shard in an NVMe file: what GradStore.shard returns for gradients on NVMe.
     The optimizer gives a pool block of `numel` x `dtype` and `read_into` fills it; only the
@@ -136,9 +130,9 @@ class NvmeGrads:
             return 0
         return OPEN_UNITS * largest * grad_bytes
 
-    def place(self, unit: Unit) -> None:
+    def place(self, unit: Unit, whole: bool) -> None:
+        """`whole`: the optimizer reads the full sum, so the shard file is the sum's own."""
         total = f"{unit.key}.grad"
-        whole = aliased(self.sharding, unit)
         self.slots[unit.index] = GradFileSlot(total, total if whole else f"{unit.key}.grad_shard",
                                               unit.numel if whole else unit.shard_numel)
 

@@ -87,7 +87,7 @@ from .device import local_world_size
 from .errors import BudgetError, ConfigError
 from .dist.buckets import GradBucketer, ParamGatherer
 from .dist.partition import Partition, partition_units
-from .grads import GRAD_WRITES, OPEN_UNITS, GradStore, NvmeGradStore
+from .grads import GradStore, NvmeGradStore
 from .optim.offload import OPTIMIZER_BYTES, StateLayout, UnitOptimizer, fused_temp_bytes
 from .params import ParamStore
 from .predict import COMPONENTS, DEFAULT_RATES, StepOptions, UnitCompute, bound_by, predict
@@ -370,8 +370,8 @@ def _nvme_rewrites(kind: str, s: _Sizes) -> int:
     if kind == "params":
         files, inflight = 1, ParamStore.writes_in_flight(s.lookahead)
         rewrite = s.lp_bytes * sum(shards[:inflight])
-    elif kind == "gradients":  # [Note: gradients on NVMe]: GRAD_WRITES folds, each a rewrite
-        files, inflight = 1, GRAD_WRITES
+    elif kind == "gradients":  # [Note: gradients on NVMe]: the folds in flight, each a rewrite
+        files, inflight = 1, GradStore.nvme_writes_in_flight()
         if s.world_size > 1 and s.stage == 1:  # the full sums and the reduced shards: a file each
             files, shards = 2, sorted(s.numels, reverse=True)
         rewrite = s.grad_bytes * sum(shards[:inflight])
@@ -383,13 +383,11 @@ def _nvme_rewrites(kind: str, s: _Sizes) -> int:
 
 def _host_blocks(kind: str, loc: Location, s: _Sizes) -> int:
     """How many host-pool blocks `kind` on `loc` holds at most at once (for the rounding)."""
-    units, sharded_grads = len(s.numels), s.world_size > 1 and s.stage >= 1
+    units = len(s.numels)
     if kind == "params":
         return ParamStore.host_blocks(loc, s.lookahead, units)
     if kind == "gradients":
-        if loc is Location.NVME:  # NvmeGradStore.staging_bytes: fresh, fold sources and sums, reduce inputs
-            return OPEN_UNITS + 2 * GRAD_WRITES + (3 if s.world_size > 1 else 0)
-        return (units * (2 if sharded_grads else 1)) if loc is Location.HOST else 0
+        return GradStore.host_blocks(loc, units, s.world_size, s.stage)
     blocks = {Location.HOST: 3 * units, Location.NVME: 3 * s.pipeline_depth}.get(loc, 0)
     if s.grads_on_nvme or (s.grads_on_gpu and loc is not Location.DEVICE):
         blocks += 2
