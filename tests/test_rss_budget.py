@@ -112,6 +112,35 @@ def test_meta_units_are_materialized_in_pool_blocks_and_given_back(tmp_path, mon
         engine.close(restore_weights=False)
 
 
+def test_the_plan_counts_materialization_in_tiers_host():
+    """[Note: materialization in the host pool] With everything on host the plan has no staging to
+    spare: a meta-built model's host need is the normal build's plus its largest unit in fp32 and
+    bf16 (and two alignment pads); exactly that budget initializes, one byte less is refused by
+    the planner (before, initialize failed at that budget with a BudgetError part-way)."""
+    import zerotier
+    from zerotier.errors import BudgetError
+    from zerotier.models import TinyGPT, init_tiny_gpt
+
+    def build(device):
+        with torch.device(device):
+            return TinyGPT(vocab=64, dim=256, layers=2, heads=2, seq=16)
+    cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "host"},
+           "train": {"wrap": ["Linear", "Embedding"]}, "tiers": {"host": "64MiB"},
+           "precision": {"param_dtype": "bf16"}}
+    engine = zerotier.initialize(build("cpu"), cfg)
+    normal = engine.plan.need["host"]
+    engine.close()
+    engine = zerotier.initialize(build("meta"), cfg, init_fn=init_tiny_gpt)
+    need = engine.plan.need["host"]
+    engine.close(restore_weights=False)
+    assert need - normal == (256 + 1) * 1024 * (4 + 2) + 2 * 4096  # the 256 x 1024 Linear and its bias
+    cfg["tiers"]["host"] = str(need)
+    zerotier.initialize(build("meta"), cfg, init_fn=init_tiny_gpt).close(restore_weights=False)
+    cfg["tiers"]["host"] = str(need - 1)
+    with pytest.raises(BudgetError, match="1 B more host"):
+        zerotier.initialize(build("meta"), cfg, init_fn=init_tiny_gpt)
+
+
 def test_a_full_pool_waits_for_blocks_parked_behind_writes():
     """[Note: a full pool waits] With the budget taken and one block parked behind a write still
     in flight, an alloc waits for that write and reuses the block (it raised BudgetError before);

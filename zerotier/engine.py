@@ -99,7 +99,7 @@ from .dist import init_distributed
 from .dist.sharding import Sharding
 from .errors import ConfigError, ZerotierError
 from .grads import make_grad_store
-from .materialize import Materializer, is_meta
+from .materialize import Materializer, is_meta, pool_bytes as materialize_pool_bytes
 from .optim.offload import StateLayout, UnitOptimizer
 from .optim.torch_optimizer import EngineOptimizer, exempt_from_decay
 from .params import ParamStore
@@ -217,7 +217,9 @@ class Engine:
                               cfg.prefetch, self.device, world_size=self.world_size, stage=cfg.zero.stage, zero=cfg.zero,
                               pipeline_depth=cfg.optimizer.pipeline_depth,
                               nested_numel=nested_numel(self.param_units), alignment=cfg.io.alignment,
-                              frozen_numels=[u.numel for u in self.frozen_units])
+                              frozen_numels=[u.numel for u in self.frozen_units],
+                              materialize_bytes=materialize_pool_bytes(self.param_units, self.lp_dtype,
+                                                                       cfg.io.alignment))
         placement = self.plan.placement
         self.store = None
         if Location.NVME in placement.values():

@@ -29,8 +29,9 @@ fp32, and on the heap its tensors, their concatenation and the low-precision cas
 the pool's; 4 MiB now: docs/tiers.md § RSS beyond the budgets). So with a host pool, a unit whose parameters are all meta and of one dtype gets
 one pool block, laid out as the unit's flat (Unit.offsets): its parameters are views of it,
 `flat(unit)` hands the block to placement without a concatenation, `cast(unit, t, dtype)`
-makes the low-precision copy in the pool too, and `release(unit)` frees both once the stores
-have copied what they keep (each store copies into blocks of its own). A pool at its budget
+makes the low-precision copy in the pool too, and `release(unit)` gives both back to the system
+(not to the pool's cache: no later request has their sizes) once the stores have copied what
+they keep (each store copies into blocks of its own). A pool at its budget
 first waits for its blocks parked behind NVMe writes ([Note: a full pool waits] in
 tiers/host.py), then raises BudgetError naming what the budget would need. Buffers and units
 of mixed dtypes stay on the heap (small, or rare).
@@ -70,6 +71,14 @@ def _unset(module: torch.nn.Module, names) -> list[str]:
 
 def is_meta(unit: Unit) -> bool:
     return any(p.is_meta for p in unit.params)
+
+
+def pool_bytes(units: list[Unit], lp_dtype: torch.dtype, alignment: int) -> int:
+    """Host-pool bytes that initialize's materialization of `units` holds at once: the largest meta
+    unit's flat and its low-precision cast ([Note: materialization in the host pool]); the planner
+    counts them in tiers.host."""
+    return max((u.numel * (u.params[0].dtype.itemsize + lp_dtype.itemsize) + 2 * alignment for u in units
+                if is_meta(u) and len({p.dtype for p in u.params}) == 1), default=0)
 
 
 class Materializer:
@@ -148,7 +157,7 @@ class Materializer:
 
     def _free(self, key: tuple[bool, int]) -> None:
         for block in self._blocks.pop(key, ()):
-            self.host_pool.free(block)
+            self.host_pool.free(block, cache=False)  # one-off sizes: back to the system
 
     def _module(self, name: str, module: torch.nn.Module, into: dict[int, torch.Tensor] | None = None) -> None:
         meta_params = [(n, p) for n, p in module._parameters.items() if p is not None and p.is_meta]

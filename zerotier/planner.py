@@ -460,7 +460,8 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
               zero: ZeroConfig | None = None,
               grad_bytes: int | None = None, ranks_per_node: int | None = None, pipeline_depth: int = 3,
               nested_numel: int = 0, alignment: int = 4096, frozen_numels: list[int] = (),
-              compute: UnitCompute | None = None, step: StepOptions = StepOptions()) -> Plan:
+              compute: UnitCompute | None = None, step: StepOptions = StepOptions(),
+              materialize_bytes: int = 0) -> Plan:
     """Choose a tier for each kind of state within the per-rank budgets, or raise PlanDoesNotFit.
 
     world_size/stage shard each kind's bytes as ZeRO does ([Note: bytes per parameter]);
@@ -468,6 +469,8 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     for the ZeRO paper's accounting. rates=None uses this node's `zerotier bench` results
     where saved, else DEFAULT_RATES ([Note: step-time prediction]). compute: each unit's measured
     forward/backward (zerotier.plan measures them); step: accumulation, clipping, early step.
+    materialize_bytes: host-pool bytes a meta-built model's materialization holds during initialize
+    (materialize.pool_bytes), counted in tiers.host beside everything else.
     `auto` kinds: every tier choice (and the optimizer split) that fits is predicted and the
     fastest taken, ties to the fastest-tier-first choice; all are in `Plan.alternatives`.
     """
@@ -477,7 +480,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     args = (unit_numels, tiers, precision, prefetch, device, budgets, resolved)
     kw = dict(world_size=world_size, stage=stage, zero=zero, grad_bytes=grad_bytes, ranks_per_node=ranks_per_node,
               pipeline_depth=pipeline_depth, nested_numel=nested_numel, alignment=alignment,
-              frozen_numels=frozen_numels, compute=compute, step=step)
+              frozen_numels=frozen_numels, compute=compute, step=step, materialize_bytes=materialize_bytes)
     autos = [k for k in KINDS if getattr(offload, k) == "auto"]
     try:
         first, error = _place(offload, *args, **kw), None
@@ -535,7 +538,7 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
            resolved: tuple[dict[str, float], dict[str, str]], *, world_size: int, stage: int,
            zero: ZeroConfig | None, grad_bytes: int | None, ranks_per_node: int | None, pipeline_depth: int,
            nested_numel: int, alignment: int, frozen_numels: list[int], compute: UnitCompute | None,
-           step: StepOptions) -> Plan:
+           step: StepOptions, materialize_bytes: int) -> Plan:
     """One placement: `auto` kinds take the fastest tier that fits, in KINDS order."""
     rates, rate_sources = resolved
     lp_bytes = DTYPES[precision.param_dtype].itemsize
@@ -557,7 +560,8 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                                     gather_bucket=zero.allgather_bucket_size, persistence=zero.persistence_threshold)
     local = ranks_per_node or world_size
     free = dict(budgets)
-    need = {"device": 0, "host": 0, "nvme": 0}
+    need = {"device": 0, "host": materialize_bytes, "nvme": 0}  # [Note: materialization in the host pool]
+    free["host"] -= materialize_bytes
     placement: dict[str, Location] = {}
     units_on: tuple[Location, ...] | None = None  # [Note: optimizer split]
     for kind in KINDS:

@@ -283,8 +283,10 @@ class HostPool(BudgetedTier):
         tensor = block.data[:nbytes].view(dtype)
         return HostBuffer(tensor=tensor, nbytes=nbytes, what=what, _block=block)
 
-    def free(self, buf: HostBuffer, after: TicketLike | None = None) -> None:
-        """Return buf's block to the pool, once `after` (if given) has completed."""
+    def free(self, buf: HostBuffer, after: TicketLike | None = None, cache: bool = True) -> None:
+        """Return buf's block to the pool, once `after` (if given) has completed. `cache=False` gives a
+        block of a one-off size back to the system instead (nothing later asks for that size: cached,
+        it would be taken by best fit for up to half its size, or hold RSS until trimmed)."""
         wait_for = after is not None and not after.done()  # outside the lock: see _reap()
         with self._lock:
             if buf._freed:
@@ -293,7 +295,7 @@ class HostPool(BudgetedTier):
             block = buf._block
             self._in_use -= block.size
             self._live -= 1
-            if self._closed:
+            if self._closed or not (cache or wait_for):
                 self._drop_block(block)
             elif wait_for:
                 self._parked.append((block, after))
