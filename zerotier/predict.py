@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .grads import GradStore
+from .params import ParamStore
 from .schedule.step_model import Schedule, StepShape, UnitWork, simulate
 from .state import Location
 
@@ -140,6 +142,7 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
         norm_s = secs(norm_bytes * local_ranks, "mem_read") if options.clip else 0.0  # the node's memory bus
         norm_on = "cpu" if cuda else "compute"
     shape = StepShape(lookahead=s.lookahead, pipeline_depth=s.pipeline_depth, accum_steps=options.accum_steps,
+                      grad_writes=GradStore.nvme_writes_in_flight(), param_writes=ParamStore.writes_in_flight(s.lookahead),
                       clip=options.clip, early_step=options.early_step,
                       state_on_nvme=any(u.state_read_s for u in works), norm_s=norm_s, norm_on=norm_on,
                       streamed=streamed)

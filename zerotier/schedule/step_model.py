@@ -87,7 +87,9 @@ class StepShape:
     accum_steps: int = 1
     clip: bool = False
     early_step: bool = False
-    grad_writes: int = 2         # grads.GRAD_WRITES
+    grad_writes: int = 2         # NVMe gradient folds in flight (GradStore.nvme_writes_in_flight)
+    param_writes: int | None = None  # NVMe parameter write-backs in flight (ParamStore.writes_in_flight;
+                                     # None: lookahead + 2, what it is)
     state_on_nvme: bool = False
     norm_s: float = 0.0          # the global norm's pass over the gradients (clip only)
     norm_on: str = "compute"
@@ -253,8 +255,9 @@ def _optimizer(g: _Graph, units: list[UnitWork], shape: StepShape, grad_final: d
         after = [grad_final[i], reads.get(i), staged.get(i), adam[-1] if adam else None]
         if not early:
             after.append(gate)
-        if len(commits) > shape.lookahead + 2:  # ParamStore.max_writes write-backs in flight: the oldest waited
-            after.append(commits[-(shape.lookahead + 3)])
+        limit = shape.lookahead + 2 if shape.param_writes is None else shape.param_writes
+        if len(commits) > limit:  # that many write-backs in flight: the oldest is waited
+            after.append(commits[-(limit + 1)])
         adam.append(g.add("optimizer", u.adam_on, u.adam_s, after))
         if shape.state_on_nvme:
             writes.append(g.add("optimizer_nvme", "nvme", u.state_write_s, (adam[-1],)))
