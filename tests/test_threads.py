@@ -187,7 +187,7 @@ def test_gradient_staging_in_flight_is_bounded():
     gradient bytes). The bound on its own, with futures standing in for the adder's adds."""
     from concurrent.futures import Future
 
-    from zerotier.grads import _StagingBound
+    from zerotier.grads_memory import _StagingBound
 
     bound = _StagingBound(limit=2 * 4096, alignment=4096)
     adds = [Future(), Future(), Future()]

@@ -63,14 +63,14 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .dist.buckets import GradBucketer
-from .grads_memory import STAGED_UNITS, MemoryGrads, _StagingBound
+from .grads_memory import STAGED_UNITS, MemoryGrads
 from .grads_nvme import GRAD_WRITES, OPEN_UNITS, GradFile, NvmeGrads
 from .slots import SlotField
 from .state import GRAD_TRANSITIONS, GradState, Location, Unit, transition
 from .threads import COMPUTE, UPDATER, owned
 
 __all__ = ["GRAD_WRITES", "OPEN_UNITS", "STAGED_UNITS", "GradFile", "GradSlot", "GradStore", "MemoryGrads",
-           "NvmeGradStore", "_StagingBound", "make_grad_store"]
+           "NvmeGradStore", "make_grad_store"]
 
 NvmeGradStore = NvmeGrads  # the planner's name for the NVMe backend's sizing statics; to go once it calls GradStore's
 
@@ -98,10 +98,7 @@ class GradStore:
 
     def __init__(self, units: list[Unit], loc: Location, grad_dtype: torch.dtype, device_tier, host_pool, sharding,
                  reduce_bucket_size: int, store=None, profiler=None):
-        self.units, self.loc, self.grad_dtype = units, loc, grad_dtype
-        self.device_tier, self.host_pool, self.sharding = device_tier, host_pool, sharding
-        self.device = device_tier.device
-        self.profiler = profiler
+        self.units, self.loc, self.grad_dtype, self.sharding = units, loc, grad_dtype, sharding
         self.slots = [GradSlot() for _ in units]    # by unit index
         self._states = SlotField(self.slots, "state")  # what transition() writes
         self._keep_zeros = False                       # the last drop was set_to_none=False
@@ -112,9 +109,10 @@ class GradStore:
         else:
             self.backend = MemoryGrads(units, loc, grad_dtype, device_tier, host_pool, sharding, profiler)
         self.bucketer = GradBucketer(reduce_bucket_size, self.backend.shard_reduced, comm=sharding.comm,
-                                     reduce_dtype=torch.float32, device=self.device) if sharding.active else None
-        if self.bucketer is not None:  # the buckets live on the device: counted there (GPU review N13)
-            self.bucketer.allocate_from(device_tier, [u.part for u in units])
+                                     reduce_dtype=torch.float32) if sharding.active else None
+        if self.bucketer is not None:  # the buckets live on the device: counted there ([Note: bucket memory])
+            self.bucketer.allocate_from(device_tier, [u.part for u in units],
+                                        host_pool if loc is not Location.DEVICE else None)
         self._reduce_order = [u.index for u in reversed(units)]  # [Note: the same collectives on every rank]
         self._queued = 0                                         # reduce-order position reached
         self._agreed = False                                     # this window's Sharding.agree() done
@@ -301,11 +299,6 @@ class GradStore:
         if not self.backend.settled_by_ready:
             self.settle(unit)
         return self.backend.shard(unit)
-
-    def read_into(self, unit: Unit, block):
-        """Read this rank's gradient shard of a unit on NVMe into the pool block `block` (the
-        caller's, shard-sized); returns the read's ticket."""
-        return self.backend.read_into(unit, block)
 
     def sumsq(self, units: list[Unit]) -> "float | torch.Tensor":
         """Sum of squares of these units' gradients (fp64 accumulation). Host gradients: a float

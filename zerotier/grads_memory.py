@@ -122,7 +122,7 @@ class MemoryGrads:
     def shard_reduced(self, index: int, shard: torch.Tensor) -> None:
         reduced = self.slots[index].reduced
         if self.sharding.stage >= 2:
-            reduced.add_(shard.to(reduced.device))  # accumulated over micro-batches
+            reduced.add_(shard)  # accumulated over micro-batches (the bucketer delivers it where it lives)
         else:
             reduced.copy_(shard)  # the accumulator held the window's sum
 
@@ -161,9 +161,6 @@ class MemoryGrads:
 
     def shard(self, unit: Unit) -> torch.Tensor:
         return self.slots[unit.index].reduced
-
-    def read_into(self, unit: Unit, block):
-        raise TypeError(f"gradients on {self.loc.value} are memory: read GradStore.shard(unit) directly")
 
     def sumsq(self, unit: Unit) -> "float | torch.Tensor":
         grad = self.slots[unit.index].reduced

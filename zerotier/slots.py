@@ -33,7 +33,7 @@ class SlotField(Sequence):
         return (getattr(slot, name) for slot in self._slots)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, (Sequence, SlotField)) and list(self) == list(other)
+        return isinstance(other, Sequence) and list(self) == list(other)
 
     __hash__ = None  # a live view: equal to a list while the values are
 
