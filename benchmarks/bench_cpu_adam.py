@@ -4,8 +4,13 @@ Every figure in a run is measured in that run (this machine is noisy; compare
 ratios, not absolutes across runs). Throughput is millions of parameters updated
 per second, median of --repeats timed steps after one warm-up.
 
-    python benchmarks/bench_cpu_adam.py            # full: 100M, 500M, 200x1M, mixed 100M
-    python benchmarks/bench_cpu_adam.py --quick    # 10M flat, 20x1M, mixed 10M
+    python benchmarks/bench_cpu_adam.py            # full: 100M, 500M, 200x1M, mixed 100M, state dtypes 50M
+    python benchmarks/bench_cpu_adam.py --quick    # 10M flat, 20x1M, mixed 10M, state dtypes 10M
+    python benchmarks/bench_cpu_adam.py --states-only --repeats 11   # the state-dtype table alone
+
+State dtypes (issue 27): one row per master/moment dtype pair (fp32 grads, [Note: compact
+optimizer state] and [Note: 8-bit moments] in zerotier/optim/_kernels.py) against torch's
+fused AdamW with fp32 state in the same rounds, each with the bytes it moves per parameter.
 
 Roofline: an in-place `mul_` over 28 B per parameter, timed in the same round-robin
 as the kernels (the VM's memory bandwidth drifts): the bytes a one-pass kernel moves per
@@ -21,6 +26,7 @@ import time
 import torch
 
 import zerotier.optim as zo
+from zerotier.optim import _kernels
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -104,6 +110,55 @@ class _Scaled:
         self.fn()
 
 
+STATE_PAIRS = [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "int8"), ("bf16", "int8")]
+
+
+def state_fns(n: int, threads: int) -> dict:
+    """One flat buffer of n parameters per state dtype pair, stepped by the best native kernel,
+    and torch fused AdamW (fp32 state) on its own copy: the same gradient for all."""
+    gen = torch.Generator().manual_seed(0)
+    master = torch.randn(n, generator=gen)
+    grad = torch.randn(n, generator=gen) * 1e-3
+    fns = {}
+    step = [0]
+    for master_dtype, moment_dtype in STATE_PAIRS:
+        buffers = [master.to(_kernels._DTYPE_NAMES[master_dtype])]
+        for signed in (True, False):
+            if moment_dtype == "int8":
+                codes, absmax = _kernels.quantize_blockwise(torch.zeros(n), signed)
+                buffers += [codes, absmax]
+            else:
+                buffers += [torch.zeros(n, dtype=_kernels._DTYPE_NAMES[moment_dtype]), None]
+        p, m, m_absmax, v, v_absmax = buffers
+
+        def run(p=p, m=m, v=v, m_absmax=m_absmax, v_absmax=v_absmax):
+            step[0] += 1
+            zo.adam_step(p, m, v, grad, step=step[0], lr=HYPER["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
+                         weight_decay=0.01, exp_avg_absmax=m_absmax, exp_avg_sq_absmax=v_absmax,
+                         sr_seed=step[0] << 32 if p.dtype == torch.bfloat16 else None, threads=threads)
+        run.bytes_per_param = 4 + 2 * _kernels.state_bytes_per_param(master_dtype, moment_dtype)  # grad + state r/w
+        fns[f"zerotier {master_dtype} master, {moment_dtype} moments"] = run
+    param = master.clone().requires_grad_(True)
+    param.grad = grad.clone()
+    opt = torch.optim.AdamW([param], **HYPER, fused=True)
+
+    def torch_step():
+        opt.step()
+    torch_step.bytes_per_param = 28
+    fns["torch fused (fp32 state)"] = torch_step
+    return fns
+
+
+def report_states(rows: dict, n: int, bytes_per_param: dict) -> None:
+    print(f"\n== state dtypes ({n / 1e6:.0f}M params, fp32 grads) ==")
+    base = rows["torch fused (fp32 state)"]
+    print(f"  {'implementation':40s} {'Mparams/s':>10s} {'vs torch fused':>15s} {'B/param moved':>14s} {'GB/s':>6s}")
+    for label, seconds in rows.items():
+        moved = bytes_per_param[label]
+        print(f"  {label:40s} {n / seconds / 1e6:10.0f} {base / seconds:14.2f}x {moved:14.2f} "
+              f"{moved * n / seconds / 1e9:6.1f}")
+
+
 def deepspeed_step(params):
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -133,6 +188,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run (CI)")
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per case; the median is reported")
     ap.add_argument("--threads", type=int, default=None, help="threads for zerotier and torch (default: all cores)")
+    ap.add_argument("--states-only", action="store_true", help="only the state-dtype table")
+    ap.add_argument("--state-size", type=int, default=None,
+                    help="parameters of the state-dtype table (default 50M, 10M with --quick)")
     args = ap.parse_args(argv)
 
     threads = args.threads or zo._kernels.default_threads()
@@ -153,10 +211,13 @@ def main(argv=None):
     cases.append((f"fp32 {200 // scale} tensors x 1M", [1_000_000] * (200 // scale), False))
     cases.append((f"mixed precision {flat_sizes[0] // 1_000_000}M: bf16 grad in, bf16 param out, fp32 master/moments",
                   [flat_sizes[0]], True))
-    for name, sizes, mixed in cases:
+    for name, sizes, mixed in cases if not args.states_only else []:
         rows = interleaved(case_fns(sizes, levels, threads, mixed), args.repeats)
         report(name, rows, sum(sizes), "torch fused+conversions" if mixed else "torch fused")
         free()
+    n = args.state_size or (10_000_000 if args.quick else 50_000_000)
+    fns = state_fns(n, threads)
+    report_states(interleaved(fns, args.repeats), n, {k: f.bytes_per_param for k, f in fns.items()})
 
 
 if __name__ == "__main__":

@@ -243,3 +243,29 @@ def test_native_threads_and_multi_call_do_not_change_bits(moment_dtype):
     for other in results[1:] + [singles]:
         for a, b in zip(results[0], other):
             assert_same_bits(b, a)
+
+
+@pytest.mark.parametrize("level", NATIVE_LEVELS)
+@pytest.mark.parametrize("signed", [True, False], ids=["exp_avg", "exp_avg_sq"])
+def test_native_quantization_at_the_map_midpoints(level, signed):
+    """The kernel's search (registers for the first levels, gathers after) picks the same code
+    as the reference at every midpoint of the map and one ulp either side (ties round down).
+    With beta1 = 0 and zero moments the new exp_avg is the gradient itself; with beta2 = 0 the
+    new exp_avg_sq is g*g, so these gradients put the values where they are wanted."""
+    mid = _kernels._QMAPS[1 if signed else 3][:255]
+    targets = torch.cat([mid, torch.nextafter(mid, torch.tensor(2.0)), torch.nextafter(mid, torch.tensor(-2.0))])
+    targets = targets[(targets.abs() <= 1) & (targets >= (-1 if signed else 0))]
+    per_block = QUANT_BLOCK - 1  # the last element of each block is 1.0: absmax 1, x / absmax = x
+    blocks = -(-targets.numel() // per_block)
+    values = torch.cat([targets, torch.zeros(blocks * per_block - targets.numel())]).view(blocks, per_block)
+    values = torch.cat([values, torch.ones(blocks, 1)], dim=1).view(-1)
+    n = values.numel()
+    grad = values if signed else values.sqrt()  # g*g lands within an ulp or so of the target
+    results = []
+    for lvl in ("python", level):
+        state = {"master": torch.zeros(n), "exp_avg_absmax": torch.zeros(blocks), "exp_avg_sq_absmax": torch.zeros(blocks),
+                 "exp_avg": torch.zeros(n, dtype=torch.uint8), "exp_avg_sq": torch.zeros(n, dtype=torch.uint8)}
+        results.append(step_state(state, grad, lvl, seed=0, beta1=0.0, beta2=0.0, lr=0.0, weight_decay=0.0)[0])
+    assert_same_bits(results[1], results[0])
+    if signed:  # the reference's codes are the nearest, ties down: spot-check against quantize_blockwise
+        assert torch.equal(results[0]["exp_avg"], quantize_blockwise(values, True)[0])

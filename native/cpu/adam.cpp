@@ -21,10 +21,16 @@
 // the kernels bitwise equal to each other and to the reference, which 8-bit moments
 // need: a one-ulp difference can move a value across a code boundary.
 //
+// [Note: one division per element] sqrt(v)/sqrt(bc2) is computed as sqrt(v) * (1/sqrt(bc2)),
+// the reciprocal rounded to fp32 once per call, leaving one division (m / denom) and one
+// square root per element: on CPUs with slow 256-bit dividers (AMD Zen 1: one vdivps ymm
+// per ~5 cycles) they, not memory, bound a core's rate. A relative difference of an ulp
+// from torch's formula, inside test_cpu_adam's tolerance.
+//
 // The math follows torch.optim.AdamW / torch's fused CPU kernel:
 //   adamw: p *= 1 - lr*wd              adam: g += wd*p
 //   m = m + (1-b1)*(g-m)               v = b2*v + (1-b2)*g*g
-//   p = p - (lr/bc1) * m / (sqrt(v)/sqrt(bc2) + eps)
+//   p = p - (lr/bc1) * (m / (sqrt(v) * (1/sqrt(bc2)) + eps))
 #include <math.h>
 #include <string.h>
 
@@ -75,7 +81,7 @@ namespace {
 constexpr int64_t QB = ZT_QUANT_BLOCK;
 
 struct Coef {
-  float lr, b1, b2, one_minus_b1, one_minus_b2, eps, wd, decay, step_size, bc2_sqrt, scale;
+  float lr, b1, b2, one_minus_b1, one_minus_b2, eps, wd, decay, step_size, inv_bc2_sqrt, scale;
   bool decoupled;
   bool plain;  // fp32 master and moments: the kernels skip the dtype dispatch
   const float *map_m, *mid_m, *map_v, *mid_v;  // exp_avg: signed, exp_avg_sq: unsigned
@@ -100,7 +106,7 @@ Coef make_coef(const ZtAdamArgs& a) {
     bc2 = 1.0 - pow((double)a.beta2, (double)a.step);
   }
   c.step_size = (float)(a.lr / bc1);
-  c.bc2_sqrt = (float)sqrt(bc2);
+  c.inv_bc2_sqrt = (float)(1.0 / sqrt(bc2));  // [Note: one division per element]
   c.plain = a.master_dtype == ZT_F32 && a.exp_avg_dtype == ZT_F32 && a.exp_avg_sq_dtype == ZT_F32;
   c.map_m = a.qmaps;
   c.mid_m = a.qmaps ? a.qmaps + 256 : nullptr;
@@ -238,7 +244,7 @@ inline int adam_element(const ZtAdamArgs& a, const Coef& c, int64_t i, float m_a
   float v = load_moment(a.exp_avg_sq, a.exp_avg_sq_dtype, i, c.map_v, v_absmax);
   m = m + c.one_minus_b1 * (g - m);
   v = v * c.b2 + c.one_minus_b2 * (g * g);
-  float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
+  float denom = sqrtf(v) * c.inv_bc2_sqrt + c.eps;
   p = p - c.step_size * (m / denom);
   if (a.master_dtype == ZT_BF16) {
     uint16_t h = f32_to_bf16_sr(p, a.sr_seed + (uint64_t)i);
@@ -328,9 +334,20 @@ inline F vload_grad(const void* g, int dt, int64_t i) {
   if (dt == ZT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)g + i)));
   return _mm256_loadu_ps((const float*)g + i);
 }
-inline int vnonfinite(F g) {  // !(|g| < inf) is true for inf and NaN
+// Non-finite gradients, counted per lane in a vector (!(|g| < inf) is true for inf and NaN:
+// an all-ones lane is -1) and summed once per block.
+using Count = __m256i;
+inline Count vcount_zero() { return _mm256_setzero_si256(); }
+inline Count vcount_nonfinite(Count acc, F g) {
   F absg = _mm256_and_ps(g, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-  return __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(absg, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ)));
+  return _mm256_sub_epi32(acc, _mm256_castps_si256(_mm256_cmp_ps(absg, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ)));
+}
+inline int64_t vcount_sum(Count acc) {
+  alignas(32) int32_t lanes[W];
+  _mm256_store_si256((__m256i*)lanes, acc);
+  int64_t sum = 0;
+  for (int32_t l : lanes) sum += l;
+  return sum;
 }
 // 8 x u32 (each < 65536) to 8 x u16
 inline __m128i vpack16(__m256i r) {
@@ -370,14 +387,37 @@ inline F vdequant(const uint8_t* codes, const float* map, F absmax) {
   __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)codes));
   return _mm256_mul_ps(_mm256_i32gather_ps(map, idx, 4), absmax);
 }
-inline void vquantize(uint8_t* codes, F x, F scale, const float* mid) {
-  F xn = _mm256_div_ps(x, scale);
-  __m256i pos = _mm256_setzero_si256();
-  for (int s = 128; s >= 1; s >>= 1) {
-    F m = _mm256_i32gather_ps(mid, _mm256_add_epi32(pos, _mm256_set1_epi32(s - 1)), 4);
-    __m256i lt = _mm256_castps_si256(_mm256_cmp_ps(m, xn, _CMP_LT_OQ));
-    pos = _mm256_add_epi32(pos, _mm256_and_si256(lt, _mm256_set1_epi32(s)));
+// The binary search's first five levels read at most 16 distinct midpoints: they are held
+// in registers and picked by permutes; only the last three levels gather from memory
+// (gathers are slow on AMD Zen: one per ~10-20 cycles).
+struct QTree {
+  F top, l64, l32, l16, l8lo, l8hi;  // mid[127]; mid[pos+63]; mid[pos+31]; mid[pos+15]; mid[pos+7]
+  const float* mid;
+  explicit QTree(const float* m) : mid(m) {
+    top = _mm256_set1_ps(m[127]);
+    l64 = _mm256_setr_ps(m[63], m[191], 0, 0, 0, 0, 0, 0);
+    l32 = _mm256_setr_ps(m[31], m[95], m[159], m[223], 0, 0, 0, 0);
+    l16 = _mm256_setr_ps(m[15], m[47], m[79], m[111], m[143], m[175], m[207], m[239]);
+    l8lo = _mm256_setr_ps(m[7], m[23], m[39], m[55], m[71], m[87], m[103], m[119]);
+    l8hi = _mm256_setr_ps(m[135], m[151], m[167], m[183], m[199], m[215], m[231], m[247]);
   }
+};
+inline __m256i vstep(__m256i pos, F m, F xn, int s) {  // pos += s where m < xn
+  __m256i lt = _mm256_castps_si256(_mm256_cmp_ps(m, xn, _CMP_LT_OQ));
+  return _mm256_add_epi32(pos, _mm256_and_si256(lt, _mm256_set1_epi32(s)));
+}
+inline void vquantize(uint8_t* codes, F x, F scale, const QTree& t) {
+  F xn = _mm256_div_ps(x, scale);
+  __m256i pos = vstep(_mm256_setzero_si256(), t.top, xn, 128);
+  pos = vstep(pos, _mm256_permutevar8x32_ps(t.l64, _mm256_srli_epi32(pos, 7)), xn, 64);
+  pos = vstep(pos, _mm256_permutevar8x32_ps(t.l32, _mm256_srli_epi32(pos, 6)), xn, 32);
+  pos = vstep(pos, _mm256_permutevar8x32_ps(t.l16, _mm256_srli_epi32(pos, 5)), xn, 16);
+  __m256i i8 = _mm256_srli_epi32(pos, 4);  // 0..15: the low 3 bits pick a lane, bit 3 the register
+  F hi = _mm256_castsi256_ps(_mm256_slli_epi32(i8, 28));  // bit 3 -> sign bit, for blendv
+  pos = vstep(pos, _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.l8lo, i8), _mm256_permutevar8x32_ps(t.l8hi, i8), hi),
+              xn, 8);
+  for (int s = 4; s >= 1; s >>= 1)
+    pos = vstep(pos, _mm256_i32gather_ps(t.mid, _mm256_add_epi32(pos, _mm256_set1_epi32(s - 1)), 4), xn, s);
   __m128i w = vpack16(pos);
   _mm_storel_epi64((__m128i*)codes, _mm_packus_epi16(w, w));
 }
@@ -425,9 +465,12 @@ inline F vload_grad(const void* g, int dt, int64_t i) {
   if (dt == ZT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)g + i)));
   return _mm512_loadu_ps((const float*)g + i);
 }
-inline int vnonfinite(F g) {
-  return __builtin_popcount(_mm512_cmp_ps_mask(_mm512_abs_ps(g), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ));
+using Count = int64_t;  // a compare yields a mask register: popcount it
+inline Count vcount_zero() { return 0; }
+inline Count vcount_nonfinite(Count acc, F g) {
+  return acc + __builtin_popcount(_mm512_cmp_ps_mask(_mm512_abs_ps(g), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ));
 }
+inline int64_t vcount_sum(Count acc) { return acc; }
 inline void vstore_bf16(uint16_t* dst, F p) {
   __m512i u = _mm512_castps_si512(p);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -460,7 +503,12 @@ inline F vdequant(const uint8_t* codes, const float* map, F absmax) {
   __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)codes));
   return _mm512_mul_ps(_mm512_i32gather_ps(idx, map, 4), absmax);
 }
-inline void vquantize(uint8_t* codes, F x, F scale, const float* mid) {
+struct QTree {  // the AVX-512 search gathers every level
+  const float* mid;
+  explicit QTree(const float* m) : mid(m) {}
+};
+inline void vquantize(uint8_t* codes, F x, F scale, const QTree& t) {
+  const float* mid = t.mid;
   F xn = _mm512_div_ps(x, scale);
   __m512i pos = _mm512_setzero_si512();
   for (int s = 128; s >= 1; s >>= 1) {
@@ -502,6 +550,7 @@ Kernel pick_kernel(int simd) {
 
 // Elements per thread below which waking workers costs more than it saves.
 constexpr int64_t kMinPerThread = 1 << 16;
+constexpr int64_t kChunk = 1 << 16;  // elements per work chunk, a multiple of QB
 
 }  // namespace
 
@@ -565,14 +614,11 @@ int64_t adam_step_multi(const ZtAdamArgs* args, int64_t count) {
   int threads = args[0].threads > 0 ? args[0].threads : zt::hardware_threads();
   threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / kMinPerThread));
   std::atomic<int64_t> nonfinite{0};
-  zt::ThreadPool::instance().run(threads, [&](int tid, int nt) {
-    // Contiguous slices of the concatenated range. Where a slice boundary falls
-    // inside a buffer it is rounded up to a block of that buffer (QB elements; both
-    // neighbours round the same boundary the same way), so an 8-bit block is
-    // re-quantized by one thread, every element is computed by the same code whatever
-    // the thread count (bitwise-stable results), and threads never share a cache line.
-    int64_t per = (total + nt - 1) / nt;
-    int64_t begin = std::min<int64_t>(total, per * tid), end = std::min<int64_t>(total, begin + per);
+  // Where a slice boundary falls inside a buffer it is rounded up to a block of that
+  // buffer (QB elements; both neighbours round the same boundary the same way), so an
+  // 8-bit block is re-quantized by one thread, every element is computed by the same code
+  // whatever the thread count (bitwise-stable results), and threads never share a line.
+  auto run_slice = [&](int64_t begin, int64_t end) {
     auto local_bound = [&](int64_t global, int64_t t) {
       int64_t x = std::min(std::max(global, starts[t]), starts[t + 1]) - starts[t];
       return std::min<int64_t>(args[t].n, (x + QB - 1) / QB * QB);
@@ -583,6 +629,18 @@ int64_t adam_step_multi(const ZtAdamArgs* args, int64_t count) {
       int64_t lo = local_bound(begin, t), hi = local_bound(end, t);
       if (lo < hi) local += kernels[t](args[t], coefs[t], lo, hi);
     }
+    return local;
+  };
+  // [Note: Adam work chunks] The threads take kChunk-element chunks of the concatenated
+  // range from a shared counter instead of one fixed slice each: on a machine shared with
+  // other processes (or torch's own threads) a thread that loses its core for a while no
+  // longer holds up the step with the rest of its slice; the others take its chunks.
+  const int64_t chunks = (total + kChunk - 1) / kChunk;
+  std::atomic<int64_t> next{0};
+  zt::ThreadPool::instance().run(threads, [&](int, int) {
+    int64_t local = 0;
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
+      local += run_slice(c * kChunk, std::min(total, (c + 1) * kChunk));
     nonfinite += local;
   });
   return nonfinite.load();

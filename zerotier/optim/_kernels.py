@@ -14,6 +14,7 @@ elements ([Note: 8-bit moments]).
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 
 import torch
@@ -460,7 +461,7 @@ def adam_step_reference(
     # torch.sqrt on fp32 CPU tensors is not correctly rounded (SLEEF, up to 1 ulp off);
     # the fp64 root rounded to fp32 is, like the kernels' sqrtps (double rounding is
     # exact for the square root of an fp32)
-    denom = v.double().sqrt().float() / f32(bc2**0.5) + f32(eps)
+    denom = v.double().sqrt().float() * f32(1.0 / math.sqrt(bc2)) + f32(eps)  # [Note: one division per element]
     p = p - f32(lr / bc1) * (m / denom)
     if master.dtype == torch.bfloat16:
         master.copy_(_to_bf16_stochastic(p, sr_seed))
