@@ -365,7 +365,7 @@ def test_crafted_checkpoint_cannot_run_code_on_load_or_export(tmp_path):
     with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
         with pytest.raises(CheckpointError, match="outside torch's safe set.*trust_pickle=True"):
             engine.load_checkpoint(root)
-        assert engine._broken is None  # nothing was loaded: the engine goes on
+        assert engine.window.broken is None  # nothing was loaded: the engine goes on
         train(engine, 0, 1)
     with pytest.raises(CheckpointError, match="outside torch's safe set"):
         export.export(root, tmp_path / "w.safetensors")

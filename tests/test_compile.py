@@ -1,4 +1,4 @@
-"""torch.compile on a zerotier model (issue 26 item 4; [Note: compiled units] in zerotier/engine.py).
+"""torch.compile on a zerotier model (issue 26 item 4; [Note: compiled units] in zerotier/hooks.py).
 
 FSDP2's recipe, per wrapped block: `block.compile()` (or `torch.compile(block)`) before or after
 zerotier.initialize. The engine's hooks run eagerly (a graph break at each), so every unit is

@@ -137,7 +137,7 @@ def engine_run(model, cfg, device, steps=STEPS, accum=ACCUM, autocast=False):
                 with autocast_ctx(device, autocast):
                     loss = engine(x.to(device), y.to(device))
                 engine.backward(loss)
-                early += len(engine._early)  # updates started on the optimizer thread in this backward
+                early += len(engine.window.early)  # updates started on the optimizer thread in this backward
                 engine.step()
                 total += float(loss.detach())
             losses.append(total / accum)

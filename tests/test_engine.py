@@ -238,7 +238,7 @@ def run_without_clipping(model, config=None, steps=6, accum=2):
     with zerotier.initialize(model, cfg) as engine:
         for x, y in data:
             engine.backward(engine(x, y))
-            early += len(engine._early)  # updates started on the optimizer thread during this backward
+            early += len(engine.window.early)  # updates started on the optimizer thread during this backward
             engine.step()
         return engine.parameters_fp32(), early
 

@@ -64,7 +64,7 @@ def test_eio_in_an_update_during_backward_surfaces_in_that_step(tmp_path):
         engine.step()
         engine.store.engine.inject_fault(op="write", errno=errno.EIO, count=1)
         engine.backward(engine(x).square().mean())
-        assert engine._early, "the update must have started during backward"
+        assert engine.window.early, "the update must have started during backward"
         with pytest.raises(TierIOError) as info:
             engine.step()
         assert info.value.errno == errno.EIO and ".swp" in str(info.value)

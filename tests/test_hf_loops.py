@@ -1,5 +1,5 @@
 """Hugging Face loops over a zerotier-managed model: transformers' Trainer and accelerate drive
-engine.optimizer through the plain PyTorch loop ([Note: the plain PyTorch loop] in engine.py)
+engine.optimizer through the plain PyTorch loop ([Note: the plain PyTorch loop] in window.py)
 and train exactly like the same loop without zerotier."""
 from __future__ import annotations
 

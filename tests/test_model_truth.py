@@ -1,4 +1,4 @@
-"""The user's model stays the truth ([Note: the user's model stays the truth] in engine.py):
+"""The user's model stays the truth ([Note: the user's model stays the truth] in restore.py):
 model.state_dict() during training and the model after close() hold the trained weights, and a
 model already managed by a live engine is refused."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The plain PyTorch loop ([Note: the plain PyTorch loop] in engine.py): loss.backward(),
+"""The plain PyTorch loop ([Note: the plain PyTorch loop] in window.py): loss.backward(),
 engine.optimizer.step(), engine.optimizer.zero_grad() train exactly like engine.backward/step,
 and like torch.optim.AdamW, under every placement; lr schedulers drive engine.optimizer."""
 from __future__ import annotations

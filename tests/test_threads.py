@@ -48,7 +48,7 @@ def test_early_step_backward_never_waits_for_a_units_host_adds():
         calls, settle = [], engine.grads.settle
 
         def slow_settle(unit):
-            calls.append((threads.role(), unit.index, engine._in_backward))
+            calls.append((threads.role(), unit.index, engine.window.in_backward))
             if threads.role() == threads.OPTIMIZER:
                 assert gate.wait(timeout=60), "backward never returned while an early step settled"
             settle(unit)
@@ -56,8 +56,8 @@ def test_early_step_backward_never_waits_for_a_units_host_adds():
         gate.clear()
         try:
             engine.backward(engine(x, y))
-            assert engine._early, "with no clipping, units are updated during backward"
-            assert not any(f.done() for f in engine._early), "the optimizer thread waits for the gate"
+            assert engine.window.early, "with no clipping, units are updated during backward"
+            assert not any(f.done() for f in engine.window.early), "the optimizer thread waits for the gate"
             handed = {i for i, slot in enumerate(engine.grads.slots) if slot.handed}
             on_compute = {i for role, i, in_backward in calls if role == threads.COMPUTE and in_backward}
             assert handed and not handed & on_compute, f"units {sorted(handed & on_compute)} settled in backward"
@@ -89,7 +89,7 @@ _CHECKED = textwrap.dedent("""
         early = 0
         for x, y in batches(64, 16, 2, 2):  # early steps hand the updater's state over and back
             engine.backward(engine(x, y))
-            early += len(engine._early)
+            early += len(engine.window.early)
             engine.step()
         assert early > 0
         unit = engine.units[0]

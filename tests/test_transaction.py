@@ -90,7 +90,7 @@ def test_failed_write_at_every_unit_refuses_then_resumes_exactly(swap, clip):
         fail_nth_write(engine, n)
         with pytest.raises(TierIOError, match="No space left|ENOSPC|space"):
             run(engine, DATA[3:4])
-        assert not engine._early, "an update still queued after the error reached the caller"
+        assert not engine.window.early, "an update still queued after the error reached the caller"
         assert_broken(engine)
         engine.store.write = type(engine.store).write.__get__(engine.store)  # the disk is fixed
         engine.load_checkpoint(swap / "ckpt")
@@ -109,7 +109,7 @@ def test_failed_read_before_any_update_leaves_the_step_retryable(swap):
         engine.store.engine.inject_fault(op="read", errno=errno.EIO)
         with pytest.raises(TierIOError):
             engine.step()
-        assert engine._broken is None, engine._broken
+        assert engine.window.broken is None, engine.window.broken
         assert engine.step()  # the same gradients, applied now
         run(engine, DATA[4:])
         same(engine.parameters_fp32(), expected, "retried step")
@@ -144,8 +144,8 @@ def test_error_in_backward_at_every_module(swap, clip, error):
         with pytest.raises(error):
             run(engine, DATA[3:4])
         armed[0] = False
-        assert not engine._early, "an update still queued after the error reached the caller"
-        if engine._broken is not None:
+        assert not engine.window.early, "an update still queued after the error reached the caller"
+        if engine.window.broken is not None:
             outcomes.add("refused")
             assert_broken(engine)
             engine.load_checkpoint(swap / "ckpt")
@@ -224,7 +224,7 @@ def test_failed_parameter_write_back_is_never_trained_on(swap, n):
                     break
                 except TierIOError as exc:
                     raised.append(str(exc))
-                    if engine._broken is not None:
+                    if engine.window.broken is not None:
                         assert_broken(engine)
                         engine.load_checkpoint(swap / "ckpt")
                         run(engine, DATA[3:4])

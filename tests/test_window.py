@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import zerotier
+from zerotier import grad_view
 from zerotier.errors import ZerotierError
 from zerotier.models import TinyGPT, batches
 
@@ -113,7 +114,7 @@ def test_model_zero_grad_and_grad_none_in_the_plain_loop(placement, tmp_path):
 
 
 def test_grad_set_drops_or_replaces_one_parameter(tmp_path):
-    """Engine._grad_set / _grad_get directly (what the parameter surface calls)."""
+    """grad_view.grad_set / grad_get directly (what the parameter surface calls)."""
     x, y = data(1)[0]
     m = gpt()
     opt = adamw(m)
@@ -126,10 +127,10 @@ def test_grad_set_drops_or_replaces_one_parameter(tmp_path):
     m = gpt()
     with zerotier.initialize(m, cfg("host", tmp_path)) as engine:
         engine.backward(engine(x, y))
-        engine._grad_set(m.blocks[1].out.weight, None)
-        assert engine._grad_get(m.blocks[1].out.weight) is None
-        engine._grad_set(m.pos, torch.full_like(m.pos, 0.5))
-        assert torch.equal(engine._grad_get(m.pos), torch.full_like(m.pos, 0.5))
+        grad_view.grad_set(engine.window, m.blocks[1].out.weight, None)
+        assert grad_view.grad_get(engine.window, m.blocks[1].out.weight) is None
+        grad_view.grad_set(engine.window, m.pos, torch.full_like(m.pos, 0.5))
+        assert torch.equal(grad_view.grad_get(engine.window, m.pos), torch.full_like(m.pos, 0.5))
         engine.step()
         assert_matches(engine.parameters_fp32(), reference)
 
@@ -138,7 +139,7 @@ def test_early_step_is_opt_in_and_refuses_what_it_cannot_honour(tmp_path):
     x, y = data(1)[0]
     with zerotier.initialize(gpt(), cfg("host", tmp_path, early_step=True)) as engine:
         engine.backward(engine(x, y))
-        assert engine.unit_optimizer.applied > 0 or engine._early, "train.early_step: updates during backward"
+        assert engine.unit_optimizer.applied > 0 or engine.window.early, "train.early_step: updates during backward"
         with pytest.raises(ZerotierError, match=r"^zero_grad\(\) after a backward whose update already started "
                                                 r"\(train\.early_step = true .*leave train\.early_step off"):
             engine.zero_grad()
@@ -513,6 +514,27 @@ def test_every_training_call_after_close_is_refused(tmp_path):
             call()
     m(x, y).backward()  # the model is a plain torch model again
     assert m.blocks[1].out.weight.grad is not None
+
+
+def test_close_twice_is_a_no_op_and_closes_each_store_once(tmp_path, monkeypatch):
+    """close() frees the gradient store and the optimizer's staging once (review f3f88fe §5: it
+    closed both twice), and a second close() does nothing at all."""
+    x, y = data(1)[0]
+    m = gpt()
+    engine = zerotier.initialize(m, cfg("host", tmp_path))
+    engine.backward(engine(x, y))
+    engine.step()
+    calls = []
+    for store in (engine.grads, engine.unit_optimizer, engine.params, engine.host_pool):
+        close = store.close
+        monkeypatch.setattr(store, "close", lambda close=close, store=store: (calls.append(type(store).__name__),
+                                                                                close())[1])
+    engine.close()
+    assert sorted(calls) == sorted(["GradStore", "UnitOptimizer", "ParamStore", "HostPool"]), calls
+    weight = m.blocks[1].out.weight.detach().clone()
+    engine.close()
+    assert len(calls) == 4, "a second close() must do nothing"
+    assert engine.closed and torch.equal(m.blocks[1].out.weight, weight)
 
 
 # ---------------------------------------------------------------- row 8: requires_grad after initialize

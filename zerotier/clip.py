@@ -19,7 +19,7 @@ norm_type 2 only (the engine keeps sums of squares); other norm types are refuse
 `clip_grad_value_` on managed parameters (an element-wise clamp of gradients that may sit
 on NVMe; train.max_grad_norm is the supported form). Parameters no engine manages go to
 torch's own functions untouched. Where the update already started (train.early_step,
-[Note: early step] in engine.py) the clip is refused: it could not be honoured.
+[Note: early step] in window.py) the clip is refused: it could not be honoured.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _split(parameters) -> tuple:
     owners = {}
     for engine in list(_engines):
         if not engine.closed:
-            owners.update({id(p): engine for p in params if engine._slot(p) is not None})
+            owners.update({id(p): engine for p in params if engine.window.slot(p) is not None})
     engines = {id(e): e for e in owners.values()}
     if len(engines) > 1:
         raise ZerotierError("clip_grad_norm_ over the parameters of several zerotier engines at once: clip each "
@@ -74,9 +74,32 @@ def _wrap_norm(clip_grad_norm_):
         if float(norm_type) != 2.0:
             raise ZerotierError(f"clip_grad_norm_(norm_type={norm_type}) on parameters zerotier manages: only "
                                 "norm_type=2 is supported (or set train.max_grad_norm)")
-        return engine._clip_grad_norm(float(max_norm), [p for p in others if p.grad is not None],
-                                      error_if_nonfinite, foreach)
+        return _clip_window(engine.window, float(max_norm), [p for p in others if p.grad is not None],
+                            error_if_nonfinite)
     return clip_grad_norm
+
+
+def _clip_window(window, max_norm: float, others: list, error_if_nonfinite: bool) -> torch.Tensor:
+    """clip_grad_norm_ over an engine's parameters (and `others`, unmanaged ones with a gradient):
+    the factor is recorded in the window (window.py), whose update applies it."""
+    window.refuse_if_closed("clip_grad_norm_")
+    if window.updated():
+        raise ZerotierError("clip_grad_norm_ after a backward whose update already started (train.early_step = "
+                            "true applies the window's update during its last backward, unclipped): set "
+                            "train.max_grad_norm instead, or leave train.early_step off (the default)")
+    if not window.has_grads() and not others:
+        return torch.tensor(0.0)  # torch: no gradients, norm 0
+    managed = window.grad_norm() * window.user_clip if window.has_grads() else 0.0
+    total, factor = total_and_factor(managed, [p.grad for p in others], max_norm)
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(f"The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
+                           "cannot be clipped. To disable this error and scale the gradients by the "
+                           "non-finite norm anyway, set `error_if_nonfinite=False`")
+    window.user_clip *= factor
+    with torch.no_grad():
+        for p in others:
+            p.grad.mul_(factor)
+    return torch.tensor(total, dtype=torch.float32)
 
 
 def _wrap_value(clip_grad_value_):

@@ -113,12 +113,17 @@ GRAD_TRANSITIONS = {
 }
 
 
+def check_transition(old, new, allowed: dict, what: str):
+    """`new` if `allowed` (a transition table: state -> the states it may go to) connects `old` to
+    it, else IllegalTransition naming `what` and both states."""
+    if new not in allowed[old]:
+        raise IllegalTransition(f"{what} cannot go from {old.value} to {new.value}")
+    return new
+
+
 def transition(states: list, index: int, new, allowed: dict, what: str) -> None:
     """states[index] -> new, or IllegalTransition naming the unit and both states."""
-    old = states[index]
-    if new not in allowed[old]:
-        raise IllegalTransition(f"unit {index}: {what} cannot go from {old.value} to {new.value}")
-    states[index] = new
+    states[index] = check_transition(states[index], new, allowed, f"unit {index}: {what}")
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,7 +2,7 @@
 
 [Note: the parameter surface]
 zerotier keeps a unit's parameters as views of one device flat whose storage is
-released outside the unit's use ([Note: fetch and release] in engine.py), and the
+released outside the unit's use ([Note: fetch and release] in hooks.py), and the
 truth of each weight is its fp32 master in the optimizer's tier. A plain Parameter
 over released storage would hand the user freed memory (`print(w)` segfaults,
 `w.numpy()` is garbage) and an in-place edit would reach only the low-precision copy,
@@ -26,7 +26,7 @@ so isinstance checks hold), whose `__torch_function__` sorts each call that touc
                 returns self too); one that changes dtype or device is a read (a copy)
   .data/detach  a `ManagedView`: an alias that goes through the same sorting, so
                 `p.data.copy_(x)` is a write and `p.detach().numpy()` a read
-  .grad         the engine's `_grad_get` / `_grad_set` ("gradients as torch shows them")
+  .grad         grad_view.py's `grad_get` / `grad_set` ("gradients as torch shows them")
 
 `model.to(dtype or device)` that would change a managed parameter is refused before
 anything changes (the engine keeps fp32 masters; precision.param_dtype and
@@ -55,6 +55,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from .errors import ConfigError, ZerotierError
 from .state import ParamState
+from . import grad_view
 
 _local = threading.local()
 
@@ -284,10 +285,11 @@ class ParamSurface:
     def dispatch(self, func, args, kwargs, found):
         engine = self._engine()
         target = args[0] if args else None
-        if func in _GRAD_GET or func in _GRAD_SET:  # "gradients as torch shows them" in engine.py
+        if func in _GRAD_GET or func in _GRAD_SET:  # "gradients as torch shows them": grad_view.py
             if isinstance(target, ManagedView):  # p.data / p.detach(): no gradient of its own, as in torch
                 return _plain(func, args, kwargs)
-            return engine._grad_get(target) if func in _GRAD_GET else engine._grad_set(target, args[1])
+            return grad_view.grad_get(engine.window, target) if func in _GRAD_GET else \
+                grad_view.grad_set(engine.window, target, args[1])
         if func == _DATA_SET:  # a method-wrapper: equal, not identical, from one access to the next
             return self._assign(target, args[1])
         if func in _ALIAS:
@@ -442,7 +444,7 @@ class ParamSurface:
         engine = self._engine()
         engine.synchronize()  # updates and write-backs in flight land first
         if unit.frozen:
-            full = engine._frozen_value(unit).float()
+            full = engine.weights.frozen_value(unit).float()
         else:
             shard = engine.unit_optimizer.read_state(unit, ("master",))["master"]
             full = engine.sharding.gather_full(unit, shard.cpu()).clone()

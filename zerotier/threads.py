@@ -21,8 +21,8 @@ lock: HostPool, DeviceTier's budget, NVMeStore, and ParamStore's `_inflight`,
 One role moves: the *updater*, which runs Adam and commits the new parameters
 (UnitOptimizer, ParamStore's write-back state, a unit's READY/STEPPED gradient
 state). It is the compute thread, except from an early step's submission until the
-compute thread has waited for its future (`Engine._start_early_step` ->
-`Engine._wait_early_steps` / `_quiesce`), when it is the optimizer thread. `hand()`
+compute thread has waited for its future (`Window._start_early_step` ->
+`Window.wait_early_steps` / `quiesce`), when it is the optimizer thread. `hand()`
 records each such handoff.
 
 With `ZEROTIER_CHECK_THREADS=1` (read once, at import) every mutating method decorated

@@ -30,7 +30,7 @@ step, `check_plain_trainer` refuses a run in which weight decay would reach a pa
 Trainer exempts, naming the fix. Its max_grad_norm goes through clip_grad_norm_, which the
 engine honours ([Note: the user's clipping] in clip.py).
 
-Training runs through the plain PyTorch loop ([Note: the plain PyTorch loop] in engine.py):
+Training runs through the plain PyTorch loop ([Note: the plain PyTorch loop] in window.py):
 Trainer's backward, its optimizer.step() and zero_grad() are the engine's, and the grad_norm
 it logs is the engine's global gradient norm before clipping (Trainer would otherwise read
 p.grad, which zerotier never leaves on the parameters). Trainer's checkpoints (save_steps,

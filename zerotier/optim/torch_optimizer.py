@@ -84,7 +84,7 @@ def exempt_from_decay(model: torch.nn.Module, units: list, patterns) -> set[tupl
 class EngineOptimizer(torch.optim.Optimizer):
     """`engine.optimizer` ([Note: param groups], [Note: optimizer state_dict]). `step()` is the
     engine's update of the gradients accumulated by loss.backward() ([Note: the plain PyTorch
-    loop] in engine.py); `zero_grad()` drops them."""
+    loop] in window.py); `zero_grad()` drops them."""
 
     def __init__(self, engine, no_decay: "set[tuple[int, int]]" = frozenset()):
         cfg = engine.cfg.optimizer

@@ -1,0 +1,67 @@
+"""Gradients as torch shows them: `p.grad` of a parameter zerotier manages reads and writes the
+accumulation window's gradient (the parameter surface routes `.grad` here, surface.py), so
+p.grad, p.grad = None and p.grad.mul_() work as in torch between backward and step."""
+from __future__ import annotations
+
+import torch
+
+from .errors import ZerotierError
+from .state import GradState
+
+
+def _refuse_access(window, what: str) -> None:
+    if window.engine.sharding.active:
+        raise ZerotierError(f"{what} of a parameter zerotier manages with several ranks: a parameter's "
+                            "gradient is reduced into shards, no rank holds torch's .grad; use "
+                            "engine.zero_grad() to drop the window and engine.grad_norm() for its norm")
+    if window.in_backward:
+        raise ZerotierError(f"{what} of a parameter zerotier manages during backward (a hook): the gradient "
+                            "is final once backward has returned; read or change it between backward and step")
+
+
+def grad_get(window, p) -> "torch.Tensor | None":
+    """What `p.grad` shows the user: None when the parameter has no gradient in this window, else
+    its gradient as it will be applied (before the loss scale's and the clipping's factors).
+    Gradients on the device or host: a view of the accumulator, so p.grad.zero_() or .mul_()
+    reach the window, as in torch; on NVMe (or once its unit was updated early): a copy."""
+    e = window.engine
+    slot = window.slot(p)
+    if slot is None or e.closed:
+        return None
+    unit, k = slot
+    if not e.grads.has(unit, k):
+        return None
+    _refuse_access(window, "reading p.grad")
+    grad = e.grads.read_param(unit, k)
+    if e.scaler.scale != 1.0:
+        grad = grad / e.scaler.scale
+    elif e.grads.state[unit.index] is GradState.STEPPED:
+        grad = grad.clone()
+    return grad
+
+
+def grad_set(window, p, value) -> None:
+    """User code assigned `p.grad = value`: None drops the parameter's gradient from this window
+    (it is not stepped, as torch skips a .grad of None); a tensor replaces it."""
+    e = window.engine
+    slot = window.slot(p)
+    if slot is None:
+        raise ZerotierError("p.grad set on a parameter this engine does not manage")
+    window.refuse_if_closed("setting p.grad")
+    unit, k = slot
+    if value is None and not e.grads.has(unit, k):
+        return
+    _refuse_access(window, "setting p.grad")
+    if window.updated():
+        raise ZerotierError("p.grad set after a backward whose update already started (train.early_step = "
+                            "true applies the window's update during its last backward): call "
+                            "engine.step() first, or leave train.early_step off (the default)")
+    window.refuse_after_grad_norm("setting p.grad")
+    if value is not None:
+        if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+            raise RuntimeError(f"assigned grad has data of a different size ({tuple(getattr(value, 'shape', ()))}"
+                               f" vs {tuple(p.shape)})")
+        value = value.detach() * e.scaler.scale if e.scaler.scale != 1.0 else value.detach()
+    e.grads.set_param(unit, k, value)
+    if value is not None:
+        window.gradient_assigned()

@@ -1,0 +1,311 @@
+"""The module hooks: a wrapped module's forward fetches its units and releases them after, its
+backward fetches them again, and the first hook of a backward the engine did not start enters
+the plain PyTorch loop. The hooks own no bytes (the stores do) and no loop state (window.py).
+
+[Note: fetch and release]
+Parameters placed on host or NVMe (or gathered at ZeRO-3) are *released* outside
+their module's use: their device flat has no storage. A forward pre-hook fetches
+the module's units (waiting on a prefetch if one is in flight); the forward
+post-hook releases them and wraps the module's outputs in `_FetchOnBackward`,
+whose backward fetches them again just before autograd needs them. A
+post-accumulate-grad hook (window.py) hands each gradient to the gradient store and,
+once every parameter of the unit has its gradient, releases the unit. Autograd's
+saved references are the Parameter objects (or views of the same flat), so
+refilling the flat before their backward runs is what makes this correct.
+
+[Note: autocast and streamed parameters]
+Under torch.autocast, an op casts a full-precision parameter to the autocast dtype,
+keeps the copy in autocast's cache until the autocast region ends, and autograd saves
+it for backward. For a parameter zerotier streams (released after its module's
+forward), that copy would stay on the device for the whole step: no device memory
+saved, and none of it in any budget. So a module whose streamed parameters are not
+already in the autocast dtype refuses to run under autocast, with the fix in the
+message: `precision.param_dtype = "bf16"` (low-precision compute copies, fp32 master),
+or parameters kept on the device, where autocast works as in plain PyTorch.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import torch
+
+from .errors import ConfigError, ZerotierError
+
+
+class _FetchOnBackward(torch.autograd.Function):
+    """Identity in forward; in backward, fetch the units before their module's gradients run."""
+
+    @staticmethod
+    def forward(ctx, hooks, units, *tensors):
+        ctx.hooks, ctx.units = hooks, units
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hooks.enter_backward()
+        for unit in ctx.units:
+            ctx.hooks.demand(unit)
+        return (None, None, *grads)
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """Identity in forward on a module's inputs; in backward, release the module's frozen units
+    ([Note: releasing frozen units after backward])."""
+
+    @staticmethod
+    def forward(ctx, params, units, tensor):
+        ctx.params, ctx.units = params, units
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        for unit in ctx.units:
+            ctx.params.release(unit)
+        return None, None, grad
+
+
+def autocast_dtype(device_type: str) -> "torch.dtype | None":
+    """The dtype torch.autocast casts to on `device_type` now, or None when it is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def map_tensors(obj, fn):
+    """`obj` with fn applied to every tensor in it (tuples, lists, dicts, dataclasses, nested)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not isinstance(obj, dict):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(out, f.name, map_tensors(getattr(obj, f.name), fn))
+        return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(o, fn) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for k in obj:
+            out[k] = map_tensors(obj[k], fn)
+        return out
+    return obj
+
+
+class ModuleHooks:
+    """The hooks of one engine's model; `handles` are every hook it registered (removed at close)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.handles: list = []
+
+    def register(self, streamed: list) -> None:
+        """[Note: compiled units]
+        torch.compile works on a zerotier model the way FSDP2's recipe uses it: compile each wrapped
+        block (`block.compile()` or `torch.compile(block)`, before or after initialize). The module
+        hooks below are `torch.compiler.disable`d, so dynamo never traces a fetch or a release (locks,
+        storage resizes, worker threads): each is a graph break that runs eagerly, and the unit is
+        resident before the compiled code reads it and released after. Inside a compiled region
+        ManagedParameter's sorting is skipped (surface.py): the parameters are plain resident tensors
+        there, and dynamo guards on nothing of zerotier's, so the block code compiles once, not once
+        per unit. A compiled region that reads another unit's parameters without that unit's module
+        running (none of the usual models do) reads released storage: keep such reads in eager code.
+        tests/test_compile.py pins all of this."""
+        engine = self.engine
+        by_module: dict[str, list] = {}
+        for unit in streamed:
+            for name in unit.modules:
+                by_module.setdefault(name, []).append(unit)
+        root = engine.module
+        if engine.device.type == "cuda" or engine.lp_dtype != torch.float32:  # inputs follow the model, as FSDP does
+            self.handles.append(root.register_forward_pre_hook(torch.compiler.disable(self._inputs_to_device),
+                                                               with_kwargs=True))
+        for name, module in root.named_modules():
+            units = by_module.get(name, [])
+            if units or module is root:
+                self.handles.append(module.register_forward_pre_hook(self._pre_forward(module is root, units)))
+            if units:
+                self.handles.append(module.register_forward_hook(self._post_forward(units)))
+            frozen = [u for u in units if u.frozen]
+            if frozen and module is not root:
+                self.handles.append(module.register_forward_pre_hook(self._release_frozen_after_backward(frozen),
+                                                                     with_kwargs=True))
+        for unit in engine.units:
+            for i, p in enumerate(unit.params):
+                self.handles.append(p.register_post_accumulate_grad_hook(engine.window.grad_hook(unit, i)))
+
+    def guard_root_methods(self) -> None:
+        """[Note: the parameter surface] model.load_state_dict batches its writes per unit and
+        refuses assign=True (it would swap managed parameters for new ones); model.to()/half()/
+        cuda() that would convert a managed parameter are refused before anything changes.
+        Instance attributes on the root, removed by remove()."""
+        model, surface = self.engine.module, self.engine._surface
+        load, apply = model.load_state_dict, model._apply
+
+        @functools.wraps(load)
+        def load_state_dict(state_dict, strict: bool = True, assign: bool = False):
+            if assign:
+                raise ZerotierError("model.load_state_dict(..., assign=True) after zerotier.initialize would replace "
+                                    "the parameters zerotier manages with new tensors it does not see: call it "
+                                    "with assign=False (the values go into the fp32 masters), or before initialize")
+            with surface.batch():
+                return load(state_dict, strict=strict)
+
+        @functools.wraps(apply)
+        def _apply(fn, *args, **kwargs):
+            surface.check_apply(fn)
+            return apply(fn, *args, **kwargs)
+        model.load_state_dict, model._apply = load_state_dict, _apply
+
+    def remove(self) -> None:
+        """Every hook and the guarded root methods gone: the model is plain torch again."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        for name in ("load_state_dict", "_apply"):  # guard_root_methods
+            self.engine.module.__dict__.pop(name, None)
+
+    def demand(self, unit) -> None:
+        """Compute needs `unit` now: make it resident. Its own fetch (if not prefetched) is issued
+        before the prefetches of the units after it, so on CUDA it is first on the copy stream."""
+        engine = self.engine
+        if torch.is_grad_enabled() and engine.module.training or engine.window.in_backward:
+            engine.params.demand(unit, then=lambda: engine.scheduler.on_demand(unit.index))
+        else:
+            engine.params.demand(unit)
+
+    def enter_backward(self) -> None:
+        """[Note: the plain PyTorch loop] in window.py: the first hook of a backward the engine did
+        not start (a plain loss.backward(): the user's loop, accelerate, HF Trainer) begins it here
+        and queues its end with autograd. Where a plain backward cannot be right, it raises at once."""
+        if torch.is_grad_enabled():  # grad mode is on inside a backward only with create_graph=True
+            raise ZerotierError(
+                "a backward with create_graph=True (torch.autograd.grad(..., create_graph=True) for a gradient "
+                "penalty or a Hessian-vector product, loss.backward(create_graph=True)) reached parameters zerotier "
+                "streams (offload.params host/nvme, or ZeRO-3): the gradient's own backward would read parameters "
+                "released after the first. Keep the parameters on the device: offload.params = \"device\" with "
+                "zero.stage 1 or 2, where double backward trains as in torch")
+        window = self.engine.window
+        if window.in_backward:
+            return
+        window.begin_plain_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(window.end_plain_backward)
+
+    def _inputs_to_device(self, module, args, kwargs):
+        """The root's inputs on the compute device, floating ones in param_dtype
+        ([Note: buffers and inputs in low precision] in engine.py)."""
+        device, lp_dtype = self.engine.device, self.engine.lp_dtype
+        low = lp_dtype if lp_dtype != torch.float32 else None
+
+        def move(t):
+            t = t.to(device, non_blocking=True) if t.device != device else t
+            return t.to(low) if low is not None and t.is_floating_point() and t.dtype != low else t
+        return map_tensors(args, move), map_tensors(kwargs, move)
+
+    def _pre_forward(self, is_root: bool, units: list):
+        engine = self.engine
+
+        def hook(module, args):
+            window = engine.window
+            if is_root:
+                window.on_root_forward()  # a plain loss.backward() that died half-way ends here
+            if is_root and torch.is_grad_enabled() and not window.in_backward:
+                self._refuse_unmanaged_grads()
+            if is_root and torch.is_grad_enabled() and module.training and not window.in_backward:
+                if engine.stop_requested and not engine.sharding.active and window.between_windows():
+                    engine._stop()  # a new window would begin: stop before it ([Note: graceful stop])
+                engine.scheduler.begin_pass()
+            amp = autocast_dtype(engine.device.type) if units else None
+            if amp not in (None, engine.lp_dtype):
+                self._refuse_autocast(units[0], amp)
+            for unit in units:
+                self.demand(unit)
+        return torch.compiler.disable(hook)  # [Note: compiled units]
+
+    def _refuse_autocast(self, unit, amp: torch.dtype) -> None:
+        """[Note: autocast and streamed parameters]: the casts would pin a copy of every
+        streamed parameter on the device until backward, outside every budget."""
+        engine = self.engine
+        lp, amp_name = str(engine.lp_dtype).replace("torch.", ""), str(amp).replace("torch.", "")
+        raise ConfigError(
+            f"module '{unit.name or '<root>'}' runs under torch.autocast({amp_name}) while its {lp} parameters "
+            f"are streamed from {engine.params.loc.value}: autocast keeps a {amp_name} copy of every such "
+            "parameter on the device until backward, so offloading them would save no device memory. Set "
+            f"precision.param_dtype = \"{'bf16' if amp is torch.bfloat16 else 'fp16'}\" and drop autocast "
+            "(zerotier keeps the fp32 master and updates it in fp32), or keep the parameters on the device "
+            "(offload.params = \"device\")")
+
+    def _release_frozen_after_backward(self, frozen: list):
+        """[Note: releasing frozen units after backward]
+        A trainable unit is released by its last gradient hook; a frozen unit has none, yet the
+        module's backward refetches it (_FetchOnBackward: its weights carry the gradient to the
+        module's inputs). Like FSDP2's post-backward, each input that requires grad passes through
+        _ReleaseAfterBackward, whose backward runs once the gradient of that input is complete: every
+        node of the module that feeds it has run (all created after it, so autograd ran them first),
+        and a later output gradient refetches through _FetchOnBackward. A module whose inputs need
+        no gradient (the first block over frozen embeddings) keeps its frozen unit until backward ends."""
+        params = self.engine.params
+
+        def hook(module, args, kwargs):
+            if not torch.is_grad_enabled():
+                return None
+
+            def wrap(t):
+                return _ReleaseAfterBackward.apply(params, frozen, t) if t.requires_grad else t
+            return map_tensors(args, wrap), map_tensors(kwargs, wrap)
+        return torch.compiler.disable(hook)  # [Note: compiled units]
+
+    def _post_forward(self, units: list):
+        params = self.engine.params
+
+        def hook(module, args, output):
+            if torch.is_grad_enabled():
+                wrapped, seen = [], []
+
+                def wrap(t):
+                    seen.append(t)
+                    if not t.requires_grad:
+                        return t
+                    wrapped.append(t)
+                    return _FetchOnBackward.apply(self, units, t)[0]
+                output = map_tensors(output, wrap)
+                no_backward = seen and all(u.frozen for u in units)  # frozen layers under frozen inputs
+                if not wrapped and output is not None and not no_backward:
+                    # Outputs zerotier cannot see into (a plain object, a generator): nothing would
+                    # refetch the units before their backward, so they stay resident until their
+                    # gradients are in (the grad hook releases them) or backward ends.
+                    return output
+            for unit in units:
+                params.release(unit)
+            return output
+        return torch.compiler.disable(hook)  # [Note: compiled units]
+
+    def _refuse_unmanaged_grads(self) -> None:
+        """A parameter frozen (or absent) at initialize that now requires grad would get a .grad that
+        no update ever applies: refuse at the forward, naming it."""
+        engine = self.engine
+        for name, p in engine.module.named_parameters():
+            if not isinstance(p, torch.nn.Parameter) and p.requires_grad:
+                raise ZerotierError(
+                    f"parameter '{name}' is replaced by a plain tensor in this forward (torch.func.functional_call, or "
+                    "a torch.func transform such as grad/jacrev over the model's parameters): zerotier cannot fetch, "
+                    "train or release tensors it does not hold. Run torch.func on a model zerotier does not manage: "
+                    "engine.close() first (the model then holds the trained weights), or load "
+                    "engine.parameters_fp32() into a copy")
+            trained = engine.window.slot(p) is not None
+            if not trained and p.requires_grad and id(p) not in engine.weights.user_form:
+                raise ZerotierError(
+                    f"parameter '{name}' requires grad but was added to the model after zerotier.initialize (an "
+                    "adapter: peft.get_peft_model(engine.module, ...) after initialize or zerotier.from_pretrained), "
+                    "so zerotier would never train it. Add adapters first: model = peft.get_peft_model(model, "
+                    "lora_config), then engine = zerotier.initialize(model, config); the frozen base is then "
+                    "offloaded like any parameter (offload.params). From a Hugging Face directory: "
+                    "zerotier.from_pretrained(dir, config, peft_config=lora_config) streams the base under the "
+                    "adapters (or load it with transformers, apply peft, then initialize: the base is in RAM once)")
+            if not trained and p.requires_grad:
+                raise ZerotierError(
+                    f"parameter '{name}' requires grad but zerotier does not train it: it was frozen (or not yet "
+                    "registered) when zerotier.initialize ran. Set requires_grad before initialize, or call "
+                    "engine.close() and zerotier.initialize(model, config) again")

@@ -1,0 +1,518 @@
+"""The accumulation window: gradients of one or more backwards, applied by one step. Both loop
+styles drive it (engine.backward()/engine.step(), and the plain loss.backward()/
+optimizer.step()); its state is one `WindowState`, moved through WINDOW_TRANSITIONS only.
+
+[Note: the plain PyTorch loop]
+Besides engine.backward(loss) / engine.step() (every micro-batch; the engine divides by
+grad_accum_steps and applies the loss scale), the loop PyTorch users write works:
+
+    loss = model(x, y); (loss / accum).backward()
+    if last micro-batch: engine.optimizer.step(); engine.optimizer.zero_grad()
+
+The module's hooks drive everything, as with FSDP: the first hook of a backward the
+engine did not start enters it and queues its end with autograd (releases, end of
+accumulation); engine.optimizer is a real torch Optimizer whose step() applies the
+accumulated gradients (clipping by train.max_grad_norm) and whose zero_grad() drops
+them; lr schedulers drive its param_groups. The loop divides its own loss, so
+train.grad_accum_steps plays no part. Where a plain backward cannot be exact, the
+first hook raises at once, naming engine.backward: a dynamic or static loss scale
+(it must multiply the loss), several ranks (the engine's backward decides when to
+reduce), or engine.backward used earlier in the same window. Updates during backward
+are off in this loop (no backward is known to end the window).
+
+[Note: early step]
+Opt-in (`train.early_step = true`): the update becomes visible before step(), so
+zero_grad(), p.grad = ..., a user's clip_grad_norm_ or a second backward between the
+window's last backward and step() cannot be honoured and are refused. Off (the
+default), nothing changes before step() and the window can be dropped exactly;
+measured cost of off on CPU in docs/design.md. With it on:
+when no global operation stands between a gradient and its update — no
+clipping, no dynamic loss scale (whose overflow check needs every gradient),
+and this backward ends an accumulation window — a unit's Adam update starts on
+the optimizer thread as soon as all its gradients are final (its last
+post-accumulate-grad hook), overlapping the rest of backward. It is exact: the
+update uses the same gradient, lr and step count as it would after backward,
+and no later part of this backward reads the unit's parameters (autograd runs a
+leaf's AccumulateGrad once, after every use). engine.step() waits for these
+updates, then steps the remaining units. Otherwise, with optimizer state on
+NVMe, the unit's state reads start at that moment instead (they do not depend
+on the gradient norm): see [Note: NVMe optimizer pipeline].
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from . import threads
+from .device import enter as enter_device
+from .errors import ZerotierError
+from .state import check_transition
+from .surface import internal
+
+
+class WindowState(enum.Enum):
+    """Where the engine is in an accumulation window (like FSDP2's TrainingState). The gradients
+    themselves are GradStore's (GradState per unit); this says which calls are legal now.
+
+    IDLE: no backward in this micro-batch; the window may hold earlier micro-batches' gradients.
+    ENGINE_BACKWARD: inside engine.backward(loss).
+    ENGINE_GRADS: engine.backward(loss) returned: another backward, or engine.step(), is next.
+    PLAIN_BACKWARD: inside a plain loss.backward() the hooks entered ([Note: the plain PyTorch loop]).
+    PLAIN_GRADS: gradients of plain backwards (or `p.grad = ...`) wait for optimizer.step().
+    APPLYING: the window's update runs torch's optimizer.step() (an lr scheduler's count), which
+        does nothing more.
+    PARTIAL: a backward failed half-way: its gradients are partial until zero_grad() drops them.
+    BROKEN: a step failed after some units were updated ([Note: a step is all or nothing]);
+        only load_checkpoint() leads out.
+    CLOSED: engine.close() ran; every training call is refused.
+    The window's norm (grad_norm()) is a value, not a state: once taken, more gradients are refused
+    until the step or zero_grad() ends the window."""
+
+    IDLE = "idle"
+    ENGINE_BACKWARD = "engine backward"
+    ENGINE_GRADS = "engine gradients"
+    PLAIN_BACKWARD = "plain backward"
+    PLAIN_GRADS = "plain gradients"
+    APPLYING = "applying"
+    PARTIAL = "partial"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+S = WindowState
+WINDOW_TRANSITIONS = {
+    S.IDLE: {S.ENGINE_BACKWARD, S.PLAIN_BACKWARD, S.PLAIN_GRADS, S.IDLE, S.BROKEN, S.CLOSED},
+    S.ENGINE_BACKWARD: {S.ENGINE_GRADS, S.PARTIAL, S.BROKEN, S.CLOSED},
+    S.ENGINE_GRADS: {S.ENGINE_BACKWARD, S.APPLYING, S.IDLE, S.BROKEN, S.CLOSED},  # IDLE: a micro-step, a drop
+    S.PLAIN_BACKWARD: {S.PLAIN_GRADS, S.BROKEN, S.CLOSED},
+    S.PLAIN_GRADS: {S.PLAIN_BACKWARD, S.APPLYING, S.PARTIAL, S.IDLE, S.BROKEN, S.CLOSED},  # PARTIAL: a dead backward
+    S.APPLYING: {S.ENGINE_GRADS, S.PLAIN_GRADS},  # back to the loop that applies; then IDLE, or BROKEN
+    S.PARTIAL: {S.IDLE, S.BROKEN, S.CLOSED},
+    S.BROKEN: {S.IDLE, S.BROKEN, S.CLOSED},  # IDLE: a checkpoint loaded
+    S.CLOSED: set(),
+}
+BACKWARDS = frozenset({S.ENGINE_BACKWARD, S.PLAIN_BACKWARD})
+
+
+class Window:
+    """The loop state of one engine and the step that ends a window. Reads the engine's stores
+    (params, grads, unit_optimizer), scaler, sharding and counters; runs early updates on its
+    optimizer thread."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.state = S.IDLE
+        self._why: str | None = None        # PARTIAL / BROKEN: what happened, for the refusals
+        self.norm: float | None = None      # grad_norm() of this window, once computed
+        self.last_norm = 0.0                # the last update's norm (grad_norm() between windows)
+        self.user_clip = 1.0                # this window's clip_grad_norm_ factor ([Note: the user's clipping])
+        self._no_sync = False               # inside engine.no_sync()
+        self._last_loss = None              # weakref to the last engine.backward(loss)'s loss
+        self._on_complete = None            # this backward's use of a unit's complete gradient (grad_hook)
+        self._slots: dict[int, tuple] | None = None  # id(param) -> (unit, index): grad_get / grad_set
+        self._applied_before = engine.unit_optimizer.applied  # unit updates before this window
+        # The "optimizer stream": one thread running early Adam updates during backward.
+        self._optim_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-optim",
+                                                initializer=enter_device, initargs=(engine.device,))
+        self.early: list[Future] = []
+
+    def _to(self, new: WindowState) -> None:
+        self.state = check_transition(self.state, new, WINDOW_TRANSITIONS, "the accumulation window")
+
+    @property
+    def in_backward(self) -> bool:
+        return self.state in BACKWARDS
+
+    @property
+    def broken(self) -> "str | None":
+        """Why the engine is broken ([Note: a step is all or nothing]), or None."""
+        return self._why if self.state is S.BROKEN else None
+
+    def between_windows(self) -> bool:
+        """A forward now begins a new window (graceful stop's boundary, one rank)."""
+        e = self.engine
+        return self.state is not S.ENGINE_GRADS and e.micro_steps % e.cfg.train.grad_accum_steps == 0
+
+    def ends_window(self) -> bool:
+        """The next engine.step() is the window's last micro-batch."""
+        return (self.engine.micro_steps + 1) % self.engine.cfg.train.grad_accum_steps == 0
+
+    # ------------------------------------------------------------ backward, both loops
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """engine.backward(loss): scaled, accumulated ([Note: early step])."""
+        e = self.engine
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ZerotierError("engine.backward(loss) needs the scalar loss tensor of this micro-batch")
+        self.refuse_if_closed("engine.backward()")
+        self.refuse_if_broken("engine.backward()")
+        if self.state is S.PLAIN_GRADS:
+            raise ZerotierError("engine.backward(loss) after a plain loss.backward() in the same window: use one "
+                                "loop style per window (call engine.optimizer.step() or engine.zero_grad() first)")
+        self.refuse_after_grad_norm("engine.backward()")
+        if self.state is S.ENGINE_GRADS and self._last_loss is not None and self._last_loss() is loss:
+            raise ZerotierError("engine.backward(loss) twice with the same loss tensor: the first backward freed its "
+                                "graph (torch raises 'Trying to backward through the graph a second time'); compute "
+                                "the loss again, or call engine.step() after each micro-batch's backward")
+        if self.updated():  # a second backward of this micro-batch (torch accumulates it)
+            raise ZerotierError("engine.backward() again after a backward whose update already started "
+                                "(train.early_step = true applies the window's update during its last "
+                                "backward): call engine.step() first, or leave train.early_step off (the "
+                                "default) to accumulate several backward() calls into one micro-batch as torch does")
+        train = e.cfg.train
+        scale = e.scaler.scale / train.grad_accum_steps
+        last_micro = self.ends_window()
+        # engine.no_sync(): no reduce before the window's last micro-batch (the accumulator keeps the sum)
+        reduce_now = e.sharding.reduces_now(last_micro) and \
+            (last_micro or not self._no_sync or not e.grads.defers_reduce)
+        if reduce_now:
+            self._on_complete = e.grads.reduce  # bucketed reduce-scatter, overlapping the rest of backward
+        elif (train.early_step and train.max_grad_norm is None and not e.scaler.dynamic and last_micro
+              and not e.sharding.active):
+            self._on_complete = self._start_early_step
+        elif last_micro and not e.sharding.active:
+            self._on_complete = e.unit_optimizer.prefetch  # NVMe state reads start now
+        self._to(S.ENGINE_BACKWARD)
+        span = e.profiler.compute_begin("backward") if e.profiler is not None else None
+        try:
+            try:
+                (loss * scale).backward()
+            finally:
+                if span is not None:
+                    e.profiler.compute_end(span)
+                self._on_complete = None
+                for unit in e.param_units:
+                    e.params.release(unit)
+            e.grads.end_backward(reduced=reduce_now)
+        except BaseException as exc:
+            self._failed("engine.backward()", exc)
+            raise
+        self._to(S.ENGINE_GRADS)
+        self._last_loss = weakref.ref(loss)
+
+    def begin_plain_backward(self) -> None:
+        """[Note: the plain PyTorch loop] A plain loss.backward() enters here (hooks.enter_backward)."""
+        self.refuse_if_broken("loss.backward()")
+        self.refuse_after_grad_norm("loss.backward()")
+        e, why = self.engine, None
+        if e.scaler.dynamic or e.scaler.scale != 1.0:
+            why = "the loss scale (precision.loss_scale) must multiply the loss before backward"
+        elif e.sharding.active:
+            why = "with several ranks the engine's backward decides when gradients are reduced"
+        elif self.state is S.ENGINE_GRADS:
+            why = "engine.backward(loss) was used in this window: one loop style per window"
+        if why is not None:
+            raise ZerotierError(f"a plain loss.backward() cannot be exact here ({why}): call engine.backward(loss) "
+                                "and engine.step() after every micro-batch instead")
+        self._on_complete = None
+        self._to(S.PLAIN_BACKWARD)
+
+    def end_plain_backward(self) -> None:
+        """The end of a plain loss.backward() (queued by hooks.enter_backward)."""
+        e = self.engine
+        self._to(S.PLAIN_GRADS)
+        for unit in e.param_units:
+            e.params.release(unit)
+        e.grads.end_backward(reduced=False)
+
+    def on_root_forward(self) -> None:
+        """A forward begins while a plain loss.backward() is still open: it died half-way (its end
+        never ran), so its gradients are partial."""
+        if self.state is S.PLAIN_BACKWARD:
+            self.end_plain_backward()
+            self._why = "a loss.backward() failed half-way through its gradients"
+            self._to(S.PARTIAL)
+
+    def grad_hook(self, unit, i: int):
+        """The post-accumulate-grad hook of `unit`'s parameter i ([Note: fetch and release] in hooks.py)."""
+        e = self.engine
+
+        def hook(p: torch.Tensor) -> None:
+            try:
+                e.hooks.enter_backward()
+            except BaseException:
+                with internal():
+                    p.grad = None  # never a silent accumulation a later step would apply
+                raise
+            with internal():
+                complete = e.grads.accumulate(unit, i, p.grad)
+                p.grad = None
+            if not complete:
+                return
+            e.params.release(unit)
+            if self._on_complete is not None:
+                self._on_complete(unit)
+        return hook
+
+    def _start_early_step(self, unit) -> None:
+        """[Note: early step] update `unit` on the optimizer thread while backward goes on. The
+        unit's gradient is handed over whole: the optimizer thread waits for its host adds
+        (`grads.ready` -> settle), so backward never blocks on the host per unit (GPU review N8)."""
+        e = self.engine
+        e.grads.hand_over(unit)
+        if e.device.type == "cuda":  # the gradient add above was queued on the compute stream
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            done = None
+        hyper_of, scale = e.optimizer.hyper_of(), 1.0 / e.scaler.scale
+
+        def run():
+            if done is not None:
+                done.synchronize()
+            e.grads.ready(unit)
+            # step() waits for the writes; the window's norm reads this gradient again
+            self._update([unit], hyper_of, scale, drain=False, keep_grads=True)
+        threads.hand(threads.OPTIMIZER, e.grads, e.params, e.unit_optimizer)  # [Note: thread ownership]
+        self.early.append(self._optim_thread.submit(run))
+
+    # ------------------------------------------------------------ the step, both loops
+
+    def step(self) -> bool:
+        """engine.step(): see Engine.step and [Note: a step is all or nothing] there."""
+        e = self.engine
+        self.refuse_if_closed("engine.step()")
+        self.refuse_if_broken("engine.step()")
+        if self.state is S.PLAIN_GRADS:
+            raise ZerotierError("engine.step() after a plain loss.backward(): call engine.optimizer.step() in that "
+                                "loop, or engine.backward(loss) then engine.step()")
+        if self.state is not S.ENGINE_GRADS:
+            raise ZerotierError("engine.step() called before engine.backward(loss): there are no gradients "
+                                "to apply")
+        if not self.ends_window():
+            e.micro_steps += 1
+            self._to(S.IDLE)
+            return False
+        try:
+            updated = self._apply()
+        except BaseException as exc:
+            self._failed("engine.step()", exc)
+            raise
+        e.micro_steps += 1
+        self.drop()
+        return updated
+
+    def optimizer_step(self) -> bool:
+        """engine.optimizer.step() in the plain PyTorch loop: apply the gradients that loss.backward()
+        accumulated (any number of them: the loop divides its loss for accumulation itself), then
+        drop them ([Note: the plain PyTorch loop]). False when there was nothing to apply."""
+        self.refuse_if_closed("optimizer.step()")
+        self.refuse_if_broken("optimizer.step()")
+        if self.state is S.ENGINE_GRADS:
+            raise ZerotierError("engine.optimizer.step() after engine.backward(loss): call engine.step() in that "
+                                "loop (optimizer.step() belongs to the plain loss.backward() loop)")
+        if self.state is not S.PLAIN_GRADS:
+            return False  # no gradients: torch's optimizers do nothing either
+        try:
+            self._apply()
+        except BaseException as exc:
+            self._failed("optimizer.step()", exc)
+            raise
+        self.drop()
+        return True
+
+    def grad_norm(self) -> float:
+        """Engine.grad_norm: computed once per window; between windows, the last update's."""
+        e = self.engine
+        self.refuse_if_closed("engine.grad_norm()")
+        if self.norm is None and not self.has_grads():
+            return self.last_norm
+        if self.norm is None:
+            self.wait_early_steps()
+            e.grads.ready_all()
+            local = e.grads.sumsq([u for u in e.units if e.sharding.local_sumsq_share(u)])
+            self.norm = math.sqrt(e.sharding.global_sum(local)) / e.scaler.scale
+        return self.norm
+
+    def _apply(self) -> bool:
+        """The update at the end of an accumulation window (see Engine.step())."""
+        e = self.engine
+        total_norm = self.grad_norm()
+        pending = e.grads.ready_all()  # units stepped early are STEPPED already
+        inv_scale = 1.0 / e.scaler.scale
+        overflow = not math.isfinite(total_norm)
+        if overflow and e.scaler.dynamic:
+            e.scaler.update(overflow=True)
+            e.unit_optimizer.drop_prefetched()
+            return False
+        factor = self.user_clip  # [Note: the user's clipping], then train.max_grad_norm on what it left
+        if e.cfg.train.max_grad_norm is not None:
+            factor *= min(1.0, e.cfg.train.max_grad_norm / (total_norm * factor + 1e-6))
+        self.last_norm = total_norm
+        loop = self.state
+        self._to(S.APPLYING)  # the optimizer's step() counts for lr schedulers, and does nothing more
+        try:
+            e.optimizer.step()
+        finally:
+            self._to(loop)
+        self._update(pending, e.optimizer.hyper_of(), factor * inv_scale)
+        e.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
+        e.scaler.update(overflow=False)
+        e.global_steps += 1
+        return True
+
+    def _update(self, units: list, hyper_of, grad_scale: float, drain: bool = True, keep_grads: bool = False) -> None:
+        """Adam on `units`; each one's new parameters are committed as soon as it is done."""
+        e = self.engine
+        for unit in e.unit_optimizer.step(units, e.grads.shard, e.params.out_buffer, hyper_of, grad_scale,
+                                          drain, got_of=e.grads.got, keep_grads=keep_grads):
+            e.grads.stepped(unit)
+            e.params.commit(unit)
+
+    # ------------------------------------------------------------ errors ([Note: a step is all or nothing])
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """An error (or Ctrl-C) inside backward() or step(): stop the background updates before it
+        reaches the caller; break the engine if any unit was updated in this window
+        ([Note: a step is all or nothing]); a backward that stopped half-way leaves partial
+        gradients, which must be dropped (zero_grad) before training goes on."""
+        self.quiesce()
+        applied = self.engine.unit_optimizer.applied
+        if applied != self._applied_before:
+            self.mark_broken(f"{what} failed ({type(exc).__name__}: {exc}) after {applied - self._applied_before} "
+                             "of the window's unit updates were applied, so some units hold new weights and others "
+                             "old ones")
+        elif what == "engine.backward()":
+            self._why = (f"{what} failed ({type(exc).__name__}: {exc}) after part of this micro-batch's "
+                         "gradients were accumulated")
+            self._to(S.PARTIAL)
+
+    def mark_broken(self, why: str) -> None:
+        self._why = why
+        self._to(S.BROKEN)
+
+    def quiesce(self) -> None:
+        """Wait for every update started during backward, whatever it raises (a second Ctrl-C
+        included): none may still run once an error has reached the caller."""
+        early, self.early = self.early, []
+        for future in early:
+            while True:
+                try:
+                    future.exception()
+                    break
+                except KeyboardInterrupt:
+                    continue
+        self._take_back_update()
+        optimizer = self.engine.unit_optimizer
+        try:
+            optimizer.finish()
+        except BaseException:  # noqa: BLE001 - the error being raised already tells the story
+            pass
+        optimizer.drop_prefetched()  # a retry reads afresh, never a stale failure (#24)
+
+    def refuse_if_closed(self, what: str) -> None:
+        if self.state is S.CLOSED:
+            raise ZerotierError(f"{what} after engine.close(): this engine no longer trains the model (close() "
+                                "put the weights back into it). Call zerotier.initialize(model, config) again "
+                                "to go on training")
+
+    def refuse_if_broken(self, what: str) -> None:
+        if self.state is S.BROKEN:
+            raise ZerotierError(f"{what} refused: {self._why}. Load a checkpoint "
+                                "(engine.load_checkpoint(root)) to continue from a consistent state")
+        if self.state is S.PARTIAL and what != "engine.save_checkpoint()":
+            raise ZerotierError(f"{what} refused: {self._why}. Call engine.zero_grad() to drop this "
+                                "accumulation window's gradients (or load a checkpoint), then go on")
+
+    def refuse_after_grad_norm(self, what: str) -> None:
+        if self.norm is not None:
+            raise ZerotierError(f"{what} after engine.grad_norm(): the norm closed this accumulation window; "
+                                "call the step (engine.step() / engine.optimizer.step()) or zero_grad() first")
+
+    def wait_early_steps(self) -> None:
+        """Wait for the updates started during backward and for their NVMe write-backs (left in
+        flight so each unit's read overlapped the previous writes); re-raise the first error."""
+        early, self.early = self.early, []
+        waits = [future.result for future in early] + ([self._take_back_update] if early else []) + \
+            ([self.engine.unit_optimizer.finish] if early else [])
+        first = None
+        for wait in waits:  # every one is waited, then the first error (from the optimizer thread) raised
+            try:
+                wait()
+            except BaseException as exc:  # noqa: BLE001
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _take_back_update(self) -> None:
+        """Every early step's future was waited: the updater's state is the compute thread's again."""
+        e = self.engine
+        threads.hand(threads.COMPUTE, e.grads, e.params, e.unit_optimizer)
+
+    # ------------------------------------------------------------ dropping a window
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Engine.zero_grad."""
+        self.refuse_if_closed("engine.zero_grad()")
+        if self.updated() and self.state is not S.BROKEN:
+            raise ZerotierError("zero_grad() after a backward whose update already started (train.early_step = "
+                                "true applies the window's update during its last backward, so its gradients "
+                                "cannot be dropped any more): call engine.step() first, or leave "
+                                "train.early_step off (the default) to drop a window's gradients before step()")
+        self.drop(set_to_none)
+
+    def drop(self, set_to_none: "bool | None" = None) -> None:
+        """The window ends: its gradients are dropped (after a step: set_to_none None keeps the
+        user's last zero_grad choice). A broken engine stays broken; a plain backward that died
+        half-way is ended first."""
+        if self.state is S.PLAIN_BACKWARD:
+            self.end_plain_backward()
+        self.engine.grads.zero(set_to_none)
+        self.user_clip = 1.0
+        self.norm = None
+        if self.state is not S.BROKEN:
+            self._why = None
+            self._to(S.IDLE)
+        self._applied_before = self.engine.unit_optimizer.applied
+
+    def loaded(self) -> None:
+        """A checkpoint was loaded: a consistent state again, in a new window."""
+        if self.state is S.BROKEN:
+            self._why = None
+            self._to(S.IDLE)
+        self.drop()
+
+    # ------------------------------------------------------------ gradients as torch shows them
+
+    def slot(self, p) -> "tuple | None":
+        """(unit, index in unit) of a managed parameter; None for any other tensor."""
+        if self._slots is None:
+            self._slots = {id(q): (unit, k) for unit in self.engine.units for k, q in enumerate(unit.params)}
+        return self._slots.get(id(p))
+
+    def has_grads(self) -> bool:
+        e = self.engine
+        return self.state in (S.ENGINE_GRADS, S.PLAIN_GRADS) or \
+            any(e.grads.has(u, k) for u in e.units for k in range(len(u.params)))
+
+    def updated(self) -> bool:
+        """Some unit's update of this window already started (train.early_step, [Note: early step])."""
+        return bool(self.early) or self.engine.unit_optimizer.applied != self._applied_before
+
+    def gradient_assigned(self) -> None:
+        """`p.grad = tensor` (grad_view.py) in a window without a backward: optimizer.step() applies it."""
+        if self.state is S.IDLE:
+            self._to(S.PLAIN_GRADS)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
+
+    # ------------------------------------------------------------ the end
+
+    def close(self) -> None:
+        """Every update in flight waited; from here on every training call is refused."""
+        self.quiesce()
+        self._to(S.CLOSED)
+
+    def shutdown(self) -> None:
+        self._optim_thread.shutdown(wait=True)
