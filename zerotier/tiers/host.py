@@ -106,7 +106,9 @@ def trim_heap() -> None:
 _HEAP_MMAP_THRESHOLD = 4 << 20  # [Note: heap bound]
 # What a run adds to RSS beyond the host pool and device tier, fixed in model size: torch's
 # runtime (~75 MiB, its meta kernels) and compute temporaries (~40 MiB at dim 1024, batch 4 x 16),
-# measured 144-154 MiB (docs/tiers.md § RSS beyond the budgets); `zerotier plan` prints it
+# measured 135-154 MiB from 25M to 265M parameters (docs/tiers.md § RSS beyond the budgets); `zerotier
+# plan` prints it. Materialization is not in it: the plan counts that in tiers.host ([Note: materialization
+# in the host pool] in materialize.py)
 RSS_OUTSIDE_BUDGETS = 160 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
