@@ -6,7 +6,7 @@ losses relative to fp32 state (the target: within 2%). The final loss is the mea
 last `--tail` steps' losses (one step's loss is one batch's: noisier than the state's effect).
 
     python benchmarks/bench_state_convergence.py --steps 300 --plot docs/state-convergence.png
-    python benchmarks/bench_state_convergence.py --llama   # a transformers Llama from config too
+    python benchmarks/bench_state_convergence.py --model both   # and a transformers Llama from config
 
 The plot needs matplotlib (optional: without it the curves are printed only).
 tests/test_state_dtypes.py::test_compact_state_converges_like_fp32 runs a short version.
@@ -78,10 +78,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--tail", type=int, default=20, help="final loss: the mean of the last TAIL steps")
-    ap.add_argument("--llama", action="store_true", help="also train a transformers Llama from config")
+    ap.add_argument("--model", choices=("tinygpt", "llama", "both"), default="tinygpt",
+                    help="TinyGPT, a small transformers Llama from config, or both (default tinygpt)")
     ap.add_argument("--plot", default=None, help="write the curves to this PNG (needs matplotlib)")
     args = ap.parse_args(argv)
-    kinds = ["tinygpt"] + (["llama"] if args.llama else [])
+    kinds = ["tinygpt", "llama"] if args.model == "both" else [args.model]
     curves = {}
     for kind in kinds:
         for master, moments in CHOICES:
