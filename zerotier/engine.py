@@ -168,6 +168,7 @@ class Engine:
                 sharding.broadcast(full)
                 self._swapped = i + 1
                 self.params.place(unit, full if not sharding.gathered(unit) else sharding.shard_of(unit, full))
+                del pooled, full  # the last views of the unit's pool blocks: they go back to the system now
                 materializer.release(unit)
                 continue
             if pooled is not None:
@@ -184,6 +185,7 @@ class Engine:
             lp = materializer.cast(unit, master if sharding.gathered(unit) else full, self.lp_dtype)
             self.params.place(unit, lp)
             self.grads.place(unit)
+            del pooled, full, master, lp  # the last views of the unit's pool blocks: they go back to the system now
             materializer.release(unit)
         self.unit_optimizer.finish_place()
         self.params.finish_place()
