@@ -25,16 +25,18 @@ built normally.
 [Note: materialization in the host pool]
 A unit's new tensors are bytes the budgets must see: a 4096 x 16384 Linear is 268 MB in
 fp32, and on the heap its tensors, their concatenation and the low-precision cast were
-2.5x that beyond tiers.host (202M parameters at dim 4096: initialize's RSS peak 646 MiB over
-the pool's; 6 MiB now: docs/tiers.md § RSS beyond the budgets). So with a host pool, a unit whose parameters are all meta and of one dtype gets
-one pool block, laid out as the unit's flat (Unit.offsets): its parameters are views of it,
-`flat(unit)` hands the block to placement without a concatenation, `cast(unit, t, dtype)`
-makes the low-precision copy in the pool too, and `release(unit)` gives both back to the system
-(not to the pool's cache: no later request has their sizes) once the stores have copied what
-they keep (each store copies into blocks of its own). A pool at its budget
-first waits for its blocks parked behind NVMe writes ([Note: a full pool waits] in
-tiers/host.py), then raises BudgetError naming what the budget would need. Buffers and units
-of mixed dtypes stay on the heap (small, or rare).
+2.5x that beyond tiers.host (202M parameters at dim 4096: initialize's RSS peak 646 MiB
+over the pool's; 6 MiB now: docs/tiers.md § RSS beyond the budgets). So with a host pool,
+a unit whose parameters are all meta and of one dtype gets one pool block, laid out as the
+unit's flat (Unit.offsets): its parameters are views of it, `flat(unit)` hands the block to
+placement without a concatenation, `cast(unit, t, dtype)` makes the low-precision copy in
+the pool too, and `release(unit)` gives both back to the system (not to the pool's cache:
+no later request has their sizes) once the stores have copied what they keep (each store
+copies into blocks of its own) and the caller has dropped its views. The plan counts them
+in tiers.host (`pool_bytes`). A pool at its budget first waits for its blocks parked behind
+NVMe writes ([Note: a full pool waits] in tiers/host.py), then raises BudgetError naming
+what the budget would need. Buffers and units of mixed dtypes stay on the heap (small, or
+rare).
 """
 from __future__ import annotations
 
