@@ -217,11 +217,6 @@ class UnitOptimizer:
 
     def __init__(self, units: list[Unit], cfg: OptimizerConfig, loc: "Location | tuple[Location, ...]", device_tier,
                  host_pool, store, profiler=None, layout: StateLayout = StateLayout()):
-        if not layout.exact and Location.DEVICE in self.locs and device_tier.device.type != "cpu":
-            raise ConfigError(f"precision.master_dtype = {layout.master!r}, precision.moment_dtype = "
-                              f"{layout.moments!r}: compact optimizer state is updated by the CPU kernel, and "
-                              f"offload.optimizer puts it on {device_tier.device} (fp32 only there, torch's fused "
-                              "Adam): set offload.optimizer = 'host' or 'nvme', or both dtypes to 'fp32'")
         """loc: the tier of every unit's state, or each unit's tier by unit index ([Note: units on
         different tiers]; a split spans host and NVMe only). layout: the state's dtypes
         ([Note: optimizer state layout])."""
@@ -232,6 +227,11 @@ class UnitOptimizer:
                               "units: give one tier per unit, a split over host and nvme only")
         self._nvme_units = [u for u in units if self.locs[u.index] is Location.NVME]
         self.device_tier, self.host_pool, self.store = device_tier, host_pool, store
+        if not layout.exact and Location.DEVICE in self.locs and device_tier.device.type != "cpu":
+            raise ConfigError(f"precision.master_dtype = {layout.master!r}, precision.moment_dtype = "
+                              f"{layout.moments!r}: compact optimizer state is updated by the CPU kernel, and "
+                              f"offload.optimizer puts it on {device_tier.device} (fp32 only there, torch's fused "
+                              "Adam): set offload.optimizer = 'host' or 'nvme', or both dtypes to 'fp32'")
         self.profiler = profiler  # None when profiling is off
         # auto: this process's cores, shared with the other ranks of the node
         self.threads = max(1, _kernels.default_threads() // local_world_size()) if cfg.threads == "auto" \
@@ -282,7 +282,6 @@ class UnitOptimizer:
     def staging_bytes(depth: int, largest_shard: int, layout: StateLayout = StateLayout()) -> int:
         """Host-pool bytes of the NVMe pipeline's staging sets (the planner counts exactly this)."""
         return depth * layout.state_bytes(largest_shard)
-        layout = self.layout
 
     # ------------------------------------------------------------------ place
 
@@ -293,6 +292,7 @@ class UnitOptimizer:
         [Note: initial NVMe writes] NVMe: the writes are left in flight; finish_place() waits."""
         n = unit.shard_numel
         loc = self.locs[unit.index]
+        layout = self.layout
         if loc is Location.NVME:
             moment_bytes = layout.nbytes("exp_avg", n)
             if self._zeros is None or self._zeros.tensor.numel() < moment_bytes:
@@ -301,7 +301,6 @@ class UnitOptimizer:
                     self.host_pool.free(self._zeros)
                 largest = max(u.shard_numel for u in self._nvme_units)
                 self._zeros = self.host_pool.alloc(layout.nbytes("exp_avg", largest), torch.uint8, "optimizer.zeros")
-            nbytes = layout.nbytes(key, n)
                 self._zeros.tensor.zero_()
             block = self.host_pool.alloc(layout.nbytes("master", n), torch.uint8, f"{unit.key}.master")
             layout.encode("master", master, block.tensor)
@@ -312,6 +311,7 @@ class UnitOptimizer:
             return
         state = {}
         for key in STATE_KEYS:
+            nbytes = layout.nbytes(key, n)
             if loc is Location.DEVICE:
                 raw = state[key] = self.device_tier.alloc((nbytes,), torch.uint8, f"{unit.key}.{key}")
             else:
@@ -440,7 +440,6 @@ class UnitOptimizer:
             prof.compute_end(span)
 
     def _adam_ranges(self, unit: Unit, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale: float) -> None:
-        (master, _), (exp_avg, avg_absmax), (exp_avg_sq, sq_absmax) = master, exp_avg, exp_avg_sq
         """Adam(W) over the slices [a, b) of the shard in `ranges` ((a, b, step, hyper) each).
         master, exp_avg, exp_avg_sq: (values, absmax or None) pairs ([Note: optimizer state layout]).
         A bf16 master is rounded stochastically, seeded by [Note: stochastic rounding seed]. int8
@@ -451,6 +450,7 @@ class UnitOptimizer:
         if not ranges:
             return
         common = dict(bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
+        (master, _), (exp_avg, avg_absmax), (exp_avg_sq, sq_absmax) = master, exp_avg, exp_avg_sq
         if master.device.type == "cpu":  # `out` is host memory too (ParamStore.out_buffer): one native call
             codes = None
             if avg_absmax is not None and not (len(ranges) == 1 and tuple(ranges[0][:2]) == (0, master.numel())):
@@ -458,11 +458,6 @@ class UnitOptimizer:
                 exp_avg = _kernels.dequantize_blockwise(exp_avg, avg_absmax, signed=True)
                 exp_avg_sq = _kernels.dequantize_blockwise(exp_avg_sq, sq_absmax, signed=False)
                 avg_absmax = sq_absmax = None
-            if codes is not None:
-                for values, (dst, dst_absmax), signed in ((exp_avg, codes[0], True), (exp_avg_sq, codes[1], False)):
-                    new_codes, new_absmax = _kernels.quantize_blockwise(values, signed=signed)
-                    dst.copy_(new_codes)
-                    dst_absmax.copy_(new_absmax)
             bf16_master = master.dtype == torch.bfloat16
             buffers = [(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], None if out is None else out[a:b],
                         avg_absmax, sq_absmax, sr_seed(unit.index, step) + unit.shard_lo + a if bf16_master else None)
@@ -473,6 +468,11 @@ class UnitOptimizer:
                                      eps=[h.eps for h in hs], weight_decay=[h.weight_decay for h in hs],
                                      decoupled=[h.decoupled for h in hs], simd=self.cfg.simd,
                                      threads=self.threads, **common)
+            if codes is not None:
+                for values, (dst, dst_absmax), signed in ((exp_avg, codes[0], True), (exp_avg_sq, codes[1], False)):
+                    new_codes, new_absmax = _kernels.quantize_blockwise(values, signed=signed)
+                    dst.copy_(new_codes)
+                    dst_absmax.copy_(new_absmax)
             return
         for a, b, step, h in ranges:  # fp32 state (the constructor refuses compact state on an accelerator)
             kwargs = dict(step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
