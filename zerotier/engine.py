@@ -30,7 +30,7 @@ from .device import choose as choose_device
 from .dist import init_distributed
 from .dist.sharding import Sharding
 from .errors import ConfigError, ZerotierError
-from .grads import make_grad_store
+from .grads import GradStore
 from .materialize import Materializer, is_meta, pool_bytes as materialize_pool_bytes
 from .optim.offload import StateLayout, UnitOptimizer
 from .optim.torch_optimizer import EngineOptimizer, exempt_from_decay
@@ -117,9 +117,9 @@ class Engine:
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
         self.params.master_of = lambda unit: self.unit_optimizer.read_state(unit, ("master",))["master"]
-        self.grads = make_grad_store(self.units, placement["gradients"], DTYPES[cfg.precision.accumulator_dtype],
-                                     self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,
-                                     self.store, self.profiler)
+        self.grads = GradStore(self.units, placement["gradients"], DTYPES[cfg.precision.accumulator_dtype],
+                               self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,
+                               self.store, self.profiler)
         self.micro_steps = 0
         self.global_steps = 0
         self.run_id = secrets.token_hex(8)  # names this run's checkpoints ([Note: checkpoint retention])

@@ -70,15 +70,7 @@ from .state import GRAD_TRANSITIONS, GradState, Location, Unit, transition
 from .threads import COMPUTE, UPDATER, owned
 
 __all__ = ["GRAD_WRITES", "OPEN_UNITS", "STAGED_UNITS", "GradFile", "GradSlot", "GradStore", "MemoryGrads",
-           "NvmeGradStore", "make_grad_store"]
-
-NvmeGradStore = NvmeGrads  # the planner's name for the NVMe backend's sizing statics; to go once it calls GradStore's
-
-
-def make_grad_store(units: list[Unit], loc: Location, grad_dtype: torch.dtype, device_tier, host_pool, sharding,
-                    reduce_bucket_size: int, store=None, profiler=None) -> "GradStore":
-    """The gradient store for placement `loc`; gradients on NVMe need the NVMe `store`."""
-    return GradStore(units, loc, grad_dtype, device_tier, host_pool, sharding, reduce_bucket_size, store, profiler)
+           "NvmeGrads"]
 
 
 @dataclass(slots=True, eq=False)

@@ -26,7 +26,7 @@ Working sets come on top of the model state, on the tier that pays for them:
   optimizer on NVMe: `optimizer.pipeline_depth` host staging sets of 12 x largest unit
       shard, `UnitOptimizer.staging_bytes`
   gradients on NVMe: the fresh gradients being filled and the read-modify-writes in flight,
-      `NvmeGradStore.staging_bytes`, and the optimizer's two gradient read blocks
+      `GradStore.nvme_staging_bytes`, and the optimizer's two gradient read blocks
       (`UnitOptimizer.grad_staging_bytes`, as for device gradients read by a host optimizer)
   gradients on host with a CUDA device: the per-parameter D2H staging blocks in flight,
       2 x the largest unit's gradient, `GradStore.offload_staging_bytes` (GPU review N6)
@@ -39,7 +39,7 @@ Working sets come on top of the model state, on the tier that pays for them:
       counted in the tier where the parameters live (`ParamGatherer.buffer_bytes`), at ZeRO-3
       with params off the device each fetch's shard staged for its gather
       (`ParamStore.gather_staging_bytes`), NVMe gradients cast to grad_dtype on a CUDA device
-      at stages 2-3 (`NvmeGradStore.conversion_bytes`),
+      at stages 2-3 (`GradStore.nvme_conversion_bytes`),
       and the optimizer on a CUDA device: the fused kernel's gradient chunk (`fused_temp_bytes`)
 These are the functions the stores size their allocations with, so the plan cannot drift
 from the code.
@@ -87,7 +87,7 @@ from .device import local_world_size
 from .errors import BudgetError, ConfigError
 from .dist.buckets import GradBucketer, ParamGatherer
 from .dist.partition import Partition, partition_units
-from .grads import GradStore, NvmeGradStore
+from .grads import GradStore
 from .optim.offload import OPTIMIZER_BYTES, StateLayout, UnitOptimizer, fused_temp_bytes
 from .params import ParamStore
 from .predict import COMPONENTS, DEFAULT_RATES, StepOptions, UnitCompute, bound_by, predict
@@ -422,7 +422,7 @@ def _state_and_buffers(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
             need["host"] += GradStore.offload_staging_bytes(s.largest, s.lp_bytes, s.alignment)
         if loc is Location.NVME:  # [Note: gradients on NVMe]: the full gradient is staging only
             if s.engine_buffers:
-                need["host"] += NvmeGradStore.staging_bytes(s.largest, s.rank_largest(kind), s.lp_bytes,
+                need["host"] += GradStore.nvme_staging_bytes(s.largest, s.rank_largest(kind), s.lp_bytes,
                                                             s.grad_bytes, s.world_size, s.stage)
             if s.engine_buffers and s.world_size > 1 and s.stage == 1:  # the reduced shards' files too
                 need["nvme"] += s.grad_bytes * (s.numel // s.world_size)
@@ -437,7 +437,7 @@ def _state_and_buffers(kind: str, loc: Location, s: _Sizes) -> dict[str, int]:
                 need["host"] += GradBucketer.staging_bytes(s.reduce_bucket, 4, s.partitions(), alignment=s.alignment)
                 need["device"] += GradBucketer.conversion_bytes(s.largest, s.grad_bytes)
             if loc is Location.NVME and s.cuda:
-                need["device"] += NvmeGradStore.conversion_bytes(s.largest, s.lp_bytes, s.grad_bytes, s.world_size,
+                need["device"] += GradStore.nvme_conversion_bytes(s.largest, s.lp_bytes, s.grad_bytes, s.world_size,
                                                                  s.stage)
     else:
         need[loc.value] += round(s.state.bytes_per_param * n)
