@@ -1,5 +1,5 @@
 """Compact optimizer state in the engine (issue 27): precision.master_dtype / moment_dtype on host
-and NVMe, their layout ([Note: optimizer state layout] in optim/offload.py), exact resume, checkpoints
+and NVMe, their layout ([Note: optimizer state layout] in optim/state_layout.py), exact resume, checkpoints
 converting between state dtypes ([Note: converting state dtypes on load] in checkpoint.py), the
 planner's bytes, and convergence against fp32 state. The kernels' own bitwise tests are
 tests/test_adam_state_dtypes.py."""
@@ -14,7 +14,7 @@ import zerotier
 from zerotier.errors import ConfigError
 from zerotier.models import TinyGPT, batches
 from zerotier.optim import _kernels
-from zerotier.optim.offload import StateLayout, sr_seed
+from zerotier.optim.state_layout import StateLayout, sr_seed
 from zerotier.planner import make_plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))

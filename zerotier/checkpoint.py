@@ -15,7 +15,7 @@ zerotier/export.py.
     root/ckpt-<step>/rank<r>.bin master, exp_avg, exp_avg_sq of rank r's real range of every
                                  unit, one record each, in unit order, in the state's layout
                                  (manifest "state_dtypes", "quant_block": [Note: optimizer state
-                                 layout] in optim/offload.py; raw little-endian; no state_dtypes:
+                                 layout] in optim/state_layout.py; raw little-endian; no state_dtypes:
                                  fp32, as written before compact state)
     root/ckpt-<step>/rank<r>.pt  rank r's RNG states (torch CPU, CUDA, python, numpy)
     root/ckpt-<step>/state.pt    rank 0: steps, loss scaler, lr holder, lr scheduler,
@@ -75,7 +75,7 @@ from .checkpoint_read import (FORMAT, CheckpointError, RankFiles, crc, load_rng,
 from .errors import ZerotierError
 from .io import aligned_empty, open_direct, open_engine, round_up
 from .optim import _kernels
-from .optim.offload import STATE_KEYS
+from .optim.state_layout import STATE_KEYS
 
 KEEP = 2  # checkpoints of the current run kept by default ([Note: checkpoint retention])
 _OUR_FILE = re.compile(r"manifest\.json|state\.pt|rank\d+\.(bin|pt)")

@@ -39,7 +39,7 @@ import torch
 
 from .errors import TierIOError
 from .optim import _kernels
-from .optim.offload import STATE_DTYPES, STATE_KEYS, StateLayout
+from .optim.state_layout import STATE_DTYPES, STATE_KEYS, StateLayout
 
 FORMAT = 1
 

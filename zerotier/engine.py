@@ -32,7 +32,8 @@ from .dist.sharding import Sharding
 from .errors import ConfigError, ZerotierError
 from .grads import GradStore
 from .materialize import Materializer, is_meta, pool_bytes as materialize_pool_bytes
-from .optim.offload import StateLayout, UnitOptimizer
+from .optim.offload import UnitOptimizer
+from .optim.state_layout import StateLayout
 from .optim.torch_optimizer import EngineOptimizer, exempt_from_decay
 from .params import ParamStore
 from .planner import make_plan

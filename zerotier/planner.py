@@ -88,7 +88,8 @@ from .errors import BudgetError, ConfigError
 from .dist.buckets import GradBucketer, ParamGatherer
 from .dist.partition import Partition, partition_units
 from .grads import GradStore
-from .optim.offload import OPTIMIZER_BYTES, StateLayout, UnitOptimizer, fused_temp_bytes
+from .optim.offload import UnitOptimizer, fused_temp_bytes
+from .optim.state_layout import OPTIMIZER_BYTES, StateLayout
 from .params import ParamStore
 from .predict import COMPONENTS, DEFAULT_RATES, StepOptions, UnitCompute, bound_by, predict
 from .state import DTYPES, TIER_NAMES as TIERS, Location
