@@ -140,6 +140,9 @@ class TrainConfig(_Section):
     grad_accum_steps: int | Auto = 1
     max_grad_norm: float | None | Auto = None  # global grad-norm clipping; None disables
     early_step: bool = False               # Adam during the window's last backward ([Note: early step])
+    # Adam during the last backward even with clipping / a dynamic loss scale, undone when the global
+    # check disagrees ([Note: speculative step] in speculation.py). auto: on when either is set
+    speculative_step: bool | Literal["auto"] = "auto"
     device: str = "auto"                   # auto | cpu | cuda | cuda:N (see zerotier/device.py)
     wrap: Literal["auto"] | tuple[str, ...] = "auto"  # unit boundaries: auto | module class names (state.py)
     handle_signals: bool = True            # SIGTERM/SIGINT stop at a step boundary ([Note: graceful stop])
