@@ -171,6 +171,19 @@ class UnitOptimizer:
         """Host-pool bytes of the NVMe pipeline's staging sets (the planner counts exactly this)."""
         return depth * layout.state_bytes(largest_shard)
 
+    @staticmethod
+    def undo_bytes(shard_numel: int, lp_itemsize: int, layout: StateLayout = StateLayout()) -> int:
+        """Bytes of one host- or device-resident unit's undo copy under speculation ([Note: speculative
+        step] in speculation.py): its state buffers and its new low-precision shard's old bytes, in
+        the host pool (host state) or on the device tier (device state)."""
+        return layout.state_bytes(shard_numel) + shard_numel * lp_itemsize
+
+    @staticmethod
+    def shadow_bytes(shard_numel: int, alignment: int, layout: StateLayout = StateLayout()) -> int:
+        """NVMe bytes of one NVMe-resident unit's speculative state files ([Note: speculative step]):
+        the pre-step files stay until the step is validated, so the new ones are a second copy."""
+        return sum(-(-layout.nbytes(k, shard_numel) // alignment) * alignment for k in STATE_KEYS)
+
     # ------------------------------------------------------------------ place
 
     @owned(UPDATER)
