@@ -1,5 +1,7 @@
 """[Note: the step schedule] pinned by hand: three units whose schedules are worked out on paper
 below, so any change to what waits for what shows up as a different step time."""
+import dataclasses
+
 import pytest
 
 from zerotier.schedule.step_model import StepShape, UnitWork, simulate
@@ -88,3 +90,53 @@ def test_write_backs_in_flight_carry_into_the_next_step():
     unit = [UnitWork(forward_s=1, backward_s=1, adam_s=1, fetch_nvme_s=1, copyback_s=3, copyback_on="nvme")]
     s = simulate(unit, StepShape(lookahead=0, streamed=True))
     assert s.step_s == 8.0 and s.critical["params_copyback"] == 3.0
+
+
+# [Note: speculation in the schedule]: A with clipping (norm 1 s), every unit speculated, each
+# host unit's undo copy and restore 0.5 s on the optimizer thread.
+SPECULATED = [dataclasses.replace(u, speculate=True, undo_s=0.5, restore_s=0.5) for u in DEVICE_PARAMS]
+SPEC = dict(clip=True, norm_s=1.0, speculative=True)
+
+
+def test_speculation_commit_updates_under_backward_like_an_early_step():
+    # backward 6-18: bwd2 6-12, bwd1 12-16, bwd0 16-18. As each gradient is final: d2h2 12-12.5,
+    # undo2 12.5-13, adam2 13-14, copy2 14-14.25; d2h1 16-16.5, undo1 16.5-17, adam1 17-18, copy1
+    # 18-18.25; d2h0 18-18.5, undo0 18.5-19, adam0 19-20, copy0 20-20.25; the norm 18-19 on compute
+    # -> 20.25 s (22.75 s without speculation: test_device_params_host_optimizer_clipped)
+    s = simulate(SPECULATED, StepShape(**SPEC))
+    assert s.step_s == 20.25
+    assert s.critical["speculation"] == 1.0 and s.critical["optimizer"] == 2.0  # undo0 + undo1 / adam1 + adam0
+    assert sum(s.critical.values()) == pytest.approx(20.25)
+
+
+def test_speculation_rollback_redoes_every_unit_after_the_norm():
+    # the speculative work as above ends at 20.25 (copy0), then in unit order after it: d2h0
+    # 20.25-20.75, restore0 20.75-21.25, adam0 21.25-22.25, copy0 22.25-22.5; d2h1 20.75-21.25,
+    # restore1 22.25-22.75, adam1 22.75-23.75, copy1 23.75-24; d2h2 (after adam0) 22.25-22.75,
+    # restore2 23.75-24.25, adam2 24.25-25.25, copy2 25.25-25.5 -> 25.5 s
+    s = simulate(SPECULATED, StepShape(rollback=True, **SPEC))
+    assert s.step_s == 25.5
+    assert s.seconds["optimizer"] == 6.0 and s.seconds["speculation"] == 3.0  # each Adam twice, undo + restore
+    assert sum(s.critical.values()) == pytest.approx(25.5)
+
+
+def test_speculation_of_the_units_within_the_allowance_only():
+    # only unit 2 speculated (its undo copy fits, the others' do not): undo2 12.5-13, adam2 13-14,
+    # copy2 14-14.25; units 0, 1 after the norm (18-19): d2h0 19-19.5, adam0 19.5-20.5, copy0
+    # 20.5-20.75; d2h1 19.5-20, adam1 20.5-21.5, copy1 21.5-21.75 -> 21.75 s
+    units = DEVICE_PARAMS[:2] + SPECULATED[2:]
+    assert simulate(units, StepShape(**SPEC)).step_s == 21.75
+    assert simulate(SPECULATED, StepShape(clip=True, norm_s=1.0)).step_s == 22.75  # off: the flags are ignored
+
+
+def test_speculation_with_nvme_state_commit_and_rollback():
+    # B, clipped (norm 3 s, 11-14), every unit speculated: the early step's schedule, 22 s
+    # (test_streamed_params_nvme_optimizer_early_step), the norm hidden under it. Rollback: the
+    # speculative writes end at 22; the pre-step files are read again: read0 22-24, read1 24-26,
+    # read2 26-28 (three sets free), adam0 24-25, adam1 26-27, adam2 28-29; writes queue behind
+    # the reads: 28-30, 30-32, 32-34 -> 34 s
+    units = [dataclasses.replace(u, speculate=True) for u in STREAMED]
+    shape = StepShape(clip=True, norm_s=3.0, speculative=True, **B)
+    assert simulate(units, shape).step_s == 22.0
+    s = simulate(units, dataclasses.replace(shape, rollback=True))
+    assert s.step_s == 34.0 and s.seconds["optimizer_nvme"] == 24.0  # state read and written twice

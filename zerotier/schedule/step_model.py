@@ -29,6 +29,8 @@ What waits for what (the engine's schedule, engine.py and the stores' Notes):
     thread; otherwise after backward (and, with clipping, after the global norm, a pass over
     every gradient: `norm_s`), units whose NVMe state reads were issued during backward
     first, in that order, then the others in unit order ([Note: NVMe optimizer pipeline]).
+  * with speculation, the updates under backward and their rollback: [Note: speculation in
+    the schedule] below.
   * NVMe optimizer state goes through `pipeline_depth` staging sets: a unit's read waits
     for a free set (the write of the unit `pipeline_depth` earlier) and is issued when the
     unit `pipeline_depth - 2` ahead of it starts; Adam waits for its read, the write follows
@@ -40,6 +42,21 @@ What waits for what (the engine's schedule, engine.py and the stores' Notes):
     for the oldest) and the next fetch of the unit waits for its write.
   * engine.step() returns when every Adam and optimizer-state write is done; parameter
     write-backs may still be in flight into the next step.
+
+[Note: speculation in the schedule]
+With `speculative` (train.speculative_step: [Note: speculative step] in speculation.py) the
+units marked `speculate` update during the window's last backward as an early step does:
+each as its gradient becomes final, in backward order, on the optimizer thread, its NVMe
+state read when the thread takes it up and written after it (to shadow files); a speculated
+host or device unit first makes its undo copy (`undo_s`, on the optimizer's resource). The
+global norm still runs after backward; units not speculated (their undo copies did not fit
+the plan's allowance) update after it as without speculation. engine.step() returns when
+the norm and every update are done: the commit. The rollback (`rollback`): the same
+speculative work; once it and the norm are done, every unit is updated again, in unit
+order, after that point, as the non-speculative step does, each speculated host or device
+unit first putting its undo copy back (`restore_s`), NVMe units re-reading their pre-step
+files (none of those reads was issued during backward). The planner's expected step is
+(1 - r) x commit + r x rollback at the rollback rate r (predict.py).
 
 Each resource serves its tasks first come, first served by the time they become ready
 (ties: issue order). The prediction simulates two steps and takes the second (steady
@@ -78,6 +95,9 @@ class UnitWork:
     encloses: bool = False       # resident for the whole pass (the root unit)
     trainable: bool = True       # frozen units have no gradient and no optimizer work
     adam_on: str = "cpu"         # "cpu", or "compute" (optimizer on the device, or a CPU device)
+    speculate: bool = False      # its update runs under backward, speculated ([Note: speculation in the schedule])
+    undo_s: float = 0.0          # speculated host/device state: its undo copy, before the update (on adam_on)
+    restore_s: float = 0.0       # and put back on a rollback
 
 
 @dataclass(frozen=True)
@@ -87,6 +107,8 @@ class StepShape:
     accum_steps: int = 1
     clip: bool = False
     early_step: bool = False
+    speculative: bool = False    # units with `speculate` update under backward ([Note: speculation in the schedule])
+    rollback: bool = False       # with speculative: the step whose global check disagreed (every one redone)
     grad_writes: int = 2         # NVMe gradient folds in flight (GradStore.nvme_writes_in_flight)
     param_writes: int | None = None  # NVMe parameter write-backs in flight (ParamStore.writes_in_flight;
                                      # None: lookahead + 2, what it is)
@@ -213,12 +235,26 @@ def _gradient_out(g: _Graph, u: UnitWork, micro: int, after: int, folds: list[in
 
 def _optimizer(g: _Graph, units: list[UnitWork], shape: StepShape, grad_final: dict[int, int],
                final_order: list[int], backward_end: int, home_write: dict[int, int]) -> list[int]:
-    """The window's update ([Note: NVMe optimizer pipeline]); returns the tasks engine.step() waits for."""
+    """The window's update ([Note: NVMe optimizer pipeline], [Note: speculation in the schedule]);
+    returns the tasks engine.step() waits for."""
     trainable = [i for i in range(len(units)) if units[i].trainable]
-    early = shape.early_step and not shape.clip
     gate = backward_end
     if shape.clip:
         gate = g.add("grad_norm", shape.norm_on, shape.norm_s, (backward_end,))
+    up = _Updates(g, units, shape, grad_final, home_write)
+    if shape.speculative:
+        ahead = [i for i in final_order if units[i].speculate]
+        up.run(ahead, early=True, gate=None, undo=True)
+        if not shape.rollback:
+            up.run([i for i in trainable if i not in ahead], early=False, gate=gate)
+            return up.waits + [gate]
+        # the global check disagreed: every speculated unit's work is over, then each is restored
+        # and every unit is updated with the true coefficient, as the non-speculative step does
+        # (its NVMe reads start now: the old files again)
+        back = g.add("speculation", None, 0.0, [gate] + up.waits)
+        up.run(trainable, early=False, gate=back, restore=set(ahead), reads_from=back)
+        return up.waits
+    early = shape.early_step and not shape.clip
     if early:
         order = list(final_order)
     elif shape.state_on_nvme:  # reads issued during backward first, as gradients became final
@@ -226,50 +262,72 @@ def _optimizer(g: _Graph, units: list[UnitWork], shape: StepShape, grad_final: d
         order = ahead + [i for i in trainable if i not in ahead]
     else:
         order = trainable
-    depth = shape.pipeline_depth
-    ahead_reads = max(1, depth - 2)
-    adam: list[int] = []
-    writes: list[int] = []
-    reads: dict[int, int] = {}
-    staged: dict[int, int] = {}
-    commits: list[int] = []
-    waits: list[int] = []
-    for k, i in enumerate(order):
-        u = units[i]
-        if shape.state_on_nvme:
-            # during backward (not early): the read starts when the gradient is final, if a set is free
-            if early:  # each unit is its own step([unit]): read when the thread takes it up
-                issue = adam[k - 1] if k else grad_final[i]
-            elif k < depth:  # prefetch(unit) as its gradient became final: every set is free then
-                issue = grad_final[i]
-            else:  # step() reads `depth - 2` units ahead of the one it updates
-                issue = adam[k - ahead_reads - 1]
-            set_free = writes[k - depth] if k - depth >= 0 else None
-            reads[i] = g.add("optimizer_nvme", "nvme", u.state_read_s, (issue, set_free))
-        if u.grad_stage_s or u.grad_read_s:  # two staging blocks: one unit ahead (early: none)
-            back = 1 if early else 2
-            issue = adam[k - back] if k >= back else (grad_final[i] if early else gate)
-            res, comp, secs = (("nvme", "grads_nvme", u.grad_read_s) if u.grad_read_s else
-                               ("d2h", "grads_d2h", u.grad_stage_s))
-            staged[i] = g.add(comp, res, secs, (issue, grad_final[i]))
-        after = [grad_final[i], reads.get(i), staged.get(i), adam[-1] if adam else None]
-        if not early:
-            after.append(gate)
+    up.run(order, early=early, gate=None if early else gate)
+    return up.waits
+
+
+class _Updates:
+    """The optimizer thread's units in the order given, one `run` per stretch of them; the staging
+    sets, the optimizer thread and the write-backs in flight carry over from one run to the next."""
+
+    def __init__(self, g: _Graph, units: list[UnitWork], shape: StepShape, grad_final: dict[int, int],
+                 home_write: dict[int, int]):
+        self.g, self.units, self.shape, self.grad_final, self.home_write = g, units, shape, grad_final, home_write
+        self.last_adam: int | None = None
+        self.writes: list[int] = []    # every unit's state write so far (a zero-second task off NVMe)
+        self.commits: list[int] = []   # parameter write-backs, oldest first
+        self.waits: list[int] = []     # what engine.step() waits for
+
+    def run(self, order: list[int], *, early: bool, gate: int | None, undo: bool = False,
+            restore: set[int] = frozenset(), reads_from: int | None = None) -> None:
+        """early: each unit's update starts when its gradient is final (its own step([unit])), else
+        after `gate`, NVMe reads ahead as the pipeline allows (the first `pipeline_depth` as the
+        gradients became final, or from `reads_from`). undo: each unit's undo copy first (a
+        speculated unit); restore: those units' undo copies put back first (a rollback)."""
+        g, units, shape = self.g, self.units, self.shape
+        depth = shape.pipeline_depth
+        ahead_reads = max(1, depth - 2)
         limit = shape.lookahead + 2 if shape.param_writes is None else shape.param_writes
-        if len(commits) > limit:  # that many write-backs in flight: the oldest is waited
-            after.append(commits[-(limit + 1)])
-        adam.append(g.add("optimizer", u.adam_on, u.adam_s, after))
-        if shape.state_on_nvme:
-            writes.append(g.add("optimizer_nvme", "nvme", u.state_write_s, (adam[-1],)))
-            waits.append(writes[-1])
-        if u.copyback_s:
-            c = g.add("params_copyback", u.copyback_on, u.copyback_s, (adam[-1],))
-            commits.append(c)
-            home_write[i] = c
-            if u.copyback_on != "nvme":
-                waits.append(c)
-        waits.append(adam[-1])
-    return waits
+        adam: list[int] = []
+        for k, i in enumerate(order):
+            u = self.units[i]
+            final = self.grad_final[i]
+            read = staged = None
+            if shape.state_on_nvme:
+                # during backward (not early): the read starts when the gradient is final, if a set is free
+                if early:  # each unit is its own step([unit]): read when the thread takes it up
+                    issue = adam[k - 1] if k else final
+                elif k < depth:  # prefetch(unit) as its gradient became final: every set is free then
+                    issue = final if reads_from is None else reads_from
+                else:  # step() reads `depth - 2` units ahead of the one it updates
+                    issue = adam[k - ahead_reads - 1]
+                set_free = self.writes[-depth] if len(self.writes) >= depth else None
+                read = g.add("optimizer_nvme", "nvme", u.state_read_s, (issue, set_free))
+            if u.grad_stage_s or u.grad_read_s:  # two staging blocks: one unit ahead (early: none)
+                back = 1 if early else 2
+                issue = adam[k - back] if k >= back else (final if early else gate)
+                res, comp, secs = (("nvme", "grads_nvme", u.grad_read_s) if u.grad_read_s else
+                                   ("d2h", "grads_d2h", u.grad_stage_s))
+                staged = g.add(comp, res, secs, (issue, final))
+            after = [final, read, staged, self.last_adam, None if early else gate]
+            if len(self.commits) > limit:  # that many write-backs in flight: the oldest is waited
+                after.append(self.commits[-(limit + 1)])
+            if undo and u.undo_s:  # [Note: speculation in the schedule]: the undo copy, then Adam
+                after = [final, g.add("speculation", u.adam_on, u.undo_s, after)]
+            if i in restore and u.restore_s:
+                after = [g.add("speculation", u.adam_on, u.restore_s, after)]
+            adam.append(g.add("optimizer", u.adam_on, u.adam_s, after))
+            self.last_adam = adam[-1]
+            if shape.state_on_nvme:
+                self.writes.append(g.add("optimizer_nvme", "nvme", u.state_write_s, (adam[-1],)))
+                self.waits.append(self.writes[-1])
+            if u.copyback_s:
+                c = g.add("params_copyback", u.copyback_on, u.copyback_s, (adam[-1],))
+                self.commits.append(c)
+                self.home_write[i] = c
+                if u.copyback_on != "nvme":
+                    self.waits.append(c)
+            self.waits.append(adam[-1])
 
 
 def simulate(units: list[UnitWork], shape: StepShape, steps: int = 2) -> Schedule:
