@@ -12,7 +12,8 @@ import torch
 import zerotier
 from zerotier.bench import save
 from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
-from zerotier.planner import make_plan
+from zerotier.errors import ConfigError
+from zerotier.planner import PlanDoesNotFit, make_plan
 from zerotier.predict import UnitCompute
 from zerotier.models import TinyGPT
 
@@ -180,3 +181,104 @@ def test_cli_plans_a_gpu_node_from_its_bench_file(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["breakdown_s"]["grads_d2h"] == pytest.approx(4e9 / 25e9)  # 1B fp32 gradients at 25 GB/s
     assert out["rate_sources"]["d2h"] == "given"
+
+
+# [Note: speculation in the plan]: two units of 1000 parameters on a CUDA device, parameters and
+# gradients on it, fp32 optimizer state on host, clipping. Rates give round seconds: Adam 1 s per unit,
+# a gradient shard's d2h staging 0.5 s, the copy-back 0.25 s, the norm 1 s, an undo copy (12 + 4 B per
+# parameter: 16 kB) 0.5 s. Forward 1 s and backward 2 s per unit. The schedules, as
+# tests/test_step_schedule.py works them out:
+#   without speculation  fwd 0-2, bwd 2-6, norm 6-7, d2h0 7-7.5, adam0 7.5-8.5, adam1 8.5-9.5, copy1 -> 9.75
+#   commit               d2h1 4-4.5, undo1 4.5-5, adam1 5-6, copy1 6-6.25; d2h0 6-6.5, undo0 6.5-7,
+#                        adam0 7-8, copy0 8-8.25 (the norm 6-7 under it) -> 8.25
+#   rollback             the above, then from 8.25: d2h0 -8.75, restore0 -9.25, adam0 -10.25, copy0 -10.5;
+#                        d2h1 8.75-9.25, restore1 10.25-10.75, adam1 -11.75, copy1 -12 -> 12
+#   one unit's undo fits (unit 1: its gradient is final first): unit 1 as in commit, unit 0 after the
+#                        norm: d2h0 7-7.5, adam0 7.5-8.5, copy0 -8.75 -> 8.75
+SPEC_RATES = {"cpu_adam": 1000.0, "d2h": 8000.0, "h2d": 16000.0, "device_adam": 8000 / 28, "mem_copy": 32000.0}
+SPEC_UNITS = [1000, 1000]
+SPEC_COMPUTE = UnitCompute((1.0, 1.0), (2.0, 2.0), (False, False))
+
+
+def spec_plan(host=10**6, nvme=0, offload=None, **step):
+    from zerotier.predict import StepOptions
+
+    offload = offload or OffloadConfig(params="device", gradients="device", optimizer="host")
+    return make_plan(SPEC_UNITS, TiersConfig(), offload, PrecisionConfig(), PrefetchConfig(), torch.device("cuda"),
+                     budgets={"device": 10**6, "host": host, "nvme": nvme}, rates=SPEC_RATES,
+                     compute=SPEC_COMPUTE, step=StepOptions(**{"clip": True, **step}))
+
+
+def test_speculation_plan_predicts_commit_rollback_and_the_expected_step():
+    from zerotier.optim.offload import UnitOptimizer
+
+    plan = spec_plan(rollback_rate=0.25)
+    assert plan.speculative and plan.speculation_units == (True, True)
+    assert plan.speculation_step_s == {"commit": 8.25, "rollback": 12.0, "expected": 0.75 * 8.25 + 0.25 * 12.0,
+                                       "without": 9.75}
+    assert plan.predicted_step_s == pytest.approx(9.1875) and plan.rollback_rate == 0.25
+    assert sum(plan.critical.values()) == pytest.approx(plan.predicted_step_s)  # the weighted critical path
+    undo = UnitOptimizer.undo_bytes(1000, 4)
+    assert undo == 16_000 and plan.speculation_undo_bytes == {"host": 2 * undo, "device": 0}
+    off = spec_plan(speculative=False)
+    assert not off.speculative and off.predicted_step_s == 9.75 and "train.speculative_step = false" in \
+        off.speculation_note
+    assert plan.need["host"] - off.need["host"] == 2 * undo and plan.need["device"] == off.need["device"]
+    text = plan.summary()
+    assert "speculative step: on (auto: clipping)" in text and "(2 of 2 units)" in text
+    assert "predicted step (expected at rollback rate 25.0%): 9.19 s" in text
+    assert "commit 8.25 s, rollback 12.00 s, expected 9.19 s; without speculation 9.75 s (6% saved)" in text
+    d = plan.to_dict()
+    assert d["speculative"] is True and d["rollback_rate"] == 0.25 and d["speculation_step_s"]["rollback"] == 12.0
+
+
+def test_speculation_takes_only_the_undo_copies_the_host_budget_leaves_room_for():
+    off = spec_plan(speculative=False)
+    plan = spec_plan(host=off.need["host"] + 16_100)  # room for one undo copy (16 kB), not two
+    assert plan.speculation_undo_bytes["host"] == 16_100 and plan.need["host"] == plan.budgets["host"]
+    assert plan.speculation_units == (False, True)  # unit 1's gradient is final first
+    assert plan.speculation_step_s["commit"] == 8.75
+    none = spec_plan(host=off.need["host"] + 100)
+    assert not none.speculative and "no unit's undo copy fits" in none.speculation_note
+    with pytest.raises(PlanDoesNotFit, match="no unit's undo copy fits"):
+        spec_plan(host=off.need["host"] + 100, speculative=True)
+
+
+def test_speculation_auto_follows_clipping_and_the_dynamic_scale():
+    assert not spec_plan(clip=False).speculative
+    assert "no clipping and no dynamic loss scale" in spec_plan(clip=False).speculation_note
+    dynamic = spec_plan(clip=False, dynamic_scale=True)
+    assert dynamic.speculative and "a dynamic loss scale" in dynamic.speculation_note
+    assert spec_plan(clip=False, speculative=True).speculative
+    with pytest.raises(ConfigError, match="rollback_rate"):
+        spec_plan(rollback_rate=1.5)
+
+
+def test_speculation_counts_the_nvme_units_shadow_files_and_auto_turns_off_without_room():
+    from zerotier.optim.offload import UnitOptimizer
+
+    nvme = OffloadConfig(params="device", gradients="device", optimizer="nvme")
+    off = spec_plan(nvme=10**7, offload=nvme, speculative=False)
+    plan = spec_plan(nvme=10**7, offload=nvme)
+    shadow = UnitOptimizer.shadow_bytes(1000, 4096)
+    assert shadow == 3 * 4096 and plan.speculation_nvme_bytes == 2 * shadow
+    assert plan.need["nvme"] - off.need["nvme"] == 2 * shadow and plan.speculation_undo_bytes["host"] == 0
+    assert plan.speculative and plan.speculation_units == (True, True)
+    short = spec_plan(nvme=off.need["nvme"] + shadow, offload=nvme)
+    assert not short.speculative and "NVMe budget lacks" in short.speculation_note
+    assert "NVMe budget lacks" in short.summary()
+    with pytest.raises(PlanDoesNotFit, match="shadow state files"):
+        spec_plan(nvme=off.need["nvme"] + shadow, offload=nvme, speculative=True)
+
+
+def test_cli_plan_rollback_rate(tmp_path, capsys):
+    from zerotier import cli
+
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"train": {"max_grad_norm": 1.0}, "tiers": {"device": "1GiB", "host": "4GiB"}}))
+    base = ["plan", "--params", "10M", "--layers", "2", "--config", str(cfg), "--json"]
+    assert cli.main(base + ["--rollback-rate", "0.2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["speculative"] is True and out["rollback_rate"] == 0.2
+    assert cli.main(base + ["--rollback-rate", "2"]) == 1
+    assert "rollback_rate must be in [0, 1]" in capsys.readouterr().err

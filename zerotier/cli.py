@@ -171,6 +171,9 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan for another node: a `zerotier bench --save FILE` result written there; its rates "
                              "replace this node's and measured unit times scale by the ratio of the two nodes' "
                              "matmul rates (bench compute)")
+    parser.add_argument("--rollback-rate", type=float, metavar="R",
+                        help="share of speculated steps rolled back (train.speculative_step), 0..1: the expected "
+                             "step is (1 - R) x commit + R x rollback (default 0.01; `zerotier profile` measures it)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object: per_rank_bytes, tiers (bytes needed per tier), placement, "
                              "fits, missing, predicted_step_s (null without `zerotier bench` results), "
@@ -251,6 +254,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     from zerotier.config import Config
     from zerotier.planner import PlanDoesNotFit, make_plan
+    from zerotier.predict import StepOptions
     from zerotier.state import DTYPES
 
     cfg = Config.coerce(args.config).to_dict()
@@ -307,7 +311,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device, rates=rates,
                          world_size=args.world_size, stage=cfg.zero.stage, zero=cfg.zero, grad_bytes=grad_bytes,
                          ranks_per_node=args.ranks_per_node, nested_numel=nested, frozen_numels=frozen_numels,
-                         pipeline_depth=cfg.optimizer.pipeline_depth)
+                         pipeline_depth=cfg.optimizer.pipeline_depth, step=StepOptions.of(cfg, args.rollback_rate))
     except PlanDoesNotFit as exc:
         if args.json:  # the object on stdout, the message on stderr (by main), exit status 1
             print(json.dumps({"numel": sum(numels), "world_size": args.world_size, "stage": cfg.zero.stage,
@@ -346,7 +350,7 @@ def _plan_measured(args: argparse.Namespace, cfg) -> int:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     grad_bytes = DTYPES[cfg.precision.param_dtype].itemsize if args.accounting == "paper" else None
     plan = plan_model(model, cfg, inputs, rates=args.rates, device=device, world_size=args.world_size,
-                      ranks_per_node=args.ranks_per_node, grad_bytes=grad_bytes)
+                      ranks_per_node=args.ranks_per_node, grad_bytes=grad_bytes, rollback_rate=args.rollback_rate)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.summary())
     return 0
 

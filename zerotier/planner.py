@@ -64,6 +64,24 @@ records each unit's tier (`Plan.optimizer_units`) and counts each part as its ti
 NVMe unit), the gradient staging once. `placement["optimizer"]` is then NVMe (the
 slowest tier in the split: the NVMe store is opened, updates land in host memory).
 
+[Note: speculation in the plan]
+train.speculative_step ([Note: speculative step] in speculation.py) resolved per placement:
+`auto` is on with clipping (train.max_grad_norm) or a dynamic loss scale, when the NVMe
+budget left by the rest of the plan holds the NVMe units' shadow state files
+(`UnitOptimizer.shadow_bytes`, every NVMe unit: the pre-step files stay until the step is
+validated) and at least one host or device unit's undo copy fits; otherwise off, and
+`Plan.speculation_note` says why (`true` raises PlanDoesNotFit instead). The undo copies
+(`UnitOptimizer.undo_bytes`) of the host (device) units get an allowance on that tier,
+min(all of them, the tier budget minus the rest of the plan's need), counted in `need`
+(`Plan.speculation_undo_bytes`); the engine speculates such a unit only while its undo copy
+fits in what is left of it, in the order gradients become final, which the prediction
+follows (`Plan.speculation_units`). The step is predicted twice, validated (commit) and
+rolled back ([Note: speculation in the schedule]); `Plan.predicted_step_s` and the
+breakdown are (1 - r) x commit + r x rollback at the rollback rate r (`rollback_rate`,
+default 1%: `zerotier.plan(..., rollback_rate=)`, `zerotier plan --rollback-rate`; the
+profiler measures it), `Plan.speculation_step_s` has both cases, the expected step and the
+step without speculation.
+
 The step time: [Note: step-time prediction] in predict.py, the schedule it lays out in
 schedule/step_model.py. `auto` placement: among the placements (and the optimizer split) that
 fit, the one with the lowest predicted step; ties keep the fastest-tier-first order above
@@ -92,6 +110,7 @@ from .optim.offload import UnitOptimizer, fused_temp_bytes
 from .optim.state_layout import OPTIMIZER_BYTES, StateLayout
 from .params import ParamStore
 from .predict import COMPONENTS, DEFAULT_RATES, StepOptions, UnitCompute, bound_by, predict
+from .schedule.step_model import Schedule
 from .state import DTYPES, TIER_NAMES as TIERS, Location
 from .tiers.host import RSS_OUTSIDE_BUDGETS
 
@@ -172,6 +191,17 @@ class Plan:
     compute_measured: bool = False
     alternatives: tuple[dict, ...] = ()
     state_layout: StateLayout = StateLayout()  # precision.master_dtype / moment_dtype
+    # [Note: speculation in the plan]: train.speculative_step resolved, the rollback rate the expected
+    # step assumes, the undo copies' allowance per tier (in `need`), the NVMe units' shadow files (in
+    # need["nvme"]), which units the prediction speculates (by unit index), the step's commit /
+    # rollback / expected / without-speculation seconds, and why speculation is on or off
+    speculative: bool = False
+    rollback_rate: float = 0.01
+    speculation_undo_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "device": 0})
+    speculation_nvme_bytes: int = 0
+    speculation_units: tuple[bool, ...] = ()
+    speculation_step_s: dict[str, float] = field(default_factory=dict)
+    speculation_note: str = ""
 
     @property
     def per_rank_bytes(self) -> int:
@@ -208,6 +238,7 @@ class Plan:
         lines.append(f"  {'tier':8s} {'needed':>12s} {'budget':>12s}   (needed includes working sets)")
         for tier in TIERS:
             lines.append(f"  {tier:8s} {format_size(self.need[tier]):>12s} {format_size(self.budgets[tier]):>12s}")
+        lines.append(self._speculation_line())
         lines.append(f"  outside the budgets: ~{format_size(RSS_OUTSIDE_BUDGETS)} of RSS, fixed in model size (torch's "
                      "runtime and compute temporaries: docs/tiers.md § RSS beyond the budgets)")
         lines.append("  fits: yes")
@@ -215,8 +246,16 @@ class Plan:
             lines.append("  step time: run `zerotier bench` for a step-time prediction")
             return "\n".join(lines)
         what = "step" if self.compute_measured else "swap + optimizer time per step (no forward/backward measured)"
-        lines.append(f"  predicted {what}: {format_duration(self.predicted_step_s)}, bound by {self.bound_by} "
-                     "(critical path of the engine's schedule)")
+        expected = f" (expected at rollback rate {self.rollback_rate:.1%})" if self.speculative else ""
+        lines.append(f"  predicted {what}{expected}: {format_duration(self.predicted_step_s)}, bound by "
+                     f"{self.bound_by} (critical path of the engine's schedule)")
+        if self.speculative and self.speculation_step_s:
+            t = self.speculation_step_s
+            gain = t["without"] - t["expected"]
+            lines.append(f"  speculative step: commit {format_duration(t['commit'])}, rollback "
+                         f"{format_duration(t['rollback'])}, expected {format_duration(t['expected'])}; without "
+                         f"speculation {format_duration(t['without'])} ("
+                         + (f"{gain / t['without']:.0%} saved)" if gain > 0 else "no gain predicted here)"))
         lines.append(f"  {'component':16s} {'seconds':>9s} {'on critical path':>17s}")
         for k, v in self.breakdown.items():
             if v > 0:
@@ -225,6 +264,24 @@ class Plan:
         if len(self.alternatives) > 1:
             lines.append(alternatives_table(self.alternatives))
         return "\n".join(lines)
+
+    def _speculation_line(self) -> str:
+        """Whether the speculative step is on, why, and the memory it holds ([Note: speculation in the plan])."""
+        if not self.speculative:
+            return f"  speculative step: {self.speculation_note}"
+        units = self.speculation_units
+        on = {t: sum(1 for f, at in zip(units, self._unit_tiers()) if f and at == t) for t in ("device", "host", "nvme")}
+        total = {t: sum(1 for at in self._unit_tiers() if at == t) for t in ("device", "host", "nvme")}
+        parts = [f"undo copies {t} {format_size(self.speculation_undo_bytes[t])} ({on[t]} of {total[t]} units)"
+                 for t in ("device", "host") if total[t]]
+        if total["nvme"]:
+            parts.append(f"NVMe shadow files {format_size(self.speculation_nvme_bytes)} ({total['nvme']} units)")
+        return f"  speculative step: {self.speculation_note}; " + ", ".join(parts) + " (in needed)"
+
+    def _unit_tiers(self) -> list[str]:
+        if self.optimizer_units:
+            return [loc.value for loc in self.optimizer_units]
+        return [self.placement["optimizer"].value] * len(self.speculation_units)
 
     def to_dict(self) -> dict:
         """Plain JSON-able description (bytes as ints); predicted_step_s is None without measured rates."""
@@ -245,6 +302,11 @@ class Plan:
             "bound_by": self.bound_by if measured else None, "compute_measured": self.compute_measured,
             "alternatives": list(self.alternatives),
             "rate_sources": dict(self.rate_sources),
+            "speculative": self.speculative, "rollback_rate": self.rollback_rate,
+            "speculation_undo_bytes": dict(self.speculation_undo_bytes),
+            "speculation_nvme_bytes": self.speculation_nvme_bytes,
+            "speculation_step_s": dict(self.speculation_step_s) if measured and self.speculative else None,
+            "speculation_note": self.speculation_note,
         }
 
 
@@ -476,6 +538,8 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     fastest taken, ties to the fastest-tier-first choice; all are in `Plan.alternatives`.
     """
     _check_sharding(stage, world_size)
+    if not 0.0 <= step.rollback_rate <= 1.0:
+        raise ConfigError(f"rollback_rate must be in [0, 1] (a share of the speculated steps), got {step.rollback_rate}")
     budgets = budgets or resolve_budgets(tiers, device)
     resolved = _resolve_rates(rates)
     args = (unit_numels, tiers, precision, prefetch, device, budgets, resolved)
@@ -607,7 +671,11 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
         if kind == "gradients":
             sizes = dataclasses.replace(sizes, grads_on_gpu=device.type == "cuda" and chosen is Location.DEVICE,
                                         grads_on_nvme=chosen is Location.NVME)
-    schedule, used = predict(placement, sizes, device.type, rates, local, units_on, compute, step)
+    spec = _speculation(step, placement, units_on, sizes, free, compute, sum(state_bytes.values()))
+    for t, b in (*spec.undo.items(), ("nvme", spec.nvme)):
+        need[t] += b
+    schedule, used, spec_s = _predict_step(placement, sizes, device.type, rates, local, units_on, compute, step,
+                                           spec.units if spec.on else None)
     breakdown = {c: schedule.seconds.get(c, 0.0) for c in COMPONENTS}
     split: dict[str, tuple[int, int]] = {}
     for loc, n in zip(units_on or (), _rank_shards_in_order(sizes)):
@@ -618,7 +686,95 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                 units_on, split, sum(frozen_numels), frozen_bytes,
                 {c: schedule.critical.get(c, 0.0) for c in COMPONENTS},
                 bound_by(schedule.critical, device.type, placement["optimizer"] is Location.DEVICE), compute is not None,
-                state_layout=sizes.state)
+                state_layout=sizes.state, speculative=spec.on, rollback_rate=step.rollback_rate,
+                speculation_undo_bytes=spec.undo, speculation_nvme_bytes=spec.nvme,
+                speculation_units=spec.units if spec.on else (), speculation_step_s=spec_s,
+                speculation_note=spec.note)
+
+
+@dataclass(frozen=True)
+class _Speculation:
+    """[Note: speculation in the plan] for one placement."""
+    on: bool
+    note: str                                   # why on or off (the plan text)
+    undo: dict[str, int] = field(default_factory=lambda: {"host": 0, "device": 0})
+    nvme: int = 0
+    units: tuple[bool, ...] = ()                # speculated, by unit index
+
+
+def _speculation(step: StepOptions, placement: dict[str, Location], units_on: tuple[Location, ...] | None,
+                 s: _Sizes, free: dict[str, int], compute: UnitCompute | None, per_rank: int) -> _Speculation:
+    """[Note: speculation in the plan] train.speculative_step resolved for this placement, with the
+    memory it takes from what the rest of the plan left `free`."""
+    wanted = step.speculative
+    why = "clipping" if step.clip else "a dynamic loss scale" if step.dynamic_scale else None
+    if wanted is False:
+        return _Speculation(False, "off (train.speculative_step = false)")
+    if wanted == "auto" and why is None:
+        return _Speculation(False, "off (auto: no clipping and no dynamic loss scale, nothing waits for the "
+                                   "whole gradient)")
+    setting = "on (train.speculative_step = true)" if wanted is True else f"on (auto: {why})"
+    shards = _rank_shards_in_order(s)
+    tiers = units_on or (placement["optimizer"],) * len(shards)
+    nvme = sum(UnitOptimizer.shadow_bytes(n, s.alignment, s.state) for n, at in zip(shards, tiers)
+               if at is Location.NVME)
+    if nvme > free["nvme"]:
+        short = nvme - free["nvme"]
+        if wanted == "auto":
+            return _Speculation(False, f"off (auto: the NVMe budget lacks {format_size(short)} for the NVMe units' "
+                                       f"shadow state files, {format_size(nvme)})")
+        raise PlanDoesNotFit(f"train.speculative_step = true: the NVMe units' shadow state files take "
+                             f"{format_size(nvme)} beside the plan's NVMe files; {format_size(short)} more nvme "
+                             f"(tiers.nvme) or train.speculative_step = \"auto\"", "optimizer",
+                             [{"tier": "nvme", "more": {"nvme": short}}], placement, per_rank)
+    undo_each = [0 if at is Location.NVME else UnitOptimizer.undo_bytes(n, s.lp_bytes, s.state)
+                 for n, at in zip(shards, tiers)]
+    allowance = {t: min(sum(b for b, at in zip(undo_each, tiers) if at.value == t), max(0, free[t]))
+                 for t in ("host", "device")}
+    # in the order gradients become final (backward order, enclosing units last), while the allowance holds
+    encloses = compute.encloses if compute is not None else (False,) * len(shards)
+    order = [i for i in reversed(range(len(shards))) if not encloses[i]] + \
+            [i for i in range(len(shards)) if encloses[i]]
+    left, full, units = dict(allowance), set(), [False] * len(shards)
+    for i in order:
+        t = tiers[i].value
+        if t == "nvme":
+            units[i] = True
+        elif t not in full and undo_each[i] <= left[t]:
+            units[i], left[t] = True, left[t] - undo_each[i]
+        else:
+            full.add(t)
+    if not any(units):
+        room = " and ".join(f"{format_size(max(0, free[t]))} {t} left, the smallest takes "
+                            f"{format_size(min(b for b, at in zip(undo_each, tiers) if at.value == t))}"
+                            for t in ("host", "device") if any(at.value == t for at in tiers))
+        if wanted == "auto":
+            return _Speculation(False, f"off (auto: no unit's undo copy fits: {room})")
+        raise PlanDoesNotFit(f"train.speculative_step = true: no unit's undo copy fits ({room}); raise the "
+                             f"budgets or set train.speculative_step = \"auto\"", "optimizer", [], placement,
+                             per_rank)
+    return _Speculation(True, setting, allowance, nvme, tuple(units))
+
+
+def _predict_step(placement: dict[str, Location], s: _Sizes, device_type: str, rates: dict[str, float], local: int,
+                  units_on: tuple[Location, ...] | None, compute: UnitCompute | None, step: StepOptions,
+                  speculated: tuple[bool, ...] | None):
+    """The schedule the plan reports, the rate keys used and, with speculation, its cases' seconds:
+    the expected step (1 - r) commit + r rollback, each component weighted alike ([Note:
+    speculation in the plan])."""
+    without, used = predict(placement, s, device_type, rates, local, units_on, compute, step)
+    if speculated is None:
+        return without, used, {}
+    commit, used_c = predict(placement, s, device_type, rates, local, units_on, compute, step, speculated)
+    rollback, used_r = predict(placement, s, device_type, rates, local, units_on, compute, step, speculated,
+                               rollback=True)
+    r = step.rollback_rate
+    mix = lambda a, b: {k: (1 - r) * a.get(k, 0.0) + r * b.get(k, 0.0) for k in {**a, **b}}  # noqa: E731
+    expected = Schedule((1 - r) * commit.step_s + r * rollback.step_s, mix(commit.seconds, rollback.seconds),
+                        mix(commit.critical, rollback.critical), mix(commit.busy, rollback.busy))
+    seconds = {"commit": commit.step_s, "rollback": rollback.step_s, "expected": expected.step_s,
+               "without": without.step_s}
+    return expected, tuple(dict.fromkeys(used + used_c + used_r)), seconds
 
 
 def _rank_shards_in_order(s: _Sizes) -> list[int]:

@@ -33,21 +33,24 @@ from .state import DTYPES, build_units, nested_numel
 
 def plan(model: torch.nn.Module, config=None, inputs=None, *, rates: str | os.PathLike | dict | None = None,
          device: torch.device | str | None = None, world_size: int = 1, ranks_per_node: int | None = None,
-         repeat: int = 3) -> Plan:
+         repeat: int = 3, rollback_rate: float | None = None) -> Plan:
     """Where each kind of state goes, whether it fits, and the predicted step of `model` with
     `config`. inputs: one micro-batch's positional arguments (a tuple, or a callable returning
     it); without them forward/backward are left out of the prediction. rates: a `zerotier
     bench` file from another node ([Note: another node's rates]) or a dict of rate keys; None:
-    this node's saved results, measured now (`zerotier bench --quick`) when none are saved."""
+    this node's saved results, measured now (`zerotier bench --quick`) when none are saved.
+    rollback_rate: the share of speculated steps rolled back the expected step assumes (default
+    1%; [Note: speculation in the plan] in planner.py; `zerotier profile` measures it)."""
     cfg = Config.coerce(config).auto_to_defaults()
     device = torch.device(device) if device is not None else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return plan_model(model, cfg, inputs, rates=rates, device=device, world_size=world_size,
-                      ranks_per_node=ranks_per_node, repeat=repeat)
+                      ranks_per_node=ranks_per_node, repeat=repeat, rollback_rate=rollback_rate)
 
 
 def plan_model(model, cfg: Config, inputs, *, rates, device: torch.device, world_size: int = 1,
-               ranks_per_node: int | None = None, repeat: int = 3, grad_bytes: int | None = None) -> Plan:
+               ranks_per_node: int | None = None, repeat: int = 3, grad_bytes: int | None = None,
+               rollback_rate: float | None = None) -> Plan:
     units = build_units(model, cfg.train.wrap)
     dtype = DTYPES[cfg.precision.param_dtype]
     rate_dict, elsewhere = _rates(rates, cfg)
@@ -63,8 +66,7 @@ def plan_model(model, cfg: Config, inputs, *, rates, device: torch.device, world
             raise ConfigError("rates: that node has a GPU (its bench measured PCIe) and this one does not: set "
                               "tiers.device to the GPU memory per rank there")
         device = torch.device("cuda")
-    step = StepOptions(accum_steps=cfg.train.grad_accum_steps, clip=cfg.train.max_grad_norm is not None,
-                       early_step=cfg.train.early_step)
+    step = StepOptions.of(cfg, rollback_rate)
     return make_plan([u.numel for u in units if not u.frozen], cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch,
                      device, rates=rate_dict, world_size=world_size, stage=cfg.zero.stage, zero=cfg.zero,
                      grad_bytes=grad_bytes, ranks_per_node=ranks_per_node, pipeline_depth=cfg.optimizer.pipeline_depth,

@@ -24,6 +24,12 @@ runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit
   global norm (clipping)   one read of every gradient: host or CPU device at `mem_read`,
                            CUDA device gradients at 28 x device_adam bytes/s (its Adam's stream
                            rate), NVMe gradients none (their sums of squares are kept as folded)
+  speculative step         a speculated host (device) unit's undo copy, `UnitOptimizer.undo_bytes`,
+                           copied at `mem_copy` (read and written at `device_adam` bytes/s on a
+                           CUDA device) before its update, and back on a rollback; NVMe units
+                           none (their pre-step files stay). Commit and rollback are each a
+                           schedule ([Note: speculation in the schedule]); the plan's step is
+                           (1 - rollback_rate) x commit + rollback_rate x rollback
 
 Rates come from `zerotier bench` results saved on this node (`zerotier.bench.load_rates()`)
 where present, else DEFAULT_RATES; the Plan records which (`rate_sources`). The CPU, its
@@ -36,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .grads import GradStore
+from .optim.offload import UnitOptimizer
 from .params import ParamStore
 from .schedule.step_model import Schedule, StepShape, UnitWork, simulate
 from .state import Location
@@ -47,11 +54,12 @@ DEFAULT_RATES = {"h2d": 20e9, "d2h": 20e9, "nvme_read": 7e9, "nvme_write": 4.5e9
 DEVICE_ADAM_BYTES = 28  # fp32 master, m, v read and written, the gradient read: bytes per param per step
 
 COMPONENTS = ("forward", "backward", "params_h2d", "params_nvme", "grads_d2h", "grads_nvme", "grad_norm", "optimizer",
-              "optimizer_nvme", "params_copyback")  # Plan.breakdown's keys
+              "optimizer_nvme", "params_copyback", "speculation")  # Plan.breakdown's keys
 # bound-by groups of the alternatives table: component -> resource a user can change
 BOUND_BY = {"forward": "compute", "backward": "compute", "grad_norm": "compute",
             "params_h2d": "PCIe", "grads_d2h": "PCIe", "params_copyback": "PCIe",
-            "params_nvme": "NVMe", "grads_nvme": "NVMe", "optimizer_nvme": "NVMe", "optimizer": "CPU Adam"}
+            "params_nvme": "NVMe", "grads_nvme": "NVMe", "optimizer_nvme": "NVMe", "optimizer": "CPU Adam",
+            "speculation": "CPU Adam"}
 
 
 @dataclass(frozen=True)
@@ -70,18 +78,37 @@ class UnitCompute:
 
 @dataclass(frozen=True)
 class StepOptions:
-    """What of train.* and optimizer.* shapes the schedule (defaults: the engine's)."""
+    """What of train.* and precision.* shapes the schedule (defaults: the engine's).
+
+    speculative: train.speculative_step (True, False or "auto": on with clipping or a dynamic
+    loss scale), resolved by the planner ([Note: speculation in the plan] in planner.py);
+    rollback_rate: the share of speculated steps rolled back, for the expected step."""
     accum_steps: int = 1
     clip: bool = False
     early_step: bool = False
+    dynamic_scale: bool = False      # precision.loss_scale = "dynamic": no early step (every gradient checked)
+    speculative: bool | str = "auto"
+    rollback_rate: float = 0.01
+
+    @classmethod
+    def of(cls, cfg, rollback_rate: float | None = None) -> "StepOptions":
+        """The options of a Config (its "auto" trainer keys already filled)."""
+        train = cfg.train
+        return cls(accum_steps=train.grad_accum_steps, clip=train.max_grad_norm is not None,
+                   early_step=train.early_step, dynamic_scale=cfg.precision.loss_scale == "dynamic",
+                   speculative=train.speculative_step,
+                   rollback_rate=cls.rollback_rate if rollback_rate is None else rollback_rate)
 
 
 def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str, float], local_ranks: int,
             optimizer_units: tuple[Location, ...] | None = None, compute: UnitCompute | None = None,
-            options: StepOptions = StepOptions()) -> tuple[Schedule, tuple[str, ...]]:
+            options: StepOptions = StepOptions(), speculated: tuple[bool, ...] | None = None,
+            rollback: bool = False) -> tuple[Schedule, tuple[str, ...]]:
     """[Note: step-time prediction] The step's schedule and the rate keys it used. `s` is the
     planner's _Sizes (unit_order, frozen, lp_bytes, grad_bytes, lookahead, pipeline_depth, stage,
-    world_size); optimizer_units: each unit's optimizer tier ([Note: optimizer split])."""
+    world_size); optimizer_units: each unit's optimizer tier ([Note: optimizer split]).
+    speculated: the speculative step is on and these trainable units (by index) update under
+    backward; rollback: the step whose check disagreed ([Note: speculation in the schedule])."""
     from .planner import shard_numel  # the one definition of a rank's share
 
     used: list[str] = []
@@ -131,6 +158,14 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             if unit_opt is Location.NVME:
                 w["state_read_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, "nvme_read")
                 w["state_write_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, "nvme_write")
+            if speculated and speculated[i] and unit_opt is not Location.NVME:  # the undo copy, and its restore
+                undo = UnitOptimizer.undo_bytes(o_shard, s.lp_bytes, s.state)
+                if unit_opt is Location.DEVICE and cuda:  # read and written on the device
+                    w["undo_s"] = secs(2 * undo, "device_adam")
+                else:
+                    w["undo_s"] = secs(undo * local_ranks, "mem_copy")
+                w["restore_s"] = w["undo_s"]
+            w["speculate"] = bool(speculated and speculated[i])
             if params_at is Location.NVME:
                 w["copyback_s"], w["copyback_on"] = secs(s.lp_bytes * o_shard * local_ranks, "nvme_write"), "nvme"
             elif cuda and unit_opt is not Location.DEVICE and params_at is Location.DEVICE:
@@ -143,7 +178,8 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
         norm_on = "cpu" if cuda else "compute"
     shape = StepShape(lookahead=s.lookahead, pipeline_depth=s.pipeline_depth, accum_steps=options.accum_steps,
                       grad_writes=GradStore.nvme_writes_in_flight(), param_writes=ParamStore.writes_in_flight(s.lookahead),
-                      clip=options.clip, early_step=options.early_step,
+                      clip=options.clip, early_step=options.early_step and not options.dynamic_scale,
+                      speculative=speculated is not None, rollback=rollback,
                       state_on_nvme=any(u.state_read_s for u in works), norm_s=norm_s, norm_on=norm_on,
                       streamed=streamed)
     return simulate(works, shape), tuple(used)
