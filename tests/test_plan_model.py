@@ -225,7 +225,7 @@ def test_speculation_plan_predicts_commit_rollback_and_the_expected_step():
         off.speculation_note
     assert plan.need["host"] - off.need["host"] == 2 * undo and plan.need["device"] == off.need["device"]
     text = plan.summary()
-    assert "speculative step: on (auto: clipping)" in text and "(2 of 2 units)" in text
+    assert "speculative step: on (auto: clipping); 2 of 2 units speculated; allowance host 31.25 KiB" in text
     assert "predicted step (expected at rollback rate 25.0%): 9.19 s" in text
     assert "commit 8.25 s, rollback 12.00 s, expected 9.19 s; without speculation 9.75 s (6% saved)" in text
     d = plan.to_dict()
@@ -262,7 +262,10 @@ def test_speculation_counts_the_nvme_units_shadow_files_and_auto_turns_off_witho
     plan = spec_plan(nvme=10**7, offload=nvme)
     shadow = UnitOptimizer.shadow_bytes(1000, 4096)
     assert shadow == 3 * 4096 and plan.speculation_nvme_bytes == 2 * shadow
-    assert plan.need["nvme"] - off.need["nvme"] == 2 * shadow and plan.speculation_undo_bytes["host"] == 0
+    assert plan.need["nvme"] - off.need["nvme"] == 2 * shadow
+    # no undo copy: the pre-step files stay; the new parameters (4 kB each) wait on host until the check
+    assert plan.speculation_undo_bytes == {"host": 2 * 4000, "device": 0}
+    assert plan.need["host"] - off.need["host"] == 2 * 4000
     assert plan.speculative and plan.speculation_units == (True, True)
     short = spec_plan(nvme=off.need["nvme"] + shadow, offload=nvme)
     assert not short.speculative and "NVMe budget lacks" in short.speculation_note

@@ -69,13 +69,14 @@ train.speculative_step ([Note: speculative step] in speculation.py) resolved per
 `auto` is on with clipping (train.max_grad_norm) or a dynamic loss scale, when the NVMe
 budget left by the rest of the plan holds the NVMe units' shadow state files
 (`UnitOptimizer.shadow_bytes`, every NVMe unit: the pre-step files stay until the step is
-validated) and at least one host or device unit's undo copy fits; otherwise off, and
-`Plan.speculation_note` says why (`true` raises PlanDoesNotFit instead). The undo copies
-(`UnitOptimizer.undo_bytes`) of the host (device) units get an allowance on that tier,
-min(all of them, the tier budget minus the rest of the plan's need), counted in `need`
-(`Plan.speculation_undo_bytes`); the engine speculates such a unit only while its undo copy
-fits in what is left of it, in the order gradients become final, which the prediction
-follows (`Plan.speculation_units`). The step is predicted twice, validated (commit) and
+validated) and at least one unit's hold fits; otherwise off, and `Plan.speculation_note`
+says why (`true` raises PlanDoesNotFit instead). What a speculated unit holds until the check
+(UnitOptimizer.speculate): a host (device) unit its undo copy (`UnitOptimizer.undo_bytes`:
+state and low-precision shard) on that tier, an NVMe unit its new low-precision shard on host.
+Each tier gets an allowance, min(all its units' holds, the tier budget minus the rest of
+the plan's need), counted in `need` (`Plan.speculation_undo_bytes`); the engine speculates a
+unit, in the order gradients become final, when its hold fits in what is left of the
+allowance, and the prediction follows it (`Plan.speculation_units`). The step is predicted twice, validated (commit) and
 rolled back ([Note: speculation in the schedule]); `Plan.predicted_step_s` and the
 breakdown are (1 - r) x commit + r x rollback at the rollback rate r (`rollback_rate`,
 default 1%: `zerotier.plan(..., rollback_rate=)`, `zerotier plan --rollback-rate`; the
@@ -192,8 +193,9 @@ class Plan:
     alternatives: tuple[dict, ...] = ()
     state_layout: StateLayout = StateLayout()  # precision.master_dtype / moment_dtype
     # [Note: speculation in the plan]: train.speculative_step resolved, the rollback rate the expected
-    # step assumes, the undo copies' allowance per tier (in `need`), the NVMe units' shadow files (in
-    # need["nvme"]), which units the prediction speculates (by unit index), the step's commit /
+    # step assumes, the speculated units' allowance per tier (undo copies, staged parameters; in `need`),
+    # the NVMe units' shadow files (in need["nvme"]), which units the prediction speculates (by unit
+    # index), the step's commit /
     # rollback / expected / without-speculation seconds, and why speculation is on or off
     speculative: bool = False
     rollback_rate: float = 0.01
@@ -269,19 +271,11 @@ class Plan:
         """Whether the speculative step is on, why, and the memory it holds ([Note: speculation in the plan])."""
         if not self.speculative:
             return f"  speculative step: {self.speculation_note}"
-        units = self.speculation_units
-        on = {t: sum(1 for f, at in zip(units, self._unit_tiers()) if f and at == t) for t in ("device", "host", "nvme")}
-        total = {t: sum(1 for at in self._unit_tiers() if at == t) for t in ("device", "host", "nvme")}
-        parts = [f"undo copies {t} {format_size(self.speculation_undo_bytes[t])} ({on[t]} of {total[t]} units)"
-                 for t in ("device", "host") if total[t]]
-        if total["nvme"]:
-            parts.append(f"NVMe shadow files {format_size(self.speculation_nvme_bytes)} ({total['nvme']} units)")
-        return f"  speculative step: {self.speculation_note}; " + ", ".join(parts) + " (in needed)"
-
-    def _unit_tiers(self) -> list[str]:
-        if self.optimizer_units:
-            return [loc.value for loc in self.optimizer_units]
-        return [self.placement["optimizer"].value] * len(self.speculation_units)
+        undo = self.speculation_undo_bytes
+        return (f"  speculative step: {self.speculation_note}; {sum(self.speculation_units)} of "
+                f"{len(self.speculation_units)} units speculated; allowance host {format_size(undo['host'])}, device "
+                f"{format_size(undo['device'])}; NVMe shadow files {format_size(self.speculation_nvme_bytes)} "
+                "(all in needed)")
 
     def to_dict(self) -> dict:
         """Plain JSON-able description (bytes as ints); predicted_step_s is None without measured rates."""
@@ -727,27 +721,24 @@ def _speculation(step: StepOptions, placement: dict[str, Location], units_on: tu
                              f"{format_size(nvme)} beside the plan's NVMe files; {format_size(short)} more nvme "
                              f"(tiers.nvme) or train.speculative_step = \"auto\"", "optimizer",
                              [{"tier": "nvme", "more": {"nvme": short}}], placement, per_rank)
-    undo_each = [0 if at is Location.NVME else UnitOptimizer.undo_bytes(n, s.lp_bytes, s.state)
-                 for n, at in zip(shards, tiers)]
-    allowance = {t: min(sum(b for b, at in zip(undo_each, tiers) if at.value == t), max(0, free[t]))
-                 for t in ("host", "device")}
-    # in the order gradients become final (backward order, enclosing units last), while the allowance holds
+    # what a speculated unit holds until the check (UnitOptimizer.speculate): a host or device unit its
+    # undo copy on its tier, an NVMe unit its new low-precision shard (ParamStore.staged_out_bytes) on host
+    held = [("host", n * s.lp_bytes) if at is Location.NVME else
+            (at.value, UnitOptimizer.undo_bytes(n, s.lp_bytes, s.state)) for n, at in zip(shards, tiers)]
+    allowance = {t: min(sum(b for at, b in held if at == t), max(0, free[t])) for t in ("host", "device")}
+    # each unit as its gradient becomes final (backward order, enclosing units last), if what it holds fits
     encloses = compute.encloses if compute is not None else (False,) * len(shards)
     order = [i for i in reversed(range(len(shards))) if not encloses[i]] + \
             [i for i in range(len(shards)) if encloses[i]]
-    left, full, units = dict(allowance), set(), [False] * len(shards)
+    left, units = dict(allowance), [False] * len(shards)
     for i in order:
-        t = tiers[i].value
-        if t == "nvme":
-            units[i] = True
-        elif t not in full and undo_each[i] <= left[t]:
-            units[i], left[t] = True, left[t] - undo_each[i]
-        else:
-            full.add(t)
+        t, b = held[i]
+        if b <= left[t]:
+            units[i], left[t] = True, left[t] - b
     if not any(units):
         room = " and ".join(f"{format_size(max(0, free[t]))} {t} left, the smallest takes "
-                            f"{format_size(min(b for b, at in zip(undo_each, tiers) if at.value == t))}"
-                            for t in ("host", "device") if any(at.value == t for at in tiers))
+                            f"{format_size(min(b for at, b in held if at == t))}"
+                            for t in ("host", "device") if any(at == t for at, _ in held))
         if wanted == "auto":
             return _Speculation(False, f"off (auto: no unit's undo copy fits: {room})")
         raise PlanDoesNotFit(f"train.speculative_step = true: no unit's undo copy fits ({room}); raise the "
