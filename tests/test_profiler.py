@@ -68,6 +68,9 @@ def check_well_formed(trace: dict) -> None:
                 assert args["bytes"] >= 0 and args["stall_us"] >= 0
             else:
                 assert e["cat"] in {"compute", "stall"}
+        elif e["ph"] == "i":  # [Note: speculation counters]: a speculated window
+            assert e["cat"] == "speculation" and e["s"] == "p" and set(e["args"]) == {
+                "speculated", "rolled_back", "undo_bytes", "rollback_bytes", "rollback_s"}
         else:
             assert e["ph"] == "C" and e["cat"] in {"residency", "bandwidth"}
             assert all(isinstance(v, (int, float)) for v in e["args"].values())
@@ -710,3 +713,99 @@ def test_a_link_bound_run_whose_transfers_were_all_hidden_is_told_so():
     summary, line = _line(build)
     assert summary.verdict == "PCIe-bound" and summary.overlap_pct == pytest.approx(100.0)
     assert line.endswith("its transfers all ran under compute or the optimizer: none was exposed"), line
+
+
+# ---------------------------------------------------------------------------------------------
+# the speculative step ([Note: speculation counters])
+
+
+def speculating_profile() -> Profiler:
+    """busy_profile's step, then 40 speculated windows of 32 units each, two of them rolled back."""
+    prof = busy_profile()
+    for step in range(40):
+        if step in (7, 30):
+            prof.speculation(32, 32, 3 << 20, 5 << 20, 0.25)
+        else:
+            prof.speculation(32, 0, 3 << 20, 0, 0.0)
+    return prof
+
+
+def test_speculation_counts_reach_the_trace_the_summary_and_a_saved_trace(tmp_path):
+    prof = speculating_profile()
+    trace = prof.trace()
+    check_well_formed(trace)
+    assert trace["zerotier"]["speculation"] == {
+        "windows": 40, "rolled_back_windows": 2, "speculated_units": 1280, "rolled_back_units": 64,
+        "undo_bytes": 120 << 20, "rollback_bytes": 10 << 20, "rollback_s": 0.5}
+    marks = [e for e in trace["traceEvents"] if e.get("cat") == "speculation"]
+    assert [e["name"] for e in marks].count("speculation rolled back") == 2 and len(marks) == 40
+    s = summarize(trace)
+    assert (s.speculation_windows, s.rolled_back_windows, s.speculated_units, s.rolled_back_units) == (40, 2, 1280, 64)
+    assert s.rollback_rate == 0.05 and s.undo_bytes == 120 << 20 and s.rollback_bytes == 10 << 20
+    assert s.rollback_s == 0.5 and s.to_dict()["rollback_rate"] == 0.05
+    assert ("speculative step: 40 windows speculated (1,280 units), 2 rolled back: rollback rate 5.0%; undo "
+            "copies 120.00 MiB; rollbacks moved 10.00 MiB and took 500.0 ms (250.0 ms each)") in s.table()
+    path = tmp_path / "trace.json.gz"
+    prof.save(str(path))
+    assert summarize(load_trace(str(path))) == s
+
+
+def test_speculation_counts_outlive_the_kept_records_and_a_run_without_speculation_prints_nothing():
+    prof = make_profiler(max_events=1000)
+    for _ in range(1099):
+        prof.speculation(2, 0, 100, 0, 0.0)
+    prof.speculation(2, 2, 100, 300, 0.01)
+    with pytest.warns(RuntimeWarning, match="records of speculation"):
+        trace = prof.trace()
+    assert len([e for e in trace["traceEvents"] if e.get("cat") == "speculation"]) == 1000
+    s = summarize(trace)
+    assert s.speculation_windows == 1100 and s.rollback_rate == pytest.approx(1 / 1100)
+    plain = summarize(busy_profile().trace())
+    assert plain.rollback_rate is None and "speculative step" not in plain.table()
+
+
+def test_speculation_arguments_are_checked():
+    prof = make_profiler()
+    for args in ((2, 3, 0, 0, 0.0), (-1, 0, 0, 0, 0.0), (2, 0, 1.5, 0, 0.0), (2, 2, 0, 0, -1.0),
+                 (2, 2, 0, 0, float("nan"))):
+        with pytest.raises(ValueError, match="profiler.speculation"):
+            prof.speculation(*args)
+    assert summarize(prof.trace()).speculation_windows == 0  # nothing half-recorded
+
+
+def test_a_damaged_speculation_object_is_refused(tmp_path):
+    trace = speculating_profile().trace()
+    trace["zerotier"]["speculation"]["rolled_back_windows"] = 41
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(trace))
+    with pytest.raises(ZerotierError, match="more windows rolled back than speculated"):
+        load_trace(str(path))
+    trace["zerotier"]["speculation"]["rolled_back_windows"] = "2"
+    path.write_text(json.dumps(trace))
+    with pytest.raises(ZerotierError, match="rolled_back_windows"):
+        load_trace(str(path))
+
+
+def test_cli_profile_prints_the_rollback_rate_and_compares_it_with_the_plan(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    speculating_profile().save(str(path))
+    assert cli.main(["profile", str(path)]) == 0
+    assert "rollback rate 5.0%" in capsys.readouterr().out
+    plan = {"predicted_step_s": 0.05, "breakdown_s": {"forward": 0.010, "backward": 0.020, "speculation": 0.002},
+            "speculative": True, "rollback_rate": 0.01,
+            "speculation_step_s": {"commit": 0.040, "rollback": 0.080, "expected": 0.0404, "without": 0.050}}
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    assert cli.main(["profile", str(path), "--plan", str(plan_path)]) == 0
+    out = capsys.readouterr().out
+    # 5% of windows rolled back: 0.95 x 40 ms + 0.05 x 80 ms = 42 ms
+    assert ("plan: rollback rate measured 5.0% (2 of 40 windows) vs planned 1.0%; at the measured rate the plan "
+            "expects 42.0 ms per step (commit 40.0 ms, rollback 80.0 ms, without speculation 50.0 ms)") in out
+    assert "furthest from the plan: speculation" not in out  # not a span of its own: never the verdict
+    assert cli.main(["profile", str(path), "--plan", str(plan_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["rollback_rate"] == 0.05 and "measured 5.0%" in report["plan"]["speculation"]
+    plain = tmp_path / "plain.json"
+    busy_profile().save(str(plain))
+    assert cli.main(["profile", str(plain), "--plan", str(plan_path)]) == 0
+    assert "no window speculated in the trace" in capsys.readouterr().out

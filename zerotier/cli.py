@@ -465,7 +465,8 @@ def _profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=10, metavar="N", help="tensors listed by traffic (default 10)")
     parser.add_argument("--plan", metavar="PLAN.json",
                         help="a `zerotier plan --json` of this run: each component's measured seconds per step "
-                             "beside the plan's, and the component furthest from it")
+                             "beside the plan's, the component furthest from it, and the measured rollback rate "
+                             "of the speculative step beside the plan's")
 
 
 def _run_profile(args: argparse.Namespace) -> int:
@@ -475,7 +476,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     summary = summarize(trace, top=args.top)
     comparison = None
     if args.plan:
-        from zerotier.profiler.summary import plan_comparison, plan_table
+        from zerotier.profiler.summary import plan_comparison, plan_table, speculation_comparison
 
         try:
             plan = json.loads(Path(args.plan).read_text())
@@ -485,13 +486,15 @@ def _run_profile(args: argparse.Namespace) -> int:
             raise ZerotierError(f"--plan: {args.plan} has no breakdown_s (a `zerotier plan --json` made with "
                                 "`zerotier bench` results has one)")
         comparison = plan_comparison(trace, plan)
+        rollbacks = speculation_comparison(trace, plan)
     if args.json:
         out = summary.to_dict()
         if comparison is not None:
-            out["plan"] = {"rows": comparison[0], "verdict": comparison[1]}
+            out["plan"] = {"rows": comparison[0], "verdict": comparison[1], "speculation": rollbacks}
         print(json.dumps(out, indent=2))
     else:
-        print(summary.table() + ("\n" + plan_table(*comparison) if comparison is not None else ""))
+        print(summary.table() + ("\n" + plan_table(*comparison) if comparison is not None else "")
+              + (f"\n{rollbacks}" if comparison is not None and rollbacks else ""))
     if args.plot:
         print(f"plot written to {plot_trace(trace, args.plot)}", file=sys.stderr)
     return 0

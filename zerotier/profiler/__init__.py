@@ -14,10 +14,10 @@
 `summary.py` computes the Summary and verdict from a trace, `plot.py` draws it.
 docs/profiler.md explains what is recorded and how to read the outputs.
 """
-from .events import COMPUTE_KINDS, REASONS, ROLES, TIERS, Profiler
+from .events import COMPUTE_KINDS, REASONS, ROLES, SPECULATION_TOTALS, TIERS, Profiler
 from .plot import plot_trace
 from .summary import LinkStats, ReasonStats, StepTime, Summary, TensorStats, TierResidency, step_times, summarize
 from .trace import load_trace, save_trace
 
-__all__ = ["COMPUTE_KINDS", "REASONS", "ROLES", "TIERS", "Profiler", "plot_trace", "LinkStats", "ReasonStats",
+__all__ = ["COMPUTE_KINDS", "REASONS", "ROLES", "SPECULATION_TOTALS", "TIERS", "Profiler", "plot_trace", "LinkStats", "ReasonStats",
            "StepTime", "Summary", "TensorStats", "TierResidency", "step_times", "summarize", "load_trace", "save_trace"]

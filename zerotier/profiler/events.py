@@ -11,6 +11,14 @@ hands back to the matching `*_end`. The one optional extra is the
 torch.profiler label (`record_function`), emitted only while a torch profiler
 is actually running.
 
+[Note: speculation counters]
+The speculative step ([Note: speculative step] in speculation.py) reports once per optimizer
+step in which it ran (`speculation(...)`): units speculated and rolled back, the bytes of the
+undo copies and of the rollback, the rollback's seconds. The profiler keeps the whole run's
+sums (a lock: a few adds per step) and the newest max_events records; the trace carries the
+sums in its "speculation" object and each record as an instant event, and the summary's
+rollback rate is windows rolled back / windows speculated.
+
 Times are `perf_counter_ns()` values. Callers that measure a transfer themselves
 (an async I/O ticket's issue and completion) pass them to `record(...)` /
 `record_wait(...)` in that same clock.
@@ -47,6 +55,12 @@ ROLES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "optimizer-state")
 # Compute spans: forward/backward/device-optimizer count as compute, optimizer as CPU-optimizer
 # time, step is an enclosing marker only (see [Note: verdict] in summary.py).
 COMPUTE_KINDS = ("forward", "backward", "optimizer", "device-optimizer", "step")
+
+# [Note: speculation counters] The speculative step's sums over the run, as the trace's "speculation" object
+# holds them: windows speculated, windows rolled back, units speculated, units rolled back, bytes copied for
+# undo copies, bytes a rollback moved, seconds rollbacks took.
+SPECULATION_TOTALS = ("windows", "rolled_back_windows", "speculated_units", "rolled_back_units", "undo_bytes",
+                      "rollback_bytes", "rollback_s")
 
 _TIERS, _REASONS, _ROLES, _KINDS = frozenset(TIERS), frozenset(REASONS), frozenset(ROLES), frozenset(COMPUTE_KINDS)
 
@@ -86,6 +100,11 @@ class Profiler:
         self._prefetch = {"issued": 0, "hit": 0, "miss": 0, "wasted": 0}  # outcome -> count, whole run
         self._prefetch_lock = threading.Lock()
         self._samples: deque[tuple] = deque(maxlen=cfg.max_events)   # (t_ns, {tier: (current_bytes, budget_bytes)})
+        # [Note: speculation counters]: one record per speculated window (t_ns, speculated, rolled_back,
+        # undo_bytes, rollback_bytes, rollback_s), and the whole run's sums (SPECULATION_TOTALS order)
+        self._speculation: deque[tuple] = deque(maxlen=cfg.max_events)
+        self._speculation_totals = [0] * 6 + [0.0]
+        self._speculation_lock = threading.Lock()
         # Every transfer since the start, also those the window above dropped: (src, dst, reason) ->
         # [transfers, bytes]. Updated with the append under one lock, so a snapshot sees both agree.
         self._run_totals: dict[tuple[str, str, str], list[int]] = {}
@@ -248,6 +267,32 @@ class Profiler:
         with self._prefetch_lock:  # counts of the whole run: a few ints, whatever profile.max_events is
             self._prefetch[outcome] += 1
 
+    # ------------------------------------------------------------------ speculative step
+
+    def speculation(self, speculated: int, rolled_back: int, undo_bytes: int, rollback_bytes: int,
+                    rollback_s: float) -> None:
+        """[Note: speculation counters] One optimizer step in which speculation ran ([Note: speculative
+        step] in speculation.py): `speculated` units updated under backward, `rolled_back` of them
+        undone (0: the window was validated; a rollback undoes every one), `undo_bytes` copied to make
+        their undo copies, `rollback_bytes` moved by the rollback (restores and NVMe re-reads),
+        `rollback_s` seconds the rollback and the redo took."""
+        for name, value in (("speculated", speculated), ("rolled_back", rolled_back), ("undo_bytes", undo_bytes),
+                            ("rollback_bytes", rollback_bytes)):
+            if type(value) is not int or value < 0:
+                raise ValueError(f"profiler.speculation: {name} must be an int >= 0, got {value!r}")
+        if rolled_back > speculated:
+            raise ValueError(f"profiler.speculation: rolled_back ({rolled_back}) is more than the units speculated "
+                             f"({speculated})")
+        rollback_s = float(rollback_s)
+        if not 0.0 <= rollback_s < float("inf"):
+            raise ValueError(f"profiler.speculation: rollback_s must be seconds >= 0, got {rollback_s!r}")
+        record = (_now(), speculated, rolled_back, undo_bytes, rollback_bytes, rollback_s)
+        with self._speculation_lock:
+            self._speculation.append(record)
+            for k, value in enumerate((1, int(rolled_back > 0), speculated, rolled_back, undo_bytes, rollback_bytes,
+                                       rollback_s)):
+                self._speculation_totals[k] += value
+
     # ------------------------------------------------------------------ residency
 
     def sample(self, values: Mapping[str, "tuple[int, int]"] | None = None, t_ns: int | None = None) -> None:
@@ -281,12 +326,14 @@ class Profiler:
     def snapshot(self) -> dict:
         """Copies of the raw records (lists of tuples, see __init__) for the exporter, and
         "run_totals": {(src, dst, reason): (transfers, bytes)} of every transfer since the start,
-        "prefetch": {outcome: count} since the start.
+        "prefetch": {outcome: count} since the start, "speculation": the speculated windows' records
+        (see __init__) and "speculation_totals": {SPECULATION_TOTALS key: sum} since the start.
         CUDA-timed records are resolved first (waiting for their events)."""
         if self._cuda is not None:
             self._resolve_cuda()
         full = [name for name, records in (("transfers", self._transfers), ("computes", self._computes),
-                                           ("waits", self._waits), ("samples", self._samples))
+                                           ("waits", self._waits), ("samples", self._samples),
+                                           ("speculation", self._speculation))
                 if len(records) == records.maxlen]
         if full:
             warnings.warn(f"profiler: the trace holds only the newest {self.cfg.max_events:,} records of "
@@ -295,9 +342,13 @@ class Profiler:
         with self._transfers_lock:
             transfers = list(self._transfers)
             run_totals = {key: tuple(total) for key, total in self._run_totals.items()}
+        with self._speculation_lock:
+            speculation = list(self._speculation)
+            speculation_totals = dict(zip(SPECULATION_TOTALS, self._speculation_totals))
         return {"transfers": transfers, "run_totals": run_totals, "computes": list(self._computes),
                 "waits": list(self._waits), "prefetch": dict(self._prefetch), "samples": list(self._samples),
-                "sampler_error": self._sampler_error}
+                "sampler_error": self._sampler_error, "speculation": speculation,
+                "speculation_totals": speculation_totals}
 
     def trace(self) -> dict:
         """The Chrome/Perfetto trace of everything recorded so far (see trace.py)."""

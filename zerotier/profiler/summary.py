@@ -162,12 +162,26 @@ class Summary:
     run_bytes: int | None = None
     run_links: tuple[tuple[str, int, int], ...] = ()   # (link, transfers, bytes), by bytes, largest first
     param_fetches: int = 0     # parameter fetches onto the device (prefetch + demand) of the whole run
+    # the speculative step over the whole run ([Note: speculation counters] in events.py); zeros when it did
+    # not run (or the trace predates it)
+    speculation_windows: int = 0      # optimizer steps whose window speculated
+    rolled_back_windows: int = 0      # of which rolled back
+    speculated_units: int = 0
+    rolled_back_units: int = 0
+    undo_bytes: int = 0               # copied to make undo copies
+    rollback_bytes: int = 0           # moved by rollbacks (restores, NVMe re-reads)
+    rollback_s: float = 0.0           # seconds rollbacks and their redo took
     trace: dict = field(default=None, compare=False, repr=False)  # what it was computed from (for plot)
 
     @property
     def prefetch_hit_rate(self) -> float | None:
         used = self.prefetch_hits + self.prefetch_misses
         return self.prefetch_hits / used if used else None
+
+    @property
+    def rollback_rate(self) -> float | None:
+        """Windows rolled back / windows speculated (None: nothing was speculated)."""
+        return self.rolled_back_windows / self.speculation_windows if self.speculation_windows else None
 
     def shares(self) -> dict[str, float]:
         """Busy share of the profiled window per resource, 0..1."""
@@ -178,6 +192,7 @@ class Summary:
         out = asdict(self)
         out.pop("trace")
         out["prefetch_hit_rate"] = self.prefetch_hit_rate
+        out["rollback_rate"] = self.rollback_rate
         return out
 
     def plot(self, path: str) -> str:
@@ -262,7 +277,17 @@ def summarize(trace: dict, top: int = 10) -> Summary:
         optimizer_params_per_s=opt_rate, optimizer_peak_params_per_s=peaks.get("cpu_adam"),
         verdict=verdict, verdict_line=line, device=device, trace=trace,
         run_transfers=None if totals is None else totals["transfers"],
-        run_bytes=None if totals is None else totals["bytes"], run_links=run_links, param_fetches=fetched)
+        run_bytes=None if totals is None else totals["bytes"], run_links=run_links, param_fetches=fetched,
+        **_speculation(data.meta))
+
+
+def _speculation(meta: dict) -> dict:
+    """The Summary's speculation fields from the trace's counters ([Note: speculation counters])."""
+    sums = meta.get("speculation") or {}
+    return {"speculation_windows": sums.get("windows", 0), "rolled_back_windows": sums.get("rolled_back_windows", 0),
+            "speculated_units": sums.get("speculated_units", 0), "rolled_back_units": sums.get("rolled_back_units", 0),
+            "undo_bytes": sums.get("undo_bytes", 0), "rollback_bytes": sums.get("rollback_bytes", 0),
+            "rollback_s": float(sums.get("rollback_s", 0.0))}
 
 
 def _resource(t: dict) -> str:
@@ -475,6 +500,8 @@ def _table(s: Summary) -> str:
         elif peak:
             vs = f" ({100 * s.optimizer_params_per_s / peak:.0f}% of the cpu_adam peak {peak / 1e6:,.0f})"
         lines.append(f"  CPU optimizer {s.optimizer_params_per_s / 1e6:,.1f} M params/s{vs}")
+    if s.speculation_windows:
+        lines.append(speculation_line(s))
     if s.residency:
         lines.append(f"  {'tier':<8} {'peak resident':>13} {'budget':>11} {'peak %':>7}")
         for r in s.residency:
@@ -494,6 +521,16 @@ def _table(s: Summary) -> str:
     return "\n".join(lines)
 
 
+def speculation_line(s: Summary) -> str:
+    """The speculative step's line of the table: the rollback rate and what rollbacks cost."""
+    rolled = s.rolled_back_windows
+    cost = (f"; rollbacks moved {format_size(s.rollback_bytes)} and took {format_duration(s.rollback_s)} "
+            f"({format_duration(s.rollback_s / rolled)} each)" if rolled else "")
+    return (f"  speculative step: {s.speculation_windows:,} windows speculated ({s.speculated_units:,} units), "
+            f"{rolled:,} rolled back: rollback rate {100 * s.rollback_rate:.1f}%; undo copies "
+            f"{format_size(s.undo_bytes)}{cost}")
+
+
 # [Note: measured against the plan]
 # `zerotier profile TRACE --plan PLAN.json` (a `zerotier plan --json` or Plan.to_dict()) puts
 # each component of the plan's breakdown ([Note: step-time prediction] in predict.py) beside
@@ -507,7 +544,12 @@ def _table(s: Summary) -> str:
 # component's figure is the time its resource was busy with it, as the plan's seconds are.
 # The verdict names the component furthest from the plan in seconds: the one whose rate or
 # overlap the prediction got most wrong. Components the trace does not time (grad_norm: inside
-# the step, not a span of its own) are listed with the plan's figure only.
+# the step, not a span of its own) are listed with the plan's figure only, as is the speculative
+# step's undo copies and restores (speculation: inside the optimizer's spans); its rollback rate
+# is compared beside ([Note: speculation counters], speculation_comparison).
+
+
+_UNTIMED = ("grad_norm", "speculation")  # plan components the trace has no span of
 
 
 def _component(t: dict) -> str | None:
@@ -548,7 +590,7 @@ def plan_comparison(trace: dict, plan: dict) -> tuple[list[tuple[str, float, flo
     rows = [(name, float(planned.get(name, 0.0)), measured.get(name))
             for name in dict.fromkeys([*planned, *measured])
             if planned.get(name, 0.0) > 0 or measured.get(name, 0.0) > 0]
-    timed = [(name, p, m) for name, p, m in rows if m is not None or name != "grad_norm"]
+    timed = [(name, p, m) for name, p, m in rows if m is not None or name not in _UNTIMED]
     if not timed:
         return rows, "plan: nothing to compare (no component in the plan or the trace)"
     name, p, m = max(timed, key=lambda r: abs((r[2] or 0.0) - r[1]))
@@ -566,3 +608,28 @@ def plan_table(rows: list[tuple[str, float, float | None]], line: str) -> str:
     for name, p, m in rows:
         out.append(f"  {name:16s} {format_duration(p):>10s} {format_duration(m) if m is not None else '-':>10s}")
     return "\n".join(out + [line])
+
+
+def speculation_comparison(trace: dict, plan: dict) -> str | None:
+    """The rollback rate measured in the trace beside the one the plan assumed ([Note: speculation
+    in the plan] in planner.py), and the plan's expected step at the measured rate; None when
+    neither the plan nor the run speculated."""
+    sums = _speculation(trace["zerotier"])
+    windows, rolled = sums["speculation_windows"], sums["rolled_back_windows"]
+    planned = plan.get("speculative")
+    if not planned and not windows:
+        return None
+    rate = rolled / windows if windows else None
+    measured = (f"rollback rate measured {100 * rate:.1f}% ({rolled:,} of {windows:,} windows)" if windows else
+                "no window speculated in the trace (speculation off, paused after rollbacks, or not profiled)")
+    if not planned:
+        return f"plan: speculative step off in the plan, on in the run: {measured}"
+    r = float(plan.get("rollback_rate") or 0.0)
+    line = f"plan: {measured} vs planned {100 * r:.1f}%"
+    cases = plan.get("speculation_step_s") or {}
+    if rate is not None and "commit" in cases and "rollback" in cases:
+        at = (1 - rate) * cases["commit"] + rate * cases["rollback"]
+        line += (f"; at the measured rate the plan expects {format_duration(at)} per step (commit "
+                 f"{format_duration(cases['commit'])}, rollback {format_duration(cases['rollback'])}, without "
+                 f"speculation {format_duration(cases['without'])})")
+    return line

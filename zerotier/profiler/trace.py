@@ -8,8 +8,10 @@ Layout (open in ui.perfetto.dev or chrome://tracing):
 
 Every transfer is an "X" event whose `args` hold what the summary needs (tensor, role,
 src, dst, bytes, reason, stall_us, stream); the top-level "zerotier" object holds the
-rest (prefetch counters, peak rates). So `summarize(load_trace(path))` equals the
-in-memory `Profiler.report()`: both are computed from this dict.
+rest (prefetch counters, peak rates, the speculative step's counters; each speculated window
+is also an instant event, cat "speculation", on the compute process). So
+`summarize(load_trace(path))` equals the in-memory `Profiler.report()`: both are computed
+from this dict.
 
 [Note: trace lanes]
 Chrome's format needs the "X" events of one track (pid, tid) to nest: no two may
@@ -45,7 +47,7 @@ from typing import Any
 
 from ..errors import ZerotierError
 from . import intervals as iv
-from .events import COMPUTE_KINDS, REASONS, ROLES, TIERS
+from .events import COMPUTE_KINDS, REASONS, ROLES, SPECULATION_TOTALS, TIERS
 
 FORMAT = 1
 PID_COMPUTE, PID_TRANSFERS, PID_TIER0 = 1, 2, 10
@@ -110,6 +112,12 @@ def build_trace(prof) -> dict:
         counters += [{"name": f"bandwidth {link}", "cat": "bandwidth", "ph": "C", "ts": ts, "pid": pid, "tid": 0,
                       "args": {"GB/s": gbps}} for ts, gbps in series]
     counters.sort(key=lambda e: e["ts"])
+    # [Note: speculation counters]: each speculated window as an instant on the compute process
+    marks = [{"name": "speculation rolled back" if rolled else "speculation validated", "cat": "speculation",
+              "ph": "i", "s": "p", "ts": (t_ns - t0) / 1e3, "pid": PID_COMPUTE, "tid": 0,
+              "args": {"speculated": units, "rolled_back": rolled, "undo_bytes": undo, "rollback_bytes": moved,
+                       "rollback_s": secs}}
+             for t_ns, units, rolled, undo, moved, secs in rec["speculation"]]
 
     outcomes = rec["prefetch"]  # counted over the whole run
     by_link: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -131,8 +139,9 @@ def build_trace(prof) -> dict:
         "run_totals": {"transfers": sum(n for n, _ in by_link.values()), "bytes": sum(b for _, b in by_link.values()),
                        "by_link": {k: {"transfers": n, "bytes": b} for k, (n, b) in sorted(by_link.items())},
                        "by_reason": {k: {"transfers": n, "bytes": b} for k, (n, b) in sorted(by_reason.items())}},
+        "speculation": rec["speculation_totals"],  # the whole run's ([Note: speculation counters])
     }
-    return {"traceEvents": events + counters, "displayTimeUnit": "ms", "zerotier": meta}
+    return {"traceEvents": events + counters + marks, "displayTimeUnit": "ms", "zerotier": meta}
 
 
 class _Tracks:
@@ -386,6 +395,11 @@ def _check_trace(trace: dict, path: str) -> None:
             fields(totals.get(group), f"zerotier.run_totals.{group}")
             for key, value in totals[group].items():
                 fields(value, f"zerotier.run_totals.{group}.{key}", counts=("transfers", "bytes"))
+    speculation = meta.get("speculation")
+    if speculation is not None:  # absent in traces written before it existed
+        fields(speculation, "zerotier.speculation", counts=SPECULATION_TOTALS[:-1], numbers=SPECULATION_TOTALS[-1:])
+        if speculation["rolled_back_windows"] > speculation["windows"]:
+            bad("zerotier.speculation: more windows rolled back than speculated")
     for i, e in enumerate(trace["traceEvents"]):
         if not isinstance(e, dict):
             bad(f"traceEvents[{i}] is {reprlib.repr(e)}, not an object")
