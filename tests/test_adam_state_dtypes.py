@@ -269,3 +269,64 @@ def test_native_quantization_at_the_map_midpoints(level, signed):
     assert_same_bits(results[1], results[0])
     if signed:  # the reference's codes are the nearest, ties down: spot-check against quantize_blockwise
         assert torch.equal(results[0]["exp_avg"], quantize_blockwise(values, True)[0])
+
+
+# [Note: small parameters keep fp32 moments]: a unit of parameters of 300, 64, 5000, 10 and
+# 4133 elements: fp32 moments for [0, 364) and [5364, 5374), two int8 runs with block tails
+SMALL_AND_LARGE = [300, 64, 5000, 10, 4096 + 37]
+
+
+def unit_state(layout, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    raw = {}
+    for key, values in (("exp_avg", torch.randn(n, generator=g) * 1e-2),
+                        ("exp_avg_sq", torch.rand(n, generator=g) * 1e-4)):
+        raw[key] = torch.zeros(layout.nbytes(key, n), dtype=torch.uint8)
+        layout.encode(key, values, raw[key])
+    master = torch.randn(n, generator=g).bfloat16()
+    return master, raw, torch.randn(n, generator=g) * 1e-2
+
+
+@pytest.mark.parametrize("level", NATIVE_LEVELS)
+@pytest.mark.parametrize("split", [False, True], ids=["whole-runs", "run-split"])
+def test_unit_layout_steps_like_the_reference_per_piece(level, split):
+    """A unit's int8 moments with fp32 ranges for its small parameters: the kernel steps each run
+    (codes and block scales from the run's start) and each fp32 range (fp32 moments), bit for bit
+    as adam_step_reference on each piece with the piece's seed offset. A range that splits a run
+    (parameters without a gradient) is stepped on fp32 copies, re-encoded after: bit for bit the
+    reference's fp32 math then the layout's encode."""
+    from zerotier.optim.offload import Hyper
+    from zerotier.optim.state_layout import StateLayout, cpu_adam_ranges, sr_seed
+    numels = SMALL_AND_LARGE
+    n, offsets = sum(numels), [sum(numels[:i]) for i in range(len(numels))]
+    layout = StateLayout("bf16", "int8").for_params(numels, offsets, 0, n)
+    assert layout.fp32_ranges == ((0, 364), (5364, 5374))
+    unit_index, shard_lo, step = 3, 1000, 4
+    h = Hyper(HYPER["lr"], HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"], True)
+    cut = 364 + 2500 if split else n  # inside the first run
+    ranges = [(0, cut, step, h)] + ([(cut, n, step, h)] if split else [])
+    master, raw, grad = unit_state(layout, n, seed=5)
+    ref_master, ref_raw = master.clone(), {k: v.clone() for k, v in raw.items()}
+    out, ref_out = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    kw = dict(HYPER, step=step)
+    if not split:
+        m_pieces = layout.pieces(n, *layout.typed("exp_avg", ref_raw["exp_avg"], n))
+        v_pieces = layout.pieces(n, *layout.typed("exp_avg_sq", ref_raw["exp_avg_sq"], n))
+        assert [p[3] is None for p in m_pieces] == [True, False, True, False]
+        for (a, b, m, m_absmax), (_, _, v, v_absmax) in zip(m_pieces, v_pieces):
+            zo.adam_step_reference(ref_master[a:b], m, v, grad[a:b], param_out=ref_out[a:b], exp_avg_absmax=m_absmax,
+                                   exp_avg_sq_absmax=v_absmax, sr_seed=sr_seed(unit_index, step) + shard_lo + a, **kw)
+    else:
+        m, v = layout.decode("exp_avg", ref_raw["exp_avg"], n), layout.decode("exp_avg_sq", ref_raw["exp_avg_sq"], n)
+        for a, b, _, _ in ranges:
+            zo.adam_step_reference(ref_master[a:b], m[a:b], v[a:b], grad[a:b], param_out=ref_out[a:b],
+                                   sr_seed=sr_seed(unit_index, step) + shard_lo + a, **kw)
+        layout.encode("exp_avg", m, ref_raw["exp_avg"])
+        layout.encode("exp_avg_sq", v, ref_raw["exp_avg_sq"])
+    cpu_adam_ranges(unit_index, shard_lo, (master, None), layout.typed("exp_avg", raw["exp_avg"], n),
+                    layout.typed("exp_avg_sq", raw["exp_avg_sq"], n), grad, out, ranges, grad_scale=1.0,
+                    bias_correction=True, simd=level, threads=2, layout=layout)
+    assert torch.equal(master.view(torch.int16), ref_master.view(torch.int16))
+    assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16))
+    for key in raw:
+        assert torch.equal(raw[key], ref_raw[key]), key

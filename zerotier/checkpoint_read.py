@@ -54,9 +54,19 @@ def crc(data) -> int:
 
 def state_layout(manifest: dict) -> StateLayout:
     """The optimizer state's layout the checkpoint was saved in ([Note: optimizer state layout]);
-    checkpoints written before compact state have none: fp32."""
+    checkpoints written before compact state have none: fp32; before [Note: small parameters keep
+    fp32 moments], int8 moments everywhere (fp32_below 0)."""
     dtypes = manifest.get("state_dtypes") or {}
-    return StateLayout(dtypes.get("master", "fp32"), dtypes.get("exp_avg", "fp32"))
+    return StateLayout(dtypes.get("master", "fp32"), dtypes.get("exp_avg", "fp32"),
+                       fp32_below=manifest.get("fp32_moments_below", 0))
+
+
+def record_layout(manifest: dict, unit_index: int, lo: int, hi: int) -> StateLayout:
+    """The layout of a record holding elements [lo, hi) of a unit: the checkpoint's layout with
+    the fp32 ranges that the unit's parameters (the manifest's units) give that range."""
+    params = manifest["units"][unit_index]["params"]
+    return state_layout(manifest).for_params([math.prod(p["shape"]) for p in params],
+                                             [p["offset"] for p in params], lo, hi)
 
 
 def _load_pt(path: Path, meta: dict, trust_pickle: bool = False) -> Any:
@@ -306,6 +316,9 @@ def _check_manifest(m: dict, where: str) -> None:
         for s in items(steps, f"unit_steps[{i}]", len(units[i]["params"]), int):
             count(s, f"unit_steps[{i}]")
     file_meta(m.get("state"), "state")
+    below = m.get("fp32_moments_below", 0)  # [Note: small parameters keep fp32 moments]
+    if type(below) is not int or below < 0:
+        bad(f"fp32_moments_below is {reprlib.repr(below)}, not an element count")
     dtypes = m.get("state_dtypes")
     if dtypes is not None:
         if not isinstance(dtypes, dict) or set(dtypes) != set(STATE_KEYS) \
@@ -319,7 +332,6 @@ def _check_manifest(m: dict, where: str) -> None:
                                   f"{reprlib.repr(m.get('quant_block'))} elements, this zerotier reads blocks of "
                                   f"{_kernels.QUANT_BLOCK}: load it with the zerotier version that saved it and "
                                   f"save it with precision.moment_dtype = 'fp32' or 'bf16'")
-    layout = state_layout(m)
     ranks = items(m.get("ranks"), "ranks", world)
     for r, rank in enumerate(ranks):
         if rank.get("file") != f"rank{r}.bin":  # a plain name: nothing outside the checkpoint is read
@@ -337,6 +349,7 @@ def _check_manifest(m: dict, where: str) -> None:
                 bad(f"ranks[{r}] has a record for unit {reprlib.repr(unit)} key {reprlib.repr(key)}")
             seen.add((unit, key))
             lo, hi = ranges[unit]
+            layout = record_layout(m, unit, lo, hi)
             if count(rec.get("nbytes"), f"ranks[{r}] record nbytes") != layout.nbytes(key, hi - lo):
                 bad(f"ranks[{r}]'s {key} record of unit {unit} holds {rec['nbytes']} bytes, its range "
                     f"[{lo}, {hi}) in {layout.dtype(key)} is {layout.nbytes(key, hi - lo)}")
@@ -398,7 +411,8 @@ class RankFiles:
             if a >= b or (olo, ohi) in seen:  # replicated units: every rank saved the same flat
                 continue
             seen.add((olo, ohi))
-            data = self.layout.decode(key, self.read(r, unit_index, key), ohi - olo)
+            layout = record_layout(self.manifest, unit_index, olo, ohi)
+            data = layout.decode(key, self.read(r, unit_index, key), ohi - olo)
             out[a - lo: b - lo].copy_(data[a - olo: b - olo])
 
     def close(self) -> None:
