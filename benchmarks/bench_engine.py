@@ -3,6 +3,14 @@
     python benchmarks/bench_engine.py              # 124M params (GPT-2 small), batch 4x128, fp32
     python benchmarks/bench_engine.py --quick      # ~10M params, smoke run
     python benchmarks/bench_engine.py --state fp32,int8 --cases NVMe   # optimizer-state dtypes (issue 27)
+    python benchmarks/bench_engine.py --speculate false,auto --cases NVMe   # the speculative step (issue 25)
+    python benchmarks/bench_engine.py --speculate false,true --clips 0.01 --cases NVMe  # rollback every step
+
+`--speculate` runs each clipped zerotier case once per train.speculative_step value (false:
+the update waits for the global norm; auto/true: speculated during backward, [Note: speculative
+step]); `--clips` sets the clipping thresholds ("none": off), e.g. 0.01 so clipping fires at
+every step and every speculation is rolled back. The speculation columns say how many windows
+were speculated and rolled back (by the engine's own counters).
 
 `--state` runs each zerotier case once per optimizer-state choice, alternating with the
 others: fp32 (the default: fp32 master and moments, 12 B/param), bf16 (bf16 master and
@@ -51,6 +59,7 @@ TARGETS = {  # case -> (max ratio with clipping, max ratio without)
 }
 LR = 1e-4
 STATES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "int8": ("bf16", "int8")}  # --state: master, moments
+SPECULATE = {"false": False, "true": True, "auto": "auto"}  # --speculate: train.speculative_step
 
 
 def shape(quick: bool) -> dict:
@@ -60,7 +69,7 @@ def shape(quick: bool) -> dict:
 
 
 def run_case(case: str, clip: float | None, quick: bool, batch: int, steps: int, nvme_dir: str,
-             state: str = "fp32") -> dict:
+             state: str = "fp32", speculate: str = "auto") -> dict:
     """One process's measurement: median step time over `steps` after one warm-up step."""
     from zerotier.models import TinyGPT, batches
 
@@ -89,7 +98,8 @@ def run_case(case: str, clip: float | None, quick: bool, batch: int, steps: int,
 
     master, moments = STATES[state]
     cfg = {"offload": offload, "tiers": {"nvme_path": nvme_dir}, "optimizer": {"lr": LR},
-           "precision": {"master_dtype": master, "moment_dtype": moments}, "train": {"max_grad_norm": clip}}
+           "precision": {"master_dtype": master, "moment_dtype": moments},
+           "train": {"max_grad_norm": clip, "speculative_step": SPECULATE[speculate]}}
     with zerotier.initialize(model, cfg) as engine:
         for x, y in data:
             before = engine.store.stats() if engine.store else None
@@ -100,7 +110,8 @@ def run_case(case: str, clip: float | None, quick: bool, batch: int, steps: int,
             if before is not None:
                 after = engine.store.stats()
                 io_bytes.append((after["bytes_in"] - before["bytes_in"], after["bytes_out"] - before["bytes_out"]))
-    return {"step_s": statistics.median(times[1:]),
+        policy = engine.window.speculation
+    return {"step_s": statistics.median(times[1:]), "speculated": policy.windows, "rolled_back": policy.rollbacks,
             "write_bytes": statistics.median(b[0] for b in io_bytes[1:]) if io_bytes else 0,
             "read_bytes": statistics.median(b[1] for b in io_bytes[1:]) if io_bytes else 0}
 
@@ -137,18 +148,28 @@ def main(argv=None):
                     "(default fp32); each zerotier case runs once per choice")
     ap.add_argument("--cases", default="", help="run only the cases whose name contains this (plain torch always runs)")
     ap.add_argument("--case", help=argparse.SUPPRESS)   # internal: run one case in this process
+    ap.add_argument("--speculate", default="auto", help="train.speculative_step values for the clipped cases, "
+                    "comma-separated: false, true, auto (default auto)")
+    ap.add_argument("--clips", default="1.0,none", help="clipping thresholds, comma-separated; none = off "
+                    "(default 1.0,none)")
     ap.add_argument("--clip", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    specs = args.speculate.split(",")
+    if any(sp not in SPECULATE for sp in specs):
+        ap.error(f"--speculate {args.speculate}: choose from {', '.join(SPECULATE)}")
+    clips = [None if c == "none" else float(c) for c in args.clips.split(",")]
 
     states = args.state.split(",")
     unknown = [st for st in states if st not in STATES]
     if unknown:
         ap.error(f"--state {','.join(unknown)}: choose from {', '.join(STATES)}")
     if args.case:
-        print(json.dumps(run_case(args.case, args.clip, args.quick, args.batch, args.steps, args.nvme_path, states[0])))
+        print(json.dumps(run_case(args.case, args.clip, args.quick, args.batch, args.steps, args.nvme_path, states[0],
+                                  specs[0])))
         return
-    runs = [(case, "fp32") for case in CASES if CASES[case] is None] + \
-        [(case, st) for case in CASES if CASES[case] is not None and args.cases in case for st in states]
+    runs = [(case, "fp32", "auto") for case in CASES if CASES[case] is None] + \
+        [(case, st, sp) for case in CASES if CASES[case] is not None and args.cases in case for st in states
+         for sp in specs]
 
     s = shape(args.quick)
     print(f"model: GPT {s['layers']}x{s['dim']}, vocab {s['vocab']}, batch {args.batch}x{s['seq']}, fp32, "
@@ -158,34 +179,40 @@ def main(argv=None):
         write_bw, read_bw = drive_bandwidth(nvme_dir)
         print(f"swap directory: O_DIRECT write {write_bw / 1e9:.2f} GB/s, read {read_bw / 1e9:.2f} GB/s")
         for r in range(args.rounds):
-            for clip in (1.0, None):
-                for case, st in runs:
+            for clip in clips:
+                for case, st, sp in runs:
+                    if clip is None and CASES[case] is not None and sp != specs[0]:
+                        continue  # without clipping (and a static scale) nothing is speculated
                     cmd = [sys.executable, __file__, "--case", case, "--batch", str(args.batch), "--state", st,
-                           "--steps", str(args.steps), "--nvme-path", nvme_dir] + (["--quick"] if args.quick else [])
+                           "--speculate", sp, "--steps", str(args.steps), "--nvme-path", nvme_dir] + \
+                        (["--quick"] if args.quick else [])
                     if clip is not None:
                         cmd += ["--clip", str(clip)]
                     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
                     if out.returncode != 0:
                         raise SystemExit(f"{case} (clip {clip}) failed:\n{out.stderr[-3000:]}")
                     res = json.loads(out.stdout.strip().splitlines()[-1])
-                    results.setdefault((case, st, clip), []).append(res)
-                    print(f"  round {r + 1} clip {clip}: {case:26s} {st:5s} {res['step_s']:.3f} s", flush=True)
-    print(f"\n  {'case':26s} {'state':5s} {'clip':>5s} {'step s':>7s} {'vs torch':>9s} {'NVMe GB w/r':>12s} {'NVMe s':>7s}"
-          f" {'vs bound':>9s}  target")
-    for clip in (1.0, None):
-        base = statistics.median(r["step_s"] for r in results[("plain torch fused AdamW", "fp32", clip)])
-        for case, st in runs:
-            got = results[(case, st, clip)]
+                    results.setdefault((case, st, sp, clip), []).append(res)
+                    print(f"  round {r + 1} clip {clip}: {case:26s} {st:5s} spec {sp:5s} {res['step_s']:.3f} s", flush=True)
+    print(f"\n  {'case':26s} {'state':5s} {'spec':5s} {'clip':>5s} {'step s':>7s} {'vs torch':>9s} {'NVMe GB w/r':>12s}"
+          f" {'NVMe s':>7s} {'vs bound':>9s} {'spec/rb':>8s}  target")
+    for clip in clips:
+        base = statistics.median(r["step_s"] for r in results[("plain torch fused AdamW", "fp32", "auto", clip)])
+        for case, st, sp in runs:
+            if (case, st, sp, clip) not in results:
+                continue
+            got = results[(case, st, sp, clip)]
             sec = statistics.median(r["step_s"] for r in got)
             wr = statistics.median(r["write_bytes"] for r in got)
             rd = statistics.median(r["read_bytes"] for r in got)
             io_s = wr / write_bw + rd / read_bw
             target = ""
-            if case in TARGETS:
+            if case in TARGETS and clip in (1.0, None):
                 limit = TARGETS[case][0 if clip is not None else 1]
                 target = f"<= {limit:.2f}x: {'PASS' if sec / base <= limit else 'MISS'}"
-            print(f"  {case:26s} {st:5s} {'on' if clip else 'off':>5s} {sec:7.3f} {sec / base:8.3f}x "
-                  f"{wr / 1e9:5.2f}/{rd / 1e9:<6.2f} {io_s:7.2f} {sec / max(base, io_s):8.3f}x  {target}")
+            spec = f"{got[0].get('speculated', 0)}/{got[0].get('rolled_back', 0)}"
+            print(f"  {case:26s} {st:5s} {sp:5s} {clip if clip else 'off':>5} {sec:7.3f} {sec / base:8.3f}x "
+                  f"{wr / 1e9:5.2f}/{rd / 1e9:<6.2f} {io_s:7.2f} {sec / max(base, io_s):8.3f}x {spec:>8s}  {target}")
 
 
 if __name__ == "__main__":

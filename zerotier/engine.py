@@ -34,6 +34,7 @@ from .grads import GradStore
 from .materialize import Materializer, is_meta, pool_bytes as materialize_pool_bytes
 from .optim.offload import UnitOptimizer
 from .optim.state_layout import StateLayout
+from .predict import StepOptions
 from .optim.torch_optimizer import EngineOptimizer, exempt_from_decay
 from .params import ParamStore
 from .planner import make_plan
@@ -95,6 +96,7 @@ class Engine:
                               pipeline_depth=cfg.optimizer.pipeline_depth,
                               nested_numel=nested_numel(self.param_units), alignment=cfg.io.alignment,
                               frozen_numels=[u.numel for u in self.frozen_units],
+                              step=StepOptions.of(cfg),  # clipping, accumulation, speculation
                               materialize_bytes=materialize_pool_bytes(self.param_units, self.lp_dtype,
                                                                        cfg.io.alignment))
         placement = self.plan.placement
@@ -113,6 +115,8 @@ class Engine:
         optimizer_loc = self.plan.optimizer_units or placement["optimizer"]  # a tier, or one per unit (a split)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, optimizer_loc, self.device_tier,
                                             self.host_pool, self.store, self.profiler, StateLayout.of(cfg.precision))
+        undo = self.plan.speculation_undo_bytes  # [Note: speculative step]: what a window's undo may hold
+        self.unit_optimizer.undo_allowance = {Location.HOST: undo["host"], Location.DEVICE: undo["device"]}
         no_decay = exempt_from_decay(model, self.units, cfg.optimizer.no_weight_decay)  # checked before placing
         self.params = ParamStore(self.param_units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
@@ -339,6 +343,7 @@ class Engine:
     def synchronize(self) -> None:
         """Finish the work in flight: Adam updates started during backward, parameter fetches
         issued but not consumed (e.g. before loading new weights), write-backs."""
+        self.window.cancel_speculation()  # [Note: speculative step]: the state as before the window's update
         self.window.wait_early_steps()
         self.unit_optimizer.drop_prefetched()
         self.params.synchronize()

@@ -52,6 +52,7 @@ def grad_set(window, p, value) -> None:
     if value is None and not e.grads.has(unit, k):
         return
     _refuse_access(window, "setting p.grad")
+    window.cancel_speculation()  # [Note: speculative step]: the window's update is made again at step()
     if window.updated():
         raise ZerotierError("p.grad set after a backward whose update already started (train.early_step = "
                             "true applies the window's update during its last backward): call "

@@ -281,6 +281,15 @@ class GradStore:
         if slot.state is GradState.EMPTY:
             transition(self._states, unit.index, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
 
+    @owned(COMPUTE)
+    def reopen(self) -> None:
+        """[Note: speculative step] The window goes on after its speculated updates were undone
+        (one rank): units made READY during the last backward accumulate again."""
+        for unit, slot in zip(self.units, self.slots):
+            if slot.state is GradState.READY:
+                transition(self._states, unit.index, GradState.ACCUMULATING, GRAD_TRANSITIONS, "gradient")
+            slot.handed = False
+
     @owned(UPDATER)
     def stepped(self, unit: Unit) -> None:
         transition(self._states, unit.index, GradState.STEPPED, GRAD_TRANSITIONS, "gradient")

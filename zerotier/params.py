@@ -536,6 +536,29 @@ class ParamStore:
         return _tensor(out)
 
     @owned(UPDATER)
+    def staged_out(self, unit: Unit) -> torch.Tensor:
+        """out_buffer for a speculated update ([Note: speculative step] in speculation.py): always a
+        write-back buffer, never the home, so the new parameters are not seen before commit()."""
+        slot = self.slots[unit.index]
+        if slot.out is None:
+            slot.out = self._temp(unit.shard_numel, self.out_on_device)
+        return _tensor(slot.out)
+
+    def staged_out_bytes(self, unit: Unit) -> int:
+        """Bytes staged_out(unit) holds until the window is validated."""
+        return unit.shard_numel * self.lp_dtype.itemsize
+
+    @owned(UPDATER)
+    def drop_out(self, unit: Unit) -> None:
+        """Give back a staged write-back buffer without committing it (a rolled-back speculation)."""
+        slot = self.slots[unit.index]
+        out, slot.out = slot.out, None
+        if isinstance(out, torch.Tensor):
+            self.device_tier.free(out)
+        elif out is not None:
+            self.host_pool.free(out)
+
+    @owned(UPDATER)
     def commit(self, unit: Unit) -> None:
         """The optimizer wrote out_buffer(unit): bump the version and send the bytes home (async)."""
         i, slot = unit.index, self.slots[unit.index]

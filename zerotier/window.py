@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -51,7 +52,8 @@ import torch
 from . import threads
 from .device import enter as enter_device
 from .errors import ZerotierError
-from .state import check_transition
+from .speculation import SpeculationPolicy
+from .state import Location, check_transition
 from .surface import internal
 
 
@@ -120,6 +122,15 @@ class Window:
         self._optim_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-optim",
                                                 initializer=enter_device, initargs=(engine.device,))
         self.early: list[Future] = []
+        # [Note: speculative step] in speculation.py
+        train = engine.cfg.train
+        # the plan resolved train.speculative_step ([Note: speculation in the plan] in planner.py)
+        self.speculation = SpeculationPolicy(train.speculative_step if engine.plan.speculative else False,
+                                             train.max_grad_norm is not None, engine.scaler.dynamic)
+        self._speculating = False           # this window's last backward updates units speculatively
+        self._spec_hyper: dict[int, list] = {}  # unit index -> the Hyper its speculated update used
+        self._spec_scale = 1.0              # the gradient scale speculated updates used (1 / loss scale)
+        self._rollback_started: tuple | None = None  # a rollback's (start, units, undo bytes, bytes moved)
 
     def _to(self, new: WindowState) -> None:
         self.state = check_transition(self.state, new, WINDOW_TRANSITIONS, "the accumulation window")
@@ -155,6 +166,7 @@ class Window:
             raise ZerotierError("engine.backward(loss) after a plain loss.backward() in the same window: use one "
                                 "loop style per window (call engine.optimizer.step() or engine.zero_grad() first)")
         self.refuse_after_grad_norm("engine.backward()")
+        self.cancel_speculation()  # a second backward of the micro-batch: its gradients add to the window
         if self.state is S.ENGINE_GRADS and self._last_loss is not None and self._last_loss() is loss:
             raise ZerotierError("engine.backward(loss) twice with the same loss tensor: the first backward freed its "
                                 "graph (torch raises 'Trying to backward through the graph a second time'); compute "
@@ -175,6 +187,10 @@ class Window:
         elif (train.early_step and train.max_grad_norm is None and not e.scaler.dynamic and last_micro
               and not e.sharding.active):
             self._on_complete = self._start_early_step
+        elif last_micro and not e.sharding.active and self.speculation.wanted():
+            self._on_complete = self._start_speculative_step
+            self._speculating = True
+            self._spec_scale = 1.0 / e.scaler.scale
         elif last_micro and not e.sharding.active:
             self._on_complete = e.unit_optimizer.prefetch  # NVMe state reads start now
         self._to(S.ENGINE_BACKWARD)
@@ -271,6 +287,87 @@ class Window:
         threads.hand(threads.OPTIMIZER, e.grads, e.params, e.unit_optimizer)  # [Note: thread ownership]
         self.early.append(self._optim_thread.submit(run))
 
+    def _start_speculative_step(self, unit) -> None:
+        """[Note: speculative step] in speculation.py: update `unit` on the optimizer thread with clip
+        coefficient 1, undoably, while backward goes on; its new parameters wait in a staged
+        write-back buffer until engine.step() validates the window. A unit whose undo does not fit
+        the allowance only has its NVMe state reads started, as without speculation."""
+        e = self.engine
+        e.grads.hand_over(unit)
+        if e.device.type == "cuda":  # the gradient add above was queued on the compute stream
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            done = None
+        hyper_of, scale = e.optimizer.hyper_of(), self._spec_scale
+
+        def run():
+            if done is not None:
+                done.synchronize()
+            e.grads.ready(unit)
+            if not e.unit_optimizer.speculate(unit, e.params.staged_out_bytes(unit)):
+                e.unit_optimizer.prefetch(unit)
+                return
+            self._spec_hyper[unit.index] = list(hyper_of(unit))
+            self._update([unit], hyper_of, scale, drain=False, keep_grads=True, speculative=True)
+        threads.hand(threads.OPTIMIZER, e.grads, e.params, e.unit_optimizer)  # [Note: thread ownership]
+        self.early.append(self._optim_thread.submit(run))
+
+    def cancel_speculation(self) -> None:
+        """[Note: speculative step] A call that changes the window after speculated updates (another
+        backward, zero_grad, p.grad = ..., engine.synchronize: checkpoints, state_dicts): wait for
+        them, undo them, reopen the window's gradients. Nothing if the window did not speculate."""
+        if not self._speculating:
+            return
+        self._speculating = False
+        self.wait_early_steps()
+        self._roll_back(skip=True)
+        self.engine.grads.reopen()
+
+    def _roll_back(self, skip: bool) -> int:
+        """Undo every speculated update of the window (after its futures were waited); `skip`: the
+        staged parameters are dropped (the redo, if any, writes them again). Returns bytes moved."""
+        e = self.engine
+        indices = e.unit_optimizer.speculated
+        moved = e.unit_optimizer.roll_back()
+        for i in indices:
+            e.params.drop_out(e.units[i])
+        self._spec_hyper.clear()
+        return moved
+
+    def _validate(self, factor: float, overflow: bool) -> "tuple[set[int], bool | None]":
+        """[Note: speculative step] After the window's norm: commit the speculated updates if the step
+        would have made exactly them, else roll them back. Returns (units committed, rolled back?:
+        None when nothing was speculated) and reports to the profiler."""
+        e = self.engine
+        if not self._speculating:
+            return set(), None
+        self._speculating = False
+        opt = e.unit_optimizer
+        indices = opt.speculated
+        if not indices:
+            return set(), None
+        hyper_of = e.optimizer.hyper_of()
+        valid = (not overflow and factor == 1.0 and self._spec_scale == 1.0 / e.scaler.scale
+                 and all(list(hyper_of(e.units[i])) == self._spec_hyper.get(i) for i in indices))
+        undo_bytes = opt.undo_copy_bytes()
+        prof = e.profiler
+        if valid:
+            for i in indices:
+                e.grads.stepped(e.units[i])
+                e.params.commit(e.units[i])
+            opt.commit_speculation()
+            self._spec_hyper.clear()
+            if prof is not None:
+                prof.speculation(len(indices), 0, undo_bytes, 0, 0.0)
+            return set(indices), False
+        start = time.perf_counter()
+        moved = self._roll_back(skip=True)
+        moved += sum(opt.layout.state_bytes(e.units[i].shard_numel) for i in indices
+                     if opt.locs[i] is Location.NVME)  # read again for the redo
+        self._rollback_started = (start, len(indices), undo_bytes, moved)
+        return set(), True
+
     # ------------------------------------------------------------ the step, both loops
 
     def step(self) -> bool:
@@ -336,13 +433,15 @@ class Window:
         pending = e.grads.ready_all()  # units stepped early are STEPPED already
         inv_scale = 1.0 / e.scaler.scale
         overflow = not math.isfinite(total_norm)
+        factor = self.user_clip  # [Note: the user's clipping], then train.max_grad_norm on what it left
+        if e.cfg.train.max_grad_norm is not None and not overflow:
+            factor *= min(1.0, e.cfg.train.max_grad_norm / (total_norm * factor + 1e-6))
         if overflow and e.scaler.dynamic:
+            _, rolled_back = self._validate(factor, overflow)
+            self._rolled_back(rolled_back)
             e.scaler.update(overflow=True)
             e.unit_optimizer.drop_prefetched()
             return False
-        factor = self.user_clip  # [Note: the user's clipping], then train.max_grad_norm on what it left
-        if e.cfg.train.max_grad_norm is not None:
-            factor *= min(1.0, e.cfg.train.max_grad_norm / (total_norm * factor + 1e-6))
         self.last_norm = total_norm
         loop = self.state
         self._to(S.APPLYING)  # the optimizer's step() counts for lr schedulers, and does nothing more
@@ -350,19 +449,36 @@ class Window:
             e.optimizer.step()
         finally:
             self._to(loop)
-        self._update(pending, e.optimizer.hyper_of(), factor * inv_scale)
+        committed, rolled_back = self._validate(factor, overflow)  # [Note: speculative step]
+        self._update([u for u in pending if u.index not in committed], e.optimizer.hyper_of(), factor * inv_scale)
+        self._rolled_back(rolled_back)
         e.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
         e.scaler.update(overflow=False)
         e.global_steps += 1
         return True
 
-    def _update(self, units: list, hyper_of, grad_scale: float, drain: bool = True, keep_grads: bool = False) -> None:
-        """Adam on `units`; each one's new parameters are committed as soon as it is done."""
+    def _rolled_back(self, rolled_back: "bool | None") -> None:
+        """The window's speculation outcome to the policy and, for a rollback, to the profiler: units,
+        bytes, and the seconds from the rollback to the end of the redone update."""
+        self.speculation.outcome(rolled_back)
+        if not rolled_back:
+            return
+        start, units, undo_bytes, moved = self._rollback_started
+        prof = self.engine.profiler
+        if prof is not None:
+            prof.speculation(units, units, undo_bytes, moved, time.perf_counter() - start)
+
+    def _update(self, units: list, hyper_of, grad_scale: float, drain: bool = True, keep_grads: bool = False,
+                speculative: bool = False) -> None:
+        """Adam on `units`; each one's new parameters are committed as soon as it is done, unless
+        `speculative` ([Note: speculative step]: staged until the window is validated)."""
         e = self.engine
-        for unit in e.unit_optimizer.step(units, e.grads.shard, e.params.out_buffer, hyper_of, grad_scale,
+        out_of = e.params.staged_out if speculative else e.params.out_buffer
+        for unit in e.unit_optimizer.step(units, e.grads.shard, out_of, hyper_of, grad_scale,
                                           drain, got_of=e.grads.got, keep_grads=keep_grads):
-            e.grads.stepped(unit)
-            e.params.commit(unit)
+            if not speculative:
+                e.grads.stepped(unit)
+                e.params.commit(unit)
 
     # ------------------------------------------------------------ errors ([Note: a step is all or nothing])
 
@@ -403,6 +519,9 @@ class Window:
             optimizer.finish()
         except BaseException:  # noqa: BLE001 - the error being raised already tells the story
             pass
+        if self._speculating:  # [Note: speculative step]: undone, so the failure leaves no unit updated
+            self._speculating = False
+            self._roll_back(skip=True)
         optimizer.drop_prefetched()  # a retry reads afresh, never a stale failure (#24)
 
     def refuse_if_closed(self, what: str) -> None:
@@ -449,6 +568,7 @@ class Window:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Engine.zero_grad."""
         self.refuse_if_closed("engine.zero_grad()")
+        self.cancel_speculation()
         if self.updated() and self.state is not S.BROKEN:
             raise ZerotierError("zero_grad() after a backward whose update already started (train.early_step = "
                                 "true applies the window's update during its last backward, so its gradients "
@@ -491,7 +611,10 @@ class Window:
             any(e.grads.has(u, k) for u in e.units for k in range(len(u.params)))
 
     def updated(self) -> bool:
-        """Some unit's update of this window already started (train.early_step, [Note: early step])."""
+        """Some unit's update of this window already started (train.early_step, [Note: early step]);
+        speculated updates do not count: they are undone on demand ([Note: speculative step])."""
+        if self._speculating:
+            return False
         return bool(self.early) or self.engine.unit_optimizer.applied != self._applied_before
 
     def gradient_assigned(self) -> None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -76,6 +77,22 @@ class Hyper(NamedTuple):
 
 
 HyperOf = Callable[[Unit], Sequence[Hyper]]  # a unit -> each of its parameters' Hyper, in unit.params order
+
+
+@dataclass
+class _Undo:
+    """What undoes one speculated unit's update ([Note: speculative step] in speculation.py)."""
+
+    unit: Unit
+    tier: Location          # where `held` bytes are counted (the allowance's tier)
+    held: int               # undo copies + the parameters' write-back buffer
+    copies: dict            # host/device state: key -> its pre-step bytes (pool block / device tensor)
+    steps: list[int]        # the parameters' step counts before the update
+    applied: int            # UnitOptimizer.applied before it
+
+
+def _nbytes(copy) -> int:
+    return copy.numel() if isinstance(copy, torch.Tensor) else copy.tensor.numel()
 
 
 class _Profiled:
@@ -143,6 +160,11 @@ class UnitOptimizer:
         # are materialized and cast.
         self._placing: collections.deque = collections.deque()  # (master block, write tickets), oldest first
         self._zeros = None  # host-pool block of zeros, the largest shard's size: every unit's initial moments
+        # [Note: speculative step] in speculation.py
+        self._file_version = [0] * len(units)   # which of a unit's two NVMe state file sets is current
+        self._undo: dict[int, _Undo] = {}        # speculated units of this window: what undoes them
+        self.undo_allowance = {Location.HOST: 0, Location.DEVICE: 0}  # undo bytes a window may hold, by tier
+        self._undo_held = {Location.HOST: 0, Location.DEVICE: 0}
 
     @staticmethod
     def grad_staging_bytes(largest_shard: int, grad_itemsize: int) -> int:
@@ -184,6 +206,88 @@ class UnitOptimizer:
         the pre-step files stay until the step is validated, so the new ones are a second copy."""
         return sum(-(-layout.nbytes(k, shard_numel) // alignment) * alignment for k in STATE_KEYS)
 
+    def _key(self, unit: Unit, key: str, shadow: bool = False) -> str:
+        """The NVMe key of `unit`'s state buffer `key`: the current file set, or with `shadow` the
+        other one, where a speculated update writes ([Note: speculative step])."""
+        version = self._file_version[unit.index] ^ shadow
+        return f"{unit.key}.{key}" if version == 0 else f"{unit.key}.{key}~1"
+
+    # ------------------------------------------------------------------ speculation ([Note: speculative step])
+
+    @owned(UPDATER)
+    def speculate(self, unit: Unit, out_bytes: int) -> bool:
+        """Make `unit`'s next update undoable, if the window's allowance holds its undo: host or
+        device state is copied aside (the undo copy), NVMe state keeps its files (the update writes
+        the other set). `out_bytes`: the bytes of the write-back buffer the speculated parameters
+        wait in until commit, held on the state's memory tier (0: they wait where they would
+        anyway). False: the unit is updated after the window's check instead."""
+        loc = self.locs[unit.index]
+        tier = Location.HOST if loc is Location.NVME else loc
+        n = unit.shard_numel
+        need = out_bytes + (0 if loc is Location.NVME else self.layout.for_unit(unit).state_bytes(n))
+        if self._undo_held[tier] + need > self.undo_allowance[tier]:
+            return False
+        copies = {}
+        if loc is not Location.NVME:
+            live = self._state[unit.index]
+            for k in STATE_KEYS:
+                if loc is Location.DEVICE:
+                    copies[k] = self.device_tier.alloc(live[k].shape, torch.uint8, f"{unit.key}.{k} undo")
+                    copies[k].copy_(live[k])
+                else:
+                    copies[k] = self.host_pool.alloc(live[k].numel(), torch.uint8, f"{unit.key}.{k} undo")
+                    copies[k].tensor.copy_(live[k])
+        self._undo_held[tier] += need
+        self._undo[unit.index] = _Undo(unit, tier, need, copies, list(self.steps[unit.index]), self.applied)
+        return True
+
+    @property
+    def speculated(self) -> list[int]:
+        """Indices of the units speculated in this window."""
+        return list(self._undo)
+
+    def undo_copy_bytes(self) -> int:
+        """Bytes copied aside for this window's undo copies."""
+        return sum(sum(_nbytes(c) for c in u.copies.values()) for u in self._undo.values())
+
+    @owned(UPDATER)
+    def commit_speculation(self) -> None:
+        """The window's check agreed: the speculated updates stand. Their NVMe writes must have
+        landed (the caller waited: `finish()`); each unit's new file set becomes current."""
+        for index, undo in self._undo.items():
+            if self.locs[index] is Location.NVME:
+                self._file_version[index] ^= 1
+            self._free_undo(undo)
+        self._undo.clear()
+
+    @owned(UPDATER)
+    def roll_back(self) -> int:
+        """The window's check disagreed: every speculated unit gets its state and step counts back,
+        exactly. NVMe writes in flight are waited (their files are the discarded set; a write error
+        there is dropped with them). Returns the bytes moved (memory restores)."""
+        try:
+            self._drain_writes()
+        except Exception:  # noqa: BLE001 - the discarded files' writes: nothing reads them
+            pass
+        self.drop_prefetched()
+        moved = 0
+        if self._undo:  # the count before the window's first speculated update (some may not have begun)
+            self.applied = min(undo.applied for undo in self._undo.values())
+        for index, undo in self._undo.items():
+            for k, copy in undo.copies.items():
+                src = copy if isinstance(copy, torch.Tensor) else copy.tensor
+                self._state[index][k].copy_(src)
+                moved += src.numel()
+            self.steps[index] = undo.steps
+            self._free_undo(undo)
+        self._undo.clear()
+        return moved
+
+    def _free_undo(self, undo: "_Undo") -> None:
+        self._undo_held[undo.tier] -= undo.held
+        for copy in undo.copies.values():
+            self.device_tier.free(copy) if isinstance(copy, torch.Tensor) else self.host_pool.free(copy)
+
     # ------------------------------------------------------------------ place
 
     @owned(UPDATER)
@@ -193,20 +297,20 @@ class UnitOptimizer:
         [Note: initial NVMe writes] NVMe: the writes are left in flight; finish_place() waits."""
         n = unit.shard_numel
         loc = self.locs[unit.index]
-        layout = self.layout
+        layout = self.layout.for_unit(unit)  # [Note: small parameters keep fp32 moments]
         if loc is Location.NVME:
             moment_bytes = layout.nbytes("exp_avg", n)
             if self._zeros is None or self._zeros.tensor.numel() < moment_bytes:
                 self._finish_placing(0)  # writes in flight read the old zeros block
                 if self._zeros is not None:
                     self.host_pool.free(self._zeros)
-                largest = max(u.shard_numel for u in self._nvme_units)
-                self._zeros = self.host_pool.alloc(layout.nbytes("exp_avg", largest), torch.uint8, "optimizer.zeros")
+                largest = max(self.layout.for_unit(u).nbytes("exp_avg", u.shard_numel) for u in self._nvme_units)
+                self._zeros = self.host_pool.alloc(largest, torch.uint8, "optimizer.zeros")
                 self._zeros.tensor.zero_()
             block = self.host_pool.alloc(layout.nbytes("master", n), torch.uint8, f"{unit.key}.master")
             layout.encode("master", master, block.tensor)
             zeros = self._zeros.tensor[:moment_bytes]  # aligned, with the room of the largest shard after it
-            self._placing.append((block, [self.store.write(f"{unit.key}.{k}", block if k == "master" else zeros)
+            self._placing.append((block, [self.store.write(self._key(unit, k), block if k == "master" else zeros)
                                           for k in STATE_KEYS]))
             self._finish_placing(self.depth)
             return
@@ -312,7 +416,7 @@ class UnitOptimizer:
         for k in range(len(steps)):
             if got is None or k in got:
                 steps[k] += 1
-        n, layout = unit.shard_numel, self.layout
+        n, layout = unit.shard_numel, self.layout.for_unit(unit)
         master, exp_avg, exp_avg_sq = (layout.typed(k, raw[k], n) for k in STATE_KEYS)
         if grad.device != master[0].device:
             grad = grad.to(master[0].device)
@@ -355,7 +459,7 @@ class UnitOptimizer:
         if master.device.type == "cpu":  # `out` is host memory too (ParamStore.out_buffer): one native call
             cpu_adam_ranges(unit.index, unit.shard_lo, (master, None), (exp_avg, avg_absmax),
                             (exp_avg_sq, sq_absmax), grad, out, ranges, simd=self.cfg.simd, threads=self.threads,
-                            **common)
+                            layout=self.layout.for_unit(unit), **common)
             return
         for a, b, step, h in ranges:  # fp32 state (the constructor refuses compact state on an accelerator)
             kwargs = dict(step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
@@ -371,8 +475,9 @@ class UnitOptimizer:
     # ------------------------------------------------------------------ NVMe pipeline
 
     def _make_sets(self) -> None:
-        largest = max(u.shard_numel for u in self._nvme_units)  # the planner's staging_bytes figure
-        self._sets = [{k: self.host_pool.alloc(self.layout.nbytes(k, largest), torch.uint8, f"optimizer staging {k}")
+        largest = {k: max(self.layout.for_unit(u).nbytes(k, u.shard_numel) for u in self._nvme_units)
+                   for k in STATE_KEYS}
+        self._sets = [{k: self.host_pool.alloc(largest[k], torch.uint8, f"optimizer staging {k}")
                        for k in STATE_KEYS} for _ in range(self.depth)]
         self._free_sets.extend(range(self.depth))
 
@@ -405,18 +510,21 @@ class UnitOptimizer:
 
     def _set_views(self, slot: int, unit: Unit) -> dict:
         """The set's blocks as this unit's state: pool buffers sized to the shard, padded room after."""
-        return {k: buf.tensor[: self.layout.nbytes(k, unit.shard_numel)] for k, buf in self._sets[slot].items()}
+        layout = self.layout.for_unit(unit)
+        return {k: buf.tensor[: layout.nbytes(k, unit.shard_numel)] for k, buf in self._sets[slot].items()}
 
     def _io(self, unit: Unit, bufs: dict, reason: str) -> list:
         """Submit reads or writes of a unit's three state tensors; tickets carry profiler info."""
         read = reason == "optimizer-read"
-        tickets = [(self.store.read(f"{unit.key}.{k}", bufs[k], padded=True) if read
-                    else self.store.write(f"{unit.key}.{k}", bufs[k])) for k in STATE_KEYS]
+        shadow = not read and unit.index in self._undo  # [Note: speculative step]: the old files stay
+        tickets = [(self.store.read(self._key(unit, k), bufs[k], padded=True) if read
+                    else self.store.write(self._key(unit, k, shadow), bufs[k])) for k in STATE_KEYS]
         if self.profiler is None:
             return tickets
         start = time.perf_counter_ns()
         src, dst = ("nvme", "host") if read else ("host", "nvme")
-        return [_Profiled(t, f"{unit.key}.{k}", k, src, dst, self.layout.nbytes(k, unit.shard_numel), reason, start)
+        layout = self.layout.for_unit(unit)
+        return [_Profiled(t, f"{unit.key}.{k}", k, src, dst, layout.nbytes(k, unit.shard_numel), reason, start)
                 for t, k in zip(tickets, STATE_KEYS)]
 
     def _wait(self, tickets: list) -> None:
@@ -466,17 +574,17 @@ class UnitOptimizer:
     def read_state(self, unit: Unit, keys: tuple[str, ...] = STATE_KEYS) -> dict[str, torch.Tensor]:
         """fp32 `keys` (master, exp_avg, exp_avg_sq) of a unit's shard: the live tensors for fp32 state
         on host or device, else fp32 copies on the CPU (decoded: [Note: optimizer state layout])."""
-        n = unit.shard_numel
+        n, layout = unit.shard_numel, self.layout.for_unit(unit)
         if self.locs[unit.index] is not Location.NVME:
             raw = self._state[unit.index]
-            if self.layout.exact:
-                return {k: self.layout.typed(k, raw[k], n)[0] for k in keys}
-            return {k: self.layout.decode(k, raw[k].cpu(), n) for k in keys}
+            if layout.exact:
+                return {k: layout.typed(k, raw[k], n)[0] for k in keys}
+            return {k: layout.decode(k, raw[k].cpu(), n) for k in keys}
         out = {}
         for k in keys:
-            raw = torch.empty(self.layout.nbytes(k, n), dtype=torch.uint8)
-            self.store.read(f"{unit.key}.{k}", raw).wait()
-            out[k] = self.layout.typed(k, raw, n)[0] if self.layout.exact else self.layout.decode(k, raw, n)
+            raw = torch.empty(layout.nbytes(k, n), dtype=torch.uint8)
+            self.store.read(self._key(unit, k), raw).wait()
+            out[k] = layout.typed(k, raw, n)[0] if layout.exact else layout.decode(k, raw, n)
         return out
 
     def iter_state(self, units: list[Unit], alignment: int) -> Iterator[tuple[Unit, dict[str, torch.Tensor]]]:
@@ -487,14 +595,14 @@ class UnitOptimizer:
         is yielded as it lives in its pool blocks (aligned and padded already: no copy); the caller
         may write only the padding."""
         def issue(unit: Unit):
-            n = unit.shard_numel
+            n, layout = unit.shard_numel, self.layout.for_unit(unit)
             loc = self.locs[unit.index]
             if loc is Location.HOST:
                 return self._state[unit.index], []
-            bufs = {k: aligned_empty(self.layout.nbytes(k, n), alignment)[: self.layout.nbytes(k, n)]
+            bufs = {k: aligned_empty(layout.nbytes(k, n), alignment)[: layout.nbytes(k, n)]
                     for k in STATE_KEYS}
             if loc is Location.NVME:
-                return bufs, [self.store.read(f"{unit.key}.{k}", bufs[k], padded=True) for k in STATE_KEYS]
+                return bufs, [self.store.read(self._key(unit, k), bufs[k], padded=True) for k in STATE_KEYS]
             for k in STATE_KEYS:
                 bufs[k].copy_(self._state[unit.index][k])
             return bufs, []
@@ -530,24 +638,24 @@ class UnitOptimizer:
         self.drop_prefetched()
         self.steps[unit.index] = [steps] * len(unit.params) if isinstance(steps, int) else list(steps)
         keys = [k for k in STATE_KEYS if k in state]
-        n = unit.shard_numel
+        n, layout = unit.shard_numel, self.layout.for_unit(unit)
         on_nvme = self.locs[unit.index] is Location.NVME
         for k in keys:
             live = None if on_nvme else self._state[unit.index][k]
             if encoded:
                 raw = state[k].contiguous()
-                if raw.dtype != torch.uint8 or raw.numel() != self.layout.nbytes(k, n):
-                    raise ValueError(f"write_state(encoded=True): {k} must be {self.layout.nbytes(k, n)} uint8 "
+                if raw.dtype != torch.uint8 or raw.numel() != layout.nbytes(k, n):
+                    raise ValueError(f"write_state(encoded=True): {k} must be {layout.nbytes(k, n)} uint8 "
                                      f"bytes, got {raw.numel()} {raw.dtype}")
                 if live is not None:
                     live.copy_(raw)
             elif live is not None:
-                self.layout.encode(k, state[k], live)
+                layout.encode(k, state[k], live)
             else:
-                raw = torch.empty(self.layout.nbytes(k, n), dtype=torch.uint8)
-                self.layout.encode(k, state[k], raw)
+                raw = torch.empty(layout.nbytes(k, n), dtype=torch.uint8)
+                layout.encode(k, state[k], raw)
             if on_nvme:
-                self.store.write(f"{unit.key}.{k}", raw).wait()
+                self.store.write(self._key(unit, k), raw).wait()
 
     def close(self) -> None:
         """Finish NVMe I/O in flight and give the staging sets back (the state stays readable). Idempotent."""
