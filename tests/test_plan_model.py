@@ -285,3 +285,11 @@ def test_cli_plan_rollback_rate(tmp_path, capsys):
     assert out["speculative"] is True and out["rollback_rate"] == 0.2
     assert cli.main(base + ["--rollback-rate", "2"]) == 1
     assert "rollback_rate must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_plan_api_takes_the_rollback_rate_and_the_config_speculative_step():
+    cfg = {"train": {"max_grad_norm": 1.0}, "tiers": {"device": "1GiB", "host": "1GiB", "nvme": 0}}
+    plan = zerotier.plan(tiny("meta"), cfg, rates={"cpu_adam": 1e9}, rollback_rate=0.05)
+    assert plan.speculative and plan.rollback_rate == 0.05 and sum(plan.speculation_undo_bytes.values()) > 0
+    cfg["train"]["speculative_step"] = False
+    assert not zerotier.plan(tiny("meta"), cfg, rates={"cpu_adam": 1e9}).speculative
