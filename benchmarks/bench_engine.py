@@ -125,7 +125,7 @@ def drive_bandwidth(nvme_dir: str, nbytes: int = 1 << 30) -> tuple[float, float]
 
     pool = HostPool(nbytes, pin=False)
     blocks = [pool.alloc(64 << 20) for _ in range(nbytes // (64 << 20))]
-    with NVMeStore(TiersConfig(nvme_path=nvme_dir), IOConfig()) as store:
+    with NVMeStore(TiersConfig(nvme_path=nvme_dir), IOConfig(), budget=2 * nbytes) as store:
         def timed(op) -> float:
             t0 = time.perf_counter()
             for ticket in [op(f"b{i}", b) for i, b in enumerate(blocks)]:

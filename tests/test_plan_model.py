@@ -200,13 +200,14 @@ SPEC_UNITS = [1000, 1000]
 SPEC_COMPUTE = UnitCompute((1.0, 1.0), (2.0, 2.0), (False, False))
 
 
-def spec_plan(host=10**6, nvme=0, offload=None, **step):
+def spec_plan(host=10**6, nvme=0, offload=None, world_size=1, **step):
     from zerotier.predict import StepOptions
 
     offload = offload or OffloadConfig(params="device", gradients="device", optimizer="host")
     return make_plan(SPEC_UNITS, TiersConfig(), offload, PrecisionConfig(), PrefetchConfig(), torch.device("cuda"),
                      budgets={"device": 10**6, "host": host, "nvme": nvme}, rates=SPEC_RATES,
-                     compute=SPEC_COMPUTE, step=StepOptions(**{"clip": True, **step}))
+                     compute=SPEC_COMPUTE, step=StepOptions(**{"clip": True, **step}), world_size=world_size,
+                     stage=2 if world_size > 1 else 0)
 
 
 def test_speculation_plan_predicts_commit_rollback_and_the_expected_step():
@@ -242,6 +243,13 @@ def test_speculation_takes_only_the_undo_copies_the_host_budget_leaves_room_for(
     assert not none.speculative and "no unit's undo copy fits" in none.speculation_note
     with pytest.raises(PlanDoesNotFit, match="no unit's undo copy fits"):
         spec_plan(host=off.need["host"] + 100, speculative=True)
+
+
+def test_speculation_is_off_with_several_ranks():
+    """The engine speculates at one rank only (its reduced shards land at the end of backward)."""
+    plan = spec_plan(world_size=2, speculative=True)
+    assert not plan.speculative and "2 ranks" in plan.speculation_note
+    assert plan.speculation_undo_bytes == {"host": 0, "device": 0}
 
 
 def test_speculation_auto_follows_clipping_and_the_dynamic_scale():

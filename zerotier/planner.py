@@ -704,6 +704,9 @@ def _speculation(step: StepOptions, placement: dict[str, Location], units_on: tu
     why = "clipping" if step.clip else "a dynamic loss scale" if step.dynamic_scale else None
     if wanted is False:
         return _Speculation(False, "off (train.speculative_step = false)")
+    if s.world_size > 1:  # the engine speculates at one rank only ([Note: speculative step] in speculation.py)
+        return _Speculation(False, f"off ({s.world_size} ranks: the reduced gradient shards land at the end of "
+                                   "backward, so nothing can be speculated during it)")
     if wanted == "auto" and why is None:
         return _Speculation(False, "off (auto: no clipping and no dynamic loss scale, nothing waits for the "
                                    "whole gradient)")
