@@ -14,6 +14,8 @@ Cases (`--cases`, in this order, which is also their priority under `--time-limi
   zt-opt-host            zerotier: optimizer on host (params on device, gradients on host)
   ds-z2-offload          DeepSpeed ZeRO-Offload stage 2: offload_optimizer cpu, pinned, DeepSpeedCPUAdam
   zt-opt-host-early      zt-opt-host with train.early_step (Adam during the last backward)
+  zt-opt-host-spec       zt-opt-host with train.speculative_step = true (Adam during the last backward,
+                         undone when --clip fires: issue 25); the other zerotier cases keep its default, auto
   zt-params-host         zerotier: params + optimizer on host
   ds-z3-offload          DeepSpeed stage 3: offload_param + offload_optimizer cpu, pinned
   torchao-offload        torchao CPUOffloadOptimizer(AdamW, fused), offload_gradients=False
@@ -75,6 +77,8 @@ CASES = {
     "ds-z2-offload": ("deepspeed", {"stage": 2, "offload_optimizer": "cpu"}),
     "zt-opt-host-early": ("zerotier", {"offload": {"params": "device", "gradients": "host", "optimizer": "host"},
                                        "early_step": True}),
+    "zt-opt-host-spec": ("zerotier", {"offload": {"params": "device", "gradients": "host", "optimizer": "host"},
+                                      "speculative_step": True}),
     "zt-params-host": ("zerotier", {"offload": {"params": "host", "gradients": "host", "optimizer": "host"}}),
     "ds-z3-offload": ("deepspeed", {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}),
     "torchao-offload": ("torchao", {"offload_gradients": False}),
@@ -264,7 +268,9 @@ def zerotier_config(settings: dict, args, device) -> dict:
         "precision": {"param_dtype": "bf16"},
         "optimizer": {**HPARAMS, "betas": list(HPARAMS["betas"]), "threads": args.threads},
         "train": {"max_grad_norm": args.clip, "grad_accum_steps": args.accum,
-                  "early_step": bool(settings.get("early_step")), "handle_signals": False, "device": str(device)},
+                  "early_step": bool(settings.get("early_step")),
+                  "speculative_step": settings.get("speculative_step", "auto"),
+                  "handle_signals": False, "device": str(device)},
         "profile": {"enabled": True},
     }
 
