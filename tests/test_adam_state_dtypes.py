@@ -271,6 +271,40 @@ def test_native_quantization_at_the_map_midpoints(level, signed):
         assert torch.equal(results[0]["exp_avg"], quantize_blockwise(values, True)[0])
 
 
+
+@pytest.mark.parametrize("level", NATIVE_LEVELS)
+@pytest.mark.parametrize("signed", [True, False], ids=["exp_avg", "exp_avg_sq"])
+def test_native_quantization_near_the_midpoints_at_any_block_scale(level, signed):
+    """[Note: 8-bit code search]: the kernels take the code of x * (1/absmax) and redo a
+    vector with the division only where a value lies within a few bit patterns of a midpoint.
+    Blocks with absmax from 2^-60 to 2^60 (and one subnormal, where 1/absmax overflows) hold
+    values within +-12 patterns of midpoint * absmax: every code equals the reference's."""
+    gen = torch.Generator().manual_seed(5)
+    mid = _kernels._QMAPS[1 if signed else 3][:255]
+    blocks = 96
+    scales = torch.exp2(torch.randint(-60, 61, (blocks,), generator=gen).float()) * (1 + torch.rand(blocks, generator=gen))
+    scales[0] = 1e-40  # subnormal absmax
+    picks = mid[torch.randint(0, 255, (blocks, QUANT_BLOCK - 1), generator=gen)]
+    values = (picks * scales[:, None]).contiguous()
+    offsets = torch.randint(-12, 13, values.shape, generator=gen, dtype=torch.int32)
+    values = (values.view(torch.int32) + offsets * (values.abs() > 1e-30)).view(torch.float32)  # no sign flips
+    values = torch.maximum(torch.minimum(values, scales[:, None]), -scales[:, None])
+    last = scales if not signed else torch.where(torch.rand(blocks, generator=gen) < 0.5, -scales, scales)
+    values = torch.cat([values, last[:, None]], dim=1).view(-1)  # each block's absmax is its scale
+    if not signed:
+        values = values.abs()
+    n = values.numel()
+    grad = values if signed else values.sqrt()  # beta2 = 0: v = g*g, within an ulp or so of the value
+    results = []
+    for lvl in ("python", level):
+        state = {"master": torch.zeros(n), "exp_avg_absmax": torch.zeros(blocks), "exp_avg_sq_absmax": torch.zeros(blocks),
+                 "exp_avg": torch.zeros(n, dtype=torch.uint8), "exp_avg_sq": torch.zeros(n, dtype=torch.uint8)}
+        results.append(step_state(state, grad, lvl, seed=0, beta1=0.0, beta2=0.0, lr=0.0, weight_decay=0.0)[0])
+    assert_same_bits(results[1], results[0])
+    codes = results[0]["exp_avg" if signed else "exp_avg_sq"]
+    assert codes.unique().numel() > 200  # the values cover the map
+
+
 # [Note: small parameters keep fp32 moments]: a unit of parameters of 300, 64, 5000, 10 and
 # 4133 elements: fp32 moments for [0, 364) and [5364, 5374), two int8 runs with block tails
 SMALL_AND_LARGE = [300, 64, 5000, 10, 4096 + 37]

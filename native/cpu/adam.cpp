@@ -36,6 +36,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <memory>
 #include <vector>
 
 #include "cpu/threadpool.h"
@@ -80,12 +82,18 @@ namespace {
 
 constexpr int64_t QB = ZT_QUANT_BLOCK;
 
+struct QIndex;  // [Note: 8-bit code search]
+
 struct Coef {
   float lr, b1, b2, one_minus_b1, one_minus_b2, eps, wd, decay, step_size, inv_bc2_sqrt, scale;
   bool decoupled;
   bool plain;  // fp32 master and moments: the kernels skip the dtype dispatch
   const float *map_m, *mid_m, *map_v, *mid_v;  // exp_avg: signed, exp_avg_sq: unsigned
+  const QIndex *qi_m = nullptr, *qi_v = nullptr;  // the midpoints' indexes (8-bit moments only)
 };
+
+// A kernel steps elements [begin, end) of one buffer; begin is a block start.
+using Kernel = int64_t (*)(const ZtAdamArgs&, const Coef&, int64_t, int64_t);
 
 Coef make_coef(const ZtAdamArgs& a) {
   Coef c;
@@ -284,6 +292,152 @@ inline float absmax_scalar(const float* x, int64_t len) {
 // The block scale a block is divided by: its absmax, or 1 for an all-zero (or NaN) block.
 inline float block_scale(float absmax) { return absmax > 0.0f ? absmax : 1.0f; }
 
+// [Note: 8-bit code search] The SIMD kernels find quantize_scalar's code without the
+// binary search's eight dependent table reads (gathers, microcoded on AMD Zen: ~35 cycles
+// per 8 lanes each). An fp32 x orders like its bits: for x >= 0 the magnitude bits
+// a = bits(x) & 0x7fffffff grow with x, for x < 0 they grow as x falls. A QIndex cuts the
+// magnitudes [lo, hi) into buckets of 2^shift consecutive bit patterns, per sign, with at
+// most one midpoint (a "threshold") in each, so one table read per lane gives the code:
+//   code = count + (key > threshold)
+// count: the midpoints below every x of the bucket other than its threshold; key: a's
+// offset in the bucket (inverted for x < 0, where a larger magnitude is a smaller x).
+// Magnitudes below lo (no midpoint there) share bucket 0, those >= hi (above every
+// midpoint: +-1, inf) the last one; a NaN is code 0. The lookup is exact for every float.
+// The division x / scale that the code is taken of is replaced by x * (1/scale) where
+// that cannot change the code: with 1/scale a normal float, the product is within 3 units
+// in the last place (ulps) of the quotient, i.e. within kQMargin - 1 bit patterns (both
+// are rounded once from x/scale and 1/scale, each relatively off by at most 2^-24), so
+// the two codes differ only when a threshold lies within kQMargin patterns of the
+// product. The index is laid out so that no threshold is that close to a bucket edge
+// (`recip`), so only the bucket's own threshold can be: a vector with such a lane is
+// redone with the division (about 1 in 4000 vectors on random data).
+constexpr int32_t kQMargin = 8;
+constexpr int32_t kQMaxBuckets = 1 << 14;  // per sign
+
+struct QIndex {
+  float mid[255];  // the midpoints it indexes (the cache's key)
+  int32_t lo = 0, hi = 0, shift = 0, mask = 0, nb = 0;  // nb: buckets per sign, the last one for >= hi
+  bool recip = false;  // laid out for x * (1/scale): no threshold within kQMargin of an edge
+  std::vector<int32_t> entries;  // [sign][bucket]: count << 24 | has threshold << 23 | threshold key
+};
+
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// The code of xn by the index (what the SIMD kernels compute per lane).
+inline uint32_t qindex_code(const QIndex& q, float xn) {
+  if (xn != xn) return 0;
+  uint32_t u = f32_bits(xn), neg = u >> 31;
+  int32_t r = std::min(std::max((int32_t)(u & 0x7fffffffu), q.lo), q.hi) - q.lo;
+  uint32_t e = (uint32_t)q.entries[(r >> q.shift) + (neg ? q.nb : 0)];
+  int32_t key = (r & q.mask) ^ (neg ? q.mask : 0);
+  return (e >> 24) + (key > (int32_t)(e & (uint32_t)q.mask));
+}
+
+// Lays out q for buckets of 2^shift patterns from magnitude `lo`; false if a bucket would
+// hold two thresholds of one sign, the table would be too large, or (with `margin`) a
+// threshold lies within kQMargin of a bucket edge.
+bool qindex_layout(QIndex& q, const int32_t* mag, const bool* neg, int shift, int32_t lo, bool margin) {
+  const int32_t size = 1 << shift, mask = size - 1;
+  int32_t tmax = 0;
+  for (int k = 0; k < 255; ++k) tmax = std::max(tmax, mag[k]);
+  // hi: the first edge above every threshold (by more than the margin)
+  int64_t span = (int64_t)tmax + kQMargin + 1 - lo;
+  int64_t hi = lo + (span + mask) / size * size;
+  if (hi > 0x7f800000 || (hi - lo) / size + 1 > kQMaxBuckets) return false;
+  for (int k = 0; k < 255; ++k) {
+    int32_t low = (mag[k] - lo) & mask;
+    if (margin && (low < kQMargin || low > size - kQMargin)) return false;
+    // thresholds of one sign are sorted by magnitude (ascending for x > 0, descending for x < 0)
+    if (k > 0 && neg[k] == neg[k - 1] && (mag[k] - lo) >> shift == (mag[k - 1] - lo) >> shift) return false;
+  }
+  q.lo = lo;
+  q.hi = (int32_t)hi;
+  q.shift = shift;
+  q.mask = mask;
+  q.nb = (int32_t)((hi - lo) >> shift) + 1;
+  q.recip = margin;
+  q.entries.assign(2 * (size_t)q.nb, 0);
+  auto below = [&](float x) {  // #{k : mid[k] < x}
+    return (int32_t)(std::lower_bound(q.mid, q.mid + 255, x) - q.mid);
+  };
+  for (int s = 0; s < 2; ++s) {
+    for (int32_t b = 0; b < q.nb; ++b) {
+      int64_t first = (int64_t)lo + (int64_t)b * size;  // the bucket's smallest magnitude pattern
+      int64_t last = b + 1 < q.nb ? first + mask : 0x7f800000;  // its largest (the last: up to inf)
+      // count: the midpoints below the bucket's smallest x, x0 (its threshold, if any, is not:
+      // it lies at or above x0)
+      float x0 = s ? -bits_f32((uint32_t)last) : bits_f32((uint32_t)first);
+      int32_t count = below(x0), entry = mask;  // no threshold: key > mask never holds
+      for (int k = 0; k < 255; ++k) {
+        if (neg[k] != (s == 1) || mag[k] < first || mag[k] > last) continue;
+        int32_t low = (int32_t)(mag[k] - first);
+        entry = (1 << 23) | (s ? low ^ mask : low);
+      }
+      q.entries[(size_t)s * q.nb + b] = (int32_t)((uint32_t)count << 24) | entry;
+    }
+  }
+  return true;
+}
+
+// Builds the index of 255 sorted midpoints; q.entries stays empty (the kernels then run the
+// binary search) for tables it cannot index: unsorted, NaN, a zero or infinite midpoint.
+void qindex_build(QIndex& q, const float* mid) {
+  memcpy(q.mid, mid, sizeof q.mid);
+  int32_t mag[255];
+  bool neg[255];
+  int32_t tmin = 0x7f800000;
+  for (int k = 0; k < 255; ++k) {
+    if (!(mid[k] == mid[k]) || mid[k] == 0.0f || std::isinf(mid[k]) || (k > 0 && !(mid[k - 1] < mid[k]))) return;
+    uint32_t u = f32_bits(mid[k]);
+    mag[k] = (int32_t)(u & 0x7fffffffu);
+    neg[k] = u >> 31;
+    tmin = std::min(tmin, mag[k]);
+  }
+  // Largest buckets first; for each size, bucket 0 starts up to one bucket below the
+  // smallest threshold (in sixteenths), until no threshold is near an edge.
+  bool found = false;
+  for (int shift = 22; shift >= 0 && !found; --shift)
+    for (int j = 0; j < 16 && !found; ++j) {
+      int64_t lo = (int64_t)tmin - kQMargin - 1 - (int64_t)j * ((1 << shift) / 16);
+      found = lo >= 0 && qindex_layout(q, mag, neg, shift, (int32_t)lo, true);
+    }
+  for (int shift = 22; shift >= 0 && !found; --shift) found = qindex_layout(q, mag, neg, shift, tmin - 1, false);
+  if (!found) return;
+  // Self-check against the binary search at every threshold, one pattern either side, and
+  // the edges of the indexed range (cheap; an index that fails is not used).
+  auto check = [&](float x) { return qindex_code(q, x) == quantize_scalar(x, 1.0f, mid); };
+  const float specials[] = {0.0f, -0.0f, 1.0f, -1.0f, INFINITY, -INFINITY, bits_f32((uint32_t)q.lo),
+                            -bits_f32((uint32_t)q.lo), bits_f32((uint32_t)q.hi), -bits_f32((uint32_t)q.hi)};
+  bool ok = true;
+  for (float x : specials) ok = ok && check(x);
+  for (int k = 0; k < 255 && ok; ++k)
+    for (int d = -1; d <= 1; ++d) ok = ok && check(bits_f32(f32_bits(mid[k]) + d));
+  if (!ok) q.entries.clear();
+}
+
+// The index of `mid` (255 midpoints), built once per thread and table: the kernels read
+// it; nullptr-free, but with empty entries where the table cannot be indexed.
+std::shared_ptr<const QIndex> qindex_for(const float* mid) {
+  thread_local std::vector<std::shared_ptr<const QIndex>> cache;  // no lock: one per calling thread
+  for (const auto& q : cache)
+    if (memcmp(q->mid, mid, sizeof q->mid) == 0) return q;
+  auto q = std::make_shared<QIndex>();
+  qindex_build(*q, mid);
+  if (cache.size() >= 8) cache.erase(cache.begin());
+  cache.push_back(q);
+  return q;
+}
+
 // Re-quantizes block `blk` of an 8-bit moment from its new fp32 values x[0, len).
 void quantize_block_scalar(const float* x, int64_t len, uint8_t* codes, float* absmax, const float* mid) {
   float mx = absmax_scalar(x, len);
@@ -383,43 +537,47 @@ inline void vstore_bf16_sr(uint16_t* dst, F p, uint64_t counter) {
 inline void vstore_f16(uint16_t* dst, F p) {
   _mm_storeu_si128((__m128i*)dst, _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
 }
+// Table reads by scalar loads: vgatherdps is microcoded on AMD Zen 1/2 (about 35 cycles
+// per 8 lanes, measured), 8 loads and inserts take about 10.
 inline F vdequant(const uint8_t* codes, const float* map, F absmax) {
-  __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)codes));
-  return _mm256_mul_ps(_mm256_i32gather_ps(map, idx, 4), absmax);
+  F x = _mm256_setr_ps(map[codes[0]], map[codes[1]], map[codes[2]], map[codes[3]], map[codes[4]], map[codes[5]],
+                       map[codes[6]], map[codes[7]]);
+  return _mm256_mul_ps(x, absmax);
 }
-// The binary search's first five levels read at most 16 distinct midpoints: they are held
-// in registers and picked by permutes; only the last three levels gather from memory
-// (gathers are slow on AMD Zen: one per ~10-20 cycles).
-struct QTree {
-  F top, l64, l32, l16, l8lo, l8hi;  // mid[127]; mid[pos+63]; mid[pos+31]; mid[pos+15]; mid[pos+7]
-  const float* mid;
-  explicit QTree(const float* m) : mid(m) {
-    top = _mm256_set1_ps(m[127]);
-    l64 = _mm256_setr_ps(m[63], m[191], 0, 0, 0, 0, 0, 0);
-    l32 = _mm256_setr_ps(m[31], m[95], m[159], m[223], 0, 0, 0, 0);
-    l16 = _mm256_setr_ps(m[15], m[47], m[79], m[111], m[143], m[175], m[207], m[239]);
-    l8lo = _mm256_setr_ps(m[7], m[23], m[39], m[55], m[71], m[87], m[103], m[119]);
-    l8hi = _mm256_setr_ps(m[135], m[151], m[167], m[183], m[199], m[215], m[231], m[247]);
-  }
+struct QLookup {  // a QIndex's constants, broadcast
+  __m256i lo, hi, nb, mask, margin;
+  __m128i shift;
+  const int32_t* entries;
+  explicit QLookup(const QIndex& q)
+      : lo(_mm256_set1_epi32(q.lo)), hi(_mm256_set1_epi32(q.hi)), nb(_mm256_set1_epi32(q.nb)),
+        mask(_mm256_set1_epi32(q.mask)), margin(_mm256_set1_epi32(kQMargin)), shift(_mm_cvtsi32_si128(q.shift)),
+        entries(q.entries.data()) {}
 };
-inline __m256i vstep(__m256i pos, F m, F xn, int s) {  // pos += s where m < xn
-  __m256i lt = _mm256_castps_si256(_mm256_cmp_ps(m, xn, _CMP_LT_OQ));
-  return _mm256_add_epi32(pos, _mm256_and_si256(lt, _mm256_set1_epi32(s)));
-}
-inline void vquantize(uint8_t* codes, F x, F scale, const QTree& t) {
-  F xn = _mm256_div_ps(x, scale);
-  __m256i pos = vstep(_mm256_setzero_si256(), t.top, xn, 128);
-  pos = vstep(pos, _mm256_permutevar8x32_ps(t.l64, _mm256_srli_epi32(pos, 7)), xn, 64);
-  pos = vstep(pos, _mm256_permutevar8x32_ps(t.l32, _mm256_srli_epi32(pos, 6)), xn, 32);
-  pos = vstep(pos, _mm256_permutevar8x32_ps(t.l16, _mm256_srli_epi32(pos, 5)), xn, 16);
-  __m256i i8 = _mm256_srli_epi32(pos, 4);  // 0..15: the low 3 bits pick a lane, bit 3 the register
-  F hi = _mm256_castsi256_ps(_mm256_slli_epi32(i8, 28));  // bit 3 -> sign bit, for blendv
-  pos = vstep(pos, _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.l8lo, i8), _mm256_permutevar8x32_ps(t.l8hi, i8), hi),
-              xn, 8);
-  for (int s = 4; s >= 1; s >>= 1)
-    pos = vstep(pos, _mm256_i32gather_ps(t.mid, _mm256_add_epi32(pos, _mm256_set1_epi32(s - 1)), 4), xn, s);
-  __m128i w = vpack16(pos);
+// Stores the codes of xn (qindex_code per lane, [Note: 8-bit code search]). CHECK: stores
+// nothing and returns false if a lane lies within kQMargin patterns of its threshold.
+template <bool CHECK>
+inline bool vcodes(uint8_t* codes, F xn, const QLookup& t) {
+  __m256i u = _mm256_castps_si256(xn);
+  __m256i neg = _mm256_srai_epi32(u, 31);
+  __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  __m256i r = _mm256_sub_epi32(_mm256_min_epi32(_mm256_max_epi32(a, t.lo), t.hi), t.lo);
+  __m256i idx = _mm256_add_epi32(_mm256_srl_epi32(r, t.shift), _mm256_and_si256(neg, t.nb));
+  alignas(32) int32_t ix[W];
+  _mm256_store_si256((__m256i*)ix, idx);
+  const int32_t* E = t.entries;
+  __m256i e = _mm256_setr_epi32(E[ix[0]], E[ix[1]], E[ix[2]], E[ix[3]], E[ix[4]], E[ix[5]], E[ix[6]], E[ix[7]]);
+  __m256i key = _mm256_xor_si256(_mm256_and_si256(r, t.mask), _mm256_and_si256(neg, t.mask));
+  __m256i thr = _mm256_and_si256(e, t.mask);
+  if (CHECK) {
+    __m256i near = _mm256_cmpgt_epi32(t.margin, _mm256_abs_epi32(_mm256_sub_epi32(key, thr)));
+    __m256i has = _mm256_srai_epi32(_mm256_slli_epi32(e, 8), 31);  // bit 23
+    if (!_mm256_testz_si256(near, has)) return false;
+  }
+  __m256i code = _mm256_sub_epi32(_mm256_srli_epi32(e, 24), _mm256_cmpgt_epi32(key, thr));
+  code = _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(xn, xn, _CMP_UNORD_Q)), code);
+  __m128i w = vpack16(code);
   _mm_storel_epi64((__m128i*)codes, _mm_packus_epi16(w, w));
+  return true;
 }
 inline float vabsmax(const float* x, int64_t len) {  // absmax_scalar's result
   F mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
@@ -503,19 +661,38 @@ inline F vdequant(const uint8_t* codes, const float* map, F absmax) {
   __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)codes));
   return _mm512_mul_ps(_mm512_i32gather_ps(idx, map, 4), absmax);
 }
-struct QTree {  // the AVX-512 search gathers every level
-  const float* mid;
-  explicit QTree(const float* m) : mid(m) {}
+struct QLookup {  // a QIndex's constants, broadcast
+  __m512i lo, hi, nb, mask, margin;
+  __m128i shift;
+  const int32_t* entries;
+  explicit QLookup(const QIndex& q)
+      : lo(_mm512_set1_epi32(q.lo)), hi(_mm512_set1_epi32(q.hi)), nb(_mm512_set1_epi32(q.nb)),
+        mask(_mm512_set1_epi32(q.mask)), margin(_mm512_set1_epi32(kQMargin)), shift(_mm_cvtsi32_si128(q.shift)),
+        entries(q.entries.data()) {}
 };
-inline void vquantize(uint8_t* codes, F x, F scale, const QTree& t) {
-  const float* mid = t.mid;
-  F xn = _mm512_div_ps(x, scale);
-  __m512i pos = _mm512_setzero_si512();
-  for (int s = 128; s >= 1; s >>= 1) {
-    F m = _mm512_i32gather_ps(_mm512_add_epi32(pos, _mm512_set1_epi32(s - 1)), mid, 4);
-    pos = _mm512_mask_add_epi32(pos, _mm512_cmp_ps_mask(m, xn, _CMP_LT_OQ), pos, _mm512_set1_epi32(s));
+// The AVX2 vcodes with 16 lanes and mask registers; the table is read by a gather (fast on
+// the Intel CPUs that have AVX-512).
+template <bool CHECK>
+inline bool vcodes(uint8_t* codes, F xn, const QLookup& t) {
+  __m512i u = _mm512_castps_si512(xn);
+  __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
+  __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  __m512i r = _mm512_sub_epi32(_mm512_min_epi32(_mm512_max_epi32(a, t.lo), t.hi), t.lo);
+  __m512i b = _mm512_srl_epi32(r, t.shift);
+  __m512i idx = _mm512_mask_add_epi32(b, neg, b, t.nb);
+  __m512i e = _mm512_i32gather_epi32(idx, t.entries, 4);
+  __m512i low = _mm512_and_si512(r, t.mask);
+  __m512i key = _mm512_mask_xor_epi32(low, neg, low, t.mask);
+  __m512i thr = _mm512_and_si512(e, t.mask);
+  if (CHECK) {
+    __mmask16 near = _mm512_cmpgt_epi32_mask(t.margin, _mm512_abs_epi32(_mm512_sub_epi32(key, thr)));
+    if (near & _mm512_test_epi32_mask(e, _mm512_set1_epi32(1 << 23))) return false;
   }
-  _mm_storeu_si128((__m128i*)codes, _mm512_cvtepi32_epi8(pos));
+  __m512i count = _mm512_srli_epi32(e, 24);
+  __m512i code = _mm512_mask_add_epi32(count, _mm512_cmpgt_epi32_mask(key, thr), count, _mm512_set1_epi32(1));
+  code = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(xn, xn, _CMP_ORD_Q), code);  // NaN: code 0
+  _mm_storeu_si128((__m128i*)codes, _mm512_cvtepi32_epi8(code));
+  return true;
 }
 inline float vabsmax(const float* x, int64_t len) {
   F mx = _mm512_setzero_ps();
@@ -538,12 +715,10 @@ inline float vabsmax(const float* x, int64_t len) {
 
 namespace {
 
-using Kernel = int64_t (*)(const ZtAdamArgs&, const Coef&, int64_t, int64_t);
-
-Kernel pick_kernel(int simd) {
+Kernel pick_kernel(const ZtAdamArgs& a, int simd) {
 #ifdef ZT_X86
-  if (simd >= ZT_SIMD_AVX512) return avx512::adam_simd;
-  if (simd >= ZT_SIMD_AVX2) return avx2::adam_simd;
+  if (simd >= ZT_SIMD_AVX512) return avx512::pick(a);
+  if (simd >= ZT_SIMD_AVX2) return avx2::pick(a);
 #endif
   return adam_scalar;
 }
@@ -599,13 +774,22 @@ int64_t adam_step_multi(const ZtAdamArgs* args, int64_t count) {
   std::vector<Coef> coefs;
   std::vector<Kernel> kernels;
   std::vector<int64_t> starts;  // starts[t] = first global index of buffer t
+  std::vector<std::shared_ptr<const QIndex>> qindexes;  // what the coefs point to, alive until the end
   coefs.reserve(count);
   kernels.reserve(count);
   starts.reserve(count + 1);
   int64_t acc = 0;
   for (int64_t t = 0; t < count; ++t) {
     coefs.push_back(make_coef(args[t]));
-    kernels.push_back(pick_kernel(args[t].simd == ZT_SIMD_AUTO ? supported : args[t].simd));
+    if (args[t].exp_avg_dtype == ZT_Q8) {
+      qindexes.push_back(qindex_for(coefs[t].mid_m));
+      coefs[t].qi_m = qindexes.back().get();
+    }
+    if (args[t].exp_avg_sq_dtype == ZT_Q8) {
+      qindexes.push_back(qindex_for(coefs[t].mid_v));
+      coefs[t].qi_v = qindexes.back().get();
+    }
+    kernels.push_back(pick_kernel(args[t], args[t].simd == ZT_SIMD_AUTO ? supported : args[t].simd));
     starts.push_back(acc);
     acc += args[t].n;
   }
