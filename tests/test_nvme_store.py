@@ -1,6 +1,7 @@
 """NVMeStore: run directory lifecycle, one-file-per-shard layout, round trips, budget."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -452,3 +453,128 @@ def test_nvme_auto_budget_is_the_planners_per_rank_share(tmp_path, monkeypatch):
         assert engine.store.budget == engine.plan.budgets["nvme"]
     with pytest.raises(ValueError, match=r"tiers\.nvme = 'auto' is resolved by planner\.resolve_budgets"):
         NVMeStore(TiersConfig(nvme="auto", nvme_path=str(tmp_path)), IOConfig())
+
+
+# ---------------------------------- the write path's order ([Note: new swap files are preallocated],
+# ----------------------------------                            [Note: the checksum beside the write])
+
+def _on_submit(store, record):
+    """Wrap the engine's write: `record(fd)` runs as each request is submitted."""
+    submit = store.engine.write
+
+    def write(fd, buf, offset, path=""):
+        record(fd)
+        return submit(fd, buf, offset, path)
+
+    store.engine.write = write
+
+
+def test_a_new_file_has_its_blocks_before_its_write_is_submitted(store):
+    """A new file written as it grows is written one request at a time (io_uring hands writes
+    past the end of a file to its io-wq workers, one at a time per file); fallocate'd, it is
+    written inside the file. The rewrite of a key goes to a new file too, the third write of it
+    to the recycled one (already allocated)."""
+    seen = []
+    _on_submit(store, lambda fd: seen.append((os.fstat(fd).st_size, os.fstat(fd).st_blocks * 512)))
+    x = rand(10_000, torch.float32)  # 40000 B -> a 40960 B file
+    for _ in range(3):
+        store.write("k", x).wait()
+    assert seen == [(40960, 40960)] * 3
+    out = torch.empty_like(x)
+    store.read("k", out).wait()
+    assert torch.equal(out, x) and store.stats()["reuses"] == 1
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EOPNOTSUPP])
+def test_preallocation_refused(store, monkeypatch, tmp_path, code):
+    """A disk too full for a new file fails its write before any data goes out, naming the file,
+    and leaves the old version; a filesystem that cannot preallocate has the file grow as written."""
+    import ctypes
+
+    import zerotier.tiers.nvme as nvme_mod
+
+    old, new = rand(3000, torch.float32, 1), rand(3000, torch.float32, 2)
+    store.write("k", old).wait()
+
+    def refuse(fd, mode, offset, length):
+        ctypes.set_errno(code)
+        return -1
+
+    monkeypatch.setattr(nvme_mod, "_FALLOCATE", refuse)
+    submitted = []
+    _on_submit(store, submitted.append)
+    out = torch.empty_like(old)
+    if code == errno.EOPNOTSUPP:
+        store.write("k", new).wait()
+        store.read("k", out).wait()
+        assert torch.equal(out, new) and len(submitted) == 1
+        return
+    with pytest.raises(TierIOError, match="No space left") as ei:
+        store.write("k", new)
+    assert ".tmp" in str(ei.value) and f"free space on {tmp_path}" in str(ei.value)
+    assert submitted == [] and store.used == 12288
+    store.read("k", out).wait()
+    assert torch.equal(out, old)
+    assert sorted(p.name for p in store.run_dir.iterdir() if p.suffix != ".json") == [".lock", "k.swp"]
+
+
+def test_the_checksum_is_taken_while_the_write_is_in_flight(store, monkeypatch):
+    """The write is submitted first, its checksum taken beside it; the index keeps that checksum
+    (a zeroed file fails its next read) even when another thread sees the write complete first."""
+    import threading
+
+    import crc32c
+
+    order = []
+    _on_submit(store, lambda fd: order.append("submit"))
+    started, release = threading.Event(), threading.Event()
+
+    def slow_crc(data):
+        order.append("checksum")
+        started.set()
+        release.wait(10)
+        return crc32c.crc32c(data)
+
+    monkeypatch.setattr(store, "_checksum", slow_crc)
+    x = rand(10_000, torch.float32)
+    tickets = []
+    writer = threading.Thread(target=lambda: tickets.append(store.write("k", x)))
+    writer.start()
+    assert started.wait(10)
+    assert order == ["submit", "checksum"]
+    seen = []
+    waiter = threading.Thread(target=lambda: seen.append(store.nbytes("k")))  # waits for the write
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and seen == []  # the write is done on disk, its commit waits for the checksum
+    release.set()
+    writer.join(10)
+    waiter.join(10)
+    assert seen == [x.nbytes] and tickets[0].wait() == x.nbytes
+    swap_file(store, "k").write_bytes(bytes(40960))
+    with pytest.raises(TierIOError, match="checksum mismatch"):
+        store.read("k", torch.empty_like(x)).wait()
+
+
+def test_a_checksum_interrupted_discards_its_write(store, monkeypatch):
+    """A Ctrl-C while the checksum is taken: the write in flight is discarded (never committed
+    without its checksum), the old version stays and the store stays usable."""
+    old = rand(3000, torch.float32, 1)
+    store.write("k", old).wait()
+
+    def interrupted(data):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "_checksum", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.write("k", rand(3000, torch.float32, 2))
+    monkeypatch.undo()
+    out = torch.empty_like(old)
+    store.read("k", out).wait()  # waits for the discarded write, then reads the old version
+    assert torch.equal(out, old) and store.used == 12288 and store.stats()["errors"] == 1
+    assert sorted(p.name for p in store.run_dir.iterdir() if p.suffix != ".json") == [".lock", "k.swp"]
+    still = rand(5000, torch.float32, 3)
+    store.write("k", still).wait()
+    out = torch.empty_like(still)
+    store.read("k", out).wait()
+    assert torch.equal(out, still)
