@@ -588,10 +588,14 @@ class ParamStore:
         else:  # home is memory on the other side of the host/device link
             home = self._shard_home(unit)
             tensor = _tensor(out)
-            copy = self.device_tier.copy_h2d if home.device.type != "cpu" else self.device_tier.copy_d2h
-            ticket = copy(home, tensor)
-            self._joins.append(ticket)
-            self._keep.append((out, ticket))
+            if home.device.type == tensor.device.type:  # a staged buffer on the home's side (staged_out): no link
+                home.copy_(tensor)
+                self._keep.append((out, None))
+            else:
+                copy = self.device_tier.copy_h2d if home.device.type != "cpu" else self.device_tier.copy_d2h
+                ticket = copy(home, tensor)
+                self._joins.append(ticket)
+                self._keep.append((out, ticket))
         if token is not None:
             prof.end(token, copy=ticket if self.loc is not Location.NVME else None)
 
