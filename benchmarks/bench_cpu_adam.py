@@ -2,7 +2,10 @@
 
 Every figure in a run is measured in that run (this machine is noisy; compare
 ratios, not absolutes across runs). Throughput is millions of parameters updated
-per second, median of --repeats timed steps after one warm-up.
+per second, median of --repeats timed steps after one warm-up, the implementations
+alternating within each round. The machine's load average is printed before and after:
+on a shared 2-core VM another process's load slows whichever implementation it overlaps,
+so a ratio measured at load > cores is only an indication.
 
     python benchmarks/bench_cpu_adam.py            # full: 100M, 500M, 200x1M, mixed 100M, state dtypes 50M
     python benchmarks/bench_cpu_adam.py --quick    # 10M flat, 20x1M, mixed 10M, state dtypes 10M
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 
@@ -149,14 +153,20 @@ def state_fns(n: int, threads: int) -> dict:
     return fns
 
 
-def report_states(rows: dict, n: int, bytes_per_param: dict) -> None:
-    print(f"\n== state dtypes ({n / 1e6:.0f}M params, fp32 grads) ==")
+def report_states(rows: dict, n: int, bytes_per_param: dict, threads: int) -> None:
+    print(f"\n== state dtypes ({n / 1e6:.0f}M params, fp32 grads, {threads} threads) ==")
     base = rows["torch fused (fp32 state)"]
-    print(f"  {'implementation':40s} {'Mparams/s':>10s} {'vs torch fused':>15s} {'B/param moved':>14s} {'GB/s':>6s}")
+    print(f"  {'implementation':40s} {'Gparam/s':>9s} {'vs torch fused':>15s} {'B/param moved':>14s} {'GB/s':>6s}")
     for label, seconds in rows.items():
         moved = bytes_per_param[label]
-        print(f"  {label:40s} {n / seconds / 1e6:10.0f} {base / seconds:14.2f}x {moved:14.2f} "
+        print(f"  {label:40s} {n / seconds / 1e9:9.3f} {base / seconds:14.2f}x {moved:14.2f} "
               f"{moved * n / seconds / 1e9:6.1f}")
+
+
+def load() -> str:
+    """The 1/5/15-minute load averages and the cores, as `uptime` shows them."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} cores"
 
 
 def deepspeed_step(params):
@@ -202,6 +212,7 @@ def main(argv=None):
     flat_sizes = [10_000_000] if args.quick else [100_000_000, 500_000_000]
     print(f"threads={threads}  simd levels={levels}  torch {torch.__version__}  "
           f"median of {args.repeats} round-robin samples")
+    print(f"before: {load()}")
     try:
         import deepspeed  # noqa: F401
     except Exception as exc:  # noqa: BLE001
@@ -217,7 +228,8 @@ def main(argv=None):
         free()
     n = args.state_size or (10_000_000 if args.quick else 50_000_000)
     fns = state_fns(n, threads)
-    report_states(interleaved(fns, args.repeats), n, {k: f.bytes_per_param for k, f in fns.items()})
+    report_states(interleaved(fns, args.repeats), n, {k: f.bytes_per_param for k, f in fns.items()}, threads)
+    print(f"after: {load()}")
 
 
 if __name__ == "__main__":

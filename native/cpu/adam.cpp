@@ -564,6 +564,7 @@ inline bool vcodes(uint8_t* codes, F xn, const QLookup& t) {
   __m256i idx = _mm256_add_epi32(_mm256_srl_epi32(r, t.shift), _mm256_and_si256(neg, t.nb));
   alignas(32) int32_t ix[W];
   _mm256_store_si256((__m256i*)ix, idx);
+  asm("" : "+m"(ix));  // read the indices back from memory: cheaper on Zen than 8 extracts
   const int32_t* E = t.entries;
   __m256i e = _mm256_setr_epi32(E[ix[0]], E[ix[1]], E[ix[2]], E[ix[3]], E[ix[4]], E[ix[5]], E[ix[6]], E[ix[7]]);
   __m256i key = _mm256_xor_si256(_mm256_and_si256(r, t.mask), _mm256_and_si256(neg, t.mask));
