@@ -143,6 +143,9 @@ class TrainConfig(_Section):
     # Adam during the last backward even with clipping / a dynamic loss scale, undone when the global
     # check disagrees ([Note: speculative step] in speculation.py). auto: on when either is set
     speculative_step: bool | Literal["auto"] = "auto"
+    # the update of each window runs during the next one, which reads weights one step stale (ZeRO-Offload's
+    # DPU): not the same training ([Note: delayed update] in delayed.py)
+    delayed_update: bool = False
     device: str = "auto"                   # auto | cpu | cuda | cuda:N (see zerotier/device.py)
     wrap: Literal["auto"] | tuple[str, ...] = "auto"  # unit boundaries: auto | module class names (state.py)
     handle_signals: bool = True            # SIGTERM/SIGINT stop at a step boundary ([Note: graceful stop])

@@ -46,7 +46,7 @@ from .hooks import ModuleHooks
 from .state import DTYPES, Location, build_units, nested_numel
 from .surface import ParamSurface
 from .window import Window, WindowState
-from . import clip, stop
+from . import clip, delayed, stop
 from .tiers.device import DeviceTier
 from .tiers.host import HostPool, trim_heap
 
@@ -99,6 +99,7 @@ class Engine:
                               step=StepOptions.of(cfg),  # clipping, accumulation, speculation
                               materialize_bytes=materialize_pool_bytes(self.param_units, self.lp_dtype,
                                                                        cfg.io.alignment))
+        delayed.refuse(cfg, self.plan, self.world_size)  # [Note: delayed update]: before anything is placed
         placement = self.plan.placement
         self.store = None
         if Location.NVME in placement.values():
@@ -345,6 +346,7 @@ class Engine:
         issued but not consumed (e.g. before loading new weights), write-backs."""
         self.window.cancel_speculation()  # [Note: speculative step]: the state as before the window's update
         self.window.wait_early_steps()
+        self.window.finish_delayed("engine.synchronize()")  # [Note: delayed update]: published, the delay ends
         self.unit_optimizer.drop_prefetched()
         self.params.synchronize()
 

@@ -50,6 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from . import threads
+from .delayed import DelayedUpdate
 from .device import enter as enter_device
 from .errors import ZerotierError
 from .speculation import SpeculationPolicy
@@ -125,12 +126,15 @@ class Window:
         # [Note: speculative step] in speculation.py
         train = engine.cfg.train
         # the plan resolved train.speculative_step ([Note: speculation in the plan] in planner.py)
-        self.speculation = SpeculationPolicy(train.speculative_step if engine.plan.speculative else False,
-                                             train.max_grad_norm is not None, engine.scaler.dynamic)
+        speculate = train.speculative_step if engine.plan.speculative and not train.delayed_update else False
+        self.speculation = SpeculationPolicy(speculate, train.max_grad_norm is not None, engine.scaler.dynamic)
         self._speculating = False           # this window's last backward updates units speculatively
         self._spec_hyper: dict[int, list] = {}  # unit index -> the Hyper its speculated update used
         self._spec_scale = 1.0              # the gradient scale speculated updates used (1 / loss scale)
         self._rollback_started: tuple | None = None  # a rollback's (start, units, undo bytes, bytes moved)
+        # [Note: delayed update] in delayed.py: the previous window's update, on the optimizer thread
+        self.delayed = DelayedUpdate(engine, self._optim_thread) if train.delayed_update else None
+        self._forward_in_window = False     # a training forward ran since the last window ended
 
     def _to(self, new: WindowState) -> None:
         self.state = check_transition(self.state, new, WINDOW_TRANSITIONS, "the accumulation window")
@@ -191,7 +195,7 @@ class Window:
             self._on_complete = self._start_speculative_step
             self._speculating = True
             self._spec_scale = 1.0 / e.scaler.scale
-        elif last_micro and not e.sharding.active:
+        elif last_micro and not e.sharding.active and self.delayed is None:
             self._on_complete = e.unit_optimizer.prefetch  # NVMe state reads start now
         self._to(S.ENGINE_BACKWARD)
         span = e.profiler.compute_begin("backward") if e.profiler is not None else None
@@ -222,6 +226,8 @@ class Window:
             why = "with several ranks the engine's backward decides when gradients are reduced"
         elif self.state is S.ENGINE_GRADS:
             why = "engine.backward(loss) was used in this window: one loop style per window"
+        elif self.delayed is not None:
+            why = "train.delayed_update runs each window's update during the next one, from engine.step()"
         if why is not None:
             raise ZerotierError(f"a plain loss.backward() cannot be exact here ({why}): call engine.backward(loss) "
                                 "and engine.step() after every micro-batch instead")
@@ -238,7 +244,9 @@ class Window:
 
     def on_root_forward(self) -> None:
         """A forward begins while a plain loss.backward() is still open: it died half-way (its end
-        never ran), so its gradients are partial."""
+        never ran), so its gradients are partial. A training forward opens the window for
+        finish_delayed ([Note: delayed update])."""
+        self._forward_in_window = self._forward_in_window or torch.is_grad_enabled()
         if self.state is S.PLAIN_BACKWARD:
             self.end_plain_backward()
             self._why = "a loss.backward() failed half-way through its gradients"
@@ -405,6 +413,10 @@ class Window:
                                 "loop (optimizer.step() belongs to the plain loss.backward() loop)")
         if self.state is not S.PLAIN_GRADS:
             return False  # no gradients: torch's optimizers do nothing either
+        if self.delayed is not None:
+            raise ZerotierError("engine.optimizer.step() with train.delayed_update = true: the delayed update runs "
+                                "each window's update during the next one, from engine.step(); call "
+                                "engine.backward(loss) and engine.step() after every micro-batch")
         try:
             self._apply()
         except BaseException as exc:
@@ -436,6 +448,8 @@ class Window:
         factor = self.user_clip  # [Note: the user's clipping], then train.max_grad_norm on what it left
         if e.cfg.train.max_grad_norm is not None and not overflow:
             factor *= min(1.0, e.cfg.train.max_grad_norm / (total_norm * factor + 1e-6))
+        if self.delayed is not None:
+            self._finish_delayed()  # [Note: delayed update]: the previous window's update is published
         if overflow and e.scaler.dynamic:
             _, rolled_back = self._validate(factor, overflow)
             self._rolled_back(rolled_back)
@@ -449,13 +463,44 @@ class Window:
             e.optimizer.step()
         finally:
             self._to(loop)
-        committed, rolled_back = self._validate(factor, overflow)  # [Note: speculative step]
-        self._update([u for u in pending if u.index not in committed], e.optimizer.hyper_of(), factor * inv_scale)
-        self._rolled_back(rolled_back)
-        e.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
+        if self.delayed is not None:  # [Note: delayed update]: this window's update runs during the next
+            self.delayed.launch(pending, e.optimizer.hyper_of(), factor * inv_scale)
+        else:
+            committed, rolled_back = self._validate(factor, overflow)  # [Note: speculative step]
+            self._update([u for u in pending if u.index not in committed], e.optimizer.hyper_of(),
+                         factor * inv_scale)
+            self._rolled_back(rolled_back)
+            e.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
         e.scaler.update(overflow=False)
         e.global_steps += 1
         return True
+
+    def _finish_delayed(self) -> None:
+        """[Note: delayed update] The update in flight lands and is published. Its failure breaks the
+        engine (some units were updated, others not): [Note: a step is all or nothing]."""
+        try:
+            self.delayed.finish()
+        except BaseException as exc:
+            self.mark_broken(f"the delayed update of the previous window failed ({type(exc).__name__}: {exc}) "
+                             "after some of its units were updated")
+            raise
+        self._applied_before = self.engine.unit_optimizer.applied
+
+    def finish_delayed(self, what: str, force: bool = False) -> None:
+        """engine.synchronize() and what calls it (checkpoints, state_dicts, weight reads and writes):
+        the pending delayed update lands and is published, ending the delay ([Note: delayed update]).
+        Refused between a window's training forward and its step (unless `force`: close)."""
+        if self.delayed is None or not self.delayed.pending:
+            return
+        if self._forward_in_window and not force and self.state is not S.BROKEN:
+            raise ZerotierError(f"{what} between a training forward and engine.step() with train.delayed_update = "
+                                "true: it would publish the previous window's update now, so this window's backward "
+                                "would re-fetch other weights than its forward used. Call it after engine.step() "
+                                "(or run that forward under torch.no_grad())")
+        if self.state is S.BROKEN:
+            self.delayed.drop()
+            return
+        self._finish_delayed()
 
     def _rolled_back(self, rolled_back: "bool | None") -> None:
         """The window's speculation outcome to the policy and, for a rollback, to the profiler: units,
@@ -489,7 +534,13 @@ class Window:
         gradients, which must be dropped (zero_grad) before training goes on."""
         self.quiesce()
         applied = self.engine.unit_optimizer.applied
-        if applied != self._applied_before:
+        if self.state is S.BROKEN:
+            return  # a delayed update that failed said so ([Note: delayed update])
+        if self.delayed is not None and self.delayed.error is not None:
+            self.mark_broken(f"the delayed update of the previous window failed ({type(self.delayed.error).__name__}: "
+                             f"{self.delayed.error}) after some of its units were updated")
+            self.delayed.drop()
+        elif applied != self._applied_before:
             self.mark_broken(f"{what} failed ({type(exc).__name__}: {exc}) after {applied - self._applied_before} "
                              "of the window's unit updates were applied, so some units hold new weights and others "
                              "old ones")
@@ -504,7 +555,10 @@ class Window:
 
     def quiesce(self) -> None:
         """Wait for every update started during backward, whatever it raises (a second Ctrl-C
-        included): none may still run once an error has reached the caller."""
+        included): none may still run once an error has reached the caller. A delayed update is
+        waited, not published ([Note: delayed update])."""
+        if self.delayed is not None:
+            self.delayed.wait()
         early, self.early = self.early, []
         for future in early:
             while True:
@@ -588,7 +642,10 @@ class Window:
         if self.state is not S.BROKEN:
             self._why = None
             self._to(S.IDLE)
-        self._applied_before = self.engine.unit_optimizer.applied
+        self._forward_in_window = False
+        # a delayed update in flight moves `applied` on the optimizer thread: counted as done
+        self._applied_before = self.delayed.applied_after if self.delayed is not None and self.delayed.pending \
+            else self.engine.unit_optimizer.applied
 
     def loaded(self) -> None:
         """A checkpoint was loaded: a consistent state again, in a new window."""
@@ -613,7 +670,7 @@ class Window:
     def updated(self) -> bool:
         """Some unit's update of this window already started (train.early_step, [Note: early step]);
         speculated updates do not count: they are undone on demand ([Note: speculative step])."""
-        if self._speculating:
+        if self._speculating or self.delayed is not None:  # a delayed update is the previous window's
             return False
         return bool(self.early) or self.engine.unit_optimizer.applied != self._applied_before
 
@@ -633,8 +690,13 @@ class Window:
     # ------------------------------------------------------------ the end
 
     def close(self) -> None:
-        """Every update in flight waited; from here on every training call is refused."""
+        """Every update in flight waited (a delayed one published); from here on every training call is
+        refused."""
         self.quiesce()
+        try:
+            self.finish_delayed("engine.close()", force=True)
+        except Exception:  # noqa: BLE001 - the step that waited for it would have raised it; close goes on
+            pass
         self._to(S.CLOSED)
 
     def shutdown(self) -> None:

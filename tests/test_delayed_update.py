@@ -1,0 +1,260 @@
+"""The delayed parameter update ([Note: delayed update] in zerotier/delayed.py, issue 25 item 3):
+each window's update runs during the next window, whose forward and backward read the weights one
+update behind. Not the same training as without it, so the reference is plain torch doing the same
+delayed math: the gradients of window k are kept, and applied (clip_grad_norm_ on them, then
+AdamW) at the step that ends window k+1, after that window's gradients were computed. The engine
+must match it within 1e-6 under each placement, with clipping and accumulation, and differ from
+the undelayed run (the forward really reads stale weights)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerotier
+from zerotier import delayed
+from zerotier.errors import ConfigError, ZerotierError
+from zerotier.models import TinyGPT, batches
+
+STEPS, ACCUM, CLIP, LR = 6, 2, 1.0, 3e-3
+VOCAB, SEQ, BATCH = 128, 16, 4
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return TinyGPT(vocab=VOCAB, dim=32, layers=2, heads=2, seq=SEQ)
+
+
+def reference_run(model, steps=STEPS, accum=ACCUM, clip=CLIP, delay=True, flush_after=None, device="cpu"):
+    """Plain torch. delay: apply each window's gradients one window late; flush_after: after that
+    window's step, apply the pending gradients at once (what engine.synchronize() does)."""
+    model.to(device)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+
+    def apply(grads):
+        for p, g in zip(params, grads):
+            p.grad = g
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        opt.zero_grad()
+
+    losses, pending = [], None
+    data = batches(VOCAB, SEQ, BATCH, steps * accum)
+    for step in range(steps):
+        total = 0.0
+        for _ in range(accum):
+            x, y = next(data)
+            loss = model(x.to(device), y.to(device))
+            (loss / accum).backward()
+            total += float(loss.detach())
+        losses.append(total / accum)
+        grads = [p.grad.clone() for p in params]
+        opt.zero_grad()
+        if not delay:
+            apply(grads)
+            continue
+        if pending is not None:
+            apply(pending)
+        pending = grads
+        if flush_after == step:
+            apply(pending)
+            pending = None
+    if pending is not None:  # the engine's parameters_fp32() publishes the last update too
+        apply(pending)
+    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+def config(tmp_path, offload=None, accum=ACCUM, clip=CLIP, **train):
+    return {"optimizer": {"lr": LR, "weight_decay": 0.01}, "offload": offload or {},
+            "tiers": {"nvme_path": str(tmp_path)},
+            "train": {"grad_accum_steps": accum, "max_grad_norm": clip, "delayed_update": True, **train}}
+
+
+def train(engine, data, steps, accum=ACCUM):
+    losses = []
+    for _ in range(steps):
+        total = 0.0
+        for _ in range(accum):
+            x, y = next(data)
+            loss = engine(x.to(engine.device), y.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            total += float(loss.detach())
+        losses.append(total / accum)
+    return losses
+
+
+def engine_run(tmp_path, offload=None, steps=STEPS, accum=ACCUM, clip=CLIP, device="cpu"):
+    cfg = config(tmp_path, offload, accum, clip)
+    cfg["train"]["device"] = device
+    with zerotier.initialize(make_model(), cfg) as engine:
+        assert engine.window.delayed is not None
+        losses = train(engine, batches(VOCAB, SEQ, BATCH, steps * accum), steps, accum)
+        placement = {k: v.value for k, v in engine.plan.placement.items()}
+        return losses, engine.parameters_fp32(), placement
+
+
+def assert_close(ours, ref, atol=1e-6, rtol=1e-6):
+    (losses, weights), (ref_losses, ref_weights) = ours, ref
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol)
+    assert weights.keys() == ref_weights.keys()
+    for key in ref_weights:
+        torch.testing.assert_close(weights[key], ref_weights[key], rtol=rtol, atol=atol, msg=key)
+
+
+PLACEMENTS = {
+    "optimizer-host": {"params": "device", "gradients": "device", "optimizer": "host"},
+    "optimizer-nvme": {"params": "device", "gradients": "host", "optimizer": "nvme"},
+    "params-host": {"params": "host", "gradients": "host", "optimizer": "host"},
+    "params-nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
+    "optimizer-split": {"params": "host", "gradients": "host", "optimizer": {"host": 0.5, "nvme": 0.5}},
+}
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_matches_the_delayed_reference(name, tmp_path):
+    """Clipping at 1.0 and accumulation over 2 micro-batches; 6 windows."""
+    ref = reference_run(make_model())
+    losses, weights, placement = engine_run(tmp_path, PLACEMENTS[name])
+    if not isinstance(PLACEMENTS[name]["optimizer"], dict):
+        assert placement == PLACEMENTS[name]
+    assert_close((losses, weights), ref)
+    undelayed = reference_run(make_model(), delay=False)
+    assert losses[0] == pytest.approx(undelayed[0][0], rel=1e-6)  # the first window reads the initial weights
+    assert abs(losses[2] - undelayed[0][2]) > 1e-4, "the forward read fresh weights: the update was not delayed"
+    assert list(tmp_path.iterdir()) == [], "the NVMe run directory must be removed on close"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["optimizer-host", "optimizer-nvme", "params-host"])
+def test_matches_the_delayed_reference_on_gpu(name, tmp_path):
+    """On CUDA (TF32 off, the reference on the GPU too): the gradient copy is a D2H copy, the update
+    runs on the CPU while the GPU computes the next window."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        ref = reference_run(make_model(), device="cuda")
+        losses, weights, placement = engine_run(tmp_path, PLACEMENTS[name], device="cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    assert placement == PLACEMENTS[name]
+    assert_close((losses, weights), ref)
+
+
+def test_one_micro_batch_without_clipping(tmp_path):
+    ref = reference_run(make_model(), accum=1, clip=None)
+    losses, weights, _ = engine_run(tmp_path, PLACEMENTS["optimizer-host"], accum=1, clip=None)
+    assert_close((losses, weights), ref)
+
+
+def test_a_checkpoint_ends_the_delay_and_resumes_exactly(tmp_path):
+    """save_checkpoint publishes the pending update (the next window reads fresh weights), so the
+    run that saved and a run loaded from its checkpoint go on identically; both match the reference
+    that applies the pending gradients at the save."""
+    offload, split = PLACEMENTS["optimizer-nvme"], 3
+    root = tmp_path / "ckpt"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    data = batches(VOCAB, SEQ, BATCH, STEPS * ACCUM)
+    with zerotier.initialize(make_model(), config(tmp_path / "a", offload)) as engine:
+        losses = train(engine, data, split)
+        engine.save_checkpoint(root)
+        assert not engine.window.delayed.pending
+        losses += train(engine, data, STEPS - split)
+        saved_run = losses, engine.parameters_fp32()
+    data = batches(VOCAB, SEQ, BATCH, STEPS * ACCUM)
+    for _ in range(split * ACCUM):
+        next(data)
+    with zerotier.initialize(make_model(seed=1), config(tmp_path / "b", offload)) as engine:
+        engine.load_checkpoint(root)
+        resumed = train(engine, data, STEPS - split), engine.parameters_fp32()
+    assert resumed[0] == saved_run[0][split:]
+    for key, value in saved_run[1].items():
+        assert torch.equal(resumed[1][key], value), key
+    assert_close(saved_run, reference_run(make_model(), flush_after=split - 1))
+
+
+def test_an_overflowed_window_launches_nothing(tmp_path):
+    """fp16 with a dynamic scale of 2**40: the first windows overflow and are skipped; the update
+    pending from before an overflow is still published by it."""
+    cfg = config(tmp_path, {"params": "host", "optimizer": "host"}, accum=1, clip=None)
+    cfg["precision"] = {"param_dtype": "fp16", "loss_scale": "dynamic", "initial_scale_power": 40, "hysteresis": 1}
+    data = batches(VOCAB, SEQ, BATCH, 40)
+    with zerotier.initialize(make_model(), cfg) as engine:
+        applied = []
+        for x, y in data:
+            engine.backward(engine(x, y).float())
+            applied.append(engine.step())
+            assert engine.window.delayed.pending == applied[-1]
+            if len(applied) > 1 and applied[-2] and not applied[-1]:
+                break
+        assert not applied[0] and any(applied), applied
+        engine.synchronize()
+        assert engine.unit_optimizer.applied == applied.count(True) * len(engine.units)
+
+
+# ------------------------------------------------------------------ what it refuses (docs/errors.md)
+
+@pytest.mark.parametrize("train_keys,match", [
+    ({"early_step": True}, r"train\.delayed_update = true cannot run here: train\.early_step = true"),
+    ({"speculative_step": True}, r"train\.delayed_update = true cannot run here: train\.speculative_step = true"),
+])
+def test_delayed_update_refuses_updates_during_backward(train_keys, match, tmp_path):
+    with pytest.raises(ConfigError, match=match):
+        zerotier.initialize(make_model(), config(tmp_path, **train_keys))
+
+
+def test_delayed_update_refuses_gradients_on_nvme_and_optimizer_on_device(tmp_path):
+    model = make_model()
+    with pytest.raises(ConfigError, match=r"train\.delayed_update = true cannot run here: the gradients are on "
+                                          r"nvme \(offload\.gradients\)"):
+        zerotier.initialize(model, config(tmp_path, {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}))
+    with pytest.raises(ConfigError, match=r"train\.delayed_update = true cannot run here: the optimizer state is "
+                                          r"on the device \(offload\.optimizer\)"):
+        zerotier.initialize(model, config(tmp_path, {"params": "device", "optimizer": "device"}))
+    with zerotier.initialize(model, config(tmp_path, PLACEMENTS["params-host"], accum=1)) as engine:  # model intact
+        x, y = next(batches(VOCAB, SEQ, BATCH, 1))
+        engine.backward(engine(x, y))
+        assert engine.step()
+
+
+def test_delayed_update_refuses_several_ranks(tmp_path):
+    with zerotier.initialize(make_model(), config(tmp_path, PLACEMENTS["params-host"])) as engine:
+        cfg, plan = engine.cfg, engine.plan
+    with pytest.raises(ConfigError, match=r"train\.delayed_update = true cannot run here: 2 ranks"):
+        delayed.refuse(cfg, plan, world_size=2)
+
+
+def test_delayed_update_refuses_the_plain_loop(tmp_path):
+    with zerotier.initialize(make_model(), config(tmp_path, PLACEMENTS["params-host"], accum=1)) as engine:
+        x, y = next(batches(VOCAB, SEQ, BATCH, 1))
+        with pytest.raises(ZerotierError, match=r"a plain loss\.backward\(\) cannot be exact here "
+                                                r"\(train\.delayed_update runs"):
+            engine(x, y).backward()
+        engine.zero_grad()
+        p = next(engine.module.parameters())
+        p.grad = torch.ones_like(p)
+        with pytest.raises(ZerotierError, match=r"engine\.optimizer\.step\(\) with train\.delayed_update = true"):
+            engine.optimizer.step()
+
+
+def test_delayed_update_refuses_synchronize_between_forward_and_step(tmp_path):
+    with zerotier.initialize(make_model(), config(tmp_path, PLACEMENTS["params-host"], accum=1)) as engine:
+        data = batches(VOCAB, SEQ, BATCH, 3)
+        x, y = next(data)
+        engine.backward(engine(x, y))
+        engine.step()  # window 0's update is pending
+        x, y = next(data)
+        loss = engine(x, y)
+        with pytest.raises(ZerotierError, match=r"engine\.synchronize\(\) between a training forward and "
+                                                r"engine\.step\(\) with train\.delayed_update = true"):
+            engine.save_checkpoint(tmp_path / "ckpt")
+        engine.backward(loss)  # the window goes on, untouched
+        assert engine.step()
+        engine.synchronize()  # between windows: the delay ends
+        assert not engine.window.delayed.pending
+
+
+def test_the_key_is_off_by_default():
+    assert zerotier.config.Config().train.delayed_update is False
