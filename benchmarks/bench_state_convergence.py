@@ -6,7 +6,8 @@ losses relative to fp32 state (the target: within 2%). The final loss is the mea
 last `--tail` steps' losses (one step's loss is one batch's: noisier than the state's effect).
 
     python benchmarks/bench_state_convergence.py --steps 300 --plot docs/state-convergence.png
-    python benchmarks/bench_state_convergence.py --model both   # and a transformers Llama from config
+    python benchmarks/bench_state_convergence.py --model both --llama-steps 100   # and a transformers Llama
+    python benchmarks/bench_state_convergence.py --model both --seeds 0 1 2       # seeds: model init, batches
 
 The plot needs matplotlib (optional: without it the curves are printed only).
 tests/test_state_dtypes.py::test_compact_state_converges_like_fp32 runs a short version.
@@ -34,8 +35,8 @@ def demo_tokens() -> tuple[torch.Tensor, int]:
     return torch.tensor([chars.index(c) for c in text]), len(chars)
 
 
-def make_model(kind: str, vocab: int, seq: int) -> torch.nn.Module:
-    torch.manual_seed(0)
+def make_model(kind: str, vocab: int, seq: int, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
         return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
@@ -45,11 +46,13 @@ def make_model(kind: str, vocab: int, seq: int) -> torch.nn.Module:
 
 
 def loss_curve(master: str, moments: str, steps: int, *, kind: str = "tinygpt", seq: int = 32, batch: int = 16,
-               lr: float = 3e-3, offload: str = "host", nvme_path: str | None = None) -> list[float]:
-    """Each optimizer step's training loss with the given state dtypes (same model, seed and batches)."""
+               lr: float = 3e-3, offload: str = "host", nvme_path: str | None = None,
+               seed: int = 0) -> list[float]:
+    """Each optimizer step's training loss with the given state dtypes (same model, seed and batches:
+    `seed` initializes the model, seed + 1 draws the batches)."""
     data, vocab = demo_tokens()
-    model = make_model(kind, vocab, seq)
-    gen = torch.Generator().manual_seed(1)
+    model = make_model(kind, vocab, seq, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     cfg = {"optimizer": {"lr": lr, "weight_decay": 0.01}, "precision": {"master_dtype": master, "moment_dtype": moments},
            "offload": {"params": "device", "gradients": "device", "optimizer": offload}}
     if nvme_path is not None:
@@ -76,25 +79,33 @@ def final_loss(curve: list[float], tail: int) -> float:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=300, help="TinyGPT's steps (default 300)")
+    ap.add_argument("--llama-steps", type=int, default=100, help="the Llama's steps (default 100)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="model and batch seeds (default 0)")
     ap.add_argument("--tail", type=int, default=20, help="final loss: the mean of the last TAIL steps")
     ap.add_argument("--model", choices=("tinygpt", "llama", "both"), default="tinygpt",
                     help="TinyGPT, a small transformers Llama from config, or both (default tinygpt)")
     ap.add_argument("--plot", default=None, help="write the curves to this PNG (needs matplotlib)")
     args = ap.parse_args(argv)
     kinds = ["tinygpt", "llama"] if args.model == "both" else [args.model]
+    steps = {"tinygpt": args.steps, "llama": args.llama_steps}
     curves = {}
+    for seed in args.seeds:
+        for kind in kinds:
+            for master, moments in CHOICES:
+                curves[kind, master, moments, seed] = curve = loss_curve(master, moments, steps[kind], kind=kind,
+                                                                         seed=seed)
+                print(f"{kind} seed {seed} master {master} moments {moments}: "
+                      + " ".join(f"{v:.3f}" for v in curve[::25]), flush=True)
+    print(f"\nfinal loss (mean of the last {args.tail} steps), vs fp32 state (master fp32, moments fp32):")
+    print(f"  {'model':8s} {'steps':>5s} {'seed':>4s} {'master':6s} {'moments':7s} {'final':>7s} {'vs fp32':>8s}")
     for kind in kinds:
-        for master, moments in CHOICES:
-            curves[kind, master, moments] = curve = loss_curve(master, moments, args.steps, kind=kind)
-            print(f"{kind} master {master} moments {moments}: " + " ".join(f"{v:.3f}" for v in curve[::25]),
-                  flush=True)
-    print(f"\nfinal loss (mean of the last {args.tail} steps of {args.steps}), vs fp32 state:")
-    for kind in kinds:
-        base = final_loss(curves[kind, "fp32", "fp32"], args.tail)
-        for master, moments in CHOICES:
-            f = final_loss(curves[kind, master, moments], args.tail)
-            print(f"  {kind:8s} master {master} moments {moments}: {f:.4f} ({(f / base - 1) * 100:+.2f}%)")
+        for seed in args.seeds:
+            base = final_loss(curves[kind, "fp32", "fp32", seed], args.tail)
+            for master, moments in CHOICES:
+                f = final_loss(curves[kind, master, moments, seed], args.tail)
+                print(f"  {kind:8s} {steps[kind]:5d} {seed:4d} {master:6s} {moments:7s} {f:7.4f} "
+                      f"{(f / base - 1) * 100:+7.2f}%")
     if args.plot:
         try:
             import matplotlib
@@ -106,8 +117,9 @@ def main(argv=None) -> None:
         fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
         for ax, kind in zip(axes[0], kinds):
             for master, moments in CHOICES:
-                ax.plot(curves[kind, master, moments], label=f"master {master}, moments {moments}", linewidth=0.8)
-            ax.set_title(f"{kind} on the demo's text: optimizer-state dtypes")
+                ax.plot(curves[kind, master, moments, args.seeds[0]], label=f"master {master}, moments {moments}",
+                        linewidth=0.8)
+            ax.set_title(f"{kind} on the demo's text: optimizer-state dtypes (seed {args.seeds[0]})")
             ax.set_xlabel("optimizer step")
             ax.set_ylabel("training loss")
             ax.legend()

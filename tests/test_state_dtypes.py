@@ -60,6 +60,38 @@ def test_layout_sizes_and_bytes_per_param():
     assert torch.equal(compact.decode("exp_avg", raw, n), _kernels.dequantize_blockwise(codes, absmax, signed=True))
 
 
+def test_small_parameters_keep_fp32_moments_in_the_unit_layout():
+    """[Note: small parameters keep fp32 moments] A unit's int8 moments: runs of codes, each from a
+    block boundary, their block scales, then the small parameters' fp32 values, exactly; a
+    parameter's slice on another rank is fp32 or int8 as the whole parameter; resize to the padded
+    shard and back keeps every byte; fp32 and bf16 moments have no fp32 ranges."""
+    numels = [300, 64, 5000, 10, 4133]  # fp32: [0, 364) and [5364, 5374); runs of 5000 and 4133
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    n = sum(numels)
+    layout = StateLayout("bf16", "int8").for_params(numels, offsets, 0, n)
+    assert layout.fp32_ranges == ((0, 364), (5364, 5374))
+    blocks = -(-5000 // 256) + -(-4133 // 256)
+    assert layout.nbytes("exp_avg", n) == 20 * 256 + 4136 + 4 * blocks + 4 * 374
+    assert layout.nbytes("master", n) == 2 * n
+    assert StateLayout("bf16", "bf16").for_params(numels, offsets, 0, n).fp32_ranges == ()
+    assert StateLayout("bf16", "int8", fp32_below=0).for_params(numels, offsets, 0, n).nbytes("exp_avg", n) == \
+        StateLayout("bf16", "int8").nbytes("exp_avg", n)  # the layout without fp32 ranges
+    assert StateLayout("bf16", "int8").for_params(numels, offsets, 300, 5400).fp32_ranges == ((0, 64), (5064, 5074))
+    x = torch.randn(n)
+    raw = torch.full((layout.nbytes("exp_avg", n),), 7, dtype=torch.uint8)
+    layout.encode("exp_avg", x, raw)
+    got = layout.decode("exp_avg", raw, n)
+    assert torch.equal(got[:364], x[:364]) and torch.equal(got[5364:5374], x[5364:5374])
+    for a, b in ((364, 5364), (5374, n)):  # each run quantized in blocks from its own first element
+        codes, absmax = _kernels.quantize_blockwise(x[a:b], signed=True)
+        assert torch.equal(got[a:b], _kernels.dequantize_blockwise(codes, absmax, signed=True))
+    assert (raw[5000:5120] == 0).all()  # the gap after the first run's codes
+    padded = torch.empty(layout.nbytes("exp_avg", n + 100), dtype=torch.uint8)
+    back = torch.empty_like(raw)
+    layout.resize("exp_avg", layout.resize("exp_avg", raw, n, n + 100, padded), n + 100, n, back)
+    assert torch.equal(back, raw) and torch.equal(layout.decode("exp_avg", padded, n + 100)[n:], torch.zeros(100))
+
+
 def test_sr_seed_is_a_function_of_unit_and_step():
     assert sr_seed(3, 7) == sr_seed(3, 7)
     assert len({sr_seed(u, s) for u in range(20) for s in range(1, 50)}) == 20 * 49
@@ -76,17 +108,20 @@ def test_compact_state_lives_in_its_dtypes_and_resumes_exactly(offload, master, 
     with zerotier.initialize(make_model(), config(offload, tmp_path / "a", master, moments)) as engine:
         opt = engine.unit_optimizer
         assert opt.layout == layout
+        if moments == "int8":  # the norms and biases keep fp32 moments ([Note: small parameters keep fp32 moments])
+            assert any(layout.for_unit(u).fp32_ranges for u in engine.units)
         train(engine, 0, 3)
         engine.save_checkpoint(tmp_path / "ck")
         train(engine, 3, 3)
         expected = engine.parameters_fp32()
         for unit in engine.units:
-            n = unit.shard_numel
+            n, unit_layout = unit.shard_numel, layout.for_unit(unit)
             if offload is NVME:
                 assert [engine.store.nbytes(f"{unit.key}.{k}") for k in ("master", "exp_avg", "exp_avg_sq")] == \
-                    [layout.nbytes(k, n) for k in ("master", "exp_avg", "exp_avg_sq")]
+                    [unit_layout.nbytes(k, n) for k in ("master", "exp_avg", "exp_avg_sq")]
             else:
-                assert all(opt._state[unit.index][k].numel() == layout.nbytes(k, n) for k in opt._state[unit.index])
+                assert all(opt._state[unit.index][k].numel() == unit_layout.nbytes(k, n)
+                           for k in opt._state[unit.index])
     with zerotier.initialize(make_model(), config(offload, tmp_path / "b", master, moments)) as engine:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # same dtypes: nothing is lost, nothing is said
@@ -99,28 +134,33 @@ def test_compact_state_lives_in_its_dtypes_and_resumes_exactly(offload, master, 
 
 
 def test_compact_state_trains_like_the_reference_kernel(tmp_path):
-    """The engine's update is the kernel's on the unit's whole shard: bf16 master + int8 moments
-    after one step equal adam_step_reference on the same gradient, with the unit's seed."""
+    """The engine's update is the kernel's on the unit's shard: bf16 master + int8 moments after one
+    step equal adam_step_reference on the same gradient, with the unit's seed: the weight's int8
+    run (a block tail) and the bias's fp32 moments ([Note: small parameters keep fp32 moments]),
+    each seeded with its offset in the unit."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(300, 2, bias=False)  # one unit of 600 elements: a block tail
-    start = model.weight.detach().clone().reshape(-1)
-    x = torch.randn(8, 300)
+    model = torch.nn.Linear(1000, 5)  # one unit: weight 5000 elements (int8), bias 5 (fp32 moments)
+    start = torch.cat([model.weight.detach().reshape(-1), model.bias.detach()])
+    x = torch.randn(8, 1000)
     cfg = config(HOST, tmp_path, "bf16", "int8")
     cfg["train"] = {}
     with zerotier.initialize(model, cfg) as engine:
         engine.backward(engine(x).square().mean())
-        grad = model.weight.grad.detach().clone().reshape(-1)  # the gradient the step reads
+        grad = torch.cat([model.weight.grad.reshape(-1), model.bias.grad]).detach().clone()  # what the step reads
         engine.step()
+        assert engine.unit_optimizer.layout.for_unit(engine.units[0]).fp32_ranges == ((5000, 5005),)
         got = engine.unit_optimizer.read_state(engine.units[0])
     master = start.bfloat16()
-    m, v = torch.zeros(600, dtype=torch.uint8), torch.zeros(600, dtype=torch.uint8)
-    ma, va = torch.zeros(3), torch.zeros(3)
-    _kernels.adam_step_reference(master, m, v, grad, step=1, lr=3e-3, beta1=0.9, beta2=0.999,
-                                 eps=1e-8, weight_decay=0.01, exp_avg_absmax=ma, exp_avg_sq_absmax=va,
-                                 sr_seed=sr_seed(0, 1))
+    hyper = dict(step=1, lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    m, v, ma, va = torch.zeros(5000, dtype=torch.uint8), torch.zeros(5000, dtype=torch.uint8), torch.zeros(20), \
+        torch.zeros(20)
+    _kernels.adam_step_reference(master[:5000], m, v, grad[:5000], exp_avg_absmax=ma, exp_avg_sq_absmax=va,
+                                 sr_seed=sr_seed(0, 1), **hyper)
+    bias_m, bias_v = torch.zeros(5), torch.zeros(5)
+    _kernels.adam_step_reference(master[5000:], bias_m, bias_v, grad[5000:], sr_seed=sr_seed(0, 1) + 5000, **hyper)
     assert torch.equal(got["master"], master.float())
-    assert torch.equal(got["exp_avg"], _kernels.dequantize_blockwise(m, ma, signed=True))
-    assert torch.equal(got["exp_avg_sq"], _kernels.dequantize_blockwise(v, va, signed=False))
+    assert torch.equal(got["exp_avg"], torch.cat([_kernels.dequantize_blockwise(m, ma, signed=True), bias_m]))
+    assert torch.equal(got["exp_avg_sq"], torch.cat([_kernels.dequantize_blockwise(v, va, signed=False), bias_v]))
 
 
 @pytest.mark.parametrize("old,new,lossy", [
@@ -141,8 +181,8 @@ def test_checkpoints_convert_between_state_dtypes(old, new, lossy, tmp_path):
             engine.load_checkpoint(tmp_path / "ck")
         said = [str(w.message) for w in caught if "loses precision" in str(w.message)]
         assert (said == []) if lossy is None else (len(said) == 1 and lossy in said[0]), said
-        layout = StateLayout(*new)
         for unit in engine.units:
+            layout = StateLayout(*new).for_unit(unit)
             state = engine.unit_optimizer.read_state(unit)
             for k, values in saved[unit.index].items():
                 want = torch.empty(layout.nbytes(k, values.numel()), dtype=torch.uint8)
@@ -191,16 +231,56 @@ def test_config_names_the_state_dtypes():
     assert StateLayout.of(zerotier.Config().precision).exact
 
 
-def test_compact_state_converges_like_fp32():
-    """Issue 27 item 2, CI-sized: TinyGPT on the demo's text, the final loss (mean of the last 10
-    steps) with bf16 state and with int8 moments within 2% of fp32 state's
-    (benchmarks/bench_state_convergence.py runs it longer and plots the curves)."""
+@pytest.mark.parametrize("kind,steps", [("tinygpt", 60), pytest.param("llama", 100, marks=pytest.mark.slow)])
+def test_compact_state_converges_like_fp32(kind, steps):
+    """Issue 27 item 2, CI-sized: TinyGPT (60 steps) and a transformers Llama from config (100
+    steps) on the demo's text, seeds 0 and 1: the final loss (mean of the last 20 steps, averaged
+    over the seeds) with bf16 state and with int8 moments within 2% of fp32 state's
+    (benchmarks/bench_state_convergence.py runs them longer and plots the curves). One seed's
+    final loss moves by a few percent with any rounding change (docs/config.md: over 16 seeds);
+    the Llama's int8 moments missed by far (bf16 master +7.0%, fp32 master +9.0% over these two
+    seeds) before [Note: small parameters keep fp32 moments]."""
+    if kind == "llama":
+        pytest.importorskip("transformers", reason="pip install transformers (part of .[test])")
     from bench_state_convergence import final_loss, loss_curve
-    steps = 60
-    base = final_loss(loss_curve("fp32", "fp32", steps), 10)
-    for master, moments in (("bf16", "bf16"), ("bf16", "int8")):
-        got = final_loss(loss_curve(master, moments, steps), 10)
-        assert abs(got / base - 1) < 0.02, (master, moments, got, base)
+
+    def final(master, moments):
+        return sum(final_loss(loss_curve(master, moments, steps, kind=kind, seed=seed), 20) for seed in (0, 1)) / 2
+    base = final("fp32", "fp32")
+    for master, moments in COMPACT:
+        got = final(master, moments)
+        assert abs(got / base - 1) < 0.02, (kind, master, moments, got, base)
+
+
+def test_int8_checkpoints_without_fp32_ranges_load(tmp_path, monkeypatch):
+    """A checkpoint of int8 moments saved before [Note: small parameters keep fp32 moments] (no
+    fp32_moments_below in its manifest: int8 everywhere) loads: its records are read in that layout
+    and stored in the unit's layout (the small parameters' moments as the fp32 values they held)."""
+    import json
+    from zerotier.checkpoint_read import manifest_crc
+    with monkeypatch.context() as patch:
+        patch.setattr(StateLayout, "of", classmethod(lambda cls, p: cls(p.master_dtype, p.moment_dtype, fp32_below=0)))
+        with zerotier.initialize(make_model(), config(NVME, tmp_path / "a", "bf16", "int8")) as engine:
+            train(engine, 0, 2)
+            assert not any(engine.unit_optimizer.layout.for_unit(u).fp32_ranges for u in engine.units)
+            ckpt = engine.save_checkpoint(tmp_path / "ck")
+            saved = {u.index: engine.unit_optimizer.read_state(u) for u in engine.units}
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest.pop("fp32_moments_below") == 0
+    manifest["crc32c"] = manifest_crc(manifest)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with zerotier.initialize(make_model(), config(HOST, tmp_path / "b", "bf16", "int8")) as engine:
+        engine.load_checkpoint(tmp_path / "ck")
+        for unit in engine.units:
+            layout = engine.unit_optimizer.layout.for_unit(unit)
+            state = engine.unit_optimizer.read_state(unit)
+            for k, values in saved[unit.index].items():
+                want = torch.empty(layout.nbytes(k, values.numel()), dtype=torch.uint8)
+                layout.encode(k, values, want)
+                assert torch.equal(state[k], layout.decode(k, want, values.numel())), (unit.key, k)
+                for a, b in layout.fp32_ranges if k != "master" else ():
+                    assert torch.equal(state[k][a:b], values[a:b])
+        train(engine, 2, 2)
 
 
 def test_auto_placement_keeps_compact_state_off_the_gpu():
@@ -223,6 +303,8 @@ def test_auto_placement_keeps_compact_state_off_the_gpu():
     ({"state_dtypes": {"master": "int8", "exp_avg": "int8", "exp_avg_sq": "int8"}}, "state_dtypes is"),
     ({"state_dtypes": {"master": "bf16", "exp_avg": "int8", "exp_avg_sq": "bf16"}}, "state_dtypes is"),
     ({"quant_block": 2048}, "quantized in blocks of 2048 elements, this zerotier reads blocks of 256"),
+    ({"fp32_moments_below": -1}, "fp32_moments_below is -1, not an element count"),
+    ({"fp32_moments_below": 0}, "record of unit 0 holds"),  # the records are in the layout with fp32 ranges
     ({"state_dtypes": {"master": "bf16", "exp_avg": "bf16", "exp_avg_sq": "bf16"}}, "record of unit 0 holds"),
 ])
 def test_manifest_state_dtypes_are_checked(edit, why, compact_checkpoint, tmp_path):

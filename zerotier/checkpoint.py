@@ -339,13 +339,13 @@ def _write_rank_data(engine, path: Path) -> list[dict]:
         try:
             try:
                 for unit, state in engine.unit_optimizer.iter_state(engine.units, align):
-                    n = unit.shard_hi - unit.shard_lo
+                    n, unit_layout = unit.shard_hi - unit.shard_lo, layout.for_unit(unit)
                     for k in STATE_KEYS:
-                        nbytes = layout.nbytes(k, n)
+                        nbytes = unit_layout.nbytes(k, n)
                         padded = round_up(nbytes, align) if nbytes else 0
                         t = state[k]  # aligned, with room for `padded` bytes (iter_state)
                         if layout.dtype(k) == "int8" and n != unit.shard_numel:  # block scales move up
-                            t = layout.resize(k, t, unit.shard_numel, n, aligned_empty(nbytes, align)[:nbytes])
+                            t = unit_layout.resize(k, t, unit.shard_numel, n, aligned_empty(nbytes, align)[:nbytes])
                         raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), t.storage_offset(),
                                                                     (padded,))
                         raw[nbytes:].zero_()
@@ -404,6 +404,7 @@ def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list, keep: in
         "unit_steps": [list(steps) for steps in engine.unit_optimizer.steps],  # per unit, per parameter
         "state_dtypes": {k: engine.unit_optimizer.layout.dtype(k) for k in STATE_KEYS},
         "quant_block": _kernels.QUANT_BLOCK,
+        "fp32_moments_below": engine.unit_optimizer.layout.fp32_below,  # [Note: small parameters keep fp32 moments]
         "units": fingerprint(engine), "ranks": ranks, "state": gathered[0][1]["state.pt"],
         "hf_config": _hf_config(engine.module),  # for `zerotier export --to DIR` (config.json)
         "run": {"id": engine.run_id, "saved_ns": time.time_ns()},  # [Note: checkpoint retention]
@@ -505,10 +506,11 @@ def _load_unit_state(engine, files: RankFiles, unit, steps) -> None:
     opt, old = engine.unit_optimizer, files.layout
     lo, hi, n = unit.shard_lo, unit.shard_hi, unit.part.shard_numel
     same = _same_range(engine, files.manifest, unit)
+    new = opt.layout.for_unit(unit)
     for k in STATE_KEYS:
-        if old.dtype(k) == opt.layout.dtype(k) == "int8" and same is not None:  # byte for byte
-            raw = opt.layout.resize(k, files.read(same, unit.index, k), hi - lo, n,
-                                    torch.zeros(opt.layout.nbytes(k, n), dtype=torch.uint8))
+        if old.dtype(k) == new.dtype(k) == "int8" and old.fp32_below == new.fp32_below and same is not None:
+            raw = new.resize(k, files.read(same, unit.index, k), hi - lo, n,  # byte for byte
+                             torch.zeros(new.nbytes(k, n), dtype=torch.uint8))
             opt.write_state(unit, {k: raw}, steps, encoded=True)
             continue
         values = torch.zeros(n)
