@@ -226,17 +226,30 @@ def test_delayed_update_refuses_several_ranks(tmp_path):
         delayed.refuse(cfg, plan, world_size=2)
 
 
-def test_delayed_update_refuses_the_plain_loop(tmp_path):
-    with zerotier.initialize(make_model(), config(tmp_path, PLACEMENTS["params-host"], accum=1)) as engine:
-        x, y = next(batches(VOCAB, SEQ, BATCH, 1))
-        with pytest.raises(ZerotierError, match=r"a plain loss\.backward\(\) cannot be exact here "
-                                                r"\(train\.delayed_update runs"):
-            engine(x, y).backward()
-        engine.zero_grad()
-        p = next(engine.module.parameters())
-        p.grad = torch.ones_like(p)
-        with pytest.raises(ZerotierError, match=r"engine\.optimizer\.step\(\) with train\.delayed_update = true"):
+@pytest.mark.parametrize("clip_by", ["config", "user"])
+def test_the_plain_loop(clip_by, tmp_path):
+    """loss.backward() / engine.optimizer.step() / zero_grad() (what transformers' Trainer runs): the
+    optimizer's step() ends the window as engine.step() does; clipping by train.max_grad_norm or by
+    the loop's own clip_grad_norm_ ([Note: the user's clipping])."""
+    ref = reference_run(make_model())
+    cfg = config(tmp_path, PLACEMENTS["optimizer-nvme"], accum=1, clip=CLIP if clip_by == "config" else None)
+    data = batches(VOCAB, SEQ, BATCH, STEPS * ACCUM)
+    with zerotier.initialize(make_model(), cfg) as engine:
+        losses = []
+        for _ in range(STEPS):
+            total = 0.0
+            for _ in range(ACCUM):
+                x, y = next(data)
+                loss = engine(x, y)
+                (loss / ACCUM).backward()
+                total += float(loss.detach())
+            if clip_by == "user":
+                torch.nn.utils.clip_grad_norm_(engine.module.parameters(), CLIP)
             engine.optimizer.step()
+            engine.optimizer.zero_grad()
+            losses.append(total / ACCUM)
+        assert engine.window.delayed.pending
+        assert_close((losses, engine.parameters_fp32()), ref)
 
 
 def test_delayed_update_refuses_synchronize_between_forward_and_step(tmp_path):

@@ -2,7 +2,8 @@
 the same training as without it.
 
 [Note: delayed update]
-The math (one rank, the engine's own loop). At the step that ends window k the gradients g_k
+The math (one rank; engine.step() or, in the plain loop, engine.optimizer.step() ends a window:
+[Note: the plain PyTorch loop] in window.py). At the step that ends window k the gradients g_k
 were computed on the weights in force; the norm and clip factor of g_k are taken as always;
 then the update of the previous window (g_{k-1}) is waited for and published, and the update
 with g_k is launched. So a window's forward and backward read weights one update behind the
@@ -47,8 +48,7 @@ Not supported (ConfigError at initialize, naming the key): several ranks (each r
 would also need its ZeRO gather overlapped), gradients on NVMe (the copy is held in host
 memory, which NVMe gradients are there to spare), optimizer state on the device (the update
 already runs on the accelerator), train.early_step / train.speculative_step = true (their
-updates run during backward, under the pending one); the plain loss.backward() /
-optimizer.step() loop is refused at its first backward.
+updates run during backward, under the pending one).
 """
 from __future__ import annotations
 

@@ -226,8 +226,6 @@ class Window:
             why = "with several ranks the engine's backward decides when gradients are reduced"
         elif self.state is S.ENGINE_GRADS:
             why = "engine.backward(loss) was used in this window: one loop style per window"
-        elif self.delayed is not None:
-            why = "train.delayed_update runs each window's update during the next one, from engine.step()"
         if why is not None:
             raise ZerotierError(f"a plain loss.backward() cannot be exact here ({why}): call engine.backward(loss) "
                                 "and engine.step() after every micro-batch instead")
@@ -413,10 +411,6 @@ class Window:
                                 "loop (optimizer.step() belongs to the plain loss.backward() loop)")
         if self.state is not S.PLAIN_GRADS:
             return False  # no gradients: torch's optimizers do nothing either
-        if self.delayed is not None:
-            raise ZerotierError("engine.optimizer.step() with train.delayed_update = true: the delayed update runs "
-                                "each window's update during the next one, from engine.step(); call "
-                                "engine.backward(loss) and engine.step() after every micro-batch")
         try:
             self._apply()
         except BaseException as exc:
