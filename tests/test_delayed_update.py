@@ -271,3 +271,41 @@ def test_delayed_update_refuses_synchronize_between_forward_and_step(tmp_path):
 
 def test_the_key_is_off_by_default():
     assert zerotier.config.Config().train.delayed_update is False
+
+
+def test_zerotier_trainer_trains_and_saves_with_it(tmp_path):
+    """transformers' Trainer (the plain loop, a linear lr schedule, clipping, checkpoints every 2
+    steps): it runs, each save publishes the pending update, and the first window's loss is the
+    undelayed run's (both read the initial weights)."""
+    transformers = pytest.importorskip("transformers")
+    from zerotier.integrations.transformers import ZerotierTrainer
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    def run(delayed_update):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                                                     n_positions=32))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / f"out-{delayed_update}"), per_device_train_batch_size=4,
+            gradient_accumulation_steps=2, max_grad_norm=0.5, learning_rate=3e-3, weight_decay=0.1,
+            num_train_epochs=1, logging_steps=1, report_to=[], use_cpu=True, save_strategy="steps", save_steps=2,
+            lr_scheduler_type="linear", seed=0, data_seed=0)
+        trainer = ZerotierTrainer(model=model, args=args, train_dataset=Tokens(), zerotier_config={
+            "offload": {"params": "host", "gradients": "host", "optimizer": "host"},
+            "train": {"delayed_update": delayed_update}})
+        trainer.train()
+        engine = trainer.engine
+        assert engine.global_steps == 4 and not (delayed_update and engine.window.delayed.pending)
+        engine.close()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    ours, undelayed = run(True), run(False)
+    assert len(ours) == 4 and ours[0] == pytest.approx(undelayed[0], rel=1e-6)
+    assert abs(ours[1] - undelayed[1]) > 1e-5, "the second window read fresh weights: the update was not delayed"
