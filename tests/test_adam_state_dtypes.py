@@ -322,13 +322,13 @@ def unit_state(layout, n, seed):
 
 
 @pytest.mark.parametrize("level", NATIVE_LEVELS)
-@pytest.mark.parametrize("split", [False, True], ids=["whole-runs", "run-split"])
+@pytest.mark.parametrize("split", [False, True, "partial"], ids=["whole-runs", "run-split", "run-split-partial"])
 def test_unit_layout_steps_like_the_reference_per_piece(level, split):
     """A unit's int8 moments with fp32 ranges for its small parameters: the kernel steps each run
     (codes and block scales from the run's start) and each fp32 range (fp32 moments), bit for bit
     as adam_step_reference on each piece with the piece's seed offset. A range that splits a run
     (parameters without a gradient) is stepped on fp32 copies, re-encoded after: bit for bit the
-    reference's fp32 math then the layout's encode."""
+    reference's fp32 math then the layout's encode; a run no range touches keeps its bytes."""
     from zerotier.optim.offload import Hyper
     from zerotier.optim.state_layout import StateLayout, cpu_adam_ranges, sr_seed
     numels = SMALL_AND_LARGE
@@ -338,10 +338,10 @@ def test_unit_layout_steps_like_the_reference_per_piece(level, split):
     unit_index, shard_lo, step = 3, 1000, 4
     h = Hyper(HYPER["lr"], HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"], True)
     cut = 364 + 2500 if split else n  # inside the first run
-    ranges = [(0, cut, step, h)] + ([(cut, n, step, h)] if split else [])
+    ranges = [(0, cut, step, h)] + ([(cut, n, step, h)] if split is True else [])
     master, raw, grad = unit_state(layout, n, seed=5)
     ref_master, ref_raw = master.clone(), {k: v.clone() for k, v in raw.items()}
-    out, ref_out = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    out, ref_out = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
     kw = dict(HYPER, step=step)
     if not split:
         m_pieces = layout.pieces(n, *layout.typed("exp_avg", ref_raw["exp_avg"], n))
@@ -357,6 +357,14 @@ def test_unit_layout_steps_like_the_reference_per_piece(level, split):
                                    sr_seed=sr_seed(unit_index, step) + shard_lo + a, **kw)
         layout.encode("exp_avg", m, ref_raw["exp_avg"])
         layout.encode("exp_avg_sq", v, ref_raw["exp_avg_sq"])
+        if split == "partial":  # [5374, n) is in no range: its codes and scales as they were
+            for key in ref_raw:
+                (_, _, codes, absmax), = [p for p in layout.pieces(n, *layout.typed(key, ref_raw[key], n))
+                                          if p[0] == 5374]
+                (_, _, old_codes, old_absmax), = [p for p in layout.pieces(n, *layout.typed(key, raw[key], n))
+                                                  if p[0] == 5374]
+                codes.copy_(old_codes)
+                absmax.copy_(old_absmax)
     cpu_adam_ranges(unit_index, shard_lo, (master, None), layout.typed("exp_avg", raw["exp_avg"], n),
                     layout.typed("exp_avg_sq", raw["exp_avg_sq"], n), grad, out, ranges, grad_scale=1.0,
                     bias_correction=True, simd=level, threads=2, layout=layout)

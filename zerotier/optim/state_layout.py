@@ -253,8 +253,8 @@ def cpu_adam_ranges(unit_index: int, shard_lo: int, master, exp_avg, exp_avg_sq,
     fp32 moments]). Their blocks start at each run's first element, which parameter slices do not
     follow: when every run a range touches is covered whole, the pieces go to the kernel as they
     are; otherwise (the rare case of [Note: parameters without a gradient] in offload.py) the
-    ranges are updated on fp32 copies of the moments (8 B per element of the shard), re-quantized
-    once after."""
+    ranges are updated on fp32 copies of the moments (8 B per element of the shard), and the runs
+    they touch re-quantized once after (a run no range touches keeps its bytes)."""
     (master, _), (exp_avg, avg_tail), (exp_avg_sq, sq_tail) = master, exp_avg, exp_avg_sq
     n = master.numel()
     step_args = dict(master=master, grad=grad, out=out, unit_index=unit_index, shard_lo=shard_lo,
@@ -288,6 +288,8 @@ def cpu_adam_ranges(unit_index: int, shard_lo: int, master, exp_avg, exp_avg_sq,
     for j, signed in ((0, True), (1, False)):
         for piece in slices:
             a, b, part, absmax = piece[j]
+            if not any(max(a, x) < min(b, y) for x, y, _, _ in ranges):
+                continue  # no range touches it: its bytes stay as they are
             if absmax is None:
                 part.copy_(wide[j][a:b])
                 continue
