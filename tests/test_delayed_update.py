@@ -309,3 +309,25 @@ def test_zerotier_trainer_trains_and_saves_with_it(tmp_path):
     ours, undelayed = run(True), run(False)
     assert len(ours) == 4 and ours[0] == pytest.approx(undelayed[0], rel=1e-6)
     assert abs(ours[1] - undelayed[1]) > 1e-5, "the second window read fresh weights: the update was not delayed"
+
+
+def test_the_host_bytes_it_adds_are_checked_at_initialize(tmp_path):
+    """The gradient copy and the staged parameters are host-pool blocks beyond the plan's need
+    (delayed.host_bytes): a tiers.host without room for them is refused before anything is placed,
+    naming the budget it needs; with that budget, training stays within it."""
+    offload = PLACEMENTS["optimizer-nvme"]
+    cfg = config(tmp_path, offload, accum=1)
+    cfg["train"]["speculative_step"] = False
+    with zerotier.initialize(make_model(), cfg) as engine:
+        need = engine.plan.need["host"]
+        extra = delayed.host_bytes([u.numel for u in engine.units], 4, 4, engine.cfg.io.alignment)
+    cfg["tiers"]["host"] = need + extra - 4096
+    with pytest.raises(zerotier.errors.BudgetError, match=rf"train\.delayed_update = true needs {extra:,} B of host "
+                                                          rf"memory beyond the plan's .* raise tiers\.host to at least "
+                                                          rf"{need + extra:,} B"):
+        zerotier.initialize(make_model(), cfg)
+    cfg["tiers"]["host"] = need + extra
+    with zerotier.initialize(make_model(), cfg) as engine:
+        train(engine, batches(VOCAB, SEQ, BATCH, 3), 3, accum=1)
+        engine.synchronize()
+        assert engine.host_pool.stats()["peak"] <= need + extra

@@ -55,12 +55,21 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from . import threads
-from .errors import ConfigError
-from .state import Location
+from .errors import BudgetError, ConfigError
+from .state import DTYPES, Location
 
 
-def refuse(cfg, plan, world_size: int) -> None:
-    """What train.delayed_update cannot run, refused before anything is placed ([Note: delayed update])."""
+def host_bytes(shard_numels: list[int], grad_itemsize: int, lp_itemsize: int, alignment: int) -> int:
+    """Host-pool bytes a delayed update holds at most beyond the plan's ([Note: delayed update]): each
+    unit's gradient copy and its staged new parameters, each a block rounded up to `alignment`."""
+    def block(nbytes: int) -> int:
+        return -(-nbytes // alignment) * alignment
+    return sum(block(n * grad_itemsize) + block(n * lp_itemsize) for n in shard_numels)
+
+
+def refuse(cfg, plan, world_size: int, shard_numels: "list[int] | None" = None) -> None:
+    """What train.delayed_update cannot run, refused before anything is placed ([Note: delayed update]);
+    with `shard_numels` (the stepped units'), also a host budget without room for host_bytes()."""
     train = cfg.train
     if not train.delayed_update:
         return
@@ -84,6 +93,18 @@ def refuse(cfg, plan, world_size: int) -> None:
                    "accelerator, and the delay hides a CPU update; set offload.optimizer = 'host' or 'nvme'")
     if why is not None:
         raise ConfigError(f"train.delayed_update = true cannot run here: {why}")
+    if shard_numels is None:
+        return
+    precision = cfg.precision
+    extra = host_bytes(shard_numels, DTYPES[precision.accumulator_dtype].itemsize,
+                       DTYPES[precision.param_dtype].itemsize, cfg.io.alignment)
+    # the speculative step is off with it: its allowance (in the plan's need) is free for this
+    room = plan.budgets["host"] - plan.need["host"] + plan.speculation_undo_bytes["host"]
+    if extra > room:
+        raise BudgetError(f"train.delayed_update = true needs {extra:,} B of host memory beyond the plan's (a copy "
+                          f"of the window's gradients and the new parameters staged until the next step), and "
+                          f"tiers.host leaves {max(room, 0):,} B: raise tiers.host to at least "
+                          f"{plan.budgets['host'] + extra - room:,} B, or train without the delayed update")
 
 
 class DelayedUpdate:

@@ -99,7 +99,7 @@ class Engine:
                               step=StepOptions.of(cfg),  # clipping, accumulation, speculation
                               materialize_bytes=materialize_pool_bytes(self.param_units, self.lp_dtype,
                                                                        cfg.io.alignment))
-        delayed.refuse(cfg, self.plan, self.world_size)  # [Note: delayed update]: before anything is placed
+        delayed.refuse(cfg, self.plan, self.world_size, [u.numel for u in self.units])  # [Note: delayed update]
         placement = self.plan.placement
         self.store = None
         if Location.NVME in placement.values():
