@@ -440,7 +440,7 @@ class Window:
         inv_scale = 1.0 / e.scaler.scale
         overflow = not math.isfinite(total_norm)
         factor = self.user_clip  # [Note: the user's clipping], then train.max_grad_norm on what it left
-        if e.cfg.train.max_grad_norm is not None and not overflow:
+        if e.cfg.train.max_grad_norm is not None:
             factor *= min(1.0, e.cfg.train.max_grad_norm / (total_norm * factor + 1e-6))
         if self.delayed is not None:
             self._finish_delayed()  # [Note: delayed update]: the previous window's update is published
