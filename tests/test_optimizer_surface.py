@@ -189,7 +189,8 @@ def test_units_sharing_hyperparameters_keep_the_single_pass(tmp_path, monkeypatc
         return real(self, unit, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale)
     monkeypatch.setattr(UnitOptimizer, "_adam_ranges", spy)
     model = make_model()
-    with zerotier.initialize(model, config("host", tmp_path)) as engine:
+    # one pass per unit and step: no speculated update to redo ([Note: speculative step])
+    with zerotier.initialize(model, config("host", tmp_path, train={"speculative_step": False})) as engine:
         engine.optimizer.add_param_group({"params": list(model.blocks[1].parameters()), "lr": 1e-2})
         engine_train(engine, 1)
         assert len(calls) == len(engine.units) and all(calls)  # blocks.1 is a unit of its own

@@ -206,7 +206,8 @@ def spec_plan(host=10**6, nvme=0, offload=None, world_size=1, **step):
     offload = offload or OffloadConfig(params="device", gradients="device", optimizer="host")
     return make_plan(SPEC_UNITS, TiersConfig(), offload, PrecisionConfig(), PrefetchConfig(), torch.device("cuda"),
                      budgets={"device": 10**6, "host": host, "nvme": nvme}, rates=SPEC_RATES,
-                     compute=SPEC_COMPUTE, step=StepOptions(**{"clip": True, **step}), world_size=world_size,
+                     compute=SPEC_COMPUTE, step=StepOptions(**{"clip": True, "speculative": True, **step}),
+                     world_size=world_size,
                      stage=2 if world_size > 1 else 0)
 
 
@@ -226,7 +227,8 @@ def test_speculation_plan_predicts_commit_rollback_and_the_expected_step():
         off.speculation_note
     assert plan.need["host"] - off.need["host"] == 2 * undo and plan.need["device"] == off.need["device"]
     text = plan.summary()
-    assert "speculative step: on (auto: clipping); 2 of 2 units speculated; allowance host 31.25 KiB" in text
+    assert "speculative step: on (train.speculative_step = true); 2 of 2 units speculated; allowance host 31.25 KiB" \
+        in text
     assert "predicted step (expected at rollback rate 25.0%): 9.19 s" in text
     assert "commit 8.25 s, rollback 12.00 s, expected 9.19 s; without speculation 9.75 s (6% saved)" in text
     d = plan.to_dict()
@@ -239,8 +241,8 @@ def test_speculation_takes_only_the_undo_copies_the_host_budget_leaves_room_for(
     assert plan.speculation_undo_bytes["host"] == 16_100 and plan.need["host"] == plan.budgets["host"]
     assert plan.speculation_units == (False, True)  # unit 1's gradient is final first
     assert plan.speculation_step_s["commit"] == 8.75
-    none = spec_plan(host=off.need["host"] + 100)
-    assert not none.speculative and "no unit's undo copy fits" in none.speculation_note
+    none = spec_plan(host=off.need["host"] + 100, speculative="auto")
+    assert not none.speculative and "no optimizer state on NVMe" in none.speculation_note
     with pytest.raises(PlanDoesNotFit, match="no unit's undo copy fits"):
         spec_plan(host=off.need["host"] + 100, speculative=True)
 
@@ -253,11 +255,21 @@ def test_speculation_is_off_with_several_ranks():
 
 
 def test_speculation_auto_follows_clipping_and_the_dynamic_scale():
-    assert not spec_plan(clip=False).speculative
-    assert "no clipping and no dynamic loss scale" in spec_plan(clip=False).speculation_note
-    dynamic = spec_plan(clip=False, dynamic_scale=True)
+    nvme = OffloadConfig(params="device", gradients="device", optimizer="nvme")
+    auto = dict(nvme=10**7, offload=nvme, speculative="auto")
+    assert not spec_plan(clip=False, **auto).speculative
+    assert "no clipping and no dynamic loss scale" in spec_plan(clip=False, **auto).speculation_note
+    dynamic = spec_plan(clip=False, dynamic_scale=True, **auto)
     assert dynamic.speculative and "a dynamic loss scale" in dynamic.speculation_note
     assert spec_plan(clip=False, speculative=True).speculative
+
+
+def test_speculation_auto_makes_no_undo_copies():
+    """auto speculates NVMe-state units only (their undo is the old files); host or device state
+    needs `true` (an undo copy of 12 B/param: on an H200 it cost more than it hid)."""
+    plan = spec_plan(speculative="auto")
+    assert not plan.speculative and "train.speculative_step = true" in plan.speculation_note
+    assert plan.speculation_undo_bytes == {"host": 0, "device": 0}
     with pytest.raises(ConfigError, match="rollback_rate"):
         spec_plan(rollback_rate=1.5)
 
@@ -267,7 +279,7 @@ def test_speculation_counts_the_nvme_units_shadow_files_and_auto_turns_off_witho
 
     nvme = OffloadConfig(params="device", gradients="device", optimizer="nvme")
     off = spec_plan(nvme=10**7, offload=nvme, speculative=False)
-    plan = spec_plan(nvme=10**7, offload=nvme)
+    plan = spec_plan(nvme=10**7, offload=nvme, speculative="auto")
     shadow = UnitOptimizer.shadow_bytes(1000, 4096)
     assert shadow == 3 * 4096 and plan.speculation_nvme_bytes == 2 * shadow
     assert plan.need["nvme"] - off.need["nvme"] == 2 * shadow
@@ -275,7 +287,7 @@ def test_speculation_counts_the_nvme_units_shadow_files_and_auto_turns_off_witho
     assert plan.speculation_undo_bytes == {"host": 2 * 4000, "device": 0}
     assert plan.need["host"] - off.need["host"] == 2 * 4000
     assert plan.speculative and plan.speculation_units == (True, True)
-    short = spec_plan(nvme=off.need["nvme"] + shadow, offload=nvme)
+    short = spec_plan(nvme=off.need["nvme"] + shadow, offload=nvme, speculative="auto")
     assert not short.speculative and "NVMe budget lacks" in short.speculation_note
     assert "NVMe budget lacks" in short.summary()
     with pytest.raises(PlanDoesNotFit, match="shadow state files"):
@@ -286,7 +298,8 @@ def test_cli_plan_rollback_rate(tmp_path, capsys):
     from zerotier import cli
 
     cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps({"train": {"max_grad_norm": 1.0}, "tiers": {"device": "1GiB", "host": "4GiB"}}))
+    cfg.write_text(json.dumps({"train": {"max_grad_norm": 1.0, "speculative_step": True},
+                               "tiers": {"device": "1GiB", "host": "4GiB"}}))
     base = ["plan", "--params", "10M", "--layers", "2", "--config", str(cfg), "--json"]
     assert cli.main(base + ["--rollback-rate", "0.2"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -296,7 +309,8 @@ def test_cli_plan_rollback_rate(tmp_path, capsys):
 
 
 def test_plan_api_takes_the_rollback_rate_and_the_config_speculative_step():
-    cfg = {"train": {"max_grad_norm": 1.0}, "tiers": {"device": "1GiB", "host": "1GiB", "nvme": 0}}
+    cfg = {"train": {"max_grad_norm": 1.0, "speculative_step": True},
+           "tiers": {"device": "1GiB", "host": "1GiB", "nvme": 0}}
     plan = zerotier.plan(tiny("meta"), cfg, rates={"cpu_adam": 1e9}, rollback_rate=0.05)
     assert plan.speculative and plan.rollback_rate == 0.05 and sum(plan.speculation_undo_bytes.values()) > 0
     cfg["train"]["speculative_step"] = False

@@ -726,8 +726,13 @@ def _speculation(step: StepOptions, placement: dict[str, Location], units_on: tu
                              [{"tier": "nvme", "more": {"nvme": short}}], placement, per_rank)
     # what a speculated unit holds until the check (UnitOptimizer.speculate): a host or device unit its
     # undo copy on its tier, an NVMe unit its new low-precision shard (ParamStore.staged_out_bytes) on host
+    # auto copies no state: host/device units are speculated with `true` only (UnitOptimizer.undo_copies)
     held = [("host", n * s.lp_bytes) if at is Location.NVME else
-            (at.value, UnitOptimizer.undo_bytes(n, s.lp_bytes, s.state)) for n, at in zip(shards, tiers)]
+            (at.value, UnitOptimizer.undo_bytes(n, s.lp_bytes, s.state)) if wanted is True else (None, 0)
+            for n, at in zip(shards, tiers)]
+    if not any(t for t, _ in held):
+        return _Speculation(False, "off (auto: no optimizer state on NVMe; host or device state would need undo "
+                                   "copies, which cost more than they hide: train.speculative_step = true)")
     allowance = {t: min(sum(b for at, b in held if at == t), max(0, free[t])) for t in ("host", "device")}
     # each unit as its gradient becomes final (backward order, enclosing units last), if what it holds fits
     encloses = compute.encloses if compute is not None else (False,) * len(shards)
@@ -736,7 +741,7 @@ def _speculation(step: StepOptions, placement: dict[str, Location], units_on: tu
     left, units = dict(allowance), [False] * len(shards)
     for i in order:
         t, b = held[i]
-        if b <= left[t]:
+        if t is not None and b <= left[t]:
             units[i], left[t] = True, left[t] - b
     if not any(units):
         room = " and ".join(f"{format_size(max(0, free[t]))} {t} left, the smallest takes "

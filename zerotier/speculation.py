@@ -13,7 +13,11 @@ undo needs (UnitOptimizer.speculate):
     state files (UnitOptimizer.shadow_bytes, which the plan counts in the NVMe budget).
   * host or device state: an undo copy of the unit's state buffers, on the state's own tier,
     within the plan's allowance (`plan.speculation_undo_bytes`); a unit whose copy does not fit
-    is updated after the check, as without speculation.
+    is updated after the check, as without speculation. Only with `true`: the copy reads and
+    writes the unit's whole state once more on the optimizer thread (12 B/param each way at
+    fp32), which on an H200 with the optimizer on host made a 1.3B step slower, not faster
+    (1176 ms with speculation at --clip 100 vs 781 ms without clipping or speculation; the undo
+    copies also took 15 GB more RSS). `auto` speculates NVMe-state units only.
   * the new low-precision parameters wait in a write-back buffer (ParamStore.staged_out), never
     in the parameters' home, so no forward, state_dict or weight read sees them before the
     check (they count in the same allowance).
@@ -38,7 +42,8 @@ When it pays: when the update after backward is on the critical path, i.e. the o
 off the accelerator (CPU Adam, NVMe reads and writes), and clipping rarely fires (after warm-up,
 usually well under 1 % of steps). It costs the undo copies (memory bandwidth on the optimizer
 thread, hidden under backward) and, on a rollback, the restore plus the normal update again.
-`auto` (the default) turns it on when clipping or a dynamic scale is set, pauses it after
+`auto` (the default) turns it on when clipping or a dynamic scale is set (for NVMe-state units:
+the undo costs no copy there), pauses it after
 PAUSE_AFTER rollbacks in a row (clipping that fires every step, as in warm-up, makes every
 speculation wasted work), and tries again after a pause that doubles each time (PAUSE_STEPS up
 to MAX_PAUSE_STEPS); `true` always speculates, `false` never.

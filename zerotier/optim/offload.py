@@ -164,6 +164,7 @@ class UnitOptimizer:
         self._file_version = [0] * len(units)   # which of a unit's two NVMe state file sets is current
         self._undo: dict[int, _Undo] = {}        # speculated units of this window: what undoes them
         self.undo_allowance = {Location.HOST: 0, Location.DEVICE: 0}  # undo bytes a window may hold, by tier
+        self.undo_copies = False  # host/device state may be speculated (train.speculative_step = true)
         self._undo_held = {Location.HOST: 0, Location.DEVICE: 0}
 
     @staticmethod
@@ -222,6 +223,8 @@ class UnitOptimizer:
         wait in until commit, held on the state's memory tier (0: they wait where they would
         anyway). False: the unit is updated after the window's check instead."""
         loc = self.locs[unit.index]
+        if loc is not Location.NVME and not self.undo_copies:
+            return False
         tier = Location.HOST if loc is Location.NVME else loc
         n = unit.shard_numel
         need = out_bytes + (0 if loc is Location.NVME else self.layout.for_unit(unit).state_bytes(n))
