@@ -248,7 +248,7 @@ def test_native_threads_and_multi_call_do_not_change_bits(moment_dtype):
 @pytest.mark.parametrize("level", NATIVE_LEVELS)
 @pytest.mark.parametrize("signed", [True, False], ids=["exp_avg", "exp_avg_sq"])
 def test_native_quantization_at_the_map_midpoints(level, signed):
-    """The kernel's search (registers for the first levels, gathers after) picks the same code
+    """The kernel's code search ([Note: 8-bit code search] in native/cpu) picks the same code
     as the reference at every midpoint of the map and one ulp either side (ties round down).
     With beta1 = 0 and zero moments the new exp_avg is the gradient itself; with beta2 = 0 the
     new exp_avg_sq is g*g, so these gradients put the values where they are wanted."""

@@ -449,12 +449,10 @@ class UnitOptimizer:
 
     def _adam_ranges(self, unit: Unit, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale: float) -> None:
         """Adam(W) over the slices [a, b) of the shard in `ranges` ((a, b, step, hyper) each).
-        master, exp_avg, exp_avg_sq: (values, absmax or None) pairs ([Note: optimizer state layout]).
-        A bf16 master is rounded stochastically, seeded by [Note: stochastic rounding seed]. int8
-        moments are quantized in blocks from the shard's first element, which parameter slices do
-        not follow: a whole-shard range goes to the kernel as is; slices are updated on fp32 copies
-        of the moments (8 B per element of the shard, in the rare case of [Note: parameters without
-        a gradient]), re-quantized once after."""
+        master, exp_avg, exp_avg_sq: (values, tail) pairs, StateLayout.typed's views ([Note:
+        optimizer state layout]); on the CPU `cpu_adam_ranges` (state_layout.py) runs them, bf16
+        masters, int8 runs and fp32 ranges ([Note: small parameters keep fp32 moments]) included;
+        on an accelerator the state is fp32."""
         if not ranges:
             return
         common = dict(bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
