@@ -86,6 +86,8 @@ def run(model, cfg: dict, plan, steps: int, rss_bound: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="zt-largest-", dir=cfg["tiers"]["nvme_path"]) as tmp:
         cfg = {**cfg, "tiers": {**cfg["tiers"], "nvme_path": tmp}}
         roof = bench_io(tmp, 1 << 30)
+        print(f"drive (zerotier bench io, 1 GiB): {roof['write_GBps']:.2f} GB/s write, {roof['read_GBps']:.2f} GB/s "
+              "read", file=sys.stderr, flush=True)  # printed now: a run stopped early keeps it
         params = numel(model)  # before close(restore_weights=False) leaves the model empty
         with PeakRSS() as rss:
             t0 = time.perf_counter()
