@@ -21,7 +21,7 @@ lock: HostPool, DeviceTier's budget, NVMeStore, and ParamStore's `_inflight`,
 One role moves: the *updater*, which runs Adam and commits the new parameters
 (UnitOptimizer, ParamStore's write-back state, a unit's READY/STEPPED gradient
 state). It is the compute thread, except from an early step's submission until the
-compute thread has waited for its future (`Window._start_early_step` ->
+compute thread has waited for its future (`Window._on_optimizer_thread` ->
 `Window.wait_early_steps` / `quiesce`), when it is the optimizer thread. `hand()`
 records each such handoff.
 

@@ -272,8 +272,32 @@ class Window:
         return hook
 
     def _start_early_step(self, unit) -> None:
-        """[Note: early step] update `unit` on the optimizer thread while backward goes on. The
-        unit's gradient is handed over whole: the optimizer thread waits for its host adds
+        """[Note: early step] update `unit` on the optimizer thread while backward goes on."""
+        scale = 1.0 / self.engine.scaler.scale
+
+        def update(hyper_of):
+            # step() waits for the writes; the window's norm reads this gradient again
+            self._update([unit], hyper_of, scale, drain=False, keep_grads=True)
+        self._on_optimizer_thread(unit, update)
+
+    def _start_speculative_step(self, unit) -> None:
+        """[Note: speculative step] in speculation.py: update `unit` on the optimizer thread with clip
+        coefficient 1, undoably, while backward goes on; its new parameters wait in a staged
+        write-back buffer until engine.step() validates the window. A unit whose undo does not fit
+        the allowance only has its NVMe state reads started, as without speculation."""
+        e, scale = self.engine, self._spec_scale
+
+        def update(hyper_of):
+            if not e.unit_optimizer.speculate(unit, e.params.staged_out_bytes(unit)):
+                e.unit_optimizer.prefetch(unit)
+                return
+            self._spec_hyper[unit.index] = list(hyper_of(unit))
+            self._update([unit], hyper_of, scale, drain=False, keep_grads=True, speculative=True)
+        self._on_optimizer_thread(unit, update)
+
+    def _on_optimizer_thread(self, unit, update) -> None:
+        """Hand `unit`'s complete gradient to the optimizer thread and run `update(hyper_of)` there.
+        The gradient is handed over whole: the optimizer thread waits for its host adds
         (`grads.ready` -> settle), so backward never blocks on the host per unit (GPU review N8)."""
         e = self.engine
         e.grads.hand_over(unit)
@@ -282,40 +306,13 @@ class Window:
             done.record()
         else:
             done = None
-        hyper_of, scale = e.optimizer.hyper_of(), 1.0 / e.scaler.scale
+        hyper_of = e.optimizer.hyper_of()
 
         def run():
             if done is not None:
                 done.synchronize()
             e.grads.ready(unit)
-            # step() waits for the writes; the window's norm reads this gradient again
-            self._update([unit], hyper_of, scale, drain=False, keep_grads=True)
-        threads.hand(threads.OPTIMIZER, e.grads, e.params, e.unit_optimizer)  # [Note: thread ownership]
-        self.early.append(self._optim_thread.submit(run))
-
-    def _start_speculative_step(self, unit) -> None:
-        """[Note: speculative step] in speculation.py: update `unit` on the optimizer thread with clip
-        coefficient 1, undoably, while backward goes on; its new parameters wait in a staged
-        write-back buffer until engine.step() validates the window. A unit whose undo does not fit
-        the allowance only has its NVMe state reads started, as without speculation."""
-        e = self.engine
-        e.grads.hand_over(unit)
-        if e.device.type == "cuda":  # the gradient add above was queued on the compute stream
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            done = None
-        hyper_of, scale = e.optimizer.hyper_of(), self._spec_scale
-
-        def run():
-            if done is not None:
-                done.synchronize()
-            e.grads.ready(unit)
-            if not e.unit_optimizer.speculate(unit, e.params.staged_out_bytes(unit)):
-                e.unit_optimizer.prefetch(unit)
-                return
-            self._spec_hyper[unit.index] = list(hyper_of(unit))
-            self._update([unit], hyper_of, scale, drain=False, keep_grads=True, speculative=True)
+            update(hyper_of)
         threads.hand(threads.OPTIMIZER, e.grads, e.params, e.unit_optimizer)  # [Note: thread ownership]
         self.early.append(self._optim_thread.submit(run))
 
