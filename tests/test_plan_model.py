@@ -283,9 +283,10 @@ def test_speculation_counts_the_nvme_units_shadow_files_and_auto_turns_off_witho
     shadow = UnitOptimizer.shadow_bytes(1000, 4096)
     assert shadow == 3 * 4096 and plan.speculation_nvme_bytes == 2 * shadow
     assert plan.need["nvme"] - off.need["nvme"] == 2 * shadow
-    # no undo copy: the pre-step files stay; the new parameters (4 kB each) wait on host until the check
-    assert plan.speculation_undo_bytes == {"host": 2 * 4000, "device": 0}
-    assert plan.need["host"] - off.need["host"] == 2 * 4000
+    # no undo copy: the pre-step files stay; the new parameters (4 kB each, a 4 KiB pool block) wait
+    # on host until the check
+    assert plan.speculation_undo_bytes == {"host": 2 * 4096, "device": 0}
+    assert plan.need["host"] - off.need["host"] == 2 * 4096
     assert plan.speculative and plan.speculation_units == (True, True)
     short = spec_plan(nvme=off.need["nvme"] + shadow, offload=nvme, speculative="auto")
     assert not short.speculative and "NVMe budget lacks" in short.speculation_note

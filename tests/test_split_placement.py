@@ -38,7 +38,9 @@ def config(optimizer, nvme_dir, clip=1.0, **tiers):
     return {"optimizer": {"lr": LR, "weight_decay": 0.01},
             "offload": {"params": "device", "gradients": "host", "optimizer": optimizer},
             "tiers": {"nvme_path": str(nvme_dir), **tiers},
-            "train": {"grad_accum_steps": ACCUM, "max_grad_norm": clip, "early_step": clip is None}}
+            # the split, not speculation: its allowance would move the plans' host needs
+            "train": {"grad_accum_steps": ACCUM, "max_grad_norm": clip, "early_step": clip is None,
+                      "speculative_step": False}}
 
 
 def train(engine, start_step, steps):

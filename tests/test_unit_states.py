@@ -10,7 +10,7 @@ def test_unit_state_tables_are_the_design_diagrams_and_illegal_moves_raise():
     assert PARAM_TRANSITIONS == {P.RELEASED: {P.FETCHING}, P.FETCHING: {P.RESIDENT, P.RELEASED},
                                  P.RESIDENT: {P.RELEASED}}
     assert GRAD_TRANSITIONS == {G.EMPTY: {G.ACCUMULATING}, G.ACCUMULATING: {G.ACCUMULATING, G.READY, G.EMPTY},
-                                G.READY: {G.STEPPED, G.EMPTY}, G.STEPPED: {G.EMPTY}}
+                                G.READY: {G.STEPPED, G.EMPTY, G.ACCUMULATING}, G.STEPPED: {G.EMPTY}}
     states = [P.RELEASED]
     with pytest.raises(IllegalTransition, match="unit 0: params cannot go from released to resident"):
         transition(states, 0, P.RESIDENT, PARAM_TRANSITIONS, "params")

@@ -69,6 +69,7 @@ import torch
 
 from .device import enter as enter_device
 from .errors import BudgetError, ZerotierError
+from .io.memory import round_up
 from .slots import SlotField
 from .state import PARAM_TRANSITIONS, Location, ParamState, Unit, transition
 from .threads import COMPUTE, UPDATER, owned
@@ -545,8 +546,12 @@ class ParamStore:
         return _tensor(slot.out)
 
     def staged_out_bytes(self, unit: Unit) -> int:
-        """Bytes staged_out(unit) holds until the window is validated."""
-        return unit.shard_numel * self.lp_dtype.itemsize
+        """Bytes staged_out(unit) holds until the window is validated (a host-pool block: rounded
+        up to the pool's alignment, as the plan counts it)."""
+        nbytes = unit.shard_numel * self.lp_dtype.itemsize
+        if self.out_on_device:
+            return nbytes
+        return max(round_up(nbytes, self.host_pool.alignment), self.host_pool.alignment)
 
     @owned(UPDATER)
     def drop_out(self, unit: Unit) -> None:

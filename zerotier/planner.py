@@ -107,6 +107,7 @@ from .errors import BudgetError, ConfigError
 from .dist.buckets import GradBucketer, ParamGatherer
 from .dist.partition import Partition, partition_units
 from .grads import GradStore
+from .io.memory import round_up
 from .optim.offload import UnitOptimizer, fused_temp_bytes
 from .optim.state_layout import OPTIMIZER_BYTES, StateLayout
 from .params import ParamStore
@@ -727,7 +728,7 @@ def _speculation(step: StepOptions, placement: dict[str, Location], units_on: tu
     # what a speculated unit holds until the check (UnitOptimizer.speculate): a host or device unit its
     # undo copy on its tier, an NVMe unit its new low-precision shard (ParamStore.staged_out_bytes) on host
     # auto copies no state: host/device units are speculated with `true` only (UnitOptimizer.undo_copies)
-    held = [("host", n * s.lp_bytes) if at is Location.NVME else
+    held = [("host", max(round_up(n * s.lp_bytes, s.alignment), s.alignment)) if at is Location.NVME else
             (at.value, UnitOptimizer.undo_bytes(n, s.lp_bytes, s.state)) if wanted is True else (None, 0)
             for n, at in zip(shards, tiers)]
     if not any(t for t, _ in held):
