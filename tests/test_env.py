@@ -132,3 +132,79 @@ def test_plan_for_an_nvme_path_that_is_not_on_this_machine(capsys):
                      "optimizer=nvme"]) == 0
     out = capsys.readouterr()
     assert "fits: yes" in out.out and "does not exist on this machine" in out.err and "--nvme SIZE" in out.err
+
+
+def _fake_cgroup(root, version: int, limit: str, usage: int, inactive_file: int = 0, nested: bool = True):
+    """A /proc/self/cgroup and a cgroup mount under `root`, the process in /job/step (its parent /job has the limit)."""
+    (root / "proc/self").mkdir(parents=True)
+    if version == 2:
+        (root / "proc/self/cgroup").write_text("0::/job/step\n")
+        mount = root / "sys/fs/cgroup"
+        mount.mkdir(parents=True)
+        (mount / "cgroup.controllers").write_text("cpu memory\n")
+        names = ("memory.max", "memory.current", "inactive_file")
+    else:
+        (root / "proc/self/cgroup").write_text("5:cpu,cpuacct:/\n4:memory:/job/step\n0::/\n")
+        mount = root / "sys/fs/cgroup/memory"
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    job = mount / "job"
+    step = job / "step"
+    step.mkdir(parents=True)
+    for directory, lim in ((mount, "max" if version == 2 else "9223372036854771712"), (job, limit),
+                           (step, "max" if version == 2 else "9223372036854771712")):
+        (directory / names[0]).write_text(lim + "\n")
+        (directory / names[1]).write_text(f"{usage}\n")
+        (directory / "memory.stat").write_text(f"anon {usage}\n{names[2]} {inactive_file}\n")
+    return job
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_usable_memory_is_capped_by_the_cgroup_limit(monkeypatch, tmp_path, version):
+    """Issue 37 row 15: in a 700 MiB cgroup, RAM is 700 MiB, free RAM the limit less the working set
+    (usage minus reclaimable inactive file cache), read from every cgroup up the hierarchy."""
+    job = _fake_cgroup(tmp_path, version, str(700 * MIB), usage=300 * MIB, inactive_file=100 * MIB)
+    monkeypatch.setattr(envinfo, "FS_ROOT", tmp_path)
+    memory = envinfo.usable_memory()
+    assert memory.cgroup_limit == memory.total == 700 * MIB
+    assert memory.available == 500 * MIB
+    assert memory.cgroup == str(job)
+
+
+def test_usable_memory_without_a_cgroup_limit_is_the_machines(monkeypatch, tmp_path):
+    import psutil
+
+    _fake_cgroup(tmp_path, 2, "max", usage=300 * MIB)
+    monkeypatch.setattr(envinfo, "FS_ROOT", tmp_path)
+    memory = envinfo.usable_memory()
+    assert memory.cgroup_limit is None and memory.total == psutil.virtual_memory().total
+    monkeypatch.setattr(envinfo, "FS_ROOT", tmp_path / "no-proc-here")
+    assert envinfo.usable_memory().cgroup_limit is None
+
+
+def test_auto_budgets_plans_and_env_respect_a_cgroup_limit(monkeypatch, tmp_path, capsys):
+    """Issue 37 row 15: automatic budgets took ~9 GiB in a 700 MiB cgroup and the plan said an 812 MiB
+    run fits; both must use the cgroup's limit, and `zerotier env` must show it."""
+    from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+    from zerotier.planner import PlanDoesNotFit, make_plan, resolve_budgets
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    job = _fake_cgroup(tmp_path / "fs", 2, str(700 * MIB), usage=100 * MIB)
+    monkeypatch.setattr(envinfo, "FS_ROOT", tmp_path / "fs")
+    budgets = resolve_budgets(TiersConfig(), torch.device("cpu"))
+    assert budgets["host"] == int(600 * MIB * 0.4) and budgets["device"] == int(600 * MIB * 0.4)
+    units = [17_000_000] * 4  # 68M fp32 params: over 1 GiB of weights, gradients and Adam state
+    args = (units, TiersConfig(), OffloadConfig(params="host", gradients="host", optimizer="host"),
+            PrecisionConfig(param_dtype="fp32"), PrefetchConfig(), torch.device("cpu"))
+    with pytest.raises(PlanDoesNotFit):
+        make_plan(*args)
+    monkeypatch.setattr(envinfo, "FS_ROOT", tmp_path / "no-cgroup")
+    assert make_plan(*args).to_dict()["fits"]  # the machine's RAM holds it
+    monkeypatch.setattr(envinfo, "FS_ROOT", tmp_path / "fs")
+    assert cli.main(["env", "--nvme-path", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert any(line.startswith("cgroup memory limit") and line.endswith(f"700.00 MiB ({job})")
+               for line in out.splitlines()), out
+    assert any(line.startswith("ram") and "700.00 MiB total" in line for line in out.splitlines())

@@ -96,6 +96,8 @@ def _env_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     memory = report["memory"]
     rows.append(("ram", memory.get("error") or f"{format_size(memory['total_bytes'])} total, "
                  f"{format_size(memory['available_bytes'])} available"))
+    if memory.get("cgroup_limit_bytes") is not None:  # the RAM above is already capped by it
+        rows.append(("cgroup memory limit", f"{format_size(memory['cgroup_limit_bytes'])} ({memory['cgroup']})"))
 
     native = report["native"]
     rows += [(f"native {name}", state) for name, state in native.items()]

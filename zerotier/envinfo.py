@@ -11,6 +11,7 @@ import functools
 import os
 import platform
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -93,10 +94,107 @@ def _cpu() -> dict[str, Any]:
 
 
 def _memory() -> dict[str, Any]:
+    memory = usable_memory()
+    return {"total_bytes": memory.total, "available_bytes": memory.available,
+            "cgroup_limit_bytes": memory.cgroup_limit, "cgroup": memory.cgroup}
+
+
+# Where /proc and /sys are read from; tests point it at a fake tree.
+FS_ROOT = Path("/")
+_NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as a huge page-aligned number, v2 as "max"
+
+
+@dataclass(frozen=True)
+class UsableMemory:
+    """RAM this process may use: the machine's, capped by its cgroup's memory limit (a container's,
+    a Slurm job's). total/available are bytes; cgroup_limit is None (and cgroup "") when no limit applies."""
+    total: int
+    available: int
+    cgroup_limit: int | None
+    cgroup: str
+
+
+def usable_memory() -> UsableMemory:
+    """The one reading of RAM size and free RAM that auto budgets, plans and `zerotier env` use.
+
+    [Note: cgroup memory] psutil reports the machine's RAM, which a container or a job does not get:
+    in a 700 MiB cgroup a 9 GiB budget is OOM-killed. So every cgroup from this process's own up to
+    its hierarchy's root caps it (v2 memory.max, v1 memory.limit_in_bytes; the smallest wins), and
+    free RAM is also capped by limit - working set (usage minus inactive file cache, which the
+    kernel reclaims before the OOM killer runs, as kubelet counts it).
+    """
     import psutil
 
     ram = psutil.virtual_memory()
-    return {"total_bytes": ram.total, "available_bytes": ram.available}
+    total, available, limit, where = ram.total, ram.available, None, ""
+    for directory in _memory_cgroups(FS_ROOT):
+        cap = _cgroup_limit(directory)
+        if cap is None:
+            continue
+        headroom = max(0, cap - _cgroup_working_set(directory))
+        if limit is None or cap < limit:
+            limit, where = cap, str(directory)
+        available = min(available, headroom)
+    if limit is not None:
+        total = min(total, limit)
+    return UsableMemory(total=total, available=min(available, total), cgroup_limit=limit, cgroup=where)
+
+
+def _memory_cgroups(root: Path) -> list[Path]:
+    """This process's memory cgroup directories, its own first, then each parent up to the mount."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:  # "hierarchy-id:controllers:path"; v2 is "0::path"
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            mounts = [root / "sys/fs/cgroup", root / "sys/fs/cgroup/unified"]
+            mount = next((m for m in mounts if (m / "cgroup.controllers").exists()), None)
+        elif "memory" in controllers.split(","):
+            mount = root / "sys/fs/cgroup/memory"
+        else:
+            continue
+        if mount is None or not mount.is_dir():
+            continue
+        own = mount / path.lstrip("/")
+        if not own.is_dir():  # a container sees its own cgroup at the mount, under the host's path
+            own = mount
+        while True:
+            found.append(own)
+            if own == mount:
+                break
+            own = own.parent
+    return found
+
+
+def _cgroup_limit(directory: Path) -> int | None:
+    for name in ("memory.max", "memory.limit_in_bytes"):
+        try:
+            text = (directory / name).read_text().strip()
+        except OSError:
+            continue
+        if text == "max" or not text.isdigit() or int(text) >= _NO_LIMIT:
+            return None
+        return int(text)
+    return None
+
+
+def _cgroup_working_set(directory: Path) -> int:
+    usage = 0
+    for name in ("memory.current", "memory.usage_in_bytes"):
+        try:
+            usage = int((directory / name).read_text().strip())
+            break
+        except (OSError, ValueError):
+            continue
+    try:
+        stat = dict(line.split() for line in (directory / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
+    except (OSError, ValueError):
+        stat = {}
+    inactive = stat.get("total_inactive_file", stat.get("inactive_file", "0"))  # v1 hierarchical, v2
+    return max(0, usage - int(inactive)) if inactive.isdigit() else usage
 
 
 def _native_libraries() -> dict[str, str]:

@@ -97,12 +97,12 @@ import shutil
 from pathlib import Path
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 
 from .config import (OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, ZeroConfig, format_duration,
                      format_size)
 from .device import local_world_size
+from .envinfo import usable_memory
 from .errors import BudgetError, ConfigError
 from .dist.buckets import GradBucketer, ParamGatherer
 from .dist.partition import Partition, partition_units
@@ -310,7 +310,7 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[str, int]:
     the ranks of a node: their auto budgets are this node's share divided among its ranks
     (LOCAL_WORLD_SIZE); a GPU's free memory is its own rank's."""
     ranks = local_world_size()
-    available = psutil.virtual_memory().available // ranks
+    available = usable_memory().available // ranks  # capped by a cgroup's limit ([Note: cgroup memory])
     if tiers.device != "auto":
         dev = int(tiers.device)
     elif device.type == "cuda":
