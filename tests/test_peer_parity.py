@@ -644,6 +644,19 @@ def state_dict_to_fresh_model(run, data):
     return run
 
 
+def state_dict_keep_vars(run, data):
+    """Names mapped to parameters through model.state_dict(keep_vars=True) before training (optimizer
+    construction, an EMA, checkpoint libraries): its entries are the model's own Parameter objects,
+    as in torch, so afterwards they hold the trained weights."""
+    live = run.model.state_dict(keep_vars=True)
+    for name, p in run.model.named_parameters():
+        assert live[name] is p, f"state_dict(keep_vars=True)[{name!r}] is not the model's parameter"
+    run = engine_loop(run, data)
+    for name, value in live.items():
+        run.record(f"state_dict(keep_vars=True) after training: {name}", value)
+    return run
+
+
 def load_state_dict_live(run, data):
     """Halfway, load another model's weights into the live model (Trainer's
     load_best_model_at_end, accelerate.load_state); training goes on from them."""
@@ -780,6 +793,7 @@ CASES = {
                                   refusal=r"clip_grad_value_.*(max_grad_norm|clip_grad_norm_)"),
     # state dicts
     "state_dict into a fresh model": Case(seeded(Net, block=NormBlock), state_dict_to_fresh_model),
+    "state_dict(keep_vars=True) holds the parameters": Case(seeded(Net, block=NormBlock), state_dict_keep_vars),
     "load_state_dict into the live model": Case(seeded(Net), load_state_dict_live),
     "in-place edit under no_grad": Case(seeded(Net), inplace_edit_no_grad),
     "engine checkpoint round trip": Case(seeded(Net, block=NormBlock), engine_checkpoint),

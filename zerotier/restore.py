@@ -26,7 +26,6 @@ class UserWeights:
     def __init__(self, engine, user_form: dict[int, tuple[torch.dtype, torch.device]]):
         self.engine = engine
         self.user_form = user_form
-        self._hook_on = True  # off: module.state_dict() as torch makes it (raw_state_dict)
 
     def install_state_dict_hook(self, model: torch.nn.Module):
         """model.state_dict() holds the trained weights; the hook keeps no engine alive."""
@@ -39,14 +38,10 @@ class UserWeights:
         return model.register_state_dict_post_hook(trained_state_dict)
 
     def raw_state_dict(self) -> dict:
-        """`module.state_dict(keep_vars=True)` as torch makes it: the live tensors, managed parameters
-        included as they are now (released views), without the trained-weights hook. For code that
-        wants the frozen parameters and buffers (checkpoint, export)."""
-        self._hook_on = False
-        try:
-            return self.engine.module.state_dict(keep_vars=True)
-        finally:
-            self._hook_on = True
+        """`module.state_dict(keep_vars=True)`: the live tensors, managed parameters included as the
+        Parameter objects (the trained-weights hook leaves them), for code that wants the frozen
+        parameters and buffers (checkpoint, export)."""
+        return self.engine.module.state_dict(keep_vars=True)
 
     def trained_units(self):
         """(unit, [(parameter, fp32 view of its full master)]) one unit at a time, so a caller that
@@ -77,13 +72,15 @@ class UserWeights:
         """[Note: the user's model stays the truth] model.state_dict() holds the trained weights
         (from the fp32 masters, in each parameter's original dtype), never the released buffers
         zerotier swaps under the parameters. With several ranks model.state_dict() is then a
-        collective, like FSDP's full state dict: call it on every rank."""
-        if not self._hook_on:
-            return
+        collective, like FSDP's full state dict: call it on every rank.
+        With keep_vars=True the entries are the Parameter objects themselves, as in torch (their
+        values read through [Note: the parameter surface]): those are left as they are."""
         names: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
-            if prefix + name in state_dict:
+            if prefix + name in state_dict and state_dict[prefix + name] is not p:
                 names.setdefault(id(p), []).append(prefix + name)
+        if not names:  # keep_vars=True: no weights to gather
+            return
         for unit, views in self.trained_units():
             for p, view in views:
                 value = view.to(self.user_form[id(p)][0], copy=True)
