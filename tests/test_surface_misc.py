@@ -235,3 +235,42 @@ def test_torch_func_over_managed_params_is_refused_and_vmap_over_the_model_works
         torch.testing.assert_close(batched, looped)
         engine.backward(engine(x))
         assert engine.step()
+
+
+# ---------------------------------------------------------------- sparse gradients (issue 37 row 5)
+
+class SparseEmbeddingNet(torch.nn.Module):
+    def __init__(self, cls=torch.nn.Embedding):
+        super().__init__()
+        self.emb = cls(12, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, ids):
+        h = self.emb(ids) if isinstance(self.emb, torch.nn.Embedding) else self.emb(ids, torch.tensor([0, 2]))
+        return self.head(h).square().mean()
+
+
+@pytest.mark.parametrize("cls", [torch.nn.Embedding, torch.nn.EmbeddingBag])
+def test_sparse_embedding_is_refused_at_initialize_naming_the_module(cls, tmp_path):
+    """Issue 37: nn.Embedding(sparse=True) failed in the first backward inside the gradient store
+    ("reshape is not implemented for sparse tensors"). torch's AdamW refuses sparse gradients at
+    its step; zerotier refuses at initialize, naming the module, and leaves the model as built.
+    A frozen sparse embedding (no gradient) trains."""
+    ids = torch.tensor([1, 5, 5, 7])
+    torch.manual_seed(0)
+    reference = SparseEmbeddingNet(cls)
+    reference(ids).backward()
+    with pytest.raises(RuntimeError, match="Adam does not support sparse gradients"):
+        torch.optim.AdamW(reference.parameters()).step()
+    torch.manual_seed(0)
+    model = SparseEmbeddingNet(cls)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ZerotierError, match=rf"module 'emb' \({cls.__name__}\) was built with sparse=True: .*"
+                                            r"Build it with sparse=False .*or freeze its weight"):
+        zerotier.initialize(model, config(tmp_path, HOST))
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and type(p) is torch.nn.Parameter
+    model.emb.weight.requires_grad_(False)
+    with zerotier.initialize(model, config(tmp_path, HOST)) as engine:
+        engine.backward(engine(ids))
+        assert engine.step()

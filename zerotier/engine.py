@@ -30,7 +30,7 @@ from .device import choose as choose_device
 from .dist import init_distributed
 from .dist.sharding import Sharding
 from .errors import ConfigError, ZerotierError
-from .grads import GradStore
+from .grads import GradStore, refuse_sparse_gradients
 from .materialize import Materializer, is_meta, pool_bytes as materialize_pool_bytes
 from .optim.offload import UnitOptimizer
 from .optim.state_layout import StateLayout
@@ -77,6 +77,7 @@ class Engine:
         self._init_fn = init_fn
         # [Note: choosing the device] in device.py: before anything allocates or a group exists
         self.device = choose_device(cfg.train.device)
+        refuse_sparse_gradients(model)
         units = build_units(model, cfg.train.wrap if wrap is None else wrap)
         if not any(not u.frozen for u in units):
             raise ConfigError("the model has no trainable parameters (all are frozen or there are none); "

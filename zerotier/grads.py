@@ -63,6 +63,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .dist.buckets import GradBucketer
+from .errors import ConfigError
 from .grads_memory import STAGED_UNITS, MemoryGrads
 from .grads_nvme import GRAD_WRITES, OPEN_UNITS, GradFile, NvmeGrads
 from .slots import SlotField
@@ -71,6 +72,21 @@ from .threads import COMPUTE, UPDATER, owned
 
 __all__ = ["GRAD_WRITES", "OPEN_UNITS", "STAGED_UNITS", "GradFile", "GradSlot", "GradStore", "MemoryGrads",
            "NvmeGrads"]
+
+
+def refuse_sparse_gradients(model: torch.nn.Module) -> None:
+    """A trainable nn.Embedding / nn.EmbeddingBag built with sparse=True makes sparse gradients; the
+    store sums dense flats, and AdamW (torch's too: "Adam does not support sparse gradients") steps
+    dense ones. Refused at initialize, naming the module, before anything is placed."""
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse \
+                and module.weight.requires_grad:
+            raise ConfigError(
+                f"module '{name or '<root>'}' ({type(module).__name__}) was built with sparse=True: its weight "
+                "would get sparse gradients, which zerotier's AdamW does not take (nor does torch.optim.AdamW: "
+                "\"Adam does not support sparse gradients\"). Build it with sparse=False (the default; the "
+                "training is the same, with a dense gradient), or freeze its weight (requires_grad_(False)) "
+                "before zerotier.initialize")
 
 
 @dataclass(slots=True, eq=False)
