@@ -106,6 +106,65 @@ def test_cli_plan_with_inputs_prints_the_step_and_the_alternatives(bench_file, t
         {json.dumps(r["placement"]) for r in api.alternatives}
 
 
+def hf_causal_lm(kind, device="cpu"):
+    """A stock Hugging Face causal LM built from a tiny config, use_cache left at its default (True);
+    eager attention, so each attention call returns its weights (queries x keys)."""
+    transformers = pytest.importorskip("transformers", reason="pip install transformers (part of .[test])")
+    with torch.device(device):
+        if kind == "llama":
+            config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=32, attn_implementation="eager")
+            return transformers.LlamaForCausalLM(config)
+        config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                         bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+        return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_plan_measures_a_stock_hf_causal_lm_with_its_kv_cache_on(kind, bench_file):
+    """[Note: a block's inputs, fresh per run]: the model's KV cache is among a block's captured inputs.
+    Reused, the block's second run backs through the first one's freed graph (a RuntimeError), and
+    its attention runs over the capture's keys plus its own: every attention must see 16 keys."""
+    model = hf_causal_lm(kind)
+    assert model.config.use_cache
+    keys = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention"):
+            module.register_forward_hook(lambda mod, a, out: keys.append(out[1].shape[-1]))
+    plan = zerotier.plan(model, {"tiers": {"device": "1GiB", "host": "1GiB", "nvme": 0}},
+                         inputs=lambda: (batch()[0],), repeat=2)
+    assert plan.compute_measured and plan.breakdown["forward"] > 0 and plan.breakdown["backward"] > 0
+    assert len(keys) >= 2 + 3 and set(keys) == {16}  # the capture's 2 layers, then a timed block's 3 runs
+
+
+def test_cli_plan_with_inputs_on_a_meta_built_stock_hf_model(bench_file, tmp_path):
+    """`zerotier plan --model M:F --inputs M:F` on LlamaForCausalLM built on the meta device."""
+    (tmp_path / "hfplan.py").write_text(textwrap.dedent("""
+        import torch
+        import transformers
+
+        def model(device=None):
+            config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=32)
+            with torch.device(device or "cpu"):
+                return transformers.LlamaForCausalLM(config)
+
+        def inputs():
+            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+            return (ids,)
+        """))
+    pytest.importorskip("transformers", reason="pip install transformers (part of .[test])")
+    env = dict(os.environ, ZEROTIER_BENCH_FILE=str(bench_file))
+    r = subprocess.run([sys.executable, "-m", "zerotier.cli", "plan", "--model", "hfplan:model", "--inputs",
+                        "hfplan:inputs", "--device", "1GiB", "--host", "1GiB", "--nvme", "0", "--json"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["compute_measured"] is True and out["breakdown_s"]["forward"] > 0
+
+
 def test_another_nodes_rates_scale_the_measured_compute(bench_file, tmp_path):
     """[Note: another node's rates]: a node with twice this one's matmul rate runs each unit in half."""
     from zerotier.planning import _compute_scale

@@ -23,9 +23,17 @@ do not change a dense model's time; data-dependent work (MoE routing) is measure
 these weights only. A wrapped module nested inside a block is timed inside the block (its
 own unit gets no compute of its own). The loss is the output itself when a scalar, its
 `.loss`, else the sum of its first tensor.
+
+[Note: a block's inputs, fresh per run]
+A block may change an object among its inputs: a Hugging Face decoder layer appends its keys and
+values to the model's KV cache (`past_key_values`, on while `use_cache` is, the default), an
+object pytree does not look into. So the capture keeps a deep copy taken when the block is
+entered (later layers grow the cache too), and each timed run gets a deep copy of that: a
+shared cache would make run 2 attend over run 1's keys and back through its freed graph.
 """
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from typing import Any, Callable
@@ -169,8 +177,8 @@ def _capture(model, blocks, modules, wrapped, args, device, dtype) -> _Captured:
             params = tuple((tuple(p.shape), p.dtype) for p in mod.parameters())
             key = (type(mod).__name__, params, _shapes((a, kw)))
             got.signature[name] = key
-            if key not in got.inputs:
-                got.inputs[key] = pytree.tree_map(_detached, (a, kw))
+            if key not in got.inputs:  # a copy: the model may change these objects later (a KV cache)
+                got.inputs[key] = copy.deepcopy(pytree.tree_map(_detached, (a, kw)))
 
         def post(mod, a, kw, out, name=name):
             got.outputs[name] = pytree.tree_map(_detached, out)
@@ -205,8 +213,8 @@ def _time_block(module, args, kwargs, clock: _Clock, repeat: int) -> tuple[float
         return x
 
     fwd, bwd = [], []
-    for i in range(repeat + 1):
-        a, kw = pytree.tree_map(leaf, (args, kwargs))
+    for i in range(repeat + 1):  # [Note: a block's inputs, fresh per run]
+        a, kw = pytree.tree_map(leaf, copy.deepcopy((args, kwargs)))
         tf, out = clock(lambda: module(*a, **kw))
         outs = _grad_leaves(out)
         grads = [torch.randn_like(t) for t in outs]
