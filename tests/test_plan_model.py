@@ -375,3 +375,61 @@ def test_plan_api_takes_the_rollback_rate_and_the_config_speculative_step():
     assert plan.speculative and plan.rollback_rate == 0.05 and sum(plan.speculation_undo_bytes.values()) > 0
     cfg["train"]["speculative_step"] = False
     assert not zerotier.plan(tiny("meta"), cfg, rates={"cpu_adam": 1e9}).speculative
+
+
+def _bench_entry(change):
+    def edit(data):
+        change(next(iter(data["hosts"].values())))
+    return edit
+
+
+# Crafted `zerotier plan --rates` files (issue 37 row 16): (name, edit of a good file's JSON or raw text, what
+# the one-line error names). Each was a traceback, or was silently dropped from the prediction.
+CRAFTED_RATES = [
+    ("not JSON", "{not json", "cannot read it as a zerotier bench file"),
+    ("empty", "", "cannot read it as a zerotier bench file"),
+    ("a list", "[1, 2]", "not a zerotier bench file"),
+    ("no format", lambda d: d.pop("format"), "not a zerotier bench file"),
+    ("hosts a list", lambda d: d.update(hosts=[1]), "not a zerotier bench file"),
+    ("an entry a list", lambda d: d["hosts"].update({next(iter(d["hosts"])): [1]}), "expected an object of bench"),
+    ("a section a list", _bench_entry(lambda e: e.update(io=[1])), r"\.io: expected an object of figures"),
+    ("a string rate", _bench_entry(lambda e: e["adam"].update(fp32_params_per_s="fast")),
+     r"\.adam\.fp32_params_per_s: expected a measured rate, a number from 1 to 1e\+18, got 'fast'"),
+    ("a negative rate", _bench_entry(lambda e: e["adam"].update(fp32_params_per_s=-1)), r"fp32_params_per_s.*got -1"),
+    ("a zero rate", _bench_entry(lambda e: e["mem"].update(copy_GBps=0)), r"\.mem\.copy_GBps.*got 0"),
+    ("a NaN rate", _bench_entry(lambda e: e["mem"].update(copy_GBps=float("nan"))), r"copy_GBps.*got nan"),
+    ("an infinite rate", _bench_entry(lambda e: e["io"].update(read_GBps=float("inf"))), r"read_GBps.*got inf"),
+    ("a rate past 10^18/s", _bench_entry(lambda e: e["io"].update(read_GBps=1e308)), r"read_GBps.*got 1e\+308"),
+    ("a rate below 1/s", _bench_entry(lambda e: e["adam"].update(fp32_params_per_s=1e-300)), r"got 1e-300"),
+    ("a bool as a rate", _bench_entry(lambda e: e["adam"].update(fp32_params_per_s=True)), r"got True"),
+    ("o_direct not a bool", _bench_entry(lambda e: e["io"].update(o_direct="yes")), r"io\.o_direct: expected true"),
+    ("no figures", _bench_entry(lambda e: [e.pop(k) for k in list(RATES)]), "no zerotier bench results in it"),
+]
+
+
+@pytest.mark.parametrize("name, corruption, message", CRAFTED_RATES, ids=[c[0] for c in CRAFTED_RATES])
+def test_a_crafted_rates_file_is_refused_naming_the_file_and_key(tmp_path, capsys, name, corruption, message):
+    """Issue 37 row 16: a damaged --rates file is one ConfigError line naming the file and the key (exit 1,
+    as every ZerotierError of the CLI), never a traceback nor a rate silently left out of the prediction;
+    zerotier.plan(rates=FILE) raises the same ConfigError."""
+    import re
+
+    from zerotier import cli
+    from zerotier.bench import rates_from_file
+
+    path = tmp_path / "there.json"
+    save(RATES, path)
+    if callable(corruption):
+        data = json.loads(path.read_text())
+        corruption(data)
+        path.write_text(json.dumps(data))
+    else:
+        path.write_text(corruption)
+    with pytest.raises(ConfigError, match=message) as raised:
+        rates_from_file(path)
+    assert str(raised.value).startswith(f"{path}: ")
+    assert cli.main(["plan", "--params", "1B", "--rates", str(path), "--host", "64GiB", "--device", "80GiB"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err) and err.startswith("zerotier plan: error: "), err
+    with pytest.raises(ConfigError, match=message):
+        zerotier.plan(tiny("meta"), {"tiers": {"device": "1GiB", "host": "1GiB", "nvme": 0}}, rates=path)

@@ -809,3 +809,55 @@ def test_cli_profile_prints_the_rollback_rate_and_compares_it_with_the_plan(tmp_
     busy_profile().save(str(plain))
     assert cli.main(["profile", str(plain), "--plan", str(plan_path)]) == 0
     assert "no window speculated in the trace" in capsys.readouterr().out
+
+
+GOOD_PLAN = {"predicted_step_s": 0.05, "breakdown_s": {"forward": 0.010, "backward": 0.020, "speculation": 0.002},
+             "speculative": True, "rollback_rate": 0.01,
+             "speculation_step_s": {"commit": 0.040, "rollback": 0.080, "expected": 0.0404, "without": 0.050}}
+# Crafted `zerotier profile --plan` files (issue 37 row 16): nine of these were tracebacks (AttributeError,
+# TypeError, ValueError, KeyError), the others passed silently into the comparison.
+CRAFTED_PLANS = [
+    ("not JSON", "{", r"--plan: cannot read .*Expecting"),
+    ("a list", "[1]", r"the file: expected a JSON object, got 'list'"),
+    ("null", "null", r"the file: expected a JSON object"),
+    ("no breakdown", {"breakdown_s": None}, r"breakdown_s: expected an object of seconds per component"),
+    ("breakdown a list", {"breakdown_s": [1]}, r"breakdown_s: expected an object"),
+    ("a string time", {"breakdown_s": {"forward": "1"}}, r"breakdown_s\.forward: expected seconds, a number from 0"),
+    ("a null time", {"breakdown_s": {"forward": None}}, r"breakdown_s\.forward: .*got None"),
+    ("a NaN time", {"breakdown_s": {"forward": float("nan")}}, r"breakdown_s\.forward: .*got nan"),
+    ("a negative time", {"breakdown_s": {"forward": -1}}, r"breakdown_s\.forward: .*got -1"),
+    ("a bool time", {"breakdown_s": {"forward": True}}, r"breakdown_s\.forward: .*got True"),
+    ("a huge time", {"breakdown_s": {"forward": 1e308}}, r"breakdown_s\.forward: .*got 1e\+308"),
+    ("predicted a string", {"predicted_step_s": "x"}, r"predicted_step_s: expected seconds.* or null, got 'x'"),
+    ("predicted infinite", {"predicted_step_s": float("inf")}, r"predicted_step_s: .*got inf"),
+    ("rollback rate a string", {"rollback_rate": "x"}, r"rollback_rate: expected a share from 0 to 1"),
+    ("rollback rate above 1", {"rollback_rate": 5}, r"rollback_rate: .*got 5"),
+    ("speculative a string", {"speculative": "yes"}, r"speculative: expected true, false or null"),
+    ("speculation cases a list", {"speculation_step_s": [1]}, r"speculation_step_s: expected an object"),
+    ("no step without speculation", {"speculation_step_s": {"commit": 1, "rollback": 2}},
+     r"speculation_step_s\.without: .*got None"),
+    ("a string case", {"speculation_step_s": {"commit": "1", "rollback": 2, "without": 3}},
+     r"speculation_step_s\.commit: .*got '1'"),
+]
+
+
+@pytest.mark.parametrize("name, corruption, message", CRAFTED_PLANS, ids=[c[0] for c in CRAFTED_PLANS])
+def test_a_crafted_plan_file_is_refused_naming_the_file_and_key(tmp_path, capsys, name, corruption, message):
+    """Issue 37 row 16: a damaged --plan file is one ConfigError line naming the file and the key."""
+    import re
+
+    from zerotier.errors import ConfigError
+    from zerotier.profiler.summary import load_plan
+
+    trace = tmp_path / "trace.json"
+    speculating_profile().save(str(trace))
+    plan = tmp_path / "plan.json"
+    plan.write_text(corruption if isinstance(corruption, str) else json.dumps({**GOOD_PLAN, **corruption}))
+    with pytest.raises(ConfigError, match=message) as raised:
+        load_plan(str(plan))
+    assert str(plan) in str(raised.value)
+    assert cli.main(["profile", str(trace), "--plan", str(plan)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err) and err.startswith("zerotier profile: error: "), err
+    plan.write_text(json.dumps(GOOD_PLAN))
+    assert load_plan(str(plan)) == GOOD_PLAN

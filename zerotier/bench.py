@@ -36,6 +36,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from .errors import ConfigError
+
 FORMAT = 1
 SECTIONS = ("mem", "pcie", "io", "adam", "compute")
 # default / --quick sizes: bytes for mem, pcie, io; parameters for adam; matrix side for compute
@@ -463,14 +465,63 @@ def load_rates(path: str | os.PathLike | None = None) -> dict[str, float] | None
     return entry_rates(load(path))
 
 
-def rates_from_file(path: str | os.PathLike) -> dict[str, float] | None:
+def rates_from_file(path: str | os.PathLike) -> dict[str, float]:
     """The rates of a bench file written on another node ([Note: another node's rates] in
-    planning.py): its one host's entry, or the most recently saved one."""
-    data = _read(Path(path).expanduser())
-    if data is None:
-        return None
-    entries = [e for e in data["hosts"].values() if isinstance(e, dict)]
-    return entry_rates(max(entries, key=lambda e: str(e.get("timestamp", "")), default=None))
+    planning.py): its one host's entry, or the most recently saved one. The user named this file,
+    so unlike this node's cache it is checked strictly: ConfigError naming the file and the key."""
+    path = Path(path).expanduser()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read it as a zerotier bench file ({exc}); write one with "
+                          "`zerotier bench --save FILE` on the node to plan for") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("hosts"), dict):
+        raise ConfigError(f"{path}: not a zerotier bench file (expected a JSON object with format {FORMAT} and a "
+                          "hosts object); write one with `zerotier bench --save FILE` on the node to plan for")
+    for host, entry in data["hosts"].items():
+        _check_entry(path, host, entry)
+    entries = list(data["hosts"].values())
+    rates = entry_rates(max(entries, key=lambda e: str(e.get("timestamp", "")), default=None))
+    if rates is None:
+        raise ConfigError(f"{path}: no zerotier bench results in it (write one with `zerotier bench --save FILE` "
+                          "on the node to plan for)")
+    return rates
+
+
+# The figures entry_rates reads, by section, with the factor to the rate's unit (bytes, flop or params /s).
+_FIGURES = {"pcie": {"h2d_pinned_GBps": 1e9, "d2h_pinned_GBps": 1e9},
+            "io": {"read_GBps": 1e9, "overwrite_GBps": 1e9, "write_GBps": 1e9},
+            "mem": {"copy_GBps": 0.5e9, "inplace_GBps": 1e9}, "adam": {"fp32_params_per_s": 1.0},
+            "compute": {"fp32_flops": 1.0, "bf16_flops": 1.0}}
+# A figure is a number whose rate lies in this range (1 to 10^18 per second): outside it a
+# prediction is 0 s or overflows.
+_RATE_RANGE = (1.0, 1e18)
+
+
+def _is_rate(value: Any, factor: float) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and _RATE_RANGE[0] <= value * factor <= _RATE_RANGE[1])
+
+
+def _check_entry(path: Path, host: str, entry: Any) -> None:
+    where = f"{path}: hosts.{host}"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: expected an object of bench sections, got {type(entry).__name__}")
+    for section, fields in _FIGURES.items():
+        figures = entry.get(section)
+        if figures is None:
+            continue
+        if not isinstance(figures, dict):
+            raise ConfigError(f"{where}.{section}: expected an object of figures, got {type(figures).__name__}")
+        for field, factor in fields.items():
+            value = figures.get(field)
+            if value is None:
+                continue
+            if not _is_rate(value, factor):
+                raise ConfigError(f"{where}.{section}.{field}: expected a measured rate, a number from "
+                                  f"{_RATE_RANGE[0] / factor:g} to {_RATE_RANGE[1] / factor:g}, got {value!r}")
+        if section == "io" and not isinstance(figures.get("o_direct", False), bool):
+            raise ConfigError(f"{where}.io.o_direct: expected true or false, got {figures['o_direct']!r}")
 
 
 def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
@@ -484,8 +535,8 @@ def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
     if not entry:
         return None
     rates: dict[str, float] = {}
-    pcie, io, adam = entry.get("pcie") or {}, entry.get("io") or {}, entry.get("adam") or {}
-    mem, compute = entry.get("mem") or {}, entry.get("compute") or {}
+    sections = {name: entry.get(name) if isinstance(entry.get(name), dict) else {} for name in _FIGURES}
+    pcie, io, adam, mem, compute = (sections[name] for name in ("pcie", "io", "adam", "mem", "compute"))
     for key, (section, field, factor) in {
             "h2d": (pcie, "h2d_pinned_GBps", 1e9), "d2h": (pcie, "d2h_pinned_GBps", 1e9),
             "nvme_read": (io, "read_GBps", 1e9),
@@ -494,6 +545,6 @@ def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
             "cpu_adam": (adam, "fp32_params_per_s", 1.0),
             "compute_fp32": (compute, "fp32_flops", 1.0), "compute_bf16": (compute, "bf16_flops", 1.0)}.items():
         value = section.get(field)
-        if isinstance(value, (int, float)) and value > 0 and (section is not io or io.get("o_direct")):
+        if _is_rate(value, factor) and (section is not io or io.get("o_direct")):
             rates[key] = float(value) * factor
     return rates or None

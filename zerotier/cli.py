@@ -304,10 +304,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.rates:
         from zerotier.bench import rates_from_file
 
-        rates = rates_from_file(args.rates)
-        if rates is None:
-            raise ZerotierError(f"--rates: {args.rates} holds no zerotier bench results (write one with "
-                                "`zerotier bench --save FILE` on the node to plan for)")
+        rates = rates_from_file(args.rates)  # ConfigError naming the file and key when it is not one
         device = _planned_device(rates, cfg, device)
     try:
         plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device, rates=rates,
@@ -478,15 +475,9 @@ def _run_profile(args: argparse.Namespace) -> int:
     summary = summarize(trace, top=args.top)
     comparison = None
     if args.plan:
-        from zerotier.profiler.summary import plan_comparison, plan_table, speculation_comparison
+        from zerotier.profiler.summary import load_plan, plan_comparison, plan_table, speculation_comparison
 
-        try:
-            plan = json.loads(Path(args.plan).read_text())
-        except (OSError, ValueError) as exc:
-            raise ZerotierError(f"--plan: cannot read {args.plan}: {exc}") from None
-        if not plan.get("breakdown_s"):
-            raise ZerotierError(f"--plan: {args.plan} has no breakdown_s (a `zerotier plan --json` made with "
-                                "`zerotier bench` results has one)")
+        plan = load_plan(args.plan)
         comparison = plan_comparison(trace, plan)
         rollbacks = speculation_comparison(trace, plan)
     if args.json:

@@ -82,11 +82,7 @@ def _rates(rates, cfg: Config) -> tuple[dict[str, float] | None, bool]:
     if isinstance(rates, dict):
         return dict(rates), False
     if rates is not None:
-        found = bench.rates_from_file(rates)
-        if found is None:
-            raise ConfigError(f"{rates}: no zerotier bench results in it (write one with `zerotier bench "
-                                    "--save FILE` on the node to plan for)")
-        return found, True
+        return bench.rates_from_file(rates), True
     if bench.load_rates() is None:
         path = cfg.tiers.nvme_path if cfg.tiers.nvme_path and Path(cfg.tiers.nvme_path).is_dir() else "."
         print("zerotier plan: no saved `zerotier bench` results on this node: measuring them now (quick)",

@@ -32,10 +32,13 @@ its saved peak marks that peak stale instead of printing more than 100%.
 """
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from ..config import format_duration, format_size
+from ..errors import ConfigError
 from . import intervals as iv
 from .trace import TraceData, read_trace
 
@@ -580,6 +583,48 @@ def measured_components(trace: dict) -> tuple[dict[str, float], int]:
         if name is not None:
             spans[name].append((t["ts"], t["ts"] + t["dur"]))
     return {name: iv.length(iv.union(v)) / 1e6 / steps for name, v in spans.items()}, steps
+
+
+_PLAN_SECONDS = 1e9  # a plan's seconds lie in [0, this]: a step of 30 years is not a plan
+
+
+def load_plan(path: str) -> dict:
+    """A `zerotier plan --json` file for `zerotier profile --plan`, checked for what plan_comparison
+    and speculation_comparison read: ConfigError naming the file, the key and what is expected."""
+    def fail(key: str, expected: str, value) -> ConfigError:
+        return ConfigError(f"--plan {path}: {key}: expected {expected}, got {value!r}; pass the output of "
+                           "`zerotier plan --json` (made with `zerotier bench` results) for this run")
+
+    def seconds(key: str, value, optional: bool = False) -> None:
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and 0 <= value <= _PLAN_SECONDS)  # NaN fails the comparison
+        if not ok and not (optional and value is None):
+            raise fail(key, f"seconds, a number from 0 to {_PLAN_SECONDS:g}" + (" or null" if optional else ""), value)
+
+    try:
+        plan = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--plan: cannot read {path}: {exc}") from None
+    if not isinstance(plan, dict):
+        raise fail("the file", "a JSON object", type(plan).__name__)
+    breakdown = plan.get("breakdown_s")
+    if not isinstance(breakdown, dict) or not breakdown:
+        raise fail("breakdown_s", "an object of seconds per component (a plan made without `zerotier bench` "
+                   "results has none)", breakdown)
+    for name, value in breakdown.items():
+        seconds(f"breakdown_s.{name}", value)
+    seconds("predicted_step_s", plan.get("predicted_step_s"), optional=True)
+    if not isinstance(plan.get("speculative"), (bool, type(None))):
+        raise fail("speculative", "true, false or null", plan["speculative"])
+    rate = plan.get("rollback_rate")
+    if rate is not None and not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= 1):
+        raise fail("rollback_rate", "a share from 0 to 1 or null", rate)
+    cases = plan.get("speculation_step_s")
+    if not isinstance(cases, (dict, type(None))):
+        raise fail("speculation_step_s", "an object of seconds (commit, rollback, without) or null", cases)
+    for case in ("commit", "rollback", "without") if cases else ():
+        seconds(f"speculation_step_s.{case}", cases.get(case))
+    return plan
 
 
 def plan_comparison(trace: dict, plan: dict) -> tuple[list[tuple[str, float, float | None]], str]:
