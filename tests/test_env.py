@@ -5,6 +5,7 @@ import json
 import platform
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -97,6 +98,26 @@ def test_help_describes_every_option(capsys):
         cli.main(["env", "--help"])
     env_help = capsys.readouterr().out
     assert "--json" in env_help and "--nvme-path" in env_help
+
+
+def test_help_does_not_import_torch():
+    """`zerotier --help` and each `zerotier COMMAND --help` answer without loading torch (seconds at
+    start-up): `import zerotier` is light, commands import their heavy modules when they run."""
+    script = textwrap.dedent("""
+        import contextlib, io, sys
+        from zerotier import cli
+        for argv in [["--help"]] + [[c.name, "--help"] for c in cli.COMMANDS]:
+            with contextlib.redirect_stdout(io.StringIO()):
+                try:
+                    cli.main(argv)
+                except SystemExit:
+                    pass
+            print(" ".join(argv), "torch" in sys.modules)
+        """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1 + len(cli.COMMANDS) and all(line.endswith(" False") for line in lines), lines
 
 
 def test_no_command_is_a_usage_error(capsys):
