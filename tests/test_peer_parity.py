@@ -336,6 +336,16 @@ class LateParamNet(Net):
         return F.cross_entropy(logits, y)
 
 
+class LateModuleNet(Net):
+    """Uses `self.extra` (a module) when the loop has attached it (after initialize / the optimizer)."""
+
+    def forward(self, x, y):
+        logits = self.head(self.body(x))
+        if getattr(self, "extra", None) is not None:
+            logits = logits + self.extra(logits)
+        return F.cross_entropy(logits, y)
+
+
 # ---------------------------------------------------------------- data
 
 def batches(n: int, seed: int = 1, route: bool = False, tokens: bool = False, vary_scale: bool = False):
@@ -620,6 +630,15 @@ def register_after_init(add_to_optimizer: bool):
     return loop
 
 
+def attach_module_after_init(frozen: bool):
+    def loop(run, data):
+        engine_loop(run, data[:2])
+        torch.manual_seed(5)
+        run.model.extra = nn.Linear(CLASSES, CLASSES).to(run.dtype).requires_grad_(not frozen)
+        return engine_loop(run, data[2:])
+    return loop
+
+
 def user_clip_norm(max_norm):
     def clip(run):
         run.record("clip_grad_norm_ total norm", torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm))
@@ -755,7 +774,13 @@ CASES = {
     # parameters registered after initialize
     # torch trains it not at all (the optimizer never saw it); zerotier may refuse it by name
     "parameter registered after init": Case(seeded(LateParamNet), register_after_init(False),
-                                            refusal=r"'scale'.*zerotier\.initialize"),
+                                            refusal=r"'scale'.*attached to the model after zerotier\.initialize"),
+    # a plain module (not an adapter) attached after init: refused naming what happened (issue 37; it
+    # was refused as a LoRA adapter); frozen, as the message offers, it runs like torch
+    "module attached after init": Case(seeded(LateModuleNet), attach_module_after_init(frozen=False),
+                                       refusal=r"'extra\.weight' requires grad but was attached to the model after "
+                                               r"zerotier\.initialize .*Attach it before zerotier\.initialize"),
+    "frozen module attached after init": Case(seeded(LateModuleNet), attach_module_after_init(frozen=True)),
     "parameter registered after init, add_param_group": Case(
         seeded(LateParamNet), register_after_init(True), refusal=r"add_param_group.*'scale'.*zerotier\.initialize"),
     # eval between steps (BatchNorm: eval uses the running stats)

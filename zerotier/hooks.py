@@ -296,16 +296,32 @@ class ModuleHooks:
                     "engine.parameters_fp32() into a copy")
             trained = engine.window.slot(p) is not None
             if not trained and p.requires_grad and id(p) not in engine.weights.user_form:
-                raise ZerotierError(
-                    f"parameter '{name}' requires grad but was added to the model after zerotier.initialize (an "
-                    "adapter: peft.get_peft_model(engine.module, ...) after initialize or zerotier.from_pretrained), "
-                    "so zerotier would never train it. Add adapters first: model = peft.get_peft_model(model, "
-                    "lora_config), then engine = zerotier.initialize(model, config); the frozen base is then "
-                    "offloaded like any parameter (offload.params). From a Hugging Face directory: "
-                    "zerotier.from_pretrained(dir, config, peft_config=lora_config) streams the base under the "
-                    "adapters (or load it with transformers, apply peft, then initialize: the base is in RAM once)")
+                raise ZerotierError(_added_after_initialize(engine.module, name))
             if not trained and p.requires_grad:
                 raise ZerotierError(
                     f"parameter '{name}' requires grad but zerotier does not train it: it was frozen (or not yet "
                     "registered) when zerotier.initialize ran. Set requires_grad before initialize, or call "
                     "engine.close() and zerotier.initialize(model, config) again")
+
+
+def _added_after_initialize(model: torch.nn.Module, name: str) -> str:
+    """The refusal of a trainable parameter that joined the model after initialize: a peft adapter
+    (a module of peft's around it) gets the working order of peft and zerotier; any other module
+    or parameter attached to engine.module gets what happened and how to attach it."""
+    parts = name.split(".")
+    adapter = any(type(model.get_submodule(".".join(parts[:k]))).__module__.startswith("peft.")
+                  for k in range(len(parts)))
+    if adapter:
+        return (f"parameter '{name}' requires grad but was added to the model after zerotier.initialize (an "
+                "adapter: peft.get_peft_model(engine.module, ...) after initialize or zerotier.from_pretrained), "
+                "so zerotier would never train it. Add adapters first: model = peft.get_peft_model(model, "
+                "lora_config), then engine = zerotier.initialize(model, config); the frozen base is then "
+                "offloaded like any parameter (offload.params). From a Hugging Face directory: "
+                "zerotier.from_pretrained(dir, config, peft_config=lora_config) streams the base under the "
+                "adapters (or load it with transformers, apply peft, then initialize: the base is in RAM once)")
+    return (f"parameter '{name}' requires grad but was attached to the model after zerotier.initialize (a module "
+            "or parameter assigned to engine.module afterwards): zerotier holds no fp32 master and no optimizer "
+            "state for it, so it would never be trained (as with a torch optimizer built before it was attached). "
+            "Attach it before zerotier.initialize, or call engine.close() (the model then holds the trained "
+            "weights), attach it and zerotier.initialize(model, config) again; to use it untrained, freeze it "
+            "with requires_grad_(False)")
