@@ -421,6 +421,15 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
         plot_trace(busy_profile().trace(), str(tmp_path / "x.png"))
 
 
+def test_profile_plot_without_matplotlib_fails_before_the_report(tmp_path, monkeypatch, capsys):
+    trace_path = tmp_path / "trace.json"
+    busy_profile().save(str(trace_path))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import fails as if not installed
+    assert cli.main(["profile", str(trace_path), "--plot", str(tmp_path / "x.png")]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "pip install matplotlib" in err and "zerotier-offload[plot]" in err
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.profiler labels
 

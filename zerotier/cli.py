@@ -470,7 +470,10 @@ def _profile_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_profile(args: argparse.Namespace) -> int:
     from zerotier.profiler import load_trace, plot_trace, summarize
+    from zerotier.profiler.plot import load_matplotlib
 
+    if args.plot:
+        load_matplotlib()  # before the report, not after it
     trace = load_trace(args.trace)
     summary = summarize(trace, top=args.top)
     comparison = None

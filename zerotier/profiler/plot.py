@@ -30,14 +30,21 @@ _BUDGET_SHOWN = 4.0   # a budget up to this many times the panel's peak is drawn
 _LEGEND = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": "small", "borderaxespad": 0.0}
 
 
-def plot_trace(trace: dict, path: str) -> str:
-    """Draw `trace` (Profiler.trace() or load_trace()) to the PNG `path`; returns `path`."""
+def load_matplotlib():
+    """matplotlib's Figure and Agg canvas classes, else a ZerotierError saying how to install it
+    (`zerotier profile --plot` asks first, so it fails before the report, not after)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise ZerotierError("plotting the profile needs matplotlib: pip install matplotlib "
                             "(or pip install 'zerotier-offload[plot]')") from None
+    return Figure, FigureCanvasAgg
+
+
+def plot_trace(trace: dict, path: str) -> str:
+    """Draw `trace` (Profiler.trace() or load_trace()) to the PNG `path`; returns `path`."""
+    Figure, FigureCanvasAgg = load_matplotlib()
     data = read_trace(trace)
     tiers = sorted(data.residency, key=lambda t: (list(_TIER_COLORS).index(t) if t in _TIER_COLORS else 9, t))
     fig = Figure(figsize=(11, 9.5), layout="constrained")
