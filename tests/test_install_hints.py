@@ -222,3 +222,18 @@ def test_install_torch_keeps_the_installed_torch():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"install_torch: torch {installed} is installed in {sys.prefix}: kept\n"
+
+
+def test_install_torch_says_what_it_tried_and_how_to_install_torch_when_pip_fails(monkeypatch, capsys):
+    """No CPU index reachable and no local wheel: pip's 'No matching distribution' was the last line."""
+    monkeypatch.setattr(install_torch, "installed_torch", lambda: None)
+    monkeypatch.setattr(install_torch, "nvidia_driver", lambda: False)
+    monkeypatch.setattr(install_torch.sys, "platform", "linux")
+    tried = []
+    monkeypatch.setattr(install_torch.subprocess, "call", lambda command: tried.append(command) or 1)
+    assert install_torch.main() == 1
+    assert tried == [[sys.executable, "-m", "pip", "install", *CPU]]
+    err = capsys.readouterr().err
+    assert "could not install torch 2.13.0 (CPU build) from https://download.pytorch.org/whl/cpu" in err
+    assert "Install torch 2.11 or newer yourself" in err and "keeps an installed torch" in err
+    assert "https://pytorch.org/get-started/locally/" in err and "--find-links DIR torch==2.13.0" in err

@@ -11,6 +11,8 @@ The README's two commands run this before `pip install -e .`, which then keeps t
 - on macOS and Windows: the default index, whose wheels there carry no CUDA libraries.
 
 For another build (ROCm, another CUDA version) install torch first as pytorch.org says; it is kept.
+Where pip fails (the index out of reach, no local wheel), it says what it tried and how to install
+torch yourself, and exits with pip's status.
 Run with the Python of the environment to install into (the venv's `python`). No dependencies.
 """
 from __future__ import annotations
@@ -69,7 +71,24 @@ def main() -> int:
     replacing = f" (replacing torch {installed}, older than zerotier needs)" if installed else ""
     command = [sys.executable, "-m", "pip", "install", *arguments]
     print(f"install_torch: torch {TORCH_VERSION}, {build}{replacing}: {' '.join(command)}", flush=True)
-    return subprocess.call(command)
+    status = subprocess.call(command)
+    if status != 0:
+        print(failure_help(arguments, build, status), file=sys.stderr)
+    return status
+
+
+def failure_help(arguments: list[str], build: str, status: int) -> str:
+    """What was tried and how to install torch yourself, after pip failed (its own message is above)."""
+    index = CPU_INDEX if CPU_INDEX in arguments else "the default index (PyPI, or the index pip is configured with)"
+    minimum = ".".join(map(str, TORCH_MINIMUM))
+    return (f"install_torch: pip could not install torch {TORCH_VERSION} ({build}) from {index}: pip's exit "
+            f"status {status}, its reason above.\n"
+            f"Install torch {minimum} or newer yourself, then run the command again (this step keeps an "
+            "installed torch, whatever its build):\n"
+            "  - the command https://pytorch.org/get-started/locally/ gives for this platform;\n"
+            f"  - from a network that reaches the index: `python -m pip install {' '.join(arguments)}`;\n"
+            f"  - offline, with a torch wheel for this Python copied into DIR: "
+            f"`python -m pip install --no-index --find-links DIR torch=={TORCH_VERSION}`.")
 
 
 if __name__ == "__main__":
