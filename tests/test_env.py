@@ -229,3 +229,27 @@ def test_auto_budgets_plans_and_env_respect_a_cgroup_limit(monkeypatch, tmp_path
     assert any(line.startswith("cgroup memory limit") and line.endswith(f"700.00 MiB ({job})")
                for line in out.splitlines()), out
     assert any(line.startswith("ram") and "700.00 MiB total" in line for line in out.splitlines())
+
+
+@pytest.mark.parametrize("flag", ["--params", "--frozen-params"])
+@pytest.mark.parametrize("count, message", [
+    ("1e30", "1e30 is more than 10^15 parameters (1000T), the most zerotier plans for"),  # was an AssertionError
+    ("1e400", "1e400 is more than 10^15 parameters"),  # was an OverflowError traceback
+    ("1001T", "1001T is more than 10^15 parameters"),
+    ("nan", "cannot read 'nan'; use a whole count"),
+    ("inf", "cannot read 'inf'"),
+    ("2.5", "cannot read '2.5'"),
+    ("1e-400", "cannot read '1e-400'"),
+    ("-7B", "cannot read '-7B'"),
+    ("0", "cannot read '0'"),
+])
+def test_plan_params_counts_out_of_range_are_one_line(capsys, flag, count, message):
+    """Issue 37 row 16: --params 1e30 ended in an AssertionError, 1e400 in a traceback."""
+    assert cli.main(["plan", "--params=7B", f"{flag}={count}", "--host", "1PiB", "--nvme", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"zerotier plan: error: {flag}: {message}" + err.split(message, 1)[1] and err.count("\n") == 1, err
+
+
+def test_plan_params_at_the_bound_plans(capsys):
+    assert cli.main(["plan", "--params", "1000T", "--device", "7000PiB", "--nvme", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["numel"] == 10**15
