@@ -117,8 +117,25 @@ def test_progress_bar_counts_to_total():
     p = bench.Progress(2, stream=stream)
     p("a")
     p("b")
-    lines = stream.getvalue().splitlines()
-    assert lines[0].startswith("zerotier bench: [") and "1/2" in lines[0] and "2/2" in lines[1]
+    lines = stream.getvalue().split("\n")
+    assert len(lines) == 3 and lines[2] == "" and "\r" not in stream.getvalue()  # a log: a line per step
+    assert lines[0].startswith("zerotier bench:  50%|") and "1/2" in lines[0] and lines[0].endswith(", a]")
+    assert lines[1].startswith("zerotier bench: 100%|") and "2/2" in lines[1]
+
+
+def test_progress_bar_on_a_terminal_is_tqdms():
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    p = bench.Progress(2, stream=stream)
+    assert type(p.bar).__module__.startswith("tqdm")
+    p("a")
+    p("b")
+    assert p.bar.n == 2 and "2/2" in stream.getvalue() and "\r" in stream.getvalue()  # redrawn in place
 
 
 def test_pcie_without_cuda_is_skipped_with_a_note_and_no_progress_bar(monkeypatch, capsys):

@@ -292,23 +292,29 @@ def bench_compute(side: int | None = None, repeat: int = 3, tick: Tick = _noop, 
 
 
 class Progress:
-    """A one-line progress bar on stderr (a line per step when stderr is not a terminal)."""
+    """bench's progress on stderr, drawn by tqdm: a bar on a terminal; elsewhere (a log, CI) the
+    same text as one line per step, without the carriage returns a redrawn bar leaves in a file."""
 
-    def __init__(self, total: int, stream=None, width: int = 24):
-        self.total, self.done, self.width = max(total, 1), 0, width
+    def __init__(self, total: int, stream=None):
+        from tqdm import tqdm
+
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.t0 = time.perf_counter()
+        self.total, self.done, self.t0 = max(total, 1), 0, time.perf_counter()
+        tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.bar = tqdm(total=self.total, file=self.stream, desc="zerotier bench", unit="step") if tty else None
 
     def __call__(self, label: str) -> None:
+        from tqdm import tqdm
+
         self.done += 1
-        filled = self.width * self.done // self.total
-        bar = "#" * filled + "." * (self.width - filled)
-        text = f"[{bar}] {self.done}/{self.total} {time.perf_counter() - self.t0:5.1f}s {label}"
-        if self.tty:
-            self.stream.write("\r\033[K" + text + ("\n" if self.done >= self.total else ""))
-        else:
-            self.stream.write(f"zerotier bench: {text}\n")
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update()
+            if self.done >= self.total:
+                self.bar.close()
+            return
+        self.stream.write(tqdm.format_meter(self.done, self.total, time.perf_counter() - self.t0, ncols=100,
+                                            prefix="zerotier bench", unit="step", postfix=label, ascii=True) + "\n")
         self.stream.flush()
 
 
