@@ -20,7 +20,10 @@ writes remain after backward. Without clipping the engine updates each unit on
 its optimizer thread as soon as its gradient is final (`step(..., drain=False)`): the
 unit's writes stay in flight while the next unit is read, and `finish()` waits for
 them when engine.step() begins. Either way the step's writes are waited before it
-returns: an I/O error surfaces in the step that caused it.
+returns: an I/O error surfaces in the step that caused it. Whatever fails (a read, the
+Adam pass, a write refused at submit, as a full drive's fallocate refuses it), the set
+comes back to the free ones once its issued I/O has ended: a lost set is never found
+again, and after `depth` of them every step died in 'pop from an empty deque'.
 
 [Note: device gradients, host optimizer]
 A CPU optimizer reading gradients that live on the GPU does not copy them with a
@@ -383,8 +386,13 @@ class UnitOptimizer:
                     self._free_sets.append(slot)  # nothing was read into it that anyone will use
                     raise
                 bufs = self._set_views(slot, unit)
-                self._adam(unit, bufs, grad_of(unit), out_of(unit), hyper_of(unit), grad_scale)
-                self._writing.append((slot, self._io(unit, bufs, "optimizer-write")))
+                try:
+                    self._adam(unit, bufs, grad_of(unit), out_of(unit), hyper_of(unit), grad_scale)
+                    writes = self._io(unit, bufs, "optimizer-write")
+                except BaseException:
+                    self._free_sets.append(slot)  # [Note: NVMe optimizer pipeline]: the set comes back
+                    raise
+                self._writing.append((slot, writes))
                 yield unit
             completed = True
         finally:
@@ -518,8 +526,18 @@ class UnitOptimizer:
         """Submit reads or writes of a unit's three state tensors; tickets carry profiler info."""
         read = reason == "optimizer-read"
         shadow = not read and unit.index in self._undo  # [Note: speculative step]: the old files stay
-        tickets = [(self.store.read(self._key(unit, k), bufs[k], padded=True) if read
-                    else self.store.write(self._key(unit, k, shadow), bufs[k])) for k in STATE_KEYS]
+        tickets = []
+        try:
+            for k in STATE_KEYS:
+                tickets.append(self.store.read(self._key(unit, k), bufs[k], padded=True) if read
+                               else self.store.write(self._key(unit, k, shadow), bufs[k]))
+        except BaseException:  # refused at submit (a full drive's fallocate): the set's I/O ends first
+            for t in tickets:
+                try:
+                    t.wait()
+                except BaseException:  # noqa: BLE001 - the submit's error is the one raised
+                    pass
+            raise
         if self.profiler is None:
             return tickets
         start = time.perf_counter_ns()
