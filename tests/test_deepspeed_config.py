@@ -4,12 +4,14 @@ with a zerotier meaning is mapped, every other key is named in one warning."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import warnings
 
 import pytest
 
+from zerotier import deepspeed_config
 from zerotier.config import Config
 from zerotier.errors import ConfigError
 
@@ -188,6 +190,30 @@ def test_zerotier_convert_cli(tmp_path):
     assert "not used (no zerotier meaning): scheduler.type" in proc.stderr
     cfg = Config.load(out)
     assert cfg.zero.stage == 3 and cfg.offload.params == "nvme" and cfg.tiers.nvme_path == "/local_nvme"
+    assert out.read_text().endswith("\n")
+
+
+def test_to_toml_round_trips_through_tomllib_and_ends_with_a_newline():
+    """convert's TOML is written by hand (tomli-w is not a dependency): what tomllib reads back is
+    what was written, for strings that need escaping, nested tables, floats, bools and lists."""
+    tomllib = pytest.importorskip("tomllib")
+    sections = {
+        "tiers": {"nvme_path": 'C:\\swap\\"quoted" dir', "device": "24GiB", "host": None},
+        "odd": {"tab\tnewline\ncr\rdel\x7fnul\x00": "é ✓ 😀 \x1b[0m", "a.b": "dotted key", "": "empty key"},
+        "optimizer": {"lr": 1e-4, "eps": 1e-08, "big": 1e20, "tiny": 5e-324, "third": 1 / 3, "inf": float("inf"),
+                      "neg": -0.0, "betas": [0.9, 0.95], "adam_w_mode": True, "fused": False, "steps": 10**15,
+                      "flags": [True, False], "names": ["a\"b", "c\\d"]},
+        "train": {"grad_accum_steps": 2, "nested": {"inner": {"x": 1, "s": "y"}, "z": 0.5}},
+        "empty": {"only": None},
+    }
+    text = deepspeed_config.to_toml(sections)
+    assert text.endswith("\n") and not text.endswith("\n\n")
+    back = tomllib.loads(text)
+    expected = {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in sections.items()}
+    del expected["empty"]  # a table of only None values is left out
+    assert back == expected
+    assert math.copysign(1, back["optimizer"]["neg"]) == -1
+    assert deepspeed_config.to_toml({}) == "\n" and tomllib.loads("\n") == {}
 
 
 def test_zerotier_convert_prints_auto_keys_as_filled_by_the_trainer(tmp_path):

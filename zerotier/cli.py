@@ -549,7 +549,7 @@ def _run_convert(args: argparse.Namespace) -> int:
     for key in unmapped:
         print(f"zerotier convert: not used (no zerotier meaning): {key}", file=sys.stderr)
     if args.to:
-        Path(args.to).write_text(text)
+        Path(args.to).write_text(text, encoding="utf-8")  # TOML is UTF-8
         print(f"zerotier config written to {args.to}")
     else:
         print(text, end="")

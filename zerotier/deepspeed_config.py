@@ -250,22 +250,44 @@ def warn_unmapped(unmapped: list[str]) -> None:
 
 
 def to_toml(sections: Mapping[str, Mapping[str, Any]]) -> str:
-    """TOML text of {section: {key: value}} (values: str, int, float, bool, lists of those; None left out)."""
-    lines = []
-    for section, values in sections.items():
-        body = [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
-        if body:
-            lines += [f"[{section}]", *body, ""]
-    return "\n".join(lines)
+    """TOML text of {section: {key: value}}, ending with a newline; tomllib reads back the same dict.
+
+    Values: str, int, float, bool, lists of those, and dicts as sub-tables ([section.key]); None is
+    left out. Written here rather than with tomli-w, which is not a dependency: zerotier only writes
+    this small subset (tests/test_deepspeed_config.py round-trips it through tomllib)."""
+    lines: list[str] = []
+    _toml_table(lines, [], sections)
+    return "\n".join(lines).strip("\n") + "\n"
+
+
+def _toml_table(lines: list[str], path: list[str], table: Mapping[str, Any]) -> None:
+    body = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()
+            if v is not None and not isinstance(v, Mapping)]
+    if body:  # a table with nothing to say is left out, as None values are
+        lines += [f"[{'.'.join(map(_toml_key, path))}]"] * bool(path) + [*body, ""]
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            _toml_table(lines, [*path, key], value)
+
+
+def _toml_key(key: str) -> str:
+    return key if key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key) else _toml_string(key)
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quote, backslash and control characters escaped, the rest as is (UTF-8)."""
+    escaped = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    return '"' + "".join(escaped.get(c) or (f"\\u{ord(c):04X}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+                         for c in text) + '"'
 
 
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
-        return repr(value)
+        return repr(value)  # TOML reads Python's float repr (1e-08, inf, nan) and int repr
     if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
+        return _toml_string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
