@@ -296,3 +296,31 @@ def test_tied_head_equal_in_the_checkpoint_stays_tied(tmp_path):
         assert engine.module.lm_head.weight is engine.module.model.embed_tokens.weight
     finally:
         engine.close(restore_weights=False)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"intermediate_size": -64}, r"config.json: intermediate_size = -64: a model size must be a whole number > 0"),
+    ({"num_hidden_layers": 0}, r"config.json: num_hidden_layers = 0: a model size"),
+    ({"hidden_size": "32"}, r"config.json: hidden_size = '32': a model size"),
+    ({"vocab_size": 64.0}, r"config.json: vocab_size = 64.0: a model size"),
+    ({"num_attention_heads": True}, r"config.json: num_attention_heads = True: a model size"),
+    ({"text_config": {"hidden_size": -1}}, r"config.json: text_config.hidden_size = -1: a model size"),
+    ({"num_attention_heads": 5}, r"config.json: transformers refuses it \(.*hidden size \(32\) is not a multiple"),
+    ({"hidden_act": "nope"}, r"config.json: building AutoModelForCausalLM from it failed \(KeyError: 'nope'\)"),
+])
+def test_config_json_with_impossible_sizes_names_the_file_and_key(tmp_path, change, message):
+    """Issue 37 row 16: a negative intermediate_size reached torch as an error naming no file."""
+    path = saved("llama", tmp_path / "hf")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ConfigError, match=message) as raised:
+        zerotier.from_pretrained(path, zt_config("host", tmp_path))
+    assert str(raised.value).startswith(str(path / "config.json"))
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_config_json_that_is_not_a_json_object(tmp_path, text):
+    path = saved("gpt2", tmp_path / "hf")
+    (path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=r"hf/config.json: (cannot read it as JSON|expected a JSON object)"):
+        zerotier.from_pretrained(path)

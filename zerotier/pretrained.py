@@ -97,8 +97,42 @@ def from_pretrained(path, config=None, *, model_cls=None, wrap=None, peft_config
         return initialize(adapters.peft_model if adapters else model, config, wrap=wrap, init_fn=loader.fill)
 
 
+# config.json keys that size the model (transformers' names across architectures): each a whole
+# number > 0, or null where the architecture derives it (n_inner, head_dim, num_key_value_heads).
+_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "vocab_size", "max_position_embeddings", "head_dim", "n_embd", "n_layer", "n_head", "n_inner",
+         "n_positions", "n_ctx", "d_model", "d_ff", "d_kv", "num_layers", "num_heads", "ffn_dim",
+         "moe_intermediate_size", "num_local_experts", "num_experts_per_tok")
+_DIMS_MAY_BE_NULL = ("n_inner", "head_dim", "num_key_value_heads")
+
+
+def _check_config_json(path: Path) -> None:
+    """A config.json transformers would build from, with every size a whole number > 0: a negative
+    intermediate_size otherwise reaches torch as an error that names no file."""
+    file = path / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{file}: cannot read it as JSON ({exc}); save_pretrained writes a readable one") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{file}: expected a JSON object of model settings, got {type(config).__name__}")
+    for section, settings in (("", config), ("text_config.", config.get("text_config"))):
+        for key in _DIMS if isinstance(settings, dict) else ():
+            value = settings.get(key)
+            if key not in settings or (value is None and key in _DIMS_MAY_BE_NULL):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{file}: {section}{key} = {value!r}: a model size must be a whole number "
+                                  "> 0; fix config.json (save_pretrained writes the model's own)")
+
+
 def _build_on_meta(path: Path, transformers, model_cls) -> torch.nn.Module:
-    hf_config = transformers.AutoConfig.from_pretrained(path)
+    _check_config_json(path)
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - transformers' own checks of the user's file, raised as their kinds
+        raise ConfigError(f"{path / 'config.json'}: transformers refuses it ({' '.join(str(exc).split())}); fix config.json "
+                          "(save_pretrained writes the model's own)") from exc
     model_cls = model_cls if model_cls is not None else transformers.AutoModelForCausalLM
     # Auto classes build through from_config; a model class through _from_config, which is what
     # from_config calls (it also picks the attention implementation as from_pretrained does).
@@ -109,10 +143,17 @@ def _build_on_meta(path: Path, transformers, model_cls) -> torch.nn.Module:
         with torch.device("meta"):
             return build(hf_config, dtype=torch.float32)
     except ValueError as exc:  # an Auto class that has no model for this config's model_type
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"{path}: {getattr(model_cls, '__name__', model_cls)} cannot build this "
-                          f"'{hf_config.model_type}' model ({first_line}); pass model_cls=, the class to build, "
-                          "e.g. transformers.AutoModel") from exc
+                          f"'{hf_config.model_type}' model ({_first_line(exc)}); pass model_cls=, the class to "
+                          "build, e.g. transformers.AutoModel") from exc
+    except (KeyError, TypeError, RuntimeError, ArithmeticError) as exc:  # a setting the model code cannot use
+        raise ConfigError(f"{path / 'config.json'}: building {getattr(model_cls, '__name__', model_cls)} from it "
+                          f"failed ({type(exc).__name__}: {_first_line(exc)}); fix config.json (save_pretrained "
+                          "writes the model's own)") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 _STREAMED_LORA_INITS = (True, False, "gaussian")  # the ones peft's reset_lora_parameters runs, from no data
