@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from zerotier.config import Config, IOConfig, OptimizerConfig, TiersConfig, format_size, parse_size
+from zerotier.config import Config, IOConfig, OptimizerConfig, TiersConfig, format_setting, format_size, parse_size
 from zerotier.errors import ConfigError
 
 GiB = 1 << 30
@@ -256,6 +257,22 @@ def test_size_errors_inside_config_name_the_key():
 ])
 def test_format_size(nbytes, text):
     assert format_size(nbytes) == text
+
+
+@pytest.mark.parametrize("nbytes, text", [
+    (0, "0 B"), (1000, "1000 B"), (12 * 1024, "12 KiB"), (4 * GiB, "4 GiB"),
+    (7350518, "7179 KiB"),  # 7.01 MiB: issue 37 row 16, a BudgetError advised it and the config refused it
+    (int(1.01 * GiB), "1035 MiB"), (150 * GiB + 1, "151 GiB"), (99 * 2**20 + 5, "101377 KiB"),
+])
+def test_a_size_advised_as_a_setting_parses_to_at_least_it(nbytes, text):
+    assert format_setting(nbytes) == text
+    assert nbytes <= parse_size(text) <= nbytes * 1.01 + 1
+
+
+def test_every_size_advised_as_a_setting_parses_to_at_least_it():
+    rng = random.Random(37)
+    for nbytes in [rng.randrange(1 << rng.randrange(1, 60)) for _ in range(2000)]:
+        assert nbytes <= parse_size(format_setting(nbytes), "tiers.host") <= nbytes * 1.01 + 1, nbytes
 
 
 # ---------------------------------------------------------------------------------------------

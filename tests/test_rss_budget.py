@@ -152,7 +152,7 @@ def test_a_full_pool_waits_for_blocks_parked_behind_writes():
     threading.Timer(0.2, fut.set_result, (PAGE,)).start()
     c = pool.alloc(PAGE, what="a unit's staging")
     assert fut.done() and c.block.data_ptr() == a.block.data_ptr()
-    with pytest.raises(BudgetError, match=r"for a unit's cast.*needs a budget of at least 12.00 KiB"):
+    with pytest.raises(BudgetError, match=r"for a unit's cast.*needs a budget of at least 12 KiB"):
         pool.alloc(PAGE, what="a unit's cast")
     pool.free(b)
     pool.free(c)

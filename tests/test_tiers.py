@@ -7,6 +7,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from zerotier.config import parse_size
 from zerotier.errors import BudgetError, ZerotierError
 from zerotier.io import FutureTicket
 from zerotier.tiers import BudgetedTier, DeviceTier, HostPool
@@ -39,6 +40,16 @@ def test_budgeted_tier_accounting_and_message():
     assert "free 6.84 KiB (7000 B)" in msg and "raise tiers.host or move optimizer state to nvme" in msg.lower()
     assert isinstance(ei.value, MemoryError)
     assert t.used == 3000  # a refused reserve takes nothing
+    # issue 37 row 16: the advised budget is one the config accepts as written, and it is enough
+    advised = msg.split("needs a budget of at least ")[1].split(")")[0]
+    assert advised == "11000 B"
+    fits = BudgetedTier("host", parse_size(advised, "tiers.host"), hint="")
+    fits.reserve(3000, "a")
+    fits.reserve(8000, "optimizer state of layer 3")
+    big = BudgetedTier("host", 7 << 20, hint="")
+    with pytest.raises(BudgetError, match=r"needs a budget of at least 7179 KiB\)") as ei:
+        big.reserve(7350518, "state")  # 7.01 MiB: was advised as '7.01 MiB', which parse_size refuses
+    BudgetedTier("host", parse_size("7179 KiB", "tiers.host"), hint="").reserve(7350518, "state")
     t.count_in(5)
     t.count_out(7)
     assert t.stats() == {"current": 3000, "peak": 9000, "budget": 10_000, "bytes_in": 5,

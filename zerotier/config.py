@@ -498,6 +498,17 @@ def format_size(nbytes: int | float | str) -> str:
     return f"{scaled:.2f} {unit}"
 
 
+def format_setting(nbytes: int) -> str:
+    """A size to advise as a setting, in a form parse_size accepts: at least `nbytes`, a whole number
+    of the largest binary unit that divides it or of which it is >= 100 (rounded up, so under 1% more):
+    '7.01 MiB' is no whole number of bytes and would be refused, '7179 KiB' is one."""
+    nbytes = int(nbytes)
+    for unit, scale in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= 100 * scale or (nbytes >= scale and nbytes % scale == 0):
+            return f"{-(-nbytes // scale)} {unit}"
+    return f"{nbytes} B"
+
+
 # ---------------------------------------------------------------------------------------------
 # Conversion by type hint: the schema's annotations say what each key accepts.
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from . import threads
+from .config import format_setting
 from .errors import BudgetError, ConfigError
 from .state import DTYPES, Location
 
@@ -104,7 +105,8 @@ def refuse(cfg, plan, world_size: int, shard_numels: "list[int] | None" = None) 
         raise BudgetError(f"train.delayed_update = true needs {extra:,} B of host memory beyond the plan's (a copy "
                           f"of the window's gradients and the new parameters staged until the next step), and "
                           f"tiers.host leaves {max(room, 0):,} B: raise tiers.host to at least "
-                          f"{plan.budgets['host'] + extra - room:,} B, or train without the delayed update")
+                          f"{format_setting(plan.budgets['host'] + extra - room)}, or train without the delayed "
+                          "update")
 
 
 class DelayedUpdate:

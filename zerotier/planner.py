@@ -100,7 +100,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import (OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, ZeroConfig, format_duration,
-                     format_size)
+                     format_setting, format_size)
 from .device import local_world_size
 from .envinfo import usable_memory
 from .errors import BudgetError, ConfigError
@@ -916,6 +916,6 @@ def _whole_shortfall(kind: str, loc: Location, need: dict[str, int], offload: Of
     short = {t: total[t] - budgets[t] for t in total if total[t] > budgets[t]}
     if not short:
         return ""
-    what = " and ".join(f"{format_size(b)} more {t} (needs {format_size(total[t])}, tiers.{t} is "
+    what = " and ".join(f"{format_size(b)} more {t} (needs {format_setting(total[t])}, tiers.{t} is "
                         f"{format_size(budgets[t])})" for t, b in short.items())
     return f". The whole plan ({', '.join(counted)} after the kinds already placed) needs {what}"

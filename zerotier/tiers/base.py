@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from ..config import format_size
+from ..config import format_setting, format_size
 from ..errors import BudgetError
 from ..state import TIER_NAMES
 
@@ -112,7 +112,7 @@ class BudgetedTier:
             f"{self.name} tier budget exceeded: requested {_both(nbytes)}{subject}, "
             f"free {_both(free)} of budget {format_size(self._budget)} "
             f"(in use {format_size(self._used)}: this needs a budget of at least "
-            f"{format_size(self._used + nbytes)}). {self._hint}"
+            f"{format_setting(self._used + nbytes)}). {self._hint}"
         )
 
 
