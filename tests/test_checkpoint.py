@@ -609,3 +609,39 @@ def test_checkpoint_reads_nothing_outside_its_directory(tmp_path):
         with pytest.raises(CheckpointError, match=r"ranks\[0\]\.file is '.*', not 'rank0\.bin'") as info:
             export.export(root, tmp_path / "w.safetensors")
         assert "1221" not in str(info.value)
+
+
+def test_load_after_close_is_refused_naming_the_fix(tmp_path):
+    """Issue 37 row 16: an internal IllegalTransition before; now what happened and what to do."""
+    engine = _engine(tmp_path)
+    train(engine, 0, 1)
+    engine.save_checkpoint(tmp_path / "ck")
+    engine.close()
+    with pytest.raises(ZerotierError, match=r"engine.load_checkpoint\(\) after engine.close\(\).*"
+                                            r"zerotier.initialize\(model, config\) again"):
+        engine.load_checkpoint(tmp_path / "ck")
+
+
+def test_load_between_a_forward_and_its_backward_is_refused_as_torch_does(tmp_path):
+    """Issue 37 row 16: the backward would have run on the loaded weights; torch refuses the order
+    ('modified by an inplace operation'). Before the forward, after the backward, after a forward
+    under no_grad or a zero_grad() that drops it: loads."""
+    engine = _engine(tmp_path)
+    train(engine, 0, 1)
+    engine.save_checkpoint(tmp_path / "ck")
+    x, y = micro_batches(1, 1)[0]
+    loss = engine(x, y)
+    with pytest.raises(ZerotierError, match=r"load_checkpoint\(\) between a forward and its backward"):
+        engine.load_checkpoint(tmp_path / "ck")
+    assert engine.global_steps == 1
+    engine.backward(loss)                 # the refused load changed nothing: the window goes on
+    engine.load_checkpoint(tmp_path / "ck")  # after the backward: loads (the window's gradients dropped)
+    with torch.no_grad():
+        engine(x, y)
+    engine.load_checkpoint(tmp_path / "ck")
+    engine(x, y)
+    engine.zero_grad()
+    engine.load_checkpoint(tmp_path / "ck")
+    train(engine, 1, 1)
+    assert engine.global_steps == 2
+    engine.close()

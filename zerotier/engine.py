@@ -424,6 +424,8 @@ class Engine:
         """Load root/latest (or a ckpt-N directory) into this engine, whatever its placement, stage or
         world size (collective). Returns the saved client_state. See checkpoint.load for RNG rules."""
         from . import checkpoint
+        self.window.refuse_if_closed("engine.load_checkpoint()")
+        self.window.refuse_before_backward("engine.load_checkpoint()")
         self.window.quiesce()
         versions = list(self.params.version)  # a commit bumps them: did the load change anything?
         try:

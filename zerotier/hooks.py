@@ -122,6 +122,7 @@ class ModuleHooks:
         if engine.device.type == "cuda" or engine.lp_dtype != torch.float32:  # inputs follow the model, as FSDP does
             self.handles.append(root.register_forward_pre_hook(torch.compiler.disable(self._inputs_to_device),
                                                                with_kwargs=True))
+        self.handles.append(root.register_forward_hook(torch.compiler.disable(self._root_returned)))
         for name, module in root.named_modules():
             units = by_module.get(name, [])
             if units or module is root:
@@ -223,6 +224,10 @@ class ModuleHooks:
             for unit in units:
                 self.demand(unit)
         return torch.compiler.disable(hook)  # [Note: compiled units]
+
+    def _root_returned(self, module, args, output) -> None:
+        if torch.is_grad_enabled():  # a graph for a backward (Window.refuse_before_backward)
+            self.engine.window.forward_returned()
 
     def _refuse_autocast(self, unit, amp: torch.dtype) -> None:
         """[Note: autocast and streamed parameters]: the casts would pin a copy of every

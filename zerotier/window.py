@@ -135,6 +135,7 @@ class Window:
         # [Note: delayed update] in delayed.py: the previous window's update, on the optimizer thread
         self.delayed = DelayedUpdate(engine, self._optim_thread) if train.delayed_update else None
         self._forward_in_window = False     # a training forward ran since the last window ended
+        self._forward_awaits_backward = False  # a forward under grad returned since the last backward began
 
     def _to(self, new: WindowState) -> None:
         self.state = check_transition(self.state, new, WINDOW_TRANSITIONS, "the accumulation window")
@@ -164,6 +165,7 @@ class Window:
         e = self.engine
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZerotierError("engine.backward(loss) needs the scalar loss tensor of this micro-batch")
+        self._forward_awaits_backward = False  # its backward was called (refused or not: the graph is the user's)
         self.refuse_if_closed("engine.backward()")
         self.refuse_if_broken("engine.backward()")
         if self.state is S.PLAIN_GRADS:
@@ -231,6 +233,7 @@ class Window:
                                 "and engine.step() after every micro-batch instead")
         self._on_complete = None
         self._to(S.PLAIN_BACKWARD)
+        self._forward_awaits_backward = False
 
     def end_plain_backward(self) -> None:
         """The end of a plain loss.backward() (queued by hooks.enter_backward)."""
@@ -249,6 +252,11 @@ class Window:
             self.end_plain_backward()
             self._why = "a loss.backward() failed half-way through its gradients"
             self._to(S.PARTIAL)
+
+    def forward_returned(self) -> None:
+        """The root's forward returned under grad (hooks.py): its graph waits for a backward."""
+        if not self.in_backward:
+            self._forward_awaits_backward = True
 
     def grad_hook(self, unit, i: int):
         """The post-accumulate-grad hook of `unit`'s parameter i ([Note: fetch and release] in hooks.py)."""
@@ -583,6 +591,17 @@ class Window:
             raise ZerotierError(f"{what} refused: {self._why}. Call engine.zero_grad() to drop this "
                                 "accumulation window's gradients (or load a checkpoint), then go on")
 
+    def refuse_before_backward(self, what: str) -> None:
+        """`what` would change the weights under a forward's graph whose backward has not run: torch's
+        backward then fails ('modified by an inplace operation'); ours would re-fetch the new weights."""
+        if self._forward_awaits_backward:
+            raise ZerotierError(f"{what} between a forward and its backward: the backward would run on weights "
+                                "other than the ones its forward used (torch refuses this order too: 'one of the "
+                                "variables needed for gradient computation has been modified by an inplace "
+                                "operation'). Call it before the forward, or after the backward; a forward that "
+                                "will never be backwarded is dropped by engine.zero_grad() (and one run under "
+                                "torch.no_grad() builds no graph)")
+
     def refuse_after_grad_norm(self, what: str) -> None:
         if self.norm is not None:
             raise ZerotierError(f"{what} after engine.grad_norm(): the norm closed this accumulation window; "
@@ -634,6 +653,7 @@ class Window:
             self._why = None
             self._to(S.IDLE)
         self._forward_in_window = False
+        self._forward_awaits_backward = False
         # a delayed update in flight moves `applied` on the optimizer thread: counted as done
         self._applied_before = self.delayed.applied_after if self.delayed is not None and self.delayed.pending \
             else self.engine.unit_optimizer.applied
