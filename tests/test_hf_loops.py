@@ -139,6 +139,38 @@ def test_zerotier_trainer_resumes_from_its_checkpoints_exactly(tmp_path):
         assert torch.equal(got[name], expected[name]), name
 
 
+def test_a_trainer_checkpoint_with_the_engine_state_of_another_step_is_refused(tmp_path):
+    """Issue 37 row 14: checkpoint-2 whose zerotier/ is checkpoint-4's resumed silently (the weights of
+    step 4 trained on with step 2's schedule and data). Refused before anything loads, naming both steps."""
+    import shutil
+
+    from zerotier.integrations.transformers import ZerotierTrainer
+
+    def trainer(out):
+        args = transformers.TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=1, max_grad_norm=1.0,
+            learning_rate=3e-3, weight_decay=0.0, max_steps=4, save_steps=2, report_to=[], use_cpu=True,
+            lr_scheduler_type="linear", seed=0, data_seed=0)
+        return ZerotierTrainer(model=gpt2(), args=args, train_dataset=Tokens(), zerotier_config=ZT)
+
+    whole = trainer(tmp_path / "whole")
+    whole.train()
+    whole.engine.close()
+    grafted = tmp_path / "whole" / "checkpoint-2"
+    shutil.rmtree(grafted / "zerotier")
+    shutil.copytree(tmp_path / "whole" / "checkpoint-4" / "zerotier", grafted / "zerotier")
+    resumed = trainer(tmp_path / "resumed")
+    before = resumed.engine.parameters_fp32()
+    with pytest.raises(zerotier.ZerotierError, match=r"checkpoint-2: its trainer_state.json is at step 2 but "
+                                                     r"the engine's checkpoint .*checkpoint-2/zerotier/ckpt-4 is at "
+                                                     r"step 4: .*nothing was loaded"):
+        resumed.train(resume_from_checkpoint=str(grafted))
+    assert resumed.engine.global_steps == 0
+    after = resumed.engine.parameters_fp32()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    resumed.engine.close()
+
+
 def test_export_writes_a_directory_from_pretrained_loads(tmp_path):
     """zerotier export --to DIR: model.safetensors + the model's config.json; transformers'
     from_pretrained loads it and computes what the trained engine computes."""

@@ -37,7 +37,8 @@ p.grad, which zerotier never leaves on the parameters). Trainer's checkpoints (s
 resume_from_checkpoint) carry the engine's own checkpoint in `checkpoint-N/zerotier/` (fp32
 masters, Adam moments, step counts; docs/checkpoint.md), and resuming loads it instead of
 pouring the saved model weights into parameters zerotier manages. optimizer.pt holds the
-param groups only: the Adam state is in `zerotier/`, written and read once.
+param groups only: the Adam state is in `zerotier/`, written and read once. A `zerotier/` of
+another step than the Trainer's own state is refused ([Note: one step in a Trainer checkpoint]).
 """
 from __future__ import annotations
 
@@ -221,7 +222,34 @@ class ZerotierTrainer(Trainer):
         if not os.path.isdir(path):
             raise ZerotierError(f"resume_from_checkpoint={resume_from_checkpoint}: no {ENGINE_DIR}/ in it; it was not "
                                 "written by a ZerotierTrainer, so it holds no optimizer state for zerotier to resume")
+        _check_same_step(resume_from_checkpoint, path)
         self.engine.load_checkpoint(path)
+
+
+def _check_same_step(trainer_dir: str, engine_root: str) -> None:
+    """[Note: one step in a Trainer checkpoint] checkpoint-N/trainer_state.json (Trainer's step, its
+    scheduler and data position resume from it) and checkpoint-N/zerotier/ (the weights and Adam
+    state) must be of the same step: a zerotier/ copied in from another step would resume the
+    schedule and the data at one step and the weights at another. Refused before anything loads."""
+    import json
+
+    from ..checkpoint_read import read_manifest, resolve
+    try:
+        with open(os.path.join(trainer_dir, "trainer_state.json")) as fh:
+            trainer_step = json.load(fh)["global_step"]
+    except FileNotFoundError:
+        return  # Trainer starts from step 0 then, and says so
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ZerotierError(f"resume_from_checkpoint={trainer_dir}: trainer_state.json cannot be read "
+                            f"({type(exc).__name__}: {exc}); resume from another checkpoint") from None
+    ckpt = resolve(engine_root)
+    engine_step = read_manifest(ckpt)["global_steps"]
+    if engine_step != trainer_step:
+        raise ZerotierError(f"resume_from_checkpoint={trainer_dir}: its trainer_state.json is at step {trainer_step} "
+                            f"but the engine's checkpoint {ckpt} is at step {engine_step}: the {ENGINE_DIR}/ part comes "
+                            f"from another step (copied or replaced), and resuming would train the weights of one step "
+                            f"with the schedule and data of the other. Resume from a checkpoint-N directory as the "
+                            f"Trainer wrote it (nothing was loaded)")
 
 
 def decayed_exempt(trainer: Trainer, engine: Engine) -> list[str]:
