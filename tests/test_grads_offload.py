@@ -431,6 +431,55 @@ def test_failed_gradient_write_drops_the_window(tmp_path):
         assert_bitwise(engine.parameters_fp32(), skipped)
 
 
+@pytest.fixture(scope="module")
+def accumulated_runs(tmp_path_factory):
+    """Weights after 4 windows of 2 micro-batches (gradients on NVMe), and after the same data
+    without window 1 (micro-batches 2 and 3)."""
+    data = list(batches(VOCAB, SEQ, BATCH, 8))
+    cfg = config(tmp_path_factory.mktemp("clean"), "nvme", accum=2)
+    return data, train(tiny_gpt(), cfg, data)[1], train(tiny_gpt(), cfg, data[:2] + data[4:])[1]
+
+
+@pytest.mark.parametrize("then", ["run the window again", "go on with the next window"])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
+@pytest.mark.parametrize("micro", [2, 3], ids=["first-of-window", "last-of-window"])
+def test_failed_gradient_write_mid_window_restarts_the_window(micro, code, then, accumulated_runs, tmp_path):
+    """Issue 37 row 12: a gradient write that fails during a window's micro-batch (grad_accum_steps
+    2) fails that backward; zero_grad(), as the refusal says, drops the whole window and its
+    micro-batch count starts again at its first micro-batch. Running the window again trains
+    bitwise like the run that never failed; going on with the next data, like the run without
+    that window. (Kept, the count ended each later window one micro-batch early: 1.3e-2 off.)"""
+    data, clean, skipped = accumulated_runs
+    armed = [True]
+    with zerotier.initialize(tiny_gpt(), config(tmp_path, "nvme", accum=2)) as engine:
+        write = engine.store.write
+
+        def failing(key, buf, *args, **kwargs):
+            if armed[0] and key.endswith(".grad"):
+                armed[0] = False
+                engine.store.engine.inject_fault(op="write", errno=code)
+            return write(key, buf, *args, **kwargs)
+        i = 0
+        while i < len(data):
+            x, y = data[i]
+            if i == micro and armed[0]:
+                engine.store.write = failing
+                with pytest.raises(TierIOError, match=r"nvme tier: write of shard 'u\d+\.grad'") as info:
+                    engine.backward(engine(x, y))
+                engine.store.write = write
+                assert info.value.errno == code and not armed[0]
+                with pytest.raises(ZerotierError, match="the window starts again at its first micro-batch"):
+                    engine.step()
+                engine.zero_grad()
+                i = 2 if then == "run the window again" else 4
+                continue
+            engine.backward(engine(x, y))
+            engine.step()
+            i += 1
+        assert engine.global_steps == (4 if then == "run the window again" else 3)
+        assert_bitwise(engine.parameters_fp32(), clean if then == "run the window again" else skipped)
+
+
 def test_failed_gradient_read_leaves_the_step_retryable(tmp_path):
     """A gradient file that cannot be read back fails engine.step() before any update: the files
     are intact, and step() again applies the same update."""

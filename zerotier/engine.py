@@ -300,7 +300,10 @@ class Engine:
         """Call after every micro-batch's backward. Returns True when the parameters were updated.
 
         [Note: a step is all or nothing] If step() raises before any unit was updated, nothing
-        changed: the gradients are intact and step() may be called again. Once a unit was
+        changed: the gradients are intact and step() may be called again; a backward that failed
+        half-way leaves partial gradients, which zero_grad() drops with the rest of the window, whose
+        micro-batch count starts again at its first micro-batch (so the window is run again, or the
+        next data forms whole windows, never windows shifted by the failed one). Once a unit was
         updated (here or during backward) an error leaves the engine *broken*
         (WindowState.BROKEN): some units hold the new weights, others the old; step(), backward()
         and save_checkpoint() then refuse, naming load_checkpoint(). No update runs after the error

@@ -589,7 +589,9 @@ class Window:
                                 "(engine.load_checkpoint(root)) to continue from a consistent state")
         if self.state is S.PARTIAL and what != "engine.save_checkpoint()":
             raise ZerotierError(f"{what} refused: {self._why}. Call engine.zero_grad() to drop this "
-                                "accumulation window's gradients (or load a checkpoint), then go on")
+                                "accumulation window's gradients, its earlier micro-batches' too (or load a "
+                                "checkpoint), then go on: the window starts again at its first micro-batch, so "
+                                "run its micro-batches again or go on with the next ones")
 
     def refuse_before_backward(self, what: str) -> None:
         """`what` would change the weights under a forward's graph whose backward has not run: torch's
@@ -638,6 +640,12 @@ class Window:
                                 "true applies the window's update during its last backward, so its gradients "
                                 "cannot be dropped any more): call engine.step() first, or leave "
                                 "train.early_step off (the default) to drop a window's gradients before step()")
+        if self.state is S.PARTIAL:
+            # [Note: a step is all or nothing] in engine.py: the dropped window starts again at its
+            # first micro-batch (issue 37 row 12: kept, the count ended every later window one
+            # micro-batch early)
+            e = self.engine
+            e.micro_steps -= e.micro_steps % e.cfg.train.grad_accum_steps
         self.drop(set_to_none)
 
     def drop(self, set_to_none: "bool | None" = None) -> None:
