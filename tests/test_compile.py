@@ -115,3 +115,30 @@ def test_compiled_blocks_do_not_recompile_per_unit(tmp_path):
     graphs = counters["stats"]["unique_graphs"]
     assert graphs < LAYERS, (f"{graphs} graphs compiled for {LAYERS} identical blocks over {STEPS} steps: the block "
                          f"code recompiles per unit (dynamo traced zerotier's hooks or parameter surface)")
+
+
+@pytest.mark.parametrize("first,then", [("device", "host"), ("device", "nvme"), ("host", "device")])
+def test_whole_model_compiled_under_another_placement_earlier_trains_like_torch(first, then, tmp_path):
+    """Issue 37: the whole model compiled (model.compile()) under an engine with params on the device,
+    then the same model class under an engine with params on host or NVMe, in the same process: the
+    second reran the first's cached code, which fetches nothing ("data is not allocated yet"). Code
+    traced under one hook layout recompiles under another ([Note: compiled code and the hook layout]
+    in zerotier/surface.py); both engines train like torch."""
+    def whole(model):
+        model.compile(backend="aot_eager")
+    reference = torch_run(whole)
+    assert_close(run(first, tmp_path / "first", whole), reference, f"whole model compiled, params on {first}")
+    assert_close(run(then, tmp_path / "then", whole), reference,
+                 f"whole model compiled, params on {then} after an engine with params on {first}")
+
+
+def test_engines_of_one_layout_share_compiled_code(tmp_path):
+    """Two engines with params on host compile the whole model once: the layout's class is shared."""
+    from torch._dynamo.utils import counters
+
+    def whole(model):
+        model.compile(backend="eager")
+    run("host", tmp_path / "a", whole)
+    graphs = counters["stats"]["unique_graphs"]
+    run("host", tmp_path / "b", whole)
+    assert counters["stats"]["unique_graphs"] == graphs, "the second engine of the same layout recompiled"

@@ -109,8 +109,9 @@ class ModuleHooks:
         storage resizes, worker threads): each is a graph break that runs eagerly, and the unit is
         resident before the compiled code reads it and released after. Inside a compiled region
         ManagedParameter's sorting is skipped (surface.py): the parameters are plain resident tensors
-        there, and dynamo guards on nothing of zerotier's, so the block code compiles once, not once
-        per unit. A compiled region that reads another unit's parameters without that unit's module
+        there, and dynamo guards on nothing of zerotier's but the parameters' class (one per hook
+        layout: [Note: compiled code and the hook layout] in surface.py), so the block code compiles
+        once, not once per unit. A compiled region that reads another unit's parameters without that unit's module
         running (none of the usual models do) reads released storage: keep such reads in eager code.
         tests/test_compile.py pins all of this."""
         engine = self.engine

@@ -231,17 +231,24 @@ class ManagedView(ManagedTensor, torch.Tensor):
     """`p.data` / `p.detach()` of a managed parameter: an alias sorted like the parameter itself."""
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple, type] = {}
 
 
-def _managed_class(cls: type) -> type:
-    """The managed subclass of a parameter class (nn.Parameter, or a user's subclass of it)."""
+def _managed_class(cls: type, hooked: tuple = ()) -> type:
+    """The managed subclass of a parameter class (nn.Parameter, or a user's subclass of it); with
+    `hooked` (the names of the modules whose hooks fetch and release units), its subclass for that
+    layout ([Note: compiled code and the hook layout])."""
     if issubclass(cls, ManagedTensor):
-        return cls
-    if cls not in _CLASSES:
-        name = "ManagedParameter" if cls is torch.nn.Parameter else f"Managed{cls.__name__}"
-        _CLASSES[cls] = type(name, (ManagedTensor, cls), {"__module__": __name__})
-    return _CLASSES[cls]
+        cls = next(c for c in cls.__mro__ if not issubclass(c, ManagedTensor))
+    key = (cls, hooked)
+    if key not in _CLASSES:
+        if hooked:
+            base = _managed_class(cls)
+            _CLASSES[key] = type(base.__name__, (base,), {"__module__": __name__})
+        else:
+            name = "ManagedParameter" if cls is torch.nn.Parameter else f"Managed{cls.__name__}"
+            _CLASSES[key] = type(name, (ManagedTensor, cls), {"__module__": __name__})
+    return _CLASSES[key]
 
 
 ManagedParameter = _managed_class(torch.nn.Parameter)
@@ -260,12 +267,23 @@ class ParamSurface:
     # ------------------------------------------------------------------ adopt / disown
 
     def adopt(self) -> None:
+        """[Note: compiled code and the hook layout]
+        torch.compile's dynamo does not guard on module hooks (torch._dynamo.config.
+        skip_nnmodule_hook_guards), and it caches compiled code per code object, so a model compiled
+        whole under one engine (params on the device: no fetch hooks) would run its cached code under
+        a later engine of the same model class whose hooks fetch and release units (params on host or
+        NVMe): no fetch, released storage read ("data is not allocated yet"). Dynamo does guard on a
+        parameter's exact class, so the managed class is one per hook layout (the modules whose hooks
+        fetch units): code traced under another layout recompiles, and engines of the same layout
+        share their compiled code (one graph per block code, not per unit: [Note: compiled units])."""
         engine = self._engine()
         self.state = engine.params.state  # ParamStore's list: transition() writes it in place
+        hooked = tuple(sorted({name for unit in engine.param_units if engine.params.streamed[unit.index]
+                               for name in unit.modules}))
         for unit in engine.param_units:
             for k, p in enumerate(unit.params):
                 self._classes[id(p)] = type(p)
-                p.__class__ = _managed_class(type(p))
+                p.__class__ = _managed_class(type(p), hooked)
                 p._zt = ParamRef(self, unit.index, k, p)
         self.live = True
 
