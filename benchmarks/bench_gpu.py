@@ -1,48 +1,42 @@
-"""zerotier against its peers on one GPU: a Llama-style bf16 model, step time, tokens/s, MFU, overlap.
+"""zerotier against its peers on one GPU: a Llama-style bf16 model, step time, TFLOPS, MFU, overlap,
+and zerotier's prediction beside every measured figure.
 
     python benchmarks/bench_gpu.py --out OUT                      # every case at 1.3B (CUDA)
-    python benchmarks/bench_gpu.py --size 7b --cases zt-opt-host,ds-z2-offload,torchao-offload
-    python benchmarks/bench_gpu.py --size 2.7b --cases zt-opt-nvme,zt-params-nvme,ds-infinity
+    python benchmarks/bench_gpu.py --size 7b --cases zt-opt-host,zt-opt-host-early,ds-z2-offload,torchao-offload-grads
+    python benchmarks/bench_gpu.py --size 20b --cases zt-compact-auto
     python benchmarks/bench_gpu.py --tiny --out OUT               # CPU smoke run: tiny model, zerotier only
 
-Issue 14's table (docs/benchmarks.md). Sizes: `1.3b` fits all on one 80 GB GPU (plain torch is
-the reference), `7b` needs its fp32 optimizer state (~81 GB) on host (the reference is then
-DeepSpeed ZeRO-Offload), `2.7b` is the largest whose optimizer state fits a 64 GiB drive.
-
-Cases (`--cases`, in this order, which is also their priority under `--time-limit`):
-  torch                  plain torch, fp32 params under bf16 autocast, AdamW(fused=True), all on the GPU
-  zt-opt-host            zerotier: optimizer on host (params on device, gradients on host)
-  ds-z2-offload          DeepSpeed ZeRO-Offload stage 2: offload_optimizer cpu, pinned, DeepSpeedCPUAdam
-  zt-opt-host-early      zt-opt-host with train.early_step (Adam during the last backward)
-  zt-opt-host-spec       zt-opt-host with train.speculative_step = true (Adam during the last backward,
-                         undone when --clip fires: issue 25); the other zerotier cases keep its default, auto
-  zt-params-host         zerotier: params + optimizer on host
-  ds-z3-offload          DeepSpeed stage 3: offload_param + offload_optimizer cpu, pinned
-  torchao-offload        torchao CPUOffloadOptimizer(AdamW, fused), offload_gradients=False
-  torchao-offload-grads  the same, offload_gradients=True
-  ds-zenflow             DeepSpeed ZenFlow over ZeRO-Offload stage 2
-  zt-opt-nvme            zerotier: optimizer on NVMe (params on device, gradients on host)
-  zt-params-nvme         zerotier: params + optimizer on NVMe
-  ds-infinity            DeepSpeed ZeRO-Infinity: offload_param + offload_optimizer nvme (needs async_io)
-A peer that is not importable gives the row "n/a (not installed)"; one that cannot run
-here (async_io not buildable, a model that does not fit) says why.
+Issues 14 and 36 (docs/benchmarks.md). Sizes (gpu_model.py, which says which shapes): `1.3b`
+fits all on one 80 GB GPU (plain torch is the reference), `2.7b` the largest whose NVMe cases
+fit a 64 GiB drive, `7b` / `13b` (Llama-2's shapes), `20b` and `30b` (LLaMA-33B's) do not fit
+the GPU with their optimizer state. The workload, the same tokens per step in every case of a
+size, and why: [Note: the workload] in gpu_model.py. The cases, the order they run in under
+`--time-limit` and how each builds its model (zerotier from the meta device, unit by unit;
+DeepSpeed stage 3 under deepspeed.zero.Init; all from the same per-name seeded weights):
+gpu_cases.py. A peer that is not importable gives the row "n/a (not installed)"; a case that
+cannot fit says so with the bytes it would need on each tier (zerotier: its plan, before any
+byte is placed; peers: their byte counts in gpu_cases.peer_needs).
 
 Every case runs in its own process with its own time limit (a stuck peer cannot eat the
 run): `--warmup` untimed steps, then `--steps` timed ones (wall clock, device synchronized
-after each), then on CUDA two steps under torch.profiler and one with the CUDA sync debug
-mode on (both untimed). Setup (model build, DeepSpeed's JIT op builds, pinning) is timed
-apart and kept out of every figure. Same model, init, data, seed, hyperparameters,
-clipping, accumulation and CPU threads in every case: bf16 compute, fp32 master weights.
+after each), then on CUDA (unless --no-profile) two steps under torch.profiler and one with the
+CUDA sync debug mode on (both untimed). Setup (model build, DeepSpeed's JIT op builds, pinning)
+is timed apart and kept out of every figure. Same model, init, data, seed, hyperparameters,
+clipping, accumulation and CPU threads in every case: bf16 compute, fp32 master weights (the
+compact cases: bf16 master, int8 moments).
 
-Figures per case: median step time, tokens/s, TFLOPS = 6 N tokens / step and MFU against
-the bf16 matmul peak measured in the same run (N = all trainable parameters); the ratio of
-the step time to plain torch and to DeepSpeed ZeRO-Offload (stage 2) of the same size;
-zerotier's own overlap per link (its profiler: the share of each link's transfer time
-hidden under compute) and, on CUDA, torch.profiler's: the share of HtoD / DtoH memcpy
-time concurrent with a kernel, and the GPU's kernel-busy share; host syncs per step; peak
-device memory (allocated / reserved), peak RSS, pinned host bytes, NVMe bytes on disk;
-zerotier's plan (need per tier, predicted optimizer+swap seconds per step vs the measured
-step); the loss after the last step and the largest |loss - reference loss| over the steps.
+Figures per case: median step time, tokens/s, TFLOPS by the Megatron formula (gpu_model.
+model_flops_per_token: 6 x matmul parameters + attention, per token) and MFU against the bf16
+matmul peak measured in the same run; the ratio of the step time to plain torch and to
+DeepSpeed ZeRO-Offload (stage 2) of the same size; zerotier's own overlap per link (its
+profiler: the share of each link's transfer time hidden under compute) and, on CUDA,
+torch.profiler's: the share of HtoD / DtoH memcpy time concurrent with a kernel, and the
+GPU's kernel-busy share; host syncs per step; peak device memory (allocated / reserved), peak
+RSS, pinned host bytes, NVMe bytes on disk; zerotier's plan need per tier; the loss after the
+last step and the largest |loss - reference loss| over the steps. For zerotier's cases a
+second table sets predict_table.py's prediction (the committed node rates of this GPU,
+this machine's budgets) beside the measured step, TFLOPS, peak RSS, pinned pool, device peak
+and NVMe bytes per step.
 `--out DIR` writes DIR/bench_gpu.json, DIR/bench_gpu.md and DIR/cases.log (each case's
 output), rewritten after every case, so a run stopped half-way keeps what it measured.
 On a CPU (`--tiny`) this is a smoke test of the script, never a result.
@@ -70,295 +64,13 @@ from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> (framework, settings). Order = priority under --time-limit.
-CASES = {
-    "torch": ("torch", {}),
-    "zt-opt-host": ("zerotier", {"offload": {"params": "device", "gradients": "host", "optimizer": "host"}}),
-    "ds-z2-offload": ("deepspeed", {"stage": 2, "offload_optimizer": "cpu"}),
-    "zt-opt-host-early": ("zerotier", {"offload": {"params": "device", "gradients": "host", "optimizer": "host"},
-                                       "early_step": True}),
-    "zt-opt-host-spec": ("zerotier", {"offload": {"params": "device", "gradients": "host", "optimizer": "host"},
-                                      "speculative_step": True}),
-    "zt-params-host": ("zerotier", {"offload": {"params": "host", "gradients": "host", "optimizer": "host"}}),
-    "ds-z3-offload": ("deepspeed", {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}),
-    "torchao-offload": ("torchao", {"offload_gradients": False}),
-    "torchao-offload-grads": ("torchao", {"offload_gradients": True}),
-    "ds-zenflow": ("deepspeed", {"stage": 2, "offload_optimizer": "cpu", "zenflow": True}),
-    "zt-opt-nvme": ("zerotier", {"offload": {"params": "device", "gradients": "host", "optimizer": "nvme"}}),
-    "zt-params-nvme": ("zerotier", {"offload": {"params": "nvme", "gradients": "host", "optimizer": "nvme"}}),
-    "ds-infinity": ("deepspeed", {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}),
-}
-PEER_MODULE = {"deepspeed": "deepspeed", "torchao": "torchao"}
-REFERENCES = ("torch", "ds-z2-offload")   # step-time ratios and |Δloss| against the first that ran
+import gpu_model as gm  # noqa: E402 - benchmarks/ is on sys.path when this runs as a script
+from gpu_cases import CASES, HPARAMS, PEER_MODULE, NotApplicable, setup  # noqa: E402
 
-# Llama-style shapes (untied head, SwiGLU, RMSNorm, rotary); batch x seq tokens per micro-batch.
-SIZES = {
-    "tiny": dict(vocab=256, dim=64, layers=2, heads=4, ffn=176, seq=32, batch=4),
-    "1.3b": dict(vocab=32000, dim=2048, layers=24, heads=16, ffn=5504, seq=2048, batch=8),
-    "2.7b": dict(vocab=32000, dim=2560, layers=32, heads=20, ffn=6912, seq=2048, batch=4),
-    "7b": dict(vocab=32000, dim=4096, layers=32, heads=32, ffn=11008, seq=2048, batch=2),
-}
-HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+REFERENCES = ("torch", "ds-z2-offload")   # step-time ratios and |Δloss| against the first that ran
 PROFILED_STEPS = 2   # CUDA: steps under torch.profiler, after the timed ones
 GiB = 1 << 30
-
-
-# ---------------------------------------------------------------------------------------------
-# The model and the data (every case builds exactly these)
-
-
-def llama(size: str, device):
-    """A Llama-style decoder in fp32 on `device`, initialized from seed 0 (normal(0, 0.02) weights,
-    unit norms): identical in every case of a run, since the build order and the device are."""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    s = SIZES[size]
-
-    class RMSNorm(nn.Module):
-        def __init__(self, dim):
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(dim))
-
-        def forward(self, x):
-            xf = x.float()
-            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * self.weight
-
-    def rotate(x, cos, sin):
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-    class Layer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            d, self.heads = s["dim"], s["heads"]
-            self.attn_norm, self.mlp_norm = RMSNorm(d), RMSNorm(d)
-            self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
-            self.gate, self.up = nn.Linear(d, s["ffn"], bias=False), nn.Linear(d, s["ffn"], bias=False)
-            self.down = nn.Linear(s["ffn"], d, bias=False)
-
-        def forward(self, x, cos, sin):
-            b, t, d = x.shape
-            h = self.attn_norm(x)
-            q, k, v = (proj(h).view(b, t, self.heads, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
-            y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True)
-            x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
-            h = self.mlp_norm(x)
-            return x + self.down(F.silu(self.gate(h)) * self.up(h))
-
-    class Llama(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(s["vocab"], s["dim"])
-            self.layers = nn.ModuleList(Layer() for _ in range(s["layers"]))
-            self.norm = RMSNorm(s["dim"])
-            self.head = nn.Linear(s["dim"], s["vocab"], bias=False)
-
-        def forward(self, idx, targets):
-            x = self.embed(idx)
-            half = s["dim"] // s["heads"] // 2
-            inv_freq = 10000.0 ** (-torch.arange(half, device=idx.device, dtype=torch.float32) / half)
-            angles = torch.outer(torch.arange(idx.shape[1], device=idx.device, dtype=torch.float32), inv_freq)
-            cos, sin = (torch.cat((f, f), dim=-1).to(x.dtype) for f in (angles.cos(), angles.sin()))
-            for layer in self.layers:
-                x = layer(x, cos, sin)
-            logits = self.head(self.norm(x))
-            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Llama()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.02)
-    return model
-
-
-def batches(size: str, n: int, accum: int):
-    """`n` steps of `accum` micro-batches of learnable sequences (token t = a + b t mod vocab, a and b
-    random per sequence), on the CPU, from seed 0: the loss falls, so its curves can be compared."""
-    import torch
-    s = SIZES[size]
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n * accum):
-        a = torch.randint(0, s["vocab"], (s["batch"], 1), generator=gen)
-        b = torch.randint(1, 17, (s["batch"], 1), generator=gen)
-        seq = (a + b * torch.arange(s["seq"] + 1)) % s["vocab"]
-        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
-    return [out[i * accum:(i + 1) * accum] for i in range(n)]
-
-
-def param_count(size: str) -> int:
-    s = SIZES[size]
-    d, f, v = s["dim"], s["ffn"], s["vocab"]
-    return s["layers"] * (4 * d * d + 3 * d * f + 2 * d) + 2 * v * d + d
-
-
-# ---------------------------------------------------------------------------------------------
-# One case, in its own process
-
-
-class NotApplicable(Exception):
-    """The case cannot run here; the message says why (the row reads n/a (message))."""
-
-
-def fits(framework: str, settings: dict, args, numel: int, device) -> None:
-    """Refuse up front what cannot fit (rough byte counts, printed in the reason), so a 7B run
-    does not spend minutes finding out. zerotier cases are left to zerotier's planner."""
-    import torch
-    s = SIZES[args.size]
-    act = 34 * s["batch"] * s["seq"] * s["dim"] * s["layers"] + 12 * s["batch"] * s["seq"] * s["vocab"]
-    dev = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    disk = shutil.disk_usage(args.nvme_path).free
-    need = []
-    if framework == "torch":
-        need.append(("device", 16 * numel + act, dev, "fp32 params, grads and Adam moments + activations"))
-    elif framework == "torchao":
-        need.append(("device", 8 * numel + act, dev, "fp32 params and grads + activations"))
-        need.append(("host", 16 * numel, ram, "fp32 params, grads and Adam moments"))
-    elif framework == "deepspeed":
-        if settings["offload_optimizer"] == "cpu":
-            need.append(("host", 18 * numel, ram, "fp32 master, moments and grads + bf16 copy"))
-        else:
-            need.append(("disk", 16 * numel, disk, "fp32 master, moments, grads and bf16 params"))
-    for where, nbytes, have, what in need:
-        if have is not None and nbytes > 0.9 * have:
-            raise NotApplicable(f"does not fit: ~{nbytes / GiB:.0f} GiB of {where} ({what}), "
-                                f"{have / GiB:.0f} GiB here")
-
-
-def deepspeed_config(settings: dict, args, model) -> dict:
-    s = SIZES[args.size]
-    zero = {"stage": settings["stage"], "contiguous_gradients": True, "overlap_comm": True,
-            "reduce_bucket_size": 5e8,
-            "offload_optimizer": {"device": settings["offload_optimizer"], "pin_memory": True}}
-    if settings.get("offload_param"):
-        largest = max(p.numel() for p in model.parameters())
-        zero["offload_param"] = {"device": settings["offload_param"], "pin_memory": True}
-        if settings["offload_param"] == "nvme":
-            zero["offload_param"].update(nvme_path=args.nvme_path, buffer_count=5, buffer_size=max(int(1e8), largest))
-    if settings["offload_optimizer"] == "nvme":
-        zero["offload_optimizer"].update(nvme_path=args.nvme_path, buffer_count=4)
-    if settings.get("zenflow"):  # deepspeed.ai/tutorials/zenflow's settings
-        zero["zenflow"] = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto",
-                           "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": True}
-    beta1, beta2 = HPARAMS["betas"]
-    return {
-        "train_micro_batch_size_per_gpu": s["batch"], "gradient_accumulation_steps": args.accum,
-        "train_batch_size": s["batch"] * args.accum,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": HPARAMS["lr"], "betas": [beta1, beta2],
-                                                  "eps": HPARAMS["eps"], "weight_decay": HPARAMS["weight_decay"]}},
-        "zero_optimization": zero,
-        "gradient_clipping": args.clip or 0.0,
-        "aio": {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 1, "single_submit": False,
-                "overlap_events": True},
-        "steps_per_print": 10**9, "wall_clock_breakdown": False,
-    }
-
-
-def zerotier_config(settings: dict, args, device) -> dict:
-    return {
-        "offload": settings["offload"],
-        "tiers": {"nvme_path": args.nvme_path},
-        "precision": {"param_dtype": "bf16"},
-        "optimizer": {**HPARAMS, "betas": list(HPARAMS["betas"]), "threads": args.threads},
-        "train": {"max_grad_norm": args.clip, "grad_accum_steps": args.accum,
-                  "early_step": bool(settings.get("early_step")),
-                  "speculative_step": settings.get("speculative_step", "auto"),
-                  "handle_signals": False, "device": str(device)},
-        "profile": {"enabled": True},
-    }
-
-
-def setup(case: str, args, device, out: dict):
-    """Build the model and the case's training step. Returns (step(micro_batches) -> loss, close, engine)."""
-    import torch
-    framework, settings = CASES[case]
-    numel = param_count(args.size)
-    fits(framework, settings, args, numel, device)
-    if framework == "torchao" and args.clip is not None:
-        raise NotApplicable("CPUOffloadOptimizer copies gradients to the host during backward: "
-                            "clipping them afterwards is not supported (run with --clip none)")
-    if settings.get("offload_gradients") and args.accum > 1:
-        raise NotApplicable("offload_gradients=True does not accumulate gradients (--accum 1)")
-    if settings.get("early_step") and args.clip is not None:
-        raise NotApplicable("train.early_step steps each unit before the window's norm is known: "
-                            "it runs without clipping (--clip none)")
-    model = llama(args.size, device)
-    params = list(model.parameters())
-    to_dev = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-
-    if framework == "torch":
-        opt = torch.optim.AdamW(params, **HPARAMS, fused=True)
-        return _autocast_step(model, params, opt, args, device, to_dev), lambda: None, None
-
-    if framework == "torchao":
-        try:
-            from torchao.optim import CPUOffloadOptimizer
-        except ImportError:
-            from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
-        opt = CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=settings["offload_gradients"],
-                                  fused=True, **HPARAMS)
-        return _autocast_step(model, params, opt, args, device, to_dev), lambda: None, None
-
-    if framework == "deepspeed":
-        import deepspeed
-        if settings["offload_optimizer"] == "nvme":
-            from deepspeed.accelerator import get_accelerator
-            if not get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=True):
-                raise NotApplicable("DeepSpeed's async_io op cannot build here: libaio's headers or .so not found "
-                                    "(gpu_wheels.sh carries them in wheels/libaio; gpu_run.sh sets CFLAGS/LDFLAGS)")
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
-                                          config=deepspeed_config(settings, args, model))
-
-        def ds_step(micro):
-            total = 0.0
-            for x, y in micro:
-                loss = engine(to_dev(x), to_dev(y))
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach().float()
-            return total / len(micro)
-        return ds_step, lambda: None, None
-
-    import zerotier
-    engine = zerotier.initialize(model, zerotier_config(settings, args, device))
-    out["plan"] = {"need": dict(engine.plan.need), "predicted_step_s": engine.plan.predicted_step_s,
-                   "rates_measured": engine.plan.rates_measured,
-                   "placement": {k: v.value for k, v in engine.plan.placement.items()}}
-
-    def zt_step(micro):
-        total = 0.0
-        for x, y in micro:
-            loss = engine(to_dev(x), to_dev(y))
-            engine.backward(loss)
-            total += loss.detach().float()
-        engine.step()
-        return total / len(micro)
-    return zt_step, engine.close, engine
-
-
-def _autocast_step(model, params, opt, args, device, to_dev):
-    import torch
-
-    def step(micro):
-        total = 0.0
-        for x, y in micro:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(to_dev(x), to_dev(y))
-            (loss / len(micro)).backward()
-            total += loss.detach().float()
-        if args.clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return total / len(micro)
-    return step
+SIZES = gm.SIZES
 
 
 def run_case(case: str, args) -> dict:
@@ -367,7 +79,8 @@ def run_case(case: str, args) -> dict:
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.tiny else torch.device("cpu")
     cuda = device.type == "cuda"
     out = {"case": case, "size": args.size, "device": str(device)}
-    data = batches(args.size, args.warmup + args.steps + (PROFILED_STEPS + 1 if cuda else 0), args.accum)
+    profiled = cuda and args.profile
+    data = gm.batches(args.size, args.warmup + args.steps + (PROFILED_STEPS + 1 if profiled else 0), args.accum)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
     step, close, engine = setup(case, args, device, out)
@@ -393,9 +106,10 @@ def run_case(case: str, args) -> dict:
     if not all(math.isfinite(v) for v in losses):
         raise RuntimeError(f"non-finite loss: {losses}")
 
-    if cuda:  # untimed: torch.profiler's view of the copies, then the host syncs of one step
+    if profiled:  # untimed: torch.profiler's view of the copies, then the host syncs of one step
         out["torch_profiler"] = _torch_profiler(step, data[args.warmup + args.steps:][:PROFILED_STEPS], sync)
         out["host_syncs_per_step"] = _count_syncs(step, data[-1], sync)
+    if cuda:
         out["peak_device_allocated"] = torch.cuda.max_memory_allocated(device)
         out["peak_device_reserved"] = torch.cuda.max_memory_reserved(device)
         with contextlib.suppress(Exception):  # torch's pinned (caching host) allocator
@@ -409,6 +123,7 @@ def run_case(case: str, args) -> dict:
         out["zt_links"] = [{"link": k.link, "bytes": k.bytes, "GBps": k.gbps, "pct_of_peak": k.pct_of_peak}
                            for k in report.links]   # achieved bandwidth per link vs `zerotier bench`
         pool = engine.host_pool.stats()
+        out["zt_pool_peak"] = pool["peak"]
         out["zt_pinned_peak"] = pool["peak"] if pool["pinned"] else 0
     out["nvme_bytes"] = _disk_bytes(args.nvme_path)
     close()
@@ -601,15 +316,15 @@ def child(args) -> None:
 # The parent: one process per case, under time limits; the table
 
 
-def spawn(name: str, args, limit: float, log) -> dict:
+def spawn(name: str, size: str, args, limit: float, log) -> dict:
     """Run `--child name` in its own session (so its own children, e.g. ninja, go with it) and
     wait at most `limit` s; the result file is the only channel back ([Note: case processes])."""
     fd, result = tempfile.mkstemp(prefix="bench_gpu.", suffix=".json")
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--result", result,
-           "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--size", size, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--accum", str(args.accum), "--clip", str(args.clip), "--threads", str(args.threads),
-           "--nvme-path", args.case_nvme] + (["--tiny"] if args.tiny else [])
+           "--nvme-path", args.case_nvme] + (["--tiny"] if args.tiny else []) + ([] if args.profile else ["--no-profile"])
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     if CASES.get(name, ("",))[0] == "deepspeed":  # a one-rank process group without a launcher
         with socket.socket() as s:
@@ -641,18 +356,17 @@ def spawn(name: str, args, limit: float, log) -> dict:
 
 def derive(results: list[dict], env: dict, args) -> None:
     """Figures that need more than one case: throughput, MFU, ratios, loss against the reference."""
-    s = SIZES[args.size]
-    tokens = s["batch"] * s["seq"] * args.accum
-    numel = param_count(args.size)
     peak = env.get("matmul_peak_tflops")
-    ok = {r["case"]: r for r in results if r.get("status") == "ok"}
-    ref = next((ok[c] for c in REFERENCES if c in ok), None)
     for r in results:
         if r.get("status") != "ok":
             continue
+        ok = {o["case"]: o for o in results if o.get("status") == "ok" and o["size"] == r["size"]}
+        ref = next((ok[c] for c in REFERENCES if c in ok), None)
+        s = SIZES[r["size"]]
+        tokens = s["batch"] * s["seq"] * args.accum
         r["tokens_per_step"] = tokens
         r["tokens_per_s"] = tokens / r["step_s"]
-        r["tflops"] = 6 * numel * tokens / r["step_s"] / 1e12
+        r["tflops"] = gm.model_flops_per_token(r["size"]) * tokens / r["step_s"] / 1e12
         r["mfu_pct"] = 100.0 * r["tflops"] / peak if peak else None
         for base in REFERENCES:
             r[f"x_{base}"] = r["step_s"] / ok[base]["step_s"] if base in ok else None
@@ -660,9 +374,10 @@ def derive(results: list[dict], env: dict, args) -> None:
             n = min(len(ref["losses"]), len(r["losses"]))
             r["reference"] = ref["case"]
             r["max_abs_dloss"] = max(abs(a - b) for a, b in zip(r["losses"][:n], ref["losses"][:n]))
-        plan = r.get("plan")
-        if plan:
-            plan["predicted_over_measured"] = plan["predicted_step_s"] / r["step_s"]
+        pred = r.get("predicted")
+        if pred and pred.get("predicted_step_s"):
+            pred["step_over_measured"] = pred["predicted_step_s"] / r["step_s"]
+            pred["rss_over_measured"] = pred["peak_rss"] / r["peak_rss"]
 
 
 LINK = {"host->device": "H2D", "device->host": "D2H", "nvme->host": "N2H", "host->nvme": "H2N",
@@ -673,14 +388,17 @@ def table(results: list[dict], env: dict, args) -> str:
     def f(v, fmt="{:.1f}", scale=1.0):
         return "-" if v is None else fmt.format(v / scale)
 
-    s = SIZES[args.size]
+    sizes = list(dict.fromkeys(size for _, size, _ in args.runs))
+    models = [f"- model {size}: Llama-style {gm.param_count(size) / 1e9:.2f}B params, dim {s['dim']}, {s['layers']} "
+              f"layers, {s['heads']} heads, ffn {s['ffn']}, vocab {s['vocab']}, checkpointing "
+              f"{'per layer' if s['ckpt'] else 'off'}; batch {s['batch']} x seq {s['seq']} x accum {args.accum} = "
+              f"{s['batch'] * s['seq'] * args.accum} tokens/step; {gm.model_flops_per_token(size) / 1e9:.1f} GFLOP "
+              "per token" for size, s in ((size, SIZES[size]) for size in sizes)]
     head = [
-        f"# bench_gpu: {args.size} Llama-style ({param_count(args.size) / 1e9:.2f}B params), "
+        f"# bench_gpu: {', '.join(sizes)}, "
         f"{'CPU smoke run (not a result)' if args.tiny else env.get('gpu', 'no GPU')}",
-        "",
-        f"- model: dim {s['dim']}, {s['layers']} layers, {s['heads']} heads, ffn {s['ffn']}, vocab {s['vocab']}; "
-        f"bf16 compute, fp32 master; batch {s['batch']} x seq {s['seq']} x accum {args.accum} "
-        f"= {s['batch'] * s['seq'] * args.accum} tokens/step; clip {args.clip}; AdamW {HPARAMS}",
+        "", *models,
+        f"- bf16 compute, fp32 master (compact cases: bf16 master, int8 moments); clip {args.clip}; AdamW {HPARAMS}",
         f"- steps: median of {args.steps} after {args.warmup} warm-up; setup (model build, JIT builds, pinning) "
         f"excluded from every figure",
         f"- machine: GPU {env.get('gpu')} ({f(env.get('gpu_memory_gib'))} GiB, sm_{env.get('sm')}), driver "
@@ -691,17 +409,18 @@ def table(results: list[dict], env: dict, args) -> str:
         f"- peers: deepspeed {env.get('deepspeed')}, torchao {env.get('torchao')}; zerotier {env.get('zerotier')} "
         f"({env.get('zerotier_commit')}), native {env.get('zerotier_native')}, "
         f"bench rates {'measured' if env.get('zerotier_rates') else 'none (plan uses default rates)'}",
-        f"- bf16 matmul peak (this run): {f(env.get('matmul_peak_tflops'))} TFLOPS; MFU = 6 N tokens / step / peak",
+        f"- bf16 matmul peak (this run): {f(env.get('matmul_peak_tflops'))} TFLOPS; TFLOPS = the Megatron formula's "
+        "FLOPs per token (6 x matmul params + attention; no recompute) x tokens / step; MFU = TFLOPS / peak",
         "",
         "| case | status | setup s | step ms | tokens/s | TFLOPS | MFU % | x torch | x DS-Offload | zt overlap % per link "
         "| torch.prof H2D/D2H overlap % | GPU busy % | host syncs/step | peak dev alloc/resv GiB | peak RSS GiB "
-        "| pinned GiB | NVMe GB on disk (swap GB/s) | plan need dev/host/nvme GB | plan pred s / meas s | loss@K | max abs dloss |",
-        "|" + "---|" * 21,
+        "| pinned GiB | NVMe GB on disk (swap GB/s) | plan need dev/host/nvme GB | loss@K | max abs dloss |",
+        "|" + "---|" * 20,
     ]
     rows = []
     for r in results:
         if r.get("status") != "ok":
-            rows.append(f"| {r['case']} | {r.get('status')} ({r.get('reason', '')}) |" + " - |" * 19)
+            rows.append(f"| {r['label']} | {r.get('status')} ({r.get('reason', '')}) |" + " - |" * 18)
             continue
         links = ", ".join(f"{LINK.get(k, k)} {v:.0f}" for k, v in (r.get("zt_link_overlap_pct") or {}).items()) or "-"
         tp = r.get("torch_profiler") or {}
@@ -710,10 +429,8 @@ def table(results: list[dict], env: dict, args) -> str:
         pinned = r.get("zt_pinned_peak") if r.get("zt_pinned_peak") is not None else r.get("torch_pinned_peak")
         io = r.get("nvme_GBps")
         nvme_io = f" (w {io['written']:.1f} / r {io['read']:.1f} GB/s)" if io else ""
-        pred = (f"{plan['predicted_step_s']:.3f}{'' if plan['rates_measured'] else '*'} / {r['step_s']:.3f}"
-                if plan else "-")
         rows.append(
-            f"| {r['case']} | ok | {r['setup_s']:.1f} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3g} "
+            f"| {r['label']} | ok | {r['setup_s']:.1f} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3g} "
             f"| {f(r.get('mfu_pct'), '{:.3g}')} | {f(r.get('x_torch'), '{:.2f}')} | {f(r.get('x_ds-z2-offload'), '{:.2f}')} "
             f"| {links} | {f(tp.get('h2d_pct'), '{:.0f}')}/{f(tp.get('d2h_pct'), '{:.0f}')} "
             f"| {f(tp.get('gpu_busy_pct'), '{:.0f}')} | {f(r.get('host_syncs_per_step'), '{:.0f}')} "
@@ -721,12 +438,37 @@ def table(results: list[dict], env: dict, args) -> str:
             f"| {f(r.get('peak_rss'), '{:.1f}', GiB)} | {f(pinned, '{:.1f}', GiB)} | {f(r.get('nvme_bytes'), '{:.1f}', 1e9)}"
             f"{nvme_io} "
             f"| {'/'.join(f'{need[t] / 1e9:.1f}' for t in ('device', 'host', 'nvme')) if need else '-'} "
-            f"| {pred} | {r['losses'][-1]:.4f} | {f(r.get('max_abs_dloss'), '{:.4f}')} |")
+            f"| {r['losses'][-1]:.4f} | {f(r.get('max_abs_dloss'), '{:.4f}')} |")
     notes = ["", "x torch / x DS-Offload: step time over that case's (lower is faster). "
-             "max abs dloss: against the first of torch, ds-z2-offload that ran (bf16: within 2e-2 expected). "
-             "plan pred: zerotier's predicted optimizer+swap seconds per step (serial; * = default rates, "
-             "no `zerotier bench` results)."]
-    return "\n".join(head + rows + notes) + "\n"
+             "max abs dloss: against the first of torch, ds-z2-offload that ran (bf16: within 2e-2 expected)."]
+    return "\n".join(head + rows + notes + predicted_table(results)) + "\n"
+
+
+def predicted_table(results: list[dict]) -> list[str]:
+    """zerotier's cases: predict_table.py's prediction (committed node rates, this machine's budgets)
+    beside the measured figure. Targets: step within 10 %, peak host RSS within 5 %."""
+    def pair(pred, meas, scale=1.0, fmt="{:.2f}"):
+        show = lambda v: "-" if v is None else fmt.format(v / scale)  # noqa: E731
+        ratio = f" ({pred / meas:.2f}x)" if pred and meas else ""
+        return f"{show(pred)} / {show(meas)}{ratio}"
+
+    lines = ["", "## Predicted / measured (zerotier; predict_table.py with the committed node rates)", "",
+             "| case | node rates | placement | step s | TFLOPS | peak host RSS GiB | pinned (pool) GiB "
+             "| device peak GiB | NVMe GB/step | plan bound by |", "|" + "---|" * 10]
+    for r in results:
+        p = r.get("predicted")
+        if r.get("status") != "ok" or not p or not p.get("fits"):
+            continue
+        traffic = r.get("nvme_traffic")
+        place = "/".join(p["placement"].values()) + (" (split)" if p.get("optimizer_split") else "")
+        lines.append(
+            f"| {r['label']} | {p.get('node')} | {place} | {pair(p['predicted_step_s'], r['step_s'])} "
+            f"| {pair(p['tflops'], r['tflops'], fmt='{:.0f}')} | {pair(p['peak_rss'], r['peak_rss'], GiB, '{:.1f}')} "
+            f"| {pair(p['pinned'], r.get('zt_pool_peak'), GiB, '{:.1f}')} "
+            f"| {pair(p['device_peak'], r.get('peak_device_allocated'), GiB, '{:.1f}')} "
+            f"| {pair(p['nvme_bytes_per_step'], sum(traffic.values()) if traffic else None, 1e9, '{:.1f}')} "
+            f"| {p['bound_by']} |")
+    return lines if len(lines) > 5 else []
 
 
 def write(results, env, args) -> str:
@@ -736,7 +478,9 @@ def write(results, env, args) -> str:
             f.write(text)
         with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
             json.dump({"env": env, "settings": {k: v for k, v in vars(args).items() if k not in ("case_nvme",)},
-                       "size": SIZES[args.size], "numel": param_count(args.size), "cases": results}, f, indent=1)
+                       "sizes": {size: dict(SIZES[size], numel=gm.param_count(size))
+                                 for size in dict.fromkeys(size for _, size, _ in args.runs)},
+                       "cases": results}, f, indent=1)
     return text
 
 
@@ -756,12 +500,33 @@ def parse_args(argv=None):
     ap.add_argument("--case-timeout", type=float, default=300.0, help="seconds per case (default 300)")
     ap.add_argument("--time-limit", type=float, help="seconds for the whole run: cases that would start "
                     "too late are reported as not run")
+    ap.add_argument("--min-case-seconds", type=float, default=30.0,
+                    help="under --time-limit, a case starts only with this much time left (default 30)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="skip the untimed torch.profiler and sync-count steps (CUDA): gpu_run.sh scale's budget")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, zerotier and torch only")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.size = args.size or ("tiny" if args.tiny else "1.3b")
+    args.runs = runs(args)
     return args
+
+
+def runs(args) -> list[tuple[str, str, str]]:
+    """(label, size, case) per item of --cases: CASE runs at --size, SIZE:CASE at SIZE (a list across
+    sizes: gpu_run.sh scale's priority list, one table). --tiny runs every item at the tiny size."""
+    items = args.cases.split(",") if args.cases else [
+        c for c, (fw, _) in CASES.items() if not args.tiny or fw in ("torch", "zerotier")]
+    out = []
+    for item in items:
+        size, _, case = item.rpartition(":")
+        size = size or args.size
+        if case not in CASES or size not in SIZES:
+            raise SystemExit(f"unknown case {item!r}: [SIZE:]CASE with SIZE one of {', '.join(SIZES)} and "
+                             f"CASE one of {', '.join(CASES)}")
+        out.append((item, "tiny" if args.tiny else size, case))
+    return out
 
 
 def main(argv=None) -> int:
@@ -770,11 +535,6 @@ def main(argv=None) -> int:
         child(args)
         return 0
     start = time.perf_counter()
-    names = args.cases.split(",") if args.cases else [
-        c for c, (fw, _) in CASES.items() if not args.tiny or fw in ("torch", "zerotier")]
-    unknown = [c for c in names if c not in CASES]
-    if unknown:
-        raise SystemExit(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     nvme_root = tempfile.mkdtemp(prefix=".bench_gpu_nvme.", dir=args.nvme_path or ROOT)
@@ -788,29 +548,31 @@ def main(argv=None) -> int:
                 return float("inf") if args.time_limit is None else args.time_limit - (time.perf_counter() - start)
 
             args.case_nvme = nvme_root
-            env = spawn("env", args, min(120.0, left()), log)
+            env = spawn("env", "tiny", args, min(120.0, left()), log)
             print(f"env: {env.get('gpu', 'no GPU')}, torch {env.get('torch')}, "
                   f"bf16 matmul peak {env.get('matmul_peak_tflops') or 0:.1f} TFLOPS", flush=True)
-            for name in names:
-                current = name
+            for label, size, name in args.runs:
+                current = label
                 framework = CASES[name][0]
                 if framework in PEER_MODULE and args.tiny:
                     res = {"case": name, "status": "n/a", "reason": "--tiny runs zerotier and torch only"}
                 elif framework in PEER_MODULE and importlib.util.find_spec(PEER_MODULE[framework]) is None:
                     res = {"case": name, "status": "n/a", "reason": "not installed"}
-                elif left() < 30:
+                elif min(args.case_timeout, left() - 5) < args.min_case_seconds:
                     res = {"case": name, "status": "not run", "reason": "--time-limit reached"}
                 else:
                     args.case_nvme = tempfile.mkdtemp(prefix=f"{name}.", dir=nvme_root)
-                    res = spawn(name, args, min(args.case_timeout, left() - 5), log)
+                    res = spawn(name, size, args, min(args.case_timeout, left() - 5), log)
                     shutil.rmtree(args.case_nvme, ignore_errors=True)
+                res.update(label=label, size=size)
                 results.append(res)
                 derive(results, env, args)
                 write(results, env, args)
-                print(f"  {name:22s} {res['status']:7s} " + (f"{res['step_s'] * 1e3:9.1f} ms/step"
+                print(f"  {label:26s} {res['status']:7s} " + (f"{res['step_s'] * 1e3:9.1f} ms/step"
                       if res["status"] == "ok" else res.get("reason", "")), flush=True)
     except KeyboardInterrupt:  # gpu_run.sh's step limit: keep what was measured
-        results.append({"case": current, "status": "not run", "reason": "interrupted (SIGINT: the run's time limit)"})
+        results.append({"case": current, "label": current, "size": "-", "status": "not run",
+                        "reason": "interrupted (SIGINT: the run's time limit)"})
         print(write(results, env, args))
         return 130
     finally:

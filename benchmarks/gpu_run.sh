@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the GPU test suite and the GPU benchmarks on a bare GPU machine with no network.
 #
-#   benchmarks/gpu_run.sh OUT_DIR [tests|bench|all]     (default: tests)
+#   benchmarks/gpu_run.sh OUT_DIR [tests|bench|scale|all]     (default: tests)
+#   benchmarks/gpu_run.sh OUT_DIR scale --tiny                 (the CPU rehearsal of scale)
 #
 # `tests` and `bench` are meant as two device calls, each with its own time limit (a device
 # command runs at most 10 minutes): the suite first, then the benchmark on the warm machine,
@@ -22,6 +23,14 @@
 #               with SIGINT, so pytest still writes the junit xml of every test that ran.
 #   bench_*     zerotier bench pcie/mem/adam/io --quick -> OUT_DIR/bench_node.json      (tests)
 #   bench_deps  deepspeed (no ops: JIT-built when used) and torchao from wheels/        (bench)
+#   scale       bench_gpu.py --cases $SCALE_CASES --out OUT_DIR/scale: issue 36's priority   (scale)
+#               list in one table (bench_gpu.md, rewritten after every case), within
+#               SCALE_SECONDS (default 540, passed on as --time-limit): 7B's exact zerotier
+#               cases against ds-z2-offload and torchao with gradient offload, then 20B compact
+#               (zt-compact-auto), then the rest; 1 warm-up + 2 timed steps, no torch.profiler
+#               steps. With --tiny (the rehearsal, CI: tests/test_bench_gpu.py) the same list
+#               runs at bench_gpu's tiny size on the CPU with $PYTHON, no venv or peers: every
+#               step of this script, bench_gpu, the cases and predict_table.py, not a result.
 #   bench_gpu   benchmarks/bench_gpu.py --out OUT_DIR/bench_gpu $BENCH_GPU_ARGS        (bench)
 #               (bench_gpu.json, bench_gpu.md, cases.log), its own limit GPU_BENCH_SECONDS
 #               (default 420), passed on as --time-limit so the table is written before it;
@@ -41,9 +50,13 @@
 # .pth file, since --system-site-packages only reaches the base interpreter's packages.
 set -u
 
-OUT="${1:?usage: benchmarks/gpu_run.sh OUT_DIR [tests|bench|all]}"
+USAGE="usage: benchmarks/gpu_run.sh OUT_DIR [tests|bench|scale|all] [--tiny]"
+OUT="${1:?$USAGE}"
 MODE="${2:-tests}"
-case "$MODE" in tests|bench|all) ;; *) echo "usage: benchmarks/gpu_run.sh OUT_DIR [tests|bench|all]" >&2; exit 2 ;; esac
+TINY="${3:-}"
+case "$MODE" in tests|bench|scale|all) ;; *) echo "$USAGE" >&2; exit 2 ;; esac
+case "$TINY" in "") ;; --tiny) [[ "$MODE" == scale ]] || { echo "--tiny goes with scale" >&2; exit 2; } ;;
+    *) echo "$USAGE" >&2; exit 2 ;; esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
 mkdir -p "$OUT" || exit 1
@@ -54,6 +67,7 @@ export PYTHON="${PYTHON:-python3}"
 export WHEELS="$ROOT/wheels"
 export VENV="$ROOT/.gpuvenv"
 export VPY="$VENV/bin/python"
+[[ -n "$TINY" ]] && VPY="$PYTHON"   # the rehearsal: this machine's interpreter, no venv
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PYTHONUNBUFFERED=1
 # `zerotier bench` saves here, not in ~/.cache; in the repo so that the bench call on the warm
 # machine plans with the rates the tests call measured (copied to OUT_DIR/bench_node.json)
@@ -114,7 +128,7 @@ EOF
 
 venv() {
     set -e
-    if [[ "$MODE" == bench && -x "$VPY" ]] && "$VPY" -c 'import zerotier, pytest' 2>/dev/null; then
+    if [[ "$MODE" =~ ^(bench|scale)$ && -x "$VPY" ]] && "$VPY" -c 'import zerotier, pytest' 2>/dev/null; then
         echo "reusing $VENV (built by the tests call)"; return 0
     fi
     "$PYTHON" -m venv --clear --system-site-packages "$VENV" \
@@ -196,25 +210,46 @@ bench_gpu() {
     exec "$VPY" benchmarks/bench_gpu.py --out "$OUT/bench_gpu" --time-limit $((STEP_BUDGET - 15)) ${BENCH_GPU_ARGS:-}
 }
 
-export MODE
+# issue 36's priority list ([Note: the workload] in benchmarks/gpu_model.py; predictions: predict_table.py)
+SCALE_FIRST="7b:zt-opt-host,7b:ds-z2-offload,7b:torchao-offload-grads,7b:zt-opt-host-early,7b:zt-opt-host-spec,7b:zt-opt-host-delayed"
+SCALE_THEN="20b:zt-compact-auto"
+SCALE_REST="7b:zt-compact-host,7b:zt-params-host,13b:zt-compact-auto,13b:ds-z2-offload,7b:ds-z3-offload,7b:torchao-offload,7b:ds-zenflow,2.7b:zt-compact-nvme,2.7b:ds-infinity,30b:zt-compact-auto,7b:zt-opt-split"
+export SCALE_CASES="${SCALE_CASES:-$SCALE_FIRST,$SCALE_THEN,$SCALE_REST}"
+
+scale() {
+    local extra=(--steps 2 --warmup 1 --no-profile --case-timeout "${SCALE_CASE_SECONDS:-240}")
+    if [[ -n "$TINY" ]]; then
+        extra=(--tiny --steps 1 --warmup 1 --threads 1 --case-timeout 60 --min-case-seconds 3 --nvme-path "$OUT")
+    else
+        libaio_env
+    fi
+    # exec: the step's SIGINT reaches bench_gpu.py itself, which stops its case and writes the table
+    exec "$VPY" benchmarks/bench_gpu.py --cases "$SCALE_CASES" --out "$OUT/scale" \
+        --time-limit $((STEP_BUDGET - 10)) "${extra[@]}"
+}
+
+export MODE TINY
 export BENCH_GPU_ARGS="${BENCH_GPU_ARGS:-}"
-export -f vpip machine venv bench_deps run_pytest node_bench libaio_env bench_gpu
+export -f vpip machine venv bench_deps run_pytest node_bench libaio_env bench_gpu scale
 
 step machine      60 machine
-step venv        180 venv
-if [[ "$MODE" != bench ]]; then
+[[ -z "$TINY" ]] && step venv 180 venv
+if [[ "$MODE" == scale ]]; then
+    [[ -z "$TINY" ]] && step bench_deps 90 bench_deps
+    step scale "${SCALE_SECONDS:-540}" scale INT
+elif [[ "$MODE" != bench ]]; then
     step pytest      400 run_pytest INT   # ~200-330 s expected (the stress tests: four child runs each)
     for section in pcie mem adam io; do
         step "bench_$section" 45 "node_bench $section"
     done
 fi
-if [[ "$MODE" != tests ]]; then
+if [[ "$MODE" =~ ^(bench|all)$ ]]; then
     step bench_deps   90 bench_deps
     step bench_gpu   "${GPU_BENCH_SECONDS:-420}" bench_gpu INT
 fi
 
-counts="pytest: not in this call (mode bench)"
-[[ "$MODE" != bench ]] && counts="$("$PYTHON" - "$OUT/junit-cuda.xml" <<'EOF' 2>&1
+counts="pytest: not in this call (mode $MODE)"
+[[ "$MODE" =~ ^(tests|all)$ ]] && counts="$("$PYTHON" - "$OUT/junit-cuda.xml" <<'EOF' 2>&1
 import sys, xml.etree.ElementTree as ET
 try:
     root = ET.parse(sys.argv[1]).getroot()
@@ -233,6 +268,7 @@ EOF
 } | tee "$OUT/summary.txt"
 [[ -f "$ZEROTIER_BENCH_FILE" ]] && cp "$ZEROTIER_BENCH_FILE" "$OUT/bench_node.json"
 [[ -f "$OUT/bench_gpu/bench_gpu.md" ]] && { echo; cat "$OUT/bench_gpu/bench_gpu.md"; }
+[[ -f "$OUT/scale/bench_gpu.md" ]] && { echo; cat "$OUT/scale/bench_gpu.md"; }
 # The device tool brings back at most 8 files from OUT_DIR: past that, the logs go into one archive.
 if (( $(find "$OUT" -type f | wc -l) > 8 )); then
     (cd "$OUT" && find . -name '*.log' -print0 | tar czf logs.tar.gz --null -T - --remove-files) \

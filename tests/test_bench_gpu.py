@@ -1,5 +1,6 @@
-"""benchmarks/bench_gpu.py --tiny on the CPU, end to end: a smoke test of the script (its rows, its
-files, figures that are sane), never a result. The GPU figures are read on a GPU machine."""
+"""benchmarks/bench_gpu.py, its cases, predict_table.py and gpu_run.sh's scale list on the CPU: the
+tiny rehearsal of the GPU path end to end (its rows, its files, figures that are sane), never a
+result; the GPU figures are read on a GPU machine."""
 import json
 import math
 import os
@@ -12,8 +13,16 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_gpu  # noqa: E402
+import gpu_model as gm  # noqa: E402
+import predict_table  # noqa: E402
 
 CASES = ["torch", "zt-opt-host", "zt-params-nvme", "ds-z2-offload"]
+GiB = 1 << 30
+
+
+def _env(tmp_path):
+    """No saved `zerotier bench` results: the engine's plan uses default rates wherever this runs."""
+    return dict(os.environ, ZEROTIER_BENCH_FILE=str(tmp_path / "no-bench.json"), PYTHON=sys.executable)
 
 
 @pytest.mark.slow  # five processes importing torch: ~25 s of CPU
@@ -22,7 +31,7 @@ def test_tiny_run_writes_every_row_with_sane_figures(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--tiny",
                         "--cases", ",".join(CASES), "--steps", "2", "--warmup", "1", "--threads", "1",
                         "--out", str(out), "--nvme-path", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + (out / "cases.log").read_text()[-5000:]
     report = json.loads((out / "bench_gpu.json").read_text())
     rows = {c["case"]: c for c in report["cases"]}
@@ -34,6 +43,8 @@ def test_tiny_run_writes_every_row_with_sane_figures(tmp_path):
         assert row["status"] == "ok", row
         assert len(row["losses"]) == 3 and all(math.isfinite(v) for v in row["losses"])
         assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s"])
+        assert row["tflops"] == pytest.approx(gm.model_flops_per_token("tiny") * row["tokens_per_step"]
+                                              / row["step_s"] / 1e12)
         assert row["mfu_pct"] > 0 and row["x_torch"] > 0 and row["peak_rss"] > 0
         assert row["max_abs_dloss"] < 2e-2  # bf16 params + fp32 master against fp32 params under bf16 autocast
     for case in ("zt-opt-host", "zt-params-nvme"):
@@ -41,6 +52,9 @@ def test_tiny_run_writes_every_row_with_sane_figures(tmp_path):
         assert plan["need"]["host"] > 0 and plan["predicted_step_s"] >= 0 and plan["rates_measured"] is False
         assert rows[case]["zt_link_overlap_pct"] and all(0 <= v <= 100 for v in rows[case]["zt_link_overlap_pct"].values())
         assert rows[case]["zt_verdict"]
+        pred = rows[case]["predicted"]  # predict_table's, for the H200 (a CPU has no GPU node of its own)
+        assert pred["fits"] and pred["node"] == "h200" and pred["predicted_step_s"] > 0
+        assert pred["placement"] == plan["placement"]
     assert plan["placement"] == {"params": "nvme", "gradients": "host", "optimizer": "nvme"}
     assert "nvme->host" in rows["zt-params-nvme"]["zt_link_overlap_pct"]
     assert any(k["link"] == "nvme->host" and k["GBps"] > 0 for k in rows["zt-params-nvme"]["zt_links"])
@@ -50,7 +64,43 @@ def test_tiny_run_writes_every_row_with_sane_figures(tmp_path):
     for case in CASES:
         assert f"| {case} | " in md
     assert "CPU smoke run (not a result)" in md and "| ds-z2-offload | n/a (--tiny" in md
+    assert "## Predicted / measured" in md and md.count("| h200 |") == 2
     assert os.listdir(tmp_path) == ["out"]  # the cases' swap directories are gone
+
+
+def test_scale_rehearsal_runs_the_priority_list_under_its_time_limit(tmp_path):
+    """gpu_run.sh scale --tiny: issue 36's priority list through every step of the script, bench_gpu
+    and predict_table, on the CPU. The table is written after each case, in the list's order; a
+    55 s limit stops the list part-way (the rest reads "not run"), as 9 minutes do on the GPU."""
+    out = tmp_path / "out"
+    env = dict(_env(tmp_path), GPU_RUN_SECONDS="55")
+    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_run.sh"), str(out), "scale", "--tiny"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    logs = "".join(p.read_text()[-3000:] for p in sorted(out.rglob("*.log")))
+    report = json.loads((out / "scale" / "bench_gpu.json").read_text())
+    listed = subprocess.run(["bash", "-c", f"source <(grep '^SCALE_' {ROOT}/benchmarks/gpu_run.sh); "
+                             "echo $SCALE_FIRST,$SCALE_THEN,$SCALE_REST"], capture_output=True, text=True).stdout
+    order = listed.strip().split(",")
+    assert order[:2] == ["7b:zt-opt-host", "7b:ds-z2-offload"] and "20b:zt-compact-auto" in order, order
+    rows = report["cases"]
+    assert [row["label"] for row in rows] == order, r.stdout + logs
+    ran = [row for row in rows if row["status"] == "ok"]
+    assert ran and ran[0]["label"] == "7b:zt-opt-host" and ran[0]["size"] == "tiny", (rows, r.stdout, logs)
+    for row in ran:  # predicted beside measured
+        assert row["predicted"]["fits"] and row["predicted"]["predicted_step_s"] > 0 and row["step_s"] > 0
+    assert ran[0]["predicted"]["placement"] == {"params": "device", "gradients": "host", "optimizer": "host"}
+    for row in rows:
+        framework = bench_gpu.CASES[row["case"]][0]
+        if framework != "zerotier":
+            assert row["status"] == "n/a" and "--tiny" in row["reason"]
+        else:  # ran, or left for want of time (a case started late may be stopped by its own limit)
+            assert row["status"] in ("ok", "not run") or "timed out" in row.get("reason", ""), row
+    assert any(row["status"] == "not run" for row in rows), "55 s ran the whole list: the limit was not rehearsed"
+    md = (out / "scale" / "bench_gpu.md").read_text()
+    assert "| 7b:zt-opt-host | ok |" in md and "## Predicted / measured" in md
+    summary = (out / "summary.txt").read_text()
+    assert "machine" in summary and "scale" in summary and "venv" not in summary  # --tiny: no venv
+    assert not list(out.glob("**/.bench_gpu_nvme.*"))  # the swap directories are gone
 
 
 def test_memcpy_overlap_from_a_kineto_trace():
@@ -76,3 +126,67 @@ def test_a_case_that_cannot_clip_is_refused_not_run_without_it(tmp_path, case):
     args = bench_gpu.parse_args(["--tiny", "--clip", "1.0", "--nvme-path", str(tmp_path)])
     with pytest.raises(bench_gpu.NotApplicable, match="--clip none"):
         bench_gpu.setup(case, args, torch.device("cpu"), {})
+
+
+def test_the_sizes_are_the_llama_shapes_they_name():
+    """Llama-2-7B and -13B's parameter counts (untied head, RMSNorm weights), LLaMA-33B's."""
+    assert gm.param_count("7b") == 6_738_415_616 and gm.param_count("13b") == 13_015_864_320
+    assert gm.param_count("30b") == 32_528_943_616 and 20.0e9 < gm.param_count("20b") < 20.5e9
+    assert sum(p.numel() for p in gm.llama("7b", "meta").parameters()) == gm.param_count("7b")
+    # the Megatron formula: 6 x (layers' matmuls + head) + 12 x seq x dim per layer
+    assert gm.model_flops_per_token("7b") == 6 * (32 * (4 * 4096**2 + 3 * 4096 * 11008) + 32000 * 4096) \
+        + 12 * 32 * 2048 * 4096
+
+
+def test_every_way_of_building_gives_the_same_initial_weights(tmp_path):
+    """[Note: the same weights everywhere]: built on the device, or on meta and materialized unit by
+    unit by zerotier's init_fn, the fp32 weights are the same bytes, parameter by parameter."""
+    import zerotier
+    gen = torch.device("cpu")
+    built = dict(gm.build("tiny", torch.device("cpu"), gen).named_parameters())
+    meta = gm.llama("tiny", "meta")
+    cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "nvme"},
+           "tiers": {"nvme_path": str(tmp_path)}, "train": {"handle_signals": False, "device": "cpu"}}
+    engine = zerotier.initialize(meta, cfg, init_fn=gm.zerotier_init_fn(meta, gen))
+    try:
+        masters = engine.parameters_fp32()  # the fp32 master weights, read back from NVMe
+    finally:
+        engine.close(restore_weights=False)
+    assert sorted(masters) == sorted(built)
+    for name, value in masters.items():
+        assert torch.equal(value, built[name].detach()), name
+    assert not torch.equal(built["layers.0.q.weight"], built["layers.1.q.weight"])  # seeded per name
+
+
+def test_a_plan_that_cannot_fit_says_what_it_needs_on_each_tier():
+    rates = predict_table.node_rates("h200")
+    row = predict_table.predict("30b", "zt-opt-host", rates, predict_table.node_budgets("h200"), None)
+    assert row["fits"] is False
+    assert row["need"]["host"] > predict_table.node_budgets("h200")["host"]
+    for tier in ("device", "host", "nvme"):
+        assert f"{tier} " in row["reason"] and "GiB (has " in row["reason"]
+
+
+def test_the_delayed_update_is_charged_its_copies():
+    """Its gradient copies and staged parameters are beyond the plan's need: a 7B exact run that fits
+    the host without them does not with them (the row must not read 'fits')."""
+    rates, budgets = predict_table.node_rates("h200"), predict_table.node_budgets("h200")
+    plain = predict_table.predict("7b", "zt-opt-host", rates, budgets, None)
+    delayed = predict_table.predict("7b", "zt-opt-host-delayed", rates, budgets, None)
+    assert plain["fits"] and not delayed["fits"]
+    assert delayed["need"]["host"] - plain["need"]["host"] >= 4 * gm.param_count("7b")  # bf16 grads + params
+
+
+def test_the_docs_table_is_what_predict_table_prints():
+    """docs/benchmarks.md's predictions were generated by predict_table.py (regenerate them with
+    `python benchmarks/predict_table.py --write docs/benchmarks.md` when the planner changes)."""
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        doc = f.read()
+    rates = predict_table.node_rates("h200")
+    rows = [predict_table.predict(size, case, rates, predict_table.node_budgets("h200"),
+                                  rates["compute_bf16"] * predict_table.efficiency())
+            for size, case in (("7b", "zt-opt-host-early"), ("20b", "zt-compact-auto"), ("30b", "zt-opt-host"))]
+    begin, end = predict_table.markers("h200")
+    section = doc.split(begin, 1)[1].split(end, 1)[0]
+    for line in predict_table.table(rows, "h200").splitlines()[2:5]:
+        assert line in section, line

@@ -1,0 +1,274 @@
+"""bench_gpu.py's cases: what each framework is given, what it needs, and how its step is built.
+
+Cases (name -> framework, settings); their order is their priority under --time-limit:
+  torch                  plain torch, fp32 params under bf16 autocast, AdamW(fused=True), all on the GPU
+  zt-opt-host            zerotier exact: optimizer on host (params on device, gradients on host)
+  ds-z2-offload          DeepSpeed ZeRO-Offload stage 2: offload_optimizer cpu, pinned, DeepSpeedCPUAdam
+  zt-opt-host-early      zt-opt-host with train.early_step (Adam during the last backward)
+  zt-opt-host-spec       zt-opt-host with train.speculative_step = true (issue 25)
+  zt-opt-host-delayed    zt-opt-host with train.delayed_update (ZeRO-Offload's DPU: not the same training)
+  torchao-offload-grads  torchao CPUOffloadOptimizer(AdamW, fused), offload_gradients=True
+  zt-params-host         zerotier exact: params + optimizer on host
+  zt-opt-split           zerotier exact: optimizer split 60 % host, 40 % NVMe (unit by unit)
+  zt-compact-host        zerotier compact (bf16 master + int8 moments): optimizer on host
+  zt-compact-auto        compact, every kind `auto`: the planner's placement (the 20B case)
+  zt-compact-nvme        compact, params, gradients and optimizer on NVMe
+  ds-z3-offload          DeepSpeed stage 3 under deepspeed.zero.Init: params + optimizer on cpu, pinned
+  torchao-offload        the same as torchao-offload-grads with offload_gradients=False
+  ds-zenflow             DeepSpeed ZenFlow over ZeRO-Offload stage 2 (DeepSpeed >= 0.17)
+  zt-opt-nvme            zerotier exact: optimizer on NVMe (params on device, gradients on host)
+  zt-params-nvme         zerotier exact: params + optimizer on NVMe
+  ds-infinity            DeepSpeed ZeRO-Infinity under zero.Init: params + optimizer on nvme (async_io)
+
+Model building ([Note: the same weights everywhere] in gpu_model.py): zerotier cases build on the
+meta device and materialize unit by unit into their tiers (init_fn); DeepSpeed stage 3 builds
+under deepspeed.zero.Init and fills one gathered parameter at a time; the others (whose method
+holds the fp32 model on the device) build there directly. No case holds a second full copy.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import gpu_model as gm
+
+EXACT_HOST = {"params": "device", "gradients": "host", "optimizer": "host"}
+COMPACT = {"master_dtype": "bf16", "moment_dtype": "int8"}
+ALL_NVME = {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}
+CASES = {
+    "torch": ("torch", {}),
+    "zt-opt-host": ("zerotier", {"offload": EXACT_HOST, "speculative_step": False}),
+    "ds-z2-offload": ("deepspeed", {"stage": 2, "offload_optimizer": "cpu"}),
+    "zt-opt-host-early": ("zerotier", {"offload": EXACT_HOST, "early_step": True}),
+    "zt-opt-host-spec": ("zerotier", {"offload": EXACT_HOST, "speculative_step": True}),
+    "zt-opt-host-delayed": ("zerotier", {"offload": EXACT_HOST, "delayed_update": True}),
+    "torchao-offload-grads": ("torchao", {"offload_gradients": True}),
+    "zt-params-host": ("zerotier", {"offload": {"params": "host", "gradients": "host", "optimizer": "host"}}),
+    "zt-opt-split": ("zerotier", {"offload": {**EXACT_HOST, "optimizer": {"host": 0.6, "nvme": 0.4}}}),
+    "zt-compact-host": ("zerotier", {"offload": EXACT_HOST, "precision": COMPACT}),
+    "zt-compact-auto": ("zerotier", {"offload": {"params": "auto", "gradients": "auto", "optimizer": "auto"},
+                                     "precision": COMPACT}),
+    "zt-compact-nvme": ("zerotier", {"offload": ALL_NVME, "precision": COMPACT}),
+    "ds-z3-offload": ("deepspeed", {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}),
+    "torchao-offload": ("torchao", {"offload_gradients": False}),
+    "ds-zenflow": ("deepspeed", {"stage": 2, "offload_optimizer": "cpu", "zenflow": True}),
+    "zt-opt-nvme": ("zerotier", {"offload": {**EXACT_HOST, "optimizer": "nvme"}}),
+    "zt-params-nvme": ("zerotier", {"offload": {"params": "nvme", "gradients": "host", "optimizer": "nvme"}}),
+    "ds-infinity": ("deepspeed", {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}),
+}
+ZEROTIER_CASES = [c for c, (fw, _) in CASES.items() if fw == "zerotier"]
+PEER_MODULE = {"deepspeed": "deepspeed", "torchao": "torchao"}
+HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+GiB = 1 << 30
+
+
+class NotApplicable(Exception):
+    """The case cannot run here; the message says why (the row reads n/a (message))."""
+
+
+def zerotier_config(case: str, nvme_path: str | None, threads: int, clip: float | None, accum: int,
+                    device: str) -> dict:
+    """The engine config of a zerotier case (also what predict_table.py plans)."""
+    settings = CASES[case][1]
+    return {
+        "offload": settings["offload"],
+        "tiers": {"nvme_path": nvme_path},
+        "precision": {"param_dtype": "bf16", **settings.get("precision", {})},
+        "optimizer": {**HPARAMS, "betas": list(HPARAMS["betas"]), "threads": threads},
+        "train": {"max_grad_norm": clip, "grad_accum_steps": accum,
+                  "early_step": bool(settings.get("early_step")),
+                  "speculative_step": settings.get("speculative_step", "auto"),
+                  "delayed_update": bool(settings.get("delayed_update")),
+                  "handle_signals": False, "device": device},
+        "profile": {"enabled": True},
+    }
+
+
+def peer_needs(framework: str, settings: dict, size: str) -> dict[str, tuple[int, str]]:
+    """Rough bytes a peer needs per tier (device, host, nvme) and what they are: the n/a row's
+    figures when they do not fit, so a 13B run does not spend minutes finding out."""
+    numel, act = gm.param_count(size), gm.activation_bytes(size)
+    if framework == "torch":
+        return {"device": (16 * numel + act, "fp32 params, grads and Adam moments + activations")}
+    if framework == "torchao":
+        grads = 0 if settings["offload_gradients"] else 4 * numel
+        return {"device": (4 * numel + 2 * numel + grads + act,
+                           "fp32 params, their bf16 autocast copies" + ("" if grads else ", fp32 grads")
+                           + " + activations"),
+                "host": (12 * numel + 4 * numel, "fp32 params, Adam moments and grads")}
+    if settings["stage"] == 2:  # bf16 params and grads stay on the device
+        need = {"device": (4 * numel + act, "bf16 params and grads + activations")}
+        state = (16 * numel, "fp32 master, moments and grads")
+    else:
+        need = {"device": (act, "activations + prefetched params")}
+        state = (18 * numel, "fp32 master, moments and grads + bf16 params")
+    need["host" if settings["offload_optimizer"] == "cpu" else "nvme"] = state
+    return need
+
+
+def capacities(device, nvme_path: str) -> dict[str, int | None]:
+    """What this machine has per tier: device memory, RAM, free disk (None: no such tier here)."""
+    import torch
+    return {"device": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
+            "host": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "nvme": shutil.disk_usage(nvme_path).free}
+
+
+def refuse_peer_that_cannot_fit(framework: str, settings: dict, size: str, have: dict) -> None:
+    for tier, (nbytes, what) in peer_needs(framework, settings, size).items():
+        if have.get(tier) is not None and nbytes > 0.9 * have[tier]:
+            raise NotApplicable(f"does not fit: needs ~{nbytes / GiB:.0f} GiB on {tier} ({what}), "
+                                f"{have[tier] / GiB:.0f} GiB here; needs per tier: " +
+                                ", ".join(f"{t} {b / GiB:.0f} GiB" for t, (b, _) in
+                                          peer_needs(framework, settings, size).items()))
+
+
+def refuse_unsupported(case: str, clip: float | None, accum: int) -> None:
+    """What a case cannot do with these settings: refused, not run without it."""
+    framework, settings = CASES[case]
+    if framework == "torchao" and clip is not None:
+        raise NotApplicable("CPUOffloadOptimizer copies gradients to the host during backward: "
+                            "clipping them afterwards is not supported (run with --clip none)")
+    if settings.get("offload_gradients") and accum > 1:
+        raise NotApplicable("offload_gradients=True does not accumulate gradients (--accum 1)")
+    if settings.get("early_step") and clip is not None:
+        raise NotApplicable("train.early_step steps each unit before the window's norm is known: "
+                            "it runs without clipping (--clip none)")
+
+
+def deepspeed_config(settings: dict, args, largest: int) -> dict:
+    s = gm.SIZES[args.size]
+    zero = {"stage": settings["stage"], "contiguous_gradients": True, "overlap_comm": True,
+            "reduce_bucket_size": 5e8,
+            "offload_optimizer": {"device": settings["offload_optimizer"], "pin_memory": True}}
+    if settings.get("offload_param"):
+        zero["offload_param"] = {"device": settings["offload_param"], "pin_memory": True}
+        if settings["offload_param"] == "nvme":
+            zero["offload_param"].update(nvme_path=args.nvme_path, buffer_count=5, buffer_size=max(int(1e8), largest))
+    if settings["offload_optimizer"] == "nvme":
+        zero["offload_optimizer"].update(nvme_path=args.nvme_path, buffer_count=4)
+    if settings.get("zenflow"):  # deepspeed.ai/tutorials/zenflow's settings
+        zero["zenflow"] = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto",
+                           "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": True}
+    beta1, beta2 = HPARAMS["betas"]
+    return {
+        "train_micro_batch_size_per_gpu": s["batch"], "gradient_accumulation_steps": args.accum,
+        "train_batch_size": s["batch"] * args.accum,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": HPARAMS["lr"], "betas": [beta1, beta2],
+                                                  "eps": HPARAMS["eps"], "weight_decay": HPARAMS["weight_decay"]}},
+        "zero_optimization": zero,
+        "gradient_clipping": args.clip or 0.0,
+        "aio": {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 1, "single_submit": False,
+                "overlap_events": True},
+        "steps_per_print": 10**9, "wall_clock_breakdown": False,
+    }
+
+
+def _largest_param(size: str) -> int:
+    s = gm.SIZES[size]
+    return max(s["vocab"] * s["dim"], s["dim"] * s["ffn"])
+
+
+def setup(case: str, args, device, out: dict):
+    """Build the model and the case's training step. Returns (step(micro_batches) -> loss, close, engine).
+    out gets the case's plan and prediction (zerotier) as side results."""
+    import torch
+    framework, settings = CASES[case]
+    refuse_unsupported(case, args.clip, args.accum)
+    gen = gm.init_device(args.tiny)
+    to_dev = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+
+    if framework == "zerotier":
+        return _zerotier(case, args, device, gen, out, to_dev)
+    refuse_peer_that_cannot_fit(framework, settings, args.size, capacities(device, args.nvme_path))
+
+    if framework == "deepspeed":
+        return _deepspeed(settings, args, device, gen, to_dev)
+    model = gm.build(args.size, device, gen)
+    params = list(model.parameters())
+    if framework == "torch":
+        opt = torch.optim.AdamW(params, **HPARAMS, fused=True)
+        return _autocast_step(model, params, opt, args, device, to_dev), lambda: None, None
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:
+        from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
+    opt = CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=settings["offload_gradients"],
+                              fused=True, **HPARAMS)
+    return _autocast_step(model, params, opt, args, device, to_dev), lambda: None, None
+
+
+def _zerotier(case, args, device, gen, out, to_dev):
+    import zerotier
+    from predict_table import predict_here
+    cfg = zerotier_config(case, args.nvme_path, args.threads, args.clip, args.accum, str(device))
+    pred = predict_here(args.size, case, cfg, device)  # before any byte moves: a plan that cannot fit is n/a
+    out["predicted"] = pred
+    if not pred["fits"]:
+        raise NotApplicable(f"does not fit: {pred['reason']}")
+    model = gm.llama(args.size, "meta")
+    engine = zerotier.initialize(model, cfg, init_fn=gm.zerotier_init_fn(model, gen))
+    out["plan"] = {"need": dict(engine.plan.need), "predicted_step_s": engine.plan.predicted_step_s,
+                   "rates_measured": engine.plan.rates_measured,
+                   "placement": {k: v.value for k, v in engine.plan.placement.items()},
+                   "optimizer_split": {t: b for t, (b, _) in engine.plan.optimizer_split.items()} or None}
+
+    def zt_step(micro):
+        total = 0.0
+        for x, y in micro:
+            loss = engine(to_dev(x), to_dev(y))
+            engine.backward(loss)
+            total += loss.detach().float()
+        engine.step()
+        return total / len(micro)
+    return zt_step, engine.close, engine
+
+
+def _deepspeed(settings, args, device, gen, to_dev):
+    import deepspeed
+    if "nvme" in (settings["offload_optimizer"], settings.get("offload_param")):
+        from deepspeed.accelerator import get_accelerator
+        if not get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=True):
+            raise NotApplicable("DeepSpeed's async_io op cannot build here: libaio's headers or .so not found "
+                                "(gpu_wheels.sh carries them in wheels/libaio; gpu_run.sh sets CFLAGS/LDFLAGS)")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    if settings.get("zenflow") and "zenflow" not in DeepSpeedZeroConfig.model_fields:
+        raise NotApplicable(f"DeepSpeed {deepspeed.__version__} has no ZenFlow (zero_optimization.zenflow)")
+    config = deepspeed_config(settings, args, _largest_param(args.size))
+    if settings["stage"] == 3:  # partitioned as it is built: never a whole model on one tier
+        with deepspeed.zero.Init(config_dict_or_path=config, remote_device=settings.get("offload_param"),
+                                 pin_memory=True):
+            model = gm.llama(args.size, device)
+        gm.deepspeed_init(model, gen)
+    else:
+        model = gm.build(args.size, device, gen)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+
+    def ds_step(micro):
+        total = 0.0
+        for x, y in micro:
+            loss = engine(to_dev(x), to_dev(y))
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        return total / len(micro)
+    return ds_step, lambda: None, None
+
+
+def _autocast_step(model, params, opt, args, device, to_dev):
+    import torch
+
+    def step(micro):
+        total = 0.0
+        for x, y in micro:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(to_dev(x), to_dev(y))
+            (loss / len(micro)).backward()
+            total += loss.detach().float()
+        if args.clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total / len(micro)
+    return step
