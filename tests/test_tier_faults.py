@@ -207,6 +207,34 @@ def test_read_only_dir_permission_bits(tmp_path):
         ro.chmod(0o700)
 
 
+@pytest.mark.parametrize("refused", ["rename and unlink", "even a stat"])
+def test_run_directory_unwritable_mid_run_is_a_tier_error(store, tmp_path, monkeypatch, refused):
+    """Issue 37 row 16: the run directory made unwritable mid-run (chmod 0500 or 0000 by its owner)
+    raised a raw PermissionError from the cleanup of the failed write ('%free-N.swp'), or from the
+    stat that looks for the old version, hiding the write's own error. As root chmod stops nothing,
+    so the directory's refusals are injected: every rename, unlink (and stat) in it raises EACCES."""
+    import zerotier.io as zio
+    import zerotier.tiers.nvme as nvme
+
+    old = torch.randn(3000)
+    store.write("k", old).wait()
+    store.write("k", old + 1).wait()  # the first version's file is kept for reuse: the next write takes it
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(args[0]))
+    for name in ("rename", "unlink") + (("stat",) if refused == "even a stat" else ()):
+        monkeypatch.setattr(nvme.os if name != "stat" else zio.os, name, denied)
+    with pytest.raises(TierIOError) as ei:
+        store.write("k", old + 2).wait()
+    monkeypatch.undo()
+    assert ei.value.errno == errno.EACCES
+    assert f"{tmp_path} is not writable: fix its permissions or tiers.nvme_path" in str(ei.value)
+    assert_names_file_and_tier(ei, store.run_dir)
+    out = torch.empty_like(old)
+    store.read("k", out).wait()
+    assert torch.equal(out, old + 1)  # the last committed version stays readable
+
+
 def test_read_only_dir_immutable(tmp_path):
     """As root, an immutable directory (chattr +i) refuses new entries even to root."""
     ro = tmp_path / "imm"

@@ -523,11 +523,11 @@ class NVMeStore(BudgetedTier):
                 self._rename(final, kept)
             self._rename(name, final)
         except OSError as exc:
-            if kept is not None and not lexists_at(final, self._dir_fd):
-                try:  # put the old version back under its name
+            try:  # put the old version back under its name (the directory may refuse even a stat)
+                if kept is not None and not lexists_at(final, self._dir_fd):
                     self._rename(kept, final)
-                except OSError:
-                    pass
+            except OSError:
+                pass
             return self._io_error("rename", key, self.run_dir / name, exc)
         if old is not None:
             if kept is not None:
@@ -648,9 +648,12 @@ class NVMeStore(BudgetedTier):
         os.rename(src, dst, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
 
     def _unlink_quiet(self, name: str) -> None:
+        """Remove a file no longer needed (a failed write's, a trimmed recycled one). Its failure is
+        not the caller's error: in an unwritable run directory the write's own TierIOError must reach
+        the user, not a raw PermissionError from this cleanup; close() removes what is left."""
         try:
             os.unlink(name, dir_fd=self._dir_fd)
-        except FileNotFoundError:
+        except OSError:
             pass
 
     def _io_error(self, op: str, key: str, path: Path, exc: BaseException) -> BaseException:
