@@ -13,7 +13,11 @@ so a ratio measured at load > cores is only an indication.
 
 State dtypes (issue 27): one row per master/moment dtype pair (fp32 grads, [Note: compact
 optimizer state] and [Note: 8-bit moments] in zerotier/optim/_kernels.py) against torch's
-fused AdamW with fp32 state in the same rounds, each with the bytes it moves per parameter.
+fused AdamW with fp32 state in the same rounds, each with the bytes it moves per parameter,
+its GB/s and that as a share of the host's memory bandwidth (issue 36 item 5): a STREAM-style
+copy (c = a: 8 B per element) and triad (a = b + s c: 12 B per element), timed in the same
+rounds with the same threads over arrays of at least 32M fp32 elements (128 MiB each, beyond
+the caches) -- at the memory bound a kernel's GB/s approaches the triad's.
 
 Roofline: an in-place `mul_` over 28 B per parameter, timed in the same round-robin
 as the kernels (the VM's memory bandwidth drifts): the bytes a one-pass kernel moves per
@@ -150,17 +154,48 @@ def state_fns(n: int, threads: int) -> dict:
         opt.step()
     torch_step.bytes_per_param = 28
     fns["torch fused (fp32 state)"] = torch_step
+    fns.update(stream_fns(max(n, STREAM_MIN_ELEMENTS), n))
     return fns
 
 
-def report_states(rows: dict, n: int, bytes_per_param: dict, threads: int) -> None:
+STREAM_MIN_ELEMENTS = 32 << 20
+
+
+def stream_fns(elements: int, n: int) -> dict:
+    """STREAM's copy and triad over `elements` fp32 elements with torch's threads (single-pass
+    kernels), as callables whose bytes_per_param make report_states' GB/s the bytes they move
+    (STREAM's count: reads + writes, no write-allocate) over the n parameters of the table."""
+    a, b, c = (torch.full((elements,), v) for v in (1.0, 2.0, 0.5))
+
+    def copy():
+        c.copy_(a)
+
+    def triad():
+        torch.add(b, c, alpha=3.0, out=a)
+    copy.bytes_per_param = 8 * elements / n
+    triad.bytes_per_param = 12 * elements / n
+    return {STREAM[0]: copy, STREAM[1]: triad}
+
+
+STREAM = ("stream copy", "stream triad")
+
+
+def report_states(rows: dict, n: int, bytes_per_param: dict, threads: int) -> dict:
+    """Print the state-dtype table; return {label: GB/s} (the kernels' and the STREAM rows')."""
     print(f"\n== state dtypes ({n / 1e6:.0f}M params, fp32 grads, {threads} threads) ==")
+    gbps = {label: bytes_per_param[label] * n / seconds / 1e9 for label, seconds in rows.items()}
+    triad = gbps[STREAM[1]]
     base = rows["torch fused (fp32 state)"]
-    print(f"  {'implementation':40s} {'Gparam/s':>9s} {'vs torch fused':>15s} {'B/param moved':>14s} {'GB/s':>6s}")
+    print(f"  {'implementation':40s} {'Gparam/s':>9s} {'vs torch fused':>15s} {'B/param moved':>14s} {'GB/s':>6s} "
+          f"{'of triad':>9s}")
     for label, seconds in rows.items():
-        moved = bytes_per_param[label]
-        print(f"  {label:40s} {n / seconds / 1e9:9.3f} {base / seconds:14.2f}x {moved:14.2f} "
-              f"{moved * n / seconds / 1e9:6.1f}")
+        if label in STREAM:
+            continue
+        print(f"  {label:40s} {n / seconds / 1e9:9.3f} {base / seconds:14.2f}x {bytes_per_param[label]:14.2f} "
+              f"{gbps[label]:6.1f} {100 * gbps[label] / triad:8.0f}%")
+    print(f"  memory bandwidth, same rounds and threads (STREAM-style, {STREAM_MIN_ELEMENTS >> 20}M+ fp32 elements): "
+          f"copy {gbps[STREAM[0]]:.1f} GB/s, triad {triad:.1f} GB/s")
+    return gbps
 
 
 def load() -> str:

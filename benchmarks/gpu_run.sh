@@ -22,6 +22,8 @@
 #               150, signal method: the session goes on). The step's own limit stops pytest
 #               with SIGINT, so pytest still writes the junit xml of every test that ran.
 #   bench_*     zerotier bench pcie/mem/adam/io --quick -> OUT_DIR/bench_node.json      (tests)
+#   cpu_adam    bench_cpu_adam.py --states-only: each state dtype's GB/s beside the host's   (tests)
+#               STREAM copy/triad in the same rounds (issue 36 item 5) -> OUT_DIR/cpu_adam.log
 #   bench_deps  deepspeed (no ops: JIT-built when used) and torchao from wheels/        (bench)
 #   scale       bench_gpu.py --cases $SCALE_CASES --out OUT_DIR/scale: issue 36's priority   (scale)
 #               list in one table (bench_gpu.md, rewritten after every case), within
@@ -175,6 +177,8 @@ sys.exit(pytest.main(sys.argv[1:]))' -m cuda -v -rA --junitxml "$OUT/junit-cuda.
         -p timeout --timeout "$PYTEST_TIMEOUT" --timeout-method signal
 }
 
+cpu_adam_roofline() { "$VPY" benchmarks/bench_cpu_adam.py --states-only --repeats 5; }
+
 node_bench() {  # zerotier bench SECTION --quick, saved to $ZEROTIER_BENCH_FILE
     local dir="$(mktemp -d "$ROOT/.gpu_bench.XXXX")"
     "$VPY" -m zerotier.cli bench "$1" --quick --path "$dir"
@@ -230,7 +234,7 @@ scale() {
 
 export MODE TINY
 export BENCH_GPU_ARGS="${BENCH_GPU_ARGS:-}"
-export -f vpip machine venv bench_deps run_pytest node_bench libaio_env bench_gpu scale
+export -f vpip machine venv bench_deps run_pytest node_bench cpu_adam_roofline libaio_env bench_gpu scale
 
 step machine      60 machine
 [[ -z "$TINY" ]] && step venv 180 venv
@@ -242,6 +246,7 @@ elif [[ "$MODE" != bench ]]; then
     for section in pcie mem adam io; do
         step "bench_$section" 45 "node_bench $section"
     done
+    step cpu_adam 45 cpu_adam_roofline
 fi
 if [[ "$MODE" =~ ^(bench|all)$ ]]; then
     step bench_deps   90 bench_deps
