@@ -307,17 +307,16 @@ def test_a_failed_write_at_every_position_of_a_speculated_window_is_recoverable(
            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}, "precision": {"moment_dtype": moments}}
     with zerotier.initialize(gpt2(), cfg) as engine:
         engine.unit_optimizer.undo_allowance = dict(ROOM)
-        window(engine, 0)
-        engine.save_checkpoint(tmp_path / "ckpt")
-        store_write, clean = engine.store.write, []
-        engine.store.write = recorded_writes(engine, clean)
-        speculated = engine.window.speculation.windows
-        window(engine, 1)
-        engine.store.write = store_write
-        assert engine.window.speculation.windows == speculated + 1, "the faulted window must speculate"
-        window(engine, 2)
+        store_write, clean = engine.store.write, {0: [], 1: []}
+        for w in range(3):  # windows 0 and 1 are faulted: the first writes the second state files
+            if w in clean:
+                engine.save_checkpoint(tmp_path / f"ckpt{w}")
+                engine.store.write = recorded_writes(engine, clean[w])
+            speculated = engine.window.speculation.windows
+            window(engine, w)
+            engine.store.write = store_write
+            assert engine.window.speculation.windows == speculated + 1, "each window must speculate"
         expected = snapshot(engine)
-        assert clean, "the window writes nothing to fail"
 
         def in_flight(key):
             engine.store.engine.inject_fault(op="write", errno=code)
@@ -325,11 +324,11 @@ def test_a_failed_write_at_every_position_of_a_speculated_window_is_recoverable(
         def at_submit_(key):
             raise TierIOError(code, f"nvme tier: write of shard {key!r} failed: {os.strerror(code)}")
         ways = set()
-        for n in range(1, len(clean) + 1):
-            engine.load_checkpoint(tmp_path / "ckpt")
+        for w, n in [(w, n) for w, writes in clean.items() for n in range(1, len(writes) + 1)]:
+            engine.load_checkpoint(tmp_path / f"ckpt{w}")
             keys = []
             engine.store.write = recorded_writes(engine, keys, n, at_submit_ if at_submit else in_flight)
-            x, failed_in = batch(1), "backward"
+            x, failed_in = batch(w), "backward"
             try:
                 engine.backward(engine(input_ids=x, labels=x).loss)
                 failed_in = "step"
@@ -344,22 +343,23 @@ def test_a_failed_write_at_every_position_of_a_speculated_window_is_recoverable(
             if failed_in is None:  # a parameter write-back in flight: the unit's next fetch raises its
                 ways.add("next fetch")  # error, the one after rewrites it ([Note: a failed write-back])
                 with pytest.raises(TierIOError, match=r"nvme tier: write of shard '\w+\.param'"):
-                    window(engine, 2)
+                    window(engine, w + 1)
             elif engine.window.broken:
                 ways.add("load_checkpoint")
                 with pytest.raises(ZerotierError, match="load_checkpoint"):
                     engine.step()
-                engine.load_checkpoint(tmp_path / "ckpt")
-                window(engine, 1)
+                engine.load_checkpoint(tmp_path / f"ckpt{w}")
+                window(engine, w)
             elif failed_in == "backward":
                 ways.add("zero_grad")
                 engine.zero_grad()
-                window(engine, 1)
+                window(engine, w)
             else:
                 ways.add("retry")
                 assert engine.step()
-            window(engine, 2)
+            for later in range(w + 1, 3):
+                window(engine, later)
             got = snapshot(engine)
-            assert_same(got, expected, f"write {n} of {len(clean)} ({keys[n - 1]}) failed, then {ways}")
+            assert_same(got, expected, f"window {w}: write {n} of {len(clean[w])} ({keys[n - 1]}) failed, then {ways}")
         if offload["optimizer"] == "nvme":
             assert "retry" in ways and "load_checkpoint" not in ways, ways  # the speculation was undone
