@@ -461,6 +461,9 @@ def predicted_table(results: list[dict]) -> list[str]:
             continue
         traffic = r.get("nvme_traffic")
         place = "/".join(p["placement"].values()) + (" (split)" if p.get("optimizer_split") else "")
+        ran = (r.get("plan") or {}).get("placement")
+        if ran and ran != p["placement"]:  # `auto` kinds: the engine plans without compute, so it may differ
+            place += f" (ran {'/'.join(ran.values())})"
         lines.append(
             f"| {r['label']} | {p.get('node')} | {place} | {pair(p['predicted_step_s'], r['step_s'])} "
             f"| {pair(p['tflops'], r['tflops'], fmt='{:.0f}')} | {pair(p['peak_rss'], r['peak_rss'], GiB, '{:.1f}')} "

@@ -202,13 +202,17 @@ def setup(case: str, args, device, out: dict):
 def _zerotier(case, args, device, gen, out, to_dev):
     import zerotier
     from predict_table import predict_here
+    from zerotier.planner import PlanDoesNotFit
     cfg = zerotier_config(case, args.nvme_path, args.threads, args.clip, args.accum, str(device))
     pred = predict_here(args.size, case, cfg, device)  # before any byte moves: a plan that cannot fit is n/a
     out["predicted"] = pred
     if not pred["fits"]:
         raise NotApplicable(f"does not fit: {pred['reason']}")
     model = gm.llama(args.size, "meta")
-    engine = zerotier.initialize(model, cfg, init_fn=gm.zerotier_init_fn(model, gen))
+    try:
+        engine = zerotier.initialize(model, cfg, init_fn=gm.zerotier_init_fn(model, gen))
+    except PlanDoesNotFit as exc:  # the engine's own plan (this node's rates, no compute) may place `auto` otherwise
+        raise NotApplicable(f"does not fit (the engine's plan): {str(exc).splitlines()[0]}") from None
     out["plan"] = {"need": dict(engine.plan.need), "predicted_step_s": engine.plan.predicted_step_s,
                    "rates_measured": engine.plan.rates_measured,
                    "placement": {k: v.value for k, v in engine.plan.placement.items()},

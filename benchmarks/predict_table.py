@@ -112,9 +112,10 @@ def nvme_bytes_per_step(plan, units) -> int:
 
 
 def predict(size: str, case: str, rates: dict, budgets: dict, compute_flops: float | None,
-            nvme_path: str = "/nonexistent/nvme", threads: int = 16) -> dict:
+            config: dict | None = None) -> dict:
     """One row: the plan of `case` at `size` for a node with these rates and budgets, or why it
-    does not fit (with what it would need on each tier)."""
+    does not fit (with what it would need on each tier). config: the case's engine config as
+    bench_gpu runs it (default: gpu_cases.zerotier_config without clipping or accumulation)."""
     from zerotier import delayed
     from zerotier.config import Config
     from zerotier.errors import ZerotierError
@@ -123,7 +124,8 @@ def predict(size: str, case: str, rates: dict, budgets: dict, compute_flops: flo
     from zerotier.predict import StepOptions
     from zerotier.state import build_units, nested_numel
 
-    cfg = Config.coerce(zerotier_config(case, nvme_path, threads, None, 1, "cuda")).auto_to_defaults()
+    config = config or zerotier_config(case, "/nonexistent/nvme", 16, None, 1, "cuda")
+    cfg = Config.coerce(config).auto_to_defaults()
     units = build_units(gm.llama(size, "meta"), cfg.train.wrap)
     trainable = [u for u in units if not u.frozen]
     compute = unit_compute(size, units, compute_flops) if compute_flops else None
@@ -185,8 +187,7 @@ def predict_here(size: str, case: str, cfg: dict, device: torch.device) -> dict:
     rates = node_rates(node)
     budgets = (resolve_budgets(Config.coerce(cfg).auto_to_defaults().tiers, device) if device.type == "cuda"
                else node_budgets(node))
-    row = predict(size, case, rates, budgets, rates["compute_bf16"] * efficiency(), nvme_path=cfg["tiers"]["nvme_path"],
-                  threads=cfg["optimizer"]["threads"])
+    row = predict(size, case, rates, budgets, rates["compute_bf16"] * efficiency(), config=cfg)
     row["node"] = node
     return row
 
