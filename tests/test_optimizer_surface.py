@@ -6,7 +6,9 @@ and its round trip, each under params and optimizer state on the device, host an
 Tolerance as tests/test_engine.py: 1e-5 relative (+1e-6 absolute) on the weights against
 torch; a round trip through state_dict is bitwise.
 """
+import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from zerotier.dist import spawn
 from zerotier.errors import ZerotierError
 from zerotier.models import TinyGPT, batches
 from zerotier.optim.offload import UnitOptimizer
+from zerotier.optim.state_dict_int8 import INT8, MOMENT_DTYPE
+from zerotier.optim.state_layout import FP32_MOMENT_NUMEL
 
 VOCAB, SEQ, BATCH, LR, ACCUM, CLIP = 64, 16, 4, 3e-3, 2, 1.0
 PLACEMENTS = {
@@ -292,6 +296,144 @@ def test_torch_adamw_state_dict_loads_and_ours_loads_into_torch(name, tmp_path):
     torch_train(ref, opt, 2, start=5)
     torch_train(again, opt2, 2, start=5)
     assert_close_weights(dict(again.named_parameters()), ref)
+
+
+def raw_state(engine):
+    """Every unit's state buffers as stored (master and moments in their dtypes, int8 codes and scales)."""
+    return {u.key: engine.unit_optimizer.read_state(u, encoded=True) for u in engine.units}
+
+
+def assert_same_state(got, want):
+    assert got.keys() == want.keys()
+    for unit, state in want.items():
+        for k, raw in state.items():
+            assert torch.equal(got[unit][k], raw), (unit, k)
+
+
+COMPACT = [("fp32", "int8"), ("bf16", "int8"), ("bf16", "bf16")]
+LARGE = sum(p.numel() >= FP32_MOMENT_NUMEL for p in make_model().parameters())  # with int8 moments: fc, out
+
+
+@pytest.mark.parametrize("master,moments", COMPACT)
+@pytest.mark.parametrize("name", ["host", "nvme"])
+def test_compact_state_dict_round_trip_continues_bitwise(name, master, moments, tmp_path):
+    """Issue 37 row 2 ([Note: int8 moments in the optimizer state_dict]): model.state_dict() +
+    optimizer.state_dict() of compact state, through torch.save bytes into a fresh engine, continue
+    bit for bit (weights and every state buffer), with no warning; int8 moments were re-quantized
+    (1.5e-3 to 5.5e-3 off after 3 steps). Readers still see torch's fp32 exp_avg / exp_avg_sq."""
+    precision = {"master_dtype": master, "moment_dtype": moments}
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    model = make_model()
+    with zerotier.initialize(model, config(name, tmp_path / "a", precision=precision)) as engine:
+        engine_train(engine, 3)
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optimizer": engine.optimizer.state_dict()}, buf)
+        engine_train(engine, 3, start=3)
+        whole, whole_state = engine.parameters_fp32(), raw_state(engine)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    state = saved["optimizer"]["state"]
+    assert len(state) == len(list(model.parameters())) and saved["optimizer"][MOMENT_DTYPE] == moments
+    for entry in state.values():
+        assert entry["exp_avg"].dtype == entry["exp_avg_sq"].dtype == torch.float32
+    int8 = [entry for entry in state.values() if INT8 in entry]
+    assert len(int8) == (0 if moments == "bf16" else LARGE)
+    model = make_model(seed=1)
+    model.load_state_dict(saved["model"])
+    with zerotier.initialize(model, config(name, tmp_path / "b", precision=precision)) as engine:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing converted, nothing said
+            engine.optimizer.load_state_dict(saved["optimizer"])
+        engine_train(engine, 3, start=3)
+        resumed, resumed_state = engine.parameters_fp32(), raw_state(engine)
+    for key in whole:
+        assert torch.equal(resumed[key], whole[key]), key
+    assert_same_state(resumed_state, whole_state)
+
+
+def moments_after_load(sd, moments, tmp_path):
+    """A fresh engine with `moments` loading `sd`: (the warnings it gave, its state, its layout)."""
+    cfg = config("host", tmp_path, precision={"moment_dtype": moments})
+    with zerotier.initialize(make_model(), cfg) as engine:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.optimizer.load_state_dict(sd)
+        said = [str(w.message) for w in caught if "loses precision" in str(w.message)]
+        index = {id(p): i for i, p in enumerate(engine.module.parameters())}  # the dict's numbering
+        state = [(u, [index[id(p)] for p in u.params], engine.unit_optimizer.read_state(u)) for u in engine.units]
+        return said, state, engine.unit_optimizer.layout
+
+
+def assert_state_is(state, layout, sd, exact=lambda indices: False):
+    """The engine's moments are the state dict's fp32 moments stored in `layout` (round to nearest, int8
+    quantized in the unit's blocks), or exactly those in the units whose parameters' dict indices are
+    `exact` (int8 codes loaded)."""
+    for unit, indices, got in state:
+        lay, n = layout.for_unit(unit), unit.shard_numel
+        for k in ("exp_avg", "exp_avg_sq"):
+            full = torch.zeros(n)
+            for i, shape, offset in zip(indices, unit.shapes, unit.offsets):
+                full[offset: offset + shape.numel()] = sd["state"][i][k].reshape(-1)
+            want = torch.empty(lay.nbytes(k, n), dtype=torch.uint8)
+            lay.encode(k, full, want)
+            assert torch.equal(got[k], full if exact(indices) else lay.decode(k, want, n)), (unit.key, k)
+
+
+@pytest.mark.parametrize("old,new,lossy", [
+    ("fp32", "int8", "exp_avg fp32 -> int8, exp_avg_sq fp32 -> int8"),
+    ("bf16", "int8", "exp_avg bf16 -> int8, exp_avg_sq bf16 -> int8"),
+    ("fp32", "bf16", "exp_avg fp32 -> bf16, exp_avg_sq fp32 -> bf16"),
+    ("int8", "fp32", None),
+    ("int8", "int8 without codes", "int8 moments re-quantized in this engine's blocks"),
+])
+def test_state_dict_converting_moment_dtypes_warns_as_checkpoints_do(old, new, lossy, tmp_path):
+    """A state dict loaded into other moment dtypes is stored in the engine's (each moment decoded to
+    fp32 in the dict, round to nearest), with one warning naming each lossy conversion in
+    checkpoints' words ([Note: converting state dtypes on load]); widening says nothing. int8 codes
+    that are missing (a dict from several ranks, or with the entries dropped) are re-quantized, with
+    the warning."""
+    model = make_model()
+    with zerotier.initialize(model, config("host", tmp_path, precision={"moment_dtype": old})) as engine:
+        engine_train(engine, 2)
+        sd = engine.optimizer.state_dict()
+    if new == "int8 without codes":
+        new = "int8"
+        for entry in sd["state"].values():
+            entry.pop(INT8, None)
+    said, state, layout = moments_after_load(sd, new, tmp_path)
+    assert (said == []) if lossy is None else (len(said) == 1 and lossy in said[0]), said
+    assert_state_is(state, layout, sd)
+
+
+def test_int8_codes_of_moments_changed_since_are_not_loaded(tmp_path):
+    """The int8 codes are loaded only when they decode to the dict's exp_avg / exp_avg_sq: moments
+    edited in the dict (one parameter's reset, as code resetting a layer does) are quantized from
+    the fp32 moments, with the re-quantized warning. A dict handed to torch's AdamW and back holds
+    our entries cast to the parameter's dtype by torch (not codes any more) and says nothing of
+    int8: quantized, with the fp32 -> int8 warning."""
+    model = make_model()
+    with zerotier.initialize(model, config("host", tmp_path, precision={"moment_dtype": "int8"})) as engine:
+        engine_train(engine, 2)
+        sd, weights = engine.optimizer.state_dict(), model.state_dict()
+    edited = copy.deepcopy(sd)
+    i = next(i for i, entry in edited["state"].items() if INT8 in entry)
+    edited["state"][i]["exp_avg"].zero_()
+    edited["state"][i]["exp_avg_sq"].mul_(0.5)
+    said, state, layout = moments_after_load(edited, "int8", tmp_path)
+    assert len(said) == 1 and "int8 moments re-quantized in this engine's blocks" in said[0], said
+    assert_state_is(state, layout, edited, exact=lambda indices: i not in indices)  # the other units: their codes
+
+    ref = make_model(seed=1)
+    ref.load_state_dict(weights)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    opt.load_state_dict(sd)
+    torch_train(ref, opt, 1, start=2)
+    back = opt.state_dict()
+    assert sum(INT8 in entry for entry in back["state"].values()) == LARGE  # carried along by torch, stale
+    said, state, layout = moments_after_load(back, "int8", tmp_path)
+    assert len(said) == 1 and "exp_avg fp32 -> int8" in said[0], said
+    assert_state_is(state, layout, back)
 
 
 def test_load_state_dict_without_state_starts_adam_afresh(tmp_path):

@@ -590,12 +590,16 @@ class UnitOptimizer:
 
     # ------------------------------------------------------------------ access
 
-    def read_state(self, unit: Unit, keys: tuple[str, ...] = STATE_KEYS) -> dict[str, torch.Tensor]:
+    def read_state(self, unit: Unit, keys: tuple[str, ...] = STATE_KEYS,
+                   encoded: bool = False) -> dict[str, torch.Tensor]:
         """fp32 `keys` (master, exp_avg, exp_avg_sq) of a unit's shard: the live tensors for fp32 state
-        on host or device, else fp32 copies on the CPU (decoded: [Note: optimizer state layout])."""
+        on host or device, else fp32 copies on the CPU (decoded: [Note: optimizer state layout]).
+        With `encoded`: CPU copies of the layout's own buffers (what write_state(encoded=True) takes)."""
         n, layout = unit.shard_numel, self.layout.for_unit(unit)
         if self.locs[unit.index] is not Location.NVME:
             raw = self._state[unit.index]
+            if encoded:
+                return {k: raw[k][: layout.nbytes(k, n)].to("cpu", copy=True) for k in keys}
             if layout.exact:
                 return {k: layout.typed(k, raw[k], n)[0] for k in keys}
             return {k: layout.decode(k, raw[k].cpu(), n) for k in keys}
@@ -603,7 +607,7 @@ class UnitOptimizer:
         for k in keys:
             raw = torch.empty(layout.nbytes(k, n), dtype=torch.uint8)
             self.store.read(self._key(unit, k), raw).wait()
-            out[k] = layout.typed(k, raw, n)[0] if layout.exact else layout.decode(k, raw, n)
+            out[k] = raw if encoded else layout.typed(k, raw, n)[0] if layout.exact else layout.decode(k, raw, n)
         return out
 
     def iter_state(self, units: list[Unit], alignment: int) -> Iterator[tuple[Unit, dict[str, torch.Tensor]]]:

@@ -172,6 +172,13 @@ class StateLayout:
                 d[j:] = _zero_code(signed=key == "exp_avg")  # added elements of a kept block: 0, not map[0]
         return out
 
+    def run_of(self, n: int, a: int, b: int) -> tuple[int, int] | None:
+        """(first element, first code in the buffer) of the int8 run holding all of [a, b) in a
+        shard of n elements; None when [a, b) is empty or not within one run (fp32 moments)."""
+        if self.moments != "int8" or a >= b:
+            return None
+        return next(((ra, s) for ra, rb, s in self._runs(n) if ra <= a and b <= rb), None)
+
     def lossy_from(self, old: "StateLayout", key: str) -> bool:
         """Whether converting `key` from `old`'s dtype to this layout's loses precision."""
         rank = {"fp32": 2, "bf16": 1, "int8": 0}

@@ -33,10 +33,13 @@ ZerotierError naming the fix. Changing a group's "params" list by hand is not fo
 parameter never stepped, as in torch), read one unit at a time (NVMe state streamed;
 several ranks gather each unit: a collective, call it on every rank). It holds the whole
 state in memory, as torch's does. The fp32 masters are not in it: they are the model's
-weights (`model.state_dict()`). `load_state_dict()` writes the moments and step counts
-back (each rank its shard); a parameter without an entry starts afresh, as in torch. A
-model state_dict and an optimizer state_dict saved together and loaded into a fresh
-engine continue the run bit for bit. The engine's own checkpoints (and ZerotierTrainer's
+weights (`model.state_dict()`; a bf16 master comes back exactly through fp32). Compact
+moments are there decoded to fp32; int8 ones also as stored ([Note: int8 moments in the
+optimizer state_dict] in state_dict_int8.py). `load_state_dict()` writes the moments and
+step counts back (each rank its shard), in the engine's dtypes, warning when that loses
+precision; a parameter without an entry starts afresh, as in torch. A model state_dict and an
+optimizer state_dict saved together and loaded into a fresh engine of the same dtypes
+continue the run bit for bit. The engine's own checkpoints (and ZerotierTrainer's
 optimizer.pt) store only the param groups (`groups_only()`): the state is in the
 checkpoint's files.
 """
@@ -46,13 +49,16 @@ import contextlib
 import fnmatch
 import itertools
 import sys
+import warnings
 import weakref
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError, ZerotierError
+from . import state_dict_int8
 from .offload import Hyper, HyperOf
+from .state_layout import StateLayout
 
 # state_dict() under groups_only(): this key says the state is elsewhere (load keeps ours)
 GROUPS_ONLY = "zerotier_groups_only"
@@ -254,6 +260,9 @@ class EngineOptimizer(torch.optim.Optimizer):
             state_dict = {"state": {}, "param_groups": groups, GROUPS_ONLY: True}
         else:
             state_dict = {"state": self._read_state(index), "param_groups": groups}
+            moments = self._live("state_dict()").unit_optimizer.layout.moments
+            if moments != "fp32":  # [Note: int8 moments in the optimizer state_dict]
+                state_dict[state_dict_int8.MOMENT_DTYPE] = moments
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -271,13 +280,21 @@ class EngineOptimizer(torch.optim.Optimizer):
             steps = opt.steps[unit.index]
             if not any(steps) and not sharding.active:  # never stepped: no state to read (torch keeps none)
                 continue
-            shard = opt.read_state(unit, ("exp_avg", "exp_avg_sq"))  # one unit at a time
+            layout, codes = opt.layout.for_unit(unit), [None] * len(steps)
+            if layout.moments == "int8" and unit.part.replicated:  # [Note: int8 moments in the optimizer state_dict]
+                raw = opt.read_state(unit, ("exp_avg", "exp_avg_sq"), encoded=True)
+                shard = {k: layout.decode(k, t, unit.shard_numel) for k, t in raw.items()}
+                codes = state_dict_int8.entries(layout, raw, unit)
+            else:
+                shard = opt.read_state(unit, ("exp_avg", "exp_avg_sq"))  # one unit at a time
             full = {k: sharding.gather_full(unit, t.cpu()) for k, t in shard.items()}  # collective with ranks
             for k, (p, view_avg), (_, view_sq) in zip(range(len(steps)), unit.views(full["exp_avg"]),
                                                       unit.views(full["exp_avg_sq"])):
                 if steps[k] and id(p) in index:
                     state[index[id(p)]] = {"step": torch.tensor(float(steps[k]), dtype=_step_dtype()),
                                            "exp_avg": view_avg.clone(), "exp_avg_sq": view_sq.clone()}
+                    if codes[k] is not None:
+                        state[index[id(p)]][state_dict_int8.INT8] = codes[k]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -297,7 +314,7 @@ class EngineOptimizer(torch.optim.Optimizer):
             for key, value in state_dict["state"].items():
                 if key in ids:
                     moments[id(ids[key])] = _moments(key, value, ids[key], self._name)
-            self._write_state(moments)
+            self._write_state(moments, state_dict_int8.saved_moment_dtype(state_dict))
         self.param_groups = new_groups
         self._built = new_groups[: len(self._built)]
         self._layout_key = None
@@ -331,24 +348,46 @@ class EngineOptimizer(torch.optim.Optimizer):
             new_groups.append(new)
         return state_dict, saved, new_groups
 
-    def _write_state(self, moments: dict[int, tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+    def _write_state(self, moments: dict[int, tuple], saved_dtype: str) -> None:
         """Every unit's moments and step counts from `moments` (id(param) -> (step, exp_avg,
-        exp_avg_sq)); a parameter without an entry starts afresh (zero moments, step 0)."""
+        exp_avg_sq, int8 entry or None)), saved with `saved_dtype` moments; a parameter without an
+        entry starts afresh (zero moments, step 0). int8 moments are the entries' codes where they
+        fit ([Note: int8 moments in the optimizer state_dict]); a lossy conversion warns."""
         engine = self._live("load_state_dict()")
         engine.synchronize()
         opt, sharding = engine.unit_optimizer, engine.sharding
+        requantized = False
         for unit in engine.units:
             if not any(opt.steps[unit.index]) and not any(id(p) in moments for p in unit.params):
                 continue  # fresh before and after
             full = {"exp_avg": torch.zeros(unit.numel), "exp_avg_sq": torch.zeros(unit.numel)}
-            steps = []
+            steps, codes = [], []
             for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets):
-                step, exp_avg, exp_avg_sq = moments.get(id(p), (0, None, None))
+                step, exp_avg, exp_avg_sq, entry = moments.get(id(p), (0, None, None, None))
                 steps.append(step)
+                codes.append(entry if step else None)
                 if step:
                     full["exp_avg"][offset: offset + shape.numel()] = exp_avg.reshape(-1)
                     full["exp_avg_sq"][offset: offset + shape.numel()] = exp_avg_sq.reshape(-1)
+            layout = opt.layout.for_unit(unit)
+            if layout.moments == "int8" and any(layout.run_of(unit.shard_numel, o, o + s.numel())
+                                                for s, o, step in zip(unit.shapes, unit.offsets, steps) if step):
+                raw = state_dict_int8.unit_buffers(layout, unit, full, codes) if unit.part.replicated else None
+                if raw is not None:
+                    opt.write_state(unit, raw, steps, encoded=True)
+                    continue
+                requantized = True
             opt.write_state(unit, {k: sharding.shard_of(unit, t) for k, t in full.items()}, steps)
+        new = opt.layout
+        old = StateLayout(moments=saved_dtype)
+        lossy = [f"{k} {old.dtype(k)} -> {new.dtype(k)}" for k in ("exp_avg", "exp_avg_sq") if new.lossy_from(old, k)]
+        if requantized and saved_dtype == "int8":
+            lossy.append("int8 moments re-quantized in this engine's blocks (the state dict's codes do not fit "
+                         "them: saved with other units or ZeRO shards, or its moments changed since)")
+        if lossy:  # the wording of [Note: converting state dtypes on load] (checkpoint.py)
+            warnings.warn(f"engine.optimizer.load_state_dict(): the optimizer state loses precision: "
+                          f"{', '.join(lossy)} (precision.moment_dtype = {new.moments!r}; the state dict was "
+                          f"saved with {saved_dtype!r})", stacklevel=3)
 
     # ------------------------------------------------------------ helpers
 
@@ -388,8 +427,9 @@ def _hyper(group: dict, index: int) -> Hyper:
                             f"and decoupled_weight_decay must be numbers ({type(exc).__name__}: {exc})") from exc
 
 
-def _moments(key, value, p: torch.Tensor, name) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(step, exp_avg, exp_avg_sq) of one parameter's saved state, checked against the parameter."""
+def _moments(key, value, p: torch.Tensor, name) -> tuple[int, torch.Tensor, torch.Tensor, dict | None]:
+    """(step, exp_avg, exp_avg_sq, int8 entry or None) of one parameter's saved state, checked
+    against the parameter."""
     if not isinstance(value, dict) or not {"step", "exp_avg", "exp_avg_sq"} <= value.keys():
         raise ValueError(f"loaded optimizer state {key} (parameter {name(p)}) is not Adam's: it needs step, "
                          f"exp_avg and exp_avg_sq, it has {sorted(value) if isinstance(value, dict) else value!r}")
@@ -402,4 +442,5 @@ def _moments(key, value, p: torch.Tensor, name) -> tuple[int, torch.Tensor, torc
                              f"{name(p)} has {p.numel()} (shape {list(p.shape)}): not this model's optimizer")
     if step != int(step) or step < 0:
         raise ValueError(f"loaded optimizer state {key}: step {step} is not a count")
-    return int(step), exp_avg.detach().to("cpu", torch.float32), exp_avg_sq.detach().to("cpu", torch.float32)
+    return (int(step), exp_avg.detach().to("cpu", torch.float32), exp_avg_sq.detach().to("cpu", torch.float32),
+            state_dict_int8.checked_entry(value, p.numel()))
