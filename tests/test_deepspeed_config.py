@@ -257,3 +257,90 @@ def test_string_false_leaves_adam_w_mode_off_and_both_precisions_allowed_off():
 def test_unknown_boolean_is_an_error(value):
     with pytest.raises(ConfigError, match=r"bf16\.enabled = .*expected true or false"):
         Config.from_deepspeed({"bf16": {"enabled": value}})
+
+
+Z = "zero_optimization"
+# Odd DeepSpeed configs (issue 37 row 16): each was a traceback (ValueError, TypeError), a silent
+# reading (stage true as 1, 2.5 steps as 2, a second nvme_path overwriting the first, amsgrad warned
+# and dropped) or an error naming only the zerotier key the user never wrote.
+ODD = [
+    ({Z: {"stage": "three"}}, r"^zero_optimization\.stage = 'three': expected a whole number$"),
+    ({Z: {"stage": True}}, r"^zero_optimization\.stage = True: expected a whole number$"),
+    ({Z: {"stage": 4}}, r"^zero_optimization\.stage = 4: expected 0, 1, 2 or 3$"),
+    ({Z: {"stage": 2.5}}, r"^zero_optimization\.stage = 2\.5: expected a whole number$"),
+    ({Z: 3}, r"^zero_optimization = 3: expected an object of DeepSpeed settings$"),
+    ({Z: {"offload_param": "cpu"}}, r"^zero_optimization\.offload_param = 'cpu': expected an object"),
+    ({Z: {"offload_param": {"device": ["cpu"]}}}, r"^zero_optimization\.offload_param\.device = \['cpu'\]: expected cpu, nvme or none$"),
+    ({Z: {"stage": 3, "offload_param": {"device": "nvme"}}},
+     r"^zero_optimization\.offload_param\.device = 'nvme' needs zero_optimization\.offload_param\.nvme_path: set "
+     r"it to a directory on the NVMe drive$"),
+    ({Z: {"offload_param": {"device": "nvme", "nvme_path": 5}}}, r"^zero_optimization\.offload_param\.nvme_path = 5: expected a directory path$"),
+    ({Z: {"offload_param": {"device": "nvme", "nvme_path": "/a"},
+          "offload_optimizer": {"device": "nvme", "nvme_path": "/b"}}},
+     r"^zero_optimization\.offload_optimizer\.nvme_path = '/b' and zero_optimization\.offload_param\.nvme_path = "
+     r"'/a' differ: zerotier keeps all its swap files in one directory"),
+    ({Z: {"reduce_bucket_size": "abc"}}, r"^zero_optimization\.reduce_bucket_size = 'abc': expected a whole number$"),
+    ({Z: {"reduce_bucket_size": True}}, r"^zero_optimization\.reduce_bucket_size = True: expected a whole number$"),
+    ({Z: {"reduce_bucket_size": [1]}}, r"^zero_optimization\.reduce_bucket_size = \[1\]: expected a whole number$"),
+    ({Z: {"stage3_prefetch_bucket_size": float("nan")}}, r"^zero_optimization\.stage3_prefetch_bucket_size = nan: expected a whole"),
+    ({Z: {"reduce_bucket_size": -5}},
+     r"^DeepSpeed zero_optimization\.reduce_bucket_size -> zero\.reduce_bucket_size: size must be >= 0"),
+    ({"aio": {"block_size": "1M"}}, r"^aio\.block_size = '1M': expected a whole number$"),
+    ({"fp16": {"enabled": True, "loss_scale": "x"}}, r"^fp16\.loss_scale = 'x': expected a number$"),
+    ({"fp16": "auto"}, r"^fp16 = 'auto': expected an object of DeepSpeed settings$"),
+    ({"bf16": True}, r"^bf16 = True: expected an object"),
+    ({"gradient_accumulation_steps": 2.5}, r"^gradient_accumulation_steps = 2\.5: expected a whole number$"),
+    ({"gradient_accumulation_steps": True}, r"^gradient_accumulation_steps = True: expected a whole number$"),
+    ({"gradient_accumulation_steps": 0},
+     r"^DeepSpeed gradient_accumulation_steps -> train\.grad_accum_steps: must be >= 1, got 0$"),
+    ({"gradient_clipping": "x"}, r"^gradient_clipping = 'x': expected a number$"),
+    ({"gradient_clipping": True}, r"^gradient_clipping = True: expected a number$"),
+    ({"optimizer": ["Adam"]}, r"^optimizer = \['Adam'\]: expected an object"),
+    ({"optimizer": {"type": "Adam", "params": "x"}}, r"^optimizer\.params = 'x': expected an object"),
+    ({"optimizer": {"params": {"lr": "x"}}}, r"^optimizer\.params\.lr = 'x': expected a number$"),
+    ({"optimizer": {"params": {"lr": True}}}, r"^optimizer\.params\.lr = True: expected a number$"),
+    ({"optimizer": {"params": {"betas": 0.9}}}, r"^optimizer\.params\.betas = 0\.9: expected two numbers"),
+    ({"optimizer": {"params": {"betas": "0.9"}}}, r"^optimizer\.params\.betas = '0\.9': expected two numbers"),
+    ({"optimizer": {"params": {"eps": -1}}}, r"^DeepSpeed optimizer\.params\.eps -> optimizer\.eps: must be > 0"),
+    ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}},
+     r"^optimizer\.params\.amsgrad = true: zerotier's Adam has no AMSGrad; remove the key"),
+    ({"optimizer": {"type": "Adam", "params": {"bias_correction": "false"}}},
+     r"^optimizer\.params\.bias_correction = false: zerotier's Adam always corrects the moments' bias"),
+]
+
+
+@pytest.mark.parametrize("ds, match", ODD, ids=[f"{i}-{next(iter(d))}" for i, (d, _) in enumerate(ODD)])
+def test_an_odd_deepspeed_config_is_a_config_error_naming_the_deepspeed_key(tmp_path, capsys, ds, match):
+    import re
+
+    from zerotier import cli
+
+    with pytest.raises(ConfigError, match=match):
+        Config.from_deepspeed(ds)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: ") + match.lstrip("^")):
+        Config.from_deepspeed(path)
+    assert cli.main(["convert", str(path)]) == 1  # one line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith(f"zerotier convert: error: {path}: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("ds", [[1, 2], "not a path/x.json", 3])
+def test_a_deepspeed_config_that_is_not_an_object(tmp_path, ds):
+    if isinstance(ds, list):
+        path = tmp_path / "list.json"
+        path.write_text(json.dumps(ds))
+        with pytest.raises(ConfigError, match=r"list.json: a DeepSpeed config is a JSON object, got list"):
+            Config.from_deepspeed(path)
+    with pytest.raises(ConfigError, match=r"(a DeepSpeed config is a dict or a JSON file's path, got|cannot read "
+                                          r"DeepSpeed config)"):
+        Config.from_deepspeed(ds)
+
+
+def test_the_defaults_of_adam_variants_and_numeric_strings_are_read_quietly():
+    cfg, warning = convert({Z: {"stage": 3.0, "reduce_bucket_size": "5e8"}, "gradient_accumulation_steps": "4",
+                            "optimizer": {"type": "AdamW", "params": {"amsgrad": False, "bias_correction": True,
+                                                                      "lr": "1e-4"}}})
+    assert (cfg.zero.stage, cfg.zero.reduce_bucket_size, cfg.train.grad_accum_steps) == (3, 2_000_000_000, 4)
+    assert cfg.optimizer.lr == 1e-4 and warning == ""

@@ -539,10 +539,10 @@ def _convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_convert(args: argparse.Namespace) -> int:
     from zerotier import deepspeed_config
-    from zerotier.config import Config
 
-    sections, unmapped, by_trainer = deepspeed_config.load(args.ds_config)
-    Config.from_dict(sections)  # the result must be a valid zerotier config
+    converted = deepspeed_config.load(args.ds_config)
+    sections, unmapped, by_trainer = converted.sections, converted.unmapped, converted.by_trainer
+    deepspeed_config.build(converted)  # the result must be a valid zerotier config
     text = deepspeed_config.to_toml(sections)
     for line in by_trainer:  # [Note: keys a trainer fills] in config.py
         print(f"zerotier convert: auto (filled by the trainer): {line}", file=sys.stderr)

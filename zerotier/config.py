@@ -265,7 +265,7 @@ class Config:
 
         converted = deepspeed_config.load(source)
         deepspeed_config.warn_unmapped(converted.unmapped)
-        return cls.from_dict(converted.sections)  # "auto" keys stay "auto" ([Note: keys a trainer fills])
+        return deepspeed_config.build(converted)  # "auto" keys stay "auto" ([Note: keys a trainer fills])
 
     def value(self, path: str) -> Any:
         """The value at "section.key"."""

@@ -36,10 +36,14 @@ parameters by default).
 Boolean keys (enabled, overlap_comm, pin_memory, adam_w_mode) are read as DeepSpeed's pydantic
 models read them: true/false, 1/0 and the strings "true"/"false", "yes"/"no", "on"/"off", "1"/"0"
 (any case); any other value is a ConfigError, never Python truthiness ("false" is not true).
+Numbers are ints, floats or numeric strings ("5e8"), never a bool, NaN or inf; a count (stage,
+sizes, steps) must be whole (2.5 steps is an error, not 2). A value zerotier refuses is a
+ConfigError naming the DeepSpeed key, whether convert() or Config.from_dict finds it (build()).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -69,6 +73,28 @@ def _bool(path: str, value: Any) -> bool | None:
     raise ConfigError(f"{path} = {value!r}: expected true or false")
 
 
+def _number(path: str, value: Any, whole: bool = False) -> int | float:
+    """A DeepSpeed number: an int, a float (5e8) or a numeric string ("5e8"); never a bool, NaN or inf."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+        raise ConfigError(f"{path} = {value!r}: expected a {'whole ' if whole else ''}number")
+    if whole:
+        if number != int(number):
+            raise ConfigError(f"{path} = {value!r}: expected a whole number")
+        return int(number)
+    return float(number)
+
+
+# Keys holding settings: a value that is not an object drops them all, so it is an error, not a warning.
+_SECTIONS = ("zero_optimization", "zero_optimization.offload_optimizer", "zero_optimization.offload_param",
+             "optimizer", "optimizer.params", "bf16", "fp16", "aio")
+
+
 # "auto" DeepSpeed keys that TrainingArguments fill and the Trainer itself applies (no zerotier key)
 _TRAINERS_OWN = {"train_batch_size": "per_device_train_batch_size x gradient_accumulation_steps",
                  "train_micro_batch_size_per_gpu": "per_device_train_batch_size"}
@@ -78,6 +104,22 @@ class Converted(NamedTuple):
     sections: dict[str, dict[str, Any]]  # {section: {key: value}} for Config.from_dict
     unmapped: list[str]                  # DeepSpeed keys with no zerotier meaning (the warning)
     by_trainer: list[str]                # "auto" keys the trainer fills: "ds key -> zerotier key" lines
+    origins: dict[str, str]              # "section.key" -> the DeepSpeed key it came from (for errors)
+    file: str | None = None              # the JSON file it was read from
+
+
+def build(converted: Converted):
+    """The zerotier Config of a conversion; a value zerotier refuses is a ConfigError naming the
+    DeepSpeed key (and file) it came from, not only the zerotier key the user never wrote."""
+    from .config import Config
+
+    try:
+        return Config.from_dict(converted.sections)
+    except ConfigError as exc:
+        text = str(exc)
+        key = next((k for k in converted.origins if text.startswith((f"{k}:", f"{k} "))), None)
+        origin = f"DeepSpeed {converted.origins[key]} -> " if key is not None else ""
+        raise ConfigError((f"{converted.file}: " if converted.file else "") + origin + text) from None
 
 
 def convert(ds: Mapping[str, Any]) -> Converted:
@@ -91,10 +133,18 @@ def convert(ds: Mapping[str, Any]) -> Converted:
     auto_ok = {"gradient_accumulation_steps", "gradient_clipping", "optimizer.params.lr", "optimizer.params.eps",
                "optimizer.params.weight_decay", "optimizer.params.betas", "bf16.enabled", "fp16.enabled"}
 
-    def put(section: str, key: str, value: Any) -> None:
+    origins: dict[str, str] = {}
+
+    def put(section: str, key: str, value: Any, source: str) -> None:
         out.setdefault(section, {})[key] = value
+        origins[f"{section}.{key}"] = source
         if value == "auto":
             by_trainer.append(f"{section}.{key}")
+
+    for section in _SECTIONS:
+        value = _value_at(ds, section)
+        if value is not None and not isinstance(value, Mapping):
+            raise ConfigError(f"{section} = {value!r}: expected an object of DeepSpeed settings")
 
     def get(path: str) -> Any:
         node: Any = ds
@@ -110,63 +160,81 @@ def convert(ds: Mapping[str, Any]) -> Converted:
 
     stage = get("zero_optimization.stage")
     if stage is not None:
-        put("zero", "stage", int(stage))
+        stage_n = _number("zero_optimization.stage", stage, whole=True)
+        if stage_n not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_optimization.stage = {stage!r}: expected 0, 1, 2 or 3")
+        put("zero", "stage", stage_n, "zero_optimization.stage")
+    nvme_paths: dict[str, str] = {}
+    nvme_users: list[str] = []
     for kind, ds_key in (("optimizer", "offload_optimizer"), ("params", "offload_param")):
-        device = get(f"zero_optimization.{ds_key}.device")
+        source = f"zero_optimization.{ds_key}.device"
+        device = get(source)
         if device is not None:
-            if device not in _DEVICE:
-                raise ConfigError(f"zero_optimization.{ds_key}.device = {device!r}: expected cpu, nvme or none")
-            put("offload", kind, _DEVICE[device])
+            if not isinstance(device, str) or device not in _DEVICE:
+                raise ConfigError(f"{source} = {device!r}: expected cpu, nvme or none")
+            put("offload", kind, _DEVICE[device], source)
+            if device == "nvme":
+                nvme_users.append(source)
         path = get(f"zero_optimization.{ds_key}.nvme_path")
         if path is not None:
-            put("tiers", "nvme_path", str(path))
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"zero_optimization.{ds_key}.nvme_path = {path!r}: expected a directory path")
+            nvme_paths[f"zero_optimization.{ds_key}.nvme_path"] = path
+            put("tiers", "nvme_path", path, f"zero_optimization.{ds_key}.nvme_path")
         pin = f"zero_optimization.{ds_key}.pin_memory"
         if _bool(pin, get(pin)) is False:
             unmapped.append(f"zero_optimization.{ds_key}.pin_memory = false (zerotier always pins host memory "
                             "on CUDA machines)")
-    for ds_key, key, scale in (("reduce_bucket_size", "reduce_bucket_size", 4),
-                               ("allgather_bucket_size", "allgather_bucket_size", 2)):
-        value = get(f"zero_optimization.{ds_key}")
+    if len(set(nvme_paths.values())) > 1:
+        raise ConfigError(f"{' and '.join(f'{k} = {v!r}' for k, v in nvme_paths.items())} differ: zerotier keeps "
+                          "all its swap files in one directory (tiers.nvme_path); give both the same path")
+    if nvme_users and not nvme_paths:
+        raise ConfigError(f"{nvme_users[0]} = 'nvme' needs {nvme_users[0].rsplit('.', 1)[0]}.nvme_path: set it to "
+                          "a directory on the NVMe drive")
+    for ds_key, section, key, scale in (("reduce_bucket_size", "zero", "reduce_bucket_size", 4),
+                                        ("allgather_bucket_size", "zero", "allgather_bucket_size", 2),
+                                        ("stage3_param_persistence_threshold", "zero", "persistence_threshold", 1),
+                                        ("stage3_prefetch_bucket_size", "prefetch", "max_bytes", 2)):
+        source = f"zero_optimization.{ds_key}"
+        value = get(source)
         if value is not None:
-            put("zero", key, int(float(value)) * scale)
-    for ds_key, section, key in (("overlap_comm", "zero", "overlap_comm"),
-                                 ("stage3_param_persistence_threshold", "zero", "persistence_threshold")):
-        value = get(f"zero_optimization.{ds_key}")
-        if value is not None:
-            put(section, key, _bool(f"zero_optimization.{ds_key}", value) if key == "overlap_comm"
-                else int(float(value)))
-    prefetch = get("zero_optimization.stage3_prefetch_bucket_size")
-    if prefetch is not None:
-        put("prefetch", "max_bytes", int(float(prefetch)) * 2)
+            put(section, key, _number(source, value, whole=True) * scale, source)
+    overlap = get("zero_optimization.overlap_comm")
+    if overlap is not None:
+        put("zero", "overlap_comm", _bool("zero_optimization.overlap_comm", overlap), "zero_optimization.overlap_comm")
     for ds_key, key in (("block_size", "block_size"), ("queue_depth", "queue_depth"), ("thread_count", "threads")):
         value = get(f"aio.{ds_key}")
         if value is not None:
-            put("io", key, int(value))
+            put("io", key, _number(f"aio.{ds_key}", value, whole=True), f"aio.{ds_key}")
 
     bf16, fp16 = get("bf16.enabled"), get("fp16.enabled")
     bf16, fp16 = (v if v == "auto" else _bool(f"{k}.enabled", v) for k, v in (("bf16", bf16), ("fp16", fp16)))
     if bf16 is True and fp16 is True:
         raise ConfigError("bf16.enabled and fp16.enabled are both true: choose one")
     if bf16 is True:
-        put("precision", "param_dtype", "bf16")
+        put("precision", "param_dtype", "bf16", "bf16.enabled")
     elif "auto" in (bf16, fp16) and fp16 is not True:
-        put("precision", "param_dtype", "auto")  # TrainingArguments' bf16 / fp16
+        put("precision", "param_dtype", "auto", "bf16.enabled")  # TrainingArguments' bf16 / fp16
     if fp16 is True or fp16 == "auto":  # "auto": the scaling applies if the trainer turns fp16 on
         if fp16 is True:
-            put("precision", "param_dtype", "fp16")
+            put("precision", "param_dtype", "fp16", "fp16.enabled")
         scale = get("fp16.loss_scale")
         if fp16 is True or scale is not None:
-            put("precision", "loss_scale", "dynamic" if not scale else float(scale))
+            scale = _number("fp16.loss_scale", scale) if scale is not None else 0
+            put("precision", "loss_scale", "dynamic" if not scale else scale, "fp16.loss_scale")
         for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
             value = get(f"fp16.{key}")
             if value is not None:
-                put("precision", key, float(value) if key == "min_loss_scale" else int(value))
+                put("precision", key, _number(f"fp16.{key}", value, whole=key != "min_loss_scale"), f"fp16.{key}")
     accum = get("gradient_accumulation_steps")
     if accum is not None:
-        put("train", "grad_accum_steps", accum if accum == "auto" else int(accum))
+        put("train", "grad_accum_steps",
+            accum if accum == "auto" else _number("gradient_accumulation_steps", accum, whole=True),
+            "gradient_accumulation_steps")
     clip = get("gradient_clipping")
     if clip is not None:
-        put("train", "max_grad_norm", clip if clip == "auto" else float(clip) if clip else None)
+        clip = clip if clip == "auto" else _number("gradient_clipping", clip)
+        put("train", "max_grad_norm", clip if clip != 0 else None, "gradient_clipping")
 
     opt_type = get("optimizer.type")
     if opt_type is not None:
@@ -175,14 +243,25 @@ def convert(ds: Mapping[str, Any]) -> Converted:
             raise ConfigError(f"optimizer.type = {opt_type!r}: zerotier trains with Adam/AdamW only")
         w_mode = _bool("optimizer.params.adam_w_mode", get("optimizer.params.adam_w_mode"))
         decoupled = kind == "adamw" or (w_mode is None or w_mode)  # DeepSpeed's Adam is AdamW by default
-        put("optimizer", "type", "adamw" if decoupled else "adam")
+        put("optimizer", "type", "adamw" if decoupled else "adam", "optimizer.type")
     for key in ("lr", "eps", "weight_decay"):
         value = get(f"optimizer.params.{key}")
         if value is not None:
-            put("optimizer", key, value if value == "auto" else float(value))
+            put("optimizer", key, value if value == "auto" else _number(f"optimizer.params.{key}", value),
+                f"optimizer.params.{key}")
     betas = get("optimizer.params.betas")
     if betas is not None:
-        put("optimizer", "betas", betas if betas == "auto" else [float(b) for b in betas])
+        if betas != "auto" and (not isinstance(betas, (list, tuple)) or len(betas) != 2):
+            raise ConfigError(f"optimizer.params.betas = {betas!r}: expected two numbers, e.g. [0.9, 0.999]")
+        put("optimizer", "betas", betas if betas == "auto" else [_number("optimizer.params.betas", b) for b in betas],
+            "optimizer.params.betas")
+    # Adam variants zerotier's Adam is not: refused, since training would differ (their defaults are fine)
+    for key, default, what in (("amsgrad", False, "has no AMSGrad"), ("bias_correction", True,
+                                                                       "always corrects the moments' bias")):
+        value = _bool(f"optimizer.params.{key}", get(f"optimizer.params.{key}"))
+        if value is not None and value != default:
+            raise ConfigError(f"optimizer.params.{key} = {str(value).lower()}: zerotier's Adam {what}; remove "
+                              "the key to train with plain Adam/AdamW (its results differ)")
 
     trainer_lines = [f"{_ds_key(ds, k)} -> {k}" for k in by_trainer]
     for path in _leaves(ds):
@@ -193,7 +272,7 @@ def convert(ds: Mapping[str, Any]) -> Converted:
                                  f"{_TRAINERS_OWN.get(path, 'scheduler (lr_scheduler_type, warmup_steps)')}")
         else:
             unmapped.append(path)
-    return Converted(out, unmapped, trainer_lines)
+    return Converted(out, unmapped, trainer_lines, origins)
 
 
 _DS_KEY = {"train.grad_accum_steps": "gradient_accumulation_steps", "train.max_grad_norm": "gradient_clipping",
@@ -229,6 +308,8 @@ def load(source: Mapping[str, Any] | str | os.PathLike[str]) -> Converted:
     """convert() of a dict or a DeepSpeed JSON file."""
     if isinstance(source, Mapping):
         return convert(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"a DeepSpeed config is a dict or a JSON file's path, got {type(source).__name__}")
     path = Path(source)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -237,7 +318,7 @@ def load(source: Mapping[str, Any] | str | os.PathLike[str]) -> Converted:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not a JSON DeepSpeed config ({exc})") from None
     try:
-        return convert(data)
+        return convert(data)._replace(file=str(path))
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 
