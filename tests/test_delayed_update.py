@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zerotier
-from zerotier import delayed
+from zerotier import delayed, export
 from zerotier.config import format_setting
 from zerotier.errors import ConfigError, ZerotierError
 from zerotier.models import TinyGPT, batches
@@ -250,6 +250,103 @@ def test_the_plain_loop(clip_by, tmp_path):
             engine.optimizer.zero_grad()
             losses.append(total / ACCUM)
         assert engine.window.delayed.pending
+        assert_close((losses, engine.parameters_fp32()), ref)
+
+
+# ------------------------------------------------------------------ reads of the weights (issue 37 row 1)
+
+def _read(engine, how, name, root):
+    """The weight `name` as one read path returns it, between windows."""
+    model = engine.module
+    p = dict(model.named_parameters())[name]
+    if how == "clone":
+        return p.clone()
+    if how == "detach":
+        return p.detach().clone()
+    if how == "data":
+        return p.data.clone()
+    if how == "gathered":
+        with engine.gathered([p]):
+            return p.clone()
+    if how == "state_dict":
+        return model.state_dict()[name]
+    if how == "parameters_fp32":
+        return engine.parameters_fp32()[name]
+    if how == "consolidated":
+        return engine.consolidated_state_dict()[name]
+    if how == "export":
+        ckpt = engine.save_checkpoint(root)
+        return torch.load(export.export(ckpt, root / "w.pt"))[name]
+    assert how == "forward"
+    x, y = next(batches(VOCAB, SEQ, BATCH, 1, seed=7))
+    with torch.no_grad():
+        return engine(x, y)
+
+
+READS = ["clone", "detach", "data", "gathered", "state_dict", "parameters_fp32", "consolidated", "export", "forward"]
+
+
+@pytest.mark.parametrize("how", READS)
+@pytest.mark.parametrize("placement", ["optimizer-host", "params-nvme"])
+def test_a_read_between_windows_publishes_the_update(how, placement, tmp_path):
+    """[Note: delayed update] Every read of the weights between windows (the parameter surface, a
+    forward without grad, engine.gathered(), state_dict, parameters_fp32, export) publishes the
+    pending update first, so all return the same weights at that moment: the reference's after the
+    pending gradients are applied; the forward after it reads them (the delay ended there, as after
+    engine.synchronize()), and training goes on as the reference that flushed at that step."""
+    name, split = "blocks.0.qkv.weight", 2
+    published = reference_run(make_model(), steps=split)[1]
+    ref = reference_run(make_model(), steps=STEPS, flush_after=split - 1)
+    (tmp_path / "run").mkdir()
+    data = batches(VOCAB, SEQ, BATCH, STEPS * ACCUM)
+    with zerotier.initialize(make_model(), config(tmp_path / "run", PLACEMENTS[placement])) as engine:
+        losses = train(engine, data, split)
+        assert engine.window.delayed.pending
+        value = _read(engine, how, name, tmp_path)
+        assert not engine.window.delayed.pending
+        if how == "forward":
+            model = make_model()
+            model.load_state_dict(published, strict=False)  # head.weight is tok.weight
+            x, y = next(batches(VOCAB, SEQ, BATCH, 1, seed=7))
+            expected = model(x, y)
+        else:
+            expected = published[name]
+        torch.testing.assert_close(value.float(), expected, rtol=1e-6, atol=1e-6)
+        losses += train(engine, data, STEPS - split)
+        assert_close((losses, engine.parameters_fp32()), ref)
+
+
+@pytest.mark.parametrize("placement", ["optimizer-host", "params-nvme"])
+def test_a_read_within_a_window_returns_its_weights(placement, tmp_path):
+    """From a window's training forward to its step(), the window computes with the weights one update
+    behind: a parameter read returns exactly those (what its forward and backward use) and publishes
+    nothing; what would publish (state_dict, parameters_fp32, checkpoints) is refused. The run then
+    goes on as the reference that was never read."""
+    name = "blocks.0.qkv.weight"
+    in_force = reference_run(make_model(), steps=1)[1][name]  # window 2 reads window 0's update only
+    ref = reference_run(make_model())
+    (tmp_path / "run").mkdir()
+    data = batches(VOCAB, SEQ, BATCH, STEPS * ACCUM)
+    with zerotier.initialize(make_model(), config(tmp_path / "run", PLACEMENTS[placement])) as engine:
+        losses = train(engine, data, 2)
+        p = dict(engine.module.named_parameters())[name]
+        total = 0.0
+        for micro in range(ACCUM):
+            x, y = next(data)
+            loss = engine(x, y)
+            for value in (p.clone(), p.detach().clone(), p.data.clone()):
+                torch.testing.assert_close(value.float(), in_force, rtol=1e-6, atol=1e-6)
+            with engine.gathered([p]):
+                torch.testing.assert_close(p.clone().float(), in_force, rtol=1e-6, atol=1e-6)
+            for publish in (engine.module.state_dict, engine.parameters_fp32):
+                with pytest.raises(ZerotierError, match=r"between a training forward and engine\.step\(\)"):
+                    publish()
+            assert engine.window.delayed.pending
+            engine.backward(loss)
+            engine.step()
+            total += float(loss.detach())
+        losses.append(total / ACCUM)
+        losses += train(engine, data, STEPS - 3)
         assert_close((losses, engine.parameters_fp32()), ref)
 
 

@@ -36,13 +36,20 @@ copies only.
 
 Ending the delay. engine.synchronize() finishes and publishes the pending update
 (Window.finish_delayed), and so does every call that reads or replaces the fp32 state through
-it: save_checkpoint / load_checkpoint, the optimizer's state_dict / load_state_dict, reads and
-writes of managed parameters' values, parameters_fp32, consolidated_state_dict, close(). The
-window after such a call reads fresh weights, one step less stale than an uninterrupted DPU
-run would; so a checkpoint is an exact resume point of the run that wrote it (that run goes on
-from the same published state), but that run is not the run that did not save. Between a
-window's training forward and its step() such a call is refused: publishing then would make
-backward re-fetch other weights than its forward used. close() finishes it whatever the state.
+it: save_checkpoint / load_checkpoint, the optimizer's state_dict / load_state_dict,
+model.state_dict(), writes of managed parameters' values, parameters_fp32,
+consolidated_state_dict, close(). So does any other read of the weights between windows (after
+a step(), before the next forward with grad enabled: Window.publish_for_read): a managed
+parameter's value (p.clone(), p.data, p.detach(), print; the surface's hot path is off while
+an update waits, ParamSurface.publish_first), engine.gathered(), a forward without grad (an
+evaluation). Every read at one moment thus returns the same weights, the ones state_dict
+returns. The window after such a call reads fresh weights, one step less stale than an
+uninterrupted DPU run would; so a checkpoint is an exact resume point of the run that wrote it
+(that run goes on from the same published state), but that run is not the run that did not
+save. A forward with grad enabled opens the window: until its step() a parameter read returns
+the weights the window computes with (one update behind) and publishes nothing, and a call that
+would publish is refused: backward would re-fetch other weights than its forward used. close()
+finishes it whatever the state.
 
 Not supported (ConfigError at initialize, naming the key): several ranks (each rank's update
 would also need its ZeRO gather overlapped), gradients on NVMe (the copy is held in host

@@ -219,6 +219,8 @@ class ModuleHooks:
                 if engine.stop_requested and not engine.sharding.active and window.between_windows():
                     engine._stop()  # a new window would begin: stop before it ([Note: graceful stop])
                 engine.scheduler.begin_pass()
+            if engine._surface.publish_first:  # a forward without grad is a read ([Note: delayed update])
+                window.publish_for_read()
             amp = autocast_dtype(engine.device.type) if units else None
             if amp not in (None, engine.lp_dtype):
                 self._refuse_autocast(units[0], amp)

@@ -204,7 +204,8 @@ class ManagedTensor:
         if surface is None or not surface.live:  # the engine closed: an alias reads its parameter
             subst = {id(t): t._zt.param() for t in found if isinstance(t, ManagedView) and t._zt.param() is not None}
             return _plain(func, *_replaced(args, kwargs, subst))
-        if kind == "read" and all(surface.state[t._zt.unit] is _RESIDENT for t in found):
+        if kind == "read" and not surface.publish_first \
+                and all(surface.state[t._zt.unit] is _RESIDENT for t in found):
             with DisableTorchFunctionSubclass():  # the hot path: forward's own ops on resident units
                 return func(*args, **kwargs)
         return surface.dispatch(func, args, kwargs, found)
@@ -263,6 +264,7 @@ class ParamSurface:
         self.state: list = []  # every unit's ParamState (the engine's params.state)
         self._batch: dict[int, torch.Tensor] | None = None  # unit index -> full fp32 master being edited
         self._classes: dict[int, type] = {}                  # id(param) -> its class before adopt()
+        self.publish_first = False  # a delayed update waits: a read publishes it first (window.publish_for_read)
 
     # ------------------------------------------------------------------ adopt / disown
 
@@ -317,6 +319,8 @@ class ParamSurface:
         if func in _CONVERSIONS and target is not None and hasattr(target, "_zt") \
                 and self._converts_nothing(func, target, args, kwargs):
             return target
+        if self.publish_first:  # [Note: delayed update] in delayed.py: a read between windows sees the update
+            engine.window.publish_for_read()
         written = self._written(func, args, kwargs)
         if written is not None:
             return self._write(func, args, kwargs, written)
@@ -384,6 +388,8 @@ class ParamSurface:
     def fetched(self, units):
         """The units resident for the block; those it fetched are released after."""
         engine = self._engine()
+        if self.publish_first:  # engine.gathered(): the units are fetched with the update published
+            engine.window.publish_for_read()
         fetched = []
         try:
             for unit in units:

@@ -245,9 +245,10 @@ class Window:
 
     def on_root_forward(self) -> None:
         """A forward begins while a plain loss.backward() is still open: it died half-way (its end
-        never ran), so its gradients are partial. A training forward opens the window for
-        finish_delayed ([Note: delayed update])."""
+        never ran), so its gradients are partial. A training forward (grad enabled) opens the window:
+        it reads the weights one update behind ([Note: delayed update]); one without grad is a read."""
         self._forward_in_window = self._forward_in_window or torch.is_grad_enabled()
+        self._gate_reads()
         if self.state is S.PLAIN_BACKWARD:
             self.end_plain_backward()
             self._why = "a loss.backward() failed half-way through its gradients"
@@ -485,6 +486,23 @@ class Window:
             raise
         self._applied_before = self.engine.unit_optimizer.applied
 
+    def publish_for_read(self) -> None:
+        """[Note: delayed update] A read of the weights (a parameter's value, a forward without grad,
+        engine.gathered()) between windows publishes the pending update first, so it sees what
+        model.state_dict() sees and ends the delay; within a window (from its training forward to its
+        step) it reads the weights the window computes with, and publishes nothing."""
+        if self.delayed is not None and self.delayed.pending and not self._forward_in_window \
+                and not self.in_backward and self.state not in (S.BROKEN, S.CLOSED):
+            self._finish_delayed()
+        self._gate_reads()
+
+    def _gate_reads(self) -> None:
+        """The surface's hot path (reads of resident units as torch) is off while a read would publish."""
+        surface = getattr(self.engine, "_surface", None)
+        if surface is not None:
+            surface.publish_first = self.delayed is not None and self.delayed.pending \
+                and not self._forward_in_window
+
     def finish_delayed(self, what: str, force: bool = False) -> None:
         """engine.synchronize() and what calls it (checkpoints, state_dicts, weight reads and writes):
         the pending delayed update lands and is published, ending the delay ([Note: delayed update]).
@@ -498,8 +516,9 @@ class Window:
                                 "(or run that forward under torch.no_grad())")
         if self.state is S.BROKEN:
             self.delayed.drop()
-            return
-        self._finish_delayed()
+        else:
+            self._finish_delayed()
+        self._gate_reads()
 
     def _rolled_back(self, rolled_back: "bool | None") -> None:
         """The window's speculation outcome to the policy and, for a rollback, to the profiler: units,
@@ -665,6 +684,7 @@ class Window:
         # a delayed update in flight moves `applied` on the optimizer thread: counted as done
         self._applied_before = self.delayed.applied_after if self.delayed is not None and self.delayed.pending \
             else self.engine.unit_optimizer.applied
+        self._gate_reads()
 
     def loaded(self) -> None:
         """A checkpoint was loaded: a consistent state again, in a new window."""
