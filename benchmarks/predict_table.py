@@ -149,7 +149,9 @@ def predict(size: str, case: str, rates: dict, budgets: dict, compute_flops: flo
         delayed.refuse(cfg, plan, 1, [u.numel for u in trainable])
     except (PlanDoesNotFit, ZerotierError) as exc:
         row.update(fits=False, reason=str(exc).splitlines()[0])
-        try:  # what it would need, with no budget in the way
+        if "auto" in (cfg.offload.params, cfg.offload.gradients, cfg.offload.optimizer):
+            return row  # no one placement to size: the planner's shortfall per tier says it
+        try:  # what its placement would need, with no budget in the way
             unlimited = plan_with({t: 1 << 60 for t in budgets})
             row["need"] = dict(unlimited.need, host=unlimited.need["host"] + delayed_bytes(unlimited))
             row["reason"] = ("needs " + ", ".join(f"{t} {row['need'][t] / GiB:.1f} GiB (has {budgets[t] / GiB:.1f})"
