@@ -430,7 +430,7 @@ def table(results: list[dict], env: dict, args) -> str:
         io = r.get("nvme_GBps")
         nvme_io = f" (w {io['written']:.1f} / r {io['read']:.1f} GB/s)" if io else ""
         rows.append(
-            f"| {r['label']} | ok | {r['setup_s']:.1f} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3g} "
+            f"| {r['label']} | ok | {setup_text(r)} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3g} "
             f"| {f(r.get('mfu_pct'), '{:.3g}')} | {f(r.get('x_torch'), '{:.2f}')} | {f(r.get('x_ds-z2-offload'), '{:.2f}')} "
             f"| {links} | {f(tp.get('h2d_pct'), '{:.0f}')}/{f(tp.get('d2h_pct'), '{:.0f}')} "
             f"| {f(tp.get('gpu_busy_pct'), '{:.0f}')} | {f(r.get('host_syncs_per_step'), '{:.0f}')} "
@@ -442,6 +442,13 @@ def table(results: list[dict], env: dict, args) -> str:
     notes = ["", "x torch / x DS-Offload: step time over that case's (lower is faster). "
              "max abs dloss: against the first of torch, ds-z2-offload that ran (bf16: within 2e-2 expected)."]
     return "\n".join(head + rows + notes + predicted_table(results)) + "\n"
+
+
+def setup_text(r: dict) -> str:
+    """Set-up seconds; zerotier's: (initialize, of which drawing the initial weights)."""
+    split = r.get("setup_split_s")
+    return f"{r['setup_s']:.1f}" + (f" (init {split['initialize']:.1f}, weights {split['of which drawing weights']:.1f})"
+                                    if split else "")
 
 
 def predicted_table(results: list[dict]) -> list[str]:

@@ -52,6 +52,8 @@ def test_tiny_run_writes_every_row_with_sane_figures(tmp_path):
         assert plan["need"]["host"] > 0 and plan["predicted_step_s"] >= 0 and plan["rates_measured"] is False
         assert rows[case]["zt_link_overlap_pct"] and all(0 <= v <= 100 for v in rows[case]["zt_link_overlap_pct"].values())
         assert rows[case]["zt_verdict"]
+        split = rows[case]["setup_split_s"]
+        assert 0 < split["of which drawing weights"] < split["initialize"] < rows[case]["setup_s"]
         pred = rows[case]["predicted"]  # predict_table's, for the H200 (a CPU has no GPU node of its own)
         assert pred["fits"] and pred["node"] == "h200" and pred["predicted_step_s"] > 0
         assert pred["placement"] == plan["placement"]
