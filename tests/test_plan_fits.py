@@ -3,6 +3,8 @@ says it needs, training runs — the planner and the stores share one accounting
 block's and file's rounding, NVMe rewrites in flight, the prefetch window)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -74,3 +76,53 @@ def test_budgets_at_exactly_the_plans_need_train(name, placement, tmp_path):
             engine.backward(engine(x, y))
             engine.step()
         assert engine.global_steps == 3
+
+
+# --- [Note: the plan against the machine] (issue 35 item 3) ----------------------------------------------
+GiB = 1 << 30
+
+
+def _small_machine(monkeypatch, total):
+    from zerotier import machine_fit
+    from zerotier.envinfo import UsableMemory
+
+    monkeypatch.setattr(machine_fit, "usable_memory", lambda: UsableMemory(total, total // 2, None, ""))
+
+
+def test_a_plan_over_this_machines_ram_fits_the_budgets_not_the_machine(monkeypatch, capsys):
+    """A 200 GiB host budget on a 23.5 GiB machine: the plan's RAM need is checked against the machine."""
+    from zerotier import cli
+
+    _small_machine(monkeypatch, int(23.5 * GiB))
+    args = ["plan", "--params", "3B", "--device", "1GiB", "--host", "200GiB", "--nvme", "0"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "fits: yes" not in out
+    assert "fits the budgets, not the machine: needs " in out and "of RAM, this machine has 23.50 GiB" in out
+    _small_machine(monkeypatch, 2000 * GiB)
+    assert cli.main(args + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["machine_note"] is None
+
+
+def test_initialize_refuses_a_plan_over_this_machines_ram(monkeypatch):
+    from zerotier.errors import BudgetError
+
+    _small_machine(monkeypatch, 100 << 20)  # below RSS_OUTSIDE_BUDGETS alone
+    with pytest.raises(BudgetError, match=r"^the plan fits the budgets, not this machine: it needs [\d.]+ MiB of "
+                                          r"RAM, this machine has 100.00 MiB\. Lower tiers.host"):
+        zerotier.initialize(tiny_gpt(), {"tiers": {"device": "64MiB", "host": "64MiB"}})
+
+
+def test_another_nodes_plan_is_checked_against_that_nodes_recorded_memory(monkeypatch, tmp_path, capsys):
+    """--rates FILE: the check uses the RAM `zerotier bench` recorded there, not this machine's."""
+    from zerotier import cli
+    from zerotier.bench import bench_memory, save
+
+    assert bench_memory(1 << 20, repeat=1)["total_bytes"] > 0  # bench records the node's RAM
+    there = tmp_path / "other.json"
+    save({"mem": {"copy_GBps": 8.0, "inplace_GBps": 8.0, "total_bytes": 16 * GiB},
+          "adam": {"fp32_params_per_s": 1e9}}, there)
+    _small_machine(monkeypatch, 2000 * GiB)
+    assert cli.main(["plan", "--params", "3B", "--device", "1GiB", "--host", "200GiB", "--nvme", "0",
+                     "--rates", str(there)]) == 0
+    assert "not the machine: needs " in (out := capsys.readouterr().out) and f"the node of {there} has 16.00 GiB" in out

@@ -102,6 +102,8 @@ def bench_memory(nbytes: int, repeat: int = 5, tick: Tick = _noop) -> dict[str, 
     """In-place `mul_` and `copy_` bandwidth over `nbytes` buffers, all torch threads."""
     import torch
 
+    from .envinfo import usable_memory
+
     n = max(1, nbytes // 4)
     buf = torch.ones(n, dtype=torch.float32)  # first touch outside the timing
 
@@ -116,8 +118,9 @@ def bench_memory(nbytes: int, repeat: int = 5, tick: Tick = _noop) -> dict[str, 
     dst.copy_(buf)
     copy = 2 * 4 * n / _best_seconds(lambda: dst.copy_(buf), repeat)
     tick("memory: copy_")
+    # the node's RAM, for plans made elsewhere with this file ([Note: the plan against the machine])
     return {"bytes": 4 * n, "threads": torch.get_num_threads(),
-            "inplace_GBps": inplace / 1e9, "copy_GBps": copy / 1e9}
+            "inplace_GBps": inplace / 1e9, "copy_GBps": copy / 1e9, "total_bytes": usable_memory().total}
 
 
 def bench_pcie(nbytes: int, repeat: int = 5, tick: Tick = _noop) -> dict[str, Any] | None:
@@ -127,7 +130,8 @@ def bench_pcie(nbytes: int, repeat: int = 5, tick: Tick = _noop) -> dict[str, An
     if not torch.cuda.is_available():  # nothing to measure, no progress to show
         return None
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out: dict[str, Any] = {"bytes": nbytes, "device": torch.cuda.get_device_name()}
+    out: dict[str, Any] = {"bytes": nbytes, "device": torch.cuda.get_device_name(),
+                           "device_total_bytes": torch.cuda.mem_get_info()[1]}  # [Note: the plan against the machine]
     for kind, pinned in (("pinned", True), ("pageable", False)):
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         host.fill_(1)  # touch every page before timing

@@ -261,6 +261,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     import torch
 
     from zerotier.config import Config
+    from zerotier.machine_fit import recorded_machine, this_machine
     from zerotier.planner import PlanDoesNotFit, make_plan
     from zerotier.predict import StepOptions
     from zerotier.state import DTYPES
@@ -316,7 +317,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device, rates=rates,
                          world_size=args.world_size, stage=cfg.zero.stage, zero=cfg.zero, grad_bytes=grad_bytes,
                          ranks_per_node=args.ranks_per_node, nested_numel=nested, frozen_numels=frozen_numels,
-                         pipeline_depth=cfg.optimizer.pipeline_depth, step=StepOptions.of(cfg, args.rollback_rate))
+                         pipeline_depth=cfg.optimizer.pipeline_depth, step=StepOptions.of(cfg, args.rollback_rate),
+                         machine=recorded_machine(args.rates, device.type) if args.rates else this_machine(device))
     except PlanDoesNotFit as exc:
         if args.json:  # the object on stdout, the message on stderr (by main), exit status 1
             print(json.dumps({"numel": sum(numels), "world_size": args.world_size, "stage": cfg.zero.stage,

@@ -37,6 +37,7 @@ from .optim.state_layout import StateLayout
 from .predict import StepOptions
 from .optim.torch_optimizer import EngineOptimizer, exempt_from_decay
 from .params import ParamStore
+from .machine_fit import refuse_over as refuse_over_machine
 from .planner import make_plan
 from .profiler import Profiler
 from .restore import UserWeights
@@ -100,6 +101,7 @@ class Engine:
                               step=StepOptions.of(cfg),  # clipping, accumulation, speculation
                               materialize_bytes=materialize_pool_bytes(self.param_units, self.lp_dtype,
                                                                        cfg.io.alignment))
+        refuse_over_machine(self.plan.need, self.device)  # [Note: the plan against the machine]
         delayed.refuse(cfg, self.plan, self.world_size, [u.numel for u in self.units])  # [Note: delayed update]
         placement = self.plan.placement
         self.store = None

@@ -107,6 +107,7 @@ from .errors import BudgetError, ConfigError
 from .dist.buckets import GradBucketer, ParamGatherer
 from .dist.partition import Partition, partition_units
 from .grads import GradStore
+from .machine_fit import Machine, shortfall
 from .io.memory import round_up
 from .optim.offload import UnitOptimizer, fused_temp_bytes
 from .optim.state_layout import OPTIMIZER_BYTES, StateLayout
@@ -205,6 +206,8 @@ class Plan:
     speculation_units: tuple[bool, ...] = ()
     speculation_step_s: dict[str, float] = field(default_factory=dict)
     speculation_note: str = ""
+    # [Note: the plan against the machine] in machine_fit.py: what the node lacks for `need` ("": it has room)
+    machine_note: str = ""
 
     @property
     def per_rank_bytes(self) -> int:
@@ -244,7 +247,8 @@ class Plan:
         lines.append(self._speculation_line())
         lines.append(f"  outside the budgets: ~{format_size(RSS_OUTSIDE_BUDGETS)} of RSS, fixed in model size (torch's "
                      "runtime and compute temporaries: docs/tiers.md § RSS beyond the budgets)")
-        lines.append("  fits: yes")
+        lines.append(f"  fits the budgets, not the machine: {self.machine_note}" if self.machine_note else
+                     "  fits: yes")
         if not self.rates_measured:
             lines.append("  step time: run `zerotier bench` for a step-time prediction")
             return "\n".join(lines)
@@ -290,7 +294,7 @@ class Plan:
             "per_rank_bytes": self.per_rank_bytes, "state_bytes": dict(self.state_bytes),
             "frozen_numel": self.frozen_numel, "frozen_param_bytes": self.frozen_param_bytes,
             "tiers": dict(self.need), "budgets": dict(self.budgets),
-            "fits": True, "missing": None,
+            "fits": True, "missing": None, "machine_note": self.machine_note or None,
             "predicted_step_s": self.predicted_step_s if measured else None,
             "breakdown_s": dict(self.breakdown) if measured else None,
             "critical_path_s": dict(self.critical) if measured else None,
@@ -519,7 +523,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
               grad_bytes: int | None = None, ranks_per_node: int | None = None, pipeline_depth: int = 3,
               nested_numel: int = 0, alignment: int = 4096, frozen_numels: list[int] = (),
               compute: UnitCompute | None = None, step: StepOptions = StepOptions(),
-              materialize_bytes: int = 0) -> Plan:
+              materialize_bytes: int = 0, machine: Machine | None = None) -> Plan:
     """Choose a tier for each kind of state within the per-rank budgets, or raise PlanDoesNotFit.
 
     world_size/stage shard each kind's bytes as ZeRO does ([Note: bytes per parameter]);
@@ -529,6 +533,8 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     forward/backward (zerotier.plan measures them); step: accumulation, clipping, early step.
     materialize_bytes: host-pool bytes a meta-built model's materialization holds during initialize
     (materialize.pool_bytes), counted in tiers.host beside everything else.
+    machine: the node's memory the chosen plan's need is checked against (`Plan.machine_note`;
+    [Note: the plan against the machine] in machine_fit.py); None: not checked.
     `auto` kinds: every tier choice (and the optimizer split) that fits is predicted and the
     fastest taken, ties to the fastest-tier-first choice; all are in `Plan.alternatives`.
     """
@@ -549,7 +555,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     if not autos:
         if error is not None:
             raise error
-        return first
+        return _on(machine, first, ranks_per_node)
     tried = [first] if first is not None else []
     layout = StateLayout.of(precision)
     choices = [[loc.value for loc in Location if _tier_holds(k, loc, device.type == "cuda", layout)]
@@ -568,7 +574,14 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
         if plan.predicted_step_s < best.predicted_step_s * (1 - 1e-9):
             best = plan
     rows = tuple(sorted((_alternative(p, p is best) for p in tried), key=lambda r: r["predicted_step_s"]))
-    return dataclasses.replace(best, alternatives=rows)
+    return _on(machine, dataclasses.replace(best, alternatives=rows), ranks_per_node)
+
+
+def _on(machine: Machine | None, plan: Plan, ranks_per_node: int | None) -> Plan:
+    """The plan with what `machine` lacks for it ([Note: the plan against the machine])."""
+    if machine is None:
+        return plan
+    return dataclasses.replace(plan, machine_note=shortfall(plan.need, machine, ranks_per_node or plan.world_size))
 
 
 def _alternative(plan: Plan, chosen: bool) -> dict:

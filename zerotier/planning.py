@@ -26,6 +26,7 @@ import torch
 
 from .config import Config
 from .errors import ConfigError
+from .machine_fit import recorded_machine, this_machine
 from .planner import Plan, make_plan
 from .predict import StepOptions
 from .state import DTYPES, build_units, nested_numel
@@ -71,7 +72,8 @@ def plan_model(model, cfg: Config, inputs, *, rates, device: torch.device, world
                      device, rates=rate_dict, world_size=world_size, stage=cfg.zero.stage, zero=cfg.zero,
                      grad_bytes=grad_bytes, ranks_per_node=ranks_per_node, pipeline_depth=cfg.optimizer.pipeline_depth,
                      nested_numel=nested_numel(units), frozen_numels=[u.numel for u in units if u.frozen],
-                     compute=compute, step=step)
+                     compute=compute, step=step,
+                     machine=recorded_machine(rates, device.type) if elsewhere else this_machine(device))
 
 
 def _rates(rates, cfg: Config) -> tuple[dict[str, float] | None, bool]:
