@@ -237,6 +237,67 @@ def test_torch_func_over_managed_params_is_refused_and_vmap_over_the_model_works
         assert engine.step()
 
 
+INPUT_TRANSFORMS = {
+    "grad": lambda f, x: torch.func.grad(f)(x),
+    "jacrev": lambda f, x: torch.func.jacrev(f)(x),
+    "vmap(grad)": lambda f, x: torch.func.vmap(torch.func.grad(lambda row: f(row[None])))(x),
+    "vjp": lambda f, x: torch.func.vjp(f, x)[1](torch.tensor(1.0))[0],
+    "jvp": lambda f, x: torch.func.jvp(f, (x,), (torch.ones_like(x),))[1],
+    "jacfwd": lambda f, x: torch.func.jacfwd(f)(x),
+    "hessian": lambda f, x: torch.func.hessian(f)(x[0]),
+}
+
+
+@pytest.mark.parametrize("offload", [HOST, NVME, {"params": "device"}], ids=["host", "nvme", "device"])
+def test_torch_func_over_the_inputs_matches_torch_and_training_goes_on(offload, tmp_path):
+    """Issue 37: torch.func.grad / jacrev / vmap(grad) with respect to the inputs, params on host, failed
+    with functorch's in-place error from the unit fetch. Every transform over the inputs equals plain
+    torch's, leaves no unit resident, and the engine trains like torch.optim.AdamW afterwards
+    ([Note: torch.func over the inputs] in zerotier/hooks.py)."""
+    torch.manual_seed(0)
+    reference, model = TanhNet(), TanhNet()
+    model.load_state_dict(reference.state_dict())
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    x = torch.randn(4, 8)
+    with zerotier.initialize(model, config(tmp_path, offload)) as engine:
+        streamed = [u.index for u in engine.param_units if engine.params.streamed[u.index]]
+        assert bool(streamed) == (offload["params"] != "device")
+        for name, transform in INPUT_TRANSFORMS.items():
+            torch.testing.assert_close(transform(model, x), transform(reference, x), rtol=1e-6, atol=1e-7,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+            assert all(engine.params.state[i].name == "RELEASED" for i in streamed), f"{name} left units resident"
+            assert all(p.grad is None for p in model.parameters()), f"{name} gave the parameters gradients"
+        for _ in range(2):
+            engine.backward(engine(x))
+            assert engine.step()
+            reference(x).backward()
+            opt.step()
+            opt.zero_grad()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), dict(reference.named_parameters())[name].detach(),
+                                       rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("offload", [HOST, NVME], ids=["host", "nvme"])
+def test_torch_func_over_the_inputs_differentiated_again_is_refused_with_params_streamed(offload, tmp_path):
+    """What would read parameters released after a transform's backward is refused, naming the fix:
+    reverse mode over reverse mode (jacrev(jacrev)), and a loss.backward() through a gradient a
+    transform returned (a gradient penalty). The engine trains on afterwards."""
+    torch.manual_seed(0)
+    model = TanhNet()
+    with zerotier.initialize(model, config(tmp_path, offload)) as engine:
+        x = torch.randn(4, 8)
+        with pytest.raises(ZerotierError, match=r"runs under 2 nested reverse-mode torch.func transforms .*"
+                                                r"torch.func.hessian.*offload.params = \"device\""):
+            torch.func.jacrev(torch.func.jacrev(model))(x[0])
+        with pytest.raises(ZerotierError, match=r"a gradient torch.func computed over the inputs of module .* is "
+                                                r"differentiated again .*offload.params = \"device\""):
+            (model(x) + torch.func.grad(model)(x).square().sum()).backward()
+        engine.optimizer.zero_grad()
+        engine.backward(engine(x))
+        assert engine.step()
+
+
 # ---------------------------------------------------------------- sparse gradients (issue 37 row 5)
 
 class SparseEmbeddingNet(torch.nn.Module):

@@ -22,48 +22,146 @@ saved, and none of it in any budget. So a module whose streamed parameters are n
 already in the autocast dtype refuses to run under autocast, with the fix in the
 message: `precision.param_dtype = "bf16"` (low-precision compute copies, fp32 master),
 or parameters kept on the device, where autocast works as in plain PyTorch.
+
+[Note: torch.func over the inputs]
+torch.func.grad / vjp / jacrev / jvp / jacfwd (and vmap over them) with respect to a
+model's inputs run its forward and their own backward inside transform levels, which
+refuse in-place writes to the tensors the function captures: a unit's fetch and release
+write its storage. So under a differentiating transform the hooks fetch and release below
+every level (`_outside_transforms`), start no training pass or prefetch, and wrap the
+module's inputs in `_ReleaseAfterBackward` as for frozen units: the transform's backward
+fetches each unit through `_FetchOnBackward` (a transform's backward opens no accumulation
+window: it computes no parameter gradient) and releases it once the module's input
+gradient is out. The autograd.Functions are in setup_context form so transforms can apply
+them. Two things cannot work with parameters streamed, as with create_graph=True: reverse
+mode over reverse mode (jacrev(jacrev(f)); refused at the module's forward, forward mode
+over reverse, torch.func.hessian, works) and a later backward through the gradient a
+transform returned (a gradient penalty: `_NotDifferentiatedAgain` refuses it). vmap alone
+runs the hooks as a plain forward does. Transforms over the parameters themselves
+(functional_call) are refused by _refuse_unmanaged_grads.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_clear_interpreter_stack
 
 from .errors import ConfigError, ZerotierError
 
 
+def _in_transform() -> bool:
+    """A differentiating torch.func transform (grad, vjp, jacrev, jvp, jacfwd; under vmap too) is running
+    ([Note: torch.func over the inputs]); vmap alone runs the hooks as a plain forward does."""
+    return torch._C._are_functorch_transforms_active() and any(
+        i.key() in (TransformType.Grad, TransformType.Jvp) for i in retrieve_all_functorch_interpreters())
+
+
+@contextlib.contextmanager
+def _outside_transforms():
+    """[Note: torch.func over the inputs] Fetches and releases write the units' storage in place, which
+    a transform refuses for the tensors it captures: they run below every transform level."""
+    if torch._C._are_functorch_transforms_active():
+        with temporarily_clear_interpreter_stack():
+            yield
+    else:
+        yield
+
+
 class _FetchOnBackward(torch.autograd.Function):
-    """Identity in forward; in backward, fetch the units before their module's gradients run."""
+    """Identity in forward; in backward, fetch the units before their module's gradients run.
+    In setup_context form, so that torch.func transforms over the inputs can apply it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, hooks, units, *tensors):
-        ctx.hooks, ctx.units = hooks, units
+    def forward(hooks, units, *tensors):
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.hooks, ctx.units = inputs[0], inputs[1]
+        ctx.transformed = _in_transform()  # a transform's vjp function may run after the transform returned
+
+    @staticmethod
     def backward(ctx, *grads):
-        ctx.hooks.enter_backward()
-        for unit in ctx.units:
-            ctx.hooks.demand(unit)
+        if ctx.transformed:  # a transform's own backward, not a training one: no window, no prefetch
+            with _outside_transforms():
+                for unit in ctx.units:
+                    ctx.hooks.engine.params.demand(unit)
+        else:
+            ctx.hooks.enter_backward()
+            for unit in ctx.units:
+                ctx.hooks.demand(unit)
         return (None, None, *grads)
+
+    @staticmethod
+    def jvp(ctx, hooks, units, *tangents):
+        return tangents
 
 
 class _ReleaseAfterBackward(torch.autograd.Function):
-    """Identity in forward on a module's inputs; in backward, release the module's frozen units
-    ([Note: releasing frozen units after backward])."""
+    """Identity in forward on a module's inputs; in backward, release the module's units (frozen
+    ones: [Note: releasing frozen units after backward]; every one under a torch.func transform)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, params, units, tensor):
-        ctx.params, ctx.units = params, units
+    def forward(params, units, tensor):
         return tensor.detach()
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.params, ctx.units = inputs[0], inputs[1]
+
+    @staticmethod
     def backward(ctx, grad):
-        for unit in ctx.units:
-            ctx.params.release(unit)
+        with _outside_transforms():
+            for unit in ctx.units:
+                ctx.params.release(unit)
+        levels = [i.key() for i in retrieve_all_functorch_interpreters()] \
+            if torch._C._are_functorch_transforms_active() else ()
+        if TransformType.Grad in levels and TransformType.Jvp not in levels:  # (forward mode over it: hessian)
+            grad = _NotDifferentiatedAgain.apply(ctx.units, grad)  # the gradient a reverse transform returns
         return None, None, grad
+
+    @staticmethod
+    def jvp(ctx, params, units, tangent):
+        return tangent
+
+
+class _NotDifferentiatedAgain(torch.autograd.Function):
+    """[Note: torch.func over the inputs] Identity on an input gradient a transform computed through
+    streamed units; a later backward through it (a gradient penalty: loss.backward() of a loss that
+    uses it) would read their parameters, released after the transform's backward: refused, as the
+    double backward of ModuleHooks.enter_backward is."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(units, tensor):
+        return tensor.detach()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.units = inputs[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ZerotierError(
+            f"a gradient torch.func computed over the inputs of module '{ctx.units[0].name or '<root>'}' (grad, vjp, "
+            "jacrev) is differentiated again (a gradient penalty trained through loss.backward()), and that module's "
+            "parameters are streamed (offload.params host/nvme, or ZeRO-3): the second backward would read "
+            "parameters released after the first. Keep the parameters on the device: offload.params = \"device\" "
+            "with zero.stage 1 or 2, where double backward trains as in torch")
+
+    @staticmethod
+    def jvp(ctx, units, tangent):
+        return tangent
 
 
 def autocast_dtype(device_type: str) -> "torch.dtype | None":
@@ -211,11 +309,12 @@ class ModuleHooks:
 
         def hook(module, args):
             window = engine.window
+            transformed = _in_transform()
             if is_root:
                 window.on_root_forward()  # a plain loss.backward() that died half-way ends here
             if is_root and torch.is_grad_enabled() and not window.in_backward:
                 self._refuse_unmanaged_grads()
-            if is_root and torch.is_grad_enabled() and module.training and not window.in_backward:
+            if is_root and torch.is_grad_enabled() and module.training and not window.in_backward and not transformed:
                 if engine.stop_requested and not engine.sharding.active and window.between_windows():
                     engine._stop()  # a new window would begin: stop before it ([Note: graceful stop])
                 engine.scheduler.begin_pass()
@@ -224,6 +323,15 @@ class ModuleHooks:
             amp = autocast_dtype(engine.device.type) if units else None
             if amp not in (None, engine.lp_dtype):
                 self._refuse_autocast(units[0], amp)
+            if transformed and units:  # [Note: torch.func over the inputs]
+                self._refuse_nested_reverse_transforms(units)
+                with _outside_transforms():
+                    for unit in units:
+                        engine.params.demand(unit)
+                if torch.is_grad_enabled():
+                    return map_tensors(args, lambda t: _ReleaseAfterBackward.apply(engine.params, units, t)
+                                       if t.requires_grad else t)
+                return None
             for unit in units:
                 self.demand(unit)
         return torch.compiler.disable(hook)  # [Note: compiled units]
@@ -231,6 +339,18 @@ class ModuleHooks:
     def _root_returned(self, module, args, output) -> None:
         if torch.is_grad_enabled():  # a graph for a backward (Window.refuse_before_backward)
             self.engine.window.forward_returned()
+
+    def _refuse_nested_reverse_transforms(self, units: list) -> None:
+        """[Note: torch.func over the inputs] Reverse mode over reverse mode (jacrev(jacrev(f)), grad(grad(f)))
+        differentiates the inner backward, which read parameters released after it."""
+        levels = [i for i in retrieve_all_functorch_interpreters() if i.key() == TransformType.Grad]
+        if len(levels) > 1:
+            raise ZerotierError(
+                f"module '{units[0].name or '<root>'}' runs under {len(levels)} nested reverse-mode torch.func "
+                "transforms (grad/vjp/jacrev inside grad/vjp/jacrev) while its parameters are streamed from "
+                f"{self.engine.params.loc.value}: the outer backward would read parameters released after the inner "
+                "one. Use forward mode outside (torch.func.hessian, jacfwd(jacrev(f))), or keep the parameters on "
+                "the device: offload.params = \"device\" with zero.stage 1 or 2")
 
     def _refuse_autocast(self, unit, amp: torch.dtype) -> None:
         """[Note: autocast and streamed parameters]: the casts would pin a copy of every
@@ -279,14 +399,16 @@ class ModuleHooks:
                     wrapped.append(t)
                     return _FetchOnBackward.apply(self, units, t)[0]
                 output = map_tensors(output, wrap)
-                no_backward = seen and all(u.frozen for u in units)  # frozen layers under frozen inputs
+                # frozen layers under frozen inputs; under a transform, outputs that need no gradient at its level
+                no_backward = seen and (all(u.frozen for u in units) or _in_transform())
                 if not wrapped and output is not None and not no_backward:
                     # Outputs zerotier cannot see into (a plain object, a generator): nothing would
                     # refetch the units before their backward, so they stay resident until their
                     # gradients are in (the grad hook releases them) or backward ends.
                     return output
-            for unit in units:
-                params.release(unit)
+            with _outside_transforms():
+                for unit in units:
+                    params.release(unit)
             return output
         return torch.compiler.disable(hook)  # [Note: compiled units]
 
