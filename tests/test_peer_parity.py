@@ -522,6 +522,17 @@ def outside_root_loop(run: Run, data) -> Run:
     return run
 
 
+def input_gradients_between_steps(run: Run, data) -> Run:
+    """Before every step, the loss's gradient with respect to the inputs by torch.func (saliency maps,
+    adversarial examples): grad over the batch and vmap(grad) per sample."""
+    for x, y in data:
+        run.record("torch.func.grad over x", torch.func.grad(lambda x: run.model(x, y))(x))
+        per_sample = torch.func.vmap(torch.func.grad(lambda xi, yi: run.model(xi[None], yi[None])))
+        run.record("torch.func.vmap(grad) over each sample", per_sample(x, y))
+        engine_loop(run, [(x, y)])
+    return run
+
+
 def two_forwards_loop(run: Run, data) -> Run:
     """Two forwards (two batches) before one backward of the summed losses."""
     for first, second in zip(data[::2], data[1::2]):
@@ -742,6 +753,7 @@ CASES = {
     "parent calls a child's layer": Case(seeded(ParentCallsChildsLayerNet), engine_loop),
     "block returns its own parameter": Case(seeded(ReturnsParamNet), engine_loop),
     "parameters read after every step": Case(seeded(Net), read_parameters_every_step),
+    "torch.func gradients over the inputs between steps": Case(seeded(Net), input_gradients_between_steps),
     # forwards
     "two forwards before one backward": Case(seeded(Net), two_forwards_loop, functools.partial(batches, 2 * STEPS)),
     "activation checkpointing": Case(seeded(CheckpointedNet), engine_loop),
