@@ -11,6 +11,8 @@ def test_demo_runs_and_prints_swap_table(tmp_path):
                           "--trace", str(trace)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"optimizer +nvme", out.stdout)   # the plan put Adam state on NVMe
+    state = re.search(r"training state ~([\d.]+) MiB \(device budget 24MiB\)", out.stdout)
+    assert float(state.group(1)) > 2 * 24                # the default model's state is over the budget
     header = re.search(r"training state ~([\d.]+ \w+) ", out.stdout).group(1)
     total = re.search(r"total +([\d.]+ \w+) ", out.stdout).group(1)
     assert header == total, (header, total)              # the demo's header and its plan agree
@@ -70,5 +72,33 @@ def test_the_demo_promises_the_duration_it_was_measured_at(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     for text in (example, help_text):
         assert "~1 min" not in text and "1 minute" not in text
-        assert demo.DURATION in " ".join(text.split())
+        assert demo.DURATION in " ".join(text.split()) and demo.DURATION_LONG in " ".join(text.split())
     assert demo.DURATION_BUSY in help_text and "much longer on a busy one" in example
+
+
+def test_the_default_demo_is_short_and_long_keeps_the_old_run(monkeypatch, capsys):
+    """The demo took 9-15 min at load 4-6 (issue 35 item 6): by default it trains a sixth of the
+    old work (steps x layers x batch), the old run is `--long`; the CLI's help states the example's
+    numbers and passes --steps only when given."""
+    import runpy
+    from pathlib import Path
+
+    import pytest
+
+    from zerotier import cli, demo
+
+    example = runpy.run_path(str(Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"))
+    short, long = example["parse_args"]([]), example["parse_args"](["--long"])
+    assert (long.steps, long.layers, long.batch) == (120, 6, 16)
+    assert short.steps * short.layers * short.batch * 6 <= long.steps * long.layers * long.batch
+    assert example["parse_args"](["--long", "--steps", "7"]).steps == 7
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"default {short.steps}:" in help_text
+    assert f"{long.steps} steps of a {long.layers}-layer model, batch {long.batch}" in help_text
+    runs = []
+    monkeypatch.setattr(demo, "run", runs.append)
+    assert cli.main(["demo"]) == 0 and cli.main(["demo", "--long"]) == 0 and cli.main(["demo", "--steps", "5"]) == 0
+    assert ["--steps" in argv for argv in runs] == [False, False, True]
+    assert ["--long" in argv for argv in runs] == [False, True, False]

@@ -427,10 +427,12 @@ def _check_writable_dir(path: str, option: str) -> None:
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from zerotier.demo import DURATION, DURATION_BUSY
+    from zerotier.demo import DURATION, DURATION_BUSY, DURATION_LONG
 
-    parser.add_argument("--steps", type=int, default=120,
-                        help=f"optimizer steps to train (default 120: {DURATION}; {DURATION_BUSY})")
+    parser.add_argument("--steps", type=int,
+                        help=f"optimizer steps to train (default 60: {DURATION}; {DURATION_BUSY})")
+    parser.add_argument("--long", action="store_true",
+                        help=f"the longer demo: 120 steps of a 6-layer model, batch 16 ({DURATION_LONG})")
     parser.add_argument("--nvme-path", metavar="DIR", default=None,
                         help="directory for the optimizer's swap files (default: the system temp dir)")
     parser.add_argument("--device-budget", default="24MiB", metavar="SIZE",
@@ -444,13 +446,16 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     from zerotier import demo
 
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         raise ZerotierError(f"--steps: must be >= 1, got {args.steps}")
     if args.nvme_path and not os.path.isdir(args.nvme_path):  # the demo makes its swap dir inside it
         raise ZerotierError(f"--nvme-path {args.nvme_path} does not exist: create it (mkdir -p {args.nvme_path}) "
                             "or leave --nvme-path out (the demo then uses the system temp dir)")
-    argv = ["--steps", str(args.steps), "--device-budget", args.device_budget,
-            "--optimizer-tier", args.optimizer_tier]
+    argv = ["--device-budget", args.device_budget, "--optimizer-tier", args.optimizer_tier]
+    if args.steps is not None:  # else the example's default, short or --long
+        argv += ["--steps", str(args.steps)]
+    if args.long:
+        argv.append("--long")
     if args.nvme_path:
         argv += ["--nvme-path", args.nvme_path]
     if args.trace:
