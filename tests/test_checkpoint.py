@@ -459,20 +459,46 @@ def test_checkpoint_files_are_private_whatever_the_umask(tmp_path):
         assert os.stat(f).st_mode & 0o777 == 0o600, f
 
 
-def test_load_with_a_scheduler_the_checkpoint_lacks_changes_nothing(tmp_path):
-    """#75: the error comes before anything is loaded."""
+def test_load_with_a_scheduler_the_checkpoint_lacks_changes_nothing_and_its_advice_resumes_exactly(tmp_path):
+    """#75: the error comes before anything is loaded. Issue 37 row 3: its advice was to load without
+    the scheduler, which restarts the schedule (trains differently); the advice now given (build the
+    scheduler, load without it, step it to the checkpoint's step) resumes the lr exactly."""
+    def schedule(step):
+        return min(1.0, (step + 1) / 3) * 0.7 ** step
+
+    engine = _engine(tmp_path)
+    sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)
+    for step in range(3):
+        train(engine, step, 1)
+        sched.step()
+        if step == 1:
+            engine.save_checkpoint(tmp_path / "ckpts")  # without the scheduler
+    expected_lr = engine.optimizer.param_groups[0]["lr"]   # what step 4 uses
+    expected = engine.parameters_fp32()
+    engine.close()
+
     engine = _engine(tmp_path)
     train(engine, 0, 1)
-    engine.save_checkpoint(tmp_path / "ckpts")
-    train(engine, 1, 1)
     before = {k: v.clone() for k, v in engine.parameters_fp32().items()}
     steps = engine.global_steps
     sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0)
-    with pytest.raises(ZerotierError, match="saved without an lr scheduler state.*nothing was loaded"):
+    with pytest.raises(ZerotierError, match="holds no lr scheduler state.*nothing was loaded.*would train "
+                                            "differently.*call scheduler.step\\(\\) 2 times"):
         engine.load_checkpoint(tmp_path / "ckpts", lr_scheduler=sched)
     assert engine.global_steps == steps
     assert_same(before, engine.parameters_fp32())
-    train(engine, 2, 1)  # still usable
+    train(engine, 1, 1)  # still usable
+    engine.close()
+
+    engine = _engine(tmp_path)                    # the advice, followed
+    sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)
+    engine.load_checkpoint(tmp_path / "ckpts")
+    for _ in range(engine.global_steps):
+        sched.step()
+    engine.set_lr_scheduler(sched)
+    train(engine, 2, 1)
+    assert engine.optimizer.param_groups[0]["lr"] == expected_lr
+    assert_same(expected, engine.parameters_fp32())
     engine.close()
 
 

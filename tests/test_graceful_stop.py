@@ -218,3 +218,106 @@ def test_sighup_stops_like_sigterm_and_removes_the_run_directory(tmp_path):
     assert "SIGHUP received: stopping after the current step" in err, err
     assert "training stopped after step" in err and "finished" not in out
     assert os.listdir(nvme) == [], "the run directory must be removed"
+
+
+class DataPosition:
+    """A data position counter, advanced when a batch is taken (as a stateful data loader is)."""
+
+    def __init__(self):
+        self.taken = 0
+
+    def state_dict(self):
+        return {"taken": self.taken}
+
+    def load_state_dict(self, state):
+        self.taken = state["taken"]
+
+
+def warmup_then_decay(step):
+    return min(1.0, (step + 1) / 4) * 0.8 ** max(0, step - 3)
+
+
+def _scheduled(nvme, ckpt=None):
+    """An engine with a LambdaLR the engine steps and a registered data position (issue 37 row 3)."""
+    engine = zerotier.initialize(make_model(), config(nvme, ckpt))
+    engine.set_lr_scheduler(torch.optim.lr_scheduler.LambdaLR(engine.optimizer, warmup_then_decay))
+    position = DataPosition()
+    engine.register_for_checkpointing(position)
+    return engine, position
+
+
+def _train_scheduled(engine, position, until, signal_at=None):
+    """Train to step `until`, the data chosen by the position; returns {step: the lr its update used}."""
+    data = [b for step in range(until) for b in micro_batches(step)]
+    lrs = {}
+    while engine.global_steps < until:
+        if engine.global_steps == signal_at and not engine.stop_requested:
+            os.kill(os.getpid(), signal.SIGTERM)  # preempted between steps: the stop comes at the end of the next
+        x, y = data[position.taken]
+        position.taken += 1
+        lr = engine.optimizer.param_groups[0]["lr"]
+        engine.backward(engine(x, y))
+        if engine.step():
+            lrs[engine.global_steps] = lr
+    return lrs
+
+
+def test_signal_checkpoint_carries_the_lr_scheduler_and_registered_objects(tmp_path):
+    """Issue 37 row 3: the checkpoint train.checkpoint_on_signal writes forgot the lr scheduler (the
+    resumed schedule restarted: 3.78e-4 instead of 5.78e-4 at step 8) and any client state. A scheduler
+    handed to the engine (set_lr_scheduler) and a registered data position are carried by it: the
+    resumed run's lrs and weights are bitwise the uninterrupted run's."""
+    steps, at = 10, 5
+    engine, position = _scheduled(tmp_path)
+    expected_lrs = _train_scheduled(engine, position, steps)
+    expected = engine.parameters_fp32()
+    engine.close()
+    assert len(set(expected_lrs.values())) > 5  # the schedule moves
+
+    engine, position = _scheduled(tmp_path, str(tmp_path / "ckpt"))
+    with pytest.raises(zerotier.TrainingStopped) as stopped:
+        _train_scheduled(engine, position, steps, signal_at=at)
+    resumed, position = _scheduled(tmp_path)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert position.taken == resumed.global_steps * ACCUM  # no batch taken but not trained
+    assert resumed.lr_scheduler.last_epoch == resumed.global_steps
+    assert resumed.global_steps == at + 1 and stopped.value.checkpoint == tmp_path / "ckpt" / f"ckpt-{at + 1}"
+    lrs = _train_scheduled(resumed, position, steps)
+    assert lrs == {s: expected_lrs[s] for s in range(at + 2, steps + 1)}
+    got = resumed.parameters_fp32()
+    resumed.close()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_what_a_checkpoint_carries_is_refused_where_it_would_resume_wrongly(tmp_path):
+    """[Note: what a checkpoint carries]: a scheduler the loop steps cannot be registered (a signal
+    checkpoint would hold it a step behind); registered objects must match at load; the engine's
+    scheduler stepped by the loop as well is refused."""
+    engine, position = _scheduled(tmp_path)
+    sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, warmup_then_decay)
+    with pytest.raises(zerotier.ZerotierError, match="one step behind.*engine.set_lr_scheduler"):
+        engine.register_for_checkpointing(sched)
+    with pytest.raises(zerotier.ZerotierError, match="no state_dict"):
+        engine.register_for_checkpointing(object())
+    _train_scheduled(engine, position, 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.lr_scheduler.step()                  # the loop steps it as well: refused at the next update
+    x, y = micro_batches(1)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    x, y = micro_batches(1)[1]
+    engine.backward(engine(x, y))
+    with pytest.raises(zerotier.ZerotierError, match="stepped outside the engine"):
+        engine.step()
+    engine.close()
+    other = zerotier.initialize(make_model(), config(tmp_path))
+    other.register_for_checkpointing(DataPosition(), DataPosition())
+    with pytest.raises(zerotier.ZerotierError, match=r"carries registered objects \['DataPosition'\] but this "
+                                                     r"engine has \['DataPosition', 'DataPosition'\]"):
+        other.load_checkpoint(tmp_path / "ckpt")
+    other.close()
+    plain = zerotier.initialize(make_model(), config(tmp_path))
+    with pytest.warns(UserWarning, match="none is registered with this engine"):
+        plain.load_checkpoint(tmp_path / "ckpt")
+    plain.close()

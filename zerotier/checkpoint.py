@@ -229,10 +229,14 @@ def save(engine, root, *, lr_scheduler=None, client_state=None, keep: int | None
     problem = None
     root = Path(root)
     final = root / f"ckpt-{engine.global_steps}"
+    lr_scheduler = lr_scheduler if lr_scheduler is not None else engine.carried.lr_scheduler
+    registered = []  # [Note: what a checkpoint carries] in carried.py
     try:  # before anything is written: a refused save leaves nothing behind
         _check_loadable(client_state, "client_state")
         if lr_scheduler is not None:
             _check_loadable(lr_scheduler.state_dict(), "the lr scheduler's state_dict()")
+        registered = engine.carried.states()
+        _check_loadable(registered, "a registered object's state_dict() (engine.register_for_checkpointing)")
         if rank == 0 and os.path.lexists(final) and not _is_ours(final):
             raise CheckpointError(errno.EEXIST, f"save_checkpoint: {final} exists and is not a zerotier "
                                                 f"checkpoint (not written by this code); it is left as it is: "
@@ -268,7 +272,8 @@ def save(engine, root, *, lr_scheduler=None, client_state=None, keep: int | None
         records = _write_rank_data(engine, tmp / f"rank{rank}.bin")
         files[f"rank{rank}.pt"] = _save_pt({"rng": _rng_state()}, tmp / f"rank{rank}.pt")
         if rank == 0:
-            files["state.pt"] = _save_pt(_global_state(engine, lr_scheduler, client_state), tmp / "state.pt")
+            files["state.pt"] = _save_pt(_global_state(engine, lr_scheduler, client_state, registered),
+                                         tmp / "state.pt")
     except OSError as exc:
         error = exc if isinstance(exc, CheckpointError) else _space_error(tmp, f"rank {rank}'s files", exc)
     except BaseException as exc:  # noqa: BLE001 — re-raised below, after the other ranks know
@@ -382,12 +387,12 @@ def _hf_config(module) -> dict | None:
         return None
 
 
-def _global_state(engine, lr_scheduler, client_state) -> dict:
+def _global_state(engine, lr_scheduler, client_state, registered: list) -> dict:
     return {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
             "scaler": engine.scaler.state_dict(),
             "optimizer": engine.optimizer.groups_state_dict(),  # the Adam state is in the rank files
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "client_state": client_state, "module_unmanaged": _unmanaged_state(engine)}
+            "client_state": client_state, "module_unmanaged": _unmanaged_state(engine), "registered": registered}
 
 
 def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list, keep: int | None) -> None:
@@ -534,6 +539,18 @@ def _check_fingerprint(engine, manifest: dict, ckpt: Path) -> None:
                                 f"model it was saved from")
 
 
+def _refuse_missing_scheduler(ckpt: Path, step: int, given: bool) -> None:
+    """No error may advise a path that trains differently: loading without the scheduler restarts it."""
+    which = "lr_scheduler=" if given else "the engine's lr scheduler (engine.set_lr_scheduler)"
+    raise ZerotierError(
+        f"checkpoint {ckpt} holds no lr scheduler state (it was saved without one), so {which} cannot be restored "
+        f"from it (nothing was loaded); a schedule restarted at its first step would train differently from the run "
+        f"that saved it. To go on with the schedule at step {step}: build the scheduler as that run did, load the "
+        f"checkpoint without one (no lr_scheduler=, no engine.set_lr_scheduler before the load), then call "
+        f"scheduler.step() {step} times (exact for a schedule of the step count alone: LambdaLR, transformers' "
+        f"get_*_schedule_with_warmup). Then engine.set_lr_scheduler(scheduler): every later checkpoint carries it")
+
+
 def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
     """Load a checkpoint into `engine` (collective: every rank calls it); returns client_state.
 
@@ -545,13 +562,14 @@ def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
     ckpt = resolve(root)
     manifest = read_manifest(ckpt)
     _check_fingerprint(engine, manifest, ckpt)
+    scheduler = lr_scheduler if lr_scheduler is not None else engine.carried.lr_scheduler
     engine.synchronize()  # fetches issued but not consumed would hold the old parameters
     files = RankFiles(ckpt, manifest)
     try:
         state = load_state(ckpt, manifest, trust_pickle)
-        if lr_scheduler is not None and state["lr_scheduler"] is None:  # before anything changes
-            raise ZerotierError(f"checkpoint {ckpt} was saved without an lr scheduler state; call "
-                                f"load_checkpoint without lr_scheduler= (nothing was loaded)")
+        if scheduler is not None and state["lr_scheduler"] is None:  # before anything changes
+            _refuse_missing_scheduler(ckpt, state["global_steps"], given=lr_scheduler is not None)
+        engine.carried.check(state["registered"], ckpt)
         try:
             engine.optimizer.checked(state["optimizer"])
         except ValueError as exc:
@@ -581,8 +599,9 @@ def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
     engine.micro_steps = state["micro_steps"]
     engine.scaler.load_state_dict(state["scaler"])
     engine.optimizer.load_state_dict(state["optimizer"])
-    if lr_scheduler is not None:
-        lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["lr_scheduler"])
+    engine.carried.restore(state["registered"])
     _set_rng_state(rng)
     run = manifest.get("run")
     if isinstance(run, dict) and isinstance(run.get("id"), str):

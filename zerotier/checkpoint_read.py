@@ -128,6 +128,10 @@ def load_state(ckpt: Path, manifest: dict, trust_pickle: bool = False) -> dict:
             "an lr)")
     if state["lr_scheduler"] is not None and not isinstance(state["lr_scheduler"], dict):
         bad("the lr scheduler's state is not a dict")
+    registered = state.setdefault("registered", [])  # absent before [Note: what a checkpoint carries]
+    if not isinstance(registered, list) or not all(isinstance(r, dict) and isinstance(r.get("type"), str)
+                                                   and "state" in r for r in registered):
+        bad("the registered objects' states are not a list of {type, state}")
     unmanaged = state["module_unmanaged"]
     if not isinstance(unmanaged, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
                                                   for k, t in unmanaged.items()):

@@ -48,6 +48,7 @@ from .state import DTYPES, Location, build_units, nested_numel
 from .surface import ParamSurface
 from .window import Window, WindowState
 from . import clip, delayed, stop
+from .carried import Carried
 from .tiers.device import DeviceTier
 from .tiers.host import HostPool, trim_heap
 
@@ -142,6 +143,7 @@ class Engine:
             raise
         self.window = Window(self)  # the loop's state ([Note: the plain PyTorch loop] in window.py)
         self.optimizer = EngineOptimizer(self, no_decay)  # over the placed parameters ([Note: param groups])
+        self.carried = Carried(self.optimizer)  # [Note: what a checkpoint carries] in carried.py
         self.scheduler = PrefetchScheduler(
             cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.param_units],
             [u.name for u in self.param_units],
@@ -310,16 +312,40 @@ class Engine:
         (WindowState.BROKEN): some units hold the new weights, others the old; step(), backward()
         and save_checkpoint() then refuse, naming load_checkpoint(). No update runs after the error
         has reached the caller."""
-        ends_window = self.window.ends_window()
+        ends_window, steps = self.window.ends_window(), self.global_steps
         updated = self.window.step()
+        if self.global_steps != steps:
+            self.carried.stepped()  # the engine's lr scheduler, before a checkpoint may be written
         if ends_window:
             self._maybe_stop()
         return updated
 
     def _optimizer_step(self) -> None:
         """engine.optimizer.step() of the plain PyTorch loop ([Note: the plain PyTorch loop] in window.py)."""
-        if self.window.optimizer_step():
+        steps = self.global_steps
+        applied = self.window.optimizer_step()
+        if self.global_steps != steps:
+            self.carried.stepped()
+        if applied:
             self._maybe_stop()
+
+    @property
+    def lr_scheduler(self):
+        """The lr scheduler set by set_lr_scheduler, or None."""
+        return self.carried.lr_scheduler
+
+    def set_lr_scheduler(self, scheduler) -> None:
+        """Hand `scheduler` (built over engine.optimizer) to the engine, as DeepSpeed's initialize(lr_scheduler=):
+        the engine steps it after every update (the loop no longer does) and every checkpoint carries it, the
+        one train.checkpoint_on_signal writes included; load_checkpoint restores it ([Note: what a checkpoint
+        carries] in carried.py)."""
+        self.carried.set_lr_scheduler(scheduler)
+
+    def register_for_checkpointing(self, *objects) -> None:
+        """Objects with state_dict() / load_state_dict() (a data position, a sampler) that every checkpoint
+        carries and load_checkpoint restores, in this order (accelerate's register_for_checkpointing;
+        [Note: what a checkpoint carries] in carried.py)."""
+        self.carried.register(objects)
 
     @property
     def _applying(self) -> bool:

@@ -315,7 +315,8 @@ class ModuleHooks:
             if is_root and torch.is_grad_enabled() and not window.in_backward:
                 self._refuse_unmanaged_grads()
             if is_root and torch.is_grad_enabled() and module.training and not window.in_backward and not transformed:
-                if engine.stop_requested and not engine.sharding.active and window.between_windows():
+                if engine.stop_requested and not engine.sharding.active and window.between_windows() \
+                        and not engine.carried.objects:  # [Note: what a checkpoint carries] in carried.py
                     engine._stop()  # a new window would begin: stop before it ([Note: graceful stop])
                 engine.scheduler.begin_pass()
             if engine._surface.publish_first:  # a forward without grad is a read ([Note: delayed update])

@@ -6,7 +6,8 @@ handler only records the request on every live engine; the engine acts where its
 completed step (`Engine._maybe_stop`):
   - at the end of a step that applied an update (engine.step(), engine.optimizer.step()),
   - with one rank, also when a forward would begin a new accumulation window (a signal that
-    lands while the loop loads data does not cost another step).
+    lands while the loop loads data does not cost another step), unless objects are registered
+    for checkpointing ([Note: what a checkpoint carries] in carried.py).
 A window in progress is finished, never abandoned: its units may already be updated during
 backward ([Note: early step]), so only its end is consistent.
 With several ranks, stopping is a collective decision: the request rides in the all-reduce
