@@ -433,3 +433,53 @@ def test_a_crafted_rates_file_is_refused_naming_the_file_and_key(tmp_path, capsy
     assert err.count("\n") == 1 and re.search(message, err) and err.startswith("zerotier plan: error: "), err
     with pytest.raises(ConfigError, match=message):
         zerotier.plan(tiny("meta"), {"tiers": {"device": "1GiB", "host": "1GiB", "nvme": 0}}, rates=path)
+
+
+# --- [Note: activation memory] (issue 35 item 4) --------------------------------------------------------
+def test_activation_formula_is_korthikanti_eq_1():
+    """34·s·b·h + 5·a·s²·b bytes per layer in 16-bit; 2·s·b·h per layer (+ one layer) checkpointed."""
+    from zerotier.activations import transformer_activation_bytes as act
+
+    s, b, h, a, layers = 4096, 1, 8192, 64, 80
+    per_layer = 34 * s * b * h + 5 * a * s * s * b
+    assert act(h, layers, a, s, b) == layers * per_layer
+    assert act(h, layers, a, s, b, dtype_bytes=4) == 2 * layers * per_layer
+    assert act(h, layers, a, s, b, fused_attention=True) == layers * 34 * s * b * h
+    assert act(h, layers, a, s, b, checkpointed=True) == layers * 2 * s * b * h + per_layer
+    assert act(h, layers, a, s, b, vocab=1000) - act(h, layers, a, s, b) == s * b * 1000 * (2 + 4)
+
+
+def test_a_device_plan_counts_the_activations_it_leaves_room_for():
+    """A 20B-like plan whose params and gradients fill the device: with the activations counted the
+    same budgets no longer fit there, and the device need grows by exactly them."""
+    cfg = dict(tiers=TiersConfig(device=80 << 30, host=1 << 40, nvme=0), precision=PrecisionConfig(
+        param_dtype="bf16", grad_dtype="bf16", master_dtype="bf16", moment_dtype="int8"),
+        prefetch=PrefetchConfig(), device=torch.device("cpu"), rates={})
+    pinned = OffloadConfig(params="device", gradients="device", optimizer="host")
+    units = [250_000_000] * 80
+    bare = make_plan(units, offload=pinned, **cfg)
+    act = 6 << 30
+    with_act = make_plan(units, offload=pinned, activations=(act, "given"), **{**cfg, "tiers": TiersConfig(
+        device=bare.need["device"] + act, host=1 << 40, nvme=0)})
+    assert with_act.need["device"] == bare.need["device"] + act and with_act.activation_bytes == act
+    assert "activations: 6.00 GiB on the device per micro-batch, in needed (given)" in with_act.summary()
+    with pytest.raises(PlanDoesNotFit):
+        make_plan(units, offload=pinned, activations=(act, "given"), **{**cfg, "tiers": TiersConfig(
+            device=bare.need["device"] + act - 1, host=1 << 40, nvme=0)})
+
+
+def test_plan_measures_the_activations_of_its_inputs_and_estimates_them_without(bench_file):
+    """--inputs: the tensors saved for backward, growing with the micro-batch; no inputs: the
+    config's shapes (Korthikanti), at the model's longest sequence."""
+    from zerotier.activations import transformer_activation_bytes
+
+    model = hf_causal_lm("llama", "meta")
+    tiers = {"tiers": {"device": "1GiB", "host": "1GiB", "nvme": 0}}
+    ids = lambda n: (torch.randint(0, 128, (n, 16), generator=torch.Generator().manual_seed(0)),)  # noqa: E731
+    one, four = (zerotier.plan(model, tiers, inputs=lambda n=n: ids(n), repeat=1) for n in (1, 4))
+    assert one.activation_bytes > 2 * 16 * 32 * 4 * 2  # more than every layer's input, fp32
+    assert 3 * one.activation_bytes < four.activation_bytes <= 4 * one.activation_bytes
+    assert "measured" in one.activation_source and one.to_dict()["activation_bytes"] == one.activation_bytes
+    guessed = zerotier.plan(model, tiers)
+    assert guessed.activation_bytes == transformer_activation_bytes(32, 2, 4, 32, vocab=128, dtype_bytes=4)
+    assert "estimated from the config: seq 32, micro-batch 1" in guessed.summary()

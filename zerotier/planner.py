@@ -208,6 +208,10 @@ class Plan:
     speculation_note: str = ""
     # [Note: the plan against the machine] in machine_fit.py: what the node lacks for `need` ("": it has room)
     machine_note: str = ""
+    # [Note: activation memory] in activations.py: one micro-batch's saved activations, in need["device"],
+    # and where the figure comes from ("": not counted)
+    activation_bytes: int = 0
+    activation_source: str = ""
 
     @property
     def per_rank_bytes(self) -> int:
@@ -244,6 +248,9 @@ class Plan:
         lines.append(f"  {'tier':8s} {'needed':>12s} {'budget':>12s}   (needed includes working sets)")
         for tier in TIERS:
             lines.append(f"  {tier:8s} {format_size(self.need[tier]):>12s} {format_size(self.budgets[tier]):>12s}")
+        lines.append(f"  activations: {format_size(self.activation_bytes)} on the device per micro-batch, in needed "
+                     f"({self.activation_source})" if self.activation_source else
+                     "  activations: not counted (plan with the model, and its inputs to measure them)")
         lines.append(self._speculation_line())
         lines.append(f"  outside the budgets: ~{format_size(RSS_OUTSIDE_BUDGETS)} of RSS, fixed in model size (torch's "
                      "runtime and compute temporaries: docs/tiers.md § RSS beyond the budgets)")
@@ -295,6 +302,7 @@ class Plan:
             "frozen_numel": self.frozen_numel, "frozen_param_bytes": self.frozen_param_bytes,
             "tiers": dict(self.need), "budgets": dict(self.budgets),
             "fits": True, "missing": None, "machine_note": self.machine_note or None,
+            "activation_bytes": self.activation_bytes, "activation_source": self.activation_source or None,
             "predicted_step_s": self.predicted_step_s if measured else None,
             "breakdown_s": dict(self.breakdown) if measured else None,
             "critical_path_s": dict(self.critical) if measured else None,
@@ -523,7 +531,8 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
               grad_bytes: int | None = None, ranks_per_node: int | None = None, pipeline_depth: int = 3,
               nested_numel: int = 0, alignment: int = 4096, frozen_numels: list[int] = (),
               compute: UnitCompute | None = None, step: StepOptions = StepOptions(),
-              materialize_bytes: int = 0, machine: Machine | None = None) -> Plan:
+              materialize_bytes: int = 0, machine: Machine | None = None,
+              activations: tuple[int, str] | None = None) -> Plan:
     """Choose a tier for each kind of state within the per-rank budgets, or raise PlanDoesNotFit.
 
     world_size/stage shard each kind's bytes as ZeRO does ([Note: bytes per parameter]);
@@ -535,6 +544,8 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     (materialize.pool_bytes), counted in tiers.host beside everything else.
     machine: the node's memory the chosen plan's need is checked against (`Plan.machine_note`;
     [Note: the plan against the machine] in machine_fit.py); None: not checked.
+    activations: one micro-batch's activation bytes on the device and where the figure comes from
+    ([Note: activation memory] in activations.py), counted in need["device"]; None: not counted.
     `auto` kinds: every tier choice (and the optimizer split) that fits is predicted and the
     fastest taken, ties to the fastest-tier-first choice; all are in `Plan.alternatives`.
     """
@@ -546,7 +557,8 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     args = (unit_numels, tiers, precision, prefetch, device, budgets, resolved)
     kw = dict(world_size=world_size, stage=stage, zero=zero, grad_bytes=grad_bytes, ranks_per_node=ranks_per_node,
               pipeline_depth=pipeline_depth, nested_numel=nested_numel, alignment=alignment,
-              frozen_numels=frozen_numels, compute=compute, step=step, materialize_bytes=materialize_bytes)
+              frozen_numels=frozen_numels, compute=compute, step=step, materialize_bytes=materialize_bytes,
+              activation_bytes=activations[0] if activations else 0)
     autos = [k for k in KINDS if getattr(offload, k) == "auto"]
     try:
         first, error = _place(offload, *args, **kw), None
@@ -555,7 +567,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     if not autos:
         if error is not None:
             raise error
-        return _on(machine, first, ranks_per_node)
+        return _on(machine, first, ranks_per_node, activations)
     tried = [first] if first is not None else []
     layout = StateLayout.of(precision)
     choices = [[loc.value for loc in Location if _tier_holds(k, loc, device.type == "cuda", layout)]
@@ -574,11 +586,14 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
         if plan.predicted_step_s < best.predicted_step_s * (1 - 1e-9):
             best = plan
     rows = tuple(sorted((_alternative(p, p is best) for p in tried), key=lambda r: r["predicted_step_s"]))
-    return _on(machine, dataclasses.replace(best, alternatives=rows), ranks_per_node)
+    return _on(machine, dataclasses.replace(best, alternatives=rows), ranks_per_node, activations)
 
 
-def _on(machine: Machine | None, plan: Plan, ranks_per_node: int | None) -> Plan:
-    """The plan with what `machine` lacks for it ([Note: the plan against the machine])."""
+def _on(machine: Machine | None, plan: Plan, ranks_per_node: int | None, activations: tuple[int, str] | None) -> Plan:
+    """The plan with what `machine` lacks for it ([Note: the plan against the machine]) and where its
+    activation figure comes from ([Note: activation memory])."""
+    if activations:
+        plan = dataclasses.replace(plan, activation_bytes=activations[0], activation_source=activations[1])
     if machine is None:
         return plan
     return dataclasses.replace(plan, machine_note=shortfall(plan.need, machine, ranks_per_node or plan.world_size))
@@ -611,7 +626,7 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
            resolved: tuple[dict[str, float], dict[str, str]], *, world_size: int, stage: int,
            zero: ZeroConfig | None, grad_bytes: int | None, ranks_per_node: int | None, pipeline_depth: int,
            nested_numel: int, alignment: int, frozen_numels: list[int], compute: UnitCompute | None,
-           step: StepOptions, materialize_bytes: int) -> Plan:
+           step: StepOptions, materialize_bytes: int, activation_bytes: int) -> Plan:
     """One placement: `auto` kinds take the fastest tier that fits, in KINDS order."""
     rates, rate_sources = resolved
     lp_bytes = DTYPES[precision.param_dtype].itemsize
@@ -633,8 +648,9 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                                     gather_bucket=zero.allgather_bucket_size, persistence=zero.persistence_threshold)
     local = ranks_per_node or world_size
     free = dict(budgets)
-    need = {"device": 0, "host": materialize_bytes, "nvme": 0}  # [Note: materialization in the host pool]
-    free["host"] -= materialize_bytes
+    need = {"device": activation_bytes, "host": materialize_bytes, "nvme": 0}  # [Note: materialization in the
+    free["host"] -= materialize_bytes                                      # host pool], [Note: activation memory]
+    free["device"] -= activation_bytes
     placement: dict[str, Location] = {}
     units_on: tuple[Location, ...] | None = None  # [Note: optimizer split]
     for kind in KINDS:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .activations import estimate
 from .config import Config
 from .errors import ConfigError
 from .machine_fit import recorded_machine, this_machine
@@ -73,7 +74,9 @@ def plan_model(model, cfg: Config, inputs, *, rates, device: torch.device, world
                      grad_bytes=grad_bytes, ranks_per_node=ranks_per_node, pipeline_depth=cfg.optimizer.pipeline_depth,
                      nested_numel=nested_numel(units), frozen_numels=[u.numel for u in units if u.frozen],
                      compute=compute, step=step,
-                     machine=recorded_machine(rates, device.type) if elsewhere else this_machine(device))
+                     machine=recorded_machine(rates, device.type) if elsewhere else this_machine(device),
+                     activations=(compute.activation_bytes, "measured: what one micro-batch of the inputs saves for "
+                                  "backward") if compute is not None else estimate(model, dtype.itemsize))
 
 
 def _rates(rates, cfg: Config) -> tuple[dict[str, float] | None, bool]:

@@ -70,10 +70,11 @@ class UnitCompute:
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
     encloses: tuple[bool, ...]
+    activation_bytes: int = 0  # what one micro-batch's forward saves for backward ([Note: activation memory])
 
     def scaled(self, factor: float) -> "UnitCompute":
         return UnitCompute(tuple(t * factor for t in self.forward_s), tuple(t * factor for t in self.backward_s),
-                           self.encloses)
+                           self.encloses, self.activation_bytes)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ guessed, and a model that exists only on the meta device never exists whole:
      every block replaced by a stand-in returning its captured output (tied to the block's
      input so the gradient flows back to the embeddings), the root's tensors resident.
 
+The warm-up runs of steps 2 and 3 also count the bytes their forward saves for backward, summed
+over every block and the root: one micro-batch's activations ([Note: activation memory] in
+activations.py).
+
 Resident tensors are fresh ones on the device in precision.param_dtype (floating buffers
 too, as the engine casts them): normal(0, 0.02) for meta parameters, zeros for meta
 buffers, a copy for real ones; the module gets its own tensors back afterwards. Values
@@ -33,6 +37,7 @@ shared cache would make run 2 attend over run 1's keys and back through its free
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -41,6 +46,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from .activations import SavedBytes
 from .predict import UnitCompute
 from .state import build_units, wrapped_modules
 
@@ -61,21 +67,24 @@ def measure(model: torch.nn.Module, inputs: tuple | Callable[[], tuple], device:
     bwd: dict[str, float] = {}
     with _Resident(model, _own_modules(model, "", wrapped), device, dtype):
         captured = _capture(model, blocks, modules, wrapped, args, device, dtype)
-        timed: dict[tuple, tuple[float, float]] = {}
+        timed: dict[tuple, tuple[float, float, int]] = {}
+        activations = 0  # [Note: activation memory]: every block's saved tensors live until its backward
         for name in blocks:
             key = captured.signature[name]
             if key not in timed:
                 with _Resident(model, _subtree(modules, name), device, dtype):
                     timed[key] = _time_block(modules[name], *captured.inputs[key], clock, repeat)
-            fwd[name], bwd[name] = timed[key]
-        fwd[""], bwd[""] = _time_root(model, blocks, modules, captured.outputs, args, clock, repeat)
+            fwd[name], bwd[name], saved = timed[key]
+            activations += saved
+        fwd[""], bwd[""], saved = _time_root(model, blocks, modules, captured.outputs, args, clock, repeat)
+        activations += saved
     by_unit = {}
     for unit in units:  # a module's trainable unit carries its compute (else its frozen one)
         by_unit.setdefault(unit.name, unit.index)
     forward_s, backward_s = [0.0] * len(units), [0.0] * len(units)
     for name, index in by_unit.items():
         forward_s[index], backward_s[index] = fwd.get(name, 0.0), bwd.get(name, 0.0)
-    return UnitCompute(tuple(forward_s), tuple(backward_s), tuple(u.name == "" for u in units))
+    return UnitCompute(tuple(forward_s), tuple(backward_s), tuple(u.name == "" for u in units), activations)
 
 
 def _to(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -205,28 +214,37 @@ def _grad_leaves(out) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def _time_block(module, args, kwargs, clock: _Clock, repeat: int) -> tuple[float, float]:
-    """Step 2: a block's forward and backward on its captured inputs (median after a warm-up)."""
+def _time_block(module, args, kwargs, clock: _Clock, repeat: int) -> tuple[float, float, int]:
+    """Step 2: a block's forward and backward on its captured inputs (median after a warm-up), and
+    the bytes its forward saves for backward."""
     def leaf(x):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             return x.detach().requires_grad_(True)
         return x
 
     fwd, bwd = [], []
+    saved = SavedBytes(_own_tensors(module))  # [Note: activation memory], in the warm-up run
     for i in range(repeat + 1):  # [Note: a block's inputs, fresh per run]
         a, kw = pytree.tree_map(leaf, copy.deepcopy((args, kwargs)))
-        tf, out = clock(lambda: module(*a, **kw))
+        with saved if i == 0 else contextlib.nullcontext():
+            tf, out = clock(lambda: module(*a, **kw))
         outs = _grad_leaves(out)
         grads = [torch.randn_like(t) for t in outs]
         tb, _ = clock(lambda: torch.autograd.backward(outs, grads))
         if i:  # the first run warms caches and kernels up
             fwd.append(tf)
             bwd.append(tb)
-    return statistics.median(fwd), statistics.median(bwd)
+    return statistics.median(fwd), statistics.median(bwd), saved.bytes
 
 
-def _time_root(model, blocks, modules, outputs, args, clock: _Clock, repeat: int) -> tuple[float, float]:
-    """Step 3: the model with every block standing in by its captured output."""
+def _own_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Its resident parameters and buffers: state, not activations."""
+    return [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+
+
+def _time_root(model, blocks, modules, outputs, args, clock: _Clock, repeat: int) -> tuple[float, float, int]:
+    """Step 3: the model with every block standing in by its captured output; and the bytes the
+    root's own forward saves for backward."""
     def stand_in(name):
         def forward(*a, **kw):
             x = next((t for t in pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor) and t.requires_grad),
@@ -242,11 +260,13 @@ def _time_root(model, blocks, modules, outputs, args, clock: _Clock, repeat: int
         return forward
 
     fwd, bwd = [], []
+    saved = SavedBytes(_own_tensors(model))
     try:
         for name in blocks:
             modules[name].forward = stand_in(name)
         for i in range(repeat + 1):
-            tf, out = clock(lambda: _loss(model(*args)))
+            with saved if i == 0 else contextlib.nullcontext():
+                tf, out = clock(lambda: _loss(model(*args)))
             tb, _ = clock(lambda: out.backward())
             if i:
                 fwd.append(tf)
@@ -255,7 +275,7 @@ def _time_root(model, blocks, modules, outputs, args, clock: _Clock, repeat: int
         for name in blocks:
             modules[name].__dict__.pop("forward", None)  # the class's forward again
         model.zero_grad(set_to_none=True)
-    return statistics.median(fwd), statistics.median(bwd)
+    return statistics.median(fwd), statistics.median(bwd), saved.bytes
 
 
 def _loss(out) -> torch.Tensor:
