@@ -69,3 +69,24 @@ def test_links_are_named_for_this_machine():
     table = report.table()
     assert "RAM copy" in table and "PCIe" not in table, table
     assert report.verdict != "PCIe-bound"
+
+
+def test_the_profile_names_each_unit_by_its_module(tmp_path):
+    """The engine gives the profiler its units' module paths: the table and the trace say `blocks.1 (u00002).param`,
+    not only `u00002.param` (issue 35 item 8)."""
+    torch.manual_seed(0)
+    cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "host"}, "profile": {"enabled": True}}
+    with zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16), cfg) as engine:
+        names = {u.key: u.name for u in engine.param_units}
+        for x, y in batches(64, 16, 2, 2):
+            engine.backward(engine(x, y))
+            engine.step()
+        trace = engine.profiler.trace()
+        table = engine.report().table()
+    assert sorted(names.values()) == ["", "blocks.0", "blocks.1"]
+    block = next(key for key, name in names.items() if name == "blocks.1")
+    assert f"blocks.1 ({block}).param" in table and "<root> (" in table, table
+    fetches = [e for e in trace["traceEvents"] if e.get("cat") == "transfer" and e["args"]["tensor"] == f"{block}.param"]
+    assert fetches and all(e["args"]["module"] == "blocks.1" and f"blocks.1 ({block}).param" in e["name"]
+                           for e in fetches)
+    assert trace["zerotier"]["unit_names"] == names

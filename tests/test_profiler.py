@@ -27,8 +27,9 @@ def make_profiler(**kw) -> Profiler:
     kw.setdefault("record_function", False)
     residency = kw.pop("residency", None)
     peak_rates = kw.pop("peak_rates", None)
+    unit_names = kw.pop("unit_names", None)
     return Profiler(ProfileConfig(enabled=True, **kw), residency=residency, peak_rates=peak_rates if peak_rates
-                    is not None else {})
+                    is not None else {}, unit_names=unit_names)
 
 
 def at(prof: Profiler, ms: float) -> int:
@@ -62,7 +63,7 @@ def check_well_formed(trace: dict) -> None:
             tracks[(e["pid"], e["tid"])].append(e)
             if e["cat"] == "transfer":
                 args = e["args"]
-                assert set(args) == TRANSFER_ARGS
+                assert set(args) - {"module"} == TRANSFER_ARGS  # module: when the unit's path is known
                 assert args["reason"] in REASONS and args["role"] in ROLES
                 assert args["src"] in TIERS and args["dst"] in TIERS and args["src"] != args["dst"]
                 assert args["bytes"] >= 0 and args["stall_us"] >= 0
@@ -424,7 +425,8 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
 def test_profile_plot_without_matplotlib_fails_before_the_report(tmp_path, monkeypatch, capsys):
     trace_path = tmp_path / "trace.json"
     busy_profile().save(str(trace_path))
-    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import fails as if not installed
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)   # import fails as if not installed (also after a plot)
     assert cli.main(["profile", str(trace_path), "--plot", str(tmp_path / "x.png")]) == 1
     out, err = capsys.readouterr()
     assert out == "" and "pip install matplotlib" in err and "zerotier-offload[plot]" in err
@@ -870,3 +872,39 @@ def test_a_crafted_plan_file_is_refused_naming_the_file_and_key(tmp_path, capsys
     assert err.count("\n") == 1 and re.search(message, err) and err.startswith("zerotier profile: error: "), err
     plan.write_text(json.dumps(GOOD_PLAN))
     assert load_plan(str(plan)) == GOOD_PLAN
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors named by their module (issue 35 item 8)
+
+
+def test_tensors_are_named_by_their_module_in_the_table_and_the_trace(tmp_path):
+    """`unit_names` (the engine's unit key -> module path) names each tensor `layers.3 (u00003).exp_avg`
+    in the table, in the Perfetto slice names and as the events' `module` arg; a saved trace keeps it."""
+    prof = make_profiler(unit_names={"u00000": "", "u00001": "layers.1", "u00003": "layers.3"})
+    xfer(prof, "u00003.exp_avg", "nvme", "host", 0, 2, reason="optimizer-read", role="exp_avg", nbytes=8 << 20)
+    xfer(prof, "u00000.param", "host", "device", 2, 3, nbytes=4 << 20, stream="main")
+    xfer(prof, "u00002.param", "host", "device", 3, 4, nbytes=2 << 20)  # no path given: stays its key
+    span(prof, "forward", 0, 5)
+    prof.record_wait("u00003.exp_avg", at(prof, 1), at(prof, 2), thread="main")
+    trace = prof.trace()
+    check_well_formed(trace)
+    names = {e["name"]: e["args"] for e in trace["traceEvents"] if e.get("ph") == "X" and e["cat"] != "compute"}
+    assert names["optimizer-read layers.3 (u00003).exp_avg nvme->host"]["module"] == "layers.3"
+    assert names["prefetch <root> (u00000).param host->device"]["module"] == "<root>"
+    assert "module" not in names["prefetch u00002.param host->device"]
+    assert names["stall layers.3 (u00003).exp_avg"] == {"tensor": "u00003.exp_avg", "matched": True,
+                                                        "thread": "main", "module": "layers.3"}
+    s = summarize(trace)
+    table = s.table()
+    assert "  1  layers.3 (u00003).exp_avg exp_avg" in table, table
+    assert "<root> (u00000).param" in table and " u00002.param " in table
+    assert [t.name for t in s.top_tensors] == ["u00003.exp_avg", "u00000.param", "u00002.param"]
+    path = tmp_path / "trace.json"
+    prof.save(str(path))
+    assert summarize(load_trace(str(path))) == s
+    saved = json.loads(path.read_text())
+    saved["zerotier"]["unit_names"]["u00001"] = 3
+    path.write_text(json.dumps(saved))
+    with pytest.raises(ZerotierError, match="unit_names.u00001"):
+        load_trace(str(path))

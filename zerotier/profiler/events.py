@@ -77,11 +77,13 @@ class Profiler:
     and must return {tier: (current_bytes, budget_bytes)}. `peak_rates` are this node's
     peak rates in bytes/s (keys h2d, d2h, nvme_read, nvme_write; cpu_adam in params/s);
     when None, `zerotier.bench.load_rates()` is tried when the trace is exported; {} means
-    none (no "of peak" column).
+    none (no "of peak" column). `unit_names`: {unit key: module path} ("u00003": "layers.3"), so
+    the trace and the table name a tensor `layers.3 (u00003).exp_avg`, not only by its key.
     """
 
     def __init__(self, cfg: ProfileConfig, residency: Residency | None = None,
-                 peak_rates: Mapping[str, float] | None = None, device=None):
+                 peak_rates: Mapping[str, float] | None = None, device=None,
+                 unit_names: Mapping[str, str] | None = None):
         if cfg.trace_path is not None:
             from .trace import check_trace_path
             check_trace_path(cfg.trace_path)
@@ -92,6 +94,7 @@ class Profiler:
         self.wall_t0 = time.time()           # the same instant, as wall-clock seconds
         self._residency = residency
         self._peak_rates = dict(peak_rates) if peak_rates is not None else None
+        self.unit_names = dict(unit_names or {})
         # (name, role, src, dst, nbytes, reason, stream, start_ns, end_ns, stall_ns)
         # Each kind keeps its newest cfg.max_events records: memory stays bounded on long runs.
         self._transfers: deque[tuple] = deque(maxlen=cfg.max_events)
@@ -121,10 +124,11 @@ class Profiler:
 
     @classmethod
     def from_config(cls, cfg: ProfileConfig, residency: Residency | None = None,
-                    peak_rates: Mapping[str, float] | None = None, device=None) -> "Profiler | None":
+                    peak_rates: Mapping[str, float] | None = None, device=None,
+                    unit_names: Mapping[str, str] | None = None) -> "Profiler | None":
         """A Profiler when `cfg.enabled`, else None (what the engine stores when profiling is off).
         `device`: the compute device; a CUDA one is timed with events ([Note: CUDA timing])."""
-        return cls(cfg, residency, peak_rates, device) if cfg.enabled else None
+        return cls(cfg, residency, peak_rates, device, unit_names) if cfg.enabled else None
 
     # ------------------------------------------------------------------ transfers
 

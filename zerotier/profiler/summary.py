@@ -40,7 +40,7 @@ from pathlib import Path
 from ..config import format_duration, format_size
 from ..errors import ConfigError
 from . import intervals as iv
-from .trace import TraceData, read_trace
+from .trace import TraceData, read_trace, tensor_label
 
 # Peak-rate key (zerotier bench / planner.DEFAULT_RATES, bytes/s) that bounds each link.
 LINK_PEAK = {"host->device": "h2d", "device->host": "d2h", "nvme->host": "nvme_read", "host->nvme": "nvme_write",
@@ -117,12 +117,13 @@ class ReasonStats:
 
 @dataclass(frozen=True)
 class TensorStats:
-    name: str
+    name: str                   # as recorded: the unit's key and the tensor ("u00003.exp_avg")
     role: str
     transfers: int
     bytes: int
     stall_s: float
     reasons: tuple[str, ...]
+    label: str = ""             # as a reader knows it: "layers.3 (u00003).exp_avg" (trace.tensor_label)
 
 
 @dataclass(frozen=True)
@@ -244,9 +245,11 @@ def summarize(trace: dict, top: int = 10) -> Summary:
     by_tensor: dict[str, list[dict]] = defaultdict(list)
     for t in xs:
         by_tensor[t["tensor"]].append(t)
+    units = data.meta.get("unit_names") or {}
     tensors = [TensorStats(name, v[0]["role"], len(v), sum(t["bytes"] for t in v),
                            sum(t["stall_us"] for t in v) / 1e6,
-                           tuple(sorted({t["reason"] for t in v}, key=lambda r: order.get(r, len(order)))))
+                           tuple(sorted({t["reason"] for t in v}, key=lambda r: order.get(r, len(order)))),
+                           tensor_label(name, units))
                for name, v in by_tensor.items()]
     tensors.sort(key=lambda s: (-s.bytes, s.name))
 
@@ -512,9 +515,11 @@ def _table(s: Summary) -> str:
                          f"{pct(r.pct_of_budget):>7}")
     if s.top_tensors:
         lines.append(f"  top {len(s.top_tensors)} tensors by traffic")
-        lines.append(f"  {'#':>3}  {'tensor':<20} {'role':<11} {'transfers':>9} {'bytes':>11} {'stall ms':>9}  reasons")
+        width = max(20, *(len(t.label or t.name) for t in s.top_tensors))
+        lines.append(f"  {'#':>3}  {'tensor':<{width}} {'role':<11} {'transfers':>9} {'bytes':>11} {'stall ms':>9}  "
+                     "reasons")
         for i, t in enumerate(s.top_tensors, 1):
-            lines.append(f"  {i:>3}  {t.name:<20} {t.role:<11} {t.transfers:>9,} {format_size(t.bytes):>11} "
+            lines.append(f"  {i:>3}  {t.label or t.name:<{width}} {t.role:<11} {t.transfers:>9,} {format_size(t.bytes):>11} "
                          f"{1e3 * t.stall_s:>9.1f}  {', '.join(t.reasons)}")
     shares = s.shares()
     names, _ = _names(s.device)

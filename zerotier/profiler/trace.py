@@ -67,13 +67,15 @@ def build_trace(prof) -> dict:
     events: list[dict] = []
     tracks = _Tracks(events)
 
+    units = prof.unit_names
     by_stream: dict[str, list] = defaultdict(list)
     for (name, role, src, dst, nbytes, reason, stream, start, end, _), stall in zip(transfers, stall_ns):
         ts, dur = (start - t0) / 1e3, (end - start) / 1e3
         by_stream[stream].append((ts, dur, {
-            "name": f"{reason} {name} {src}->{dst}", "cat": "transfer", "ph": "X", "ts": ts, "dur": dur,
-            "args": {"tensor": name, "role": role, "src": src, "dst": dst, "bytes": nbytes, "reason": reason,
-                     "stall_us": stall / 1e3, "stream": stream}}))
+            "name": f"{reason} {tensor_label(name, units)} {src}->{dst}", "cat": "transfer", "ph": "X", "ts": ts,
+            "dur": dur, "args": {"tensor": name, "role": role, "src": src, "dst": dst, "bytes": nbytes,
+                                 "reason": reason, "stall_us": stall / 1e3, "stream": stream,
+                                 **_module(name, units)}}))
     by_thread: dict[str, list] = defaultdict(list)
     for label, kind, thread, start, end, numel in rec["computes"]:
         ts, dur = (start - t0) / 1e3, (end - start) / 1e3
@@ -81,8 +83,9 @@ def build_trace(prof) -> dict:
                                             "args": {"kind": kind, "numel": numel, "thread": thread}}))
     for (name, thread, start, end), found in zip(waits, matched):
         ts, dur = (start - t0) / 1e3, (end - start) / 1e3
-        by_thread[thread].append((ts, dur, {"name": f"stall {name}", "cat": "stall", "ph": "X", "ts": ts,
-                                            "dur": dur, "args": {"tensor": name, "matched": found, "thread": thread}}))
+        by_thread[thread].append((ts, dur, {"name": f"stall {tensor_label(name, units)}", "cat": "stall", "ph": "X",
+                                            "ts": ts, "dur": dur, "args": {"tensor": name, "matched": found,
+                                                                           "thread": thread, **_module(name, units)}}))
     tracks.process(PID_COMPUTE, "compute")
     for thread in sorted(by_thread):
         tracks.place(PID_COMPUTE, thread, by_thread[thread])
@@ -140,8 +143,24 @@ def build_trace(prof) -> dict:
                        "by_link": {k: {"transfers": n, "bytes": b} for k, (n, b) in sorted(by_link.items())},
                        "by_reason": {k: {"transfers": n, "bytes": b} for k, (n, b) in sorted(by_reason.items())}},
         "speculation": rec["speculation_totals"],  # the whole run's ([Note: speculation counters])
+        "unit_names": units,  # unit key -> module path (tensor_label)
     }
     return {"traceEvents": events + counters + marks, "displayTimeUnit": "ms", "zerotier": meta}
+
+
+def tensor_label(name: str, unit_names: dict[str, str]) -> str:
+    """A tensor as a reader knows it: `u00003.exp_avg` of the unit at module `layers.3` is
+    `layers.3 (u00003).exp_avg` (the root module's unit: `<root> (u00000).param`); a name whose
+    unit has no module path given stays as it is."""
+    key, dot, rest = name.partition(".")
+    module = unit_names.get(key)
+    return name if module is None else f"{module or '<root>'} ({key}){dot}{rest}"
+
+
+def _module(name: str, unit_names: dict[str, str]) -> dict[str, str]:
+    """{"module": path} of the unit of tensor `name` for an event's args, or {} when unknown."""
+    module = unit_names.get(name.partition(".")[0])
+    return {} if module is None else {"module": module or "<root>"}
 
 
 class _Tracks:
@@ -400,6 +419,9 @@ def _check_trace(trace: dict, path: str) -> None:
         fields(speculation, "zerotier.speculation", counts=SPECULATION_TOTALS[:-1], numbers=SPECULATION_TOTALS[-1:])
         if speculation["rolled_back_windows"] > speculation["windows"]:
             bad("zerotier.speculation: more windows rolled back than speculated")
+    names = meta.get("unit_names")
+    if names is not None:  # absent in traces written before it existed
+        fields(names, "zerotier.unit_names", strs=tuple(names) if isinstance(names, dict) else ())
     for i, e in enumerate(trace["traceEvents"]):
         if not isinstance(e, dict):
             bad(f"traceEvents[{i}] is {reprlib.repr(e)}, not an object")
