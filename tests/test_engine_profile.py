@@ -68,6 +68,13 @@ def test_links_are_named_for_this_machine():
     assert report.device == "cpu"
     table = report.table()
     assert "RAM copy" in table and "PCIe" not in table, table
+    # [Note: same memory]: host<->device on the CPU is no link: no bandwidth printed for it (issue 35 item 8)
+    rows = {k.link: k for k in report.links}
+    assert rows["host->device"].same_memory and rows["host->device"].gbps is None
+    assert rows["device->host"].same_memory and rows["device->host"].gbps is None
+    row = next(line for line in table.splitlines() if line.startswith("  host->device (same memory)"))
+    assert row.split()[-3:] == ["-", "-", "-"], row
+    assert "not a link, so they have no GB/s" in table
     assert report.verdict != "PCIe-bound"
 
 

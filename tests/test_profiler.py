@@ -908,3 +908,24 @@ def test_tensors_are_named_by_their_module_in_the_table_and_the_trace(tmp_path):
     path.write_text(json.dumps(saved))
     with pytest.raises(ZerotierError, match="unit_names.u00001"):
         load_trace(str(path))
+
+
+def test_host_device_moves_on_a_cpu_only_machine_get_no_bandwidth():
+    """[Note: same memory] On the CPU the device is host RAM: a host->device "transfer" of 1 GiB in 1 ms is
+    no 1000 GB/s link; the same records from a GPU keep their bandwidth (issue 35 item 8)."""
+    for device in ("cpu", "cuda"):
+        prof = Profiler(ProfileConfig(enabled=True, record_function=False), peak_rates={"nvme_read": 2e9})
+        prof.device_type = device  # the machine the trace was taken on (a CUDA clock is not wanted here)
+        xfer(prof, "u00001.param", "host", "device", 0, 1, nbytes=1 << 30)
+        xfer(prof, "u00001.param", "nvme", "host", 1, 3, nbytes=1 << 20)
+        s = summarize(prof.trace())
+        links = {k.link: k for k in s.links}
+        assert links["nvme->host"].gbps == pytest.approx((1 << 20) / 2e-3 / 1e9) and not links["nvme->host"].same_memory
+        if device == "cpu":
+            assert links["host->device"].same_memory and links["host->device"].gbps is None
+            assert links["host->device"].pct_of_peak is None and not links["host->device"].peak_stale
+            assert "  host->device (same memory)" in s.table() and "1073.74" not in s.table()
+            assert s.to_dict()["links"][0]["gbps"] is None
+        else:
+            assert not links["host->device"].same_memory and "(same memory)" not in s.table()
+            assert links["host->device"].gbps == pytest.approx(1073.74, rel=1e-3)

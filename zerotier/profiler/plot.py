@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..config import format_size
 from ..errors import ZerotierError
 from .intervals import union
-from .summary import LINK_PEAK, step_times
+from .summary import LINK_PEAK, same_memory, step_times
 from .trace import bandwidth_series, read_trace
 
 _TIER_COLORS = {"device": "tab:green", "host": "tab:blue", "nvme": "tab:orange"}
@@ -92,7 +92,11 @@ def _bandwidth(ax, data) -> None:
     start_us, end_us = data.meta["window_us"]
     bin_us = data.meta["bandwidth_bin_us"]
     peaks = data.meta.get("peak_rates") or {}
-    for link, points in bandwidth_series(data.transfers, start_us, bin_us).items():
+    series = bandwidth_series(data.transfers, start_us, bin_us)
+    same = [link for link in series if same_memory(link, data.meta.get("device"))]  # [Note: same memory]
+    for link, points in series.items():
+        if link in same:
+            continue
         line, = ax.step([(ts - start_us) / 1e6 for ts, _ in points], [gbps for _, gbps in points], where="post",
                         label=link, linewidth=1.2)
         peak = peaks.get(LINK_PEAK.get(link, ""))
@@ -103,7 +107,8 @@ def _bandwidth(ax, data) -> None:
         ax.axvspan((s - start_us) / 1e6, (e - start_us) / 1e6, color="0.92", zorder=0, linewidth=0)
     ax.set_ylabel("GB/s")
     ax.set_xlabel("seconds since the first recorded event")
-    ax.set_title(f"bandwidth per link ({bin_us / 1e3:.1f} ms bins; grey: compute running)", fontsize="medium")
+    left_out = f"; {', '.join(same)}: same memory, not drawn" if same else ""
+    ax.set_title(f"bandwidth per link ({bin_us / 1e3:.1f} ms bins; grey: compute running{left_out})", fontsize="medium")
     ax.set_xlim(0, max((end_us - start_us) / 1e6, 1e-6))
     ax.set_ylim(bottom=0)
     if data.transfers:

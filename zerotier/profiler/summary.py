@@ -78,6 +78,16 @@ _CPU_NAMES = {"pcie": "RAM copy"}
 _CPU_VERDICTS = {"pcie": "copy-bound"}
 
 
+def same_memory(link: str, device: str | None) -> bool:
+    """[Note: same memory] On a CPU-only machine the "device" tier is a budgeted pool of host RAM, so
+    a host<->device "transfer" is an in-memory copy, or none at all (the optimizer updated the
+    parameters in place, a ZeRO-3 gather read the host shard where it lies), timed around whatever the
+    engine did there. Its bytes / time is no link's bandwidth (a demo printed host->device 1206.81 GB/s):
+    the table labels such a link "(same memory)" and gives it no GB/s, the plot leaves it out of
+    the bandwidth panel. Its transfers, bytes and busy time still count (RAM copy in the verdict)."""
+    return device == "cpu" and link in ("host->device", "device->host")
+
+
 def _names(device: str | None) -> tuple[dict[str, str], dict[str, str]]:
     """(resource names, verdict names) for the machine the trace was taken on (meta "device")."""
     if device == "cpu":
@@ -91,19 +101,22 @@ class LinkStats:
     transfers: int
     bytes: int
     busy_s: float               # union of this link's transfer intervals
-    gbps: float                 # bytes / busy_s, GB/s
+    gbps: float | None          # bytes / busy_s, GB/s; None for a same-memory link (no bandwidth to speak of)
     peak_gbps: float | None     # this node's measured peak for the link, when known
+    # host<->device on a CPU-only machine, where the device is host RAM: an in-memory copy or no copy
+    # at all (parameters updated in place), never a link transfer ([Note: same memory])
+    same_memory: bool = False
 
     @property
     def pct_of_peak(self) -> float | None:
         """Achieved share of the peak; above 100 the saved peak is stale (`peak_stale`), not exceeded."""
-        return 100.0 * self.gbps / self.peak_gbps if self.peak_gbps else None
+        return 100.0 * self.gbps / self.peak_gbps if self.peak_gbps and self.gbps is not None else None
 
     @property
     def peak_stale(self) -> bool:
         """The link ran faster than its saved peak: that figure is no peak (measured under load, on a
         different kind of I/O, or on another drive) and must be measured again."""
-        return self.peak_gbps is not None and self.gbps > self.peak_gbps
+        return self.peak_gbps is not None and self.gbps is not None and self.gbps > self.peak_gbps
 
 
 @dataclass(frozen=True)
@@ -226,8 +239,10 @@ def summarize(trace: dict, top: int = 10) -> Summary:
         nbytes = sum(t["bytes"] for t in items)
         busy = iv.length(iv.union((t["ts"], t["ts"] + t["dur"]) for t in items)) / 1e6
         peak = peaks.get(LINK_PEAK.get(link, ""))
-        links.append(LinkStats(link, len(items), nbytes, busy, nbytes / busy / 1e9 if busy > 0 else 0.0,
-                               peak / 1e9 if peak else None))
+        same = same_memory(link, data.meta.get("device"))
+        links.append(LinkStats(link, len(items), nbytes, busy,
+                               None if same else nbytes / busy / 1e9 if busy > 0 else 0.0,
+                               None if same else peak / 1e9 if peak else None, same))
     links.sort(key=lambda s: (-s.bytes, s.link))
 
     hidden = [iv.overlap(t["ts"], t["ts"] + t["dur"], hidden_under(t["stream"])) for t in xs]
@@ -470,12 +485,18 @@ def _table(s: Summary) -> str:
         lines.append(f"  whole run: {s.run_transfers:,} transfers, {format_size(s.run_bytes)} moved ({links}); "
                      f"the figures below cover the newest {s.transfers:,} (profile.max_events)")
     if s.links:
-        lines.append(f"  {'link':<14} {'transfers':>9} {'bytes':>11} {'busy ms':>9} {'GB/s':>7} {'peak GB/s':>9}"
+        label = lambda k: f"{k.link} (same memory)" if k.same_memory else k.link  # noqa: E731
+        width = max(14, *(len(label(k)) for k in s.links))
+        lines.append(f"  {'link':<{width}} {'transfers':>9} {'bytes':>11} {'busy ms':>9} {'GB/s':>7} {'peak GB/s':>9}"
                      f" {'of peak':>7}")
         for k in s.links:
             peak = f"{k.peak_gbps:.2f}" if k.peak_gbps else "-"
-            lines.append(f"  {k.link:<14} {k.transfers:>9,} {format_size(k.bytes):>11} {1e3 * k.busy_s:>9.1f} "
-                         f"{k.gbps:>7.2f} {peak:>9} {'stale' if k.peak_stale else pct(k.pct_of_peak):>7}")
+            gbps = "-" if k.gbps is None else f"{k.gbps:.2f}"
+            lines.append(f"  {label(k):<{width}} {k.transfers:>9,} {format_size(k.bytes):>11} {1e3 * k.busy_s:>9.1f} "
+                         f"{gbps:>7} {peak:>9} {'stale' if k.peak_stale else pct(k.pct_of_peak):>7}")
+        if any(k.same_memory for k in s.links):
+            lines.append("  note: on this CPU-only machine the device is host RAM: host<->device moves are in-memory "
+                         "copies or none at all (parameters updated in place), not a link, so they have no GB/s")
         for k in s.links:
             if k.peak_stale:
                 key = LINK_PEAK[k.link]
