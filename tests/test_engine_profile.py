@@ -97,3 +97,22 @@ def test_the_profile_names_each_unit_by_its_module(tmp_path):
     assert fetches and all(e["args"]["module"] == "blocks.1" and f"blocks.1 ({block}).param" in e["name"]
                            for e in fetches)
     assert trace["zerotier"]["unit_names"] == names
+
+
+def test_a_fresh_model_that_rolls_back_every_step_is_told_the_plan_assumed_one_percent():
+    """Clipping that fires every step rolls back every speculated window: the profile says 100% against the
+    plan's 1% and what to do (issue 35 item 8: 3 of 3 on a fresh model)."""
+    torch.manual_seed(0)
+    cfg = {"offload": {"params": "device", "gradients": "host", "optimizer": "host"}, "profile": {"enabled": True},
+           "train": {"max_grad_norm": 1e-6, "speculative_step": True}}
+    with zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16), cfg) as engine:
+        for x, y in batches(64, 16, 2, 3):
+            engine.backward(engine(x, y))
+            engine.step()
+        report = engine.report()
+    assert report.planned_rollback_rate == engine.plan.rollback_rate == 0.01
+    assert report.speculation_windows == report.rolled_back_windows == 3
+    table = report.table()
+    assert "rollback rate 100.0% (the plan assumed 1.0%)" in table, table
+    assert "warning: 100.0% of the speculated windows rolled back (3 of 3), 100.0x the 1.0% the plan assumed" in table
+    assert "train.speculative_step = false" in table

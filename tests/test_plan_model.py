@@ -290,6 +290,9 @@ def test_speculation_plan_predicts_commit_rollback_and_the_expected_step():
         in text
     assert "predicted step (expected at rollback rate 25.0%): 9.19 s" in text
     assert "commit 8.25 s, rollback 12.00 s, expected 9.19 s; without speculation 9.75 s (6% saved)" in text
+    # the rate is an assumption, and a fresh model breaks it (issue 35 item 8): the plan says so
+    assert ("rollback rate 25.0% assumed (clipping rarely firing); a fresh model or a warm-up that clips every step "
+            "rolls back up to 100%: `zerotier profile` measures it; plan at that rate with --rollback-rate") in text
     d = plan.to_dict()
     assert d["speculative"] is True and d["rollback_rate"] == 0.25 and d["speculation_step_s"]["rollback"] == 12.0
 

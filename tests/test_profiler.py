@@ -28,8 +28,9 @@ def make_profiler(**kw) -> Profiler:
     residency = kw.pop("residency", None)
     peak_rates = kw.pop("peak_rates", None)
     unit_names = kw.pop("unit_names", None)
+    planned = kw.pop("planned_rollback_rate", None)
     return Profiler(ProfileConfig(enabled=True, **kw), residency=residency, peak_rates=peak_rates if peak_rates
-                    is not None else {}, unit_names=unit_names)
+                    is not None else {}, unit_names=unit_names, planned_rollback_rate=planned)
 
 
 def at(prof: Profiler, ms: float) -> int:
@@ -929,3 +930,41 @@ def test_host_device_moves_on_a_cpu_only_machine_get_no_bandwidth():
         else:
             assert not links["host->device"].same_memory and "(same memory)" not in s.table()
             assert links["host->device"].gbps == pytest.approx(1073.74, rel=1e-3)
+
+
+def test_a_rollback_rate_far_above_the_plans_is_warned_about_with_what_to_do(tmp_path, capsys):
+    """The plan assumes 1% of speculated windows roll back; a fresh model rolled back 3 of 3 (issue 35 item 8):
+    the summary puts the measured rate beside the assumed one and, past 3x, warns and says what to do."""
+    prof = make_profiler(planned_rollback_rate=0.01)
+    span(prof, "forward", 0, 5)
+    for _ in range(3):
+        prof.speculation(4, 4, 1 << 20, 1 << 20, 0.01)
+    s = summarize(prof.trace())
+    assert s.planned_rollback_rate == 0.01 and s.rollback_rate == 1.0
+    table = s.table()
+    assert "rolled back: rollback rate 100.0% (the plan assumed 1.0%)" in table
+    assert ("warning: 100.0% of the speculated windows rolled back (3 of 3), 100.0x the 1.0% the plan assumed: its "
+            "expected step is optimistic") in table
+    assert "set train.speculative_step = false, or plan at the measured rate: zerotier.plan(..., rollback_rate=1.00)" \
+        in table and "zerotier plan --rollback-rate 1.00" in table
+    path = tmp_path / "trace.json"
+    prof.save(str(path))
+    assert summarize(load_trace(str(path))) == s
+    # within 3x of the plan: the rate beside the plan's, no warning; no plan recorded: no comparison
+    near = make_profiler(planned_rollback_rate=0.05)
+    for k in range(40):
+        near.speculation(4, 4 if k in (3, 9) else 0, 0, 0, 0.0)
+    assert "rollback rate 5.0% (the plan assumed 5.0%)" in summarize(near.trace()).table()
+    assert "warning" not in summarize(near.trace()).table()
+    assert "the plan assumed" not in summarize(speculating_profile().trace()).table()
+    # zerotier profile --plan warns the same, from the plan file's rate: 5% measured vs 1% planned
+    speculating_profile().save(str(path))
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(GOOD_PLAN))
+    assert cli.main(["profile", str(path), "--plan", str(plan_path)]) == 0
+    out = capsys.readouterr().out
+    assert "plan: warning: 5.0% of the speculated windows rolled back (2 of 40), 5.0x the 1.0% the plan assumed" in out
+    assert "warning" not in capsys.readouterr().out
+    path.write_text(path.read_text().replace('"planned_rollback_rate":null', '"planned_rollback_rate":2'))
+    with pytest.raises(ZerotierError, match="planned_rollback_rate is 2"):
+        load_trace(str(path))

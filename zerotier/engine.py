@@ -116,7 +116,9 @@ class Engine:
                                   pin=self.device.type == "cuda")
         # None when profiling is off: every call site is one `if prof is not None:` (zero cost).
         self.profiler = Profiler.from_config(cfg.profile, self._residency, device=self.device,
-                                             unit_names={u.key: u.name for u in self.param_units})
+                                             unit_names={u.key: u.name for u in self.param_units},
+                                             planned_rollback_rate=self.plan.rollback_rate if self.plan.speculative
+                                             else None)
         self.scaler = LossScaler(cfg.precision)
         optimizer_loc = self.plan.optimizer_units or placement["optimizer"]  # a tier, or one per unit (a split)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, optimizer_loc, self.device_tier,

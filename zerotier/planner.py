@@ -270,6 +270,9 @@ class Plan:
                          f"{format_duration(t['rollback'])}, expected {format_duration(t['expected'])}; without "
                          f"speculation {format_duration(t['without'])} ("
                          + (f"{gain / t['without']:.0%} saved)" if gain > 0 else "no gain predicted here)"))
+            lines.append(f"  rollback rate {self.rollback_rate:.1%} assumed (clipping rarely firing); a fresh model or a "
+                         "warm-up that clips every step rolls back up to 100%: `zerotier profile` measures it; "
+                         "plan at that rate with --rollback-rate (zerotier.plan(..., rollback_rate=))")
         lines.append(f"  {'component':16s} {'seconds':>9s} {'on critical path':>17s}")
         for k, v in self.breakdown.items():
             if v > 0:

@@ -17,7 +17,9 @@ step in which it ran (`speculation(...)`): units speculated and rolled back, the
 undo copies and of the rollback, the rollback's seconds. The profiler keeps the whole run's
 sums (a lock: a few adds per step) and the newest max_events records; the trace carries the
 sums in its "speculation" object and each record as an instant event, and the summary's
-rollback rate is windows rolled back / windows speculated.
+rollback rate is windows rolled back / windows speculated, printed beside the rate the run's
+plan assumed (`planned_rollback_rate`, the trace's "planned_rollback_rate") with a warning and
+what to do when it is far above it (summary.rollback_warning).
 
 Times are `perf_counter_ns()` values. Callers that measure a transfer themselves
 (an async I/O ticket's issue and completion) pass them to `record(...)` /
@@ -79,11 +81,13 @@ class Profiler:
     when None, `zerotier.bench.load_rates()` is tried when the trace is exported; {} means
     none (no "of peak" column). `unit_names`: {unit key: module path} ("u00003": "layers.3"), so
     the trace and the table name a tensor `layers.3 (u00003).exp_avg`, not only by its key.
+    `planned_rollback_rate`: the speculative step's rollback rate the run's plan assumed, put
+    beside the measured one in the summary ([Note: speculation counters]); None: not speculating.
     """
 
     def __init__(self, cfg: ProfileConfig, residency: Residency | None = None,
                  peak_rates: Mapping[str, float] | None = None, device=None,
-                 unit_names: Mapping[str, str] | None = None):
+                 unit_names: Mapping[str, str] | None = None, planned_rollback_rate: float | None = None):
         if cfg.trace_path is not None:
             from .trace import check_trace_path
             check_trace_path(cfg.trace_path)
@@ -95,6 +99,7 @@ class Profiler:
         self._residency = residency
         self._peak_rates = dict(peak_rates) if peak_rates is not None else None
         self.unit_names = dict(unit_names or {})
+        self.planned_rollback_rate = planned_rollback_rate
         # (name, role, src, dst, nbytes, reason, stream, start_ns, end_ns, stall_ns)
         # Each kind keeps its newest cfg.max_events records: memory stays bounded on long runs.
         self._transfers: deque[tuple] = deque(maxlen=cfg.max_events)
@@ -125,10 +130,11 @@ class Profiler:
     @classmethod
     def from_config(cls, cfg: ProfileConfig, residency: Residency | None = None,
                     peak_rates: Mapping[str, float] | None = None, device=None,
-                    unit_names: Mapping[str, str] | None = None) -> "Profiler | None":
+                    unit_names: Mapping[str, str] | None = None,
+                    planned_rollback_rate: float | None = None) -> "Profiler | None":
         """A Profiler when `cfg.enabled`, else None (what the engine stores when profiling is off).
         `device`: the compute device; a CUDA one is timed with events ([Note: CUDA timing])."""
-        return cls(cfg, residency, peak_rates, device, unit_names) if cfg.enabled else None
+        return cls(cfg, residency, peak_rates, device, unit_names, planned_rollback_rate) if cfg.enabled else None
 
     # ------------------------------------------------------------------ transfers
 

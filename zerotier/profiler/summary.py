@@ -39,6 +39,7 @@ from pathlib import Path
 
 from ..config import format_duration, format_size
 from ..errors import ConfigError
+from ..speculation import PAUSE_AFTER
 from . import intervals as iv
 from .trace import TraceData, read_trace, tensor_label
 
@@ -188,6 +189,7 @@ class Summary:
     undo_bytes: int = 0               # copied to make undo copies
     rollback_bytes: int = 0           # moved by rollbacks (restores, NVMe re-reads)
     rollback_s: float = 0.0           # seconds rollbacks and their redo took
+    planned_rollback_rate: float | None = None  # what the run's plan assumed (None: not recorded / not speculating)
     trace: dict = field(default=None, compare=False, repr=False)  # what it was computed from (for plot)
 
     @property
@@ -308,7 +310,7 @@ def _speculation(meta: dict) -> dict:
     return {"speculation_windows": sums.get("windows", 0), "rolled_back_windows": sums.get("rolled_back_windows", 0),
             "speculated_units": sums.get("speculated_units", 0), "rolled_back_units": sums.get("rolled_back_units", 0),
             "undo_bytes": sums.get("undo_bytes", 0), "rollback_bytes": sums.get("rollback_bytes", 0),
-            "rollback_s": float(sums.get("rollback_s", 0.0))}
+            "rollback_s": float(sums.get("rollback_s", 0.0)), "planned_rollback_rate": meta.get("planned_rollback_rate")}
 
 
 def _resource(t: dict) -> str:
@@ -529,6 +531,9 @@ def _table(s: Summary) -> str:
         lines.append(f"  CPU optimizer {s.optimizer_params_per_s / 1e6:,.1f} M params/s{vs}")
     if s.speculation_windows:
         lines.append(speculation_line(s))
+        warning = rollback_warning(s.rolled_back_windows, s.speculation_windows, s.planned_rollback_rate)
+        if warning:
+            lines.append(f"  {warning}")
     if s.residency:
         lines.append(f"  {'tier':<8} {'peak resident':>13} {'budget':>11} {'peak %':>7}")
         for r in s.residency:
@@ -555,9 +560,29 @@ def speculation_line(s: Summary) -> str:
     rolled = s.rolled_back_windows
     cost = (f"; rollbacks moved {format_size(s.rollback_bytes)} and took {format_duration(s.rollback_s)} "
             f"({format_duration(s.rollback_s / rolled)} each)" if rolled else "")
+    planned = "" if s.planned_rollback_rate is None else f" (the plan assumed {100 * s.planned_rollback_rate:.1f}%)"
     return (f"  speculative step: {s.speculation_windows:,} windows speculated ({s.speculated_units:,} units), "
-            f"{rolled:,} rolled back: rollback rate {100 * s.rollback_rate:.1f}%; undo copies "
+            f"{rolled:,} rolled back: rollback rate {100 * s.rollback_rate:.1f}%{planned}; undo copies "
             f"{format_size(s.undo_bytes)}{cost}")
+
+
+FAR_OFF = 3.0  # a measured rollback rate above this many times the plan's is warned about
+
+
+def rollback_warning(rolled: int, windows: int, planned: float | None) -> str | None:
+    """A warning and what to do when the speculative step rolled back far more often (> FAR_OFF x) than
+    the plan assumed ([Note: speculation in the plan] in planner.py: 1% by default), so the plan's
+    expected step is optimistic; None when it did not, or nothing is known to compare."""
+    if not windows or planned is None or rolled / windows <= FAR_OFF * planned:
+        return None
+    rate = rolled / windows
+    times = f"{rate / planned:.1f}x" if planned > 0 else "above"
+    return (f"warning: {100 * rate:.1f}% of the speculated windows rolled back ({rolled:,} of {windows:,}), {times} the "
+            f"{100 * planned:.1f}% the plan assumed: its expected step is optimistic (a rollback restores the state and "
+            f"redoes the update). Clipping or a loss-scale overflow fires often on a fresh model and in warm-up "
+            f"(train.speculative_step = \"auto\" pauses after {PAUSE_AFTER} rollbacks in a row); if it keeps firing, set "
+            f"train.speculative_step = false, or plan at the measured rate: zerotier.plan(..., rollback_rate={rate:.2f}) "
+            f"or `zerotier plan --rollback-rate {rate:.2f}`")
 
 
 # [Note: measured against the plan]
@@ -703,4 +728,5 @@ def speculation_comparison(trace: dict, plan: dict) -> str | None:
         line += (f"; at the measured rate the plan expects {format_duration(at)} per step (commit "
                  f"{format_duration(cases['commit'])}, rollback {format_duration(cases['rollback'])}, without "
                  f"speculation {format_duration(cases['without'])})")
-    return line
+    warning = rollback_warning(rolled, windows, r)
+    return line + (f"\nplan: {warning}" if warning else "")

@@ -144,6 +144,7 @@ def build_trace(prof) -> dict:
                        "by_reason": {k: {"transfers": n, "bytes": b} for k, (n, b) in sorted(by_reason.items())}},
         "speculation": rec["speculation_totals"],  # the whole run's ([Note: speculation counters])
         "unit_names": units,  # unit key -> module path (tensor_label)
+        "planned_rollback_rate": prof.planned_rollback_rate,  # the plan's assumption, None: not speculating
     }
     return {"traceEvents": events + counters + marks, "displayTimeUnit": "ms", "zerotier": meta}
 
@@ -419,6 +420,9 @@ def _check_trace(trace: dict, path: str) -> None:
         fields(speculation, "zerotier.speculation", counts=SPECULATION_TOTALS[:-1], numbers=SPECULATION_TOTALS[-1:])
         if speculation["rolled_back_windows"] > speculation["windows"]:
             bad("zerotier.speculation: more windows rolled back than speculated")
+    planned = meta.get("planned_rollback_rate")
+    if planned is not None and (type(planned) not in (int, float) or not 0 <= planned <= 1):
+        bad(f"zerotier.planned_rollback_rate is {reprlib.repr(planned)}, not a share from 0 to 1")
     names = meta.get("unit_names")
     if names is not None:  # absent in traces written before it existed
         fields(names, "zerotier.unit_names", strs=tuple(names) if isinstance(names, dict) else ())
