@@ -170,7 +170,7 @@ def test_too_small_budget_fails_at_initialize_with_what_is_missing():
     model = make_model()
     n = sum(p.numel() for p in set(model.parameters()))
     # params + grads fit on the device (8 B/param), the 12 B/param optimizer state fits nowhere
-    with pytest.raises(BudgetError, match=r"the optimizer of .* do not fit.*more device.*more host"
+    with pytest.raises(BudgetError, match=r"the optimizer of .* does not fit.*more device.*more host"
                                           r".*enable the nvme tier"):
         zerotier.initialize(model, {"tiers": {"device": 9 * n, "host": "1KiB"}})
 

@@ -1,6 +1,7 @@
 """The planner: ZeRO-paper model-state figures, fit / does-not-fit, auto placement order,
 and `zerotier plan` end to end (subprocess)."""
 import json
+import re
 import subprocess
 import sys
 
@@ -97,7 +98,7 @@ def test_fits_exactly_at_the_budget_and_not_one_byte_less():
     n = 1_000_000
     need = 2 * n + 4 * n + 12 * n
     assert plan([n], device=need, host=0, offload=ALL_DEVICE).need["device"] == need
-    with pytest.raises(PlanDoesNotFit, match=r"the optimizer of 1,000,000 parameters do not fit.*"
+    with pytest.raises(PlanDoesNotFit, match=r"the optimizer of 1,000,000 parameters does not fit.*"
                                              r"1 B more device \(tiers.device is ") as ei:
         plan([n], device=need - 1, host=0, offload=ALL_DEVICE)
     assert isinstance(ei.value, BudgetError)
@@ -111,7 +112,7 @@ def test_does_not_fit_names_every_alternative_with_bytes():
     with pytest.raises(PlanDoesNotFit) as ei:
         plan([n], device=6 * n, host=1024)  # params + grads fill the device; 12 B/param nowhere
     msg = str(ei.value)
-    assert "the optimizer of 1,048,576 parameters do not fit" in msg
+    assert "the optimizer of 1,048,576 parameters does not fit" in msg
     assert "12.00 MiB more device (tiers.device is 6.00 MiB) to place it on device" in msg
     assert "more host (tiers.host is 1.00 KiB) to place it on host" in msg
     assert "enable the nvme tier (set tiers.nvme_path; needs 24.00 MiB)" in msg  # + a rewrite in flight
@@ -222,3 +223,52 @@ def test_cli_plan_text_and_bad_input(capsys):
     assert "fits: yes" in out and "run `zerotier bench` for a step-time prediction" in out
     assert main(["plan", "--params", "lots"]) == 1
     assert "--params: cannot read" in capsys.readouterr().err
+
+
+# --- [Note: the whole shortfall] (issue 35 item 2) -----------------------------------------------------
+GiB = 1 << 30
+LLAMA_70B = [2_100_000_000] + [850_000_000] * 80  # the root (embeddings + head), then 80 layers
+NAMES = [""] + [f"model.layers.{i}" for i in range(80)]
+
+
+def _settings(fix: str) -> dict[str, int]:
+    from zerotier.config import parse_size
+
+    return {t: parse_size(v) for t, v in re.findall(r'tiers\.(\w+) = "([^"]+)"', fix)}
+
+
+def test_does_not_fit_gives_the_whole_shortfall_the_cheapest_way_and_one_round_fixes_it():
+    """A 70B plan: one message has every tier's need / budget / missing for the cheapest complete
+    placement (NVMe, not the device route), its settings fix it in one round, and compact optimizer
+    state is offered with what it saves."""
+    budgets = dict(device=80 * GiB, host=200 * GiB, nvme=1024 * GiB)
+    with pytest.raises(PlanDoesNotFit) as ei:
+        plan(LLAMA_70B, **budgets, unit_names=NAMES, alignment=4096)
+    msg = str(ei.value)
+    assert msg.startswith("the optimizer of 70,100,000,000 parameters does not fit within the tier budgets; ")
+    assert "The whole plan, placed the cheapest way (params on nvme, gradients on nvme, optimizer on nvme):" in msg
+    table = re.search(r"tier +needed +budget +missing\n((?:  \w+ .*\n){3})", msg).group(1)
+    rows = {line.split()[0]: line for line in table.splitlines()}
+    assert rows["nvme"].split()[-2:] != ["0", "B"] and rows["device"].split()[-2:] == ["0", "B"]
+    fixes = re.findall(r"^  \d\. (.*)$", msg.split("Cheapest fixes, in order:")[1], re.M)
+    assert fixes[0].startswith('tiers.nvme = "') and "more nvme" in fixes[0]
+    assert re.match(r'compact optimizer state \(precision.master_dtype = "bf16", precision.moment_dtype = "int8": '
+                    r"12 -> 4.031 B/param\) saves [\d.]+ GiB; then it fits", fixes[1])
+    fixed = {**budgets, **_settings(fixes[0])}
+    assert plan(LLAMA_70B, **fixed, alignment=4096).placement["optimizer"] is Location.NVME  # one round
+    assert "One unit alone" not in msg
+
+
+def test_does_not_fit_names_the_unit_larger_than_its_tier():
+    with pytest.raises(PlanDoesNotFit, match=r"One unit alone does not fit: the root unit \(the model's own "
+                                             r"parameters outside its blocks: embeddings, head\) has 2,100,000,000 "
+                                             r"parameters, 3.91 GiB, more than the whole device budget \(3.00 GiB\)"):
+        plan(LLAMA_70B, device=3 * GiB, host=200 * GiB, nvme=1024 * GiB, unit_names=NAMES, alignment=4096)
+
+
+@pytest.mark.parametrize("kind, verb", [("params", "do"), ("gradients", "do"), ("optimizer", "does")])
+def test_does_not_fit_grammar(kind, verb):
+    n = 1000
+    fits = {"params": 0, "gradients": 2 * n, "optimizer": 6 * n}[kind]
+    with pytest.raises(PlanDoesNotFit, match=rf"^the {kind} of 1,000 parameters {verb} not fit within"):
+        plan([n], device=fits, host=0, offload=ALL_DEVICE)

@@ -157,7 +157,7 @@ def test_a_split_that_does_not_fit_names_the_missing_bytes():
                                              r"10 units\) does not fit.*more host") as ei:
         plan([1000] * 10, host=60000 + 12 * 4000, optimizer=SPLIT)
     assert ei.value.options == [{"tier": "split", "more": {"host": 12 * 1000 + 3 * 12 * 1000}}]
-    with pytest.raises(PlanDoesNotFit, match=r"the optimizer .* do not fit.*more host.*more nvme"):
+    with pytest.raises(PlanDoesNotFit, match=r"the optimizer .* does not fit.*more host.*more nvme"):
         plan([1000] * 10, host=60000 + 1000, nvme=1000)  # auto: no split fits either
 
 

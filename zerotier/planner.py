@@ -48,7 +48,8 @@ from the code.
 forward and backward) before gradients (written in backward) before optimizer
 state (touched once per step). A plan that does not fit raises PlanDoesNotFit (a
 BudgetError) at initialize(), naming what does not fit and how much more of which
-tier helps.
+tier helps, then the whole shortfall and its cheapest fixes ([Note: the whole shortfall]
+in plan_report.py).
 
 [Note: optimizer split]
 The optimizer state (12 B/param, the largest kind) may be split between host and NVMe unit
@@ -108,6 +109,7 @@ from .dist.buckets import GradBucketer, ParamGatherer
 from .dist.partition import Partition, partition_units
 from .grads import GradStore
 from .machine_fit import Machine, shortfall
+from .plan_report import whole_shortfall
 from .io.memory import round_up
 from .optim.offload import UnitOptimizer, fused_temp_bytes
 from .optim.state_layout import OPTIMIZER_BYTES, StateLayout
@@ -134,6 +136,15 @@ class PlanDoesNotFit(BudgetError):
                  per_rank_bytes: int):
         super().__init__(message)
         self.kind, self.options, self.placement, self.per_rank_bytes = kind, options, placement, per_rank_bytes
+        self.explain = None  # () -> the whole shortfall's text ([Note: the whole shortfall] in plan_report.py)
+
+    def explained(self) -> "PlanDoesNotFit":
+        """This error with the whole shortfall appended to its message (computed only for the error
+        make_plan raises: the placements `auto` tries and drops need none)."""
+        if self.explain is not None:
+            self.args = (self.args[0] + self.explain(),)
+            self.explain = None
+        return self
 
 
 def _check_sharding(stage: int, world_size: int) -> None:
@@ -535,7 +546,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
               nested_numel: int = 0, alignment: int = 4096, frozen_numels: list[int] = (),
               compute: UnitCompute | None = None, step: StepOptions = StepOptions(),
               materialize_bytes: int = 0, machine: Machine | None = None,
-              activations: tuple[int, str] | None = None) -> Plan:
+              activations: tuple[int, str] | None = None, unit_names: list[str] = ()) -> Plan:
     """Choose a tier for each kind of state within the per-rank budgets, or raise PlanDoesNotFit.
 
     world_size/stage shard each kind's bytes as ZeRO does ([Note: bytes per parameter]);
@@ -549,6 +560,8 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     [Note: the plan against the machine] in machine_fit.py); None: not checked.
     activations: one micro-batch's activation bytes on the device and where the figure comes from
     ([Note: activation memory] in activations.py), counted in need["device"]; None: not counted.
+    unit_names: each unit's module name (unit_numels', then frozen_numels'), for a refusal that
+    names the largest unit ([Note: the whole shortfall] in plan_report.py).
     `auto` kinds: every tier choice (and the optimizer split) that fits is predicted and the
     fastest taken, ties to the fastest-tier-first choice; all are in `Plan.alternatives`.
     """
@@ -561,7 +574,8 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     kw = dict(world_size=world_size, stage=stage, zero=zero, grad_bytes=grad_bytes, ranks_per_node=ranks_per_node,
               pipeline_depth=pipeline_depth, nested_numel=nested_numel, alignment=alignment,
               frozen_numels=frozen_numels, compute=compute, step=step, materialize_bytes=materialize_bytes,
-              activation_bytes=activations[0] if activations else 0)
+              activation_bytes=activations[0] if activations else 0,
+              unit_names={n: name for n, name in reversed(list(zip([*unit_numels, *frozen_numels], unit_names)))})
     autos = [k for k in KINDS if getattr(offload, k) == "auto"]
     try:
         first, error = _place(offload, *args, **kw), None
@@ -569,7 +583,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
         first, error = None, exc
     if not autos:
         if error is not None:
-            raise error
+            raise error.explained()
         return _on(machine, first, ranks_per_node, activations)
     tried = [first] if first is not None else []
     layout = StateLayout.of(precision)
@@ -583,7 +597,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
         if all((p.placement, p.optimizer_units) != (plan.placement, plan.optimizer_units) for p in tried):
             tried.append(plan)
     if not tried:
-        raise error
+        raise error.explained()
     best = tried[0]
     for plan in tried[1:]:
         if plan.predicted_step_s < best.predicted_step_s * (1 - 1e-9):
@@ -629,7 +643,7 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
            resolved: tuple[dict[str, float], dict[str, str]], *, world_size: int, stage: int,
            zero: ZeroConfig | None, grad_bytes: int | None, ranks_per_node: int | None, pipeline_depth: int,
            nested_numel: int, alignment: int, frozen_numels: list[int], compute: UnitCompute | None,
-           step: StepOptions, materialize_bytes: int, activation_bytes: int) -> Plan:
+           step: StepOptions, materialize_bytes: int, activation_bytes: int, unit_names: dict[int, str]) -> Plan:
     """One placement: `auto` kinds take the fastest tier that fits, in KINDS order."""
     rates, rate_sources = resolved
     lp_bytes = DTYPES[precision.param_dtype].itemsize
@@ -651,7 +665,8 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                                     gather_bucket=zero.allgather_bucket_size, persistence=zero.persistence_threshold)
     local = ranks_per_node or world_size
     free = dict(budgets)
-    need = {"device": activation_bytes, "host": materialize_bytes, "nvme": 0}  # [Note: materialization in the
+    base_sizes, base = sizes, {"device": activation_bytes, "host": materialize_bytes, "nvme": 0}
+    need = dict(base)  # [Note: materialization in the
     free["host"] -= materialize_bytes                                      # host pool], [Note: activation memory]
     free["device"] -= activation_bytes
     placement: dict[str, Location] = {}
@@ -688,8 +703,10 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
             chosen, units_on = units_on[0], None
         if chosen is None:
             message, options = _does_not_fit(kind, candidates, sizes, free, budgets, _nvme_off(tiers))
-            message += _whole_shortfall(kind, candidates[0], need, offload, sizes, budgets)
-            raise PlanDoesNotFit(message, kind, options, placement, sum(state_bytes.values()))
+            error = PlanDoesNotFit(message, kind, options, placement, sum(state_bytes.values()))
+            error.explain = lambda: whole_shortfall(  # [Note: the whole shortfall], built if it is raised
+                offload, base_sizes, base, budgets, sizes.cuda, _nvme_off(tiers), unit_names)
+            raise error
         placement[kind] = chosen
         want = _split_bytes(units_on, sizes) if kind == "optimizer" and units_on else _bytes_for(kind, chosen, sizes)
         for t, b in want.items():
@@ -910,7 +927,7 @@ def _does_not_fit(kind: str, candidates: list[Location], s: _Sizes, free: dict[s
     per_rank = ""
     if s.world_size > 1:
         per_rank = f" ({s.rank_numel(kind):,} per rank: {_sharding(s.stage, s.world_size)}; budgets are per rank)"
-    message = (f"the {kind} of {s.numel:,} parameters{per_rank} do not fit within the tier budgets; "
+    message = (f"the {kind} of {s.numel:,} parameters{per_rank} {'does' if kind == 'optimizer' else 'do'} not fit within the tier budgets; "
                f"it would take: " + "; or ".join(texts))
     return message, options
 
@@ -920,34 +937,3 @@ def _sharding(stage: int, world_size: int) -> str:
     if world_size > 1:
         return f"ZeRO stage {stage} over {world_size} ranks"
     return f"ZeRO stage {stage} on one rank: nothing to shard"
-
-
-def _whole_shortfall(kind: str, loc: Location, need: dict[str, int], offload: OffloadConfig, s: _Sizes,
-                     budgets: dict[str, int]) -> str:
-    """The shortfall of the whole plan per tier, so one message says all that is missing: the kinds
-    placed so far, `kind` on `loc`, and every later kind the config places explicitly (an `auto`
-    kind is left out: its tier is not known yet)."""
-    total, counted = dict(need), []
-    later = False
-    for k in KINDS:
-        later = later or k == kind
-        if not later:
-            continue
-        requested = getattr(offload, k)
-        if k != kind and isinstance(requested, dict):  # an explicit optimizer split
-            counted.append(f"{k} split")
-            for t, b in _split_bytes(_split_units(requested, s), s).items():
-                total[t] += b
-            continue
-        where = loc if k == kind else (None if requested == "auto" else Location(requested))
-        if where is None:
-            continue
-        counted.append(f"{k} on {where.value}")
-        for t, b in _bytes_for(k, where, s).items():
-            total[t] += b
-    short = {t: total[t] - budgets[t] for t in total if total[t] > budgets[t]}
-    if not short:
-        return ""
-    what = " and ".join(f"{format_size(b)} more {t} (needs {format_setting(total[t])}, tiers.{t} is "
-                        f"{format_size(budgets[t])})" for t, b in short.items())
-    return f". The whole plan ({', '.join(counted)} after the kinds already placed) needs {what}"
