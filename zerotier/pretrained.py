@@ -40,12 +40,16 @@ peft renames the base weights it wraps (`q_proj.weight` -> `q_proj.base_layer.we
 checkpoint's name. The adapter tensors are in no checkpoint: the init_fn runs peft's own
 `LoraLayer.reset_lora_parameters(adapter, init_lora_weights)` on the layer as each adapter
 module is materialized (lora_A kaiming-uniform or gaussian, lora_B zeros; with
-init_lora_weights=False the modules' own reset_parameters(), i.e. nn.Linear's init, as peft
-leaves them). It sets every adapter tensor of the layer, so the layer's other adapter
-tensors are meta stand-ins during the call: one placed already (lora_A and lora_B in units
-of their own under wrap=) is a released view that must not be written. Each is drawn once,
-from its unit's random stream ([Note: meta-device models]), so the values differ from
-peft's own draws on the CPU (the distribution is the same). Inits that read the base weights (PiSSA, OLoRA, LoftQ, EVA,
+init_lora_weights=False nn.Linear's init, as peft leaves them). Seeded alike, the adapters
+equal peft's own: peft on a model in RAM draws each layer's adapters from the global random
+stream in module order (update_layer: nn.Linear's init of lora_A then lora_B, or torch.randn
+for embedding adapters, then reset_lora_parameters), so from_pretrained keeps the stream's
+state before each layer's draws and advances the stream past them, drawing into scratch, as
+peft does; materializing an adapter module replays its layer's draws from that state. The
+user's stream after from_pretrained is also where peft leaves it. The replay sets every
+adapter tensor of the layer, so the layer's other adapter tensors are CPU scratch during the
+call: one placed already (lora_A and lora_B in units of their own under wrap=) is a released
+view that must not be written. Inits that read the base weights (PiSSA, OLoRA, LoftQ, EVA,
 CorDA, DoRA's magnitude) and tuners other than LoRA are refused with the working order.
 """
 from __future__ import annotations
@@ -185,10 +189,12 @@ class _LoraAdapters:
             raise ConfigError(f"from_pretrained(..., peft_config=): {what} initializes the adapters from the base "
                               "weights, which are not in memory while they stream; use init_lora_weights=True, "
                               f"'gaussian' or False without DoRA, {working_order}")
-        self.peft_model = peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)
+        with torch.random.fork_rng(devices=[]):  # its meta build still draws embedding adapters (torch.randn)
+            self.peft_model = peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)
         # the module owning each adapter tensor -> (its LoRA layer, adapter name, that layer's adapter tensors)
         self.layer_of: dict[int, tuple[torch.nn.Module, str, list[tuple[torch.nn.Module, str]]]] = {}
         self.tensor_ids: set[int] = set()
+        self.rng: dict[tuple[int, str], torch.Tensor] = {}  # (id(layer), adapter) -> CPU stream state before its draws
         for layer in model.modules():
             if not isinstance(layer, LoraLayer):
                 continue
@@ -204,29 +210,48 @@ class _LoraAdapters:
                 for owner, name in slots:
                     self.layer_of[id(owner)] = (layer, adapter, slots)
                     self.tensor_ids.add(id(owner._parameters[name]))
+                # peft on a model in RAM draws each layer's adapters in this order from the global
+                # stream: the stream's state before them is kept, and the stream advanced past them
+                self.rng[(id(layer), adapter)] = torch.get_rng_state()
+                self._draw(layer, adapter, slots, keep=None)
 
     @staticmethod
     def checkpoint_name(name: str) -> str:
         return _PEFT_WRAPPER_SEGMENT.sub("", name)
 
     def fill(self, module: torch.nn.Module) -> None:
-        """peft's reset_lora_parameters for the layer of adapter module `module`, setting `module`'s
-        tensors only: the layer's other adapter tensors are meta stand-ins during the call."""
+        """The draws of peft's update_layer for the layer of adapter module `module`, from the stream
+        state peft would have drawn them from, setting `module`'s tensors only."""
         layer, adapter, slots = self.layer_of[id(module)]
-        # [Note: LoRA on a streamed base] another adapter module of the layer may be placed already (a
-        # unit of its own under wrap=): its parameter is then a released view, whose bytes are not to be
-        # written, and one materialized before is not drawn twice.
-        others = [(owner, name, owner._parameters[name]) for owner, name in slots if owner is not module]
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self.rng[(id(layer), adapter)])
+            self._draw(layer, adapter, slots, keep=module)
+
+    def _draw(self, layer, adapter: str, slots, keep) -> None:
+        """[Note: LoRA on a streamed base] What peft's update_layer draws for `adapter` of `layer`, in its
+        order: each adapter module's constructor init (nn.Linear's reset_parameters; torch.randn for
+        embedding adapters), then reset_lora_parameters(adapter, init). The layer's tensors other than
+        `keep`'s are CPU scratch during the call, so the stream advances as in peft's own draws: another
+        adapter module of the layer may be placed already (a unit of its own under wrap=), a released
+        view whose bytes are not to be written."""
+        others = [(owner, name, owner._parameters[name]) for owner, name in slots if owner is not keep]
         try:
             for owner, name, p in others:
-                owner._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-            layer.reset_lora_parameters(adapter, self.init)
+                owner._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+            with torch.no_grad():
+                for attr in ("lora_A", "lora_B"):
+                    if adapter in getattr(layer, attr):
+                        for m in getattr(layer, attr)[adapter].modules():
+                            if hasattr(m, "reset_parameters"):
+                                m.reset_parameters()
+                for attr in ("lora_embedding_A", "lora_embedding_B"):
+                    if adapter in getattr(layer, attr):
+                        getattr(layer, attr)[adapter].normal_()
+                if self.init:
+                    layer.reset_lora_parameters(adapter, self.init)
         finally:
             for owner, name, p in others:
                 owner._parameters[name] = p
-        if self.init is False and isinstance(module, torch.nn.ParameterDict):
-            for name in module._parameters:  # peft's embedding adapters start as torch.randn with no init
-                module._parameters[name].normal_()
 
 
 class _SafetensorsFiles:

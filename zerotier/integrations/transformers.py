@@ -3,6 +3,7 @@
     from zerotier.integrations.transformers import ZerotierTrainer
     trainer = ZerotierTrainer.from_pretrained("path/to/model", training_args, train_dataset=ds,
                                               zerotier_config="zerotier.toml")   # weights streamed
+    # LoRA, the frozen base streamed: ZerotierTrainer.from_pretrained(..., peft_config=LoraConfig(...))
     trainer = ZerotierTrainer(model=model, args=training_args, train_dataset=ds,
                               zerotier_config="zerotier.toml")                    # a model in RAM
     trainer.train()
@@ -152,17 +153,19 @@ class ZerotierTrainer(Trainer):
         super().__init__(model, args, *posargs, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, path, args, *posargs, zerotier_config=None, model_cls=None, wrap=None, **kwargs):
+    def from_pretrained(cls, path, args, *posargs, zerotier_config=None, model_cls=None, wrap=None,
+                        peft_config=None, **kwargs):
         """A ZerotierTrainer over the transformers model saved in the Hugging Face directory `path`,
         its weights streamed into the tiers ([Note: streamed pretrained loading] in pretrained.py),
         the config's "auto" and unset keys filled from `args` ([Note: TrainingArguments and the
-        zerotier config]). model_cls / wrap: as for zerotier.from_pretrained; the rest: Trainer's."""
+        zerotier config]). model_cls / wrap / peft_config (a peft.LoraConfig: the base frozen and
+        streamed under the adapters): as for zerotier.from_pretrained; the rest: Trainer's."""
         from ..pretrained import from_pretrained
 
         cfg = Config.coerce(zerotier_config)
         fills, conflicts = _fill(cfg, args, live=False)
         _refuse(conflicts, _SET_IT)
-        engine = from_pretrained(path, cfg.with_values(fills), model_cls=model_cls, wrap=wrap)
+        engine = from_pretrained(path, cfg.with_values(fills), model_cls=model_cls, wrap=wrap, peft_config=peft_config)
         try:  # the exemptions need the model: filled on the live engine
             return cls(engine.module, args, *posargs, **kwargs)
         except BaseException:
