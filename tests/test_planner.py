@@ -200,6 +200,10 @@ def test_cli_plan_does_not_fit_exits_1_with_the_shortfall(capsys):
     assert "zerotier plan: error: the" in r.err and "more host" in r.err
     out = json.loads(r.out)
     assert out["fits"] is False and out["missing"]["options"]
+    whole = out["missing"]["whole"]  # [Note: the whole shortfall]: the cheapest placement's table
+    assert set(whole["placement"]) == {"params", "gradients", "optimizer"}
+    assert all(t["missing"] == max(0, t["needed"] - t["budget"]) for t in whole["tiers"].values())
+    assert whole["tiers"]["host"]["budget"] == 10 << 30 and any(t["missing"] for t in whole["tiers"].values())
     assert out["per_rank_bytes"] == 7 * 10**9 * (4 + 4 + 12)  # fp32 params (the config default)
 
 

@@ -329,7 +329,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(json.dumps({"numel": sum(numels), "world_size": args.world_size, "stage": cfg.zero.stage,
                               "per_rank_bytes": exc.per_rank_bytes, "tiers": None,
                               "placement": {k: v.value for k, v in exc.placement.items()},
-                              "fits": False, "missing": {"kind": exc.kind, "options": exc.options},
+                              "fits": False, "missing": {"kind": exc.kind, "options": exc.options, "whole": exc.whole},
                               "predicted_step_s": None}, indent=2))
         raise
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.summary())

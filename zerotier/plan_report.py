@@ -116,10 +116,14 @@ def _largest_unit(s, budgets: dict[str, int], route: dict, names: dict[int, str]
 
 
 def whole_shortfall(offload: OffloadConfig, s, base: dict[str, int], budgets: dict[str, int],
-                    cuda: bool, nvme_off: str, names: dict[int, str]) -> str:
-    """[Note: the whole shortfall] The table and the fixes, appended to PlanDoesNotFit's message."""
+                    cuda: bool, nvme_off: str, names: dict[int, str]) -> tuple[str, dict]:
+    """[Note: the whole shortfall] The table and the fixes, appended to PlanDoesNotFit's message, and
+    the table as data (`zerotier plan --json`'s missing.whole)."""
     routes = _routes(offload, s, base, budgets, cuda)
     cost, need, route = routes[0]
+    data = {"placement": {k: ("split" if isinstance(w, tuple) else w.value) for k, w in route.items()},
+            "tiers": {t: {"needed": need[t], "budget": budgets[t], "missing": max(0, need[t] - budgets[t])}
+                      for t in TIERS}}
     lines = [f"The whole plan, placed the cheapest way ({_where(route)}):",
              f"  {'tier':8s} {'needed':>12s} {'budget':>12s} {'missing':>12s}"]
     for t in TIERS:
@@ -144,4 +148,4 @@ def whole_shortfall(offload: OffloadConfig, s, base: dict[str, int], budgets: di
     unit = _largest_unit(s, budgets, route, names)
     if unit:
         lines.append(f"One unit alone does not fit: {unit}.")
-    return "\n" + "\n".join(lines)
+    return "\n" + "\n".join(lines), data

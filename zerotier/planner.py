@@ -136,13 +136,15 @@ class PlanDoesNotFit(BudgetError):
                  per_rank_bytes: int):
         super().__init__(message)
         self.kind, self.options, self.placement, self.per_rank_bytes = kind, options, placement, per_rank_bytes
-        self.explain = None  # () -> the whole shortfall's text ([Note: the whole shortfall] in plan_report.py)
+        self.explain = None  # () -> the whole shortfall's text and table ([Note: the whole shortfall] in plan_report.py)
+        self.whole: dict | None = None  # that table: the cheapest placement, needed / budget / missing per tier
 
     def explained(self) -> "PlanDoesNotFit":
         """This error with the whole shortfall appended to its message (computed only for the error
         make_plan raises: the placements `auto` tries and drops need none)."""
         if self.explain is not None:
-            self.args = (self.args[0] + self.explain(),)
+            text, self.whole = self.explain()
+            self.args = (self.args[0] + text,)
             self.explain = None
         return self
 
