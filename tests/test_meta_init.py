@@ -227,3 +227,38 @@ def test_a_model_whose_weights_cannot_be_given_back_is_refused(monkeypatch):
                                           r"not give the weights of 3 unit\(s\) back \(<root>, blocks.0, blocks.1\): "
                                           r"build or load the model again"):
         zerotier.initialize(model, {"offload": PLACEMENTS["params-host"]}, init_fn=init_tiny_gpt)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_meta_built_transformers_model_gets_its_own_init_weights(arch):
+    """[Note: meta-device models] With no init_fn, a transformers PreTrainedModel built on meta is
+    initialized by its _init_weights (RMSNorm and GPT-2's Conv1D have no reset_parameters(): refused
+    before): what transformers' init makes deterministic (norms, biases, rotary inv_freq) equals a
+    normal build's, and the random weights have its std (initializer_range, GPT-2's scaled c_proj),
+    not nn.Linear's kaiming bound."""
+    transformers = pytest.importorskip("transformers")
+    std = 0.02
+    if arch == "llama":
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          initializer_range=std)
+        build = transformers.LlamaForCausalLM
+    else:
+        config = transformers.GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=64,
+                                         initializer_range=std)
+        build = transformers.GPT2LMHeadModel
+    torch.manual_seed(0)
+    normal = build(config)
+    with torch.device("meta"):
+        model = build(config)
+    with zerotier.initialize(model, {"offload": PLACEMENTS["params-host"]}) as engine:
+        got = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        assert not any(t.is_meta for t in got.values())
+    for name, expected in [*normal.named_parameters(), *normal.named_buffers()]:
+        t = got[name]
+        if expected.dim() < 2:  # norms, biases, inv_freq: deterministic in transformers' init
+            assert torch.equal(t, expected), name
+        else:
+            assert abs(float(t.std()) - float(expected.std())) < 0.15 * float(expected.std()), name
+            assert not torch.equal(t, expected), name
+    assert any(abs(float(t.std()) - std) < 0.003 for n, t in got.items() if t.dim() == 2)

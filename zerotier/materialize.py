@@ -8,7 +8,9 @@ full-precision tensors exist in RAM at a time:
   1. every module holding one of the unit's parameters gets new CPU Parameters (and
      buffers) in place of its meta ones — new objects, because a meta tensor's data cannot
      be replaced — in every module that shares them (tied weights);
-  2. the module initializes them: `init_fn(module)` when the user gives one, else the
+  2. the module initializes them: `init_fn(module)` when the user gives one (for a
+     transformers PreTrainedModel, its own `_init_weights(module)` when none is given: what
+     transformers runs on a model it builds, Conv1D and RMSNorm included), else the
      module's own `reset_parameters()` (nn.Linear, nn.Embedding, norms ...). A module with
      neither, or with buffers that reset_parameters() does not set (only torch's norm
      layers reset theirs), is a ConfigError naming it: never uninitialized memory.
@@ -83,9 +85,49 @@ def pool_bytes(units: list[Unit], lp_dtype: torch.dtype, alignment: int) -> int:
                 if is_meta(u) and len({p.dtype for p in u.params}) == 1), default=0)
 
 
+def default_init_fn(model: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:
+    """A transformers PreTrainedModel's own init ([Note: meta-device models]), else None. By class
+    name along the MRO, so that transformers is not imported for other models."""
+    if any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+           for c in type(model).__mro__) and hasattr(model, "_init_weights"):
+        return _TransformersInit(model)
+    return None
+
+
+class _TransformersInit:
+    """model._init_weights on a module, then on its ancestors, innermost first, as transformers'
+    model.apply (children before parents) runs it: GPT-2's attention block rescales its c_proj. The
+    tensors of other modules are flagged _is_hf_initialized meanwhile, which transformers' init
+    functions skip: they are meta, or placed with an earlier unit."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.ancestors: dict[int, list[torch.nn.Module]] = {}
+        names = {id(m): n for n, m in model.named_modules()}
+        by_name = dict(model.named_modules())
+        for m_id, name in names.items():
+            parts = name.split(".") if name else []
+            self.ancestors[m_id] = [by_name[".".join(parts[:i])] for i in range(len(parts) - 1, -1, -1)]
+
+    def __call__(self, module: torch.nn.Module) -> None:
+        self.model._init_weights(module)
+        own = {id(t) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None}
+        for ancestor in self.ancestors.get(id(module), ()):
+            others = [t for t in (*ancestor.parameters(), *ancestor.buffers())
+                      if id(t) not in own and not hasattr(t, "_is_hf_initialized")]
+            for t in others:
+                t._is_hf_initialized = True
+            try:
+                self.model._init_weights(ancestor)
+            finally:
+                for t in others:
+                    del t._is_hf_initialized
+
+
 class Materializer:
     def __init__(self, model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None,
                  host_pool: HostPool | None = None):
+        init_fn = init_fn if init_fn is not None else default_init_fn(model)
         self.model, self.init_fn, self.host_pool = model, init_fn, host_pool
         self.seed = torch.initial_seed()
         # every (module, name) slot holding each parameter: tied ones are replaced everywhere
