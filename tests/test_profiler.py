@@ -715,6 +715,63 @@ def test_plot_shows_step_time_bandwidth_and_residency_with_legends_outside(tmp_p
         assert ax.get_legend().get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1
 
 
+@pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib (the plot extra) is not installed")
+def test_plot_marks_steps_and_rollbacks_keeps_compute_thin_and_draws_the_plan(tmp_path):
+    """Issue 35 item 8: compute is a thin band, not a grey fill under the whole bandwidth panel; each link
+    its own line style; step boundaries and rollbacks marked in the time panels; with a plan, its
+    components beside the measured ones."""
+    from zerotier.profiler import plot as plot_module
+
+    prof = _three_steps()
+    xfer(prof, "p", "host", "nvme", 92, 96, reason="optimizer-write", role="master", stream="io2")
+    prof.speculation(2, 2, 0, 0, 0.0)
+    prof.speculation(2, 0, 0, 0, 0.0)
+    trace = prof.trace()
+    marks = [e for e in trace["traceEvents"] if e.get("cat") == "speculation"]
+    start_us = trace["zerotier"]["window_us"][0]
+    marks[0]["ts"], marks[1]["ts"] = start_us + 150_000, start_us + 250_000  # rolled back in step 2, validated in 3
+    plan = {"predicted_step_s": 0.09, "breakdown_s": {"forward": 0.020, "backward": 0.030, "grad_norm": 0.001}}
+    fig = plot_module.figure(trace, plan)
+    steps, planned, bandwidth, device, host = fig.axes
+    gids = lambda ax: [a.get_gid() for a in ax.get_children() if a.get_gid()]  # noqa: E731
+    # compute: one thin band along the bottom (axes height 0.035), no full-height span
+    band, = [a for a in bandwidth.collections if a.get_gid() == "compute-band"]
+    heights = {round(p.get_extents().height, 6) for p in band.get_paths()}
+    assert heights == {0.035} and len(band.get_paths()) == 3 * 2   # forward+backward and the optimizer, per step
+    assert not [p for p in bandwidth.patches if p.get_height() >= 1.0]
+    # links: distinct line styles, the busiest drawn widest
+    lines = {a.get_gid(): a for a in bandwidth.lines if (a.get_gid() or "").startswith("link ")}
+    assert set(lines) == {"link device->host", "link nvme->host", "link host->nvme"}
+    assert len({(a.get_linestyle(), a.get_color()) for a in lines.values()}) == 3
+    # step boundaries at 100 and 200 ms in the bandwidth and residency panels
+    for ax in (bandwidth, device, host):
+        assert sorted(round(a.get_xdata()[0], 6) for a in ax.lines if a.get_gid() == "step-boundary") == [0.1, 0.2]
+    # the rollback: a triangle on top of the bandwidth panel, a line in residency, a mark over step 2's bar
+    top, = [a for a in bandwidth.lines if a.get_gid() == "rollback"]
+    assert list(top.get_xdata()) == [pytest.approx(0.15)] and top.get_marker() == "v"
+    assert [round(a.get_xdata()[0], 6) for a in device.lines if a.get_gid() == "rollback"] == [0.15]
+    over, = [a for a in steps.lines if a.get_gid() == "rollback"]
+    assert list(over.get_xdata()) == [2] and list(over.get_ydata()) == [pytest.approx(100.0)]
+    assert "speculation rolled back" in [t.get_text() for t in bandwidth.get_legend().get_texts()]
+    assert "step boundary" in [t.get_text() for t in bandwidth.get_legend().get_texts()]
+    # the plan: planned beside measured per component (forward 20 ms per step measured, 20 planned)
+    bars = {gid: [p for p in planned.patches if p.get_gid() == gid] for gid in ("plan-planned", "plan-measured")}
+    names = [t.get_text() for t in planned.get_yticklabels()]
+    assert names[::-1][:3] == ["forward", "backward", "grad_norm"]
+    widths = {gid: dict(zip(names, [round(p.get_width(), 3) for p in v])) for gid, v in bars.items()}
+    assert widths["plan-planned"]["forward"] == 20.0 and widths["plan-measured"]["forward"] == 20.0
+    assert widths["plan-planned"]["backward"] == 30.0 and widths["plan-measured"]["backward"] == 40.0
+    assert widths["plan-measured"]["grad_norm"] == 0.0 and "not timed" in [t.get_text().strip() for t in planned.texts]
+    assert planned.get_title().startswith("planned vs measured (furthest: ")
+    # without a plan: no plan panel; the CLI draws one with --plan
+    assert len(plot_module.figure(trace).axes) == 4
+    path, plan_path = tmp_path / "t.json", tmp_path / "plan.json"
+    prof.save(str(path))
+    plan_path.write_text(json.dumps(plan))
+    assert cli.main(["profile", str(path), "--plan", str(plan_path), "--plot", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_link_bound_run_whose_transfers_were_all_hidden_is_told_so():
     """PCIe busier than compute and than the optimizer, every transfer under one or the other: no
     advice about a reason that exposed nothing."""

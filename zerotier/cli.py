@@ -477,7 +477,8 @@ def _profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", metavar="TRACE.json",
                         help="trace written with profile.trace_path or Profiler.save() (.json or .json.gz)")
     parser.add_argument("--plot", metavar="OUT.png",
-                        help="also draw residency per tier and bandwidth per link over time (needs matplotlib)")
+                        help="also draw residency per tier and bandwidth per link over time (needs matplotlib); "
+                             "with --plan, the planned beside the measured seconds per component")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object instead of a table")
     parser.add_argument("--top", type=int, default=10, metavar="N", help="tensors listed by traffic (default 10)")
     parser.add_argument("--plan", metavar="PLAN.json",
@@ -510,7 +511,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         print(summary.table() + ("\n" + plan_table(*comparison) if comparison is not None else "")
               + (f"\n{rollbacks}" if comparison is not None and rollbacks else ""))
     if args.plot:
-        print(f"plot written to {plot_trace(trace, args.plot)}", file=sys.stderr)
+        print(f"plot written to {plot_trace(trace, args.plot, plan if args.plan else None)}", file=sys.stderr)
     return 0
 
 

@@ -214,11 +214,12 @@ class Summary:
         out["rollback_rate"] = self.rollback_rate
         return out
 
-    def plot(self, path: str) -> str:
-        """PNG of where each step's time goes, bandwidth per link and residency per tier (needs matplotlib)."""
+    def plot(self, path: str, plan: dict | None = None) -> str:
+        """PNG of where each step's time goes, bandwidth per link and residency per tier (needs matplotlib);
+        with `plan` (a `zerotier plan --json`), its components beside the measured ones."""
         from .plot import plot_trace
 
-        return plot_trace(self.trace, path)
+        return plot_trace(self.trace, path, plan)
 
     def table(self) -> str:
         return _table(self)
