@@ -5,7 +5,8 @@ zerotier runs on a handful of threads, each with one role:
 
   compute    the thread that calls the engine (forward, engine.backward/step, the plain
              loop) and autograd's threads, which run the module and gradient hooks
-  optimizer  `zerotier-optim`: the early step's Adam updates ([Note: early step])
+  optimizer  `zerotier-optim`: the early and speculative updates during backward ([Note: early
+             step], [Note: speculative step]) and the delayed update during the next window
   fetch      `zerotier-fetch-*`: NVMe reads and H2D copies of parameter prefetches
   grad-add   `zerotier-grad-*`: host adds of offloaded gradients (CUDA, host gradients)
   grad-io    `zerotier-grad-io-*`: folds of gradients into their NVMe files
@@ -20,9 +21,10 @@ lock: HostPool, DeviceTier's budget, NVMeStore, and ParamStore's `_inflight`,
 
 One role moves: the *updater*, which runs Adam and commits the new parameters
 (UnitOptimizer, ParamStore's write-back state, a unit's READY/STEPPED gradient
-state). It is the compute thread, except from an early step's submission until the
-compute thread has waited for its future (`Window._on_optimizer_thread` ->
-`Window.wait_early_steps` / `quiesce`), when it is the optimizer thread. `hand()`
+state). It is the compute thread, except from an early or speculative update's
+submission until the compute thread has waited for its future (`Window._on_optimizer_thread`
+-> `Window.wait_early_steps` / `quiesce`), and from a delayed update's launch until the next
+step publishes it (`DelayedUpdate`, a whole window), when it is the optimizer thread. `hand()`
 records each such handoff.
 
 With `ZEROTIER_CHECK_THREADS=1` (read once, at import) every mutating method decorated
