@@ -15,9 +15,10 @@ from .errors import ZerotierError
 # How long the demo takes, said wherever it is promised (cli.py's help, the example's docstring).
 # The long run (--long; the default until issue 35) was measured on a quiet 2-core VM at 8424d6b:
 # 81 s of training, 1:27 with start-up. The default run does a sixth of its work (steps x layers x
-# batch: 60 x 4 x 8 against 120 x 6 x 16), hence ~30 s with start-up: an estimate, not yet timed on
-# a quiet VM (issue 35's session never saw one: at load 10-15 the default run took 21-25 s a step,
-# where plain PyTorch trained the same model at 7 s a step at load ~9).
+# batch: 60 x 4 x 8 against 120 x 6 x 16) but not a sixth of its time: 4-step runs of each,
+# alternated, at load 11-12 (issue 35; no quiet VM in that session) trained 6.0-7.2 s a step against
+# 11.5-16.0 s (~2.1x per step: the NVMe optimizer and per-step work do not shrink with the batch),
+# so ~4x less time in all: ~20 s of training, ~30 s with start-up. An estimate, not a quiet timing.
 DURATION = "~30 s on a quiet 2-core CPU, estimated"
 DURATION_LONG = "~1.5 min on a quiet 2-core CPU"
 DURATION_BUSY = "much longer while other jobs share the cores; the progress bar shows the estimate"
