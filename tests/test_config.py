@@ -361,6 +361,7 @@ INVALID = [
 
 
 @pytest.mark.parametrize("section, values, message", INVALID, ids=[f"{s}-{next(iter(v))}" for s, v, _ in INVALID])
+@pytest.mark.pins("design#config-tells-the-truth")
 def test_invalid_values_name_the_key_and_the_rule(section, values, message):
     with pytest.raises(ConfigError, match="^" + message):
         Config.from_dict({section: values})
@@ -419,6 +420,7 @@ def test_device_key_is_validated():
     assert Config.from_dict({"train": {"device": "cuda:3"}}).train.device == "cuda:3"
 
 
+@pytest.mark.pins("design#device-and-group-first")
 def test_device_choice(monkeypatch):
     from zerotier.device import choose
 

@@ -251,6 +251,7 @@ def test_autocast_on_device_params_matches_torch_cpu():
     check_autocast_on_device_params("cpu")
 
 
+@pytest.mark.pins("design#autocast")
 def test_autocast_with_offloaded_params_is_a_config_error_cpu():
     check_autocast_with_offloaded_params_raises("cpu")
 
@@ -389,6 +390,7 @@ def assert_bitwise_equal(a: dict, b: dict, what):
 @cuda
 @pytest.mark.timeout(360)  # four child runs, two under the sanitizer: over gpu_run.sh's 150 s per test
 @pytest.mark.parametrize("name", ["params-host", "params-nvme"])
+@pytest.mark.pins("design#streams")
 def test_stream_race_stress_bitwise_and_sanitizer_clean(name, tmp_path):
     proc, lagging = race_run("cuda", name, tmp_path, "async")
     assert_child_ok(proc, f"{name}: sleepy run (GPU lagging the CPU)")
@@ -448,6 +450,7 @@ def _activation_bytes(model, x, y) -> int:
 
 
 @cuda
+@pytest.mark.pins("design#memory")
 def test_device_memory_stays_within_plan_with_params_and_optimizer_on_host():
     torch.manual_seed(0)
     model = TinyGPT(vocab=256, dim=256, layers=8, heads=4, seq=64)
@@ -508,6 +511,7 @@ def test_device_memory_stays_within_plan_with_params_and_optimizer_on_host():
 
 
 @cuda
+@pytest.mark.pins("design#memory", "design#one-memory-system-for-a-one-rank-step")
 def test_pinned_host_bytes_are_the_pools_and_within_budget(tmp_path):
     torch.cuda.init()
     host_budget = 256 << 20
@@ -567,6 +571,7 @@ def count_syncs():
 
 @cuda
 @pytest.mark.parametrize("name", ["all-device", "params-host", "optimizer-host"])
+@pytest.mark.pins("design#syncs")
 def test_no_host_sync_in_forward_and_backward(name):
     cfg = engine_config("cuda", PLACEMENTS[name], accum=1, clip=1.0)
     data = [(x.cuda(), y.cuda()) for x, y in batches(VOCAB, SEQ, BATCH, 3)]
@@ -645,6 +650,7 @@ def test_engine_on_cuda1_creates_no_context_on_cuda0(tmp_path):
 
 
 @cuda
+@pytest.mark.pins("design#profiler")
 def test_profiler_times_device_work_with_cuda_events(tmp_path):
     """A forward that enqueues in microseconds but runs >= 50 ms on the GPU (torch.cuda._sleep in a
     pre-hook): its profiled span must last as long as the GPU ran it, not as long as the enqueue;
@@ -673,6 +679,7 @@ def test_profiler_times_device_work_with_cuda_events(tmp_path):
 
 
 @cuda
+@pytest.mark.pins("design#inputs-follow-the-model")
 def test_cpu_inputs_follow_the_model_to_the_gpu():
     """Tensors passed to the wrapped model (positional or keyword) are moved to the engine's device."""
     cfg = engine_config("cuda", PLACEMENTS["params-host"], accum=1)

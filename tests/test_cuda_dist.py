@@ -168,6 +168,7 @@ def ref():
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", list(PLACEMENTS))
+@pytest.mark.pins("design#device-and-group-first")
 def test_two_gpus_match_single_process(launches, ref, name, stage):
     proc, ranks = launches(name)
     ref_losses, ref_weights = ref

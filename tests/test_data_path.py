@@ -48,6 +48,7 @@ def mlp_batches(n, seed=0):
 
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["early-step", "clipped"])
 @pytest.mark.parametrize("name", NVME)
+@pytest.mark.pins("design#one-memory-system-for-a-one-rank-step")
 def test_training_step_makes_no_staging_copy(name, clip, tmp_path, monkeypatch):
     """Every NVMe read/write of a step is zero-copy into/out of a pool block, whatever the
     unit's size (TinyGPT's units are not multiples of the 4 KiB alignment)."""
@@ -174,6 +175,7 @@ def test_two_ranks_make_no_staging_copy(two_rank_data_path, stage, name):
 
 @pytest.mark.parametrize("params", ["host", "nvme"])
 @pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.pins("design#one-memory-system-for-a-one-rank-step")
 def test_two_ranks_copies_and_nvme_bytes_per_step(two_rank_data_path, stage, params):
     """As test_copies_and_nvme_bytes_per_step, on 2 gloo ranks, with gradients on the host and
     the reduce buckets on the device ([Note: bucket memory]): per step, host->device are the two
@@ -239,6 +241,7 @@ def routed_run(engine_cfg=None, steps=6, accum=2):
         return engine.parameters_fp32(), wasted
 
 
+@pytest.mark.pins("design#versions")
 def test_prefetch_from_before_a_step_is_never_used():
     """The trace (step 1) says expert 0 follows `inp`; micro-batch 1 routes to expert 1, so expert
     0 is prefetched and not used; step() then updates expert 0 (gradient from micro-batch 0).
@@ -251,6 +254,7 @@ def test_prefetch_from_before_a_step_is_never_used():
         torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.pins("design#versions")
 def test_prefetch_issued_just_before_step_is_dropped():
     """Directly: prefetch every unit, step, then compute; the prefetched (old) bytes are discarded."""
     cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "host"}, "optimizer": {"lr": LR},
@@ -274,6 +278,7 @@ def test_prefetch_issued_just_before_step_is_dropped():
 
 
 @pytest.mark.parametrize("name", ["params-host", "params-nvme", "optimizer-nvme"])
+@pytest.mark.pins("design#config-tells-the-truth", "design#one-memory-system-for-a-one-rank-step")
 def test_host_pool_bytes_match_the_plan(name, tmp_path):
     """Every host byte the engine holds is a pool block, and the planner's host need is enough:
     with tiers.host set to exactly that need, 3 steps train, and the pool's peak comes within 20%
@@ -302,6 +307,7 @@ def test_host_pool_bytes_match_the_plan(name, tmp_path):
     assert 0.8 * need <= peak <= need, (need, peak)
 
 
+@pytest.mark.pins("design#config-tells-the-truth")
 def test_bf16_gradient_accumulation_halves_gradient_bytes_and_trains(tmp_path):
     def run(grad_dtype):
         cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "host"},

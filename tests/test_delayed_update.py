@@ -114,6 +114,7 @@ PLACEMENTS = {
 
 
 @pytest.mark.parametrize("name", PLACEMENTS)
+@pytest.mark.pins("design#delayed-parameter-update")
 def test_matches_the_delayed_reference(name, tmp_path):
     """Clipping at 1.0 and accumulation over 2 micro-batches; 6 windows."""
     ref = reference_run(make_model())
@@ -288,6 +289,7 @@ READS = ["clone", "detach", "data", "gathered", "state_dict", "parameters_fp32",
 
 @pytest.mark.parametrize("how", READS)
 @pytest.mark.parametrize("placement", ["optimizer-host", "params-nvme"])
+@pytest.mark.pins("design#delayed-parameter-update")
 def test_a_read_between_windows_publishes_the_update(how, placement, tmp_path):
     """[Note: delayed update] Every read of the weights between windows (the parameter surface, a
     forward without grad, engine.gathered(), state_dict, parameters_fp32, export) publishes the

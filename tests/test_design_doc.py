@@ -10,7 +10,15 @@ The module map (the code block under "## Modules and boundaries") names every mo
 tree: each file `zerotier/x.py` has an entry `x.py`, each package `zerotier/p/` an entry `p/`
 whose text names each of its modules (`q.py`, or `q` as a word), and every name the map gives
 exists (issue 33 item 6).
+
+Claim and test name each other (issue 33 item 6): a claim's id is its bold lead as a slug
+(`**Syncs.**` -> `design#syncs`), and each test a claim names carries
+`@pytest.mark.pins("design#syncs")`. A claim naming a test without that marker fails, and so
+does a marker naming a claim the document lacks or a claim that does not name the test. The
+tests a claim names that only run on CUDA (`@cuda`, `pytest.mark.cuda`, or a module's
+`pytestmark`) are listed, and only they, under "## Not verified in CI".
 """
+import ast
 
 import re
 from pathlib import Path
@@ -107,6 +115,101 @@ def test_the_map_checker_catches_a_missing_and_an_invented_module(tmp_path):
     assert map_drift(doc, tmp_path) == [
         "zerotier/b.py is not in the map", "the map names zerotier/ghost.py, which does not exist",
         "zerotier/pkg/two.py is not in the map's pkg/ entry", "the map's pkg/ entry names pkg/three, which does not exist"]
+
+
+def claim_id(paragraph: str) -> str:
+    lead = re.match(r"(?:- )?\*\*(.+?)\*\*", paragraph).group(1)
+    return "design#" + re.sub(r"[^a-z0-9]+", "-", lead.lower()).strip("-")
+
+
+def claim_pins(text: str) -> dict[str, set[str]]:
+    """claim id -> the tests (`tests/x.py::test_y`, parametrized ids dropped) the claim names."""
+    out: dict[str, set[str]] = {}
+    for _, p in claims(text):
+        out.setdefault(claim_id(p), set()).update(f"{f}::{n}" for f, n in NODE.findall(p))
+    return out
+
+
+def _is_cuda(node: ast.expr) -> bool:
+    node = node.func if isinstance(node, ast.Call) else node
+    return (isinstance(node, ast.Name) and node.id == "cuda") or (isinstance(node, ast.Attribute) and node.attr == "cuda")
+
+
+def marked_pins(tests: Path) -> dict[str, tuple[set[str], bool]]:
+    """test node id -> (the claims its `pytest.mark.pins` names, whether it only runs on CUDA)."""
+    out = {}
+    for file in sorted(tests.glob("test_*.py")):
+        tree = ast.parse(file.read_text())
+        module_cuda = False
+        for stmt in tree.body:
+            if isinstance(stmt, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in stmt.targets):
+                marks = stmt.value.elts if isinstance(stmt.value, (ast.List, ast.Tuple)) else [stmt.value]
+                module_cuda = any(_is_cuda(m) for m in marks)
+        for fn in tree.body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.name.startswith("test_"):
+                continue
+            pins = {a.value for d in fn.decorator_list if isinstance(d, ast.Call)
+                    and isinstance(d.func, ast.Attribute) and d.func.attr == "pins"
+                    for a in d.args if isinstance(a, ast.Constant)}
+            cuda = module_cuda or any(_is_cuda(d) for d in fn.decorator_list)
+            out[f"tests/{file.name}::{fn.name}"] = (pins, cuda)
+    return out
+
+
+def unverified_section(text: str) -> set[str]:
+    """The tests listed under "## Not verified in CI"."""
+    section = text.split("\n## Not verified in CI\n", 1)
+    section = section[1].split("\n## ", 1)[0] if len(section) == 2 else ""
+    return {f"{f}::{n}" for f, n in NODE.findall(section)}
+
+
+def pin_drift(text: str, tests: Path) -> list[str]:
+    """Where claims and `pytest.mark.pins` markers disagree, and what "Not verified in CI" gets wrong."""
+    ids = [claim_id(p) for _, p in claims(text)]
+    drift = [f"two claims have the id {i}: reword one bold lead" for i in sorted({i for i in ids if ids.count(i) > 1})]
+    named, marked = claim_pins(text), marked_pins(tests)
+    for claim, nodes in sorted(named.items()):
+        drift += [f"{claim} names {node}, which lacks @pytest.mark.pins(\"{claim}\")"
+                  for node in sorted(nodes) if node in marked and claim not in marked[node][0]]
+    for node, (pins, _) in sorted(marked.items()):
+        for claim in sorted(pins):
+            if claim not in named:
+                drift.append(f"{node} pins {claim}, which docs/design.md does not contain")
+            elif node not in named[claim]:
+                drift.append(f"{node} pins {claim}, which does not name it")
+    cuda_only = {node for nodes in named.values() for node in nodes if node in marked and marked[node][1]}
+    listed = unverified_section(text)
+    drift += [f"{node} runs only on CUDA: list it under \"## Not verified in CI\"" for node in sorted(cuda_only - listed)]
+    drift += [f"\"## Not verified in CI\" lists {node}, which is not a CUDA-only pin" for node in sorted(listed - cuda_only)]
+    return drift
+
+
+def test_claims_and_the_tests_that_pin_them_name_each_other():
+    drift = pin_drift((ROOT / "docs" / "design.md").read_text(), ROOT / "tests")
+    assert not drift, "docs/design.md's claims and the tests' pins markers disagree:\n" + "\n".join(drift)
+
+
+def test_the_pin_checker_catches_each_way_of_drifting(tmp_path):
+    (tmp_path / "test_a.py").write_text(
+        "import pytest\ncuda = pytest.mark.cuda\n\n"
+        "@pytest.mark.pins(\"design#one\")\ndef test_pinned(): pass\n\n"
+        "def test_unmarked(): pass\n\n"
+        "@pytest.mark.pins(\"design#gone\")\ndef test_pins_a_missing_claim(): pass\n\n"
+        "@pytest.mark.pins(\"design#one\")\ndef test_not_named_by_its_claim(): pass\n\n"
+        "@cuda\n@pytest.mark.pins(\"design#two\")\ndef test_on_cuda(): pass\n")
+    (tmp_path / "test_b.py").write_text("import pytest\npytestmark = [pytest.mark.cuda]\n\n"
+                                        "@pytest.mark.pins(\"design#two\")\ndef test_gpus(): pass\n")
+    doc = ("**One.** `tests/test_a.py::test_pinned`, `tests/test_a.py::test_unmarked`.\n\n"
+           "- **Two.** `tests/test_a.py::test_on_cuda`, `tests/test_b.py::test_gpus`.\n\n"
+           "## Not verified in CI\n\n- `tests/test_a.py::test_on_cuda`\n- `tests/test_a.py::test_pinned`\n")
+    assert marked_pins(tmp_path)["tests/test_b.py::test_gpus"] == ({"design#two"}, True)
+    assert pin_drift(doc, tmp_path) == [
+        "design#one names tests/test_a.py::test_unmarked, which lacks @pytest.mark.pins(\"design#one\")",
+        "tests/test_a.py::test_not_named_by_its_claim pins design#one, which does not name it",
+        "tests/test_a.py::test_pins_a_missing_claim pins design#gone, which docs/design.md does not contain",
+        "tests/test_b.py::test_gpus runs only on CUDA: list it under \"## Not verified in CI\"",
+        "\"## Not verified in CI\" lists tests/test_a.py::test_pinned, which is not a CUDA-only pin"]
+    assert pin_drift(doc.replace("**Two.**", "**One.**"), tmp_path)[0] == "two claims have the id design#one: reword one bold lead"
 
 
 def test_every_claim_in_docs_design_md_names_a_test_that_exists():

@@ -180,6 +180,7 @@ def test_device_only_world_trains_exactly_like_a_gloo_world():
 
 
 @pytest.mark.cuda
+@pytest.mark.pins("design#device-and-group-first")
 def test_nccl_only_world_routes_host_tensors_to_gloo_and_device_tensors_to_nccl(one_rank):
     torch.cuda.set_device(0)
     one_rank("nccl")

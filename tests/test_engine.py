@@ -274,6 +274,7 @@ def test_parameter_without_gradient_is_not_updated():
         assert engine.unit_optimizer.steps[0] == [1, 1, 0, 0]  # used.weight/bias stepped, unused.* not
 
 
+@pytest.mark.pins("design#one-memory-system-for-a-one-rank-step")
 def test_device_tier_peak_stays_within_budget(tmp_path):
     model = make_model(layers=6)  # streaming 6 blocks, a few at a time, saves device memory
     n = sum(p.numel() for p in set(model.parameters()))

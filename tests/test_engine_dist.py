@@ -83,6 +83,7 @@ def two_rank_results(tmp_path_factory):
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.pins("design#cpu-checks-of-the-gpu-classes")
 def test_two_ranks_match_single_process(two_rank_results, stage, placement):
     ref_losses, ref_weights = reference()
     for rank_results in two_rank_results:

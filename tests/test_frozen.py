@@ -75,6 +75,7 @@ def assert_frozen_released(engine):
 
 
 @pytest.mark.parametrize("params", ["device", "host", "nvme"])
+@pytest.mark.pins("design#frozen-parameters-are-placed-like-any-other-state")
 def test_frozen_layers_match_torch(params, tmp_path):
     ref_losses, ref_weights = reference_run(make_model())
     model = make_model()
@@ -99,6 +100,7 @@ def test_frozen_layers_match_torch(params, tmp_path):
         assert type(p) is torch.nn.Parameter and not p.requires_grad and torch.equal(p, value), name
 
 
+@pytest.mark.pins("design#frozen-parameters-are-placed-like-any-other-state")
 def test_plan_lists_frozen_bytes_apart(tmp_path):
     model = make_model()
     n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
@@ -179,6 +181,7 @@ def _two_rank_frozen(rank, world_size, nvme_dir):
     return results
 
 
+@pytest.mark.pins("design#frozen-parameters-are-placed-like-any-other-state")
 def test_two_ranks_with_frozen_layers_match_single_process(tmp_path):
     from zerotier.dist import spawn
     ref_losses, ref_weights = reference_run(make_model())

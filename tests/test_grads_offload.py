@@ -86,6 +86,7 @@ def gradient_read_by_the_optimizer(engine) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("gradients", ["device", "host", "nvme"])
+@pytest.mark.pins("design#config-tells-the-truth")
 def test_bf16_accumulation_matches_an_explicit_bf16_reference(gradients, tmp_path):
     """Window by window, from the same weights: the engine's bf16 gradient is bitwise the reference's
     (the first micro-batch's gradient rounded to bf16, each later one added in fp32 and the sum
@@ -443,6 +444,7 @@ def accumulated_runs(tmp_path_factory):
 @pytest.mark.parametrize("then", ["run the window again", "go on with the next window"])
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
 @pytest.mark.parametrize("micro", [2, 3], ids=["first-of-window", "last-of-window"])
+@pytest.mark.pins("design#a-step-is-all-or-nothing")
 def test_failed_gradient_write_mid_window_restarts_the_window(micro, code, then, accumulated_runs, tmp_path):
     """Issue 37 row 12: a gradient write that fails during a window's micro-batch (grad_accum_steps
     2) fails that backward; zero_grad(), as the refusal says, drops the whole window and its

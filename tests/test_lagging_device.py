@@ -113,6 +113,7 @@ def test_free_after_the_ticket_parks_the_block_until_the_copy_ran():
     dev.close()
 
 
+@pytest.mark.pins("design#cpu-checks-of-the-gpu-classes")
 def test_a_source_written_before_the_copy_delivered_gives_nan_not_data():
     """Written while the copy was in flight and not joined: the copy's bytes are undefined, so the
     destination is NaN for whoever uses it (a prefetch that is dropped unused is harmless)."""

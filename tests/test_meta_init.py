@@ -43,6 +43,7 @@ def test_meta_model_materializes_the_same_weights_under_every_placement(tmp_path
             torch.testing.assert_close(trained[key], first_trained[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
 
 
+@pytest.mark.pins("design#models-larger-than-ram")
 def test_meta_model_trains_like_a_normal_build_of_the_same_weights(tmp_path):
     """The materialized model trains exactly like the same weights loaded into a normally built model."""
     initial, trained, model = weights_after_training("params-host", tmp_path)

@@ -29,6 +29,7 @@ def train(engine, steps=3):
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.pins("design#the-user-s-model-stays-the-truth")
 def test_state_dict_during_training_and_after_close_holds_the_trained_weights(placement, tmp_path):
     m = model()
     initial = {k: v.clone() for k, v in m.state_dict().items()}
@@ -57,6 +58,7 @@ def test_state_dict_during_training_and_after_close_holds_the_trained_weights(pl
     assert all(p.grad is not None for p in m.parameters())
 
 
+@pytest.mark.pins("design#the-user-s-model-stays-the-truth")
 def test_initialize_twice_is_a_clear_error_until_close():
     m = model()
     engine = zerotier.initialize(m)

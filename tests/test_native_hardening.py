@@ -142,6 +142,7 @@ def adam_once_from(seed):
 
 # ------------------------------------------------------------------ the error contract
 
+@pytest.mark.pins("design#no-c-exception-crosses-the-c-abi")
 def test_every_export_is_guarded_or_noexcept():
     """[Note: native error contract] as a rule on the sources: every ZT_API function either
     runs its body through zt::guard (directly or via on_engine) or is declared noexcept."""
@@ -179,6 +180,7 @@ def test_guard_and_pool_contract_in_cpp(tmp_path):
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
 
 
+@pytest.mark.pins("design#no-c-exception-crosses-the-c-abi")
 def test_native_failure_codes_carry_the_function_and_reason(cpu_lib, io_lib):
     """Status codes plus the thread-local message become a NativeError naming the function."""
     bad = (_kernels.ZtAdamArgs * 1)()
@@ -222,6 +224,7 @@ def test_adam_worker_thread_that_cannot_start_is_a_native_error(cpu_lib):
 
 
 @pytest.mark.skipif(UNDER_ASAN, reason="ASan aborts where the library would see bad_alloc")
+@pytest.mark.pins("design#no-c-exception-crosses-the-c-abi")
 def test_io_request_that_cannot_be_allocated_fails_alone(io_lib, tmp_path):
     """bad_alloc while building a request fails that request (TierIOError ENOMEM naming the
     file), leaks nothing (no request left in the engine) and the engine keeps working.
@@ -251,6 +254,7 @@ def test_io_request_that_cannot_be_allocated_fails_alone(io_lib, tmp_path):
 
 # ------------------------------------------------------------------ fork
 
+@pytest.mark.pins("design#after-fork")
 def test_forked_children_run_cpu_adam_while_the_parent_steps():
     """Children forked while a parent thread is inside the Adam pool get a fresh pool (the
     inherited one has no threads) and compute the same bits; the parent goes on."""
@@ -278,6 +282,7 @@ def test_forked_children_run_cpu_adam_while_the_parent_steps():
 
 
 @pytest.mark.parametrize("backend", ["io_uring", "threads"])
+@pytest.mark.pins("design#after-fork")
 def test_forked_child_cannot_use_the_parents_io_engine_but_can_open_its_own(io_lib, tmp_path, backend):
     """In a forked child the parent's engine (its requests included) raises NativeError at
     once, from Python and from C; close() only forgets it; a new engine works. The parent's
@@ -413,6 +418,7 @@ def fresh_loader(monkeypatch):
     monkeypatch.setattr(_native, "_load_errors", {})
 
 
+@pytest.mark.pins("design#the-abi-is-checked-at-load")
 def test_cpu_library_of_another_abi_version_is_refused(fresh_loader, monkeypatch):
     """A stale _zt_cpu is refused at load with a warning; status says why; Adam runs the
     pure-Python path and still computes the update."""
@@ -430,6 +436,7 @@ def test_cpu_library_of_another_abi_version_is_refused(fresh_loader, monkeypatch
     assert all(torch.equal(a, b) for a, b in zip(bufs, ref))
 
 
+@pytest.mark.pins("design#the-abi-is-checked-at-load")
 def test_adam_struct_size_mismatch_is_refused(fresh_loader, monkeypatch):
     """The ctypes mirror of ZtAdamArgs and the C struct must have the same size."""
     class Grown(ctypes.Structure):

@@ -1,4 +1,5 @@
 """The prefetch scheduler's decisions, on their own (the engine tests cover it in use)."""
+import pytest
 import torch
 
 from zerotier.config import PrefetchConfig
@@ -31,6 +32,7 @@ def test_max_bytes_limits_what_is_in_flight():
     assert issued == [1], "the second lookahead unit would pass max_bytes"
 
 
+@pytest.mark.pins("design#streams")
 def test_prefetch_copies_wait_for_compute_as_of_their_issue(monkeypatch):
     """GPU review N7, checked on the CPU: a prefetch's host->device copy runs on a fetch worker, and
     must wait for the compute work enqueued when the fetch was *issued* (an event marked on the

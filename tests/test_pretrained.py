@@ -92,6 +92,7 @@ def test_from_pretrained_computes_what_transformers_loads_and_trains_like_it(nam
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.pins("design#models-larger-than-ram")
 def test_zerotier_export_round_trips_through_from_pretrained(name, tmp_path):
     """Train one step, save a checkpoint, `zerotier export --to DIR`: from_pretrained(DIR)
     computes what the engine's model computed after the step."""
@@ -112,6 +113,7 @@ def test_zerotier_export_round_trips_through_from_pretrained(name, tmp_path):
         engine.close(restore_weights=False)
 
 
+@pytest.mark.pins("design#models-larger-than-ram")
 def test_tensors_are_read_unit_by_unit_as_each_unit_is_placed(tmp_path, monkeypatch):
     """[Note: streamed pretrained loading] Only the tensors of the unit being placed have been
     read when it is placed: the files are never read whole (a model larger than RAM loads)."""

@@ -84,6 +84,7 @@ PLACEMENTS = [{"params": p, "gradients": g, "optimizer": o}
 
 
 @pytest.mark.parametrize("offload", PLACEMENTS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.pins("design#the-speculative-step")
 def test_bitwise_equal_to_the_plain_step_under_every_placement(offload, tmp_path):
     ref = run(tmp_path, False, offload)
     ours = run(tmp_path, True, offload)
@@ -159,6 +160,7 @@ def read_weight_and_state_dict(engine, i):
 @pytest.mark.parametrize("between", [change_lr, user_clip, second_backward, zero_then_again, set_grad,
                                      read_weight_and_state_dict])
 @pytest.mark.parametrize("optimizer", ["host", "nvme"])
+@pytest.mark.pins("design#the-speculative-step")
 def test_changes_to_the_window_after_speculation_are_exact(between, optimizer, tmp_path):
     """Nothing a user does between the last backward and step() is refused or silently wrong: the
     speculation is cancelled (or the check rejects it) and the step is the plain one."""

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 
+import pytest
 import torch
 
 import zerotier
@@ -37,6 +38,7 @@ def train(early_step: bool, step=plain_step):
         return engine.parameters_fp32()
 
 
+@pytest.mark.pins("design#syncs")
 def test_early_step_backward_never_waits_for_a_units_host_adds():
     """GPU review N8: a unit's early step settles its gradient (waits for its host adds) on the
     optimizer thread, never on the autograd thread. Each optimizer-thread settle here blocks

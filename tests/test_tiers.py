@@ -216,6 +216,7 @@ def test_cuda_pinned_pool_and_event_tickets():
     assert pool.stats()["current"] == 0
 
 
+@pytest.mark.pins("design#cpu-checks-of-the-gpu-classes")
 def test_no_registration_outlives_its_pool(ledger, tmp_path):
     """[Note: registrations end with the pool] (GPU review N1), checked on the CPU with the suite's
     registration ledger (tests/conftest.py): ten engines with host and NVMe offload are built,

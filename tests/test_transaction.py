@@ -80,6 +80,7 @@ def fail_nth_write(engine, n, code=errno.ENOSPC):
 
 
 @pytest.mark.parametrize("clip", [1.0, None], ids=["step", "during-backward"])
+@pytest.mark.pins("design#a-step-is-all-or-nothing")
 def test_failed_write_at_every_unit_refuses_then_resumes_exactly(swap, clip):
     """ENOSPC at each of the step's 9 optimizer-state writes (3 units x master, m, v): with clipping
     in step(), without it in the updates that run during backward."""
@@ -100,6 +101,7 @@ def test_failed_write_at_every_unit_refuses_then_resumes_exactly(swap, clip):
         engine.close()
 
 
+@pytest.mark.pins("design#a-step-is-all-or-nothing")
 def test_failed_read_before_any_update_leaves_the_step_retryable(swap):
     expected = reference(swap, 1.0)
     with zerotier.initialize(model(), cfg(swap)) as engine:
@@ -122,6 +124,7 @@ class Boom(Exception):
 
 @pytest.mark.parametrize("clip", [1.0, None], ids=["clip", "updates-during-backward"])
 @pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
+@pytest.mark.pins("design#a-step-is-all-or-nothing")
 def test_error_in_backward_at_every_module(swap, clip, error):
     """An exception (or Ctrl-C) raised in the backward of each module in turn, on the 4th batch.
     Nothing updated yet: zero_grad() drops the partial window, an emergency checkpoint saves, and

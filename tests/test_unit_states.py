@@ -5,6 +5,7 @@ import pytest
 from zerotier.state import GRAD_TRANSITIONS, PARAM_TRANSITIONS, GradState, IllegalTransition, ParamState, transition
 
 
+@pytest.mark.pins("design#per-unit-states")
 def test_unit_state_tables_are_the_design_diagrams_and_illegal_moves_raise():
     P, G = ParamState, GradState
     assert PARAM_TRANSITIONS == {P.RELEASED: {P.FETCHING}, P.FETCHING: {P.RESIDENT, P.RELEASED},
