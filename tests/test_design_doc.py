@@ -171,6 +171,8 @@ def pin_drift(text: str, tests: Path) -> list[str]:
     for claim, nodes in sorted(named.items()):
         drift += [f"{claim} names {node}, which lacks @pytest.mark.pins(\"{claim}\")"
                   for node in sorted(nodes) if node in marked and claim not in marked[node][0]]
+        drift += [f"{claim} names {node}, which is no test function at the top of a tests/ file"
+                  for node in sorted(nodes) if node not in marked]
     for node, (pins, _) in sorted(marked.items()):
         for claim in sorted(pins):
             if claim not in named:
@@ -209,7 +211,29 @@ def test_the_pin_checker_catches_each_way_of_drifting(tmp_path):
         "tests/test_a.py::test_pins_a_missing_claim pins design#gone, which docs/design.md does not contain",
         "tests/test_b.py::test_gpus runs only on CUDA: list it under \"## Not verified in CI\"",
         "\"## Not verified in CI\" lists tests/test_a.py::test_pinned, which is not a CUDA-only pin"]
+    assert pin_drift("**Three.** `tests/test_a.py::test_nowhere`\n", tmp_path)[0] == \
+        "design#three names tests/test_a.py::test_nowhere, which is no test function at the top of a tests/ file"
     assert pin_drift(doc.replace("**Two.**", "**One.**"), tmp_path)[0] == "two claims have the id design#one: reword one bold lead"
+
+
+def hidden_claims(text: str) -> list[int]:
+    """Lines with bold the checker does not read as a claim: past a paragraph's lead, or in a table
+    (code spans and code blocks aside). Claims live only where the checker looks."""
+    bold = lambda s: "**" in re.sub(r"`[^`]*`", "", s)
+    hidden = [n for n, p in paragraphs(text) if bold(re.sub(r"^(- )?\*\*.+?\*\*", "", p))]
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        fenced ^= line.startswith("```")
+        if not fenced and line.startswith("|") and bold(line):
+            hidden.append(number)
+    return sorted(hidden)
+
+
+def test_docs_design_md_has_no_bold_outside_a_claims_lead():
+    hidden = hidden_claims((ROOT / "docs" / "design.md").read_text())
+    assert not hidden, (f"docs/design.md lines {hidden}: bold past a paragraph's lead or in a table is a claim the "
+                        "checker cannot see; open a paragraph with it (and pin it) or drop the bold")
+    assert hidden_claims("**Lead.** then **more**.\n\n- **B.** `**code**`\n\n| a | **b** |\n\n```\n| **x** |\n```\n") == [1, 5]
 
 
 def test_every_claim_in_docs_design_md_names_a_test_that_exists():

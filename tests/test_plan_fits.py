@@ -61,6 +61,7 @@ WRAP = {"nested-each-module": ["Nested"]}  # every nesting level its own unit
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.pins("design#plans-that-fit-run")
 def test_budgets_at_exactly_the_plans_need_train(name, placement, tmp_path):
     cfg = {"offload": PLACEMENTS[placement], "tiers": {"nvme_path": str(tmp_path)},
            "train": {"max_grad_norm": 1.0, "wrap": WRAP.get(name, "auto")}, "prefetch": {"lookahead": 2}}
