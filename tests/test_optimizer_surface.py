@@ -436,6 +436,51 @@ def test_int8_codes_of_moments_changed_since_are_not_loaded(tmp_path):
     assert_state_is(state, layout, back)
 
 
+BAD_VALUES = {"nan": float("nan"), "inf": float("inf"), "negative": -1.0}
+
+
+@pytest.mark.parametrize("where,bad", [(w, b) for w in ("exp_avg_absmax", "exp_avg_sq_absmax", "exp_avg", "exp_avg_sq")
+                                       for b in BAD_VALUES if (w, b) != ("exp_avg", "negative")])  # a valid exp_avg
+@pytest.mark.parametrize("moments", ["int8", "fp32"])
+def test_state_dict_with_bad_values_is_refused_before_anything_changes(moments, bad, where, tmp_path):
+    """Issue 37 row 13 on the state_dict path ([Note: loaded state is checked]): int8 block scales
+    that are NaN, inf or negative, and moments that are not finite (or a negative exp_avg_sq) are
+    refused by an int8 and an fp32 engine alike, naming the parameter, the tensor and the value;
+    the engine's state is unchanged, and the dict as saved loads afterwards."""
+    model = make_model()
+    with zerotier.initialize(model, config("host", tmp_path, precision={"moment_dtype": "int8"})) as engine:
+        engine_train(engine, 2)
+        good = engine.optimizer.state_dict()
+    sd = copy.deepcopy(good)
+    i = next(i for i, entry in sd["state"].items() if INT8 in entry)  # a weight with int8 moments
+    tensor = sd["state"][i][INT8][where] if where.endswith("absmax") else sd["state"][i][where]
+    tensor.view(-1)[1] = BAD_VALUES[bad]
+    cfg = config("host", tmp_path, precision={"moment_dtype": moments})
+    with zerotier.initialize(make_model(), cfg) as engine:
+        engine_train(engine, 1)
+        before = raw_state(engine)
+        name = _name(engine.module, list(engine.module.parameters())[i])
+        what = "block 1" if where.endswith("absmax") else "element 1"
+        with pytest.raises(ZerotierError, match=rf"loaded optimizer state {i} \(parameter '{name}'\): its "
+                                                rf"(zerotier_int8 )?{where} holds {BAD_VALUES[bad]} at {what}: "
+                                                r".*Nothing was loaded"):
+            engine.optimizer.load_state_dict(sd)
+        assert_same_state(raw_state(engine), before)
+        engine.optimizer.load_state_dict(good)
+        engine_train(engine, 1, start=2)
+        assert all(bool(torch.isfinite(w).all()) for w in engine.parameters_fp32().values())
+
+
+@pytest.mark.parametrize("step", [float("nan"), float("inf")])
+def test_state_dict_step_that_is_not_a_count_is_refused(step, tmp_path):
+    with zerotier.initialize(make_model(), config("host", tmp_path)) as engine:
+        engine_train(engine, 1)
+        sd = engine.optimizer.state_dict()
+        sd["state"][0]["step"] = torch.tensor(step)
+        with pytest.raises(ValueError, match=rf"loaded optimizer state 0: step {step} is not a count"):
+            engine.optimizer.load_state_dict(sd)
+
+
 def test_load_state_dict_without_state_starts_adam_afresh(tmp_path):
     """As in torch: a parameter with no entry in the loaded state has no moments and step 0."""
     model = make_model()

@@ -4,6 +4,7 @@ converting between state dtypes ([Note: converting state dtypes on load] in chec
 planner's bytes, and convergence against fp32 state. The kernels' own bitwise tests are
 tests/test_adam_state_dtypes.py."""
 import os
+import re
 import sys
 import warnings
 
@@ -14,7 +15,7 @@ import zerotier
 from zerotier.errors import ConfigError
 from zerotier.models import TinyGPT, batches
 from zerotier.optim import _kernels
-from zerotier.optim.state_layout import StateLayout, sr_seed
+from zerotier.optim.state_layout import FP32_MOMENT_NUMEL, StateLayout, sr_seed
 from zerotier.planner import make_plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -330,3 +331,83 @@ def compact_checkpoint(tmp_path_factory):
     with zerotier.initialize(make_model(), config(HOST, root, "bf16", "int8")) as engine:
         train(engine, 0, 1)
         return engine.save_checkpoint(root / "ck")
+
+
+def _edit_record(ckpt, key, edit):
+    """Edit rank0.bin's `key` record of the last unit with int8 moments in place, `edit(layout, n,
+    raw)`, and reseal it: the record's crc32c and the manifest's recomputed, as anyone can. Returns
+    the unit's index."""
+    import json
+    import math
+    from zerotier.checkpoint_read import crc, manifest_crc, record_layout
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    ranges = manifest["ranks"][0]["ranges"]
+    unit = max(i for i, u in enumerate(manifest["units"])
+               if any(math.prod(p["shape"]) >= FP32_MOMENT_NUMEL for p in u["params"]))
+    lo, hi = ranges[unit]
+    rec = next(r for r in manifest["ranks"][0]["records"] if r["unit"] == unit and r["key"] == key)
+    data = bytearray((ckpt / "rank0.bin").read_bytes())
+    raw = torch.frombuffer(data, dtype=torch.uint8)[rec["offset"]: rec["offset"] + rec["nbytes"]]
+    edit(record_layout(manifest, unit, lo, hi), hi - lo, raw)
+    rec["crc32c"] = crc(raw.numpy().tobytes())
+    manifest["crc32c"] = manifest_crc(manifest)
+    (ckpt / "rank0.bin").write_bytes(bytes(data))
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    return unit
+
+
+def _set_block_scale(value, block=1):
+    def edit(layout, n, raw):
+        values, tail = layout.typed("exp_avg_sq", raw, n)
+        next(absmax for _, _, _, absmax in layout.pieces(n, values, tail) if absmax is not None)[block] = value
+    return edit
+
+
+def _set_value(key, value, fp32_range=False):
+    def edit(layout, n, raw):
+        values, tail = layout.typed(key, raw, n)
+        if fp32_range:  # a small parameter's fp32 moments ([Note: small parameters keep fp32 moments])
+            values = next(part for _, _, part, absmax in layout.pieces(n, values, tail) if absmax is None)
+        values[3] = value
+    return edit
+
+
+BAD_RECORDS = {  # name: (key, edit, what the error says)
+    "nan scale": ("exp_avg_sq", _set_block_scale(float("nan")), "a block scale of nan"),
+    "inf scale": ("exp_avg_sq", _set_block_scale(float("inf")), "a block scale of inf"),
+    "negative scale": ("exp_avg_sq", _set_block_scale(-1.0), "a block scale of -1.0"),
+    "nan master": ("master", _set_value("master", float("nan")), "a value of nan"),
+    "negative fp32 exp_avg_sq": ("exp_avg_sq", _set_value("exp_avg_sq", -1.0, fp32_range=True), "a value of -1.0"),
+}
+
+
+@pytest.mark.parametrize("moments", ["int8", "fp32"])
+@pytest.mark.parametrize("bad", BAD_RECORDS)
+def test_checkpoint_with_bad_values_is_refused_and_changes_nothing(bad, moments, compact_checkpoint, tmp_path):
+    """Issue 37 row 13 ([Note: loaded state is checked]): an int8 checkpoint (bf16 master) whose block
+    scales are NaN, inf or negative, whose master holds a NaN or whose fp32 exp_avg_sq a negative
+    value, every checksum recomputed, is refused by an int8 and an fp32 engine with a CheckpointError
+    naming the file, the record, the parameter and the value; it loaded silently and training went
+    NaN. Every record is checked before the engine changes: its weights and state are as they were,
+    and it loads a good checkpoint and trains on."""
+    import shutil
+    from zerotier.checkpoint_read import CheckpointError
+    key, edit, said = BAD_RECORDS[bad]
+    shutil.copytree(compact_checkpoint, tmp_path / "bad")
+    unit = _edit_record(tmp_path / "bad", key, edit)
+    assert unit > 0  # units before it would be stored first, without the check ahead
+    with zerotier.initialize(make_model(), config(HOST, tmp_path, "fp32", moments)) as engine:
+        train(engine, 0, 2)
+        weights = engine.parameters_fp32()
+        state = {u.index: engine.unit_optimizer.read_state(u, encoded=True) for u in engine.units}
+        with pytest.raises(CheckpointError, match=rf"bad/rank0\.bin: u{unit:05d}\.{key} \({key} of '[\w.]+' element "
+                                                  rf"\d+\) holds {re.escape(said)}: .*damaged or edited"):
+            engine.load_checkpoint(tmp_path / "bad")
+        assert all(torch.equal(w, weights[k]) for k, w in engine.parameters_fp32().items())
+        for u in engine.units:
+            for k, raw in engine.unit_optimizer.read_state(u, encoded=True).items():
+                assert torch.equal(raw, state[u.index][k]), (u.key, k)
+        train(engine, 2, 1)  # not broken
+        engine.load_checkpoint(compact_checkpoint)
+        train(engine, 1, 2)
+        assert all(bool(torch.isfinite(w).all()) for w in engine.parameters_fp32().values())

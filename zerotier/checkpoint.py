@@ -583,6 +583,7 @@ def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
         old_world = manifest["world_size"]
         src = engine.rank if engine.rank < old_world else 0
         rng = load_rng(ckpt, manifest, src, trust_pickle)
+        files.check([(u.index, u.shard_lo, u.shard_hi) for u in engine.units])  # before anything changes
         _warn_lossy(engine, ckpt, manifest)
         for unit, step in zip(engine.units, manifest["unit_steps"]):
             _load_unit_state(engine, files, unit, step)

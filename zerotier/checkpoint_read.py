@@ -21,7 +21,10 @@ ranges, records covering every unit, data files named rank<r>.bin) are checked b
 anything is used, so nothing outside the checkpoint directory is ever opened; files must
 be regular (a FIFO would block); a record is checked against its file's size before a
 buffer is allocated; state.pt and rank<r>.pt are checked to hold what save wrote, RNG
-states tried on throwaway generators, before the engine changes.
+states tried on throwaway generators, before the engine changes. So are the records: a
+load reads every record it needs once before storing any (`RankFiles.check`; the records
+are read twice), and every read checks its checksum and what it decodes to ([Note: loaded
+state is checked] in optim/state_layout.py: finite, exp_avg_sq and int8 block scales >= 0).
 """
 from __future__ import annotations
 
@@ -371,6 +374,11 @@ def _check_manifest(m: dict, where: str) -> None:
             bad(f"the ranks' ranges of unit {i} cover [0, {end}) of its {u['numel']} elements")
 
 
+_VALID = {"master": "a master weight is finite",  # [Note: loaded state is checked]
+          "exp_avg": "exp_avg is finite, int8 block scales finite and >= 0",
+          "exp_avg_sq": "exp_avg_sq is finite and >= 0, int8 block scales too"}
+
+
 class RankFiles:
     """Open data files of a checkpoint; reads records with crc32c verification. `read` returns a
     record's bytes as saved (in `layout`), `piece` fp32 values."""
@@ -403,18 +411,46 @@ class RankFiles:
         if crc(view) != rec["crc32c"]:
             raise CheckpointError(f"checkpoint {path}: checksum mismatch in {name} at offset {rec['offset']} — "
                                   f"the file is corrupt; load an earlier checkpoint")
+        lo, hi = self.manifest["ranks"][r]["ranges"][unit_index]
+        bad = record_layout(self.manifest, unit_index, lo, hi).first_bad(key, out, hi - lo)
+        if bad is not None:  # [Note: loaded state is checked] in optim/state_layout.py
+            what, at, value = bad
+            raise CheckpointError(f"checkpoint {path}: {name} ({key} of {self._param_at(unit_index, lo + at)}) holds "
+                                  f"a {what} of {value}: {_VALID[key]}, so the checkpoint was damaged or edited (its "
+                                  f"checksums match); load an earlier checkpoint")
         return out
+
+    def _param_at(self, unit_index: int, element: int) -> str:
+        """The parameter holding `element` of a unit's flat, as 'name' element i."""
+        for p in self.manifest["units"][unit_index]["params"]:
+            if p["offset"] <= element < p["offset"] + math.prod(p["shape"]):
+                return f"'{p['names'][0]}' element {element - p['offset']}"
+        return f"unit {unit_index} element {element}"
+
+    def sources(self, unit_index: int, lo: int, hi: int):
+        """(old rank, its range [olo, ohi)) of each record holding elements of [lo, hi) of a unit,
+        one per distinct range (replicated units: every rank saved the same flat)."""
+        seen = set()
+        for r, rank in enumerate(self.manifest["ranks"]):
+            olo, ohi = rank["ranges"][unit_index]
+            if max(lo, olo) < min(hi, ohi) and (olo, ohi) not in seen:
+                seen.add((olo, ohi))
+                yield r, olo, ohi
+
+    def check(self, ranges) -> None:
+        """Read every record of the elements [lo, hi) of each (unit index, lo, hi) in `ranges` once,
+        one at a time: a damaged record or a bad value ([Note: loaded state is checked]) is refused
+        before a load changes the engine (which then reads them again as it stores them)."""
+        for unit_index, lo, hi in ranges:
+            for r, _, _ in self.sources(unit_index, lo, hi):
+                for key in STATE_KEYS:
+                    self.read(r, unit_index, key)
 
     def piece(self, unit_index: int, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill out[:hi-lo] (fp32) with elements [lo, hi) of a unit's flat, from every old rank
         overlapping, decoded from the checkpoint's dtype."""
-        seen = set()
-        for r, rank in enumerate(self.manifest["ranks"]):
-            olo, ohi = rank["ranges"][unit_index]
+        for r, olo, ohi in self.sources(unit_index, lo, hi):
             a, b = max(lo, olo), min(hi, ohi)
-            if a >= b or (olo, ohi) in seen:  # replicated units: every rank saved the same flat
-                continue
-            seen.add((olo, ohi))
             layout = record_layout(self.manifest, unit_index, olo, ohi)
             data = layout.decode(key, self.read(r, unit_index, key), ohi - olo)
             out[a - lo: b - lo].copy_(data[a - olo: b - olo])

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ZerotierError
 from ._kernels import QUANT_BLOCK
-from .state_layout import STATE_DTYPES, StateLayout
+from .state_layout import STATE_DTYPES, StateLayout, first_bad_value
 
 INT8 = "zerotier_int8"  # a parameter's entry in state[i]
 MOMENT_DTYPE = "zerotier_moment_dtype"  # the state dict's: the moments' dtype where they were saved
@@ -76,9 +77,9 @@ def unit_buffers(layout: StateLayout, unit, full: dict[str, torch.Tensor],
     return None
 
 
-def checked_entry(value, numel: int) -> dict | None:
-    """A loaded parameter's INT8 entry; None when there is none or it is not one (the moments are
-    then quantized)."""
+def checked_entry(value, numel: int, where: str) -> dict | None:
+    """A loaded parameter's INT8 entry, its scales checked ([Note: loaded state is checked]); None
+    when there is none or it is not one (the moments are then quantized)."""
     entry = value.get(INT8) if isinstance(value, dict) else None
     if not isinstance(entry, dict) or type(entry.get("quant_block")) is not int \
             or type(entry.get("block_offset")) is not int:
@@ -90,6 +91,11 @@ def checked_entry(value, numel: int) -> dict | None:
                 or not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
             return None
         scales = scales.detach().to("cpu", torch.float32).reshape(-1)
+        i = first_bad_value(scales, nonnegative=True)
+        if i is not None:
+            raise ZerotierError(f"{where}: its {INT8} {k}_absmax holds {float(scales[i])} at block {i}: a block "
+                                f"scale of int8 moments is finite and >= 0, so this state dict was damaged or "
+                                f"edited. Nothing was loaded; load a state dict saved by the run")
         out[k], out[f"{k}_absmax"] = codes.detach().cpu().reshape(-1), scales
     return out
 

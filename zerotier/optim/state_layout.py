@@ -179,6 +179,23 @@ class StateLayout:
             return None
         return next(((ra, s) for ra, rb, s in self._runs(n) if ra <= a and b <= rb), None)
 
+    def first_bad(self, key: str, raw: torch.Tensor, n: int) -> tuple[str, int, float] | None:
+        """[Note: loaded state is checked] The first value of `key`'s buffer that no Adam run holds,
+        as (what, element of the shard, value): a non-finite value or block scale, a negative
+        exp_avg_sq or block scale; None when there is none. Any byte is a valid int8 code."""
+        values, tail = self.typed(key, raw, n)
+        pieces = [(0, n, values, None)] if tail is None else self.pieces(n, values, tail)
+        for a, _b, part, absmax in pieces:
+            if absmax is not None:
+                i = first_bad_value(absmax, nonnegative=True)
+                if i is not None:
+                    return "block scale", a + i * _kernels.QUANT_BLOCK, float(absmax[i])
+                continue
+            i = first_bad_value(part, nonnegative=key == "exp_avg_sq")
+            if i is not None:
+                return "value", a + i, float(part[i])
+        return None
+
     def lossy_from(self, old: "StateLayout", key: str) -> bool:
         """Whether converting `key` from `old`'s dtype to this layout's loses precision."""
         rank = {"fp32": 2, "bf16": 1, "int8": 0}
@@ -198,6 +215,23 @@ class StateLayout:
                 s += _blocks(a - at) * _kernels.QUANT_BLOCK
             at = max(at, b)
         return runs
+
+
+# [Note: loaded state is checked]
+# A checksum says the bytes are the ones written, not that they are state an Adam run holds:
+# a checkpoint or state dict edited with its checksums recomputed (issue 37 row 13: int8 block
+# scales of NaN, inf or -1) loaded silently and training went NaN. So what a load decodes is
+# checked before the engine changes: masters and moments finite, exp_avg_sq >= 0, int8 block
+# scales finite and >= 0 (a block's absmax; 0 for an all-zero block). Every value Adam and the
+# quantizer produce from finite gradients passes; a run whose state a NaN gradient reached is
+# refused on load too, as it holds nothing worth resuming.
+def first_bad_value(values: torch.Tensor, nonnegative: bool) -> int | None:
+    """Flat index of the first non-finite (or, `nonnegative`, negative) element of `values`, or None."""
+    values = values.reshape(-1)
+    bad = ~torch.isfinite(values)
+    if nonnegative:
+        bad |= values < 0
+    return int(bad.nonzero()[0]) if bool(bad.any()) else None
 
 
 @functools.lru_cache(maxsize=4096)

@@ -37,7 +37,8 @@ weights (`model.state_dict()`; a bf16 master comes back exactly through fp32). C
 moments are there decoded to fp32; int8 ones also as stored ([Note: int8 moments in the
 optimizer state_dict] in state_dict_int8.py). `load_state_dict()` writes the moments and
 step counts back (each rank its shard), in the engine's dtypes, warning when that loses
-precision; a parameter without an entry starts afresh, as in torch. A model state_dict and an
+precision; values no Adam run holds are refused first ([Note: loaded state is checked]);
+a parameter without an entry starts afresh, as in torch. A model state_dict and an
 optimizer state_dict saved together and loaded into a fresh engine of the same dtypes
 continue the run bit for bit. The engine's own checkpoints (and ZerotierTrainer's
 optimizer.pt) store only the param groups (`groups_only()`): the state is in the
@@ -48,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import itertools
+import math
 import sys
 import warnings
 import weakref
@@ -58,7 +60,7 @@ import torch
 from ..errors import ConfigError, ZerotierError
 from . import state_dict_int8
 from .offload import Hyper, HyperOf
-from .state_layout import StateLayout
+from .state_layout import StateLayout, first_bad_value
 
 # state_dict() under groups_only(): this key says the state is elsewhere (load keeps ours)
 GROUPS_ONLY = "zerotier_groups_only"
@@ -429,7 +431,7 @@ def _hyper(group: dict, index: int) -> Hyper:
 
 def _moments(key, value, p: torch.Tensor, name) -> tuple[int, torch.Tensor, torch.Tensor, dict | None]:
     """(step, exp_avg, exp_avg_sq, int8 entry or None) of one parameter's saved state, checked
-    against the parameter."""
+    against the parameter and for values no Adam run holds ([Note: loaded state is checked])."""
     if not isinstance(value, dict) or not {"step", "exp_avg", "exp_avg_sq"} <= value.keys():
         raise ValueError(f"loaded optimizer state {key} (parameter {name(p)}) is not Adam's: it needs step, "
                          f"exp_avg and exp_avg_sq, it has {sorted(value) if isinstance(value, dict) else value!r}")
@@ -440,7 +442,14 @@ def _moments(key, value, p: torch.Tensor, name) -> tuple[int, torch.Tensor, torc
             raise ValueError(f"loaded optimizer state {key}: its {what} has "
                              f"{t.numel() if isinstance(t, torch.Tensor) else type(t).__name__} elements, parameter "
                              f"{name(p)} has {p.numel()} (shape {list(p.shape)}): not this model's optimizer")
-    if step != int(step) or step < 0:
+    if not math.isfinite(step) or step != int(step) or step < 0:
         raise ValueError(f"loaded optimizer state {key}: step {step} is not a count")
-    return (int(step), exp_avg.detach().to("cpu", torch.float32), exp_avg_sq.detach().to("cpu", torch.float32),
-            state_dict_int8.checked_entry(value, p.numel()))
+    where = f"engine.optimizer.load_state_dict: loaded optimizer state {key} (parameter {name(p)})"
+    exp_avg, exp_avg_sq = exp_avg.detach().to("cpu", torch.float32), exp_avg_sq.detach().to("cpu", torch.float32)
+    for what, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):  # [Note: loaded state is checked]
+        i = first_bad_value(t, nonnegative=what == "exp_avg_sq")
+        if i is not None:
+            raise ZerotierError(f"{where}: its {what} holds {float(t.reshape(-1)[i])} at element {i}: Adam's "
+                                f"moments are finite and exp_avg_sq is >= 0, so this state dict was damaged or "
+                                f"edited. Nothing was loaded; load a state dict saved by the run")
+    return int(step), exp_avg, exp_avg_sq, state_dict_int8.checked_entry(value, p.numel(), where)
