@@ -67,3 +67,22 @@ def test_prefetch_copies_wait_for_compute_as_of_their_issue(monkeypatch):
     assert on_workers, "no prefetch ran on a fetch worker: the test checks nothing"
     assert all(after is not None and after[1] == threading.main_thread().name for after in on_workers)
     assert all(thread == threading.main_thread().name for _, thread, _ in marks)
+
+
+def test_a_pass_stopped_part_way_keeps_the_trace():
+    """A forward that raised after unit 1 (a failed read, say) changed no module order: the retry
+    follows the trace without a warning and is prefetched, rather than the truncated order
+    becoming the trace and the retry warning 'module order changed' (issue 35 item 6)."""
+    import warnings
+
+    sched, issued, inflight = make(1000, [10, 10, 10, 10])
+    sched.on_demand(0)
+    sched.on_demand(1)  # ... and the forward raises here
+    sched.begin_pass()
+    issued.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(4):
+            sched.on_demand(i)
+    assert sorted(set(issued)) == [1, 2, 3], "the retry must be prefetched along the recorded trace"
+    assert sched.divergences == 0

@@ -8,7 +8,8 @@ asynchronous fetches for the next `lookahead` units within `max_bytes` of
 parameters in flight (a unit larger than `max_bytes` is still prefetched when
 nothing else is in flight, so very large layers are never demand-only). When the order diverges (data-dependent control flow),
 the step falls back to fetching on demand, one warning names the module, and
-the order of that step is recorded as the new trace. It never raises.
+the order of that step is recorded as the new trace (a step that only stops part way along
+the trace, as one whose forward raised, keeps it). It never raises.
 """
 from __future__ import annotations
 
@@ -54,10 +55,12 @@ class PrefetchScheduler:
             self.issue(nxt)
 
     def begin_pass(self) -> None:
-        """A new training forward starts: adopt the last pass's order if it was new."""
+        """A new training forward starts: adopt the last pass's order if it was new. A pass that
+        stopped part way along the trace (an error in its forward or backward) changed no order:
+        it keeps the trace, so the retry is prefetched and warns of nothing."""
         if not self.recording:
             return
-        if self.trace is None or self.diverged or self.pos != len(self.trace):
+        if self.trace is None or self.diverged:
             self.trace = self.recording
         self.recording = []
         self.pos = 0
