@@ -60,6 +60,11 @@ def check_hf_trainer(result):
     assert (cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.precision.param_dtype) == (2e-5, 0.1, "bf16")  # "auto" filled
 
 
+def check_trl_sft(result):
+    trained(result)
+    assert result["frozen"] > 0 and result["cfg"].optimizer.lr == 2e-4  # LoRA on the streamed base; SFTConfig's lr
+
+
 def check_plan_fix(result):
     assert (result["refused"], result["fixed"]) == (1, 0)
 
@@ -71,6 +76,7 @@ RECIPES = {
     "lora_nvme": ("lora_nvme.py", [], check_lora),
     "deepspeed_migrate": ("deepspeed_migrate.py", [], check_deepspeed),
     "hf_trainer": ("hf_trainer.py", [], check_hf_trainer),
+    "trl_sft": ("trl_sft.py", [], check_trl_sft),
     "plan_fix": ("plan_fix.py", [], check_plan_fix),
 }
 
