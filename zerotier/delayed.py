@@ -63,7 +63,7 @@ from concurrent.futures import Future
 
 from . import threads
 from .config import format_setting
-from .errors import BudgetError, ConfigError
+from .errors import BudgetError, ConfigError, ZerotierError
 from .state import DTYPES, Location
 
 
@@ -206,6 +206,22 @@ class DelayedUpdate:
         for unit in self.units:
             self.engine.params.drop_out(unit)
         self.units, self.error = [], None
+
+
+def master_of(engine, unit):
+    """The fp32 master a stale unit's file is rewritten from ([Note: a failed write-back] in params.py).
+    While a delayed update is pending, the master has moved on (or is moving) past the weights the file
+    must hold, and nothing else keeps them: the engine breaks, naming load_checkpoint, rather than
+    train the window on weights one update fresher than its other units' ([Note: delayed update])."""
+    update = engine.window.delayed
+    if update is not None and update.pending:
+        cause = engine.params.slots[unit.index].failed_write
+        why = (f"writing the parameters of unit '{unit.name or '<root>'}' to {engine.params.loc.value} failed "
+               f"({cause}) while the delayed update (train.delayed_update) moved its fp32 master on, so the weights "
+               "this window must read are kept nowhere")
+        engine.window.mark_broken(why)
+        raise ZerotierError(f"{why}. Load a checkpoint (engine.load_checkpoint(root)) to continue") from cause
+    return engine.unit_optimizer.read_state(unit, ("master",))["master"]
 
 
 def grad_copy_bytes(grad_numels: list[int], grad_itemsize: int) -> int:

@@ -19,6 +19,7 @@ See docs/design.md for a unit's bytes through one step. By concern:
 """
 from __future__ import annotations
 
+import functools
 import secrets
 import sys
 import weakref
@@ -131,7 +132,7 @@ class Engine:
         self.params = ParamStore(self.param_units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
-        self.params.master_of = lambda unit: self.unit_optimizer.read_state(unit, ("master",))["master"]
+        self.params.master_of = functools.partial(delayed.master_of, self)  # [Note: a failed write-back]
         self.grads = GradStore(self.units, placement["gradients"], DTYPES[cfg.precision.accumulator_dtype],
                                self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,
                                self.store, self.profiler)

@@ -35,7 +35,9 @@ that failed is read again on the compute thread before the gather, as at one ran
 [Note: parameter versions]
 Every optimizer update of a unit bumps its version (`commit`). A fetch records the
 version it copies; `demand` uses a prefetched copy only if its version is current,
-else waits for it, drops it and fetches again. So a prefetch issued before a step
+else waits for it, drops it and fetches again, and refetches a resident copy that a
+commit outdated (a unit left resident by a forward that failed half-way, then a
+checkpoint loaded). So a prefetch issued before a step
 (e.g. a unit skipped by data-dependent routing while its gradient from an earlier
 micro-batch still gets applied) is never trained on.
 
@@ -56,7 +58,9 @@ weights. The unit is marked stale: the fetch raises the write's error, and every
 later fetch first rewrites the file from the fp32 master (`master_of`, the truth),
 raising again while the drive still refuses. ZeRO-1/2 homes hold the full flat
 gathered from every rank, which one rank cannot rebuild alone: there the fetch
-refuses and names load_checkpoint.
+refuses and names load_checkpoint. So does it while a delayed update is pending
+(`delayed.master_of`): that update moves the master past the weights the file must
+hold, and nothing keeps them ([Note: delayed update] in delayed.py).
 """
 from __future__ import annotations
 
@@ -105,6 +109,7 @@ class ParamSlot:
 
     state: ParamState = ParamState.RESIDENT
     version: int = 0                                # [Note: parameter versions]
+    fetched: int = 0                                # the version the device flat holds while RESIDENT
     streamed: bool = False                          # fetched / released per use
     device_flat: "torch.Tensor | None" = None       # compute copy (views = p.data); the home if not streamed
     device_shard: "torch.Tensor | None" = None      # ZeRO-3 home on the device
@@ -277,6 +282,8 @@ class ParamStore:
         if self._reading:
             self._issue_gathers()
         slot = self.slots[unit.index]
+        if slot.state is ParamState.RESIDENT and slot.streamed and slot.fetched != slot.version:
+            self.release(unit)  # committed since its fetch (a checkpoint loaded after a forward failed half-way)
         if slot.state is ParamState.RESIDENT:
             if then is not None:
                 then()
@@ -317,6 +324,7 @@ class ParamStore:
         finally:
             if waited is not None:
                 prof.wait_end(waited)
+        slot.fetched = fetch.version
         transition(self._states, unit.index, ParamState.RESIDENT, PARAM_TRANSITIONS, "parameters")
 
     @owned(COMPUTE)
@@ -711,7 +719,8 @@ class ParamStore:
                 f"({cause}), so its file holds the previous step's weights, and this rank cannot rebuild them "
                 "alone (ZeRO-1/2 with several ranks). Load a checkpoint (engine.load_checkpoint(root)) to "
                 "continue") from cause
-        self.out_buffer(unit).copy_(self.master_of(unit))
+        master = self.master_of(unit)  # first: it may refuse (a delayed update holds the write-back state)
+        self.out_buffer(unit).copy_(master)
         self.commit(unit)
         self._check_writes([i])  # landed: no longer stale; the drive still refuses: its error again
 

@@ -493,6 +493,8 @@ class ParamSurface:
         i = unit.index
         if engine.params.streamed[i] and engine.params.state[i] is ParamState.RESIDENT:
             engine.params.device_flat[i][: unit.numel].copy_(full.to(engine.lp_dtype))  # the compute copy too
+            slot = engine.params.slots[i]
+            slot.fetched = slot.version  # it holds the new version: no refetch ([Note: parameter versions])
 
     @contextlib.contextmanager
     def batch(self):
