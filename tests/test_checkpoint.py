@@ -459,6 +459,8 @@ def test_checkpoint_files_are_private_whatever_the_umask(tmp_path):
         assert os.stat(f).st_mode & 0o777 == 0o600, f
 
 
+# the advice steps a fresh scheduler before this engine's first step: torch's first-step check warns of it
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`:UserWarning")
 def test_load_with_a_scheduler_the_checkpoint_lacks_changes_nothing_and_its_advice_resumes_exactly(tmp_path):
     """#75: the error comes before anything is loaded. Issue 37 row 3: its advice was to load without
     the scheduler, which restarts the schedule (trains differently); the advice now given (build the

@@ -125,6 +125,9 @@ class Boom(Exception):
 @pytest.mark.parametrize("clip", [1.0, None], ids=["clip", "updates-during-backward"])
 @pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
 @pytest.mark.pins("design#a-step-is-all-or-nothing")
+# the injecting hooks sit on every module, the embedding too (no input needs a gradient): torch warns of that
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing when gradients are computed with respect to module "
+                            "outputs:UserWarning")
 def test_error_in_backward_at_every_module(swap, clip, error):
     """An exception (or Ctrl-C) raised in the backward of each module in turn, on the 4th batch.
     Nothing updated yet: zero_grad() drops the partial window, an emergency checkpoint saves, and
