@@ -40,8 +40,10 @@ def main(argv=None) -> dict:
     args.config = str(toml)
     with zerotier.from_pretrained(args.model, zerotier_config(args)) as engine:
         losses = train_loop(engine, args)
-        engine.save_checkpoint(args.output)
-        return {"losses": losses, "steps": engine.global_steps, "cfg": engine.cfg, "direct": direct}
+        engine.save_checkpoint(args.output)  # fp32 masters + Adam state; `zerotier export` writes safetensors
+        result = {"losses": losses, "steps": engine.global_steps, "cfg": engine.cfg, "direct": direct}
+        engine.close(restore_weights=False)  # the checkpoint holds the weights: exit fast
+        return result
 
 
 if __name__ == "__main__":

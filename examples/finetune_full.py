@@ -30,7 +30,9 @@ def main(argv=None) -> dict:
         checkpointing(engine.module)
         losses = train_loop(engine, args)
         engine.save_checkpoint(args.output)  # fp32 masters + Adam state; `zerotier export` writes safetensors
-        return {"losses": losses, "steps": engine.global_steps, "cfg": engine.cfg}
+        result = {"losses": losses, "steps": engine.global_steps, "cfg": engine.cfg}
+        engine.close(restore_weights=False)  # the checkpoint holds the weights: exit fast
+        return result
 
 
 if __name__ == "__main__":

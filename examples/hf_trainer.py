@@ -45,9 +45,10 @@ def main(argv=None) -> dict:
         train_dataset=TokenDataset(args, vocab_size(args.model), samples=args.steps * args.batch * 8))
     try:
         result = trainer.train()
+        trainer.engine.save_checkpoint(args.output)  # fp32 masters + Adam state; `zerotier export` writes safetensors
         return {"loss": result.training_loss, "steps": trainer.engine.global_steps, "cfg": trainer.engine.cfg}
     finally:
-        trainer.engine.close()
+        trainer.engine.close(restore_weights=False)  # the checkpoint holds the weights: exit fast
 
 
 if __name__ == "__main__":

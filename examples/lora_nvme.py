@@ -33,9 +33,11 @@ def main(argv=None) -> dict:
     with zerotier.from_pretrained(args.model, zerotier_config(args), peft_config=lora) as engine:
         checkpointing(engine.module)
         losses = train_loop(engine, args)
-        engine.save_checkpoint(args.output)
+        engine.save_checkpoint(args.output)  # fp32 masters + Adam state; `zerotier export` writes safetensors
         frozen = sum(u.numel for u in engine.frozen_units)
-        return {"losses": losses, "steps": engine.global_steps, "cfg": engine.cfg, "frozen": frozen}
+        result = {"losses": losses, "steps": engine.global_steps, "cfg": engine.cfg, "frozen": frozen}
+        engine.close(restore_weights=False)  # the checkpoint holds the weights: exit fast
+        return result
 
 
 if __name__ == "__main__":

@@ -76,10 +76,11 @@ def main(argv=None) -> dict:
                                                  processing_class=tokenizer)
     try:
         result = trainer.train()
+        trainer.engine.save_checkpoint(args.output)  # fp32 masters + Adam state; `zerotier export` writes safetensors
         return {"loss": result.training_loss, "steps": trainer.engine.global_steps, "cfg": trainer.engine.cfg,
                 "frozen": sum(u.numel for u in trainer.engine.frozen_units)}
     finally:
-        trainer.engine.close()
+        trainer.engine.close(restore_weights=False)  # the checkpoint holds the weights: exit fast
 
 
 if __name__ == "__main__":
