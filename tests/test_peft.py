@@ -266,6 +266,7 @@ def test_from_pretrained_with_peft_config_trains_as_transformers_and_peft(tmp_pa
         assert max(float((trained[n] - start[n]).abs().max()) for n in start) > 1e-3  # the adapters trained
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft calling transformers
 @pytest.mark.parametrize("init", [True, "gaussian", False])
 def test_from_pretrained_with_peft_config_initializes_adapters_as_peft(init, tmp_path):
     """[Note: LoRA on a streamed base] Under the same seed, the streamed adapters equal those
@@ -285,6 +286,7 @@ def test_from_pretrained_with_peft_config_initializes_adapters_as_peft(init, tmp
     with zerotier.from_pretrained(hf, zt_config("host", tmp_path), peft_config=lora_config(**config)) as engine:
         after = torch.rand(4)
         sd = engine.module.state_dict()
+        engine.close(restore_weights=False)  # read above: a meta-built model's weights are not put back
     assert torch.equal(sd["base_model.model.lm_head.modules_to_save.default.weight"], head)
     assert torch.equal(sd["base_model.model.lm_head.original_module.weight"], head)
     lora = [n for n in reference if "lora_" in n]
@@ -357,6 +359,7 @@ def test_zerotier_trainer_trains_a_peft_model_like_trainer(tmp_path):
         trainer.engine.close()
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft calling transformers
 def test_zerotier_trainer_from_pretrained_with_peft_config_trains_like_trainer(tmp_path):
     """ZerotierTrainer.from_pretrained(dir, args, peft_config=) in one step (peft_config went to
     Trainer.__init__: a TypeError): TrainingArguments fill the config's "auto" keys, and under the same
@@ -391,4 +394,4 @@ def test_zerotier_trainer_from_pretrained_with_peft_config_trains_like_trainer(t
         for name, ref in expected.items():
             torch.testing.assert_close(trained[name], ref, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     finally:
-        trainer.engine.close()
+        trainer.engine.close(restore_weights=False)  # read above: a meta-built model's weights are not put back
