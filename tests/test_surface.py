@@ -243,7 +243,7 @@ def test_deepcopy_and_gathered(where, tmp_path):
         for (name, p), q in zip(ref.named_parameters(), ema.parameters()):
             torch.testing.assert_close(q.detach(), p.detach(), msg=name)
         with engine.gathered():
-            norms = [float(p.norm()) for p in model.parameters()]
+            norms = [float(p.detach().norm()) for p in model.parameters()]
             assert all(engine.params.state[u.index].value == "resident" for u in engine.units)
         assert norms == pytest.approx([float(p.norm()) for p in ref.parameters()])
         assert all(engine.params.state[u.index].value == "released" for u in engine.units)
