@@ -65,6 +65,7 @@ def test_training_step_makes_no_staging_copy(name, clip, tmp_path, monkeypatch):
             engine.step()
         engine.synchronize()
         assert engine.store.stats()["bytes_out"] > 0
+        monkeypatch.undo()  # close() gives the weights back: not the training path
 
 
 @pytest.mark.parametrize("params", ["host", "nvme"])
@@ -247,8 +248,9 @@ def test_prefetch_from_before_a_step_is_never_used():
     0 is prefetched and not used; step() then updates expert 0 (gradient from micro-batch 0).
     Using that prefetch in the next forward would train on the pre-step weights."""
     ref = routed_run()
-    ours, wasted = routed_run({"offload": {"params": "host", "gradients": "host", "optimizer": "host"},
-                               "prefetch": {"lookahead": 2}})
+    with pytest.warns(RuntimeWarning, match="zerotier prefetch: module order changed at 'experts"):
+        ours, wasted = routed_run({"offload": {"params": "host", "gradients": "host", "optimizer": "host"},
+                                   "prefetch": {"lookahead": 2}})
     assert wasted > 0, "the scenario must actually leave a prefetch in flight across a step"
     for key in ref:
         torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
@@ -322,7 +324,7 @@ def test_bf16_gradient_accumulation_halves_gradient_bytes_and_trains(tmp_path):
                 loss = engine(x, y)
                 engine.backward(loss)
                 engine.step()
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
         return grad_bytes, losses
 
     fp32_bytes, fp32_losses = run("fp32")
