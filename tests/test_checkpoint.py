@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -104,7 +105,7 @@ def test_layout_and_retention(tmp_path):
         engine.load_checkpoint(root, lr_scheduler=sched)
         assert engine.optimizer.param_groups[0]["lr"] == LR / 16 and sched.last_epoch == 4
     assert (root / "latest").read_text().strip() == "ckpt-4"
-    assert sorted(p.name for p in root.iterdir()) == ["ckpt-3", "ckpt-4", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == [".zerotier-lock", "ckpt-3", "ckpt-4", "latest"]
     manifest = json.loads((root / "ckpt-4" / "manifest.json").read_text())
     assert manifest["world_size"] == 1 and manifest["global_steps"] == 4
     root_unit = next(u for u in manifest["units"] if u["name"] == "")  # tok, head (tied), pos, ln_f
@@ -204,7 +205,7 @@ def test_sigkill_during_save_keeps_previous(tmp_path):
         assert_same(engine.parameters_fp32(), expected)
         train(engine, 1, 1)
         engine.save_checkpoint(root)  # the next save cleans the leftover
-    assert sorted(p.name for p in root.iterdir()) == ["ckpt-1", "ckpt-2", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == [".zerotier-lock", "ckpt-1", "ckpt-2", "latest"]
 
 
 def test_enospc_during_save(tmp_path, monkeypatch):
@@ -228,7 +229,7 @@ def test_enospc_during_save(tmp_path, monkeypatch):
         msg = str(info.value)
         assert str(root) in msg and "free space" in msg and "no space left" in msg
         monkeypatch.setattr(checkpoint, "_write_record", real)
-    assert sorted(p.name for p in root.iterdir()) == ["ckpt-1", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == [".zerotier-lock", "ckpt-1", "latest"]
     with zerotier.initialize(make_model(), config(HOST, tmp_path)) as engine:
         engine.load_checkpoint(root)
         assert_same(engine.parameters_fp32(), expected)
@@ -402,11 +403,11 @@ def test_retention_keeps_the_newest_of_this_run_and_never_another_run(tmp_path):
     for step in range(1, 5):
         train(engine, step - 1, 1)
         engine.save_checkpoint(root)
-    assert sorted(p.name for p in root.iterdir()) == ["ckpt-100", "ckpt-101", "ckpt-3", "ckpt-4", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == [".zerotier-lock", "ckpt-100", "ckpt-101", "ckpt-3", "ckpt-4", "latest"]
     engine.save_checkpoint(root, keep=None)   # same step again: replaces ckpt-4, keeps all
     train(engine, 4, 1)
     engine.save_checkpoint(root, keep=1)
-    assert sorted(p.name for p in root.iterdir()) == ["ckpt-100", "ckpt-101", "ckpt-5", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == [".zerotier-lock", "ckpt-100", "ckpt-101", "ckpt-5", "latest"]
     with pytest.raises(ZerotierError, match="keep is how many"):
         engine.save_checkpoint(root, keep=0)
     engine.close()
@@ -414,7 +415,7 @@ def test_retention_keeps_the_newest_of_this_run_and_never_another_run(tmp_path):
     resumed.load_checkpoint(root)
     train(resumed, 5, 1)
     resumed.save_checkpoint(root, keep=1)
-    assert sorted(p.name for p in root.iterdir()) == ["ckpt-100", "ckpt-101", "ckpt-6", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == [".zerotier-lock", "ckpt-100", "ckpt-101", "ckpt-6", "latest"]
     resumed.close()
 
 
@@ -438,7 +439,7 @@ def test_foreign_directory_named_like_a_checkpoint_is_never_deleted(tmp_path):
     for step in (4, 5, 6):
         engine.global_steps = step
         engine.save_checkpoint(root, keep=1)
-    assert sorted(p.name for p in root.iterdir()) == ["ckpt-1", "ckpt-2", "ckpt-3", "ckpt-6", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == [".zerotier-lock", "ckpt-1", "ckpt-2", "ckpt-3", "ckpt-6", "latest"]
     assert (root / "ckpt-2" / "model.pt").read_bytes() == b"weights of another tool"
     assert (root / "ckpt-1" / "notes.txt").read_text() == "mine"
     engine.close()
@@ -673,3 +674,51 @@ def test_load_between_a_forward_and_its_backward_is_refused_as_torch_does(tmp_pa
     train(engine, 1, 1)
     assert engine.global_steps == 2
     engine.close()
+
+
+SAVER_THAT_WAITS = """
+import sys, zerotier
+sys.path.insert(0, {tests!r})
+from test_checkpoint import make_model, config, train, HOST
+engine = zerotier.initialize(make_model(), config(HOST, {tmp!r}))
+train(engine, 0, 1)
+engine.save_checkpoint({root!r})
+print("saved", flush=True)
+sys.stdin.readline()  # holds the root until told (or killed)
+"""
+
+
+def test_a_second_run_saving_into_the_same_root_is_refused_naming_the_first(tmp_path):
+    """Issue 37 row 10: two runs saving into one root replaced each other's ckpt-N and `latest`.
+    The root is locked as the swap directory is ([Note: the checkpoint root lock]): another process,
+    or another engine in this process, is refused at its first save with the owner named and nothing
+    written; the lock goes with close() or the owner's death."""
+    root = tmp_path / "ck"
+    script = SAVER_THAT_WAITS.format(tests=os.path.dirname(__file__), tmp=str(tmp_path), root=str(root))
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "saved"
+        before = {p.name: p.stat().st_mtime_ns for p in root.iterdir()}
+        engine = _engine(tmp_path)
+        train(engine, 0, 1)
+        with pytest.raises(CheckpointError, match=rf"checkpoint root {root} is in use by pid {child.pid} on host "
+                                                  rf"{socket.gethostname()}, run id [0-9a-f]+.*nothing was written"):
+            engine.save_checkpoint(root)
+        assert {p.name: p.stat().st_mtime_ns for p in root.iterdir()} == before
+        engine.save_checkpoint(tmp_path / "elsewhere")  # another root: saves
+    finally:
+        child.kill()  # dies holding the lock: the kernel drops it
+        child.wait(30)
+    assert engine.save_checkpoint(root) == root / "ckpt-1"
+    other = _engine(tmp_path)                          # another engine in this process
+    with pytest.raises(CheckpointError, match=rf"in use by another engine in this process \(pid {os.getpid()}\), "
+                                              rf"run id {engine.run_id}"):
+        other.save_checkpoint(root)
+    train(engine, 1, 1)
+    engine.save_checkpoint(root)                       # the holder saves on
+    engine.close()
+    other.global_steps = 7
+    assert other.save_checkpoint(root) == root / "ckpt-7"  # free after close()
+    assert (root / "latest").read_text().strip() == "ckpt-7"
+    other.close()

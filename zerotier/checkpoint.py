@@ -9,6 +9,7 @@ zerotier/export.py.
 
 [Note: checkpoint layout]
     root/latest                  "ckpt-<step>\\n": the newest complete checkpoint
+    root/.zerotier-lock          held by the run saving here ([Note: the checkpoint root lock])
     root/ckpt-<step>/manifest.json   format, world size, stage, dtypes, fingerprint (units with
                                  their parameter names and shapes), per rank and unit the real
                                  element range [lo, hi) and the records (offset, nbytes, crc32c)
@@ -246,6 +247,8 @@ def save(engine, root, *, lr_scheduler=None, client_state=None, keep: int | None
             raise CheckpointError(errno.EISDIR, f"save_checkpoint: {latest} is a directory, not the file naming "
                                                 f"the newest checkpoint; nothing was written: remove or rename "
                                                 f"it, or save to another directory")
+        if rank == 0:  # [Note: the checkpoint root lock] in checkpoint_lock.py
+            engine.checkpoint_locks.acquire(root, engine.run_id)
     except CheckpointError as exc:
         problem = exc
     if world > 1:  # every rank stops, the one with the problem with its own message

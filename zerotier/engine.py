@@ -50,6 +50,7 @@ from .surface import ParamSurface
 from .window import Window, WindowState
 from . import clip, delayed, stop
 from .carried import Carried
+from .checkpoint_lock import RootLocks
 from .tiers.device import DeviceTier
 from .tiers.host import HostPool, trim_heap
 
@@ -139,6 +140,7 @@ class Engine:
         self.micro_steps = 0
         self.global_steps = 0
         self.run_id = secrets.token_hex(8)  # names this run's checkpoints ([Note: checkpoint retention])
+        self.checkpoint_locks = RootLocks()  # the roots it saves into ([Note: the checkpoint root lock])
         self._stop_code = 0  # [Note: graceful stop] in stop.py
         try:
             self._place_all()
@@ -531,6 +533,7 @@ class Engine:
                 self.store.close()
                 self.store = None
             self.host_pool.close()
+            self.checkpoint_locks.release()  # other runs may save into its roots now
             trim_heap()  # [Note: heap trimming]
 
     def __enter__(self):

@@ -67,6 +67,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def process_record() -> dict:
+    """This process as a lock's owner record names it (also the checkpoint root's lock:
+    [Note: the checkpoint root lock] in checkpoint_lock.py)."""
+    return {"pid": os.getpid(), "hostname": socket.gethostname(), "boot_id": _boot_id(),
+            "pid_start": _pid_start(os.getpid()), "start_time": time.time()}
+
+
 def _read_owner(dir_fd: int) -> dict | None:
     """owner.json of a run dir opened as dir_fd, or None if missing/unreadable/not ours."""
     try:
@@ -164,9 +171,7 @@ class RunDir:
 
     @staticmethod
     def _owner_record() -> dict:
-        return {"magic": MAGIC, "pid": os.getpid(), "hostname": socket.gethostname(),
-                "boot_id": _boot_id(), "pid_start": _pid_start(os.getpid()),
-                "start_time": time.time()}
+        return {"magic": MAGIC, **process_record()}
 
     @classmethod
     def create(cls, parent: Path) -> "RunDir":
