@@ -343,3 +343,56 @@ def test_sparse_embedding_is_refused_at_initialize_naming_the_module(cls, tmp_pa
     with zerotier.initialize(model, config(tmp_path, HOST)) as engine:
         engine.backward(engine(ids))
         assert engine.step()
+
+
+class FunctionalSparseNet(torch.nn.Module):
+    """A dense nn.Embedding read through the functional F.embedding(..., sparse=...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(12, 8)
+        self.head = torch.nn.Linear(8, 1)
+        self.sparse = True
+
+    def forward(self, ids):
+        return self.head(F.embedding(ids, self.emb.weight, sparse=self.sparse)).square().mean()
+
+
+@pytest.mark.parametrize("loop", ["engine", "plain"])
+def test_functional_sparse_gradient_is_refused_naming_the_parameter(loop, tmp_path):
+    """Issue 37 follow-up: F.embedding(..., sparse=True) on a dense module's weight (not caught at
+    initialize) failed inside the gradient store ("reshape is not implemented for sparse tensors").
+    The gradient hook refuses it, naming the parameter, before it enters the store; after
+    zero_grad(), dense training matches torch's AdamW on the same steps."""
+    ids = torch.tensor([1, 5, 5, 7])
+    data = [torch.tensor([0, 3, 3, 9]), torch.tensor([2, 5, 11, 5])]
+    torch.manual_seed(0)
+    reference = FunctionalSparseNet()
+    reference.sparse = False
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    for x in data:
+        reference(x).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(0)
+    model = FunctionalSparseNet()
+    with zerotier.initialize(model, config(tmp_path, HOST)) as engine:
+        with pytest.raises(ZerotierError, match=r"parameter 'emb.weight' got a sparse gradient .*"
+                                                r"Adam does not support sparse gradients.*sparse=False"):
+            if loop == "engine":
+                engine.backward(engine(ids))
+            else:
+                model(ids).backward()
+        engine.zero_grad()
+        model.sparse = False
+        for x in data:
+            if loop == "engine":
+                engine.backward(engine(x))
+                assert engine.step()
+            else:
+                model(x).backward()
+                engine.optimizer.step()
+                engine.optimizer.zero_grad()
+        trained = engine.parameters_fp32()
+    for n, p in reference.named_parameters():
+        torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-6)

@@ -265,6 +265,10 @@ class Window:
 
         def hook(p: torch.Tensor) -> None:
             try:
+                with internal():
+                    sparse = p.grad.layout is not torch.strided
+                if sparse:  # refused before the window moves: zero_grad() recovers
+                    raise self._sparse_gradient(p)
                 e.hooks.enter_backward()
             except BaseException:
                 with internal():
@@ -279,6 +283,16 @@ class Window:
             if self._on_complete is not None:
                 self._on_complete(unit)
         return hook
+
+    def _sparse_gradient(self, p: torch.Tensor) -> ZerotierError:
+        """A sparse gradient (F.embedding(..., sparse=True) on a parameter of a dense module) reached a
+        parameter: the store sums dense flats and AdamW steps dense ones, as torch's AdamW refuses it."""
+        name = next((n for n, q in self.engine.module.named_parameters() if q is p), "?")
+        return ZerotierError(
+            f"parameter '{name}' got a sparse gradient (F.embedding(..., sparse=True) makes one), "
+            "which zerotier's AdamW does not take (nor does torch.optim.AdamW: \"Adam does not support sparse "
+            "gradients\"). Call it with sparse=False (the default; the training is the same, with a dense "
+            "gradient), then engine.zero_grad() and go on: this backward's gradients were not applied")
 
     def _start_early_step(self, unit) -> None:
         """[Note: early step] update `unit` on the optimizer thread while backward goes on."""
