@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -503,6 +504,50 @@ def test_load_with_a_scheduler_the_checkpoint_lacks_changes_nothing_and_its_advi
     assert engine.optimizer.param_groups[0]["lr"] == expected_lr
     assert_same(expected, engine.parameters_fp32())
     engine.close()
+
+
+def test_load_without_the_scheduler_a_checkpoint_carries_warns_and_setting_it_first_resumes_exactly(tmp_path):
+    """Issue 37 follow-up: a checkpoint saved with an lr scheduler, loaded into an engine with none set
+    and no lr_scheduler=, silently restarted the schedule. It warns now, naming the fix (set the
+    scheduler before loading); following it resumes the lr and weights exactly, without the warning."""
+    def schedule(step):
+        return min(1.0, (step + 1) / 3) * 0.7 ** step
+
+    engine = _engine(tmp_path)
+    engine.set_lr_scheduler(torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule))
+    for step in range(3):
+        train(engine, step, 1)
+        if step == 1:
+            engine.save_checkpoint(tmp_path / "ckpts")  # carries the engine's scheduler
+    expected_lr = engine.optimizer.param_groups[0]["lr"]
+    expected = engine.parameters_fp32()
+    engine.close()
+
+    engine = _engine(tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"carries lr scheduler state, but no lr_scheduler= was given and the "
+                                            r"engine has none set, so it is not restored.*Set the scheduler before "
+                                            r"loading: engine.set_lr_scheduler\(sched\) or load_checkpoint\(root, "
+                                            r"lr_scheduler=sched\) \(see docs/checkpoint.md\)"):
+        engine.load_checkpoint(tmp_path / "ckpts")
+    assert engine.global_steps == 2  # loaded all the same
+    engine.close()
+
+    for given in (False, True):  # the fix, both ways: no warning, the schedule resumes
+        engine = _engine(tmp_path)
+        sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            if given:
+                engine.load_checkpoint(tmp_path / "ckpts", lr_scheduler=sched)
+            else:
+                engine.set_lr_scheduler(sched)
+                engine.load_checkpoint(tmp_path / "ckpts")
+        if given:
+            engine.set_lr_scheduler(sched)
+        train(engine, 2, 1)
+        assert engine.optimizer.param_groups[0]["lr"] == expected_lr
+        assert_same(expected, engine.parameters_fp32())
+        engine.close()
 
 
 # ------------------------------------ reading bad checkpoints (hostile #36, #38, #39, #44, #45)

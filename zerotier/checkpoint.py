@@ -572,6 +572,12 @@ def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
         state = load_state(ckpt, manifest, trust_pickle)
         if scheduler is not None and state["lr_scheduler"] is None:  # before anything changes
             _refuse_missing_scheduler(ckpt, state["global_steps"], given=lr_scheduler is not None)
+        if scheduler is None and state["lr_scheduler"] is not None:
+            warnings.warn(f"load_checkpoint({ckpt}): the checkpoint carries lr scheduler state, but no lr_scheduler= "
+                          "was given and the engine has none set, so it is not restored: a scheduler built afresh "
+                          "restarts its schedule at the first step. Set the scheduler before loading: "
+                          "engine.set_lr_scheduler(sched) or load_checkpoint(root, lr_scheduler=sched) (see "
+                          "docs/checkpoint.md)", RuntimeWarning, stacklevel=3)
         engine.carried.check(state["registered"], ckpt)
         try:
             engine.optimizer.checked(state["optimizer"])
