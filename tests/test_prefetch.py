@@ -86,3 +86,31 @@ def test_a_pass_stopped_part_way_keeps_the_trace():
             sched.on_demand(i)
     assert sorted(set(issued)) == [1, 2, 3], "the retry must be prefetched along the recorded trace"
     assert sched.divergences == 0
+
+
+def test_a_first_pass_stopped_part_way_is_extended_without_a_warning():
+    """The engine's first pass failed after unit 1, so the trace is [0, 1]: the next (whole) pass runs
+    past its end, which is no changed order; the pass after that is prefetched along all 4 units. Past
+    the end of a trace a pass has followed whole, a longer pass still warns."""
+    import warnings
+
+    import pytest
+
+    issued, inflight, unit_bytes = [], [], [10, 10, 10, 10]
+    sched = PrefetchScheduler(PrefetchConfig(lookahead=2, max_bytes=1000), unit_bytes, [f"u{i}" for i in range(4)],
+                              lambda i: (issued.append(i), inflight.append(i)), lambda: 0)
+    sched.on_demand(0)
+    sched.on_demand(1)  # ... and the first pass raises here
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            sched.begin_pass()
+            issued.clear()
+            for i in range(4):
+                sched.on_demand(i)
+    assert sched.trace == [0, 1, 2, 3] and sorted(set(issued)) == [1, 2, 3] and sched.divergences == 0
+    sched.begin_pass()
+    with pytest.warns(RuntimeWarning, match="module order changed at 'u0' .trace expected 'end of trace'"):
+        for i in (0, 1, 2, 3, 0):
+            sched.on_demand(i)
+    assert sched.divergences == 1

@@ -197,15 +197,9 @@ DOUBLE_BACKWARD = (r"a backward with create_graph=True \(torch.autograd.grad\(..
                    r"offload.params = \"device\" with zero.stage 1 or 2")
 
 
-# The refused pass is the engine's first: its order (forward only) is the first prefetch trace, so the
-# next pass runs past its end and the scheduler warns once ([Note: prefetch trace]); not what these test.
-PREFETCH_AFTER_A_REFUSED_FIRST_PASS = "ignore:zerotier prefetch. module order changed at '<root>' .trace expected 'end of trace'.:RuntimeWarning"
-
-
 @pytest.mark.parametrize("offload", [HOST, NVME], ids=["host", "nvme"])
 @pytest.mark.parametrize("how", ["autograd.grad", "backward"])
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True will create a reference cycle:UserWarning")
-@pytest.mark.filterwarnings(PREFETCH_AFTER_A_REFUSED_FIRST_PASS)
 def test_double_backward_through_streamed_params_is_refused(offload, how, tmp_path):
     """Issue 21: autograd.grad(create_graph=True) over streamed parameters was blamed on 'a plain
     loss.backward() in the same window' (or raised torch's 'not used in the graph'). It is a
@@ -286,7 +280,6 @@ def test_torch_func_over_the_inputs_matches_torch_and_training_goes_on(offload, 
 
 
 @pytest.mark.parametrize("offload", [HOST, NVME], ids=["host", "nvme"])
-@pytest.mark.filterwarnings(PREFETCH_AFTER_A_REFUSED_FIRST_PASS)
 def test_torch_func_over_the_inputs_differentiated_again_is_refused_with_params_streamed(offload, tmp_path):
     """What would read parameters released after a transform's backward is refused, naming the fix:
     reverse mode over reverse mode (jacrev(jacrev)), and a loss.backward() through a gradient a
