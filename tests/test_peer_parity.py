@@ -20,6 +20,7 @@ else (a raw torch error, wrong numbers, a state dict that is not the trained wei
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import re
@@ -584,6 +585,7 @@ class Case:
     train: dict = field(default_factory=dict)  # the `train` config section (and the reference's)
     refusal: str | None = None                 # regex: a ZerotierError matching it is accepted instead
     check: Callable[[dict], None] | None = None  # asserts on the reference's log: the case tests something
+    reorders: bool = False                     # its module order changes between steps on purpose (prefetch warns)
 
 
 def seeded(cls, *args, **kw) -> Callable[[int], nn.Module]:
@@ -762,10 +764,11 @@ CASES = {
     # parameters without gradients
     "unused block and branch": Case(seeded(UnusedNet), engine_loop),
     "block output unused in the loss": Case(seeded(UnusedOutputNet), engine_loop),
-    "data-dependent routing": Case(seeded(MoENet), engine_loop, functools.partial(batches, STEPS, route=True)),
+    "data-dependent routing": Case(seeded(MoENet), engine_loop, functools.partial(batches, STEPS, route=True),
+                                   reorders=True),
     "routing, plain loop, zero_grad(set_to_none=False)": Case(
         seeded(MoENet), functools.partial(plain_loop, set_to_none=lambda step: step % 2 == 0),
-        functools.partial(batches, STEPS, route=True)),
+        functools.partial(batches, STEPS, route=True), reorders=True),
     "frozen at init": Case(frozen(seeded(Net, blocks=3), lambda m: [m.blocks[0].lin.weight, m.blocks[0].lin.bias,
                                                                     m.head.weight]), engine_loop),
     "frozen after two steps": Case(seeded(Net), freeze_after(2, blocks_of, False)),
@@ -894,8 +897,12 @@ def deviations(ours: dict, theirs: dict, tolerance: dict, what: str) -> list[str
 def test_peer_parity(name, placement, tmp_path):
     case = CASES[name]
     ref_state, ref_log, tolerance = reference(name)
+    streamed = placement != "device"  # prefetched: a changed module order warns ([Note: prefetch trace])
+    reordered = pytest.warns(RuntimeWarning, match="zerotier prefetch: module order changed") \
+        if case.reorders and streamed else contextlib.nullcontext()
     try:
-        state, log = run_case(case, lambda log: ZerotierRun(case, case.make(0), log, placement, tmp_path))
+        with reordered:
+            state, log = run_case(case, lambda log: ZerotierRun(case, case.make(0), log, placement, tmp_path))
     except ZerotierError as exc:
         if case.refusal is None or not re.search(case.refusal, str(exc)):
             raise
