@@ -189,6 +189,7 @@ def test_step_before_backward_is_an_error():
     engine = zerotier.initialize(make_model(), {})
     with pytest.raises(ZerotierError, match="before engine.backward"):
         engine.step()
+    engine.close()  # an engine left open keeps the signal handlers installed for the tests after it
 
 
 def test_model_without_trainable_parameters_is_an_error():

@@ -1,6 +1,7 @@
 """Graceful stop ([Note: graceful stop] in zerotier/stop.py): SIGTERM / SIGINT / request_stop()
 end training at a step boundary with an emergency checkpoint that resumes bitwise, nothing
 left in nvme_path, and every rank stopping after the same step."""
+import gc
 import os
 import random
 import signal
@@ -18,6 +19,35 @@ from zerotier.dist import spawn
 from zerotier.models import TinyGPT, batches
 
 VOCAB, SEQ, BATCH, ACCUM, STEPS = 64, 16, 4, 2, 30
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_left_open_by_earlier_tests():
+    """These tests send signals to this process: an engine an earlier test left open would take the
+    stop request (or make this test's first signal a second one, which kills the process). Fail
+    loudly instead, naming the strays."""
+    gc.collect()
+    strays = [e for e in list(stop._engines) if not e.closed]
+    if strays:
+        pytest.fail(f"{len(strays)} engine(s) left open by earlier tests are registered for signals: {strays}")
+    yield
+
+
+def test_an_engine_dropped_without_close_leaves_no_stop_behind(tmp_path):
+    """A signal reached an engine that was then dropped without close() and collected (it never
+    unregisters): the next engine's first signal is a graceful stop, not an 'asked twice' kill."""
+    engine = zerotier.initialize(make_model(), config(tmp_path))
+    os.kill(os.getpid(), signal.SIGINT)        # recorded on the engine: a stop is pending
+    assert engine.stop_requested
+    stop._engines.discard(engine)              # what collecting an unclosed engine does to the WeakSet
+    fresh = zerotier.initialize(make_model(), config(tmp_path))
+    try:
+        os.kill(os.getpid(), signal.SIGINT)    # a first signal: recorded, not KeyboardInterrupt
+        assert fresh.stop_requested
+    finally:
+        engine.close()
+        fresh.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def make_model():

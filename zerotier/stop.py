@@ -76,6 +76,10 @@ def exit_status(code: int) -> int:
 def register(engine) -> None:
     """Deliver SIGTERM / SIGINT to `engine` from now until unregister(engine)."""
     with _lock:
+        if not any(not e.closed for e in _engines):
+            # a stop asked of engines that are gone (closed, or dropped without close() and collected,
+            # which never unregisters) is over: this engine's first signal is a first one
+            _received.clear()
         _engines.add(engine)
         if _previous or threading.current_thread() is not threading.main_thread():
             return
