@@ -141,6 +141,9 @@ def test_early_step_is_opt_in_and_refuses_what_it_cannot_honour(tmp_path):
     with zerotier.initialize(gpt(), cfg("host", tmp_path, early_step=True)) as engine:
         engine.backward(engine(x, y))
         assert engine.unit_optimizer.applied > 0 or engine.window.early, "train.early_step: updates during backward"
+        with torch.no_grad():
+            engine(x, y)  # a read after the last backward waits for its updates: never a home being written
+        assert not engine.window.early
         with pytest.raises(ZerotierError, match=r"^zero_grad\(\) after a backward whose update already started "
                                                 r"\(train\.early_step = true .*leave train\.early_step off"):
             engine.zero_grad()

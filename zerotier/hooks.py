@@ -319,7 +319,7 @@ class ModuleHooks:
                         and not engine.carried.objects:  # [Note: what a checkpoint carries] in carried.py
                     engine._stop()  # a new window would begin: stop before it ([Note: graceful stop])
                 engine.scheduler.begin_pass()
-            if engine._surface.publish_first:  # a forward without grad is a read ([Note: delayed update])
+            if engine._surface.publish_first or window.early:  # a read: [Note: delayed update], [Note: early step]
                 window.publish_for_read()
             amp = autocast_dtype(engine.device.type) if units else None
             if amp not in (None, engine.lp_dtype):

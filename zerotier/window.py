@@ -504,7 +504,12 @@ class Window:
         """[Note: delayed update] A read of the weights (a parameter's value, a forward without grad,
         engine.gathered()) between windows publishes the pending update first, so it sees what
         model.state_dict() sees and ends the delay; within a window (from its training forward to its
-        step) it reads the weights the window computes with, and publishes nothing."""
+        step) it reads the weights the window computes with, and publishes nothing.
+        [Note: early step] A read after the window's last backward (a forward, say) first waits for the
+        updates started during that backward: it sees each unit's update whole, never a home the
+        optimizer thread is still writing (the lagging device caught a forward's fetch copying one)."""
+        if self.early and not self.in_backward:
+            self.wait_early_steps()
         if self.delayed is not None and self.delayed.pending and not self._forward_in_window \
                 and not self.in_backward and self.state not in (S.BROKEN, S.CLOSED):
             self._finish_delayed()
