@@ -1,6 +1,6 @@
 """Train a small character-level GPT with zerotier — the README's demo.
 
-    python examples/train_gpt.py           # ~30 s on a quiet 2-core CPU, estimated (much longer on a busy one)
+    python examples/train_gpt.py           # ~20 s on a quiet 2-core CPU (much longer on a busy one)
     python examples/train_gpt.py --long    # 120 steps, 6 layers, batch 16: ~1.5 min on a quiet 2-core CPU
     python examples/train_gpt.py --steps 300 --dim 384 --device-budget 64MiB --nvme-path /mnt/nvme
     torchrun --nproc-per-node 2 examples/train_gpt.py --zero-stage 3     # data parallel, ZeRO-3

@@ -18,8 +18,9 @@ from .errors import ZerotierError
 # batch: 60 x 4 x 8 against 120 x 6 x 16) but not a sixth of its time: 4-step runs of each,
 # alternated, at load 11-12 (issue 35; no quiet VM in that session) trained 6.0-7.2 s a step against
 # 11.5-16.0 s (~2.1x per step: the NVMe optimizer and per-step work do not shrink with the batch),
-# so ~4x less time in all: ~20 s of training, ~30 s with start-up. An estimate, not a quiet timing.
-DURATION = "~30 s on a quiet 2-core CPU, estimated"
+# so ~4x less time in all. Measured on a quiet 2-core VM (load 0.7) at aaf37da: `zerotier demo` 17.1 s
+# wall, 13.2 s of training (loss 3.653 -> 1.340).
+DURATION = "~20 s on a quiet 2-core CPU"
 DURATION_LONG = "~1.5 min on a quiet 2-core CPU"
 DURATION_BUSY = "much longer while other jobs share the cores; the progress bar shows the estimate"
 
