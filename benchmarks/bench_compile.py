@@ -8,7 +8,7 @@ the cases alternate over --rounds, and the figure is the median step time after 
 
 Cases: torch eager, torch compiled blocks, zerotier eager, zerotier compiled blocks, for
 params on host (zerotier) with gradients and optimizer on host. Compile is FSDP2's recipe:
-`block.compile()` per wrapped block ([Note: compiled units] in zerotier/engine.py).
+`block.compile()` per wrapped block ([Note: compiled units] in zerotier/engine/engine.py).
 """
 from __future__ import annotations
 

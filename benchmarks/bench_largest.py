@@ -33,7 +33,7 @@ import torch
 import zerotier
 from zerotier.bench import PeakRSS, bench_io
 from zerotier.optim.state_layout import StateLayout
-from zerotier.planner import PlanDoesNotFit
+from zerotier.planner.planner import PlanDoesNotFit
 
 GiB = 1 << 30
 # --state -> (precision.master_dtype, precision.moment_dtype); optimizer state 12, 6, ~4.03 B/param

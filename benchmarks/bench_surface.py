@@ -1,4 +1,4 @@
-"""What the parameter surface ([Note: the parameter surface] in zerotier/surface.py) costs.
+"""What the parameter surface ([Note: the parameter surface] in zerotier/engine/surface.py) costs.
 
 Every torch call that touches a managed parameter goes through ManagedParameter.__torch_function__
 (a Python call). This prints, measured in one run:

@@ -85,7 +85,7 @@ def node_budgets(node: str) -> dict[str, int]:
 
 def unit_compute(size: str, units, flops_per_s: float):
     """Each unit's forward/backward seconds from its FLOPs (layers by name, the root the rest)."""
-    from zerotier.predict import UnitCompute
+    from zerotier.planner.predict import UnitCompute
     layer, rest = gm.unit_forward_flops(size)
     recompute = 1.0 if gm.SIZES[size]["ckpt"] else 0.0
     fwd, bwd = [], []
@@ -120,8 +120,8 @@ def predict(size: str, case: str, rates: dict, budgets: dict, compute_flops: flo
     from zerotier.config import Config
     from zerotier.errors import ZerotierError
     from zerotier.materialize import pool_bytes
-    from zerotier.planner import PlanDoesNotFit, make_plan
-    from zerotier.predict import StepOptions
+    from zerotier.planner.planner import PlanDoesNotFit, make_plan
+    from zerotier.planner.predict import StepOptions
     from zerotier.state import build_units, nested_numel
 
     config = config or zerotier_config(case, "/nonexistent/nvme", 16, None, 1, "cuda")
@@ -183,7 +183,7 @@ def predict_here(size: str, case: str, cfg: dict, device: torch.device) -> dict:
     the committed node file of its GPU (h200.json until an H100's is committed), the same compute model.
     On a CPU (the rehearsal) the budgets are the H200's: the figures are the path's, not a result."""
     from zerotier.config import Config
-    from zerotier.planner import resolve_budgets
+    from zerotier.planner.planner import resolve_budgets
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     node = node_for_gpu(gpu)
     rates = node_rates(node)

@@ -208,7 +208,7 @@ def judge(samples: list[dict], warmup_steps: int, rss_limit: float = RSS_SLOPE_L
 
 def run_soak(steps: int = 500, every: int | None = None, warmup: int | None = None,
              nvme_path: str | None = None, model: dict | None = None, batch: int = BATCH,
-             on_step: Callable[[int, "zerotier.engine.Engine"], None] | None = None,
+             on_step: Callable[[int, "zerotier.engine.engine.Engine"], None] | None = None,
              rss_limit: float = RSS_SLOPE_LIMIT, seed: int = 0, *, params: str = "host", accum: int = 1,
              clip: float | None = None, profile: bool = False, checkpoint_every: int = 0,
              keep: int = 2) -> dict:

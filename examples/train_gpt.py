@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import zerotier
 from zerotier.config import format_size
-from zerotier.planner import model_state_bytes
+from zerotier.planner.planner import model_state_bytes
 
 # Embedded training text: the model learns to continue it, so the loss visibly falls.
 TEXT = """\

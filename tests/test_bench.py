@@ -11,7 +11,7 @@ import torch
 
 from zerotier import bench
 from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
-from zerotier.planner import make_plan
+from zerotier.planner.planner import make_plan
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""torch.compile on a zerotier model (issue 26 item 4; [Note: compiled units] in zerotier/hooks.py).
+"""torch.compile on a zerotier model (issue 26 item 4; [Note: compiled units] in zerotier/engine/hooks.py).
 
 FSDP2's recipe, per wrapped block: `block.compile()` (or `torch.compile(block)`) before or after
 zerotier.initialize. The engine's hooks run eagerly (a graph break at each), so every unit is
@@ -123,7 +123,7 @@ def test_whole_model_compiled_under_another_placement_earlier_trains_like_torch(
     then the same model class under an engine with params on host or NVMe, in the same process: the
     second reran the first's cached code, which fetches nothing ("data is not allocated yet"). Code
     traced under one hook layout recompiles under another ([Note: compiled code and the hook layout]
-    in zerotier/surface.py); both engines train like torch."""
+    in zerotier/engine/surface.py); both engines train like torch."""
     def whole(model):
         model.compile(backend="aot_eager")
     reference = torch_run(whole)

@@ -1,4 +1,4 @@
-"""Graceful stop ([Note: graceful stop] in zerotier/stop.py): SIGTERM / SIGINT / request_stop()
+"""Graceful stop ([Note: graceful stop] in zerotier/engine/stop.py): SIGTERM / SIGINT / request_stop()
 end training at a step boundary with an emergency checkpoint that resumes bitwise, nothing
 left in nvme_path, and every rank stopping after the same step."""
 import gc

@@ -28,7 +28,7 @@ from zerotier.errors import TierIOError, ZerotierError
 from zerotier.grads import GradFile, GradStore
 from zerotier.models import TinyGPT, batches
 from zerotier.optim.offload import UnitOptimizer
-from zerotier.planner import make_plan
+from zerotier.planner.planner import make_plan
 from zerotier.state import Location
 
 VOCAB, SEQ, BATCH, LR, CLIP = 128, 16, 4, 3e-3, 1.0

@@ -13,8 +13,8 @@ import zerotier
 from zerotier.bench import save
 from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
 from zerotier.errors import ConfigError
-from zerotier.planner import PlanDoesNotFit, make_plan
-from zerotier.predict import UnitCompute
+from zerotier.planner.planner import PlanDoesNotFit, make_plan
+from zerotier.planner.predict import UnitCompute
 from zerotier.models import TinyGPT
 
 RATES = {"io": {"read_GBps": 1.0, "overwrite_GBps": 0.5, "write_GBps": 0.5, "o_direct": True},
@@ -167,7 +167,7 @@ def test_cli_plan_with_inputs_on_a_meta_built_stock_hf_model(bench_file, tmp_pat
 
 def test_another_nodes_rates_scale_the_measured_compute(bench_file, tmp_path):
     """[Note: another node's rates]: a node with twice this one's matmul rate runs each unit in half."""
-    from zerotier.planning import _compute_scale
+    from zerotier.planner.planning import _compute_scale
     from zerotier.bench import rates_from_file
 
     there = tmp_path / "other.json"
@@ -260,7 +260,7 @@ SPEC_COMPUTE = UnitCompute((1.0, 1.0), (2.0, 2.0), (False, False))
 
 
 def spec_plan(host=10**6, nvme=0, offload=None, world_size=1, **step):
-    from zerotier.predict import StepOptions
+    from zerotier.planner.predict import StepOptions
 
     offload = offload or OffloadConfig(params="device", gradients="device", optimizer="host")
     return make_plan(SPEC_UNITS, TiersConfig(), offload, PrecisionConfig(), PrefetchConfig(), torch.device("cuda"),
@@ -441,7 +441,7 @@ def test_a_crafted_rates_file_is_refused_naming_the_file_and_key(tmp_path, capsy
 # --- [Note: activation memory] (issue 35 item 4) --------------------------------------------------------
 def test_activation_formula_is_korthikanti_eq_1():
     """34·s·b·h + 5·a·s²·b bytes per layer in 16-bit; 2·s·b·h per layer (+ one layer) checkpointed."""
-    from zerotier.activations import transformer_activation_bytes as act
+    from zerotier.planner.activations import transformer_activation_bytes as act
 
     s, b, h, a, layers = 4096, 1, 8192, 64, 80
     per_layer = 34 * s * b * h + 5 * a * s * s * b
@@ -474,7 +474,7 @@ def test_a_device_plan_counts_the_activations_it_leaves_room_for():
 def test_plan_measures_the_activations_of_its_inputs_and_estimates_them_without(bench_file):
     """--inputs: the tensors saved for backward, growing with the micro-batch; no inputs: the
     config's shapes (Korthikanti), at the model's longest sequence."""
-    from zerotier.activations import transformer_activation_bytes
+    from zerotier.planner.activations import transformer_activation_bytes
 
     model = hf_causal_lm("llama", "meta")
     tiers = {"tiers": {"device": "1GiB", "host": "1GiB", "nvme": 0}}

@@ -10,7 +10,7 @@ import torch
 
 from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
 from zerotier.errors import BudgetError, ConfigError
-from zerotier.planner import PlanDoesNotFit, make_plan, model_state_bytes, shard_numel
+from zerotier.planner.planner import PlanDoesNotFit, make_plan, model_state_bytes, shard_numel
 from zerotier.state import Location, build_units
 
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ from zerotier.bench import save
 from zerotier.config import Config, OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
 from zerotier.errors import ConfigError
 from zerotier.models import TinyGPT, batches
-from zerotier.planner import PlanDoesNotFit, make_plan
+from zerotier.planner.planner import PlanDoesNotFit, make_plan
 from zerotier.state import Location
 
 VOCAB, SEQ, BATCH, ACCUM, LR = 64, 16, 4, 2, 3e-3

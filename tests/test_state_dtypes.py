@@ -16,7 +16,7 @@ from zerotier.errors import ConfigError
 from zerotier.models import TinyGPT, batches
 from zerotier.optim import _kernels
 from zerotier.optim.state_layout import FP32_MOMENT_NUMEL, StateLayout, sr_seed
-from zerotier.planner import make_plan
+from zerotier.planner.planner import make_plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 

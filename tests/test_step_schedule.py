@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from zerotier.schedule.step_model import StepShape, UnitWork, simulate
+from zerotier.planner.step_model import StepShape, UnitWork, simulate
 
 # A: parameters on the device, gradients there, a CPU optimizer (gradient shards staged d2h),
 # the new parameters copied back. forward 1, 2, 3 s; backward 2, 4, 6 s.

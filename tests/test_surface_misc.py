@@ -254,7 +254,7 @@ def test_torch_func_over_the_inputs_matches_torch_and_training_goes_on(offload, 
     """Issue 37: torch.func.grad / jacrev / vmap(grad) with respect to the inputs, params on host, failed
     with functorch's in-place error from the unit fetch. Every transform over the inputs equals plain
     torch's, leaves no unit resident, and the engine trains like torch.optim.AdamW afterwards
-    ([Note: torch.func over the inputs] in zerotier/hooks.py)."""
+    ([Note: torch.func over the inputs] in zerotier/engine/hooks.py)."""
     torch.manual_seed(0)
     reference, model = TanhNet(), TanhNet()
     model.load_state_dict(reference.state_dict())

@@ -9,9 +9,9 @@ import importlib
 
 from .errors import BudgetError, ConfigError, TierIOError, ZerotierError  # noqa: F401
 from .config import Config  # noqa: E402,F401
-from .stop import TrainingStopped  # noqa: E402,F401
+from .engine.stop import TrainingStopped  # noqa: E402,F401
 
-_LAZY = {"Engine": "engine", "initialize": "engine", "from_pretrained": "pretrained", "plan": "planning"}
+_LAZY = {"Engine": "engine.engine", "initialize": "engine.engine", "from_pretrained": "pretrained", "plan": "planner.planning"}
 
 
 def __getattr__(name: str):

@@ -19,7 +19,7 @@ Results are merged into a JSON file, per host (a home directory may be shared by
      "hosts": {"<hostname>": {"timestamp": ..., "mem": {..., "timestamp": ...}, "io": {...}, ...}}}
 
 at `--save PATH`, else $ZEROTIER_BENCH_FILE, else ~/.cache/zerotier/bench.json.
-`load_rates()` maps this host's figures to the planner's rate keys (zerotier.predict.DEFAULT_RATES).
+`load_rates()` maps this host's figures to the planner's rate keys (zerotier.planner.predict.DEFAULT_RATES).
 
 Only `load_rates`/`load`/`bench_file` run at import-light cost: the planner calls them on every
 `initialize()`; torch and the engine are imported inside the measuring functions.

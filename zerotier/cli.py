@@ -6,7 +6,7 @@ Adding a subcommand:
         parser.add_argument("--config", help="...")   # every option gets a help text
 
     def _run_plan(args: argparse.Namespace) -> int:
-        from zerotier.planner import ...              # heavy imports inside, so --help stays fast
+        from zerotier.planner.planner import ...              # heavy imports inside, so --help stays fast
         ...
         return 0
 
@@ -249,7 +249,7 @@ def _factory_units(spec: str, wrap="auto", dtype_bytes: int = 4) -> tuple[list[i
     """Build `module:factory` and return the numel of each trainable unit and of each frozen one
     as zerotier.state.build_units groups them ([Note: frozen units]), their nested_numel, and the
     activations estimated from the model's config ([Note: activation memory])."""
-    from zerotier.activations import estimate
+    from zerotier.planner.activations import estimate
     from zerotier.state import build_units, nested_numel
 
     model = _build_model(spec)
@@ -264,9 +264,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     import torch
 
     from zerotier.config import Config
-    from zerotier.machine_fit import recorded_machine, this_machine
-    from zerotier.planner import PlanDoesNotFit, make_plan
-    from zerotier.predict import StepOptions
+    from zerotier.planner.machine_fit import recorded_machine, this_machine
+    from zerotier.planner.planner import PlanDoesNotFit, make_plan
+    from zerotier.planner.predict import StepOptions
     from zerotier.state import DTYPES
 
     cfg = Config.coerce(args.config).to_dict()
@@ -354,7 +354,7 @@ def _plan_measured(args: argparse.Namespace, cfg) -> int:
     """`zerotier plan --model M:F --inputs M:F`: the Plan zerotier.plan(model, config, inputs=...) returns."""
     import torch
 
-    from zerotier.planning import plan_model
+    from zerotier.planner.planning import plan_model
     from zerotier.state import DTYPES
 
     model = _build_model(args.model)

@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import Engine, initialize
+from .engine.engine import Engine, initialize
 from .errors import ConfigError
 
 _INDEX = "model.safetensors.index.json"

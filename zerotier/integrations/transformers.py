@@ -53,7 +53,7 @@ import torch
 from transformers import Trainer
 
 from ..config import Config
-from ..engine import Engine, initialize
+from ..engine.engine import Engine, initialize
 from ..errors import ConfigError, ZerotierError
 
 ENGINE_DIR = "zerotier"  # the engine's checkpoint inside each Trainer checkpoint-N/

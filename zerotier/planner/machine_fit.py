@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from .config import format_size
-from .envinfo import usable_memory
-from .errors import BudgetError
-from .tiers.host import RSS_OUTSIDE_BUDGETS
+from ..config import format_size
+from ..envinfo import usable_memory
+from ..errors import BudgetError
+from ..tiers.host import RSS_OUTSIDE_BUDGETS
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def shortfall(need: dict[str, int], machine: Machine, ranks_per_node: int = 1) -
 def refuse_over(plan_need: dict[str, int], device: torch.device) -> None:
     """initialize(): a BudgetError when this machine lacks memory for the plan's need
     ([Note: the plan against the machine])."""
-    from .device import local_world_size
+    from ..device import local_world_size
 
     short = shortfall(plan_need, this_machine(device), local_world_size())
     if short:

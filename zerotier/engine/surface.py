@@ -53,8 +53,8 @@ import weakref
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from .errors import ConfigError, ZerotierError
-from .state import ParamState
+from ..errors import ConfigError, ZerotierError
+from ..state import ParamState
 from . import grad_view
 
 _local = threading.local()

@@ -49,12 +49,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from . import threads
-from .delayed import DelayedUpdate
-from .device import enter as enter_device
-from .errors import ZerotierError
-from .speculation import SpeculationPolicy
-from .state import Location, check_transition
+from .. import threads
+from ..delayed import DelayedUpdate
+from ..device import enter as enter_device
+from ..errors import ZerotierError
+from ..speculation import SpeculationPolicy
+from ..state import Location, check_transition
 from .surface import internal
 
 

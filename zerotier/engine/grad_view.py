@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ZerotierError
-from .state import GradState
+from ..errors import ZerotierError
+from ..state import GradState
 
 
 def _refuse_access(window, what: str) -> None:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from .config import OffloadConfig, format_setting, format_size
-from .optim.state_layout import StateLayout
-from .state import TIER_NAMES as TIERS, Location
+from ..config import OffloadConfig, format_setting, format_size
+from ..optim.state_layout import StateLayout
+from ..state import TIER_NAMES as TIERS, Location
 
 PRICE = {"device": 100, "host": 10, "nvme": 1}  # relative cost of a byte: HBM, DRAM, flash
 COMPACT = StateLayout("bf16", "int8")
@@ -94,7 +94,7 @@ def _settings(need: dict[str, int], budgets: dict[str, int], nvme_off: str) -> s
 
 def _largest_unit(s, budgets: dict[str, int], route: dict, names: dict[int, str]) -> str:
     """[Note: the whole shortfall] The largest unit, when it alone cannot fit its tier."""
-    from .optim.offload import UnitOptimizer
+    from ..optim.offload import UnitOptimizer
 
     full = s.with_frozen()
     numel = full.largest

@@ -31,7 +31,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
-from .errors import ZerotierError
+from ..errors import ZerotierError
 
 _engines: "weakref.WeakSet" = weakref.WeakSet()  # live engines (closed ones are skipped)
 _installed = False

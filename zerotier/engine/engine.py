@@ -26,33 +26,34 @@ import weakref
 
 import torch
 
-from .config import Config, format_size
-from .device import choose as choose_device
-from .dist import init_distributed
-from .dist.sharding import Sharding
-from .errors import ConfigError, ZerotierError
-from .grads import GradStore, refuse_sparse_gradients
-from .materialize import Materializer, is_meta, pool_bytes as materialize_pool_bytes
-from .optim.offload import UnitOptimizer
-from .optim.state_layout import StateLayout
-from .predict import StepOptions
-from .optim.torch_optimizer import EngineOptimizer, exempt_from_decay
-from .params import ParamStore
-from .machine_fit import refuse_over as refuse_over_machine
-from .planner import make_plan
-from .profiler import Profiler
+from ..config import Config, format_size
+from ..device import choose as choose_device
+from ..dist import init_distributed
+from ..dist.sharding import Sharding
+from ..errors import ConfigError, ZerotierError
+from ..grads import GradStore, refuse_sparse_gradients
+from ..materialize import Materializer, is_meta, pool_bytes as materialize_pool_bytes
+from ..optim.offload import UnitOptimizer
+from ..optim.state_layout import StateLayout
+from ..planner.predict import StepOptions
+from ..optim.torch_optimizer import EngineOptimizer, exempt_from_decay
+from ..params import ParamStore
+from ..planner.machine_fit import refuse_over as refuse_over_machine
+from ..planner.planner import make_plan
+from ..profiler import Profiler
 from .restore import UserWeights
-from .scaler import LossScaler
-from .schedule import PrefetchScheduler
+from ..scaler import LossScaler
+from ..schedule import PrefetchScheduler
 from .hooks import ModuleHooks
-from .state import DTYPES, Location, build_units, nested_numel
+from ..state import DTYPES, Location, build_units, nested_numel
 from .surface import ParamSurface
 from .window import Window, WindowState
-from . import clip, delayed, stop
-from .carried import Carried
-from .checkpoint_lock import RootLocks
-from .tiers.device import DeviceTier
-from .tiers.host import HostPool, trim_heap
+from .. import delayed
+from . import clip, stop
+from ..carried import Carried
+from ..checkpoint_lock import RootLocks
+from ..tiers.device import DeviceTier
+from ..tiers.host import HostPool, trim_heap
 
 
 def initialize(model: torch.nn.Module, config=None, *, wrap=None, init_fn=None) -> "Engine":
@@ -110,7 +111,7 @@ class Engine:
         placement = self.plan.placement
         self.store = None
         if Location.NVME in placement.values():
-            from .tiers.nvme import NVMeStore  # only runs that use NVMe open a run directory
+            from ..tiers.nvme import NVMeStore  # only runs that use NVMe open a run directory
             self.store = NVMeStore(cfg.tiers, cfg.io, budget=self.plan.budgets["nvme"])
         # Every byte the engine keeps on the compute device is counted by the device tier,
         # every host byte is a block of the pinned aligned host pool (tiers.host).
@@ -451,7 +452,7 @@ class Engine:
         """Save the training state under `root` as root/ckpt-<global_steps> (collective; only at an
         optimizer-step boundary). Keeps this run's newest `keep` checkpoints (None: all); never
         deletes anything it did not write. Returns the checkpoint directory. See docs/checkpoint.md."""
-        from . import checkpoint
+        from .. import checkpoint
         self.window.refuse_if_broken("engine.save_checkpoint()")
         try:
             return checkpoint.save(self, root, lr_scheduler=lr_scheduler, client_state=client_state, keep=keep)
@@ -461,7 +462,7 @@ class Engine:
     def load_checkpoint(self, root, *, lr_scheduler=None, trust_pickle: bool = False):
         """Load root/latest (or a ckpt-N directory) into this engine, whatever its placement, stage or
         world size (collective). Returns the saved client_state. See checkpoint.load for RNG rules."""
-        from . import checkpoint
+        from .. import checkpoint
         self.window.refuse_if_closed("engine.load_checkpoint()")
         self.window.refuse_before_backward("engine.load_checkpoint()")
         self.window.quiesce()
@@ -479,7 +480,7 @@ class Engine:
     def consolidated_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """Plain model weights by state_dict name (trained params from the fp32 master, plus frozen
         params and buffers), for model.load_state_dict. Collective with several ranks."""
-        from . import export
+        from .. import export
         return export.consolidated_state_dict(self, dtype)
 
     def report(self):

@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 
 from .activations import estimate
-from .config import Config
-from .errors import ConfigError
+from ..config import Config
+from ..errors import ConfigError
 from .machine_fit import recorded_machine, this_machine
 from .planner import Plan, make_plan
 from .predict import StepOptions
-from .state import DTYPES, build_units, nested_numel
+from ..state import DTYPES, build_units, nested_numel
 
 
 def plan(model: torch.nn.Module, config=None, inputs=None, *, rates: str | os.PathLike | dict | None = None,
@@ -83,7 +83,7 @@ def plan_model(model, cfg: Config, inputs, *, rates, device: torch.device, world
 def _rates(rates, cfg: Config) -> tuple[dict[str, float] | None, bool]:
     """The rates to plan with (given, another node's file, or this node's, measured now if none are
     saved) and whether they are another node's."""
-    from . import bench
+    from .. import bench
 
     if isinstance(rates, dict):
         return dict(rates), False
@@ -99,7 +99,7 @@ def _rates(rates, cfg: Config) -> tuple[dict[str, float] | None, bool]:
 
 def _compute_scale(rates: dict[str, float], param_dtype: str, device: torch.device) -> float:
     """[Note: another node's rates] This node's matmul rate over the planned node's (1 here)."""
-    from . import bench
+    from .. import bench
 
     key = f"compute_{'fp32' if param_dtype == 'fp32' else 'bf16'}"
     there = rates.get(key)

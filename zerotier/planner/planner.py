@@ -49,7 +49,7 @@ forward and backward) before gradients (written in backward) before optimizer
 state (touched once per step). A plan that does not fit raises PlanDoesNotFit (a
 BudgetError) at initialize(), naming what does not fit and how much more of which
 tier helps, then the whole shortfall and its cheapest fixes ([Note: the whole shortfall]
-in plan_report.py).
+in planner/report.py).
 
 [Note: optimizer split]
 The optimizer state (12 B/param, the largest kind) may be split between host and NVMe unit
@@ -85,7 +85,7 @@ profiler measures it), `Plan.speculation_step_s` has both cases, the expected st
 step without speculation.
 
 The step time: [Note: step-time prediction] in predict.py, the schedule it lays out in
-schedule/step_model.py. `auto` placement: among the placements (and the optimizer split) that
+planner/step_model.py. `auto` placement: among the placements (and the optimizer split) that
 fit, the one with the lowest predicted step; ties keep the fastest-tier-first order above
 (`Plan.alternatives` lists every candidate considered).
 """
@@ -100,24 +100,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import (OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, ZeroConfig, format_duration,
+from ..config import (OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, ZeroConfig, format_duration,
                      format_setting, format_size)
-from .device import local_world_size
-from .envinfo import usable_memory
-from .errors import BudgetError, ConfigError
-from .dist.buckets import GradBucketer, ParamGatherer
-from .dist.partition import Partition, partition_units
-from .grads import GradStore
+from ..device import local_world_size
+from ..envinfo import usable_memory
+from ..errors import BudgetError, ConfigError
+from ..dist.buckets import GradBucketer, ParamGatherer
+from ..dist.partition import Partition, partition_units
+from ..grads import GradStore
 from .machine_fit import Machine, shortfall
-from .plan_report import whole_shortfall
-from .io.memory import round_up
-from .optim.offload import UnitOptimizer, fused_temp_bytes
-from .optim.state_layout import OPTIMIZER_BYTES, StateLayout
-from .params import ParamStore
+from .report import whole_shortfall
+from ..io.memory import round_up
+from ..optim.offload import UnitOptimizer, fused_temp_bytes
+from ..optim.state_layout import OPTIMIZER_BYTES, StateLayout
+from ..params import ParamStore
 from .predict import COMPONENTS, DEFAULT_RATES, StepOptions, UnitCompute, bound_by, predict
-from .schedule.step_model import Schedule
-from .state import DTYPES, TIER_NAMES as TIERS, Location
-from .tiers.host import RSS_OUTSIDE_BUDGETS
+from .step_model import Schedule
+from ..state import DTYPES, TIER_NAMES as TIERS, Location
+from ..tiers.host import RSS_OUTSIDE_BUDGETS
 
 KINDS = ("params", "gradients", "optimizer")  # in auto-placement priority order
 SHARDED_FROM_STAGE = {"params": 3, "gradients": 2, "optimizer": 1}
@@ -136,7 +136,7 @@ class PlanDoesNotFit(BudgetError):
                  per_rank_bytes: int):
         super().__init__(message)
         self.kind, self.options, self.placement, self.per_rank_bytes = kind, options, placement, per_rank_bytes
-        self.explain = None  # () -> the whole shortfall's text and table ([Note: the whole shortfall] in plan_report.py)
+        self.explain = None  # () -> the whole shortfall's text and table ([Note: the whole shortfall] in planner/report.py)
         self.whole: dict | None = None  # that table: the cheapest placement, needed / budget / missing per tier
 
     def explained(self) -> "PlanDoesNotFit":
@@ -354,7 +354,7 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[str, int]:
     if tiers.nvme_path is None or tiers.nvme == 0:
         nvme = 0
     elif tiers.nvme == "auto":
-        from .tiers.rundir import _check_parent  # the store's own check: a clear TierIOError
+        from ..tiers.rundir import _check_parent  # the store's own check: a clear TierIOError
 
         _check_parent(Path(tiers.nvme_path))
         nvme = int(shutil.disk_usage(tiers.nvme_path).free * 0.9) // ranks
@@ -563,7 +563,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     activations: one micro-batch's activation bytes on the device and where the figure comes from
     ([Note: activation memory] in activations.py), counted in need["device"]; None: not counted.
     unit_names: each unit's module name (unit_numels', then frozen_numels'), for a refusal that
-    names the largest unit ([Note: the whole shortfall] in plan_report.py).
+    names the largest unit ([Note: the whole shortfall] in planner/report.py).
     `auto` kinds: every tier choice (and the optimizer split) that fits is predicted and the
     fastest taken, ties to the fastest-tier-first choice; all are in `Plan.alternatives`.
     """
@@ -892,7 +892,7 @@ def _resolve_rates(rates: dict[str, float] | None) -> tuple[dict[str, float], di
     if rates is not None:
         source, given = "given", rates
     else:
-        from .bench import load_rates  # light: json + os only
+        from ..bench import load_rates  # light: json + os only
         source, given = "measured", load_rates() or {}
     merged = {**DEFAULT_RATES, **given}
     return merged, {k: (source if k in given else "default") for k in merged}

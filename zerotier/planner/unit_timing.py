@@ -48,7 +48,7 @@ from torch.utils import _pytree as pytree
 
 from .activations import SavedBytes
 from .predict import UnitCompute
-from .state import build_units, wrapped_modules
+from ..state import build_units, wrapped_modules
 
 
 def measure(model: torch.nn.Module, inputs: tuple | Callable[[], tuple], device: torch.device,

@@ -51,7 +51,7 @@ import torch
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_clear_interpreter_stack
 
-from .errors import ConfigError, ZerotierError
+from ..errors import ConfigError, ZerotierError
 
 
 def _in_transform() -> bool:

@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from .state import ParamState
+from ..state import ParamState
 
 
 class UserWeights:

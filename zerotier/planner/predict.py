@@ -1,11 +1,11 @@
 """The planner's step-time prediction: a placement, unit sizes, rates and measured compute ->
-the schedule of one step ([Note: the step schedule] in schedule/step_model.py) and its time.
+the schedule of one step ([Note: the step schedule] in planner/step_model.py) and its time.
 
 [Note: step-time prediction]
 Each unit's work is sized from its bytes and this node's rates, then laid out as the engine
 runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit:
 
-  forward_s / backward_s   measured (zerotier.unit_timing), zero when no compute was given
+  forward_s / backward_s   measured (zerotier.planner.unit_timing), zero when no compute was given
                            (make_plan at initialize: then it is the swap + optimizer path)
   params fetched           per use (forward and backward): NVMe read (ranks per node share the
                            drive) then the host->device copy; on a CPU device the "link" is a
@@ -41,11 +41,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .grads import GradStore
-from .optim.offload import UnitOptimizer
-from .params import ParamStore
-from .schedule.step_model import Schedule, StepShape, UnitWork, simulate
-from .state import Location
+from ..grads import GradStore
+from ..optim.offload import UnitOptimizer
+from ..params import ParamStore
+from .step_model import Schedule, StepShape, UnitWork, simulate
+from ..state import Location
 
 # Rates assumed when none were measured on this node (bytes/s, params/s, flop/s);
 # `zerotier bench` measures the real ones. Figures: GUIDE.md section 3 and PCIe 4 x16.

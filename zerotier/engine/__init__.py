@@ -1,0 +1,1 @@
+"""The training engine: the façade (engine.py), the accumulation window, hooks and the parameter surface."""

@@ -1,0 +1,1 @@
+"""The planner: placement under budgets, sizes, the step-time prediction and its report."""
