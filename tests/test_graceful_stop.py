@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zerotier
-from zerotier import stop
+from zerotier.engine import stop
 from zerotier.dist import spawn
 from zerotier.models import TinyGPT, batches
 

@@ -84,7 +84,7 @@ GiB = 1 << 30
 
 
 def _small_machine(monkeypatch, total):
-    from zerotier import machine_fit
+    from zerotier.planner import machine_fit
     from zerotier.envinfo import UsableMemory
 
     monkeypatch.setattr(machine_fit, "usable_memory", lambda: UsableMemory(total, total // 2, None, ""))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zerotier
-from zerotier import grad_view
+from zerotier.engine import grad_view
 from zerotier.errors import ZerotierError
 from zerotier.models import TinyGPT, batches
 
