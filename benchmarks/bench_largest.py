@@ -31,6 +31,7 @@ import time
 import torch
 
 import zerotier
+import zerotier.units
 from zerotier.bench import PeakRSS, bench_io
 from zerotier.optim.state_layout import StateLayout
 from zerotier.planner.planner import PlanDoesNotFit
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     nvme_path = args.nvme_path or tempfile.gettempdir()
     free = shutil.disk_usage(nvme_path).free
-    margin = zerotier.config.parse_size(args.disk_margin)
+    margin = zerotier.units.parse_size(args.disk_margin)
     cfg = engine_config(args.state, args.host, nvme_path, free - margin)
     if free <= margin:
         print(f"refused before starting: {nvme_path} has {free / GiB:.1f} GiB free, not more than --disk-margin "
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
     print(f"planned {numel(model) / 1e9:.2f}B parameters ({layers} layers), --state {args.state}: NVMe "
           f"{plan.need['nvme'] / GiB:.2f} GiB of tiers.nvme {plan.budgets['nvme'] / GiB:.2f} GiB "
           f"({free / GiB:.1f} GiB free on {nvme_path})", file=sys.stderr, flush=True)
-    r = run(model, cfg, plan, args.steps, zerotier.config.parse_size(args.rss_bound))
+    r = run(model, cfg, plan, args.steps, zerotier.units.parse_size(args.rss_bound))
     if args.json:
         print(json.dumps(r, indent=1))
     else:

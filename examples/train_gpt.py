@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import zerotier
-from zerotier.config import format_size
+from zerotier.units import format_size
 from zerotier.planner.planner import model_state_bytes
 
 # Embedded training text: the model learns to continue it, so the loss visibly falls.

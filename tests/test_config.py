@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerotier.config import Config, IOConfig, OptimizerConfig, TiersConfig, format_setting, format_size, parse_size
+from zerotier.config import Config, IOConfig, OptimizerConfig, TiersConfig
+from zerotier.units import format_setting, format_size, parse_size
 from zerotier.errors import ConfigError
 
 GiB = 1 << 30
@@ -449,6 +450,6 @@ def test_auto_budgets_and_adam_threads_are_shared_by_the_ranks_of_a_node(monkeyp
 
 
 def test_durations_in_human_units():
-    from zerotier.config import format_duration
+    from zerotier.units import format_duration
     assert [format_duration(s) for s in (412e-6, 0.0123, 4.2, 162.1, 7300)] == \
         ["412 µs", "12.3 ms", "4.20 s", "2.7 min", "2.03 h"]

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from zerotier import deepspeed_config
+from zerotier import config_files, deepspeed_config
 from zerotier.config import Config
 from zerotier.errors import ConfigError
 
@@ -206,14 +206,14 @@ def test_to_toml_round_trips_through_tomllib_and_ends_with_a_newline():
         "train": {"grad_accum_steps": 2, "nested": {"inner": {"x": 1, "s": "y"}, "z": 0.5}},
         "empty": {"only": None},
     }
-    text = deepspeed_config.to_toml(sections)
+    text = config_files.to_toml(sections)
     assert text.endswith("\n") and not text.endswith("\n\n")
     back = tomllib.loads(text)
     expected = {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in sections.items()}
     del expected["empty"]  # a table of only None values is left out
     assert back == expected
     assert math.copysign(1, back["optimizer"]["neg"]) == -1
-    assert deepspeed_config.to_toml({}) == "\n" and tomllib.loads("\n") == {}
+    assert config_files.to_toml({}) == "\n" and tomllib.loads("\n") == {}
 
 
 def test_zerotier_convert_prints_auto_keys_as_filled_by_the_trainer(tmp_path):

@@ -15,7 +15,7 @@ import torch
 
 import zerotier
 from zerotier import delayed, export
-from zerotier.config import format_setting
+from zerotier.units import format_setting
 from zerotier.errors import ConfigError, TierIOError, ZerotierError
 from zerotier.models import TinyGPT, batches
 

@@ -236,7 +236,7 @@ NAMES = [""] + [f"model.layers.{i}" for i in range(80)]
 
 
 def _settings(fix: str) -> dict[str, int]:
-    from zerotier.config import parse_size
+    from zerotier.units import parse_size
 
     return {t: parse_size(v) for t, v in re.findall(r'tiers\.(\w+) = "([^"]+)"', fix)}
 

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from zerotier.config import parse_size
+from zerotier.units import parse_size
 from zerotier.errors import BudgetError, ZerotierError
 from zerotier.io import FutureTicket
 from zerotier.tiers import BudgetedTier, DeviceTier, HostPool

@@ -366,7 +366,7 @@ def run(sections: tuple[str, ...] = SECTIONS, *, size: int | None = None, params
 
 def format_table(results: dict[str, Any]) -> str:
     """The measured figures as aligned text rows."""
-    from .config import format_size
+    from .units import format_size
 
     rows: list[tuple[str, str]] = []
     mem = results.get("mem")

@@ -61,7 +61,7 @@ def _run_env(args: argparse.Namespace) -> int:
 
 
 def _env_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
-    from zerotier.config import format_size
+    from zerotier.units import format_size
 
     rows: list[tuple[str, str]] = []
     versions = report["versions"]
@@ -394,7 +394,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_bench(args: argparse.Namespace) -> int:
     from zerotier import bench
-    from zerotier.config import parse_size
+    from zerotier.units import parse_size
 
     sections = bench.SECTIONS if args.what == "all" else (args.what,)
     size = parse_size(args.size, "--size") if args.size is not None else None
@@ -551,12 +551,13 @@ def _convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from zerotier import deepspeed_config
+    from zerotier import config_files, deepspeed_config
+    from zerotier.config import Config
 
     converted = deepspeed_config.load(args.ds_config)
     sections, unmapped, by_trainer = converted.sections, converted.unmapped, converted.by_trainer
-    deepspeed_config.build(converted)  # the result must be a valid zerotier config
-    text = deepspeed_config.to_toml(sections)
+    Config.from_converted(converted)  # the result must be a valid zerotier config
+    text = config_files.to_toml(sections)
     for line in by_trainer:  # [Note: keys a trainer fills] in config.py
         print(f"zerotier convert: auto (filled by the trainer): {line}", file=sys.stderr)
     for key in unmapped:

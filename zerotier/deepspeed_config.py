@@ -38,7 +38,9 @@ models read them: true/false, 1/0 and the strings "true"/"false", "yes"/"no", "o
 (any case); any other value is a ConfigError, never Python truthiness ("false" is not true).
 Numbers are ints, floats or numeric strings ("5e8"), never a bool, NaN or inf; a count (stage,
 sizes, steps) must be whole (2.5 steps is an error, not 2). A value zerotier refuses is a
-ConfigError naming the DeepSpeed key, whether convert() or Config.from_dict finds it (build()).
+ConfigError naming the DeepSpeed key, whether convert() or Config.from_dict finds it
+(Config.from_converted). This module knows nothing of Config: it turns DeepSpeed's dict into
+zerotier's {section: {key: value}}, which config.py builds.
 """
 from __future__ import annotations
 
@@ -108,171 +110,186 @@ class Converted(NamedTuple):
     file: str | None = None              # the JSON file it was read from
 
 
-def build(converted: Converted):
-    """The zerotier Config of a conversion; a value zerotier refuses is a ConfigError naming the
-    DeepSpeed key (and file) it came from, not only the zerotier key the user never wrote."""
-    from .config import Config
+# DeepSpeed keys whose "auto" zerotier maps to a trainer-filled key; any other "auto" keeps the default
+_AUTO_OK = {"gradient_accumulation_steps", "gradient_clipping", "optimizer.params.lr", "optimizer.params.eps",
+            "optimizer.params.weight_decay", "optimizer.params.betas", "bf16.enabled", "fp16.enabled"}
 
-    try:
-        return Config.from_dict(converted.sections)
-    except ConfigError as exc:
-        text = str(exc)
-        key = next((k for k in converted.origins if text.startswith((f"{k}:", f"{k} "))), None)
-        origin = f"DeepSpeed {converted.origins[key]} -> " if key is not None else ""
-        raise ConfigError((f"{converted.file}: " if converted.file else "") + origin + text) from None
+
+class _Reading:
+    """One conversion's state: the DeepSpeed keys read so far and the zerotier keys written."""
+
+    def __init__(self, ds: Mapping[str, Any]) -> None:
+        self.ds = ds
+        self.out: dict[str, dict[str, Any]] = {}
+        self.unmapped: list[str] = []
+        self.by_trainer: list[str] = []
+        self.seen: set[str] = set()
+        self.origins: dict[str, str] = {}
+
+    def get(self, path: str) -> Any:
+        """The value at a dotted DeepSpeed key, marked as read; None if absent, or "auto" where
+        zerotier keeps its default (listed in the warning)."""
+        node: Any = self.ds
+        for part in path.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return None
+            node = node[part]
+        self.seen.add(path)
+        if node == "auto" and path not in _AUTO_OK:
+            self.unmapped.append(f"{path} = \"auto\" (zerotier's default is kept)")
+            return None
+        return node
+
+    def put(self, section: str, key: str, value: Any, source: str) -> None:
+        self.out.setdefault(section, {})[key] = value
+        self.origins[f"{section}.{key}"] = source
+        if value == "auto":
+            self.by_trainer.append(f"{section}.{key}")
 
 
 def convert(ds: Mapping[str, Any]) -> Converted:
     """A DeepSpeed config in zerotier's terms ([Note: DeepSpeed keys])."""
     if not isinstance(ds, Mapping):
         raise ConfigError(f"a DeepSpeed config is a JSON object, got {type(ds).__name__}")
-    out: dict[str, dict[str, Any]] = {}
-    unmapped: list[str] = []
-    by_trainer: list[str] = []
-    seen: set[str] = set()
-    auto_ok = {"gradient_accumulation_steps", "gradient_clipping", "optimizer.params.lr", "optimizer.params.eps",
-               "optimizer.params.weight_decay", "optimizer.params.betas", "bf16.enabled", "fp16.enabled"}
-
-    origins: dict[str, str] = {}
-
-    def put(section: str, key: str, value: Any, source: str) -> None:
-        out.setdefault(section, {})[key] = value
-        origins[f"{section}.{key}"] = source
-        if value == "auto":
-            by_trainer.append(f"{section}.{key}")
-
     for section in _SECTIONS:
         value = _value_at(ds, section)
         if value is not None and not isinstance(value, Mapping):
             raise ConfigError(f"{section} = {value!r}: expected an object of DeepSpeed settings")
+    r = _Reading(ds)
+    for read_section in (_zero_stage, _offload, _buckets_and_aio, _precision, _accumulation_and_clipping, _optimizer):
+        read_section(r)
+    trainer_lines = [f"{_ds_key(ds, k)} -> {k}" for k in r.by_trainer]
+    for path in _leaves(ds):
+        if path in r.seen or path in _ALWAYS:
+            continue
+        if _value_at(ds, path) == "auto" and (path in _TRAINERS_OWN or path.startswith("scheduler.params.")):
+            trainer_lines.append(f"{path} -> the Trainer's own "
+                                 f"{_TRAINERS_OWN.get(path, 'scheduler (lr_scheduler_type, warmup_steps)')}")
+        else:
+            r.unmapped.append(path)
+    return Converted(r.out, r.unmapped, trainer_lines, r.origins)
 
-    def get(path: str) -> Any:
-        node: Any = ds
-        for part in path.split("."):
-            if not isinstance(node, Mapping) or part not in node:
-                return None
-            node = node[part]
-        seen.add(path)
-        if node == "auto" and path not in auto_ok:
-            unmapped.append(f"{path} = \"auto\" (zerotier's default is kept)")
-            return None
-        return node
 
-    stage = get("zero_optimization.stage")
+def _zero_stage(r: _Reading) -> None:
+    stage = r.get("zero_optimization.stage")
     if stage is not None:
         stage_n = _number("zero_optimization.stage", stage, whole=True)
         if stage_n not in (0, 1, 2, 3):
             raise ConfigError(f"zero_optimization.stage = {stage!r}: expected 0, 1, 2 or 3")
-        put("zero", "stage", stage_n, "zero_optimization.stage")
+        r.put("zero", "stage", stage_n, "zero_optimization.stage")
+
+
+def _offload(r: _Reading) -> None:
     nvme_paths: dict[str, str] = {}
     nvme_users: list[str] = []
     for kind, ds_key in (("optimizer", "offload_optimizer"), ("params", "offload_param")):
         source = f"zero_optimization.{ds_key}.device"
-        device = get(source)
+        device = r.get(source)
         if device is not None:
             if not isinstance(device, str) or device not in _DEVICE:
                 raise ConfigError(f"{source} = {device!r}: expected cpu, nvme or none")
-            put("offload", kind, _DEVICE[device], source)
+            r.put("offload", kind, _DEVICE[device], source)
             if device == "nvme":
                 nvme_users.append(source)
-        path = get(f"zero_optimization.{ds_key}.nvme_path")
+        path = r.get(f"zero_optimization.{ds_key}.nvme_path")
         if path is not None:
             if not isinstance(path, str) or not path:
                 raise ConfigError(f"zero_optimization.{ds_key}.nvme_path = {path!r}: expected a directory path")
             nvme_paths[f"zero_optimization.{ds_key}.nvme_path"] = path
-            put("tiers", "nvme_path", path, f"zero_optimization.{ds_key}.nvme_path")
+            r.put("tiers", "nvme_path", path, f"zero_optimization.{ds_key}.nvme_path")
         pin = f"zero_optimization.{ds_key}.pin_memory"
-        if _bool(pin, get(pin)) is False:
-            unmapped.append(f"zero_optimization.{ds_key}.pin_memory = false (zerotier always pins host memory "
-                            "on CUDA machines)")
+        if _bool(pin, r.get(pin)) is False:
+            r.unmapped.append(f"zero_optimization.{ds_key}.pin_memory = false (zerotier always pins host memory "
+                              "on CUDA machines)")
     if len(set(nvme_paths.values())) > 1:
         raise ConfigError(f"{' and '.join(f'{k} = {v!r}' for k, v in nvme_paths.items())} differ: zerotier keeps "
                           "all its swap files in one directory (tiers.nvme_path); give both the same path")
     if nvme_users and not nvme_paths:
         raise ConfigError(f"{nvme_users[0]} = 'nvme' needs {nvme_users[0].rsplit('.', 1)[0]}.nvme_path: set it to "
                           "a directory on the NVMe drive")
+
+
+def _buckets_and_aio(r: _Reading) -> None:
     for ds_key, section, key, scale in (("reduce_bucket_size", "zero", "reduce_bucket_size", 4),
                                         ("allgather_bucket_size", "zero", "allgather_bucket_size", 2),
                                         ("stage3_param_persistence_threshold", "zero", "persistence_threshold", 1),
                                         ("stage3_prefetch_bucket_size", "prefetch", "max_bytes", 2)):
         source = f"zero_optimization.{ds_key}"
-        value = get(source)
+        value = r.get(source)
         if value is not None:
-            put(section, key, _number(source, value, whole=True) * scale, source)
-    overlap = get("zero_optimization.overlap_comm")
+            r.put(section, key, _number(source, value, whole=True) * scale, source)
+    overlap = r.get("zero_optimization.overlap_comm")
     if overlap is not None:
-        put("zero", "overlap_comm", _bool("zero_optimization.overlap_comm", overlap), "zero_optimization.overlap_comm")
+        r.put("zero", "overlap_comm", _bool("zero_optimization.overlap_comm", overlap),
+              "zero_optimization.overlap_comm")
     for ds_key, key in (("block_size", "block_size"), ("queue_depth", "queue_depth"), ("thread_count", "threads")):
-        value = get(f"aio.{ds_key}")
+        value = r.get(f"aio.{ds_key}")
         if value is not None:
-            put("io", key, _number(f"aio.{ds_key}", value, whole=True), f"aio.{ds_key}")
+            r.put("io", key, _number(f"aio.{ds_key}", value, whole=True), f"aio.{ds_key}")
 
-    bf16, fp16 = get("bf16.enabled"), get("fp16.enabled")
+
+def _precision(r: _Reading) -> None:
+    bf16, fp16 = r.get("bf16.enabled"), r.get("fp16.enabled")
     bf16, fp16 = (v if v == "auto" else _bool(f"{k}.enabled", v) for k, v in (("bf16", bf16), ("fp16", fp16)))
     if bf16 is True and fp16 is True:
         raise ConfigError("bf16.enabled and fp16.enabled are both true: choose one")
     if bf16 is True:
-        put("precision", "param_dtype", "bf16", "bf16.enabled")
+        r.put("precision", "param_dtype", "bf16", "bf16.enabled")
     elif "auto" in (bf16, fp16) and fp16 is not True:
-        put("precision", "param_dtype", "auto", "bf16.enabled")  # TrainingArguments' bf16 / fp16
+        r.put("precision", "param_dtype", "auto", "bf16.enabled")  # TrainingArguments' bf16 / fp16
     if fp16 is True or fp16 == "auto":  # "auto": the scaling applies if the trainer turns fp16 on
         if fp16 is True:
-            put("precision", "param_dtype", "fp16", "fp16.enabled")
-        scale = get("fp16.loss_scale")
+            r.put("precision", "param_dtype", "fp16", "fp16.enabled")
+        scale = r.get("fp16.loss_scale")
         if fp16 is True or scale is not None:
             scale = _number("fp16.loss_scale", scale) if scale is not None else 0
-            put("precision", "loss_scale", "dynamic" if not scale else scale, "fp16.loss_scale")
+            r.put("precision", "loss_scale", "dynamic" if not scale else scale, "fp16.loss_scale")
         for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
-            value = get(f"fp16.{key}")
+            value = r.get(f"fp16.{key}")
             if value is not None:
-                put("precision", key, _number(f"fp16.{key}", value, whole=key != "min_loss_scale"), f"fp16.{key}")
-    accum = get("gradient_accumulation_steps")
+                r.put("precision", key, _number(f"fp16.{key}", value, whole=key != "min_loss_scale"), f"fp16.{key}")
+
+
+def _accumulation_and_clipping(r: _Reading) -> None:
+    accum = r.get("gradient_accumulation_steps")
     if accum is not None:
-        put("train", "grad_accum_steps",
-            accum if accum == "auto" else _number("gradient_accumulation_steps", accum, whole=True),
-            "gradient_accumulation_steps")
-    clip = get("gradient_clipping")
+        r.put("train", "grad_accum_steps",
+              accum if accum == "auto" else _number("gradient_accumulation_steps", accum, whole=True),
+              "gradient_accumulation_steps")
+    clip = r.get("gradient_clipping")
     if clip is not None:
         clip = clip if clip == "auto" else _number("gradient_clipping", clip)
-        put("train", "max_grad_norm", clip if clip != 0 else None, "gradient_clipping")
+        r.put("train", "max_grad_norm", clip if clip != 0 else None, "gradient_clipping")
 
-    opt_type = get("optimizer.type")
+
+def _optimizer(r: _Reading) -> None:
+    opt_type = r.get("optimizer.type")
     if opt_type is not None:
         kind = str(opt_type).lower()
         if kind not in ("adam", "adamw"):
             raise ConfigError(f"optimizer.type = {opt_type!r}: zerotier trains with Adam/AdamW only")
-        w_mode = _bool("optimizer.params.adam_w_mode", get("optimizer.params.adam_w_mode"))
+        w_mode = _bool("optimizer.params.adam_w_mode", r.get("optimizer.params.adam_w_mode"))
         decoupled = kind == "adamw" or (w_mode is None or w_mode)  # DeepSpeed's Adam is AdamW by default
-        put("optimizer", "type", "adamw" if decoupled else "adam", "optimizer.type")
+        r.put("optimizer", "type", "adamw" if decoupled else "adam", "optimizer.type")
     for key in ("lr", "eps", "weight_decay"):
-        value = get(f"optimizer.params.{key}")
+        value = r.get(f"optimizer.params.{key}")
         if value is not None:
-            put("optimizer", key, value if value == "auto" else _number(f"optimizer.params.{key}", value),
-                f"optimizer.params.{key}")
-    betas = get("optimizer.params.betas")
+            r.put("optimizer", key, value if value == "auto" else _number(f"optimizer.params.{key}", value),
+                  f"optimizer.params.{key}")
+    betas = r.get("optimizer.params.betas")
     if betas is not None:
         if betas != "auto" and (not isinstance(betas, (list, tuple)) or len(betas) != 2):
             raise ConfigError(f"optimizer.params.betas = {betas!r}: expected two numbers, e.g. [0.9, 0.999]")
-        put("optimizer", "betas", betas if betas == "auto" else [_number("optimizer.params.betas", b) for b in betas],
-            "optimizer.params.betas")
+        r.put("optimizer", "betas",
+              betas if betas == "auto" else [_number("optimizer.params.betas", b) for b in betas],
+              "optimizer.params.betas")
     # Adam variants zerotier's Adam is not: refused, since training would differ (their defaults are fine)
     for key, default, what in (("amsgrad", False, "has no AMSGrad"), ("bias_correction", True,
                                                                        "always corrects the moments' bias")):
-        value = _bool(f"optimizer.params.{key}", get(f"optimizer.params.{key}"))
+        value = _bool(f"optimizer.params.{key}", r.get(f"optimizer.params.{key}"))
         if value is not None and value != default:
             raise ConfigError(f"optimizer.params.{key} = {str(value).lower()}: zerotier's Adam {what}; remove "
                               "the key to train with plain Adam/AdamW (its results differ)")
-
-    trainer_lines = [f"{_ds_key(ds, k)} -> {k}" for k in by_trainer]
-    for path in _leaves(ds):
-        if path in seen or path in _ALWAYS:
-            continue
-        if _value_at(ds, path) == "auto" and (path in _TRAINERS_OWN or path.startswith("scheduler.params.")):
-            trainer_lines.append(f"{path} -> the Trainer's own "
-                                 f"{_TRAINERS_OWN.get(path, 'scheduler (lr_scheduler_type, warmup_steps)')}")
-        else:
-            unmapped.append(path)
-    return Converted(out, unmapped, trainer_lines, origins)
 
 
 _DS_KEY = {"train.grad_accum_steps": "gradient_accumulation_steps", "train.max_grad_norm": "gradient_clipping",
@@ -328,47 +345,3 @@ def warn_unmapped(unmapped: list[str]) -> None:
     if unmapped:
         warnings.warn("DeepSpeed config keys with no zerotier meaning (not used): " + "; ".join(unmapped),
                       UserWarning, stacklevel=3)
-
-
-def to_toml(sections: Mapping[str, Mapping[str, Any]]) -> str:
-    """TOML text of {section: {key: value}}, ending with a newline; tomllib reads back the same dict.
-
-    Values: str, int, float, bool, lists of those, and dicts as sub-tables ([section.key]); None is
-    left out. Written here rather than with tomli-w, which is not a dependency: zerotier only writes
-    this small subset (tests/test_deepspeed_config.py round-trips it through tomllib)."""
-    lines: list[str] = []
-    _toml_table(lines, [], sections)
-    return "\n".join(lines).strip("\n") + "\n"
-
-
-def _toml_table(lines: list[str], path: list[str], table: Mapping[str, Any]) -> None:
-    body = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()
-            if v is not None and not isinstance(v, Mapping)]
-    if body:  # a table with nothing to say is left out, as None values are
-        lines += [f"[{'.'.join(map(_toml_key, path))}]"] * bool(path) + [*body, ""]
-    for key, value in table.items():
-        if isinstance(value, Mapping):
-            _toml_table(lines, [*path, key], value)
-
-
-def _toml_key(key: str) -> str:
-    return key if key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key) else _toml_string(key)
-
-
-def _toml_string(text: str) -> str:
-    """A TOML basic string: quote, backslash and control characters escaped, the rest as is (UTF-8)."""
-    escaped = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
-    return '"' + "".join(escaped.get(c) or (f"\\u{ord(c):04X}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
-                         for c in text) + '"'
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)  # TOML reads Python's float repr (1e-08, inf, nan) and int repr
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML")

@@ -62,7 +62,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from . import threads
-from .config import format_setting
+from .units import format_setting
 from .errors import BudgetError, ConfigError, ZerotierError
 from .state import DTYPES, Location
 

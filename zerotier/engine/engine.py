@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from ..config import Config, format_size
+from ..config import Config
 from ..device import choose as choose_device
 from ..dist import init_distributed
 from ..dist.sharding import Sharding
@@ -54,6 +54,7 @@ from ..carried import Carried
 from ..checkpoint_lock import RootLocks
 from ..tiers.device import DeviceTier
 from ..tiers.host import HostPool, trim_heap
+from ..units import format_size
 
 
 def initialize(model: torch.nn.Module, config=None, *, wrap=None, init_fn=None) -> "Engine":

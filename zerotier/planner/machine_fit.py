@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import format_size
+from ..units import format_size
 from ..envinfo import usable_memory
 from ..errors import BudgetError
 from ..tiers.host import RSS_OUTSIDE_BUDGETS

@@ -100,8 +100,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import (OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, ZeroConfig, format_duration,
-                     format_setting, format_size)
+from ..config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, ZeroConfig
 from ..device import local_world_size
 from ..envinfo import usable_memory
 from ..errors import BudgetError, ConfigError
@@ -118,6 +117,7 @@ from .predict import COMPONENTS, DEFAULT_RATES, StepOptions, UnitCompute, bound_
 from .step_model import Schedule
 from ..state import DTYPES, TIER_NAMES as TIERS, Location
 from ..tiers.host import RSS_OUTSIDE_BUDGETS
+from ..units import format_duration, format_size
 
 KINDS = ("params", "gradients", "optimizer")  # in auto-placement priority order
 SHARDED_FROM_STAGE = {"params": 3, "gradients": 2, "optimizer": 1}

@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..config import OffloadConfig, format_setting, format_size
+from ..config import OffloadConfig
+from ..units import format_setting, format_size
 from ..optim.state_layout import StateLayout
 from ..state import TIER_NAMES as TIERS, Location
 

@@ -21,7 +21,7 @@ so no pyplot state or GUI backend is touched. `figure()` builds it (tests read i
 """
 from __future__ import annotations
 
-from ..config import format_size
+from ..units import format_size
 from ..errors import ZerotierError
 from .intervals import union
 from .summary import LINK_PEAK, plan_comparison, same_memory, step_times

@@ -37,7 +37,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..config import format_duration, format_size
+from ..units import format_duration, format_size
 from ..errors import ConfigError
 from ..speculation import PAUSE_AFTER
 from . import intervals as iv

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from ..config import format_setting, format_size
+from ..units import format_setting, format_size
 from ..errors import BudgetError
 from ..state import TIER_NAMES
 

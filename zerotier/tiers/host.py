@@ -82,7 +82,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import format_size
+from ..units import format_size
 from ..errors import ZerotierError
 from ..io import aligned_empty
 from ..io.memory import round_up

@@ -79,11 +79,12 @@ from typing import Callable
 import crc32c
 import torch
 
-from ..config import IOConfig, TiersConfig, format_size
+from ..config import IOConfig, TiersConfig
 from ..errors import ConfigError, TierIOError, ZerotierError
 from ..io import aligned_empty, lexists_at, open_direct, open_engine
 from ..io.memory import round_up
 from ..io.ticket import ChainTicket, CompletedTicket
+from ..units import format_size
 from .base import BudgetedTier
 from .host import HostBuffer
 from .rundir import _RECYCLED_PREFIX, _SUFFIX, _TMP_SUFFIX, RunDir, _check_parent, scan_stale
