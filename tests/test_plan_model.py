@@ -271,7 +271,7 @@ def spec_plan(host=10**6, nvme=0, offload=None, world_size=1, **step):
 
 
 def test_speculation_plan_predicts_commit_rollback_and_the_expected_step():
-    from zerotier.optim.offload import UnitOptimizer
+    from zerotier.overlap.speculative import shadow_bytes, undo_bytes
 
     plan = spec_plan(rollback_rate=0.25)
     assert plan.speculative and plan.speculation_units == (True, True)
@@ -279,7 +279,7 @@ def test_speculation_plan_predicts_commit_rollback_and_the_expected_step():
                                        "without": 9.75}
     assert plan.predicted_step_s == pytest.approx(9.1875) and plan.rollback_rate == 0.25
     assert sum(plan.critical.values()) == pytest.approx(plan.predicted_step_s)  # the weighted critical path
-    undo = UnitOptimizer.undo_bytes(1000, 4)
+    undo = undo_bytes(1000, 4)
     assert undo == 16_000 and plan.speculation_undo_bytes == {"host": 2 * undo, "device": 0}
     off = spec_plan(speculative=False)
     assert not off.speculative and off.predicted_step_s == 9.75 and "train.speculative_step = false" in \
@@ -337,12 +337,12 @@ def test_speculation_auto_makes_no_undo_copies():
 
 
 def test_speculation_counts_the_nvme_units_shadow_files_and_auto_turns_off_without_room():
-    from zerotier.optim.offload import UnitOptimizer
+    from zerotier.overlap.speculative import shadow_bytes, undo_bytes
 
     nvme = OffloadConfig(params="device", gradients="device", optimizer="nvme")
     off = spec_plan(nvme=10**7, offload=nvme, speculative=False)
     plan = spec_plan(nvme=10**7, offload=nvme, speculative="auto")
-    shadow = UnitOptimizer.shadow_bytes(1000, 4096)
+    shadow = shadow_bytes(1000, 4096)
     assert shadow == 3 * 4096 and plan.speculation_nvme_bytes == 2 * shadow
     assert plan.need["nvme"] - off.need["nvme"] == 2 * shadow
     # no undo copy: the pre-step files stay; the new parameters (4 kB each, a 4 KiB pool block) wait

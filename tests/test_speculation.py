@@ -1,4 +1,4 @@
-"""The speculative step ([Note: speculative step] in zerotier/speculation.py, issue 25): units are
+"""The speculative step ([Note: speculative step] in zerotier/overlap/speculative.py, issue 25): units are
 updated during the window's last backward with clip coefficient 1 and no overflow assumed; the
 step validates them or rolls every one back and redoes it. Each case runs the same data twice,
 with train.speculative_step on and off, and asserts the weights and the optimizer state are
@@ -15,7 +15,7 @@ import torch
 
 import zerotier
 from zerotier.errors import TierIOError, ZerotierError
-from zerotier.speculation import PAUSE_AFTER, PAUSE_STEPS, SpeculationPolicy
+from zerotier.overlap.speculative import PAUSE_AFTER, PAUSE_STEPS, SpeculationPolicy
 from zerotier.state import Location
 
 transformers = pytest.importorskip("transformers")
@@ -50,7 +50,7 @@ def run(tmp_path, speculate, offload=None, train=None, precision=None, steps=STE
     applied = []
     with zerotier.initialize(model or gpt2(), cfg) as engine:
         if room is not None:
-            engine.unit_optimizer.undo_allowance = dict(room)
+            engine.window.undo.allowance = dict(room)
         for i in range(steps * accum):
             x = batch(i)
             engine.backward(engine(input_ids=x, labels=x).loss.float())
@@ -176,7 +176,7 @@ def test_weights_read_before_step_are_the_old_ones(tmp_path):
     def read(engine, i):
         if i == 1:
             engine.window.wait_early_steps()
-            seen["spec"] = len(engine.unit_optimizer.speculated)
+            seen["spec"] = len(engine.window.undo.speculated)
             seen["during"] = {n: p.detach().clone() for n, p in engine.module.state_dict().items()}
     ours = run(tmp_path, True, {"params": "host", "optimizer": "host"}, steps=1)
     run(tmp_path, True, {"params": "host", "optimizer": "host"}, steps=2, between=read)
@@ -235,7 +235,7 @@ def test_a_failed_write_during_speculation_leaves_the_step_retryable(tmp_path):
         cfg = {"offload": offload, "tiers": {"nvme_path": str(nvme)}, "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
                "train": {"max_grad_norm": CLIP, "speculative_step": True}}
         with zerotier.initialize(gpt2(), cfg) as engine:
-            engine.unit_optimizer.undo_allowance = dict(ROOM)
+            engine.window.undo.allowance = dict(ROOM)
             for i in range(STEPS):
                 x = batch(i)
                 write = engine.store.write
@@ -308,7 +308,7 @@ def test_a_failed_write_at_every_position_of_a_speculated_window_is_recoverable(
            "train": {"max_grad_norm": 100.0, "speculative_step": speculate},
            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}, "precision": {"moment_dtype": moments}}
     with zerotier.initialize(gpt2(), cfg) as engine:
-        engine.unit_optimizer.undo_allowance = dict(ROOM)
+        engine.window.undo.allowance = dict(ROOM)
         store_write, clean = engine.store.write, {0: [], 1: []}
         for w in range(3):  # windows 0 and 1 are faulted: the first writes the second state files
             if w in clean:

@@ -130,7 +130,7 @@ class TrainConfig(_Section):
     max_grad_norm: float | None | Auto = None  # global grad-norm clipping; None disables
     early_step: bool = False               # Adam during the window's last backward ([Note: early step])
     # Adam during the last backward even with clipping / a dynamic loss scale, undone when the global
-    # check disagrees ([Note: speculative step] in speculation.py). auto: on when either is set
+    # check disagrees ([Note: speculative step] in overlap/speculative.py). auto: on when either is set
     speculative_step: bool | Literal["auto"] = "auto"
     # the update of each window runs during the next one, which reads weights one step stale (ZeRO-Offload's
     # DPU): not the same training ([Note: delayed update] in delayed.py)

@@ -546,7 +546,7 @@ class ParamStore:
 
     @owned(UPDATER)
     def staged_out(self, unit: Unit) -> torch.Tensor:
-        """out_buffer for a speculated update ([Note: speculative step] in speculation.py): always a
+        """out_buffer for a speculated update ([Note: speculative step] in overlap/speculative.py): always a
         write-back buffer, never the home, so the new parameters are not seen before commit()."""
         slot = self.slots[unit.index]
         if slot.out is None:

@@ -108,7 +108,7 @@ class GradState(enum.Enum):
 GRAD_TRANSITIONS = {
     GradState.EMPTY: {GradState.ACCUMULATING},
     GradState.ACCUMULATING: {GradState.ACCUMULATING, GradState.READY, GradState.EMPTY},  # EMPTY: skipped step
-    # ACCUMULATING: a speculated window reopened (one rank, [Note: speculative step] in speculation.py)
+    # ACCUMULATING: a speculated window reopened (one rank, [Note: speculative step] in overlap/speculative.py)
     GradState.READY: {GradState.STEPPED, GradState.EMPTY, GradState.ACCUMULATING},
     GradState.STEPPED: {GradState.EMPTY},
 }

@@ -128,9 +128,6 @@ class Engine:
         optimizer_loc = self.plan.optimizer_units or placement["optimizer"]  # a tier, or one per unit (a split)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, optimizer_loc, self.device_tier,
                                             self.host_pool, self.store, self.profiler, StateLayout.of(cfg.precision))
-        undo = self.plan.speculation_undo_bytes  # [Note: speculative step]: what a window's undo may hold
-        self.unit_optimizer.undo_allowance = {Location.HOST: undo["host"], Location.DEVICE: undo["device"]}
-        self.unit_optimizer.undo_copies = cfg.train.speculative_step is True
         no_decay = exempt_from_decay(model, self.units, cfg.optimizer.no_weight_decay)  # checked before placing
         self.params = ParamStore(self.param_units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],

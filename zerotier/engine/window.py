@@ -53,7 +53,7 @@ from .. import threads
 from ..delayed import DelayedUpdate
 from ..device import enter as enter_device
 from ..errors import ZerotierError
-from ..speculation import SpeculationPolicy
+from ..overlap.speculative import SpeculationPolicy, UndoLog
 from ..state import Location, check_transition
 from .surface import internal
 
@@ -123,11 +123,13 @@ class Window:
         self._optim_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-optim",
                                                 initializer=enter_device, initargs=(engine.device,))
         self.early: list[Future] = []
-        # [Note: speculative step] in speculation.py
+        # [Note: speculative step] in overlap/speculative.py
         train = engine.cfg.train
         # the plan resolved train.speculative_step ([Note: speculation in the plan] in planner.py)
         speculate = train.speculative_step if engine.plan.speculative and not train.delayed_update else False
         self.speculation = SpeculationPolicy(speculate, train.max_grad_norm is not None, engine.scaler.dynamic)
+        self.undo = UndoLog(engine.unit_optimizer, engine.device_tier, engine.host_pool,
+                            engine.plan.speculation_undo_bytes, copies=train.speculative_step is True)
         self._speculating = False           # this window's last backward updates units speculatively
         self._spec_hyper: dict[int, list] = {}  # unit index -> the Hyper its speculated update used
         self._spec_scale = 1.0              # the gradient scale speculated updates used (1 / loss scale)
@@ -304,14 +306,14 @@ class Window:
         self._on_optimizer_thread(unit, update)
 
     def _start_speculative_step(self, unit) -> None:
-        """[Note: speculative step] in speculation.py: update `unit` on the optimizer thread with clip
+        """[Note: speculative step] in overlap/speculative.py: update `unit` on the optimizer thread with clip
         coefficient 1, undoably, while backward goes on; its new parameters wait in a staged
         write-back buffer until engine.step() validates the window. A unit whose undo does not fit
         the allowance only has its NVMe state reads started, as without speculation."""
         e, scale = self.engine, self._spec_scale
 
         def update(hyper_of):
-            if not e.unit_optimizer.speculate(unit, e.params.staged_out_bytes(unit)):
+            if not self.undo.speculate(unit, e.params.staged_out_bytes(unit)):
                 e.unit_optimizer.prefetch(unit)
                 return
             self._spec_hyper[unit.index] = list(hyper_of(unit))
@@ -354,8 +356,8 @@ class Window:
         """Undo every speculated update of the window (after its futures were waited); `skip`: the
         staged parameters are dropped (the redo, if any, writes them again). Returns bytes moved."""
         e = self.engine
-        indices = e.unit_optimizer.speculated
-        moved = e.unit_optimizer.roll_back()
+        indices = self.undo.speculated
+        moved = self.undo.roll_back()
         for i in indices:
             e.params.drop_out(e.units[i])
         self._spec_hyper.clear()
@@ -370,19 +372,19 @@ class Window:
             return set(), None
         self._speculating = False
         opt = e.unit_optimizer
-        indices = opt.speculated
+        indices = self.undo.speculated
         if not indices:
             return set(), None
         hyper_of = e.optimizer.hyper_of()
         valid = (not overflow and factor == 1.0 and self._spec_scale == 1.0 / e.scaler.scale
                  and all(list(hyper_of(e.units[i])) == self._spec_hyper.get(i) for i in indices))
-        undo_bytes = opt.undo_copy_bytes()
+        undo_bytes = self.undo.copy_bytes()
         prof = e.profiler
         if valid:
             for i in indices:
                 e.grads.stepped(e.units[i])
                 e.params.commit(e.units[i])
-            opt.commit_speculation()
+            self.undo.commit()
             self._spec_hyper.clear()
             if prof is not None:
                 prof.speculation(len(indices), 0, undo_bytes, 0, 0.0)

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -82,20 +81,10 @@ class Hyper(NamedTuple):
 HyperOf = Callable[[Unit], Sequence[Hyper]]  # a unit -> each of its parameters' Hyper, in unit.params order
 
 
-@dataclass
-class _Undo:
-    """What undoes one speculated unit's update ([Note: speculative step] in speculation.py)."""
-
-    unit: Unit
-    tier: Location          # where `held` bytes are counted (the allowance's tier)
-    held: int               # undo copies + the parameters' write-back buffer
-    copies: dict            # host/device state: key -> its pre-step bytes (pool block / device tensor)
-    steps: list[int]        # the parameters' step counts before the update
-    applied: int            # UnitOptimizer.applied before it
-
-
-def _nbytes(copy) -> int:
-    return copy.numel() if isinstance(copy, torch.Tensor) else copy.tensor.numel()
+def plain_file(unit: Unit, key: str, update: bool = False) -> str:
+    """The NVMe key of `unit`'s state buffer `key`: one file per buffer. `update`: the key an update
+    writes (an undo log may divert it: UnitOptimizer.file_of)."""
+    return f"{unit.key}.{key}"
 
 
 class _Profiled:
@@ -163,12 +152,8 @@ class UnitOptimizer:
         # are materialized and cast.
         self._placing: collections.deque = collections.deque()  # (master block, write tickets), oldest first
         self._zeros = None  # host-pool block of zeros, the largest shard's size: every unit's initial moments
-        # [Note: speculative step] in speculation.py
-        self._file_version = [0] * len(units)   # which of a unit's two NVMe state file sets is current
-        self._undo: dict[int, _Undo] = {}        # speculated units of this window: what undoes them
-        self.undo_allowance = {Location.HOST: 0, Location.DEVICE: 0}  # undo bytes a window may hold, by tier
-        self.undo_copies = False  # host/device state may be speculated (train.speculative_step = true)
-        self._undo_held = {Location.HOST: 0, Location.DEVICE: 0}
+        # where each state buffer's NVMe file is: plain_file, or an undo log's (overlap/speculative.py)
+        self.file_of: Callable[[Unit, str, bool], str] = plain_file
 
     @staticmethod
     def grad_staging_bytes(largest_shard: int, grad_itemsize: int) -> int:
@@ -197,102 +182,35 @@ class UnitOptimizer:
         """Host-pool bytes of the NVMe pipeline's staging sets (the planner counts exactly this)."""
         return depth * layout.state_bytes(largest_shard)
 
-    @staticmethod
-    def undo_bytes(shard_numel: int, lp_itemsize: int, layout: StateLayout = StateLayout()) -> int:
-        """Bytes of one host- or device-resident unit's undo copy under speculation ([Note: speculative
-        step] in speculation.py): its state buffers and its new low-precision shard's old bytes, in
-        the host pool (host state) or on the device tier (device state)."""
-        return layout.state_bytes(shard_numel) + shard_numel * lp_itemsize
+    def _key(self, unit: Unit, key: str, update: bool = False) -> str:
+        """The NVMe key of `unit`'s state buffer `key`; `update`: the file an update writes."""
+        return self.file_of(unit, key, update)
 
-    @staticmethod
-    def shadow_bytes(shard_numel: int, alignment: int, layout: StateLayout = StateLayout()) -> int:
-        """NVMe bytes of one NVMe-resident unit's speculative state files ([Note: speculative step]):
-        the pre-step files stay until the step is validated, so the new ones are a second copy."""
-        return sum(-(-layout.nbytes(k, shard_numel) // alignment) * alignment for k in STATE_KEYS)
+    # ------------------------------------------------------------------ what an undo log uses
 
-    def _key(self, unit: Unit, key: str, shadow: bool = False) -> str:
-        """The NVMe key of `unit`'s state buffer `key`: the current file set, or with `shadow` the
-        other one, where a speculated update writes ([Note: speculative step])."""
-        version = self._file_version[unit.index] ^ shadow
-        return f"{unit.key}.{key}" if version == 0 else f"{unit.key}.{key}~1"
-
-    # ------------------------------------------------------------------ speculation ([Note: speculative step])
+    def live_state(self, unit: Unit) -> dict:
+        """A host- or device-resident unit's state buffers (key -> tensor), updated in place."""
+        return self._state[unit.index]
 
     @owned(UPDATER)
-    def speculate(self, unit: Unit, out_bytes: int) -> bool:
-        """Make `unit`'s next update undoable, if the window's allowance holds its undo: host or
-        device state is copied aside (the undo copy), NVMe state keeps its files (the update writes
-        the other set). `out_bytes`: the bytes of the write-back buffer the speculated parameters
-        wait in until commit, held on the state's memory tier (0: they wait where they would
-        anyway). False: the unit is updated after the window's check instead."""
-        loc = self.locs[unit.index]
-        if loc is not Location.NVME and not self.undo_copies:
-            return False
-        tier = Location.HOST if loc is Location.NVME else loc
-        n = unit.shard_numel
-        need = out_bytes + (0 if loc is Location.NVME else self.layout.for_unit(unit).state_bytes(n))
-        if self._undo_held[tier] + need > self.undo_allowance[tier]:
-            return False
-        copies = {}
-        if loc is not Location.NVME:
-            live = self._state[unit.index]
-            for k in STATE_KEYS:
-                if loc is Location.DEVICE:
-                    copies[k] = self.device_tier.alloc(live[k].shape, torch.uint8, f"{unit.key}.{k} undo")
-                    copies[k].copy_(live[k])
-                else:
-                    copies[k] = self.host_pool.alloc(live[k].numel(), torch.uint8, f"{unit.key}.{k} undo")
-                    copies[k].tensor.copy_(live[k])
-        self._undo_held[tier] += need
-        self._undo[unit.index] = _Undo(unit, tier, need, copies, list(self.steps[unit.index]), self.applied)
-        return True
-
-    @property
-    def speculated(self) -> list[int]:
-        """Indices of the units speculated in this window."""
-        return list(self._undo)
-
-    def undo_copy_bytes(self) -> int:
-        """Bytes copied aside for this window's undo copies."""
-        return sum(sum(_nbytes(c) for c in u.copies.values()) for u in self._undo.values())
-
-    @owned(UPDATER)
-    def commit_speculation(self) -> None:
-        """The window's check agreed: the speculated updates stand. Their NVMe writes must have
-        landed (the caller waited: `finish()`); each unit's new file set becomes current."""
-        for index, undo in self._undo.items():
-            if self.locs[index] is Location.NVME:
-                self._file_version[index] ^= 1
-            self._free_undo(undo)
-        self._undo.clear()
-
-    @owned(UPDATER)
-    def roll_back(self) -> int:
-        """The window's check disagreed: every speculated unit gets its state and step counts back,
-        exactly. NVMe writes in flight are waited (their files are the discarded set; a write error
-        there is dropped with them). Returns the bytes moved (memory restores)."""
+    def rewind(self, kept: "dict[int, tuple[dict, list[int]]]", applied: int) -> int:
+        """Put units back as an undo log kept them ([Note: speculative step] in overlap/speculative.py):
+        `kept` maps a unit index to (key -> its pre-step bytes, empty for NVMe state; the parameters' step
+        counts), `applied` is the count before the first. NVMe writes in flight are waited (their files are
+        the discarded set: a write error there is dropped with them). Returns the bytes copied back."""
         try:
             self._drain_writes()
         except Exception:  # noqa: BLE001 - the discarded files' writes: nothing reads them
             pass
         self.drop_prefetched()
         moved = 0
-        if self._undo:  # the count before the window's first speculated update (some may not have begun)
-            self.applied = min(undo.applied for undo in self._undo.values())
-        for index, undo in self._undo.items():
-            for k, copy in undo.copies.items():
-                src = copy if isinstance(copy, torch.Tensor) else copy.tensor
+        for index, (copies, steps) in kept.items():
+            for k, src in copies.items():
                 self._state[index][k].copy_(src)
                 moved += src.numel()
-            self.steps[index] = undo.steps
-            self._free_undo(undo)
-        self._undo.clear()
+            self.steps[index] = steps
+        self.applied = applied
         return moved
-
-    def _free_undo(self, undo: "_Undo") -> None:
-        self._undo_held[undo.tier] -= undo.held
-        for copy in undo.copies.values():
-            self.device_tier.free(copy) if isinstance(copy, torch.Tensor) else self.host_pool.free(copy)
 
     # ------------------------------------------------------------------ place
 
@@ -525,12 +443,11 @@ class UnitOptimizer:
     def _io(self, unit: Unit, bufs: dict, reason: str) -> list:
         """Submit reads or writes of a unit's three state tensors; tickets carry profiler info."""
         read = reason == "optimizer-read"
-        shadow = not read and unit.index in self._undo  # [Note: speculative step]: the old files stay
         tickets = []
         try:
             for k in STATE_KEYS:
                 tickets.append(self.store.read(self._key(unit, k), bufs[k], padded=True) if read
-                               else self.store.write(self._key(unit, k, shadow), bufs[k]))
+                               else self.store.write(self._key(unit, k, update=True), bufs[k]))
         except BaseException:  # refused at submit (a full drive's fallocate): the set's I/O ends first
             for t in tickets:
                 try:

@@ -66,13 +66,13 @@ NVMe unit), the gradient staging once. `placement["optimizer"]` is then NVMe (th
 slowest tier in the split: the NVMe store is opened, updates land in host memory).
 
 [Note: speculation in the plan]
-train.speculative_step ([Note: speculative step] in speculation.py) resolved per placement:
+train.speculative_step ([Note: speculative step] in overlap/speculative.py) resolved per placement:
 `auto` is on with clipping (train.max_grad_norm) or a dynamic loss scale, when the NVMe
 budget left by the rest of the plan holds the NVMe units' shadow state files
-(`UnitOptimizer.shadow_bytes`, every NVMe unit: the pre-step files stay until the step is
+(`overlap.speculative.shadow_bytes`, every NVMe unit: the pre-step files stay until the step is
 validated) and at least one unit's hold fits; otherwise off, and `Plan.speculation_note`
 says why (`true` raises PlanDoesNotFit instead). What a speculated unit holds until the check
-(UnitOptimizer.speculate): a host (device) unit its undo copy (`UnitOptimizer.undo_bytes`:
+(UndoLog.speculate): a host (device) unit its undo copy (`overlap.speculative.undo_bytes`:
 state and low-precision shard) on that tier, an NVMe unit its new low-precision shard on host.
 Each tier gets an allowance, min(all its units' holds, the tier budget minus the rest of
 the plan's need), counted in `need` (`Plan.speculation_undo_bytes`); the engine speculates a
@@ -112,6 +112,7 @@ from .report import whole_shortfall
 from ..io.memory import round_up
 from ..optim.offload import UnitOptimizer, fused_temp_bytes
 from ..optim.state_layout import OPTIMIZER_BYTES, StateLayout
+from ..overlap.speculative import shadow_bytes, undo_bytes
 from ..params import ParamStore
 from .predict import COMPONENTS, DEFAULT_RATES, StepOptions, UnitCompute, bound_by, predict
 from .step_model import Schedule
@@ -756,7 +757,7 @@ def _speculation(step: StepOptions, placement: dict[str, Location], units_on: tu
     why = "clipping" if step.clip else "a dynamic loss scale" if step.dynamic_scale else None
     if wanted is False:
         return _Speculation(False, "off (train.speculative_step = false)")
-    if s.world_size > 1:  # the engine speculates at one rank only ([Note: speculative step] in speculation.py)
+    if s.world_size > 1:  # the engine speculates at one rank only ([Note: speculative step] in overlap/speculative.py)
         return _Speculation(False, f"off ({s.world_size} ranks: the reduced gradient shards land at the end of "
                                    "backward, so nothing can be speculated during it)")
     if wanted == "auto" and why is None:
@@ -765,7 +766,7 @@ def _speculation(step: StepOptions, placement: dict[str, Location], units_on: tu
     setting = "on (train.speculative_step = true)" if wanted is True else f"on (auto: {why})"
     shards = _rank_shards_in_order(s)
     tiers = units_on or (placement["optimizer"],) * len(shards)
-    nvme = sum(UnitOptimizer.shadow_bytes(n, s.alignment, s.state) for n, at in zip(shards, tiers)
+    nvme = sum(shadow_bytes(n, s.alignment, s.state) for n, at in zip(shards, tiers)
                if at is Location.NVME)
     if nvme > free["nvme"]:
         short = nvme - free["nvme"]
@@ -776,11 +777,11 @@ def _speculation(step: StepOptions, placement: dict[str, Location], units_on: tu
                              f"{format_size(nvme)} beside the plan's NVMe files; {format_size(short)} more nvme "
                              f"(tiers.nvme) or train.speculative_step = \"auto\"", "optimizer",
                              [{"tier": "nvme", "more": {"nvme": short}}], placement, per_rank)
-    # what a speculated unit holds until the check (UnitOptimizer.speculate): a host or device unit its
+    # what a speculated unit holds until the check (UndoLog.speculate): a host or device unit its
     # undo copy on its tier, an NVMe unit its new low-precision shard (ParamStore.staged_out_bytes) on host
-    # auto copies no state: host/device units are speculated with `true` only (UnitOptimizer.undo_copies)
+    # auto copies no state: host/device units are speculated with `true` only (UndoLog.copies)
     held = [("host", max(round_up(n * s.lp_bytes, s.alignment), s.alignment)) if at is Location.NVME else
-            (at.value, UnitOptimizer.undo_bytes(n, s.lp_bytes, s.state)) if wanted is True else (None, 0)
+            (at.value, undo_bytes(n, s.lp_bytes, s.state)) if wanted is True else (None, 0)
             for n, at in zip(shards, tiers)]
     if not any(t for t, _ in held):
         return _Speculation(False, "off (auto: no optimizer state on NVMe; host or device state would need undo "

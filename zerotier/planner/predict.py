@@ -24,7 +24,7 @@ runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit
   global norm (clipping)   one read of every gradient: host or CPU device at `mem_read`,
                            CUDA device gradients at 28 x device_adam bytes/s (its Adam's stream
                            rate), NVMe gradients none (their sums of squares are kept as folded)
-  speculative step         a speculated host (device) unit's undo copy, `UnitOptimizer.undo_bytes`,
+  speculative step         a speculated host (device) unit's undo copy, `overlap.speculative.undo_bytes`,
                            copied at `mem_copy` (read and written at `device_adam` bytes/s on a
                            CUDA device) before its update, and back on a rollback; NVMe units
                            none (their pre-step files stay). Commit and rollback are each a
@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..grads import GradStore
-from ..optim.offload import UnitOptimizer
+from ..overlap.speculative import undo_bytes
 from ..params import ParamStore
 from .step_model import Schedule, StepShape, UnitWork, simulate
 from ..state import Location
@@ -160,7 +160,7 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
                 w["state_read_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, "nvme_read")
                 w["state_write_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, "nvme_write")
             if speculated and speculated[i] and unit_opt is not Location.NVME:  # the undo copy, and its restore
-                undo = UnitOptimizer.undo_bytes(o_shard, s.lp_bytes, s.state)
+                undo = undo_bytes(o_shard, s.lp_bytes, s.state)
                 if unit_opt is Location.DEVICE and cuda:  # read and written on the device
                     w["undo_s"] = secs(2 * undo, "device_adam")
                 else:

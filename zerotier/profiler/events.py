@@ -12,7 +12,7 @@ torch.profiler label (`record_function`), emitted only while a torch profiler
 is actually running.
 
 [Note: speculation counters]
-The speculative step ([Note: speculative step] in speculation.py) reports once per optimizer
+The speculative step ([Note: speculative step] in overlap/speculative.py) reports once per optimizer
 step in which it ran (`speculation(...)`): units speculated and rolled back, the bytes of the
 undo copies and of the rollback, the rollback's seconds. The profiler keeps the whole run's
 sums (a lock: a few adds per step) and the newest max_events records; the trace carries the
@@ -282,7 +282,7 @@ class Profiler:
     def speculation(self, speculated: int, rolled_back: int, undo_bytes: int, rollback_bytes: int,
                     rollback_s: float) -> None:
         """[Note: speculation counters] One optimizer step in which speculation ran ([Note: speculative
-        step] in speculation.py): `speculated` units updated under backward, `rolled_back` of them
+        step] in overlap/speculative.py): `speculated` units updated under backward, `rolled_back` of them
         undone (0: the window was validated; a rollback undoes every one), `undo_bytes` copied to make
         their undo copies, `rollback_bytes` moved by the rollback (restores and NVMe re-reads),
         `rollback_s` seconds the rollback and the redo took."""

@@ -1,0 +1,1 @@
+"""Overlap policies: what of a window's update runs during its last backward, or after its step."""
