@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ..units import format_duration, format_size
 from ..errors import ConfigError
-from ..speculation import PAUSE_AFTER
+from ..overlap.speculative import PAUSE_AFTER
 from . import intervals as iv
 from .trace import TraceData, read_trace, tensor_label
 
