@@ -135,12 +135,12 @@ def run_case(case: str, args) -> dict:
 
 def _link_overlap(trace: dict) -> dict[str, float]:
     """Per link (src->dst), the share of its transfer time hidden under compute on another
-    thread: the summary's own rule ([Note: verdict] in zerotier/profiler/summary.py), split by link."""
+    thread: the summary's own rule ([Note: verdict] in zerotier/profiler/verdict.py), split by link."""
     from zerotier.profiler import intervals
-    from zerotier.profiler.summary import _busy
+    from zerotier.profiler.spans import busy_time
     from zerotier.profiler.trace import read_trace
     data = read_trace(trace)
-    _, hidden_under = _busy(data)
+    _, hidden_under = busy_time(data)
     total, hidden = defaultdict(float), defaultdict(float)
     for t in data.transfers:
         link = f"{t['src']}->{t['dst']}"

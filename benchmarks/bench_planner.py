@@ -127,7 +127,7 @@ def run_case(name, factory, vocab, seq, placement, dtype, clip, accum, args, rat
     import torch
 
     import zerotier
-    from zerotier.profiler.summary import plan_comparison
+    from zerotier.profiler.versus_plan import plan_comparison
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (args.batch, seq), generator=g)

@@ -196,7 +196,7 @@ def test_profile_puts_each_component_beside_the_plan_and_names_the_furthest(tmp_
     from zerotier import cli
     from zerotier.config import ProfileConfig
     from zerotier.profiler import Profiler
-    from zerotier.profiler.summary import plan_comparison
+    from zerotier.profiler.versus_plan import plan_comparison
 
     prof = Profiler(ProfileConfig(enabled=True, record_function=False), peak_rates={})
     ms = 1_000_000

@@ -550,7 +550,7 @@ def test_cuda_timing_records_stay_bounded():
             event.synchronize()
             return event.t * 1000
 
-    prof = ev.Profiler(ProfileConfig(enabled=True, max_events=100_000))
+    prof = ev.Recorder(ProfileConfig(enabled=True, max_events=100_000))
     prof._cuda = FakeClock()
     most = 0
     for i in range(20_000):
@@ -902,7 +902,7 @@ def test_a_crafted_plan_file_is_refused_naming_the_file_and_key(tmp_path, capsys
     import re
 
     from zerotier.errors import ConfigError
-    from zerotier.profiler.summary import load_plan
+    from zerotier.profiler.versus_plan import load_plan
 
     trace = tmp_path / "trace.json"
     speculating_profile().save(str(trace))

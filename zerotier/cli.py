@@ -497,7 +497,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     summary = summarize(trace, top=args.top)
     comparison = None
     if args.plan:
-        from zerotier.profiler.summary import load_plan, plan_comparison, plan_table, speculation_comparison
+        from zerotier.profiler.versus_plan import load_plan, plan_comparison, plan_table, speculation_comparison
 
         plan = load_plan(args.plan)
         comparison = plan_comparison(trace, plan)

@@ -10,13 +10,17 @@
     ...
     print(prof.report().table())      # terminal table; prof.save() / prof.plot(path)
 
-`events.py` records (the hot path), `trace.py` builds / saves / loads the Chrome trace,
-`summary.py` computes the Summary and verdict from a trace, `plot.py` draws it.
+`schema.py` holds the vocabulary, `events.py` records (the Recorder: the hot path), `trace.py`
+builds / saves / loads the Chrome trace, `spans.py` splits its time, `verdict.py` names what
+bounds the step, `summary.py` computes the Summary from a trace, `versus_plan.py` puts it beside
+a plan, `plot.py` draws it, and `profiler.py`'s Profiler is the Recorder with those outputs.
 docs/profiler.md explains what is recorded and how to read the outputs.
 """
-from .events import COMPUTE_KINDS, REASONS, ROLES, SPECULATION_TOTALS, TIERS, Profiler
 from .plot import plot_trace
-from .summary import LinkStats, ReasonStats, StepTime, Summary, TensorStats, TierResidency, step_times, summarize
+from .profiler import Profiler
+from .schema import COMPUTE_KINDS, REASONS, ROLES, SPECULATION_TOTALS, TIERS
+from .spans import StepTime, step_times
+from .summary import LinkStats, ReasonStats, Summary, TensorStats, TierResidency, summarize
 from .trace import load_trace, save_trace
 
 __all__ = ["COMPUTE_KINDS", "REASONS", "ROLES", "SPECULATION_TOTALS", "TIERS", "Profiler", "plot_trace", "LinkStats", "ReasonStats",

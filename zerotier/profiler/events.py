@@ -1,4 +1,7 @@
-"""Recording swap traffic: the calls the engine makes while profiling is on.
+"""Recording swap traffic: the calls the engine makes while profiling is on (the Recorder).
+
+The Recorder knows nothing of its outputs: profiler.py's Profiler adds the trace, the summary,
+the file and the plot on top of it.
 
 [Note: profiler hot path]
 With profiling off the engine holds `profiler = None` and every call site is one
@@ -11,15 +14,7 @@ hands back to the matching `*_end`. The one optional extra is the
 torch.profiler label (`record_function`), emitted only while a torch profiler
 is actually running.
 
-[Note: speculation counters]
-The speculative step ([Note: speculative step] in overlap/speculative.py) reports once per optimizer
-step in which it ran (`speculation(...)`): units speculated and rolled back, the bytes of the
-undo copies and of the rollback, the rollback's seconds. The profiler keeps the whole run's
-sums (a lock: a few adds per step) and the newest max_events records; the trace carries the
-sums in its "speculation" object and each record as an instant event, and the summary's
-rollback rate is windows rolled back / windows speculated, printed beside the rate the run's
-plan assumed (`planned_rollback_rate`, the trace's "planned_rollback_rate") with a warning and
-what to do when it is far above it (summary.rollback_warning).
+The speculative step's records and sums: [Note: speculation counters] in schema.py.
 
 Times are `perf_counter_ns()` values. Callers that measure a transfer themselves
 (an async I/O ticket's issue and completion) pass them to `record(...)` /
@@ -49,20 +44,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
 
 from ..config import ProfileConfig
-from ..state import TIER_NAMES as TIERS
-
-# Why a transfer happened; docs/profiler.md says where the engine uses each one.
-REASONS = ("demand", "prefetch", "evict", "optimizer-read", "optimizer-write", "grad-offload", "param-copyback")
-ROLES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "optimizer-state")
-# Compute spans: forward/backward/device-optimizer count as compute, optimizer as CPU-optimizer
-# time, step is an enclosing marker only (see [Note: verdict] in summary.py).
-COMPUTE_KINDS = ("forward", "backward", "optimizer", "device-optimizer", "step")
-
-# [Note: speculation counters] The speculative step's sums over the run, as the trace's "speculation" object
-# holds them: windows speculated, windows rolled back, units speculated, units rolled back, bytes copied for
-# undo copies, bytes a rollback moved, seconds rollbacks took.
-SPECULATION_TOTALS = ("windows", "rolled_back_windows", "speculated_units", "rolled_back_units", "undo_bytes",
-                      "rollback_bytes", "rollback_s")
+from .schema import COMPUTE_KINDS, REASONS, ROLES, SPECULATION_TOTALS, TIERS
 
 _TIERS, _REASONS, _ROLES, _KINDS = frozenset(TIERS), frozenset(REASONS), frozenset(ROLES), frozenset(COMPUTE_KINDS)
 
@@ -72,32 +54,25 @@ _now = time.perf_counter_ns
 _thread = threading.current_thread
 
 
-class Profiler:
+class Recorder:
     """Records transfers between tiers, compute spans, stalls, prefetch outcomes and residency.
 
     `residency`, when given, is called every `cfg.sample_interval_ms` on a daemon thread
-    and must return {tier: (current_bytes, budget_bytes)}. `peak_rates` are this node's
-    peak rates in bytes/s (keys h2d, d2h, nvme_read, nvme_write; cpu_adam in params/s);
-    when None, `zerotier.bench.load_rates()` is tried when the trace is exported; {} means
-    none (no "of peak" column). `unit_names`: {unit key: module path} ("u00003": "layers.3"), so
-    the trace and the table name a tensor `layers.3 (u00003).exp_avg`, not only by its key.
-    `planned_rollback_rate`: the speculative step's rollback rate the run's plan assumed, put
-    beside the measured one in the summary ([Note: speculation counters]); None: not speculating.
+    and must return {tier: (current_bytes, budget_bytes)}. `unit_names`: {unit key: module path}
+    ("u00003": "layers.3"), so the trace and the table name a tensor `layers.3 (u00003).exp_avg`,
+    not only by its key. `planned_rollback_rate`: the speculative step's rollback rate the run's plan
+    assumed, put beside the measured one in the summary ([Note: speculation counters]); None: not
+    speculating. `device`: the compute device; a CUDA one is timed with events ([Note: CUDA timing]).
     """
 
-    def __init__(self, cfg: ProfileConfig, residency: Residency | None = None,
-                 peak_rates: Mapping[str, float] | None = None, device=None,
+    def __init__(self, cfg: ProfileConfig, residency: Residency | None = None, device=None,
                  unit_names: Mapping[str, str] | None = None, planned_rollback_rate: float | None = None):
-        if cfg.trace_path is not None:
-            from .trace import check_trace_path
-            check_trace_path(cfg.trace_path)
         self.cfg = cfg
         self._cuda = _CudaClock(device) if device is not None and device.type == "cuda" else None
         self.device_type = device.type if device is not None else None  # names the links in the summary
         self.t0_ns = _now()                  # trace time 0
         self.wall_t0 = time.time()           # the same instant, as wall-clock seconds
         self._residency = residency
-        self._peak_rates = dict(peak_rates) if peak_rates is not None else None
         self.unit_names = dict(unit_names or {})
         self.planned_rollback_rate = planned_rollback_rate
         # (name, role, src, dst, nbytes, reason, stream, start_ns, end_ns, stall_ns)
@@ -119,22 +94,13 @@ class Profiler:
         self._transfers_lock = threading.Lock()
         self._sampler_error: str | None = None
         self._rf = _torch_labels() if cfg.record_function else None
-        self._closed = False
+        self._finished = False
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
         if residency is not None:
             self._sampler = threading.Thread(target=self._sample_loop, name="zerotier-profile-sampler",
                                              daemon=True)
             self._sampler.start()
-
-    @classmethod
-    def from_config(cls, cfg: ProfileConfig, residency: Residency | None = None,
-                    peak_rates: Mapping[str, float] | None = None, device=None,
-                    unit_names: Mapping[str, str] | None = None,
-                    planned_rollback_rate: float | None = None) -> "Profiler | None":
-        """A Profiler when `cfg.enabled`, else None (what the engine stores when profiling is off).
-        `device`: the compute device; a CUDA one is timed with events ([Note: CUDA timing])."""
-        return cls(cfg, residency, peak_rates, device, unit_names, planned_rollback_rate) if cfg.enabled else None
 
     # ------------------------------------------------------------------ transfers
 
@@ -325,13 +291,7 @@ class Profiler:
                               RuntimeWarning, stacklevel=1)
                 return
 
-    # ------------------------------------------------------------------ outputs
-
-    def peak_rates(self) -> dict[str, float] | None:
-        """This node's peak rates: the ones given, else `zerotier.bench.load_rates()`, else None."""
-        if self._peak_rates is None:
-            self._peak_rates = _bench_rates() or {}
-        return self._peak_rates or None
+    # ------------------------------------------------------------------ for the exporter
 
     def snapshot(self) -> dict:
         """Copies of the raw records (lists of tuples, see __init__) for the exporter, and
@@ -360,38 +320,11 @@ class Profiler:
                 "sampler_error": self._sampler_error, "speculation": speculation,
                 "speculation_totals": speculation_totals}
 
-    def trace(self) -> dict:
-        """The Chrome/Perfetto trace of everything recorded so far (see trace.py)."""
-        from .trace import build_trace
-
-        return build_trace(self)
-
-    def report(self, top: int = 10):
-        """Summary of everything recorded so far, computed from `trace()` (so a saved trace gives the same)."""
-        from .summary import summarize
-
-        return summarize(self.trace(), top=top)
-
-    def save(self, path: str | None = None) -> str:
-        """Write the trace JSON (gzip when the name ends in .gz) to `path` or cfg.trace_path; returns the path."""
-        from .trace import save_trace
-
-        path = path or self.cfg.trace_path
-        if path is None:
-            raise ValueError("profiler.save() needs a path: profile.trace_path is not set")
-        save_trace(self.trace(), path)
-        return path
-
-    def plot(self, path: str) -> str:
-        from .plot import plot_trace
-
-        return plot_trace(self.trace(), path)
-
-    def close(self) -> str | None:
-        """Stop the sampler, take a last sample, write cfg.trace_path if set (returns it). Idempotent."""
-        if self._closed:
-            return None
-        self._closed = True
+    def finish(self) -> bool:
+        """Stop the sampler and take a last sample; False when finished before (idempotent)."""
+        if self._finished:
+            return False
+        self._finished = True
         self._stop.set()
         if self._sampler is not None:
             self._sampler.join()
@@ -400,13 +333,7 @@ class Profiler:
                     self.sample()
                 except Exception as exc:
                     self._sampler_error = f"{type(exc).__name__}: {exc}"
-        return self.save() if self.cfg.trace_path else None
-
-    def __enter__(self) -> "Profiler":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        return True
 
     # ------------------------------------------------------------------ internals
 
@@ -463,7 +390,7 @@ _DEVICE_KINDS = frozenset(("forward", "backward", "device-optimizer"))  # timed 
 class _CudaClock:
     """Timing events on one CUDA device, in the perf_counter_ns clock ([Note: CUDA timing])."""
 
-    RESOLVE_AT = 512     # pending records before the reached ones are resolved (Profiler._pend_cuda)
+    RESOLVE_AT = 512     # pending records before the reached ones are resolved (Recorder._pend_cuda)
     MAX_PENDING = 4096   # pending records before the oldest half is resolved, waiting
 
     def __init__(self, device):
@@ -511,17 +438,3 @@ def _torch_labels():
         return None
     enabled = getattr(torch.autograd, "_profiler_enabled", None) or (lambda: True)
     return enabled, record_function
-
-
-def _bench_rates() -> dict[str, float] | None:
-    """`zerotier bench` results of this node, if that module exists and has measured any."""
-    try:
-        from zerotier.bench import load_rates
-
-        rates = load_rates()
-    except Exception:  # no bench module yet, or no readable results: profile without peaks
-        return None
-    if not isinstance(rates, Mapping):
-        return None
-    return {str(k): float(v) for k, v in rates.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}

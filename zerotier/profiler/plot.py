@@ -3,10 +3,10 @@
 Three rows, read top to bottom:
 
   1. a stacked bar per step: compute, stall, CPU optimizer, exposed transfer and other
-     ([Note: step time] in summary.py): the parts add up to the step's wall time; a red
+     ([Note: step time] in spans.py): the parts add up to the step's wall time; a red
      triangle over a bar marks a step whose speculation was rolled back. With a plan
      (`zerotier profile --plot --plan`), a panel beside it: each component's planned and
-     measured seconds per step (summary.plan_comparison);
+     measured seconds per step (versus_plan.plan_comparison);
   2. bandwidth per link over time, each link its own colour and line style (dotted: its saved
      peak), compute running as a thin band along the bottom, not a full-height fill;
   3. residency per tier, one panel each on its own linear scale, against its budget (a budget
@@ -24,8 +24,10 @@ from __future__ import annotations
 from ..units import format_size
 from ..errors import ZerotierError
 from .intervals import union
-from .summary import LINK_PEAK, plan_comparison, same_memory, step_times
+from .schema import LINK_PEAK, same_memory
+from .spans import step_times
 from .trace import bandwidth_series, read_trace
+from .versus_plan import plan_comparison
 
 _TIER_COLORS = {"device": "tab:green", "host": "tab:blue", "nvme": "tab:orange"}
 # (StepTime field, legend label, colour): bottom to top of each bar
@@ -57,7 +59,7 @@ def load_matplotlib():
 
 def plot_trace(trace: dict, path: str, plan: dict | None = None) -> str:
     """Draw `trace` (Profiler.trace() or load_trace()) to the PNG `path`; returns `path`. `plan`: a
-    `zerotier plan --json` (summary.load_plan) whose components are drawn beside the measured ones."""
+    `zerotier plan --json` (versus_plan.load_plan) whose components are drawn beside the measured ones."""
     fig = figure(trace, plan)
     try:
         fig.savefig(path, format="png", dpi=80)
@@ -142,7 +144,7 @@ def _steps(ax, steps: list, rollbacks: list[float], narrow: bool = False) -> Non
 
 
 def _plan(ax, rows: list[tuple[str, float, float | None]], line: str) -> None:
-    """Planned beside measured seconds per step, one pair of bars per component (summary.plan_comparison)."""
+    """Planned beside measured seconds per step, one pair of bars per component (versus_plan.plan_comparison)."""
     rows = rows[::-1]  # the plan's order, top to bottom
     y = range(len(rows))
     top = max([p for _, p, _ in rows] + [m or 0.0 for _, _, m in rows] + [1e-9])

@@ -45,9 +45,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ZerotierError
+from ..errors import ConfigError, ZerotierError
 from . import intervals as iv
-from .events import COMPUTE_KINDS, REASONS, ROLES, SPECULATION_TOTALS, TIERS
+from .schema import COMPUTE_KINDS, REASONS, ROLES, SPECULATION_TOTALS, TIERS
 
 FORMAT = 1
 PID_COMPUTE, PID_TRANSFERS, PID_TIER0 = 1, 2, 10
@@ -57,7 +57,8 @@ STALL_CANDIDATES = 16         # transfers of a tensor looked back at when attrib
 
 
 def build_trace(prof) -> dict:
-    """Trace dict (the `traceEvents` JSON object format) of a Profiler's records so far."""
+    """Trace dict (the `traceEvents` JSON object format) of a Profiler's records so far (its
+    Recorder's snapshot, with the peak rates the Profiler knows)."""
     from .. import __version__
 
     rec = prof.snapshot()
@@ -274,8 +275,6 @@ def check_trace_path(path: str) -> None:
     """ConfigError now, at initialize, if save_trace(…, path) could not write there at close:
     the directory must exist and take a new file (tried: created and removed), and `path`
     must not be a directory (hostile trial #13: a trace lost after a whole run)."""
-    from ..errors import ConfigError
-
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ConfigError(f"profile.trace_path {path} is a directory; give a file name (.json or .json.gz)")
