@@ -12,6 +12,7 @@ import torch
 
 import zerotier
 from zerotier import cli, envinfo
+from zerotier.cli import node_commands
 
 REPORT_KEYS = {"versions", "cuda", "cpu", "memory", "native", "simd_level", "io_uring", "nvme_path"}
 
@@ -76,7 +77,7 @@ def test_env_reports_a_broken_part_without_hiding_the_rest(monkeypatch):
     report = envinfo.collect(".")
     assert report["cpu"] == {"error": "RuntimeError: no /proc/cpuinfo"}
     assert "total_bytes" in report["memory"]
-    rows = dict(cli._env_rows(report))
+    rows = dict(node_commands.env_rows(report))
     assert rows["cpu"] == "RuntimeError: no /proc/cpuinfo"
 
 

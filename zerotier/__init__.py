@@ -1,7 +1,7 @@
 """zerotier: train models larger than GPU memory on one node.
 
 The names that need torch (initialize, Engine, plan, from_pretrained) are imported on first use
-(PEP 562), so `import zerotier` alone stays light: `zerotier --help` must not load torch (cli.py).
+(PEP 562), so `import zerotier` alone stays light: `zerotier --help` must not load torch (cli/).
 """
 __version__ = "0.1.0"
 

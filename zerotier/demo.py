@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .errors import ZerotierError
 
-# How long the demo takes, said wherever it is promised (cli.py's help, the example's docstring).
+# How long the demo takes, said wherever it is promised (cli/run_commands.py's help, the example's docstring).
 # The long run (--long; the default until issue 35) was measured on a quiet 2-core VM at 8424d6b:
 # 81 s of training, 1:27 with start-up. The default run does a sixth of its work (steps x layers x
 # batch: 60 x 4 x 8 against 120 x 6 x 16) but not a sixth of its time: 4-step runs of each,
