@@ -27,7 +27,7 @@ import time
 import torch
 
 import zerotier
-from zerotier.bench import bench_io
+from zerotier.measure import bench_io
 from zerotier.models import TinyGPT, init_tiny_gpt
 
 TARGET = 0.70

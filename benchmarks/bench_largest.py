@@ -32,7 +32,7 @@ import torch
 
 import zerotier
 import zerotier.units
-from zerotier.bench import PeakRSS, bench_io
+from zerotier.measure import PeakRSS, bench_io
 from zerotier.optim.state_layout import StateLayout
 from zerotier.planner.planner import PlanDoesNotFit
 

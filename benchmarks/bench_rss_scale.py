@@ -31,7 +31,7 @@ def child(dim: int, layers: int, nvme_dir: str, host: str) -> dict:
     import torch
 
     import zerotier
-    from zerotier.bench import PeakRSS
+    from zerotier.measure import PeakRSS
     from zerotier.models import TinyGPT, batches, init_tiny_gpt
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

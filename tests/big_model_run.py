@@ -10,7 +10,7 @@ import time
 import torch
 
 import zerotier
-from zerotier.bench import PeakRSS
+from zerotier.measure import PeakRSS
 from zerotier.models import TinyGPT, batches
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from zerotier import bench
+from zerotier import bench, measure
 from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
 from zerotier.planner.planner import make_plan
 
@@ -35,7 +35,7 @@ def test_cli_bench_io_json_no_save(tmp_path):
 
 
 def test_bench_io_odd_size_and_cleanup(tmp_path):
-    out = bench.bench_io(tmp_path, 3 * 4096 + 1)  # rounded up to the alignment
+    out = measure.bench_io(tmp_path, 3 * 4096 + 1)  # rounded up to the alignment
     assert out["bytes"] == 4 * 4096 and out["read_GBps"] > 0
     assert os.listdir(tmp_path) == []
 
@@ -44,7 +44,7 @@ def test_nvme_write_peak_is_the_overwrite_a_step_does(tmp_path, bench_file):
     """Issue 26 item 7: "% of peak" read 154-277% because the saved nvme_write peak was a fresh
     file's write (allocation + fsync) while a step's writes overwrite recycled swap files. bench io
     now measures the overwrite too, and it is the rate load_rates gives the planner and profiler."""
-    out = bench.bench_io(tmp_path, 1 << 20, repeat=2)
+    out = measure.bench_io(tmp_path, 1 << 20, repeat=2)
     assert out["overwrite_GBps"] > 0 and out["write_GBps"] > 0 and out["read_GBps"] > 0
     assert "nvme overwrite" in bench.format_table({"io": out})
     bench.save({"io": {**out, "o_direct": True, "write_GBps": 0.2, "overwrite_GBps": 0.8}})
@@ -153,7 +153,7 @@ def test_pcie_without_cuda_is_skipped_with_a_note_and_no_progress_bar(monkeypatc
 
 @pytest.mark.cuda
 def test_pcie_measures_pinned_and_pageable():
-    out = bench.bench_pcie(8 << 20, repeat=2)
+    out = measure.bench_pcie(8 << 20, repeat=2)
     for key in ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable"):
         assert out[key + "_GBps"] > 0
 
@@ -162,6 +162,6 @@ def test_adam_quick_size_is_out_of_cache(monkeypatch):
     """bench --quick measures Adam over a working set of at least 4x the L3 (issue 13 item 7)."""
     import cpuinfo
     monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {"l3_cache_size": 256 << 20})
-    assert bench.adam_numel(bench.QUICK_SIZES["adam"]) * bench.ADAM_BYTES_PER_PARAM >= 4 * (256 << 20)
+    assert measure.adam_numel(measure.QUICK_SIZES["adam"]) * measure.ADAM_BYTES_PER_PARAM >= 4 * (256 << 20)
     monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {})
-    assert bench.adam_numel(bench.QUICK_SIZES["adam"]) == bench.QUICK_SIZES["adam"]
+    assert measure.adam_numel(measure.QUICK_SIZES["adam"]) == measure.QUICK_SIZES["adam"]

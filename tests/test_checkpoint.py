@@ -20,7 +20,7 @@ import torch
 
 import zerotier
 from zerotier import checkpoint, checkpoint_read, export
-from zerotier.bench import PeakRSS
+from zerotier.measure import PeakRSS
 from zerotier.checkpoint_read import CheckpointError
 from zerotier.dist import spawn
 from zerotier.errors import TierIOError, ZerotierError

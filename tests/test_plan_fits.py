@@ -117,7 +117,8 @@ def test_initialize_refuses_a_plan_over_this_machines_ram(monkeypatch):
 def test_another_nodes_plan_is_checked_against_that_nodes_recorded_memory(monkeypatch, tmp_path, capsys):
     """--rates FILE: the check uses the RAM `zerotier bench` recorded there, not this machine's."""
     from zerotier import cli
-    from zerotier.bench import bench_memory, save
+    from zerotier.bench import save
+    from zerotier.measure import bench_memory
 
     assert bench_memory(1 << 20, repeat=1)["total_bytes"] > 0  # bench records the node's RAM
     there = tmp_path / "other.json"

@@ -182,7 +182,8 @@ def test_another_nodes_rates_scale_the_measured_compute(bench_file, tmp_path):
 
 
 def test_bench_compute_section_times_a_matmul():
-    from zerotier.bench import bench_compute, format_table
+    from zerotier.bench import format_table
+    from zerotier.measure import bench_compute
 
     out = bench_compute(64, repeat=1)
     assert out["fp32_flops"] > 0 and out["bf16_flops"] > 0 and out["side"] == 64

@@ -99,7 +99,7 @@ def _rates(rates, cfg: Config) -> tuple[dict[str, float] | None, bool]:
 
 def _compute_scale(rates: dict[str, float], param_dtype: str, device: torch.device) -> float:
     """[Note: another node's rates] This node's matmul rate over the planned node's (1 here)."""
-    from .. import bench
+    from .. import bench, measure
 
     key = f"compute_{'fp32' if param_dtype == 'fp32' else 'bf16'}"
     there = rates.get(key)
@@ -107,5 +107,5 @@ def _compute_scale(rates: dict[str, float], param_dtype: str, device: torch.devi
         return 1.0
     here = (bench.load_rates() or {}).get(key)
     if not here:
-        here = bench.bench_compute(quick=True, device=device)[f"{key.split('_')[1]}_flops"]
+        here = measure.bench_compute(quick=True, device=device)[f"{key.split('_')[1]}_flops"]
     return here / there

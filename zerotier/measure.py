@@ -1,0 +1,277 @@
+"""The measurements of `zerotier bench`: one function a section, each returning a dict of figures.
+
+  bench_memory   memory bandwidth: in-place `mul_` and buffer-to-buffer `copy_` (read + write bytes)
+  bench_pcie     with CUDA: host->device and device->host copies from pinned and pageable memory
+  bench_io       NVMe write, overwrites and reads through zerotier's own I/O engine
+  bench_adam     CPU Adam throughput (params/s) of `zerotier.optim.adam_step`
+  bench_compute  the compute device's dense matmul rate (flop/s, fp32 and bf16)
+
+bench.py runs them, prints them and saves them (its docstring says what each figure means to the
+planner). Torch and the engine are imported inside the functions: importing this module is light.
+`PeakRSS` measures a block's peak resident memory (the RSS benchmarks and tests use it).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+# default / --quick sizes: bytes for mem, pcie, io; parameters for adam; matrix side for compute
+SIZES = {"mem": 1 << 30, "pcie": 512 << 20, "io": 1 << 30, "adam": 50_000_000, "compute": 4096}
+QUICK_SIZES = {"mem": 256 << 20, "pcie": 64 << 20, "io": 64 << 20, "adam": 8_000_000, "compute": 1024}
+ADAM_BYTES_PER_PARAM = 16  # fp32 master, exp_avg, exp_avg_sq, grad: what one Adam pass streams
+
+Tick = Callable[[str], None]
+
+
+class PeakRSS:
+    """`with PeakRSS() as m: ...`: the process's peak resident set size while inside
+    (`m.peak`, bytes; `m.growth` over the start), sampled by a thread every `interval` s.
+    Run it in a fresh process where the figure must be that work's alone."""
+
+    def __init__(self, interval: float = 0.02):
+        import psutil
+
+        self.proc, self.interval = psutil.Process(), interval
+        self.base = self.peak = self.growth = 0
+
+    def __enter__(self) -> "PeakRSS":
+        import threading
+
+        self.base = self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="zerotier-peak-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self._stop.wait(self.interval)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.growth = self.peak - self.base
+
+
+def _noop(_label: str) -> None:
+    pass
+
+
+def _best_seconds(fn: Callable[[], None], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+
+def bench_memory(nbytes: int, repeat: int = 5, tick: Tick = _noop) -> dict[str, Any]:
+    """In-place `mul_` and `copy_` bandwidth over `nbytes` buffers, all torch threads."""
+    import torch
+
+    from .envinfo import usable_memory
+
+    n = max(1, nbytes // 4)
+    buf = torch.ones(n, dtype=torch.float32)  # first touch outside the timing
+
+    def scale() -> None:  # x2 then x0.5: values stay exact and normal (no denormal slow path)
+        buf.mul_(2.0)
+        buf.mul_(0.5)
+
+    scale()
+    inplace = 2 * (2 * 4 * n) / _best_seconds(scale, repeat)  # two passes, each reads + writes 4n bytes
+    tick("memory: in-place mul_")
+    dst = torch.empty_like(buf)
+    dst.copy_(buf)
+    copy = 2 * 4 * n / _best_seconds(lambda: dst.copy_(buf), repeat)
+    tick("memory: copy_")
+    # the node's RAM, for plans made elsewhere with this file ([Note: the plan against the machine])
+    return {"bytes": 4 * n, "threads": torch.get_num_threads(),
+            "inplace_GBps": inplace / 1e9, "copy_GBps": copy / 1e9, "total_bytes": usable_memory().total}
+
+
+def bench_pcie(nbytes: int, repeat: int = 5, tick: Tick = _noop) -> dict[str, Any] | None:
+    """H2D / D2H copy bandwidth, pinned and pageable host memory; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():  # nothing to measure, no progress to show
+        return None
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out: dict[str, Any] = {"bytes": nbytes, "device": torch.cuda.get_device_name(),
+                           "device_total_bytes": torch.cuda.mem_get_info()[1]}  # [Note: the plan against the machine]
+    for kind, pinned in (("pinned", True), ("pageable", False)):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        host.fill_(1)  # touch every page before timing
+        for direction, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+            def copy(dst=dst, src=src) -> None:
+                dst.copy_(src, non_blocking=pinned)
+                torch.cuda.synchronize()
+            copy()
+            out[f"{direction}_{kind}_GBps"] = nbytes / _best_seconds(copy, repeat) / 1e9
+            tick(f"pcie: {direction} {kind}")
+        del host
+    return out
+
+
+def bench_io(directory: str | os.PathLike, nbytes: int, cfg=None, tick: Tick = _noop,
+             repeat: int = 3) -> dict[str, Any]:
+    """Write `nbytes` of one fresh file in a temp subdir of `directory` with zerotier's engine
+    (`write_GBps`: allocation and fsync included, what initialize's first writes cost), then
+    overwrite it and read it back `repeat` times each, keeping the best (`overwrite_GBps`,
+    `read_GBps`). An overwrite, like the store's, is timed to its completion without fsync:
+    training rewrites recycled swap files, measured here 2-4x faster than a fresh file, so a
+    fresh-file figure is no peak for a step's writes (the profiler showed 154-277% of it).
+    O_DIRECT where the filesystem allows (else the page cache is dropped with fadvise before
+    each read, and `o_direct` is False in the result)."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    from .config import IOConfig
+    from .io import aligned_empty, open_direct, open_engine, round_up
+
+    cfg = cfg if cfg is not None else IOConfig()
+    nbytes = round_up(max(nbytes, cfg.alignment), cfg.alignment)
+    chunk = min(nbytes, round_up(64 << 20, cfg.alignment))
+    window = min(4, -(-nbytes // chunk))  # chunks in flight: a few requests of queue_depth blocks
+    bufs = [aligned_empty(chunk, cfg.alignment) for _ in range(window)]
+    gen = torch.Generator().manual_seed(0)
+    for b in bufs:  # incompressible, distinct per buffer
+        b.copy_(torch.randint(0, 256, (chunk,), dtype=torch.uint8, generator=gen))
+    sums = [int(b.sum(dtype=torch.int64)) for b in bufs]
+    pieces = [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+
+    tmp = tempfile.mkdtemp(prefix="zt-bench-", dir=os.fspath(directory))
+    path = os.path.join(tmp, "bench.dat")
+    try:
+        with open_engine(cfg) as eng:
+            fd, direct = open_direct(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, direct=cfg.o_direct)
+            try:
+                def transfer(op: str) -> float:
+                    inflight = []
+                    t0 = time.perf_counter()
+                    for i, (off, length) in enumerate(pieces):
+                        if len(inflight) == window:
+                            ticket, want = inflight.pop(0)
+                            _check_transfer(ticket.wait(), want, op, path)
+                        buf = bufs[i % window][:length]
+                        ticket = eng.read(fd, buf, off, path) if op == "read" else eng.write(fd, buf, off, path)
+                        inflight.append((ticket, length))
+                    for ticket, want in inflight:
+                        _check_transfer(ticket.wait(), want, op, path)
+                    if op == "write":
+                        os.fsync(fd)  # the data and the file's size are on the disk
+                    return time.perf_counter() - t0
+
+                def read() -> float:
+                    if not direct:  # keep the read honest: out of the page cache
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    return transfer("read")
+
+                write_s = transfer("write")
+                tick("io: write (fresh file)")
+                overwrite_s = min(transfer("overwrite") for _ in range(repeat))
+                tick("io: overwrite")
+                read_s = min(read() for _ in range(repeat))
+                tick("io: read")
+            finally:
+                os.close(fd)
+        last = len(pieces) - 1  # the last `window` chunks are in the buffers: check full ones
+        for i in range(max(0, last - window + 1), last + 1):
+            if pieces[i][1] == chunk and int(bufs[i % window].sum(dtype=torch.int64)) != sums[i % window]:
+                raise RuntimeError(f"zerotier bench io: read-back mismatch in {path} at offset {pieces[i][0]}")
+        backend = eng.backend
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    import crc32c  # the swap files' checksum (io.checksum = "crc32c", the default): what it costs here
+
+    data = bufs[0].numpy()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        crc32c.crc32c(data)
+    crc_gbps = 3 * data.nbytes / (time.perf_counter() - t0) / 1e9
+    return {"path": os.path.abspath(os.fspath(directory)), "bytes": nbytes, "backend": backend,
+            "o_direct": direct, "block_size": cfg.block_size, "queue_depth": cfg.queue_depth,
+            "write_GBps": nbytes / write_s / 1e9, "overwrite_GBps": nbytes / overwrite_s / 1e9,
+            "read_GBps": nbytes / read_s / 1e9, "crc32c_GBps": crc_gbps}
+
+
+def _check_transfer(got: int, want: int, op: str, path: str) -> None:
+    if got != want:
+        raise RuntimeError(f"zerotier bench io: short {op} of {path}: {got} of {want} bytes")
+
+
+def bench_adam(numel: int, repeat: int = 3, tick: Tick = _noop) -> dict[str, Any]:
+    """Params/s of `adam_step` on fp32 buffers, and with bf16 grads in / bf16 params out."""
+    import torch
+
+    from .optim._kernels import adam_step, default_threads, simd_level
+
+    gen = torch.Generator().manual_seed(0)
+    master = torch.randn(numel, generator=gen)
+    exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
+    grad = torch.randn(numel, generator=gen) * 1e-3
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    out: dict[str, Any] = {"numel": numel, "simd": simd_level(), "threads": default_threads()}
+    step = [0]
+
+    def run(g, param_out=None) -> None:
+        step[0] += 1
+        adam_step(master, exp_avg, exp_avg_sq, g, step=step[0], param_out=param_out, **hyper)
+
+    run(grad)
+    out["fp32_params_per_s"] = numel / _best_seconds(lambda: run(grad), repeat)
+    tick("adam: fp32")
+    grad_bf16 = grad.to(torch.bfloat16)
+    param_bf16 = torch.empty(numel, dtype=torch.bfloat16)
+    run(grad_bf16, param_bf16)
+    out["bf16_params_per_s"] = numel / _best_seconds(lambda: run(grad_bf16, param_bf16), repeat)
+    tick("adam: bf16 grads, bf16 params out")
+    return out
+
+
+def bench_compute(side: int | None = None, repeat: int = 3, tick: Tick = _noop, quick: bool = False,
+                  device=None) -> dict[str, Any]:
+    """Dense matmul flop/s (2 side^3 per product) on the compute device, fp32 and bf16; CPU: side
+    at most 2048 (a GPU-sized product takes minutes there)."""
+    import torch
+
+    device = torch.device(device) if device is not None else \
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    side = side or (QUICK_SIZES if quick else SIZES)["compute"]
+    if device.type == "cpu":
+        side = min(side, 2048)
+    out: dict[str, Any] = {"side": side, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                           else "cpu", "threads": torch.get_num_threads()}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = torch.randn(side, side, device=device).to(dtype)
+        b = torch.randn(side, side, device=device).to(dtype)
+
+        def product() -> None:
+            a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        product()
+        out[f"{name}_flops"] = 2 * side ** 3 / _best_seconds(product, repeat)
+        tick(f"compute: {name} matmul")
+    return out
+
+
+
+def adam_numel(at_least: int) -> int:
+    """Parameters for the Adam measurement: at least `at_least`, and a working set of at least four
+    times the last-level cache, so the figure is the memory-bound rate training sees, not the
+    cache's (the quick size alone fits in the L3 of a large server CPU)."""
+    try:
+        import cpuinfo
+
+        l3 = int(cpuinfo.get_cpu_info().get("l3_cache_size") or 0)
+    except Exception:  # noqa: BLE001 - no cache size known: the minimum it is
+        l3 = 0
+    return max(at_least, 4 * l3 // ADAM_BYTES_PER_PARAM)
