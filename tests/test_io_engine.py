@@ -22,6 +22,7 @@ from zerotier import _native
 from zerotier.config import IOConfig
 from zerotier.errors import ConfigError, TierIOError, ZerotierError
 from zerotier.io import aligned_empty, open_direct, open_engine, probe_io_uring
+from zerotier.io.ticket import wait_each
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ["io_uring", "threads", "aiofiles"]
@@ -541,6 +542,57 @@ def test_wait_all_waits_for_every_ticket_then_raises_the_first_error():
     pending = zio.FutureTicket(concurrent.futures.Future())
     with pytest.raises(TimeoutError):
         zio.wait_all([zio.CompletedTicket(2), pending], timeout=0.05)
+
+
+def test_wait_each_calls_every_wait_even_after_a_ctrl_c_then_raises_the_first():
+    """[Note: wait for all, raise the first]: a KeyboardInterrupt in the second wait still lets
+    the third run (its work would write into buffers the caller drops), and it is what is raised."""
+    called = []
+
+    def wait(i, exc=None):
+        called.append(i)
+        if exc is not None:
+            raise exc
+        return i * 10
+
+    assert wait_each([lambda: wait(1), lambda: wait(2)]) == [10, 20]
+    called.clear()
+    with pytest.raises(KeyboardInterrupt):
+        wait_each([lambda: wait(1), lambda: wait(2, KeyboardInterrupt()), lambda: wait(3, OSError("later")),
+                   lambda: wait(4)])
+    assert called == [1, 2, 3, 4]
+
+
+class _CountingEngine(zio.IOEngine):
+    """The smallest backend: counts the base close()'s calls of its hooks."""
+
+    backend = "counting"
+
+    def __init__(self):
+        super().__init__(IOConfig())
+        self.stops, self.joins = [], 0
+        self._closed = False
+
+    def _stop(self, cancel):
+        assert self._lock.locked()  # the hook runs under the engine's lock, _join after it
+        self.stops.append(cancel)
+        self._closed = True
+
+    def _join(self):
+        assert not self._lock.locked()
+        self.joins += 1
+
+
+def test_close_is_idempotent_and_a_forked_child_only_forgets_the_engine():
+    eng = _CountingEngine()
+    eng.close(cancel=True)
+    eng.close()
+    assert eng.stops == [True] and eng.joins == 1
+    child = _CountingEngine()
+    child._pid = os.getpid() + 1  # as seen from a forked child: the parent owns it
+    with child:
+        pass
+    assert child._closed and child.stops == [] and child.joins == 0
 
 
 def test_python_engine_in_a_forked_child_fails_clearly_instead_of_hanging(tmp_path):

@@ -12,7 +12,7 @@ Adding a subcommand:
         ...
         return 0
 
-    COMMANDS = [..., Command("plan", "one-line summary", plan_command.plan_arguments, plan_command.run_plan)]
+    COMMANDS = [..., Command("plan", "one-line summary", plan_arguments, run_plan)]
 
 A ZerotierError raised by a command is printed as `zerotier <command>: error: <message>`
 (exit status 1), without a traceback.
@@ -26,7 +26,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from zerotier import __version__
-from zerotier.cli import file_commands, node_commands, plan_command, run_commands
+from zerotier.cli.file_commands import convert_arguments, export_arguments, run_convert, run_export
+from zerotier.cli.node_commands import bench_arguments, env_arguments, run_bench, run_env
+from zerotier.cli.plan_command import plan_arguments, run_plan
+from zerotier.cli.run_commands import demo_arguments, profile_arguments, run_demo, run_profile
 from zerotier.errors import ZerotierError
 
 
@@ -40,19 +43,18 @@ class Command:
 
 COMMANDS: list[Command] = [
     Command("env", "report versions, devices, CPU features, RAM, native code, io_uring and disk space",
-            node_commands.env_arguments, node_commands.run_env),
+            env_arguments, run_env),
     Command("plan", "predict where each kind of training state goes, whether it fits, and swap time per step",
-            plan_command.plan_arguments, plan_command.run_plan),
+            plan_arguments, run_plan),
     Command("bench", "measure this node's memory, PCIe, NVMe and CPU Adam rates; saved for `zerotier plan`",
-            node_commands.bench_arguments, node_commands.run_bench),
+            bench_arguments, run_bench),
     Command("demo", "train a small GPT (examples/train_gpt.py) with optimizer state on NVMe; ends with the swap table",
-            run_commands.demo_arguments, run_commands.run_demo),
-    Command("profile", "summarize a saved swap-traffic trace; --plot draws it",
-            run_commands.profile_arguments, run_commands.run_profile),
+            demo_arguments, run_demo),
+    Command("profile", "summarize a saved swap-traffic trace; --plot draws it", profile_arguments, run_profile),
     Command("export", "write a checkpoint's model weights to .safetensors or .pt (no model code needed)",
-            file_commands.export_arguments, file_commands.run_export),
+            export_arguments, run_export),
     Command("convert", "turn a DeepSpeed JSON config into a zerotier TOML config (unused keys listed)",
-            file_commands.convert_arguments, file_commands.run_convert),
+            convert_arguments, run_convert),
 ]
 
 

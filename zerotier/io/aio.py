@@ -72,10 +72,9 @@ class AioFilesEngine(IOEngine):
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(cfg.threads, cfg.queue_depth)), thread_name_prefix="zt-aio")
         self._futures: set[concurrent.futures.Future] = set()
-        self._lock = threading.Lock()
-        self._closed = False
         self._cancelled = False  # set by close(cancel=True): unstarted chunks fail
-        self._pid = os.getpid()  # its worker threads stay with this process across fork()
+        self._closing: list[concurrent.futures.Future] = []  # in flight at close(): waited in _join
+        self._closed = False     # open; its worker threads stay with this process (self._pid) across fork()
 
     def describe(self) -> str:
         return (f"aiofiles (python thread pool) threads={self.cfg.threads} qd={self.cfg.queue_depth}"
@@ -135,28 +134,16 @@ class AioFilesEngine(IOEngine):
         finally:
             req.chunk_done(start, len(mem), done, err)
 
-    def close(self, cancel: bool = False) -> None:
-        """Wait for (or cancel unstarted chunks of) in-flight requests; stop the workers. In a
-        forked child it only forgets the engine (its requests and threads are the parent's)."""
-        if os.getpid() != self._pid:
-            self._closed = True
-            return
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if cancel:
-                self._cancelled = True
-            futs = list(self._futures)
-        concurrent.futures.wait(futs)
+    def _stop(self, cancel: bool) -> None:
+        """Mark closed (and cancel unstarted chunks); the chunks in flight finish in _join."""
+        self._closed = True
+        if cancel:
+            self._cancelled = True
+        self._closing = list(self._futures)
+
+    def _join(self) -> None:
+        concurrent.futures.wait(self._closing)  # outside the lock: a finishing chunk takes it
         self._executor.shutdown(wait=True)
 
     def pending(self) -> int:
         return len(self._futures)
-
-    def __del__(self):
-        try:
-            if not getattr(self, "_closed", True):
-                self.close()
-        except Exception:
-            pass

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import errno as errno_mod
 import os
-import threading
 import weakref
 from collections import deque
 from functools import lru_cache
@@ -143,14 +142,12 @@ class NativeEngine(IOEngine):
             why = (self._lib.zt_io_last_error() or b"").decode(errors="replace")
             raise NativeUnavailableError(f"cannot start the {backend} I/O engine: {why}")
         self.backend = backend
-        self._pid = os.getpid()  # see [Note: engines after fork]
         self._h = ctypes.c_void_p(handle)
         self._inflight: dict[int, torch.Tensor] = {}      # rid -> buffer, see the module note
         self._tickets: weakref.WeakValueDictionary[int, NativeTicket] = (
             weakref.WeakValueDictionary())                # rid -> live Ticket (for close)
         self._orphans: deque[int] = deque()               # rids whose Ticket died unwaited
-        self._lock = threading.Lock()                     # _closed; submission vs close
-        self._closed = False
+        self._closed = False                              # open (IOEngine holds _pid and _lock)
 
     def describe(self) -> str:
         out = ctypes.create_string_buffer(256)
@@ -224,38 +221,21 @@ class NativeEngine(IOEngine):
         return res.value if rc == 0 else -errno_mod.ENOENT
 
     # --- shutdown -----------------------------------------------------------------------
-    def close(self, cancel: bool = False) -> None:
-        """Finish (or with cancel=True, cancel not-yet-issued chunks of) all in-flight
-        requests, record their results in their Tickets, stop the engine. Idempotent. In a
-        forked child it only forgets the engine (see [Note: engines after fork])."""
-        if os.getpid() != self._pid:
-            self._closed = True
-            return
-        with self._lock:
-            if self._closed:
-                return
-            if cancel:
-                _checked(self._lib, "zt_io_cancel", self._lib.zt_io_cancel(self._h))
-            for rid in list(self._inflight):
-                t = self._tickets.get(rid)
-                if t is not None:
-                    t._collect()  # waits under the ticket's lock; caches the result
-                else:
-                    self._wait(rid, None)
-            self._closed = True
-            self._inflight.clear()
-            self._orphans.clear()
-            _checked(self._lib, "zt_io_destroy", self._lib.zt_io_destroy(self._h))
-            self._h = ctypes.c_void_p()
+    def _stop(self, cancel: bool) -> None:
+        if cancel:
+            _checked(self._lib, "zt_io_cancel", self._lib.zt_io_cancel(self._h))
+        for rid in list(self._inflight):
+            t = self._tickets.get(rid)
+            if t is not None:
+                t._collect()  # waits under the ticket's lock; caches the result
+            else:
+                self._wait(rid, None)
+        self._closed = True
+        self._inflight.clear()
+        self._orphans.clear()
+        _checked(self._lib, "zt_io_destroy", self._lib.zt_io_destroy(self._h))
+        self._h = ctypes.c_void_p()
 
     def pending(self) -> int:
         """Requests submitted and not yet complete."""
         return 0 if self._closed else _checked(self._lib, "zt_io_inflight", self._lib.zt_io_inflight(self._h))
-
-    def __del__(self):
-        try:
-            if not getattr(self, "_closed", True):
-                self.close()
-        except Exception:  # interpreter shutdown: nothing sensible left to do
-            pass
-

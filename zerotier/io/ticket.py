@@ -17,13 +17,14 @@ This module is the one home of the ticket types; everything asynchronous in zero
   CompletedTicket  a result known at creation (no work, an injected fault, a refused submit)
   FutureTicket     work on a worker thread (a concurrent.futures.Future)
   ChainTicket      an inner ticket plus bookkeeping that runs once when it completes
-`wait_all` waits for a batch. Whatever memory the work reads or writes is referenced by
-the ticket until it completes.
+`wait_all` waits for a batch (`wait_each` for any waits). Whatever memory the work reads or
+writes is referenced by the ticket until it completes.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import errno as errno_mod
+import functools
 import os
 import threading
 import time
@@ -294,28 +295,36 @@ class ChainTicket:
 _FINISHED = CompletedTicket(0)
 
 
-def wait_all(tickets: Iterable[Any], timeout: float | None = None) -> list:
-    """Wait for every ticket (even after one failed, or a Ctrl-C: the rest still write into
-    buffers the caller is about to drop), then raise the first error.
-
-    Works for anything with `wait()`: with a timeout, each wait gets what is left of it.
-    Returns the wait() results in order (0 in place of a failed one).
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
+def wait_each(waits: Iterable[Callable[[], Any]]) -> list:
+    """[Note: wait for all, raise the first] Call every wait in order, even after one raised (or
+    a Ctrl-C: the work behind the rest still writes into buffers the caller is about to drop, or
+    holds state another thread must get back), then raise the first error. Returns the results in
+    order when none raised. A wait is any callable that blocks until its work is done:
+    `ticket.wait`, `future.result`, a pipeline's `finish`, a bound method that waits and records."""
     results: list = []
     first: BaseException | None = None
-    for t in tickets:
+    for wait in waits:
         try:
-            if deadline is None:
-                results.append(t.wait())
-            else:
-                results.append(t.wait(max(deadline - time.monotonic(), 0.0)))
+            results.append(wait())
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest landed
-            results.append(0)
             first = first or exc
     if first is not None:
         raise first
     return results
+
+
+def wait_all(tickets: Iterable[Any], timeout: float | None = None) -> list:
+    """wait_each of the tickets' wait() ([Note: wait for all, raise the first]): works for anything
+    with `wait()`; with a timeout, each wait gets what is left of it. Returns the wait() results
+    in order."""
+    if timeout is None:
+        return wait_each(t.wait for t in tickets)
+    deadline = time.monotonic() + timeout
+    return wait_each(functools.partial(_wait_until, t, deadline) for t in tickets)
+
+
+def _wait_until(ticket: Any, deadline: float) -> Any:
+    return ticket.wait(max(deadline - time.monotonic(), 0.0))
 
 
 @dataclass
@@ -361,6 +370,9 @@ class IOEngine:
         self.cfg = cfg
         self._faults: list[_Fault] = []
         self._fault_lock = threading.Lock()
+        self._pid = os.getpid()        # the process that owns it ([Note: engines after fork] in native.py)
+        self._lock = threading.Lock()  # _closed; submission vs close
+        self._closed = True            # until the backend is open: its __init__ sets False last
 
     # --- public API ---------------------------------------------------------------------
     def read(self, fd: int, buf: torch.Tensor, offset: int, path: str = "") -> Ticket:
@@ -388,7 +400,17 @@ class IOEngine:
             self._faults.clear()
 
     def close(self, cancel: bool = False) -> None:
-        raise NotImplementedError
+        """Finish (or with cancel=True, cancel not-yet-issued chunks of) all in-flight requests,
+        record their results in their Tickets, stop the engine. Idempotent. In a forked child it
+        only forgets the engine: the parent still owns it ([Note: engines after fork] in native.py)."""
+        if os.getpid() != self._pid:  # before the lock: a parent thread may have held it
+            self._closed = True
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._stop(cancel)
+        self._join()
 
     def describe(self) -> str:
         return self.backend
@@ -402,7 +424,22 @@ class IOEngine:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()}>"
 
-    # --- backend hook -------------------------------------------------------------------
+    def __del__(self):
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:  # interpreter shutdown: nothing sensible left to do
+            pass
+
+    # --- backend hooks ------------------------------------------------------------------
+    def _stop(self, cancel: bool) -> None:
+        """Under the engine's lock, once: cancel (if asked) or collect the requests in flight, set
+        _closed, release the backend."""
+        raise NotImplementedError
+
+    def _join(self) -> None:
+        """After _stop, outside the lock: wait for what finishes only without it (worker threads)."""
+
     def _submit(self, op: str, fd: int, buf: torch.Tensor, nbytes: int, offset: int,
                 path: str) -> Ticket:
         """Start transferring the first `nbytes` bytes of `buf`; never blocks on I/O."""
