@@ -344,3 +344,19 @@ def test_the_defaults_of_adam_variants_and_numeric_strings_are_read_quietly():
                                                                       "lr": "1e-4"}}})
     assert (cfg.zero.stage, cfg.zero.reduce_bucket_size, cfg.train.grad_accum_steps) == (3, 2_000_000_000, 4)
     assert cfg.optimizer.lr == 1e-4 and warning == ""
+
+
+def test_deepspeed_config_knows_nothing_of_config():
+    """The arrow runs config -> deepspeed_config only: the converter turns DeepSpeed's dict into
+    {section: {key: value}} and Config.from_converted builds it. No import, not even one inside a
+    function, may close the old config <-> deepspeed_config circle."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(deepspeed_config.__file__).read_text())
+    zerotier_modules = {node.module for node in ast.walk(tree)
+                        if isinstance(node, ast.ImportFrom) and node.level > 0}
+    absolute = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    absolute |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+    assert zerotier_modules == {"errors"}, zerotier_modules
+    assert not any(name.startswith("zerotier") for name in absolute), absolute
