@@ -10,6 +10,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from .comm import AVG, Comm, Handle
+from .bucket_rows import Packing, row_offsets, unpack_rows
 from .partition import Partition
 
 # [Note: buckets]
@@ -296,10 +297,10 @@ class GradBucketer(_Bucketer):
         units, self._pending[replicated], self._pending_bytes[replicated] = self._pending[replicated], [], 0
         dtype = self.reduce_dtype or units[0][1].dtype
         widths = [p.shard_numel for _, _, p in units]
-        offsets, total = _offsets(widths), sum(widths)
+        offsets, total = row_offsets(widths), sum(widths)
         n = 1 if replicated else self.world_size
         buf, flat = self._buffer((n + 1) * total if not replicated else total, dtype)
-        pack = _Packing(self._pool.device_tier, self._pool.host_pool is not None)
+        pack = Packing(self._pool.device_tier, self._pool.host_pool is not None)
         try:
             if replicated:
                 result = flat
@@ -352,49 +353,6 @@ class GradBucketer(_Bucketer):
                   for _ in range(count)]
         self._landing_free += blocks[1:]
         return blocks[0]
-
-
-class _Packing:
-    """The copies packing one bucket: rows(dst, flat, numel) lays a unit's flat out as
-    [Note: buckets] says. Gradients in host memory (`from_host`) move by device-tier H2D copies
-    (a gradient in another dtype than the bucket's lands in a device-tier buffer first and is
-    cast there); join() makes compute wait for them, wait() makes the host wait (their sources
-    may then be written)."""
-
-    def __init__(self, device_tier, from_host: bool):
-        self.tier, self.from_host = device_tier, from_host
-        self.tickets: list = []
-
-    def rows(self, dst: torch.Tensor, flat: torch.Tensor, numel: int) -> None:
-        if not self.from_host:
-            _pack_rows(dst, flat, numel, _copy)
-        elif flat.dtype == dst.dtype:
-            _pack_rows(dst, flat, numel, self._copy_h2d)
-        else:
-            moved = self.tier.alloc((numel,), flat.dtype, "gradient for its bucket")
-            try:
-                self.tier.join(self._copy_h2d(moved, flat))
-                _pack_rows(dst, moved, numel, _copy)
-            finally:
-                self.tier.free(moved)
-
-    def _copy_h2d(self, dst: torch.Tensor, src: torch.Tensor):
-        ticket = self.tier.copy_h2d(dst, src)
-        self.tickets.append(ticket)
-        return ticket
-
-    def join(self) -> None:
-        for ticket in self.tickets:
-            self.tier.join(ticket)
-
-    def wait(self) -> None:
-        tickets, self.tickets = self.tickets, []
-        for ticket in tickets:
-            ticket.wait()
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
 
 
 class ParamGatherer(_Bucketer):
@@ -450,7 +408,7 @@ class ParamGatherer(_Bucketer):
                 return
             n, dtype = self.world_size, shard.dtype
             widths = [p.shard_numel for _, _, p, _ in units]
-            offsets, total = _offsets(widths), sum(widths)
+            offsets, total = row_offsets(widths), sum(widths)
             buf, flat = self._buffer((n + 1) * total, dtype)
             packed, gathered = flat[:total], flat[total:].view(n, total)
             for (_, s, _, _), off, w in zip(units, offsets, widths):
@@ -459,44 +417,7 @@ class ParamGatherer(_Bucketer):
 
             def complete():
                 for (key, _, p, out), off, w in zip(units, offsets, widths):
-                    _unpack_rows(out.view(-1)[:p.numel], gathered[:, off:off + w], p.numel)
+                    unpack_rows(out.view(-1)[:p.numel], gathered[:, off:off + w], p.numel)
                     self.on_ready(key, out)
                 self._pool.give(buf)
             self._launch(handle, complete)
-
-
-def _offsets(widths: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for w in widths:
-        out.append(total)
-        total += w
-    return out
-
-
-def _pack_rows(dst: torch.Tensor, flat: torch.Tensor, numel: int, copy) -> None:
-    """dst (N x s) = the flat padded with zeros to N*s, row r = chunk r; copy(dst, src) moves the bytes."""
-    n_rows, s = dst.shape
-    if s == 0:
-        return
-    full = numel // s
-    if full:
-        copy(dst[:full], flat[:full * s].view(full, s))
-    if full < n_rows:
-        rem = numel - full * s
-        if rem:
-            copy(dst[full, :rem], flat[full * s:numel])
-        dst[full, rem:].zero_()
-        dst[full + 1:].zero_()
-
-
-def _unpack_rows(out: torch.Tensor, src: torch.Tensor, numel: int) -> None:
-    """out (numel) = the first numel elements of src (N x s) read row by row."""
-    n_rows, s = src.shape
-    if s == 0:
-        return
-    full = numel // s
-    if full:
-        out[:full * s].view(full, s).copy_(src[:full])
-    rem = numel - full * s
-    if rem:
-        out[full * s:].copy_(src[full, :rem])
