@@ -397,7 +397,7 @@ def test_retention_keeps_the_newest_of_this_run_and_never_another_run(tmp_path):
     root = tmp_path / "ckpts"
     stale = _engine(tmp_path)
     for step in (100, 101):
-        stale.global_steps = step
+        stale.runtime.steps.global_steps = step
         stale.save_checkpoint(root)
     stale.close()
     engine = _engine(tmp_path)
@@ -433,12 +433,12 @@ def test_foreign_directory_named_like_a_checkpoint_is_never_deleted(tmp_path):
     engine = _engine(tmp_path)
     before = sorted(p.name for p in root.iterdir())
     for step in (2, 3):
-        engine.global_steps = step
+        engine.runtime.steps.global_steps = step
         with pytest.raises(CheckpointError, match=f"ckpt-{step} exists and is not a zerotier checkpoint"):
             engine.save_checkpoint(root)
         assert sorted(p.name for p in root.iterdir()) == before  # nothing written, nothing left
     for step in (4, 5, 6):
-        engine.global_steps = step
+        engine.runtime.steps.global_steps = step
         engine.save_checkpoint(root, keep=1)
     assert sorted(p.name for p in root.iterdir()) == [".zerotier-lock", "ckpt-1", "ckpt-2", "ckpt-3", "ckpt-6", "latest"]
     assert (root / "ckpt-2" / "model.pt").read_bytes() == b"weights of another tool"
@@ -763,7 +763,7 @@ def test_a_second_run_saving_into_the_same_root_is_refused_naming_the_first(tmp_
     train(engine, 1, 1)
     engine.save_checkpoint(root)                       # the holder saves on
     engine.close()
-    other.global_steps = 7
+    other.runtime.steps.global_steps = 7
     assert other.save_checkpoint(root) == root / "ckpt-7"  # free after close()
     assert (root / "latest").read_text().strip() == "ckpt-7"
     other.close()

@@ -605,15 +605,13 @@ def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
             if name in sd:
                 sd[name].data.copy_(t) if isinstance(sd[name], torch.nn.Parameter) else sd[name].copy_(t)
     engine.zero_grad()
-    engine.global_steps = state["global_steps"]
-    engine.micro_steps = state["micro_steps"]
+    run = manifest.get("run")  # the resumed run continues its lineage ([Note: checkpoint retention])
+    engine.runtime.steps.restore(state["global_steps"], state["micro_steps"],
+                                 run["id"] if isinstance(run, dict) and isinstance(run.get("id"), str) else None)
     engine.scaler.load_state_dict(state["scaler"])
     engine.optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(state["lr_scheduler"])
     engine.carried.restore(state["registered"])
     _set_rng_state(rng)
-    run = manifest.get("run")
-    if isinstance(run, dict) and isinstance(run.get("id"), str):
-        engine.run_id = run["id"]  # the resumed run continues its lineage ([Note: checkpoint retention])
     return state["client_state"]

@@ -20,7 +20,6 @@ See docs/design.md for a unit's bytes through one step. By concern:
 from __future__ import annotations
 
 import functools
-import secrets
 import sys
 import weakref
 
@@ -36,7 +35,8 @@ from ..materialize import Materializer, is_meta, pool_bytes as materialize_pool_
 from ..optim.offload import UnitOptimizer
 from ..optim.state_layout import StateLayout
 from ..planner.predict import StepOptions
-from ..optim.torch_optimizer import EngineOptimizer, exempt_from_decay
+from ..optim.torch_optimizer import EngineOptimizer, Loop, exempt_from_decay
+from ..integrations.plain_trainer import check_plain_trainer
 from ..params import ParamStore
 from ..planner.machine_fit import refuse_over as refuse_over_machine
 from ..planner.planner import make_plan
@@ -47,6 +47,7 @@ from ..schedule import PrefetchScheduler
 from .hooks import ModuleHooks
 from ..state import DTYPES, Location, build_units, nested_numel
 from .surface import ParamSurface
+from .runtime import Runtime
 from .window import Window, WindowState
 from .. import delayed
 from . import clip, stop
@@ -136,9 +137,10 @@ class Engine:
         self.grads = GradStore(self.units, placement["gradients"], DTYPES[cfg.precision.accumulator_dtype],
                                self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,
                                self.store, self.profiler)
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.run_id = secrets.token_hex(8)  # names this run's checkpoints ([Note: checkpoint retention])
+        # [Note: the runtime record] in runtime.py: what the collaborators below receive instead of the engine
+        self.runtime = Runtime(model, self.device, self.lp_dtype, self.plan, self.sharding, self.scaler,
+                               self.profiler, self.param_units, self.units, self.frozen_units, self.params,
+                               self.grads, self.unit_optimizer, self.device_tier, self.host_pool, self.store)
         self.checkpoint_locks = RootLocks()  # the roots it saves into ([Note: the checkpoint root lock])
         self._stop_code = 0  # [Note: graceful stop] in stop.py
         try:
@@ -148,7 +150,9 @@ class Engine:
             self.sharding.close()
             raise
         self.window = Window(self)  # the loop's state ([Note: the plain PyTorch loop] in window.py)
-        self.optimizer = EngineOptimizer(self, no_decay)  # over the placed parameters ([Note: param groups])
+        # over the placed parameters ([Note: param groups]); the HF Trainer check: integrations/plain_trainer.py
+        self.optimizer = EngineOptimizer(self.runtime, cfg.optimizer, self._optimizer_loop(), no_decay,
+                                         on_first_train=check_plain_trainer)
         self.carried = Carried(self.optimizer)  # [Note: what a checkpoint carries] in carried.py
         self.scheduler = PrefetchScheduler(
             cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.param_units],
@@ -326,7 +330,20 @@ class Engine:
             self._maybe_stop()
         return updated
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_loop(self) -> Loop:
+        """engine.optimizer's calls into the loop, through weak references: the optimizer (which an lr
+        scheduler or the user may hold) keeps no engine alive."""
+        ref = weakref.ref(self)
+
+        def weak(name):
+            def call(*args):
+                engine = ref()
+                return None if engine is None else getattr(engine, name)(*args)
+            return call
+        return Loop(step=weak("_plain_step"), zero_grad=weak("zero_grad"), synchronize=weak("synchronize"),
+                    closed=lambda: ref() is None or ref().closed)
+
+    def _plain_step(self) -> None:
         """engine.optimizer.step() of the plain PyTorch loop ([Note: the plain PyTorch loop] in window.py)."""
         steps = self.global_steps
         applied = self.window.optimizer_step()
@@ -354,9 +371,19 @@ class Engine:
         self.carried.register(objects)
 
     @property
-    def _applying(self) -> bool:
-        """Inside the window's update: the optimizer's step() only counts (optim/torch_optimizer.py)."""
-        return self.window.state is WindowState.APPLYING
+    def micro_steps(self) -> int:
+        """Micro-batches stepped ([Note: the step counters] in steps.py)."""
+        return self.runtime.steps.micro_steps
+
+    @property
+    def global_steps(self) -> int:
+        """Updates applied ([Note: the step counters] in steps.py)."""
+        return self.runtime.steps.global_steps
+
+    @property
+    def run_id(self) -> str:
+        """Names this run's checkpoints ([Note: checkpoint retention] in checkpoint.py)."""
+        return self.runtime.steps.run_id
 
     def grad_norm(self) -> float:
         """The global norm (before clipping, loss scale removed) of the gradients the next update

@@ -109,6 +109,7 @@ class Window:
 
     def __init__(self, engine):
         self.engine = engine
+        self.steps = engine.runtime.steps  # their one writer while training ([Note: the step counters])
         self.state = S.IDLE
         self._why: str | None = None        # PARTIAL / BROKEN: what happened, for the refusals
         self.norm: float | None = None      # grad_norm() of this window, once computed
@@ -154,11 +155,11 @@ class Window:
     def between_windows(self) -> bool:
         """A forward now begins a new window (graceful stop's boundary, one rank)."""
         e = self.engine
-        return self.state is not S.ENGINE_GRADS and e.micro_steps % e.cfg.train.grad_accum_steps == 0
+        return self.state is not S.ENGINE_GRADS and self.steps.at_window_start(e.cfg.train.grad_accum_steps)
 
     def ends_window(self) -> bool:
         """The next engine.step() is the window's last micro-batch."""
-        return (self.engine.micro_steps + 1) % self.engine.cfg.train.grad_accum_steps == 0
+        return self.steps.window_ends(self.engine.cfg.train.grad_accum_steps)
 
     # ------------------------------------------------------------ backward, both loops
 
@@ -410,7 +411,7 @@ class Window:
             raise ZerotierError("engine.step() called before engine.backward(loss): there are no gradients "
                                 "to apply")
         if not self.ends_window():
-            e.micro_steps += 1
+            self.steps.micro_step()
             self._to(S.IDLE)
             return False
         try:
@@ -418,7 +419,7 @@ class Window:
         except BaseException as exc:
             self._failed("engine.step()", exc)
             raise
-        e.micro_steps += 1
+        self.steps.micro_step()
         self.drop()
         return updated
 
@@ -476,7 +477,7 @@ class Window:
         loop = self.state
         self._to(S.APPLYING)  # the optimizer's step() counts for lr schedulers, and does nothing more
         try:
-            e.optimizer.step()
+            e.optimizer.count_step()
         finally:
             self._to(loop)
         if self.delayed is not None:  # [Note: delayed update]: this window's update runs during the next
@@ -488,7 +489,7 @@ class Window:
             self._rolled_back(rolled_back)
             e.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
         e.scaler.update(overflow=False)
-        e.global_steps += 1
+        self.steps.update()
         return True
 
     def _finish_delayed(self) -> None:
@@ -685,7 +686,7 @@ class Window:
             # first micro-batch (issue 37 row 12: kept, the count ended every later window one
             # micro-batch early)
             e = self.engine
-            e.micro_steps -= e.micro_steps % e.cfg.train.grad_accum_steps
+            self.steps.drop_window(e.cfg.train.grad_accum_steps)
         self.drop(set_to_none)
 
     def drop(self, set_to_none: "bool | None" = None) -> None:

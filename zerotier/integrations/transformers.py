@@ -27,7 +27,7 @@ group by add_param_group, and engine.cfg's train keys; its parameter dtype canno
 a differing bf16 / fp16 is refused with the fix.
 A plain `transformers.Trainer` given `optimizers=(engine.optimizer, None)` applies none of
 this (Trainer builds its exemptions only into an optimizer it makes): at its first training
-step, `check_plain_trainer` refuses a run in which weight decay would reach a parameter
+step, `check_plain_trainer` (integrations/plain_trainer.py, installed by initialize) refuses a run in which weight decay would reach a parameter
 Trainer exempts, naming the fix. Its max_grad_norm goes through clip_grad_norm_, which the
 engine honours ([Note: the user's clipping] in clip.py).
 
@@ -46,7 +46,6 @@ from __future__ import annotations
 import fnmatch
 import glob
 import os
-import sys
 from typing import Any
 
 import torch
@@ -55,6 +54,7 @@ from transformers import Trainer
 from ..config import Config
 from ..engine.engine import Engine, initialize
 from ..errors import ConfigError, ZerotierError
+from .plain_trainer import decayed_exempt, no_decay_names
 
 ENGINE_DIR = "zerotier"  # the engine's checkpoint inside each Trainer checkpoint-N/
 
@@ -74,12 +74,6 @@ def training_values(args) -> dict[str, Any]:
             "optimizer.eps": float(args.adam_epsilon), "optimizer.weight_decay": float(args.weight_decay),
             "train.max_grad_norm": float(args.max_grad_norm) if args.max_grad_norm and args.max_grad_norm > 0 else None,
             "train.grad_accum_steps": int(args.gradient_accumulation_steps)}
-
-
-def no_decay_names(trainer: Trainer, model: torch.nn.Module) -> list[str]:
-    """The trainable parameters `trainer` exempts from weight decay (its get_decay_parameter_names)."""
-    decayed = set(trainer.get_decay_parameter_names(model))
-    return [n for n, p in model.named_parameters() if p.requires_grad and n not in decayed]
 
 
 def _fill(cfg: Config, args, *, live: bool) -> tuple[dict[str, Any], list[str]]:
@@ -124,6 +118,8 @@ def _refuse(conflicts: list[str], fix: str) -> None:
 
 
 class ZerotierTrainer(Trainer):
+    applies_zerotier_exemptions = True  # check_plain_trainer leaves it alone (it reconciles the groups itself)
+
     def __init__(self, model=None, args=None, *posargs, zerotier_config=None, **kwargs):
         if model is None or args is None:
             raise TypeError("ZerotierTrainer needs model= and args= (TrainingArguments)")
@@ -198,7 +194,8 @@ class ZerotierTrainer(Trainer):
             optimizer.add_param_group({"params": [p for n, p in engine.module.named_parameters() if n in exempt],
                                        "weight_decay": 0.0})
             fills["optimizer.no_weight_decay"] = tuple(glob.escape(n) for n in sorted(exempt))
-        _refuse(decayed_exempt(self, engine), "Exempt them in optimizer.no_weight_decay, as Trainer does")
+        _refuse(decayed_exempt(self, engine.module, optimizer.param_groups),
+                "Exempt them in optimizer.no_weight_decay, as Trainer does")
         engine.cfg = cfg.with_values(fills)
 
     def _build_accelerator_args(self, **kwargs):
@@ -253,38 +250,3 @@ def _check_same_step(trainer_dir: str, engine_root: str) -> None:
                             f"from another step (copied or replaced), and resuming would train the weights of one step "
                             f"with the schedule and data of the other. Resume from a checkpoint-N directory as the "
                             f"Trainer wrote it (nothing was loaded)")
-
-
-def decayed_exempt(trainer: Trainer, engine: Engine) -> list[str]:
-    """The parameters `trainer` exempts from weight decay that engine.optimizer decays, as one message (or none)."""
-    exempt = set(no_decay_names(trainer, engine.module))
-    decayed = {id(p) for g in engine.optimizer.param_groups if g["weight_decay"] != 0 for p in g["params"]}
-    wrong = [n for n, p in engine.module.named_parameters() if n in exempt and id(p) in decayed]
-    if not wrong:
-        return []
-    return [f"{len(wrong)} parameters Trainer exempts from weight decay ({', '.join(wrong[:3])}"
-            f"{' ...' if len(wrong) > 3 else ''}) are in a param group of engine.optimizer with weight_decay > 0"]
-
-
-def check_plain_trainer(engine: Engine) -> None:
-    """[Note: TrainingArguments and the zerotier config] Called at the first training step of a
-    transformers Trainer over engine.optimizer (Trainer.training_step -> AcceleratedOptimizer.train
-    -> EngineOptimizer.train -> here): refuses weight decay on a parameter Trainer exempts."""
-    frame, trainer = sys._getframe(1), None
-    for _ in range(8):
-        if frame is None:
-            break
-        if isinstance(frame.f_locals.get("self"), Trainer):
-            trainer = frame.f_locals["self"]
-            break
-        frame = frame.f_back
-    if trainer is None or isinstance(trainer, ZerotierTrainer):
-        return
-    wrong = decayed_exempt(trainer, engine)
-    if wrong:
-        raise ZerotierError(
-            f"transformers.Trainer over engine.optimizer: {wrong[0]}; Trainer builds its exemptions only into an "
-            "optimizer it makes. Use ZerotierTrainer(model=engine.module, args=...) from "
-            "zerotier.integrations.transformers, which applies them and reconciles TrainingArguments with the engine, "
-            "or exempt them in the zerotier config (optimizer.no_weight_decay, e.g. ['*bias', '*ln_*.weight']), or "
-            "set optimizer.weight_decay = 0")

@@ -47,13 +47,13 @@ checkpoint's files.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import itertools
 import math
-import sys
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -89,23 +89,39 @@ def exempt_from_decay(model: torch.nn.Module, units: list, patterns) -> set[tupl
     return exempt
 
 
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """What engine.optimizer asks of the engine's training loop (the engine builds it from weak
+    references: the optimizer keeps no engine alive; once the engine is gone, `closed()` is True
+    and the calls do nothing)."""
+    step: Callable[[], None]             # the plain loop's update ([Note: the plain PyTorch loop] in window.py)
+    zero_grad: Callable[[bool], None]    # drop the window's gradients (set_to_none)
+    synchronize: Callable[[], None]      # updates and write-backs in flight land
+    closed: Callable[[], bool]
+
+
 class EngineOptimizer(torch.optim.Optimizer):
     """`engine.optimizer` ([Note: param groups], [Note: optimizer state_dict]). `step()` is the
     engine's update of the gradients accumulated by loss.backward() ([Note: the plain PyTorch
-    loop] in window.py); `zero_grad()` drops them."""
+    loop] in window.py); `zero_grad()` drops them. `rt`: the engine's parts ([Note: the runtime
+    record] in engine/runtime.py); `on_first_train(module, param_groups)`: what the first train()
+    checks (the Hugging Face Trainer's exemptions, integrations/plain_trainer.py)."""
 
-    def __init__(self, engine, no_decay: "set[tuple[int, int]]" = frozenset()):
-        cfg = engine.cfg.optimizer
-        self._engine = weakref.ref(engine)
+    def __init__(self, rt, cfg, loop: Loop, no_decay: "set[tuple[int, int]]" = frozenset(),
+                 on_first_train: "Callable[[torch.nn.Module, list], None] | None" = None):
+        self._rt = weakref.ref(rt)         # the optimizer keeps none of the engine's parts alive
+        self._loop = loop
+        self._on_first_train = on_first_train
+        self._counting = False             # inside count_step(): step() only counts
         self._built: list[dict] | None = None  # the groups zerotier built (add_param_group moves out of them)
         self._layout_key = None           # what _layout was built from
         self._layout: list[list[int]] = []  # unit index -> group index of each of its parameters
         self._groups_only = False
         self._trainer_checked = False  # train(): the plain Trainer's exemptions checked
-        where = {id(p): (u.index, k) for u in engine.units for k, p in enumerate(u.params)}
-        trained = list({id(p): p for p in engine.module.parameters() if id(p) in where}.values())
+        where = {id(p): (u.index, k) for u in rt.units for k, p in enumerate(u.params)}
+        trained = list({id(p): p for p in rt.module.parameters() if id(p) in where}.values())
         seen = {id(p) for p in trained}
-        trained += [p for u in engine.units for p in u.params if id(p) not in seen]  # not in the module tree
+        trained += [p for u in rt.units for p in u.params if id(p) not in seen]  # not in the module tree
         decayed = [p for p in trained if where[id(p)] not in no_decay]
         groups = [{"params": decayed}] if decayed else []
         if len(decayed) < len(trained):
@@ -129,13 +145,13 @@ class EngineOptimizer(torch.optim.Optimizer):
         key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
         if key == self._layout_key:
             return self._layout
-        engine = self._live("step()")
+        rt = self._live("step()")
         group_of: dict[int, int] = {}
         for i, g in enumerate(self.param_groups):
             for p in g["params"]:
                 group_of.setdefault(id(p), i)
         layout, missing = [], []
-        for unit in engine.units:
+        for unit in rt.units:
             row = []
             for p in unit.params:
                 if id(p) not in group_of:
@@ -155,33 +171,37 @@ class EngineOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """torch's step(closure): the closure (forward and loss.backward()) runs first, then the
         update of the gradients accumulated since the last step."""
-        engine = self._engine()
-        if engine is not None and engine._applying:  # engine.step() counts its update here too
+        if self._counting:  # the window's own update (count_step): counted, nothing more
             return None
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if engine is not None:
-            engine._optimizer_step()
+        self._loop.step()
         return loss
+
+    def count_step(self) -> None:
+        """The window's update calls this: step() runs (as patched: an lr scheduler counts it, step
+        hooks run) and updates nothing; the window applies the update itself."""
+        self._counting = True
+        try:
+            self.step()
+        finally:
+            self._counting = False
 
     def train(self) -> None:
         """transformers' Trainer calls this before each training step (its hook for schedule-free
-        optimizers): the first call checks that Trainer's weight-decay exemptions hold
-        ([Note: TrainingArguments and the zerotier config] in integrations/transformers.py)."""
-        if not self._trainer_checked and "transformers" in sys.modules:
-            from ..integrations.transformers import check_plain_trainer
-
-            check_plain_trainer(self._live("train()"))
+        optimizers): the first call runs `on_first_train`, which checks that Trainer's weight-decay
+        exemptions hold ([Note: TrainingArguments and the zerotier config] in integrations/transformers.py)."""
+        if not self._trainer_checked and self._on_first_train is not None:
+            rt = self._live("train()")
+            self._on_first_train(rt.module, self.param_groups)
         self._trainer_checked = True
 
     def zero_grad(self, set_to_none: bool = True):
         """engine.zero_grad(set_to_none): the window's gradients are dropped (set_to_none=False:
         zero gradients that Adam still steps, as torch)."""
-        engine = self._engine()
-        if engine is not None:
-            engine.zero_grad() if set_to_none else engine.zero_grad(set_to_none=False)
+        self._loop.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's add_param_group for parameters zerotier trains: they move out of the groups
@@ -198,8 +218,8 @@ class EngineOptimizer(torch.optim.Optimizer):
             param_group["params"] = params
             tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
             moving = {id(p) for p in tensors if isinstance(p, torch.Tensor)}
-            engine = self._live("add_param_group()")
-            trained = {id(p) for u in engine.units for p in u.params}
+            rt = self._live("add_param_group()")
+            trained = {id(p) for u in rt.units for p in u.params}
             for p in tensors:
                 if isinstance(p, torch.Tensor) and id(p) not in trained:
                     raise ZerotierError(
@@ -272,13 +292,13 @@ class EngineOptimizer(torch.optim.Optimizer):
         return state_dict
 
     def _read_state(self, index: dict[int, int]) -> dict[int, dict[str, torch.Tensor]]:
-        engine = self._live("state_dict()")
-        engine.sharding.sync_point(engine.global_steps, engine.micro_steps,
-                                   "gathering the optimizer state")  # [Note: ranks out of step] in dist/sharding.py
-        engine.synchronize()  # updates and write-backs in flight land first
-        opt, sharding = engine.unit_optimizer, engine.sharding
+        rt = self._live("state_dict()")
+        rt.sharding.sync_point(rt.steps.global_steps, rt.steps.micro_steps,
+                               "gathering the optimizer state")  # [Note: ranks out of step] in dist/sharding.py
+        self._loop.synchronize()  # updates and write-backs in flight land first
+        opt, sharding = rt.unit_optimizer, rt.sharding
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for unit in engine.units:
+        for unit in rt.units:
             steps = opt.steps[unit.index]
             if not any(steps) and not sharding.active:  # never stepped: no state to read (torch keeps none)
                 continue
@@ -355,11 +375,11 @@ class EngineOptimizer(torch.optim.Optimizer):
         exp_avg_sq, int8 entry or None)), saved with `saved_dtype` moments; a parameter without an
         entry starts afresh (zero moments, step 0). int8 moments are the entries' codes where they
         fit ([Note: int8 moments in the optimizer state_dict]); a lossy conversion warns."""
-        engine = self._live("load_state_dict()")
-        engine.synchronize()
-        opt, sharding = engine.unit_optimizer, engine.sharding
+        rt = self._live("load_state_dict()")
+        self._loop.synchronize()
+        opt, sharding = rt.unit_optimizer, rt.sharding
         requantized = False
-        for unit in engine.units:
+        for unit in rt.units:
             if not any(opt.steps[unit.index]) and not any(id(p) in moments for p in unit.params):
                 continue  # fresh before and after
             full = {"exp_avg": torch.zeros(unit.numel), "exp_avg_sq": torch.zeros(unit.numel)}
@@ -394,16 +414,17 @@ class EngineOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ helpers
 
     def _live(self, what: str):
-        engine = self._engine()
-        if engine is None or engine.closed:
+        """The engine's parts, or a ZerotierError once it is closed (or gone)."""
+        rt = self._rt()
+        if rt is None or self._loop.closed():
             raise ZerotierError(f"engine.optimizer.{what} after engine.close(): the optimizer state was freed with "
                                 "the engine. Call it before close() (or save engine.save_checkpoint(root))")
-        return engine
+        return rt
 
     def _name(self, p: torch.Tensor) -> str:
-        engine = self._engine()
-        if engine is not None:
-            for name, q in engine.module.named_parameters(remove_duplicate=False):
+        rt = self._rt()
+        if rt is not None:
+            for name, q in rt.module.named_parameters(remove_duplicate=False):
                 if q is p:
                     return f"'{name}'"
         return f"of shape {list(p.shape)}"
