@@ -10,9 +10,9 @@ Issues 14 and 36 (docs/benchmarks.md). Sizes (gpu_model.py, which says which sha
 fits all on one 80 GB GPU (plain torch is the reference), `2.7b` the largest whose NVMe cases
 fit a 64 GiB drive, `7b` / `13b` (Llama-2's shapes), `20b` and `30b` (LLaMA-33B's) do not fit
 the GPU with their optimizer state. The workload, the same tokens per step in every case of a
-size, and why: [Note: the workload] in gpu_model.py. The cases, the order they run in under
-`--time-limit` and how each builds its model (zerotier from the meta device, unit by unit;
-DeepSpeed stage 3 under deepspeed.zero.Init; all from the same per-name seeded weights):
+size, and why: [Note: the workload] in gpu_model.py. The cases and the order they run in under
+`--time-limit`: gpu_case_list.py; how each builds its model (zerotier from the meta device, unit
+by unit; DeepSpeed stage 3 under deepspeed.zero.Init; all from the same per-name seeded weights):
 gpu_cases.py. A peer that is not importable gives the row "n/a (not installed)"; a case that
 cannot fit says so with the bytes it would need on each tier (zerotier: its plan, before any
 byte is placed; peers: their byte counts in gpu_cases.peer_needs).
@@ -66,7 +66,8 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import gpu_model as gm  # noqa: E402 - benchmarks/ is on sys.path when this runs as a script
-from gpu_cases import CASES, PEER_MODULE, NotApplicable, setup  # noqa: E402
+from gpu_case_list import CASES  # noqa: E402
+from gpu_cases import PEER_MODULE, NotApplicable, setup  # noqa: E402
 from gpu_table import derive, write  # noqa: E402
 
 PROFILED_STEPS = 2   # CUDA: steps under torch.profiler, after the timed ones

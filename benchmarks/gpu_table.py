@@ -10,7 +10,7 @@ import json
 import os
 
 import gpu_model as gm
-from gpu_cases import HPARAMS
+from gpu_case_list import HPARAMS
 
 REFERENCES = ("torch", "ds-z2-offload")   # step-time ratios and |Δloss| against the first that ran
 GiB = 1 << 30

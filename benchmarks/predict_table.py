@@ -39,7 +39,7 @@ import sys
 import torch
 
 import gpu_model as gm
-from gpu_cases import CASES, ZEROTIER_CASES, zerotier_config
+from gpu_case_list import CASES, ZEROTIER_CASES, zerotier_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODE_DIR = os.path.join(ROOT, "benchmarks", "nodes")
@@ -115,7 +115,7 @@ def predict(size: str, case: str, rates: dict, budgets: dict, compute_flops: flo
             config: dict | None = None) -> dict:
     """One row: the plan of `case` at `size` for a node with these rates and budgets, or why it
     does not fit (with what it would need on each tier). config: the case's engine config as
-    bench_gpu runs it (default: gpu_cases.zerotier_config without clipping or accumulation)."""
+    bench_gpu runs it (default: gpu_case_list.zerotier_config without clipping or accumulation)."""
     from zerotier import delayed
     from zerotier.config import Config
     from zerotier.errors import ZerotierError
