@@ -478,8 +478,8 @@ def test_trace_gzip_bomb_is_refused(tmp_path, monkeypatch):
     into memory whole (the floor is lowered here so the test's bomb is small)."""
     import gzip
 
-    from zerotier.profiler import load_trace, trace
-    monkeypatch.setattr(trace, "_MIN_GZIP_LIMIT", 1 << 20)
+    from zerotier.profiler import load_trace, trace_file
+    monkeypatch.setattr(trace_file, "_MIN_GZIP_LIMIT", 1 << 20)
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wb") as f:
         f.write(b'{"traceEvents": [], "zerotier": {"pad": "')

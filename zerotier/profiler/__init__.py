@@ -11,7 +11,7 @@
     print(prof.report().table())      # terminal table; prof.save() / prof.plot(path)
 
 `schema.py` holds the vocabulary, `events.py` records (the Recorder: the hot path), `trace.py`
-builds / saves / loads the Chrome trace, `spans.py` splits its time, `verdict.py` names what
+builds the Chrome trace and `trace_file.py` saves / loads it, `spans.py` splits its time, `verdict.py` names what
 bounds the step, `summary.py` computes the Summary from a trace, `versus_plan.py` puts it beside
 a plan, `plot.py` draws it, and `profiler.py`'s Profiler is the Recorder with those outputs.
 docs/profiler.md explains what is recorded and how to read the outputs.
@@ -21,7 +21,7 @@ from .profiler import Profiler
 from .schema import COMPUTE_KINDS, REASONS, ROLES, SPECULATION_TOTALS, TIERS
 from .spans import StepTime, step_times
 from .summary import LinkStats, ReasonStats, Summary, TensorStats, TierResidency, summarize
-from .trace import load_trace, save_trace
+from .trace_file import load_trace, save_trace
 
 __all__ = ["COMPUTE_KINDS", "REASONS", "ROLES", "SPECULATION_TOTALS", "TIERS", "Profiler", "plot_trace", "LinkStats", "ReasonStats",
            "StepTime", "Summary", "TensorStats", "TierResidency", "step_times", "summarize", "load_trace", "save_trace"]

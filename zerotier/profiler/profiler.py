@@ -1,7 +1,7 @@
 """The Profiler the engine holds: the Recorder (events.py) plus its outputs.
 
 The outputs sit above the recorder: the Chrome trace (trace.py), the summary computed from it
-(summary.py), the file and the plot. The recorder's hot path imports none of them.
+(summary.py), the file (trace_file.py) and the plot. The recorder's hot path imports none of them.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from ..config import ProfileConfig
 from .events import Recorder, Residency
 from .plot import plot_trace
 from .summary import Summary, summarize
-from .trace import build_trace, check_trace_path, save_trace
+from .trace import build_trace
+from .trace_file import check_trace_path, save_trace
 
 
 class Profiler(Recorder):
