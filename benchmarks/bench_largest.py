@@ -34,7 +34,7 @@ import zerotier
 import zerotier.units
 from zerotier.measure import PeakRSS, bench_io
 from zerotier.optim.state_layout import StateLayout
-from zerotier.planner.planner import PlanDoesNotFit
+from zerotier.planner.messages import PlanDoesNotFit
 
 GiB = 1 << 30
 # --state -> (precision.master_dtype, precision.moment_dtype); optimizer state 12, 6, ~4.03 B/param

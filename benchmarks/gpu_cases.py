@@ -142,7 +142,7 @@ def setup(case: str, args, device, out: dict):
 def _zerotier(case, args, device, gen, out, to_dev):
     import zerotier
     from predict_table import predict_here
-    from zerotier.planner.planner import PlanDoesNotFit
+    from zerotier.planner.messages import PlanDoesNotFit
     cfg = zerotier_config(case, args.nvme_path, args.threads, args.clip, args.accum, str(device))
     pred = predict_here(args.size, case, cfg, device)  # before any byte moves: a plan that cannot fit is n/a
     out["predicted"] = pred

@@ -120,7 +120,8 @@ def predict(size: str, case: str, rates: dict, budgets: dict, compute_flops: flo
     from zerotier.config import Config
     from zerotier.errors import ZerotierError
     from zerotier.materialize import pool_bytes
-    from zerotier.planner.planner import PlanDoesNotFit, make_plan
+    from zerotier.planner.messages import PlanDoesNotFit
+    from zerotier.planner.planner import make_plan
     from zerotier.planner.predict import StepOptions
     from zerotier.state import build_units, nested_numel
 
@@ -183,7 +184,7 @@ def predict_here(size: str, case: str, cfg: dict, device: torch.device) -> dict:
     the committed node file of its GPU (h200.json until an H100's is committed), the same compute model.
     On a CPU (the rehearsal) the budgets are the H200's: the figures are the path's, not a result."""
     from zerotier.config import Config
-    from zerotier.planner.planner import resolve_budgets
+    from zerotier.planner.budgets import resolve_budgets
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     node = node_for_gpu(gpu)
     rates = node_rates(node)

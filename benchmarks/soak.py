@@ -39,7 +39,7 @@ until it commits, and the old version is kept for the next rewrite of that size
 (NVMeStore), so the swap directory grows to the most rewrites that were ever in flight
 at once. That number depends on the drive's and the CPU's timing, and can first be
 reached late in a run on a busy machine; the planner counts its ceiling (the optimizer's
-staging sets, the parameter write-backs: `_nvme_rewrites` in planner.py). A leak passes
+staging sets, the parameter write-backs: `_nvme_rewrites` in planner/sizes.py). A leak passes
 that ceiling; timing does not.
 
 Why 4 KiB/step. The leak to catch is "one small tensor kept per step":

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import zerotier
 from zerotier.units import format_size
-from zerotier.planner.planner import model_state_bytes
+from zerotier.planner.sizes import model_state_bytes
 
 # Embedded training text: the model learns to continue it, so the loss visibly falls.
 TEXT = """\

@@ -435,7 +435,7 @@ def test_device_choice(monkeypatch):
 
 def test_auto_budgets_and_adam_threads_are_shared_by_the_ranks_of_a_node(monkeypatch, tmp_path):
     from zerotier.optim.offload import UnitOptimizer
-    from zerotier.planner.planner import resolve_budgets
+    from zerotier.planner.budgets import resolve_budgets
     from zerotier.state import Location
 
     tiers = TiersConfig(nvme_path=str(tmp_path))

@@ -210,7 +210,9 @@ def test_auto_budgets_plans_and_env_respect_a_cgroup_limit(monkeypatch, tmp_path
     """Issue 37 row 15: automatic budgets took ~9 GiB in a 700 MiB cgroup and the plan said an 812 MiB
     run fits; both must use the cgroup's limit, and `zerotier env` must show it."""
     from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
-    from zerotier.planner.planner import PlanDoesNotFit, make_plan, resolve_budgets
+    from zerotier.planner.budgets import resolve_budgets
+    from zerotier.planner.messages import PlanDoesNotFit
+    from zerotier.planner.planner import make_plan
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     job = _fake_cgroup(tmp_path / "fs", 2, str(700 * MIB), usage=100 * MIB)

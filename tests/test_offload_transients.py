@@ -179,7 +179,8 @@ def test_the_plan_counts_the_cuda_only_transients():
     and a device budget one byte short of the plan does not fit."""
     from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
     from zerotier.grads import GradStore
-    from zerotier.planner.planner import PlanDoesNotFit, make_plan
+    from zerotier.planner.messages import PlanDoesNotFit
+    from zerotier.planner.planner import make_plan
 
     numels, big = [5000, 3000, 1000], 1 << 40
 

@@ -13,7 +13,8 @@ import zerotier
 from zerotier.bench import save
 from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
 from zerotier.errors import ConfigError
-from zerotier.planner.planner import PlanDoesNotFit, make_plan
+from zerotier.planner.messages import PlanDoesNotFit
+from zerotier.planner.planner import make_plan
 from zerotier.planner.predict import UnitCompute
 from zerotier.models import TinyGPT
 

@@ -10,7 +10,9 @@ import torch
 
 from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
 from zerotier.errors import BudgetError, ConfigError
-from zerotier.planner.planner import PlanDoesNotFit, make_plan, model_state_bytes, shard_numel
+from zerotier.planner.messages import PlanDoesNotFit
+from zerotier.planner.planner import make_plan
+from zerotier.planner.sizes import model_state_bytes, shard_numel
 from zerotier.state import Location, build_units
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""The optimizer state split between host and NVMe unit by unit (planner.py [Note: optimizer
+"""The optimizer state split between host and NVMe unit by unit (planner/sizes.py [Note: optimizer
 split], offload.py [Note: units on different tiers]): explicit fractions and `auto`, bitwise
 equal training and checkpoints, the plan's figures and `zerotier plan` output, bad fractions."""
 import os
@@ -13,7 +13,8 @@ from zerotier.bench import save
 from zerotier.config import Config, OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
 from zerotier.errors import ConfigError
 from zerotier.models import TinyGPT, batches
-from zerotier.planner.planner import PlanDoesNotFit, make_plan
+from zerotier.planner.messages import PlanDoesNotFit
+from zerotier.planner.planner import make_plan
 from zerotier.state import Location
 
 VOCAB, SEQ, BATCH, ACCUM, LR = 64, 16, 4, 2, 3e-3

@@ -221,7 +221,8 @@ def test_planner_counts_the_gradient_staging_on_cuda():
     short of it does not fit. On the CPU there is no staging (the gradient is host memory)."""
     from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
     from zerotier.grads import GradStore
-    from zerotier.planner.planner import PlanDoesNotFit, make_plan
+    from zerotier.planner.messages import PlanDoesNotFit
+    from zerotier.planner.planner import make_plan
 
     numels, big = [5000, 3000, 1000], 1 << 40
     offload = OffloadConfig(params="device", gradients="host", optimizer="host")

@@ -133,7 +133,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from zerotier.config import Config
     from zerotier.planner.machine_fit import recorded_machine, this_machine
-    from zerotier.planner.planner import PlanDoesNotFit, make_plan
+    from zerotier.planner.messages import PlanDoesNotFit
+    from zerotier.planner.planner import make_plan
     from zerotier.planner.predict import StepOptions
     from zerotier.state import DTYPES
 

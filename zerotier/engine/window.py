@@ -126,7 +126,7 @@ class Window:
         self.early: list[Future] = []
         # [Note: speculative step] in overlap/speculative.py
         train = engine.cfg.train
-        # the plan resolved train.speculative_step ([Note: speculation in the plan] in planner.py)
+        # the plan resolved train.speculative_step ([Note: speculation in the plan] in planner/speculation_plan.py)
         speculate = train.speculative_step if engine.plan.speculative and not train.delayed_update else False
         self.speculation = SpeculationPolicy(speculate, train.max_grad_norm is not None, engine.scaler.dynamic)
         self.undo = UndoLog(engine.unit_optimizer, engine.device_tier, engine.host_pool,

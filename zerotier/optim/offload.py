@@ -36,7 +36,7 @@ NVMe] in grads_nvme.py) are read the same way, by the gradient store into the bl
 (`grad_staging_bytes`, counted by the planner).
 
 [Note: units on different tiers]
-With an optimizer split (planner.py [Note: optimizer split]) each unit's state lives on its own
+With an optimizer split (planner/sizes.py [Note: optimizer split]) each unit's state lives on its own
 tier, `self.locs[unit.index]`: host units keep their state in pool blocks, NVMe units go
 through the pipeline above, whose staging sets are sized to the largest NVMe unit. A step
 takes the units in the same order (reads issued during backward first); a host unit's Adam

@@ -28,8 +28,9 @@ from .activations import estimate
 from ..config import Config
 from ..errors import ConfigError
 from .machine_fit import recorded_machine, this_machine
-from .planner import Plan, make_plan
+from .planner import make_plan
 from .predict import StepOptions
+from .record import Plan
 from ..state import DTYPES, build_units, nested_numel
 
 
@@ -42,7 +43,7 @@ def plan(model: torch.nn.Module, config=None, inputs=None, *, rates: str | os.Pa
     bench` file from another node ([Note: another node's rates]) or a dict of rate keys; None:
     this node's saved results, measured now (`zerotier bench --quick`) when none are saved.
     rollback_rate: the share of speculated steps rolled back the expected step assumes (default
-    1%; [Note: speculation in the plan] in planner.py; `zerotier profile` measures it)."""
+    1%; [Note: speculation in the plan] in planner/speculation_plan.py; `zerotier profile` measures it)."""
     cfg = Config.coerce(config).auto_to_defaults()
     device = torch.device(device) if device is not None else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from ..grads import GradStore
 from ..overlap.speculative import undo_bytes
 from ..params import ParamStore
+from .sizes import shard_numel
 from .step_model import Schedule, StepShape, UnitWork, simulate
 from ..state import Location
 
@@ -82,7 +83,7 @@ class StepOptions:
     """What of train.* and precision.* shapes the schedule (defaults: the engine's).
 
     speculative: train.speculative_step (True, False or "auto": on with clipping or a dynamic
-    loss scale), resolved by the planner ([Note: speculation in the plan] in planner.py);
+    loss scale), resolved by the planner ([Note: speculation in the plan] in speculation_plan.py);
     rollback_rate: the share of speculated steps rolled back, for the expected step."""
     accum_steps: int = 1
     clip: bool = False
@@ -106,12 +107,10 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             options: StepOptions = StepOptions(), speculated: tuple[bool, ...] | None = None,
             rollback: bool = False) -> tuple[Schedule, tuple[str, ...]]:
     """[Note: step-time prediction] The step's schedule and the rate keys it used. `s` is the
-    planner's _Sizes (unit_order, frozen, lp_bytes, grad_bytes, lookahead, pipeline_depth, stage,
+    planner's Sizes (sizes.py: unit_order, frozen, lp_bytes, grad_bytes, lookahead, pipeline_depth, stage,
     world_size); optimizer_units: each unit's optimizer tier ([Note: optimizer split]).
     speculated: the speculative step is on and these trainable units (by index) update under
     backward; rollback: the step whose check disagreed ([Note: speculation in the schedule])."""
-    from .planner import shard_numel  # the one definition of a rank's share
-
     used: list[str] = []
 
     def secs(nbytes: float, key: str) -> float:

@@ -1,11 +1,11 @@
 """What a plan that does not fit lacks, all of it at once, and the cheapest ways to fix it.
 
 [Note: the whole shortfall]
-The placement loop (planner._place) stops at the first kind of state that fits nowhere; a user
+The placement loop (planner.py: _place) stops at the first kind of state that fits nowhere; a user
 who adds what that kind lacks used to meet the next kind's shortfall ("33.77 GiB more nvme",
 then "734 GiB more"). So the refusal also lays out the whole plan placed the cheapest way:
 every kind over the tiers its offload.* setting allows (explicit ones fixed, an explicit
-optimizer split as written), each tier's need summed as planner._bytes_for counts it, and of
+optimizer split as written), each tier's need summed as sizes.bytes_for counts it, and of
 the routes the one whose missing bytes cost least, at rough relative prices per byte
 (`PRICE`: GPU memory > RAM > NVMe; ties to the fastest-tier-first route). The message has:
 
@@ -28,6 +28,7 @@ from ..config import OffloadConfig
 from ..units import format_setting, format_size
 from ..optim.state_layout import StateLayout
 from ..state import TIER_NAMES as TIERS, Location
+from .sizes import KINDS, bytes_for, split_bytes, split_units, tier_holds
 
 PRICE = {"device": 100, "host": 10, "nvme": 1}  # relative cost of a byte: HBM, DRAM, flash
 COMPACT = StateLayout("bf16", "int8")
@@ -35,13 +36,11 @@ COMPACT = StateLayout("bf16", "int8")
 
 def _route_need(route: dict, s, base: dict[str, int], cuda: bool) -> dict[str, int]:
     """Each tier's need with every kind where `route` puts it (a Location, or a tuple of unit
-    tiers: an optimizer split), counted as planner._place counts them."""
-    from .planner import _bytes_for, _split_bytes
-
+    tiers: an optimizer split), counted as planner.py's _place counts them."""
     need = dict(base)
     s = dataclasses.replace(s, grads_on_gpu=False, grads_on_nvme=False)
     for kind, where in route.items():
-        want = _split_bytes(where, s) if isinstance(where, tuple) else _bytes_for(kind, where, s)
+        want = split_bytes(where, s) if isinstance(where, tuple) else bytes_for(kind, where, s)
         for t, b in want.items():
             need[t] += b
         if kind == "gradients":
@@ -52,15 +51,13 @@ def _route_need(route: dict, s, base: dict[str, int], cuda: bool) -> dict[str, i
 
 def _routes(offload: OffloadConfig, s, base: dict[str, int], budgets: dict[str, int], cuda: bool) -> list[tuple]:
     """Every complete placement `offload` allows, as (cost, need, route), cheapest first."""
-    from .planner import KINDS, _split_units, _tier_holds
-
     choices = []
     for kind in KINDS:
         requested = getattr(offload, kind)
         if isinstance(requested, dict):
-            choices.append([_split_units(requested, s)])
+            choices.append([split_units(requested, s)])
         elif requested == "auto":
-            choices.append([loc for loc in Location if _tier_holds(kind, loc, cuda, s.state)])
+            choices.append([loc for loc in Location if tier_holds(kind, loc, cuda, s.state)])
         else:
             choices.append([Location(requested)])
     out = []

@@ -21,7 +21,7 @@ FAR_OFF = 3.0  # a measured rollback rate above this many times the plan's is wa
 
 def rollback_warning(rolled: int, windows: int, planned: float | None) -> str | None:
     """A warning and what to do when the speculative step rolled back far more often (> FAR_OFF x) than
-    the plan assumed ([Note: speculation in the plan] in planner.py: 1% by default), so the plan's
+    the plan assumed ([Note: speculation in the plan] in planner/speculation_plan.py: 1% by default), so the plan's
     expected step is optimistic; None when it did not, or nothing is known to compare."""
     if not windows or planned is None or rolled / windows <= FAR_OFF * planned:
         return None
@@ -158,7 +158,7 @@ def plan_table(rows: list[tuple[str, float, float | None]], line: str) -> str:
 
 def speculation_comparison(trace: dict, plan: dict) -> str | None:
     """The rollback rate measured in the trace beside the one the plan assumed ([Note: speculation
-    in the plan] in planner.py), and the plan's expected step at the measured rate; None when
+    in the plan] in planner/speculation_plan.py), and the plan's expected step at the measured rate; None when
     neither the plan nor the run speculated."""
     sums = speculation_sums(trace["zerotier"])
     windows, rolled = sums["speculation_windows"], sums["rolled_back_windows"]

@@ -1,0 +1,326 @@
+"""Bytes per kind of state and tier: what each placement holds, counted by the functions the
+stores size their allocations with.
+
+[Note: bytes per parameter]
+Per rank, with N = world size, Psi = trainable parameters, L = bytes of the param dtype,
+G = bytes per gradient element:
+
+  kind        bytes            sharded over the N ranks from   (ZeRO paper, Rajbhandari et al.)
+  params      L * Psi          stage 3                          "P_os+g+p"
+  gradients   G * Psi          stage 2                          "P_os+g"
+  optimizer  12 * Psi          stage 1 (fp32 master + m + v)    "P_os", K = 12
+
+`model_state_bytes` is that table summed; a sharded kind holds ceil(Psi / N) elements on
+the largest rank. G has two accountings:
+  engine (default)  G = bytes of precision.grad_dtype: what the gradient store allocates for
+                    its accumulators (fp32 by default: exact over micro-batches; bf16 halves it);
+  paper             G = L: the ZeRO paper's fp16 gradients (2 + 2 + K bytes per parameter),
+                    for comparing with published figures (`grad_bytes=` / `--accounting paper`).
+
+Working sets come on top of the model state, on the tier that pays for them:
+  params off the device, or sharded (stage 3): the lookahead + 2 largest units on the device
+      (the gathered full units being computed and prefetched, the last one not yet released)
+      plus the units enclosing a fetched one (`state.nested_numel`: resident for their
+      module's whole forward), at most the whole model; params on NVMe: host-pool
+      blocks for the fetches and write-backs in flight, `ParamStore.host_staging_bytes`
+  optimizer on NVMe: `optimizer.pipeline_depth` host staging sets of 12 x largest unit
+      shard, `UnitOptimizer.staging_bytes`
+  gradients on NVMe: the fresh gradients being filled and the read-modify-writes in flight,
+      `GradStore.nvme_staging_bytes`, and the optimizer's two gradient read blocks
+      (`UnitOptimizer.grad_staging_bytes`, as for device gradients read by a host optimizer)
+  gradients on host with a CUDA device: the per-parameter D2H staging blocks in flight,
+      2 x the largest unit's gradient, `GradStore.offload_staging_bytes` (GPU review N6)
+  ZeRO-1/2 with several ranks: every unit's updated low-precision shard, on the optimizer's
+      side until the step's all-gathers finish, `ParamStore.writeback_bytes`
+  transient device buffers (GPU review N13), allocated from the device tier: with several
+      ranks the gradient reduce buckets (`GradBucketer.buffer_bytes`; gradients off the device
+      add a unit cast there, `GradBucketer.conversion_bytes`, and the reduced shards landing in
+      the host pool, `GradBucketer.staging_bytes`), at ZeRO-1/2 the commits' gather buckets,
+      counted in the tier where the parameters live (`ParamGatherer.buffer_bytes`), at ZeRO-3
+      with params off the device each fetch's shard staged for its gather
+      (`ParamStore.gather_staging_bytes`), NVMe gradients cast to grad_dtype on a CUDA device
+      at stages 2-3 (`GradStore.nvme_conversion_bytes`),
+      and the optimizer on a CUDA device: the fused kernel's gradient chunk (`fused_temp_bytes`)
+These are the functions the stores size their allocations with, so the plan cannot drift
+from the code.
+
+
+[Note: optimizer split]
+The optimizer state (12 B/param, the largest kind) may be split between host and NVMe unit
+by unit; parameters and gradients keep one tier each. Explicit: `offload.optimizer =
+{host = 0.6, nvme = 0.4}`, fractions of this rank's optimizer elements; units are taken in
+unit order and a unit goes to the tier whose share of the elements holds its midpoint (whole
+units: the split is as close to the fractions as the unit sizes allow). `auto`: when the
+whole state fits on no tier faster than NVMe, the first units go to host, as many as the
+host budget holds with the NVMe units' staging sets, the rest to NVMe; chosen only when its
+predicted step time is lower than the one-tier placement that fits (if any). The plan
+records each unit's tier (`Plan.optimizer_units`) and counts each part as its tier does
+(host: the state; NVMe: the files, their rewrites and the staging sets of the largest
+NVMe unit), the gradient staging once. `placement["optimizer"]` is then NVMe (the
+slowest tier in the split: the NVMe store is opened, updates land in host memory).
+
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..config import ZeroConfig
+from ..dist.buckets import GradBucketer, ParamGatherer
+from ..dist.partition import Partition, partition_units
+from ..errors import ConfigError
+from ..grads import GradStore
+from ..optim.offload import UnitOptimizer, fused_temp_bytes
+from ..optim.state_layout import OPTIMIZER_BYTES, StateLayout
+from ..params import ParamStore
+from ..state import Location
+
+KINDS = ("params", "gradients", "optimizer")  # in auto-placement priority order
+SHARDED_FROM_STAGE = {"params": 3, "gradients": 2, "optimizer": 1}
+_SHARD_ALIGN = 32  # elements: the alignment Sharding.assign partitions units with
+
+
+def check_sharding(stage: int, world_size: int) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+
+
+def shard_numel(numel: int, kind: str, stage: int, world_size: int) -> int:
+    """Elements of `kind` one rank holds: ceil(numel / N) where the stage shards it, else numel."""
+    if stage >= SHARDED_FROM_STAGE[kind]:
+        return -(-numel // world_size)
+    return numel
+
+
+def model_state_bytes(numel: int, stage: int, world_size: int, param_bytes: int = 2, grad_bytes: int = 2,
+                      k: int = OPTIMIZER_BYTES) -> int:
+    """Model-state bytes per rank for mixed-precision Adam under ZeRO `stage` over `world_size`.
+
+    The ZeRO paper's formulas (defaults: 2 + 2 + K bytes per parameter, K = 12):
+    stage 0 (2+2+K)Psi; 1: 2Psi + 2Psi + K Psi/N; 2: 2Psi + (2+K)Psi/N; 3: (2+2+K)Psi/N.
+    See [Note: bytes per parameter].
+    """
+    check_sharding(stage, world_size)
+    per_element = {"params": param_bytes, "gradients": grad_bytes, "optimizer": k}
+    return round(sum(b * shard_numel(numel, kind, stage, world_size) for kind, b in per_element.items()))
+
+
+def sharding_words(stage: int, world_size: int) -> str:
+    """'ZeRO stage 3 over 4 ranks'; at one rank a stage shards nothing, and the words say so."""
+    if world_size > 1:
+        return f"ZeRO stage {stage} over {world_size} ranks"
+    return f"ZeRO stage {stage} on one rank: nothing to shard"
+
+
+def tier_holds(kind: str, loc: Location, cuda: bool, layout: StateLayout) -> bool:
+    """Whether `auto` may put `kind` on `loc`: compact optimizer state (precision.master_dtype /
+    moment_dtype other than fp32) is updated by the CPU kernel, never on a GPU (UnitOptimizer refuses it)."""
+    return not (kind == "optimizer" and loc is Location.DEVICE and cuda and not layout.exact)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What `bytes_for` needs besides the kind and tier (see [Note: bytes per parameter])."""
+    numels: tuple[int, ...]  # every unit's numel (full), largest first
+    lp_bytes: int
+    grad_bytes: int
+    lookahead: int
+    stage: int
+    world_size: int
+    pipeline_depth: int = 3
+    engine_buffers: bool = True  # count the engine's transient buffers (False: the ZeRO paper's pure model state)
+    grads_on_gpu: bool = False   # gradients placed on a CUDA device (a host optimizer stages them)
+    cuda: bool = False           # the compute device is CUDA: host gradients arrive through D2H staging
+    grads_on_nvme: bool = False  # gradients placed on NVMe (the optimizer stages them, on any tier)
+    reduce_bucket: int = ZeroConfig().reduce_bucket_size     # zero.reduce_bucket_size
+    gather_bucket: int = ZeroConfig().allgather_bucket_size  # zero.allgather_bucket_size
+    persistence: int = ZeroConfig().persistence_threshold    # zero.persistence_threshold
+    nested: int = 0              # elements of enclosing units resident around a fetch (state.nested_numel)
+    alignment: int = 4096        # io.alignment: host-pool blocks are rounded up to it
+    unit_order: tuple[int, ...] = ()  # every unit's numel in unit order ([Note: optimizer split])
+    state: StateLayout = StateLayout()  # the optimizer state's dtypes: state.bytes_per_param B/param
+    frozen: tuple[int, ...] = ()      # frozen units' numels: parameters only ([Note: frozen units] in state.py)
+
+    def with_frozen(self) -> "Sizes":
+        """The sizes the parameter store holds: trainable and frozen units together."""
+        if not self.frozen:
+            return self
+        return dataclasses.replace(self, numels=tuple(sorted(self.numels + self.frozen, reverse=True)), frozen=())
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def largest(self) -> int:
+        return self.numels[0] if self.numels else 0
+
+    def rank_numel(self, kind: str) -> int:
+        return shard_numel(self.numel, kind, self.stage, self.world_size)
+
+    def rank_largest(self, kind: str) -> int:
+        return shard_numel(self.largest, kind, self.stage, self.world_size)
+
+    def rank_shards(self, kind: str) -> list[int]:
+        return [shard_numel(n, kind, self.stage, self.world_size) for n in self.numels]
+
+    def partitions(self) -> list[Partition]:
+        """Every unit's partition over the ranks, as Sharding.assign makes them (stage 0 replicates
+        every unit, stage 3 those below zero.persistence_threshold)."""
+        threshold = {0: 2 ** 63, 3: self.persistence}.get(self.stage, 0)
+        return partition_units(self.numels, self.world_size, align=_SHARD_ALIGN, persistence_threshold=threshold)
+
+
+def bytes_for(kind: str, loc: Location, s: Sizes) -> dict[str, int]:
+    if kind == "params":
+        s = s.with_frozen()
+    need = _state_and_buffers(kind, loc, s)
+    if s.engine_buffers:  # each host-pool block is rounded up to io.alignment: count the worst case
+        need["host"] += _host_blocks(kind, loc, s) * (s.alignment - 1)
+        if loc is Location.NVME:
+            need["nvme"] += _nvme_rewrites(kind, s)
+    return need
+
+
+def _nvme_rewrites(kind: str, s: Sizes) -> int:
+    """NVMe bytes beyond the state itself: every swap file is rounded up to io.alignment, and a
+    rewrite goes to a second file until it commits (NVMeStore.write), so the writes that may be in
+    flight at once need their room too: the optimizer's `pipeline_depth` staging sets (3 files of
+    the largest units each), the parameters' `lookahead + 2` write-backs (ParamStore.max_writes)."""
+    shards = sorted(s.rank_shards(kind), reverse=True)
+    if kind == "params":
+        files, inflight = 1, ParamStore.writes_in_flight(s.lookahead)
+        rewrite = s.lp_bytes * sum(shards[:inflight])
+    elif kind == "gradients":  # [Note: gradients on NVMe]: the folds in flight, each a rewrite
+        files, inflight = 1, GradStore.nvme_writes_in_flight()
+        if s.world_size > 1 and s.stage == 1:  # the full sums and the reduced shards: a file each
+            files, shards = 2, sorted(s.numels, reverse=True)
+        rewrite = s.grad_bytes * sum(shards[:inflight])
+    else:
+        files, inflight = 3, s.pipeline_depth
+        rewrite = round(s.state.bytes_per_param * sum(shards[:inflight]))
+    return rewrite + files * (len(shards) + min(inflight, len(shards))) * (s.alignment - 1)
+
+
+def _host_blocks(kind: str, loc: Location, s: Sizes) -> int:
+    """How many host-pool blocks `kind` on `loc` holds at most at once (for the rounding)."""
+    units = len(s.numels)
+    if kind == "params":
+        return ParamStore.host_blocks(loc, s.lookahead, units)
+    if kind == "gradients":
+        return GradStore.host_blocks(loc, units, s.world_size, s.stage)
+    blocks = {Location.HOST: 3 * units, Location.NVME: 3 * s.pipeline_depth}.get(loc, 0)
+    if s.grads_on_nvme or (s.grads_on_gpu and loc is not Location.DEVICE):
+        blocks += 2
+    if s.world_size > 1 and s.stage in (1, 2) and loc is not Location.DEVICE:
+        blocks += units
+    return blocks
+
+
+def _state_and_buffers(kind: str, loc: Location, s: Sizes) -> dict[str, int]:
+    need = {"device": 0, "host": 0, "nvme": 0}
+    n = s.rank_numel(kind)
+    if kind == "params":
+        need[loc.value] += s.lp_bytes * n
+        if loc is not Location.DEVICE or s.stage >= SHARDED_FROM_STAGE["params"]:
+            # fetched full units: the one computing, the one just done, the lookahead, and the
+            # units enclosing them (resident for their module's whole forward/backward)
+            need["device"] += min(sum(s.numels[:s.lookahead + 2]) + s.nested, s.numel) * s.lp_bytes
+        if loc is Location.NVME:
+            need["host"] += ParamStore.host_staging_bytes(s.lookahead, s.rank_shards(kind), s.lp_bytes)
+        if s.engine_buffers and s.world_size > 1:
+            sharded = [p for p in s.partitions() if not p.replicated]
+            if s.stage >= 3 and loc is not Location.DEVICE:
+                need["device"] += ParamStore.gather_staging_bytes(s.lookahead, [p.shard_numel for p in sharded],
+                                                                  s.lp_bytes)
+            if s.stage in (1, 2):  # the gather buckets live with the parameters ([Note: bucket memory])
+                on_device = loc is Location.DEVICE
+                need["device" if on_device else "host"] += ParamGatherer.buffer_bytes(
+                    s.gather_bucket, s.lp_bytes, sharded, alignment=1 if on_device else s.alignment)
+    elif kind == "gradients":
+        need[loc.value] += s.grad_bytes * n
+        if loc is Location.HOST and s.cuda and s.engine_buffers:  # GPU review N6: the D2H staging in flight
+            need["host"] += GradStore.offload_staging_bytes(s.largest, s.lp_bytes, s.alignment)
+        if loc is Location.NVME:  # [Note: gradients on NVMe]: the full gradient is staging only
+            if s.engine_buffers:
+                need["host"] += GradStore.nvme_staging_bytes(s.largest, s.rank_largest(kind), s.lp_bytes,
+                                                            s.grad_bytes, s.world_size, s.stage)
+            if s.engine_buffers and s.world_size > 1 and s.stage == 1:  # the reduced shards' files too
+                need["nvme"] += s.grad_bytes * (s.numel // s.world_size)
+        elif s.engine_buffers and s.world_size > 1 and s.stage >= 1:
+            # The engine keeps both the full gradient (the reduce-scatter input; freeing
+            # it per bucket is future work) and this rank's reduced shard, on the gradient
+            # tier. Stages >= 2 counted the shard above, stage 1 the full flat.
+            need[loc.value] += s.grad_bytes * (s.numel if n < s.numel else s.numel // s.world_size)
+        if s.engine_buffers and s.world_size > 1:  # the reduce buckets: fp32, on the device
+            need["device"] += GradBucketer.buffer_bytes(s.reduce_bucket, 4, s.partitions())
+            if loc is not Location.DEVICE:  # [Note: bucket memory]: host gradients cross by the tier's copies
+                need["host"] += GradBucketer.staging_bytes(s.reduce_bucket, 4, s.partitions(), alignment=s.alignment)
+                need["device"] += GradBucketer.conversion_bytes(s.largest, s.grad_bytes)
+            if loc is Location.NVME and s.cuda:
+                need["device"] += GradStore.nvme_conversion_bytes(s.largest, s.lp_bytes, s.grad_bytes, s.world_size,
+                                                                 s.stage)
+    else:
+        need[loc.value] += round(s.state.bytes_per_param * n)
+        if loc is Location.DEVICE and s.cuda and s.engine_buffers:
+            need["device"] += fused_temp_bytes()
+        if loc is Location.NVME:
+            need["host"] += UnitOptimizer.staging_bytes(s.pipeline_depth, s.rank_largest(kind), s.state)
+        if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu and loc is not Location.DEVICE):
+            need["host"] += UnitOptimizer.grad_staging_bytes(s.rank_largest(kind), s.grad_bytes)
+        if s.engine_buffers and s.world_size > 1 and s.stage in (1, 2):
+            # the updated low-precision shards wait on the optimizer's side for the all-gather
+            side = "device" if loc is Location.DEVICE else "host"
+            need[side] += ParamStore.writeback_bytes(n, s.lp_bytes)
+    return need
+
+
+def rank_shards_in_order(s: Sizes) -> list[int]:
+    return [shard_numel(n, "optimizer", s.stage, s.world_size) for n in s.unit_order]
+
+
+def split_units(fractions: dict[str, float], s: Sizes) -> tuple[Location, ...]:
+    """[Note: optimizer split] Each unit's tier for explicit fractions (fastest tier first, as
+    config.py orders them): the tier whose share of the elements holds the unit's midpoint."""
+    shards = rank_shards_in_order(s)
+    total, before, out = max(sum(shards), 1), 0, []
+    for n in shards:
+        mid, bound = (before + n / 2) / total, 0.0
+        for tier, fraction in fractions.items():
+            bound += fraction
+            if mid < bound:
+                break
+        out.append(Location(tier))  # the last tier when rounding left `mid` just past the sum
+        before += n
+    return tuple(out)
+
+
+def split_bytes(units_on: tuple[Location, ...], s: Sizes) -> dict[str, int]:
+    """Bytes per tier of the optimizer split `units_on` ([Note: optimizer split]): each tier's
+    units counted as that tier holds them, the gradient staging (shared) once."""
+    need = {"device": 0, "host": 0, "nvme": 0}
+    plain = dataclasses.replace(s, grads_on_gpu=False, grads_on_nvme=False)
+    for loc in set(units_on):
+        numels = tuple(sorted((n for n, at in zip(s.unit_order, units_on) if at is loc), reverse=True))
+        for t, b in bytes_for("optimizer", loc, dataclasses.replace(plain, numels=numels)).items():
+            need[t] += b
+    if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu):  # a split holds no unit on the device
+        need["host"] += UnitOptimizer.grad_staging_bytes(s.rank_largest("optimizer"), s.grad_bytes)
+        need["host"] += 2 * (s.alignment - 1)
+    return need
+
+
+def auto_split(s: Sizes, free: dict[str, int]) -> tuple[Location, ...] | None:
+    """[Note: optimizer split] The first units on host, as many as fit, the rest on NVMe; None
+    when no split with at least one unit on each fits."""
+    count = len(s.unit_order)
+    if free["nvme"] <= 0:
+        return None
+    for on_host in range(count - 1, 0, -1):
+        units_on = (Location.HOST,) * on_host + (Location.NVME,) * (count - on_host)
+        want = split_bytes(units_on, s)
+        if all(want[t] <= free[t] for t in want):
+            return units_on
+    return None
