@@ -525,7 +525,7 @@ def test_pinned_host_bytes_are_the_pools_and_within_budget(tmp_path):
             engine.step()
         engine.synchronize()
         pool = engine.host_pool.stats()
-        bufs = [slot.host_buf for slot in engine.params.slots if slot.host_buf is not None]
+        bufs = [slot.home.block for slot in engine.params.slots if slot.home.name == "host"]
         unpinned = [b.what for b in bufs if not b.pinned]
         not_page_locked = [b.what for b in bufs if not b.tensor.is_pinned()]
     after = torch.cuda.host_memory_stats() if before is not None else None

@@ -359,7 +359,7 @@ def test_a_failed_parameter_write_back_refuses_the_retry_and_a_checkpoint_resume
     """Params on NVMe (issue 37 row 11): each parameter write-back of the run fails in turn (ENOSPC in
     flight). Its unit's next fetch raises the write's error; the retry it invites (zero_grad, the
     forward again) would rewrite the file from the fp32 master, which the pending delayed update has
-    moved on ([Note: a failed write-back] in params.py): it is refused and the engine broken (it
+    moved on ([Note: a failed write-back] in params_writes.py): it is refused and the engine broken (it
     trained 2e-4 to 1.5e-3 off before, no error); load_checkpoint then resumes bitwise as the run that
     never failed. A write of the last synchronize() that fails leaves no update pending: retried, the
     weights are read from the masters, exact."""

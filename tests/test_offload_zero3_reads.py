@@ -1,5 +1,5 @@
 """GPU review N14: at ZeRO-3 with parameters on NVMe, a prefetch's shard is read by a fetch
-worker, not by the compute thread ([Note: ZeRO-3 reads off the compute thread] in params.py).
+worker, not by the compute thread ([Note: ZeRO-3 reads off the compute thread] in params_gather.py).
 
 2 gloo ranks, each NVMe read of a parameter shard slowed down. The compute thread reads only
 the shards of the fetches it demands without a prefetch; every prefetch's read runs on a

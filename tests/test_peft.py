@@ -87,7 +87,7 @@ def test_lora_with_the_base_offloaded_trains_as_peft(params, tmp_path):
         assert plan.frozen_numel * 4 == base_bytes and plan.frozen_param_bytes == base_bytes
         assert "frozen" in plan.summary()
         if params == "host":
-            homes = [engine.params.slots[u.index].host_buf for u in engine.frozen_units]
+            homes = [engine.params.slots[u.index].home.block for u in engine.frozen_units]
             assert sum(b.capacity for b in homes) >= base_bytes  # the base's home is the host pool
         else:  # each frozen unit's file holds its parameters
             assert sum(engine.store.read(u.param_key, torch.empty(u.numel, dtype=engine.lp_dtype)).wait()
@@ -203,7 +203,7 @@ def base_on_nvme_peaks(layers, tmp_path, streamed=False):
             engine.backward(model(input_ids=IDS, labels=IDS).loss)
             engine.step()
         largest_unit = max(u.numel for u in engine.frozen_units) * 4
-        window = (engine.params.max_writes + 1) * largest_unit
+        window = (engine.params.writes.max_writes + 1) * largest_unit
         return base_bytes, engine.host_pool.stats()["peak"], engine.device_tier.stats()["peak"], window
 
 
@@ -212,7 +212,7 @@ def test_memory_with_the_base_on_nvme_is_flat_in_base_size(streamed, tmp_path):
     """The host pool (NVMe staging, the adapters' state) and the compute tier (the fetched units:
     on the CPU it is RAM) do not grow with the base (2 and 10 layers): the base is in its files,
     only the units in flight are in memory; streamed from a directory, loading included.
-    The pool's peak is placement's NVMe writes in flight: at most ParamStore.max_writes units
+    The pool's peak is placement's NVMe writes in flight: at most ParamStore.writes.max_writes units
     (plus the one being filled), whatever the base; how many are in flight at once depends on the
     drive's timing, so it is checked against that window, which does not grow with the base.
     (The process's RSS on the CPU also holds glibc's retained heap: [Note: heap bound].)"""
@@ -253,7 +253,8 @@ def test_from_pretrained_with_peft_config_trains_as_transformers_and_peft(tmp_pa
         model = engine.module
         assert isinstance(model, peft.PeftModel)
         assert sum(u.numel for u in engine.frozen_units) == sum(t.numel() for t in base.values())
-        assert all(engine.params.slots[u.index].nvme_key == u.param_key for u in engine.frozen_units)  # on NVMe
+        assert all(engine.params.slots[u.index].home.name == "nvme" and engine.params.slots[u.index].home.key
+                   == u.param_key for u in engine.frozen_units)  # on NVMe
         loaded = model.state_dict()
         for name, value in base.items():  # the base streamed from the files under peft's names
             assert torch.equal(loaded[name], value), name

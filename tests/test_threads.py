@@ -143,13 +143,13 @@ def test_check_threads_switch_off_costs_nothing():
 
 def test_a_write_back_checked_by_two_threads_fails_both():
     """ParamStore's NVMe write-back tickets are shared by the compute thread (a fetch checks the
-    unit's last write) and the updater (_track_write waits for the oldest). While one thread waits
+    unit's last write) and the updater (WriteBacks.track waits for the oldest). While one thread waits
     on a failing write, the other checking the same unit must see the failure too, not find the
     ticket gone and read the file's previous weights ([Note: a failed write-back])."""
-    from zerotier.params import ParamSlot, ParamStore
+    from zerotier.params import ParamSlot
+    from zerotier.params_writes import WriteBacks
 
-    store = ParamStore.__new__(ParamStore)  # only the write-back bookkeeping is exercised
-    store._lock, store._writes, store.slots = threading.Lock(), {}, [ParamSlot() for _ in range(4)]
+    store = WriteBacks([ParamSlot() for _ in range(4)], threading.Lock(), max_writes=2)  # ParamStore.writes
     waiting, release = threading.Event(), threading.Event()
 
     class FailingWrite:  # a write that fails with ENOSPC once `release` is set
@@ -161,12 +161,12 @@ def test_a_write_back_checked_by_two_threads_fails_both():
         def done(self):
             return release.is_set()
 
-    store._writes[3] = FailingWrite()
+    store.tickets[3] = FailingWrite()
     seen = []
 
     def optimizer_thread():
         try:
-            store._check_writes([3])
+            store.check([3])
         except OSError as exc:
             seen.append(exc)
     t = threading.Thread(target=optimizer_thread, name="zerotier-optim_test")
@@ -174,13 +174,13 @@ def test_a_write_back_checked_by_two_threads_fails_both():
     assert waiting.wait(timeout=30)
     threading.Timer(0.2, release.set).start()  # fails while the compute thread checks the same unit
     try:
-        store._check_writes([3])
+        store.check([3])
     except OSError:
         pass
     else:
         raise AssertionError("the compute thread found no write to check while the optimizer thread waited on it")
     t.join(timeout=30)
-    assert seen and isinstance(store.slots[3].failed_write, OSError) and not store._writes
+    assert seen and isinstance(store.slots[3].failed_write, OSError) and not store.tickets
 
 
 def test_gradient_staging_in_flight_is_bounded():

@@ -201,7 +201,7 @@ def test_ctrl_c_inside_step_between_units(swap, n):
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_failed_parameter_write_back_is_never_trained_on(swap, n):
-    """[Note: a failed write-back] in params.py: the n-th parameter write-back of a step fails
+    """[Note: a failed write-back] in params_writes.py: the n-th parameter write-back of a step fails
     (ENOSPC). Waited inside step() (units 1-2: the write queue is full), the engine is broken and
     a checkpoint resumes exactly; surfaced by the unit's next fetch after step() returned (unit 3),
     the retry trains from the fp32 master, never from the stale file (it did before: 7e-3 off)."""

@@ -209,7 +209,7 @@ class DelayedUpdate:
 
 
 def master_of(engine, unit):
-    """The fp32 master a stale unit's file is rewritten from ([Note: a failed write-back] in params.py).
+    """The fp32 master a stale unit's file is rewritten from ([Note: a failed write-back] in params_writes.py).
     While a delayed update is pending, the master has moved on (or is moving) past the weights the file
     must hold, and nothing else keeps them: the engine breaks, naming load_checkpoint, rather than
     train the window on weights one update fresher than its other units' ([Note: delayed update])."""

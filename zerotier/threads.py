@@ -16,8 +16,8 @@ Every piece of a store's state has one owner role (the table in docs/design.md,
 "Threads"). A worker never mutates a store: it returns its result through a ticket
 or a future (a fetch's copy ticket, an add's future, a fold's future), and the owner
 applies it. The exceptions are structures made for sharing, each under its own
-lock: HostPool, DeviceTier's budget, NVMeStore, and ParamStore's `_inflight`,
-`_writes` and `_stale`.
+lock: HostPool, DeviceTier's budget, NVMeStore, and under ParamStore's `_lock` its slots'
+`fetch` and `failed_write` and its write-back tickets (`WriteBacks.tickets`).
 
 One role moves: the *updater*, which runs Adam and commits the new parameters
 (UnitOptimizer, ParamStore's write-back state, a unit's READY/STEPPED gradient

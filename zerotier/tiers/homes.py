@@ -1,0 +1,178 @@
+"""A home per tier: where one piece of state lives at rest, and its two moves.
+
+[Note: homes]
+A store keeps each unit's state (its low-precision parameters, its gradient accumulator) in a
+`Home` of the tier the plan placed it on, and moves it with the same verbs whatever the tier:
+
+  reserve(key, numel, dtype, tiers)   take the room on the tier (counted against its budget)
+  read_into(dst, after) -> ticket     the home's bytes into `dst` (a device tensor; on NVMe a
+                                      pool block too): a fetch, or a staging for a gather
+  write_from(src) -> ticket | None    `src` (a device tensor or a pool block) into the home;
+                                      None when it was copied on the spot
+  view() -> tensor | None             the state itself, to update in place; None on NVMe
+  nbytes, blocks_at_rest, blocks_per_move    its own byte and host-pool block counts
+
+So a store chooses the home's class once (`HOMES[location]`) and never branches on the tier
+again; what differs is a home's capability (`view()` is None for a file, `on_device` for a home
+compute reads where it is, `checked_at_read` for a write the next read checks). Each move is
+bracketed by its tiers' accounting (Gemini's `chunk.shard_move`): a read from NVMe takes a
+pool block, reads the file into it, copies it to the device and gives the block back behind
+the copy's ticket ([Note: deferred free] in host.py); a write from the device stages through
+a pool block the same way. A new tier is a `Home` subclass here and one `HOMES` entry.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..io.ticket import CompletedTicket
+from ..state import Location
+
+
+class Tiers:
+    """The tiers a home may move through: the device tier, the host pool, the NVMe store (or None)."""
+
+    __slots__ = ("device", "host", "nvme")
+
+    def __init__(self, device, host, nvme=None) -> None:
+        self.device, self.host, self.nvme = device, host, nvme
+
+
+class Home:
+    """One piece of state at rest on one tier ([Note: homes])."""
+
+    location: Location
+    on_device = False       # compute reads it where it is (no copy to the device)
+    checked_at_read = False  # a write into it is checked by the next read, not joined by compute
+    blocks_at_rest = 0      # host-pool blocks one home holds
+    blocks_per_move = 0     # host-pool blocks one read or write holds while it is in flight
+
+    def __init__(self, key: str, numel: int, dtype: torch.dtype, tiers: Tiers) -> None:
+        self.key, self.numel, self.dtype, self.tiers = key, numel, dtype, tiers
+
+    @property
+    def name(self) -> str:
+        """The tier's name ("device", "host", "nvme")."""
+        return self.location.value
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @classmethod
+    def reserve(cls, key: str, numel: int, dtype: torch.dtype, tiers: Tiers) -> "Home":
+        raise NotImplementedError
+
+    def view(self) -> "torch.Tensor | None":
+        return None
+
+    def read_into(self, dst, after=None):
+        raise NotImplementedError
+
+    def write_from(self, src):
+        raise NotImplementedError
+
+
+def tensor_of(buf) -> torch.Tensor:
+    """The tensor of a pool block (HostBuffer) or a device tensor."""
+    return buf if isinstance(buf, torch.Tensor) else buf.tensor
+
+
+class _MemoryHome(Home):
+    """A home in memory (device or host): `view()` is the state; moves are copies."""
+
+    def __init__(self, key: str, tensor: torch.Tensor, tiers: Tiers, block=None) -> None:
+        super().__init__(key, tensor.numel(), tensor.dtype, tiers)
+        self.tensor, self.block = tensor, block
+
+    def view(self) -> torch.Tensor:
+        return self.tensor
+
+    def write_from(self, src):
+        """On the home's side of the host/device link a copy on the spot (None), else over the link."""
+        src = tensor_of(src)
+        if self.tensor.device.type == src.device.type:
+            self.tensor.copy_(src)
+            return None
+        link = self.tiers.device.copy_h2d if self.tensor.device.type != "cpu" else self.tiers.device.copy_d2h
+        return link(self.tensor, src)
+
+
+class DeviceHome(_MemoryHome):
+    """A budgeted tensor on the device tier."""
+
+    location = Location.DEVICE
+    on_device = True
+
+    @classmethod
+    def reserve(cls, key: str, numel: int, dtype: torch.dtype, tiers: Tiers) -> "DeviceHome":
+        return cls(key, tiers.device.alloc((numel,), dtype, key), tiers)
+
+    def read_into(self, dst, after=None):
+        """Into another device tensor: a copy on the compute stream."""
+        dst.copy_(self.tensor)
+        return CompletedTicket(self.nbytes)
+
+
+class HostHome(_MemoryHome):
+    """A host-pool block (pinned and aligned on a CUDA machine)."""
+
+    location = Location.HOST
+    blocks_at_rest = 1
+
+    @classmethod
+    def reserve(cls, key: str, numel: int, dtype: torch.dtype, tiers: Tiers) -> "HostHome":
+        block = tiers.host.alloc(numel * dtype.itemsize, dtype, key)
+        return cls(key, block.tensor, tiers, block)
+
+    def read_into(self, dst, after=None):
+        """Into a device tensor, over the link (after `after`, a device_tier.mark())."""
+        return self.tiers.device.copy_h2d(dst, self.tensor, after=after)
+
+
+class NVMeHome(Home):
+    """The NVMe file `<key>.swp`; every move goes through a host-pool block ([Note: NVMe layout] in
+    nvme.py). A write is checked when the home is next read ([Note: a failed write-back] in
+    params_writes.py)."""
+
+    location = Location.NVME
+    checked_at_read = True
+    blocks_per_move = 1
+
+    @classmethod
+    def reserve(cls, key: str, numel: int, dtype: torch.dtype, tiers: Tiers) -> "NVMeHome":
+        return cls(key, numel, dtype, tiers)  # the file's room is taken by its first write
+
+    def read_into(self, dst, after=None):
+        """Into a pool block (the file's bytes, zero-copy), or into a device tensor through one:
+        the block goes back to the pool behind the copy's ticket."""
+        if not isinstance(dst, torch.Tensor):
+            return self.tiers.nvme.read(self.key, dst)
+        pool = self.tiers.host
+        block = pool.alloc(self.nbytes, self.dtype, self.key)
+        try:
+            self.tiers.nvme.read(self.key, block).wait()
+            ticket = self.tiers.device.copy_h2d(dst, block.tensor, after=after)
+        except BaseException:
+            pool.free(block)
+            raise
+        pool.free(block, after=ticket)
+        return ticket
+
+    def write_from(self, src):
+        """From a pool block (read by the write until its ticket is done), or from a device tensor
+        through one (copied out now: the caller may reuse `src` when this returns)."""
+        if not isinstance(src, torch.Tensor):
+            return self.tiers.nvme.write(self.key, src)
+        pool = self.tiers.host
+        block = pool.alloc(self.nbytes, self.dtype, self.key)
+        try:
+            self.tiers.device.copy_d2h(block.tensor, src).wait()  # the file write reads the block
+            ticket = self.tiers.nvme.write(self.key, block)
+        except BaseException:
+            pool.free(block)
+            raise
+        pool.free(block, after=ticket)
+        return ticket
+
+
+HOMES: dict[Location, type[Home]] = {home.location: home for home in (DeviceHome, HostHome, NVMeHome)}
