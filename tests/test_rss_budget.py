@@ -18,6 +18,7 @@ from zerotier.errors import BudgetError
 from zerotier.io import FutureTicket
 from zerotier.tiers.host import HostPool
 
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))  # the benchmarks import their siblings
 _spec = importlib.util.spec_from_file_location(
     "zt_rss_budget", Path(__file__).parent.parent / "benchmarks" / "bench_rss_budget.py")
 bench = importlib.util.module_from_spec(_spec)
