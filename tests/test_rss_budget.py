@@ -2,7 +2,6 @@
 budgets): a run's RSS grows by no more than tiers.host + tiers.device (RAM here: no CUDA)
 + 256 MiB, and unit-sized memory freed outside the pool goes back to the OS. Each in a
 fresh process, so RSS is that run's alone."""
-import importlib.util
 import json
 import platform
 import subprocess
@@ -19,10 +18,7 @@ from zerotier.io import FutureTicket
 from zerotier.tiers.host import HostPool
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))  # the benchmarks import their siblings
-_spec = importlib.util.spec_from_file_location(
-    "zt_rss_budget", Path(__file__).parent.parent / "benchmarks" / "bench_rss_budget.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+import bench_rss_budget as bench  # noqa: E402
 
 MiB = 1 << 20
 PAGE = 4096
