@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zerotier
-import zerotier.tiers.nvme as nvme_mod
+import zerotier.tiers.nvme_files as nvme_mod  # where the store makes its staging copies
 from zerotier.dist import spawn
 from zerotier.models import TinyGPT, batches
 

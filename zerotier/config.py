@@ -41,6 +41,7 @@ from . import config_files, deepspeed_config
 from .config_schema import (TRAINER_KEYS, Auto, Bytes, Placement, Size, TierFractions, check_field_rule, convert_value,
                             type_hints)
 from .errors import ConfigError
+from .tier_names import TIER_NAMES
 from .units import format_size
 
 
@@ -364,8 +365,7 @@ def _check_optimizer_split(offload: OffloadConfig) -> None:
         raise ConfigError(f"offload.optimizer = {{{shown}}}: a split spans host and nvme only (the device "
                           "tier holds the whole optimizer state or none of it): drop device, or set "
                           "offload.optimizer = 'device'")
-    order = ("device", "host", "nvme")  # fastest first: the first units go to the fastest tier
-    normalized = {t: split[t] for t in order if t in split}
+    normalized = {t: split[t] for t in TIER_NAMES if t in split}  # fastest first: the first units go there
     object.__setattr__(offload, "optimizer", next(iter(normalized)) if len(normalized) == 1 else normalized)
 
 

@@ -12,14 +12,15 @@ import types
 from typing import Annotated, Any, Callable, Literal, Mapping, Union, get_args, get_origin, get_type_hints
 
 from .errors import ConfigError
+from .tier_names import TIER_NAMES
 from .units import parse_size, shown
 
 _BYTES = "bytes"  # Annotated marker: an int count of bytes, writable as "24GiB" in config sources
 Bytes = Annotated[int, _BYTES]
 Size = Union[Bytes, Literal["auto"]]
-Placement = Literal["auto", "device", "host", "nvme"]
+Placement = Literal[("auto",) + TIER_NAMES]
 Auto = Literal["auto"]  # a trainer-filled key: [Note: keys a trainer fills] in config.py
-TierFractions = dict[Literal["device", "host", "nvme"], float]  # offload.optimizer split: tier -> fraction
+TierFractions = dict[Literal[TIER_NAMES], float]  # offload.optimizer split: tier -> fraction
 
 # the keys a trainer may fill ([Note: keys a trainer fills] in config.py)
 TRAINER_KEYS = ("precision.param_dtype", "optimizer.lr", "optimizer.betas", "optimizer.eps",

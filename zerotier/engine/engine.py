@@ -53,7 +53,7 @@ from .. import delayed
 from . import clip, stop
 from ..carried import Carried
 from ..checkpoint_lock import RootLocks
-from ..tiers.device import DeviceTier
+from ..tiers.lagging import make_device_tier
 from ..tiers.host import HostPool, trim_heap
 from ..units import format_size
 
@@ -117,7 +117,7 @@ class Engine:
             self.store = NVMeStore(cfg.tiers, cfg.io, budget=self.plan.budgets["nvme"])
         # Every byte the engine keeps on the compute device is counted by the device tier,
         # every host byte is a block of the pinned aligned host pool (tiers.host).
-        self.device_tier = DeviceTier(self.plan.budgets["device"], self.device, timing=cfg.profile.enabled)
+        self.device_tier = make_device_tier(self.plan.budgets["device"], self.device, timing=cfg.profile.enabled)
         self.host_pool = HostPool(self.plan.budgets["host"], alignment=cfg.io.alignment,
                                   pin=self.device.type == "cuda")
         # None when profiling is off: every call site is one `if prof is not None:` (zero cost).

@@ -15,7 +15,7 @@ import threading
 
 from ..units import format_setting, format_size
 from ..errors import BudgetError
-from ..state import TIER_NAMES
+from ..tier_names import TIER_NAMES
 
 
 class BudgetedTier:
