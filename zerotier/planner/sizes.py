@@ -188,7 +188,7 @@ def _nvme_rewrites(kind: str, s: Sizes) -> int:
     """NVMe bytes beyond the state itself: every swap file is rounded up to io.alignment, and a
     rewrite goes to a second file until it commits (NVMeStore.write), so the writes that may be in
     flight at once need their room too: the optimizer's `pipeline_depth` staging sets (3 files of
-    the largest units each), the parameters' `lookahead + 2` write-backs (ParamStore.max_writes)."""
+    the largest units each), the parameters' `lookahead + 2` write-backs (ParamStore.writes_in_flight)."""
     shards = sorted(s.rank_shards(kind), reverse=True)
     if kind == "params":
         files, inflight = 1, ParamStore.writes_in_flight(s.lookahead)
