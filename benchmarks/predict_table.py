@@ -116,7 +116,7 @@ def predict(size: str, case: str, rates: dict, budgets: dict, compute_flops: flo
     """One row: the plan of `case` at `size` for a node with these rates and budgets, or why it
     does not fit (with what it would need on each tier). config: the case's engine config as
     bench_gpu runs it (default: gpu_case_list.zerotier_config without clipping or accumulation)."""
-    from zerotier import delayed
+    from zerotier.overlap import delayed, policy_for
     from zerotier.config import Config
     from zerotier.errors import ZerotierError
     from zerotier.materialize import pool_bytes
@@ -141,13 +141,12 @@ def predict(size: str, case: str, rates: dict, budgets: dict, compute_flops: flo
     row = {"size": size, "case": case, "numel": gm.param_count(size), "budgets": budgets}
 
     def delayed_bytes(plan) -> int:  # the delayed update's copies, beyond the plan ([Note: delayed update])
-        if not cfg.train.delayed_update:
+        if cfg.train.overlap != "delayed":
             return 0
-        return delayed.host_bytes([u.numel for u in trainable], 2, 2, cfg.io.alignment) \
-            - plan.speculation_undo_bytes["host"]
+        return delayed.host_bytes([u.numel for u in trainable], 2, 2, cfg.io.alignment)
     try:
         plan = plan_with(budgets)
-        delayed.refuse(cfg, plan, 1, [u.numel for u in trainable])
+        policy_for(cfg).refuse(cfg, plan, 1, [u.numel for u in trainable])
     except (PlanDoesNotFit, ZerotierError) as exc:
         row.update(fits=False, reason=str(exc).splitlines()[0])
         if "auto" in (cfg.offload.params, cfg.offload.gradients, cfg.offload.optimizer):

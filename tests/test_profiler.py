@@ -995,7 +995,7 @@ def test_a_rollback_rate_far_above_the_plans_is_warned_about_with_what_to_do(tmp
     assert "rolled back: rollback rate 100.0% (the plan assumed 1.0%)" in table
     assert ("warning: 100.0% of the speculated windows rolled back (3 of 3), 100.0x the 1.0% the plan assumed: its "
             "expected step is optimistic") in table
-    assert "set train.speculative_step = false, or plan at the measured rate: zerotier.plan(..., rollback_rate=1.00)" \
+    assert "set train.overlap = 'none', or plan at the measured rate: zerotier.plan(..., rollback_rate=1.00)" \
         in table and "zerotier plan --rollback-rate 1.00" in table
     path = tmp_path / "trace.json"
     prof.save(str(path))

@@ -61,7 +61,7 @@ def plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "replace this node's and measured unit times scale by the ratio of the two nodes' "
                              "matmul rates (bench compute)")
     parser.add_argument("--rollback-rate", type=float, metavar="R",
-                        help="share of speculated steps rolled back (train.speculative_step), 0..1: the expected "
+                        help="share of speculated steps rolled back (train.overlap), 0..1: the expected "
                              "step is (1 - R) x commit + R x rollback (default 0.01; `zerotier profile` measures it)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object: per_rank_bytes, tiers (bytes needed per tier), placement, "

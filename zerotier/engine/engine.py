@@ -19,7 +19,6 @@ See docs/design.md for a unit's bytes through one step. By concern:
 """
 from __future__ import annotations
 
-import functools
 import sys
 import weakref
 
@@ -49,7 +48,7 @@ from ..state import DTYPES, Location, build_units, nested_numel
 from .surface import ParamSurface
 from .runtime import Runtime
 from .window import Window, WindowState
-from .. import delayed
+from ..overlap import policy_for
 from . import clip, stop
 from ..carried import Carried
 from ..checkpoint_lock import RootLocks
@@ -109,7 +108,7 @@ class Engine:
                               materialize_bytes=materialize_pool_bytes(self.param_units, self.lp_dtype,
                                                                        cfg.io.alignment))
         refuse_over_machine(self.plan.need, self.device)  # [Note: the plan against the machine]
-        delayed.refuse(cfg, self.plan, self.world_size, [u.numel for u in self.units])  # [Note: delayed update]
+        policy_for(cfg).refuse(cfg, self.plan, self.world_size, [u.numel for u in self.units])  # [Note: overlap policies]
         placement = self.plan.placement
         self.store = None
         if Location.NVME in placement.values():
@@ -133,7 +132,7 @@ class Engine:
         self.params = ParamStore(self.param_units, placement["params"], self.lp_dtype, self.device_tier,
                                  self.host_pool, self.store, self.sharding, placement["optimizer"],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
-        self.params.master_of = functools.partial(delayed.master_of, self)  # [Note: a failed write-back]
+        self.params.master_of = lambda unit: self.window.overlap.master_of(unit)  # [Note: a failed write-back]
         self.grads = GradStore(self.units, placement["gradients"], DTYPES[cfg.precision.accumulator_dtype],
                                self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,
                                self.store, self.profiler)
@@ -410,9 +409,7 @@ class Engine:
     def synchronize(self) -> None:
         """Finish the work in flight: Adam updates started during backward, parameter fetches
         issued but not consumed (e.g. before loading new weights), write-backs."""
-        self.window.cancel_speculation()  # [Note: speculative step]: the state as before the window's update
-        self.window.wait_early_steps()
-        self.window.finish_delayed("engine.synchronize()")  # [Note: delayed update]: published, the delay ends
+        self.window.synchronize("engine.synchronize()")  # [Note: overlap policies]
         self.unit_optimizer.drop_prefetched()
         self.params.synchronize()
 

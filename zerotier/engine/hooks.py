@@ -319,8 +319,8 @@ class ModuleHooks:
                         and not engine.carried.objects:  # [Note: what a checkpoint carries] in carried.py
                     engine._stop()  # a new window would begin: stop before it ([Note: graceful stop])
                 engine.scheduler.begin_pass()
-            if engine._surface.publish_first or window.early:  # a read: [Note: delayed update], [Note: early step]
-                window.publish_for_read()
+            if engine._surface.publish_first or window.overlap.early:  # a read: [Note: delayed update], [Note: early step]
+                window.overlap.before_read()
             amp = autocast_dtype(engine.device.type) if units else None
             if amp not in (None, engine.lp_dtype):
                 self._refuse_autocast(units[0], amp)

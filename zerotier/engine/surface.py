@@ -264,7 +264,7 @@ class ParamSurface:
         self.state: list = []  # every unit's ParamState (the engine's params.state)
         self._batch: dict[int, torch.Tensor] | None = None  # unit index -> full fp32 master being edited
         self._classes: dict[int, type] = {}                  # id(param) -> its class before adopt()
-        self.publish_first = False  # a delayed update waits: a read publishes it first (window.publish_for_read)
+        self.publish_first = False  # a delayed update waits: a read publishes it first (Delayed.before_read)
 
     # ------------------------------------------------------------------ adopt / disown
 
@@ -319,8 +319,8 @@ class ParamSurface:
         if func in _CONVERSIONS and target is not None and hasattr(target, "_zt") \
                 and self._converts_nothing(func, target, args, kwargs):
             return target
-        if self.publish_first:  # [Note: delayed update] in delayed.py: a read between windows sees the update
-            engine.window.publish_for_read()
+        if self.publish_first:  # [Note: delayed update] in overlap/delayed.py: a read between windows sees the update
+            engine.window.overlap.before_read()
         written = self._written(func, args, kwargs)
         if written is not None:
             return self._write(func, args, kwargs, written)
@@ -389,7 +389,7 @@ class ParamSurface:
         """The units resident for the block; those it fetched are released after."""
         engine = self._engine()
         if self.publish_first:  # engine.gathered(): the units are fetched with the update published
-            engine.window.publish_for_read()
+            engine.window.overlap.before_read()
         fetched = []
         try:
             for unit in units:

@@ -42,7 +42,7 @@ class Plan:
     compute_measured: bool = False
     alternatives: tuple[dict, ...] = ()
     state_layout: StateLayout = StateLayout()  # precision.master_dtype / moment_dtype
-    # [Note: speculation in the plan]: train.speculative_step resolved, the rollback rate the expected
+    # [Note: speculation in the plan]: train.overlap's speculation resolved, the rollback rate the expected
     # step assumes, the speculated units' allowance per tier (undo copies, staged parameters; in `need`),
     # the NVMe units' shadow files (in need["nvme"]), which units the prediction speculates (by unit
     # index), the step's commit /
