@@ -498,14 +498,16 @@ def test_zerotier_trainer_trains_and_saves_with_it(tmp_path):
 
 
 def test_the_host_bytes_it_adds_are_checked_at_initialize(tmp_path):
-    """The gradient copy and the staged parameters are host-pool blocks beyond the plan's need
-    (delayed.host_bytes): a tiers.host without room for them is refused before anything is placed,
-    naming the budget it needs; with that budget, training stays within it."""
+    """The gradient copy and the staged parameters are host-pool blocks beyond the rest of the plan's
+    need (delayed.host_bytes), the plan's `delayed` term ([Note: needs per component]): a tiers.host
+    without room for them is refused before anything is placed, naming the budget it needs; with
+    that budget, training stays within it."""
     offload = PLACEMENTS["optimizer-nvme"]
     cfg = config(tmp_path, offload, accum=1)
     with zerotier.initialize(make_model(), cfg) as engine:
-        need = engine.plan.need["host"]
         extra = delayed.host_bytes([u.numel for u in engine.units], 4, 4, engine.cfg.io.alignment)
+        assert engine.plan.needs["delayed"] == {"device": 0, "host": extra, "nvme": 0}
+        need = engine.plan.need["host"] - extra  # the rest of the plan
     cfg["tiers"]["host"] = need + extra - 4096
     with pytest.raises(zerotier.errors.BudgetError, match=rf"train\.overlap = 'delayed' needs {extra:,} B of host "
                                                           rf"memory beyond the plan's .* raise tiers\.host to at least "

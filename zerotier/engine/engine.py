@@ -38,6 +38,7 @@ from ..optim.torch_optimizer import EngineOptimizer, Loop, exempt_from_decay
 from ..integrations.plain_trainer import check_plain_trainer
 from ..params import ParamStore
 from ..planner.machine_fit import refuse_over as refuse_over_machine
+from ..planner import plan_check
 from ..planner.planner import make_plan
 from ..profiler import Profiler
 from .restore import UserWeights
@@ -52,6 +53,7 @@ from ..overlap import policy_for
 from . import clip, stop
 from ..carried import Carried
 from ..checkpoint_lock import RootLocks
+from ..tiers.base import Charged
 from ..tiers.lagging import make_device_tier
 from ..tiers.host import HostPool, trim_heap
 from ..units import format_size
@@ -108,7 +110,7 @@ class Engine:
                               materialize_bytes=materialize_pool_bytes(self.param_units, self.lp_dtype,
                                                                        cfg.io.alignment))
         refuse_over_machine(self.plan.need, self.device)  # [Note: the plan against the machine]
-        policy_for(cfg).refuse(cfg, self.plan, self.world_size, [u.numel for u in self.units])  # [Note: overlap policies]
+        policy_for(cfg).refuse(cfg, self.plan, self.world_size)  # [Note: overlap policies]
         placement = self.plan.placement
         self.store = None
         if Location.NVME in placement.values():
@@ -125,16 +127,19 @@ class Engine:
                                              planned_rollback_rate=self.plan.rollback_rate if self.plan.speculative
                                              else None)
         self.scaler = LossScaler(cfg.precision)
+        self._check_plan = plan_check.enabled()  # [Note: the plan against the run's peaks]
+        tiers = lambda component: (Charged(self.device_tier, component), Charged(self.host_pool, component)) \
+            if self._check_plan else (self.device_tier, self.host_pool)  # noqa: E731
         optimizer_loc = self.plan.optimizer_units or placement["optimizer"]  # a tier, or one per unit (a split)
-        self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, optimizer_loc, self.device_tier,
-                                            self.host_pool, self.store, self.profiler, StateLayout.of(cfg.precision))
+        self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, optimizer_loc, *tiers("optimizer"),
+                                            self.store, self.profiler, StateLayout.of(cfg.precision))
         no_decay = exempt_from_decay(model, self.units, cfg.optimizer.no_weight_decay)  # checked before placing
-        self.params = ParamStore(self.param_units, placement["params"], self.lp_dtype, self.device_tier,
-                                 self.host_pool, self.store, self.sharding, placement["optimizer"],
+        self.params = ParamStore(self.param_units, placement["params"], self.lp_dtype, *tiers("params"),
+                                 self.store, self.sharding, placement["optimizer"],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
         self.params.master_of = lambda unit: self.window.overlap.master_of(unit)  # [Note: a failed write-back]
         self.grads = GradStore(self.units, placement["gradients"], DTYPES[cfg.precision.accumulator_dtype],
-                               self.device_tier, self.host_pool, self.sharding, cfg.zero.reduce_bucket_size,
+                               *tiers("gradients"), self.sharding, cfg.zero.reduce_bucket_size,
                                self.store, self.profiler)
         # [Note: the runtime record] in runtime.py: what the collaborators below receive instead of the engine
         self.runtime = Runtime(model, self.device, self.lp_dtype, self.plan, self.sharding, self.scaler,
@@ -323,6 +328,8 @@ class Engine:
         has reached the caller."""
         ends_window, steps = self.window.ends_window(), self.global_steps
         updated = self.window.step()
+        if self._check_plan:
+            plan_check.check_peaks(self.plan.needs, {"device": self.device_tier, "host": self.host_pool})
         if self.global_steps != steps:
             self.carried.stepped()  # the engine's lr scheduler, before a checkpoint may be written
         if ends_window:
@@ -346,6 +353,8 @@ class Engine:
         """engine.optimizer.step() of the plain PyTorch loop ([Note: the plain PyTorch loop] in window.py)."""
         steps = self.global_steps
         applied = self.window.optimizer_step()
+        if self._check_plan:  # [Note: the plan against the run's peaks]
+            plan_check.check_peaks(self.plan.needs, {"device": self.device_tier, "host": self.host_pool})
         if self.global_steps != steps:
             self.carried.stepped()
         if applied:

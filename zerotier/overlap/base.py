@@ -15,7 +15,7 @@ refusals and asks the policy at each point where an update may already be runnin
   on_forward / before_read / publish / master_of   reads of the weights between windows
 and, at the class level, for the planner and the engine's construction: `early_step` and
 `speculates` (what the step-time prediction and the plan's speculation take), `refuse(cfg,
-plan, world_size, shard_numels)` (what it cannot run, before anything is placed).
+plan, world_size)` (what it cannot run, before anything is placed; what it holds is its plan term).
 
 The base class is the machinery every policy shares: the optimizer thread ("zerotier-optim"),
 the futures of the updates started during backward (`early`), the hand-over of the updater
@@ -78,7 +78,7 @@ class OverlapPolicy:
         self.early: list[Future] = []  # updates started during this backward, on that thread
 
     @classmethod
-    def refuse(cls, cfg, plan, world_size: int, shard_numels: "list[int] | None" = None) -> None:
+    def refuse(cls, cfg, plan, world_size: int) -> None:
         """What this policy cannot run here: a ZerotierError before anything is placed."""
 
     # ------------------------------------------------------------ backward

@@ -60,8 +60,8 @@ the pending one: those are other values of train.overlap.
 from __future__ import annotations
 
 from .. import threads
-from ..errors import BudgetError, ConfigError, ZerotierError
-from ..state import DTYPES, Location
+from ..errors import ConfigError, ZerotierError
+from ..state import Location
 from ..units import format_setting
 from .base import OverlapPolicy, wait_out
 
@@ -89,37 +89,38 @@ class Delayed(OverlapPolicy):
         self.error: BaseException | None = None  # the update's failure, once waited for
         self._forward_in_window = False   # a training forward ran since the last window ended
 
-    @classmethod
-    def refuse(cls, cfg, plan, world_size: int, shard_numels: "list[int] | None" = None) -> None:
-        """What the delayed update cannot run, refused before anything is placed; with `shard_numels`
-        (the stepped units'), also a host budget without room for host_bytes()."""
-        why = None
+    @staticmethod
+    def refusal(world_size: int, placement: dict, optimizer_units: "tuple | None") -> "str | None":
+        """Why the delayed update cannot run with this placement ([Note: delayed update]); None when it
+        can. The planner counts its host bytes (host_bytes, the plan's "delayed" term) only then."""
         if world_size > 1:
-            why = (f"{world_size} ranks: the delayed update runs on one rank only (each rank's shard update and its "
-                   "gather would have to overlap the next window); train without it, or on one rank")
-        elif plan.placement["gradients"] is Location.NVME:
-            why = ("the gradients are on nvme (offload.gradients): the window's gradients are copied to host memory "
-                   "for the update that runs during the next window, which gradients on nvme are there to spare; "
-                   "set offload.gradients = 'host', or train without the delayed update")
-        else:
-            optimizer = plan.optimizer_units or (plan.placement["optimizer"],)
-            if Location.DEVICE in optimizer:
-                why = ("the optimizer state is on the device (offload.optimizer): the update already runs on the "
-                       "accelerator, and the delay hides a CPU update; set offload.optimizer = 'host' or 'nvme'")
+            return (f"{world_size} ranks: the delayed update runs on one rank only (each rank's shard update and its "
+                    "gather would have to overlap the next window); train without it, or on one rank")
+        if placement["gradients"] is Location.NVME:
+            return ("the gradients are on nvme (offload.gradients): the window's gradients are copied to host memory "
+                    "for the update that runs during the next window, which gradients on nvme are there to spare; "
+                    "set offload.gradients = 'host', or train without the delayed update")
+        if Location.DEVICE in (optimizer_units or (placement["optimizer"],)):
+            return ("the optimizer state is on the device (offload.optimizer): the update already runs on the "
+                    "accelerator, and the delay hides a CPU update; set offload.optimizer = 'host' or 'nvme'")
+        return None
+
+    @classmethod
+    def refuse(cls, cfg, plan, world_size: int) -> None:
+        """What the delayed update cannot run, refused before anything is placed. Its host bytes are the
+        plan's "delayed" term: make_plan refuses a host budget without room for them (too_little_host)."""
+        why = cls.refusal(world_size, plan.placement, plan.optimizer_units)
         if why is not None:
             raise ConfigError(f"train.overlap = 'delayed' cannot run here: {why}")
-        if shard_numels is None:
-            return
-        precision = cfg.precision
-        extra = host_bytes(shard_numels, DTYPES[precision.accumulator_dtype].itemsize,
-                           DTYPES[precision.param_dtype].itemsize, cfg.io.alignment)
-        room = plan.budgets["host"] - plan.need["host"]
-        if extra > room:
-            raise BudgetError(f"train.overlap = 'delayed' needs {extra:,} B of host memory beyond the plan's (a copy "
-                              f"of the window's gradients and the new parameters staged until the next step), and "
-                              f"tiers.host leaves {max(room, 0):,} B: raise tiers.host to at least "
-                              f"{format_setting(plan.budgets['host'] + extra - room)}, or train without the delayed "
-                              "update")
+
+    @staticmethod
+    def too_little_host(extra: int, room: int, host_budget: int) -> str:
+        """What a host budget without room for host_bytes() beside the rest of the plan lacks."""
+        return (f"train.overlap = 'delayed' needs {extra:,} B of host memory beyond the plan's (a copy "
+                f"of the window's gradients and the new parameters staged until the next step), and "
+                f"tiers.host leaves {max(room, 0):,} B: raise tiers.host to at least "
+                f"{format_setting(host_budget + extra - room)}, or train without the delayed "
+                "update")
 
     @property
     def pending(self) -> bool:

@@ -211,12 +211,9 @@ def _host_blocks(kind: str, loc: Location, s: Sizes) -> int:
         return ParamStore.host_blocks(loc, s.lookahead, units)
     if kind == "gradients":
         return GradStore.host_blocks(loc, units, s.world_size, s.stage)
-    blocks = {Location.HOST: 3 * units, Location.NVME: 3 * s.pipeline_depth}.get(loc, 0)
-    if s.grads_on_nvme or (s.grads_on_gpu and loc is not Location.DEVICE):
-        blocks += 2
-    if s.world_size > 1 and s.stage in (1, 2) and loc is not Location.DEVICE:
-        blocks += units
-    return blocks
+    return UnitOptimizer.host_blocks(loc, units, s.pipeline_depth,
+                                     grads_staged=s.grads_on_nvme or (s.grads_on_gpu and loc is not Location.DEVICE),
+                                     writeback=s.world_size > 1 and s.stage in (1, 2) and loc is not Location.DEVICE)
 
 
 def _state_and_buffers(kind: str, loc: Location, s: Sizes) -> dict[str, int]:

@@ -42,7 +42,7 @@ import torch
 from ..errors import ZerotierError
 from ..io.memory import round_up
 from ..io.ticket import CompletedTicket
-from .base import BudgetedTier
+from .base import BudgetedTier, charging
 
 # Accounting granularity on CUDA: the caching allocator rounds blocks up to 512 B.
 _CUDA_ROUND = 512
@@ -106,6 +106,7 @@ class DeviceTier(BudgetedTier):
         self.timing = timing and self.is_cuda  # copies carry timing events (the profiler is on)
         self._lock = threading.Lock()
         self._live: dict[int, int] = {}  # data_ptr -> accounted bytes, for free()
+        self._charged: dict[int, str] = {}  # data_ptr -> component ([Note: peaks per component] in base.py)
         if self.is_cuda:
             # [Note: copy streams and events]: swap-in and swap-out each get a stream,
             # so they overlap compute on the current stream and each other.
@@ -131,6 +132,11 @@ class DeviceTier(BudgetedTier):
         if nbytes:
             with self._lock:
                 self._live[t.data_ptr()] = nbytes
+            component = charging()
+            if component is not None:  # [Note: peaks per component] in base.py
+                with self._lock:
+                    self._charged[t.data_ptr()] = component
+                self.charge(component, nbytes)
         return t
 
     def free(self, t: torch.Tensor) -> None:
@@ -139,6 +145,9 @@ class DeviceTier(BudgetedTier):
             return
         with self._lock:
             nbytes = self._live.pop(t.data_ptr(), None)
+            component = self._charged.pop(t.data_ptr(), None)
+        if nbytes is not None:
+            self.charge(component, -nbytes)
         if nbytes is None:
             raise ZerotierError(f"device tier: free() of a tensor it did not allocate "
                                 f"({t.dtype} {list(t.shape)} at {t.data_ptr():#x})")
@@ -155,6 +164,7 @@ class DeviceTier(BudgetedTier):
         except BaseException:
             self.release(self._accounted(nbytes))
             raise
+        self.charge(charging(), self._accounted(nbytes))
 
     def free_storage(self, flat: torch.Tensor) -> None:
         """Resize `flat`'s storage to 0: the memory goes now, whoever holds views of it."""
@@ -162,6 +172,7 @@ class DeviceTier(BudgetedTier):
         if nbytes:
             flat.untyped_storage().resize_(0)
             self.release(self._accounted(nbytes))
+            self.charge(charging(), -self._accounted(nbytes))
 
     # ------------------------------------------------------------------ copies ([Note: copy streams and events])
 
