@@ -1,4 +1,4 @@
-"""What `train.early_step` (Adam during the window's last backward, [Note: early step]) saves.
+"""What `train.overlap = "early"` (Adam during the window's last backward, [Note: early step]) saves.
 
     python benchmarks/bench_early_step.py [--dim 512 --layers 6 --steps 6 --rounds 5]
     python benchmarks/bench_early_step.py --interleaved --steps 12   # one process, steps alternating
@@ -33,7 +33,7 @@ def one_case(args) -> None:
     torch.manual_seed(0)
     model = TinyGPT(vocab=4096, dim=args.dim, layers=args.layers, heads=8, seq=128)
     cfg = {"offload": PLACEMENTS[args.case], "tiers": {"nvme_path": args.nvme_path},
-           "train": {"early_step": args.early}}
+           "train": {"overlap": "early" if args.early else "auto"}}
     times = []
     with zerotier.initialize(model, cfg) as engine:
         for i, (x, y) in enumerate(batches(4096, 128, 4, args.steps + 1)):
@@ -57,7 +57,7 @@ def interleaved(args) -> None:
             torch.manual_seed(0)
             model = TinyGPT(vocab=4096, dim=args.dim, layers=args.layers, heads=8, seq=128)
             engines.append(zerotier.initialize(model, {"offload": offload, "tiers": {"nvme_path": args.nvme_path},
-                                                       "train": {"early_step": early, "handle_signals": False}}))
+                                                       "train": {"overlap": "early" if early else "auto", "handle_signals": False}}))
         times = ([], [])
         for i, (x, y) in enumerate(batches(4096, 128, 4, args.steps + 1)):
             for k in ((0, 1) if i % 2 else (1, 0)):

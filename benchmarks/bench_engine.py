@@ -6,7 +6,8 @@
     python benchmarks/bench_engine.py --speculate false,auto --cases NVMe   # the speculative step (issue 25)
     python benchmarks/bench_engine.py --speculate false,true --clips 0.01 --cases NVMe  # rollback every step
 
-`--speculate` runs each clipped zerotier case once per train.speculative_step value (false:
+`--speculate` runs each clipped zerotier case once per train.overlap value (false = "none", true =
+"speculative", auto; false:
 the update waits for the global norm; auto/true: speculated during backward, [Note: speculative
 step]); `--clips` sets the clipping thresholds ("none": off), e.g. 0.01 so clipping fires at
 every step and every speculation is rolled back. The speculation columns say how many windows
@@ -59,7 +60,7 @@ TARGETS = {  # case -> (max ratio with clipping, max ratio without)
 }
 LR = 1e-4
 STATES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "int8": ("bf16", "int8")}  # --state: master, moments
-SPECULATE = {"false": False, "true": True, "auto": "auto"}  # --speculate: train.speculative_step
+SPECULATE = {"false": "none", "true": "speculative", "auto": "auto"}  # --speculate: train.overlap
 
 
 def shape(quick: bool) -> dict:
@@ -99,7 +100,7 @@ def run_case(case: str, clip: float | None, quick: bool, batch: int, steps: int,
     master, moments = STATES[state]
     cfg = {"offload": offload, "tiers": {"nvme_path": nvme_dir}, "optimizer": {"lr": LR},
            "precision": {"master_dtype": master, "moment_dtype": moments},
-           "train": {"max_grad_norm": clip, "speculative_step": SPECULATE[speculate]}}
+           "train": {"max_grad_norm": clip, "overlap": SPECULATE[speculate]}}
     with zerotier.initialize(model, cfg) as engine:
         for x, y in data:
             before = engine.store.stats() if engine.store else None
@@ -110,7 +111,7 @@ def run_case(case: str, clip: float | None, quick: bool, batch: int, steps: int,
             if before is not None:
                 after = engine.store.stats()
                 io_bytes.append((after["bytes_in"] - before["bytes_in"], after["bytes_out"] - before["bytes_out"]))
-        policy = engine.window.speculation
+        policy = engine.window.overlap.speculation
     return {"step_s": statistics.median(times[1:]), "speculated": policy.windows, "rolled_back": policy.rollbacks,
             "write_bytes": statistics.median(b[0] for b in io_bytes[1:]) if io_bytes else 0,
             "read_bytes": statistics.median(b[1] for b in io_bytes[1:]) if io_bytes else 0}
@@ -148,7 +149,7 @@ def main(argv=None):
                     "(default fp32); each zerotier case runs once per choice")
     ap.add_argument("--cases", default="", help="run only the cases whose name contains this (plain torch always runs)")
     ap.add_argument("--case", help=argparse.SUPPRESS)   # internal: run one case in this process
-    ap.add_argument("--speculate", default="auto", help="train.speculative_step values for the clipped cases, "
+    ap.add_argument("--speculate", default="auto", help="train.overlap values (false = none, true = speculative, auto) for the clipped cases, "
                     "comma-separated: false, true, auto (default auto)")
     ap.add_argument("--clips", default="1.0,none", help="clipping thresholds, comma-separated; none = off "
                     "(default 1.0,none)")

@@ -364,7 +364,7 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     ap.add_argument("--clip", type=lambda v: None if v.lower() in ("none", "0") else float(v), default=None,
-                    help="gradient clipping max norm, or none (default none: train.early_step needs none)")
+                    help="gradient clipping max norm, or none (default none: train.overlap = 'early' needs none)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="CPU threads for every case: torch, OMP (DeepSpeed's CPU Adam), zerotier's optimizer")
     ap.add_argument("--out", help="directory for bench_gpu.json, bench_gpu.md and cases.log")

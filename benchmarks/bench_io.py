@@ -487,10 +487,10 @@ class StoreBench:
         from zerotier.config import TiersConfig
         from zerotier.tiers import HostPool, NVMeStore, nvme
 
-        # [Note: new swap files are preallocated] in zerotier/tiers/nvme.py; off: new files grow as written
-        self._restore = (nvme, "_preallocate", getattr(nvme, "_preallocate", None))
+        # [Note: new swap files are preallocated] in zerotier/tiers/nvme_files.py; off: new files grow as written
+        self._restore = (nvme, "preallocate", getattr(nvme, "preallocate", None))
         if not prealloc:
-            nvme._preallocate = lambda fd, nbytes: None
+            nvme.preallocate = lambda fd, nbytes: None
 
         self.total, self.shard, self.inflight = total, shard, inflight
         self.keys = [f"unit{i}.exp_avg" for i in range(total // shard)]

@@ -169,20 +169,22 @@ def main(argv=None) -> int:
           f"{plan.need['nvme'] / GiB:.2f} GiB of tiers.nvme {plan.budgets['nvme'] / GiB:.2f} GiB "
           f"({free / GiB:.1f} GiB free on {nvme_path})", file=sys.stderr, flush=True)
     r = run(model, cfg, plan, args.steps, zerotier.units.parse_size(args.rss_bound))
-    if args.json:
-        print(json.dumps(r, indent=1))
-    else:
-        print(f"Llama-style {r['params'] / 1e9:.2f}B parameters ({r['layers']} layers), everything on NVMe, "
-              f"state {r['master_dtype']} master / {r['moment_dtype']} moments, tiers.host {r['host']}: "
-              f"peak RSS {r['peak_rss'] / GiB:.2f} GiB (bound {r['rss_bound'] / GiB:.2f}), host pool peak "
-              f"{r['host_pool_peak'] / GiB:.2f} GiB, NVMe peak {r['nvme_peak'] / 1e9:.1f} GB (planned "
-              f"{r['nvme_planned'] / 1e9:.1f}), initialize {r['init_s']:.0f} s; drive {r['write_GBps']:.2f} GB/s "
-              f"write, {r['read_GBps']:.2f} read")
-        for i, s in enumerate(r["steps"], 1):
-            print(f"  step {i}: {s['step_s']:6.0f} s   NVMe {(s['nvme_written'] + s['nvme_read']) / 1e9:6.1f} GB "
-                  f"moved / drive bandwidth = {s['io_bound_s']:5.0f} s")
-        print(f"verdict: {'PASS' if r['pass'] else 'FAIL'}")
+    print(json.dumps(r, indent=1) if args.json else report(r))
     return 0 if r["pass"] else 1
+
+
+def report(r: dict) -> str:
+    """`run`'s result as text: the run's peaks against its bound and plan, a line per step, the verdict."""
+    lines = [f"Llama-style {r['params'] / 1e9:.2f}B parameters ({r['layers']} layers), everything on NVMe, "
+             f"state {r['master_dtype']} master / {r['moment_dtype']} moments, tiers.host {r['host']}: "
+             f"peak RSS {r['peak_rss'] / GiB:.2f} GiB (bound {r['rss_bound'] / GiB:.2f}), host pool peak "
+             f"{r['host_pool_peak'] / GiB:.2f} GiB, NVMe peak {r['nvme_peak'] / 1e9:.1f} GB (planned "
+             f"{r['nvme_planned'] / 1e9:.1f}), initialize {r['init_s']:.0f} s; drive {r['write_GBps']:.2f} GB/s "
+             f"write, {r['read_GBps']:.2f} read"]
+    lines += [f"  step {i}: {s['step_s']:6.0f} s   NVMe {(s['nvme_written'] + s['nvme_read']) / 1e9:6.1f} GB "
+              f"moved / drive bandwidth = {s['io_bound_s']:5.0f} s" for i, s in enumerate(r["steps"], 1)]
+    lines.append(f"verdict: {'PASS' if r['pass'] else 'FAIL'}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

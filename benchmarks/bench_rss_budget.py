@@ -31,6 +31,8 @@ import tempfile
 import threading
 import time
 
+from least_squares import fit  # benchmarks/ is on sys.path when this runs as a script
+
 MiB = 1 << 20
 
 
@@ -152,14 +154,6 @@ def child(dim: int, layers: int, nvme_dir: str, host: str, device: str, trim_pha
            "load1": os.getloadavg()[0]}
     engine.close(restore_weights=False)
     return out
-
-
-def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return slope, my - slope * mx
 
 
 def over_budget(r: dict) -> int:

@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from least_squares import fit  # benchmarks/ is on sys.path when this runs as a script
+
 LIMIT = 0.1  # bytes of RSS per parameter
 
 
@@ -62,14 +64,6 @@ def child(dim: int, layers: int, nvme_dir: str, host: str) -> dict:
             "init_s": init_s, "step_s": steps, "nvme_bytes_moved": nvme_moved}
 
 
-def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return slope, my - slope * mx
-
-
 def run(dim: int, layers: list[int], nvme_path: str | None, host: str) -> dict:
     rows = []
     for n in layers:
@@ -99,17 +93,21 @@ def main(argv=None) -> int:
         print(json.dumps(child(int(args.child[0]), int(args.child[1]), args.child[2], args.host)))
         return 0
     r = run(args.dim, args.layers, args.nvme_path, args.host)
-    if args.json:
-        print(json.dumps(r, indent=1))
-        return 0 if r["pass"] else 1
-    print(f"{'params':>10s} {'peak RSS':>10s} {'host pool':>10s} {'init':>7s} {'step':>8s}  NVMe moved/step")
-    for row in r["rows"]:
-        print(f"{row['numel'] / 1e9:9.3f}B {row['peak_rss'] / 2**30:8.2f}Gi {row['host_pool_peak'] / 2**30:8.2f}Gi "
-              f"{row['init_s']:6.1f}s {max(row['step_s']):7.1f}s  {row['nvme_bytes_moved'] / 2 / 1e9:.1f} GB")
-    print(f"peak RSS slope: {r['rss_slope_B_per_param']:.4f} B/parameter (limit {LIMIT}), fixed part "
-          f"{r['rss_intercept'] / 2**30:.2f} GiB; host pool slope {r['host_pool_slope_B_per_param']:.4f} B/parameter")
-    print(f"verdict: {'PASS' if r['pass'] else 'FAIL'}")
+    print(json.dumps(r, indent=1) if args.json else report(r))
     return 0 if r["pass"] else 1
+
+
+def report(r: dict) -> str:
+    """`run`'s result as a table, a row per size, then the slopes and the verdict."""
+    lines = [f"{'params':>10s} {'peak RSS':>10s} {'host pool':>10s} {'init':>7s} {'step':>8s}  NVMe moved/step"]
+    lines += [f"{row['numel'] / 1e9:9.3f}B {row['peak_rss'] / 2**30:8.2f}Gi {row['host_pool_peak'] / 2**30:8.2f}Gi "
+              f"{row['init_s']:6.1f}s {max(row['step_s']):7.1f}s  {row['nvme_bytes_moved'] / 2 / 1e9:.1f} GB"
+              for row in r["rows"]]
+    lines.append(f"peak RSS slope: {r['rss_slope_B_per_param']:.4f} B/parameter (limit {LIMIT}), fixed part "
+                 f"{r['rss_intercept'] / 2**30:.2f} GiB; host pool slope {r['host_pool_slope_B_per_param']:.4f} "
+                 "B/parameter")
+    lines.append(f"verdict: {'PASS' if r['pass'] else 'FAIL'}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

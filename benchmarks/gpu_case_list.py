@@ -7,9 +7,9 @@ Cases (name -> framework, settings); their order is their priority under --time-
   torch                  plain torch, fp32 params under bf16 autocast, AdamW(fused=True), all on the GPU
   zt-opt-host            zerotier exact: optimizer on host (params on device, gradients on host)
   ds-z2-offload          DeepSpeed ZeRO-Offload stage 2: offload_optimizer cpu, pinned, DeepSpeedCPUAdam
-  zt-opt-host-early      zt-opt-host with train.early_step (Adam during the last backward)
-  zt-opt-host-spec       zt-opt-host with train.speculative_step = true (issue 25)
-  zt-opt-host-delayed    zt-opt-host with train.delayed_update (ZeRO-Offload's DPU: not the same training)
+  zt-opt-host-early      zt-opt-host with train.overlap = "early" (Adam during the last backward)
+  zt-opt-host-spec       zt-opt-host with train.overlap = "speculative" (issue 25)
+  zt-opt-host-delayed    zt-opt-host with train.overlap = "delayed" (ZeRO-Offload's DPU: not the same training)
   torchao-offload-grads  torchao CPUOffloadOptimizer(AdamW, fused), offload_gradients=True
   zt-params-host         zerotier exact: params + optimizer on host
   zt-opt-split           zerotier exact: optimizer split 60 % host, 40 % NVMe (unit by unit)
@@ -30,11 +30,11 @@ COMPACT = {"master_dtype": "bf16", "moment_dtype": "int8"}
 ALL_NVME = {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}
 CASES = {
     "torch": ("torch", {}),
-    "zt-opt-host": ("zerotier", {"offload": EXACT_HOST, "speculative_step": False}),
+    "zt-opt-host": ("zerotier", {"offload": EXACT_HOST, "overlap": "none"}),
     "ds-z2-offload": ("deepspeed", {"stage": 2, "offload_optimizer": "cpu"}),
-    "zt-opt-host-early": ("zerotier", {"offload": EXACT_HOST, "early_step": True}),
-    "zt-opt-host-spec": ("zerotier", {"offload": EXACT_HOST, "speculative_step": True}),
-    "zt-opt-host-delayed": ("zerotier", {"offload": EXACT_HOST, "delayed_update": True}),
+    "zt-opt-host-early": ("zerotier", {"offload": EXACT_HOST, "overlap": "early"}),
+    "zt-opt-host-spec": ("zerotier", {"offload": EXACT_HOST, "overlap": "speculative"}),
+    "zt-opt-host-delayed": ("zerotier", {"offload": EXACT_HOST, "overlap": "delayed"}),
     "torchao-offload-grads": ("torchao", {"offload_gradients": True}),
     "zt-params-host": ("zerotier", {"offload": {"params": "host", "gradients": "host", "optimizer": "host"}}),
     "zt-opt-split": ("zerotier", {"offload": {**EXACT_HOST, "optimizer": {"host": 0.6, "nvme": 0.4}}}),
@@ -63,9 +63,7 @@ def zerotier_config(case: str, nvme_path: str | None, threads: int, clip: float 
         "precision": {"param_dtype": "bf16", **settings.get("precision", {})},
         "optimizer": {**HPARAMS, "betas": list(HPARAMS["betas"]), "threads": threads},
         "train": {"max_grad_norm": clip, "grad_accum_steps": accum,
-                  "early_step": bool(settings.get("early_step")),
-                  "speculative_step": settings.get("speculative_step", "auto"),
-                  "delayed_update": bool(settings.get("delayed_update")),
+                  "overlap": settings.get("overlap", "auto"),
                   "handle_signals": False, "device": device},
         "profile": {"enabled": True},
     }

@@ -71,8 +71,8 @@ def refuse_unsupported(case: str, clip: float | None, accum: int) -> None:
                             "clipping them afterwards is not supported (run with --clip none)")
     if settings.get("offload_gradients") and accum > 1:
         raise NotApplicable("offload_gradients=True does not accumulate gradients (--accum 1)")
-    if settings.get("early_step") and clip is not None:
-        raise NotApplicable("train.early_step steps each unit before the window's norm is known: "
+    if settings.get("overlap") == "early" and clip is not None:
+        raise NotApplicable("train.overlap = 'early' steps each unit before the window's norm is known: "
                             "it runs without clipping (--clip none)")
 
 

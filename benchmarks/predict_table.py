@@ -20,9 +20,9 @@ device peak and NVMe bytes per step, with another node's rates: what `zerotier p
              that GPU: plain torch at 1.3B (docs/benchmarks.md, First GPU run), its FLOPs per
              second over the matmul peak of the same run
   host RSS   the plan's host need (the pinned pool) + CUDA_RSS, the process outside the pool
-             (torch's CUDA runtime): plain torch's peak RSS in that run; the delayed update adds
-             delayed.host_bytes (its copies of the window's gradients and staged parameters)
-  pinned     the host pool: the plan's host need (and the delayed update's copies)
+             (torch's CUDA runtime): plain torch's peak RSS in that run; with the delayed update it has
+             the plan's `delayed` term (overlap.delayed.host_bytes: its gradient copies and staged parameters)
+  pinned     the host pool: the plan's host need (the delayed update's copies included)
   device     the plan's device need + gpu_model.activation_bytes (an estimate, not planned)
   NVMe/step  bytes read + written per step as the schedule moves them: parameters on NVMe
              read per forward and backward and written once, gradients written and read once,
@@ -116,7 +116,7 @@ def predict(size: str, case: str, rates: dict, budgets: dict, compute_flops: flo
     """One row: the plan of `case` at `size` for a node with these rates and budgets, or why it
     does not fit (with what it would need on each tier). config: the case's engine config as
     bench_gpu runs it (default: gpu_case_list.zerotier_config without clipping or accumulation)."""
-    from zerotier import delayed
+    from zerotier.overlap import policy_for
     from zerotier.config import Config
     from zerotier.errors import ZerotierError
     from zerotier.materialize import pool_bytes
@@ -140,27 +140,22 @@ def predict(size: str, case: str, rates: dict, budgets: dict, compute_flops: flo
 
     row = {"size": size, "case": case, "numel": gm.param_count(size), "budgets": budgets}
 
-    def delayed_bytes(plan) -> int:  # the delayed update's copies, beyond the plan ([Note: delayed update])
-        if not cfg.train.delayed_update:
-            return 0
-        return delayed.host_bytes([u.numel for u in trainable], 2, 2, cfg.io.alignment) \
-            - plan.speculation_undo_bytes["host"]
     try:
-        plan = plan_with(budgets)
-        delayed.refuse(cfg, plan, 1, [u.numel for u in trainable])
+        plan = plan_with(budgets)  # the delayed update's copies are its `delayed` term ([Note: needs per component])
+        policy_for(cfg).refuse(cfg, plan, 1)
     except (PlanDoesNotFit, ZerotierError) as exc:
         row.update(fits=False, reason=str(exc).splitlines()[0])
         if "auto" in (cfg.offload.params, cfg.offload.gradients, cfg.offload.optimizer):
             return row  # no one placement to size: the planner's shortfall per tier says it
         try:  # what its placement would need, with no budget in the way
             unlimited = plan_with({t: 1 << 60 for t in budgets})
-            row["need"] = dict(unlimited.need, host=unlimited.need["host"] + delayed_bytes(unlimited))
+            row["need"] = dict(unlimited.need)
             row["reason"] = ("needs " + ", ".join(f"{t} {row['need'][t] / GiB:.1f} GiB (has {budgets[t] / GiB:.1f})"
                                                   for t in ("device", "host", "nvme")))
         except ZerotierError:
             pass
         return row
-    host = plan.need["host"] + delayed_bytes(plan)
+    host = plan.need["host"]
     step = plan.predicted_step_s if plan.rates_measured else None
     tokens = gm.SIZES[size]["batch"] * gm.SIZES[size]["seq"]
     row.update(fits=True, placement={k: v.value for k, v in plan.placement.items()},

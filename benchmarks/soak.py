@@ -96,6 +96,8 @@ import torch
 import zerotier
 from zerotier.models import TinyGPT, batches
 
+from least_squares import fit  # benchmarks/ is on sys.path when this runs as a script
+
 KiB = 1024
 RSS_SLOPE_LIMIT = 4 * KiB          # bytes per step; see the module docstring
 SLOPE_METRICS = ("rss_bytes", "heap_in_use")   # judged against RSS_SLOPE_LIMIT
@@ -172,16 +174,6 @@ def sample(engine, proc: psutil.Process) -> dict[str, int]:
     }
 
 
-def slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of ys against xs (0 for fewer than two points)."""
-    n = len(xs)
-    if n < 2:
-        return 0.0
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-
-
 def judge(samples: list[dict], warmup_steps: int, rss_limit: float = RSS_SLOPE_LIMIT,
           nvme_bound: int | None = None, ckpt_bound: int | None = None) -> dict:
     """Slopes per metric over the samples after `warmup_steps`, and the verdict for each."""
@@ -190,7 +182,7 @@ def judge(samples: list[dict], warmup_steps: int, rss_limit: float = RSS_SLOPE_L
     result = {}
     for name in METRICS:
         values = [s[name] for s in kept]
-        fitted = slope(steps, values)
+        fitted, _ = fit(steps, values)
         if name in SLOPE_METRICS:
             ok, limit = fitted < rss_limit, f"< {rss_limit:.0f} B/step"
         elif name in BOUNDED_METRICS and nvme_bound is not None:

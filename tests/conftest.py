@@ -6,7 +6,7 @@ runs its engines on the CPU, on any host.
 
 Two test instruments are on for the whole CPU suite (issue 22 item 3), never counted as GPU
 results: the registration ledger below, and the lagging device ([Note: the lagging device] in
-zerotier/tiers/device.py): every CPU copy completes late on its own worker, its destination
+zerotier/tiers/lagging.py, picked by make_device_tier): every CPU copy completes late on its own worker, its destination
 is NaN until then and a write into its source before then fails. It is switched on here by
 ZEROTIER_LAGGING_DEVICE=1, set before anything is imported so that ranks spawned by the tests
 inherit it; run with ZEROTIER_LAGGING_DEVICE=0 to turn it off.
@@ -63,12 +63,12 @@ def _registration_ledger():
 def _lagging_device_clean():
     """A copy whose source was written before its event fails the test that did it, even where
     the engine swallowed the tier's error (spawned ranks raise it from their own engine)."""
-    from zerotier.tiers import device
+    from zerotier.tiers import lagging
 
-    device.lagging_violations.clear()
+    lagging.lagging_violations.clear()
     yield
-    found = list(device.lagging_violations)
-    device.lagging_violations.clear()
+    found = list(lagging.lagging_violations)
+    lagging.lagging_violations.clear()
     assert not found, f"{len(found)} lagging-device violation(s): {found[0]}"
 
 

@@ -453,3 +453,32 @@ def test_durations_in_human_units():
     from zerotier.units import format_duration
     assert [format_duration(s) for s in (412e-6, 0.0123, 4.2, 162.1, 7300)] == \
         ["412 µs", "12.3 ms", "4.20 s", "2.7 min", "2.03 h"]
+
+
+@pytest.mark.parametrize("old,value,mode", [("early_step", True, "early"), ("speculative_step", True, "speculative"),
+                                            ("speculative_step", False, "none"), ("speculative_step", "auto", "auto"),
+                                            ("delayed_update", True, "delayed"), ("early_step", False, "auto")])
+def test_the_old_overlap_keys_are_read_as_train_overlap_with_one_warning(old, value, mode):
+    with pytest.warns(FutureWarning) as record:
+        cfg = Config.from_dict({"train": {old: value}})
+    assert cfg.train.overlap == mode
+    assert [str(w.message) for w in record if w.category is FutureWarning] == \
+        [f"train.{old} is an old key of train.overlap: set train.overlap = {mode!r} instead"]
+    assert "early_step" not in cfg.to_dict()["train"] and Config.from_dict(cfg.to_dict()).train.overlap == mode
+
+
+@pytest.mark.parametrize("train,match", [
+    ({"overlap": "fast"}, r"^train\.overlap: must be one of 'none', 'early', 'speculative', 'delayed', 'auto', "
+                          r"got 'fast'$"),
+    ({"early_step": True, "speculative_step": True}, r"^train\.early_step = true and train\.speculative_step = true: "
+                                                     r"each is a value of train\.overlap now \('early', 'speculative'\)"),
+    ({"overlap": "none", "early_step": True}, r"^train\.overlap = 'none' and train\.early_step = true: .*set "
+                                              r"train\.overlap alone$"),
+    ({"delayed_update": True, "speculative_step": True}, r"^train\.delayed_update = true cannot run here: "
+                                                         r"train\.speculative_step = true updates units during backward"),
+    ({"early_step": "yes"}, r"^train\.early_step: expected true or false, got 'yes' \(an old key: set train\.overlap"),
+])
+@pytest.mark.pins("design#the-overlap-seam")
+def test_train_overlap_takes_one_value(train, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_dict({"train": train})

@@ -113,7 +113,7 @@ def reference_run(model, device, steps=STEPS, accum=ACCUM, clip=CLIP, autocast=F
 def engine_config(device, offload, nvme_path=None, accum=ACCUM, clip=CLIP, **sections):
     cfg = {"optimizer": {"lr": LR, "weight_decay": 0.01},
            "train": {"grad_accum_steps": accum, "max_grad_norm": clip, "device": str(device),
-                     "early_step": clip is None},
+                     "overlap": "early" if clip is None else "auto"},
            "offload": dict(offload)}
     if nvme_path is not None:
         cfg["tiers"] = {"nvme_path": str(nvme_path)}
@@ -137,7 +137,7 @@ def engine_run(model, cfg, device, steps=STEPS, accum=ACCUM, autocast=False):
                 with autocast_ctx(device, autocast):
                     loss = engine(x.to(device), y.to(device))
                 engine.backward(loss)
-                early += len(engine.window.early)  # updates started on the optimizer thread in this backward
+                early += len(engine.window.overlap.early)  # updates started on the optimizer thread in this backward
                 engine.step()
                 total += float(loss.detach())
             losses.append(total / accum)
@@ -612,7 +612,7 @@ if not hasattr(torch._C, "_cuda_hasPrimaryContext"):
 for clip in (None, 1.0):  # None: early Adam on the optimizer thread; 1.0: Adam in step()
     torch.manual_seed(0)
     model = TinyGPT(vocab=128, dim=32, layers=2, heads=2, seq=16)
-    cfg = {"train": {"device": "cuda:1", "max_grad_norm": clip, "early_step": clip is None},
+    cfg = {"train": {"device": "cuda:1", "max_grad_norm": clip, "overlap": "early" if clip is None else "auto"},
            "offload": {"params": "host", "gradients": "host", "optimizer": "nvme"},
            "tiers": {"nvme_path": nvme}}
     with zerotier.initialize(model, cfg) as engine:

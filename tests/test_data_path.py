@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zerotier
-import zerotier.tiers.nvme as nvme_mod
+import zerotier.tiers.nvme_files as nvme_mod  # where the store makes its staging copies
 from zerotier.dist import spawn
 from zerotier.models import TinyGPT, batches
 
@@ -56,7 +56,7 @@ def test_training_step_makes_no_staging_copy(name, clip, tmp_path, monkeypatch):
         raise AssertionError("the NVMe store made a staging copy on the training path")
 
     cfg = {"offload": NVME[name], "tiers": {"nvme_path": str(tmp_path)},
-           "train": {"max_grad_norm": clip, "early_step": clip is None},
+           "train": {"max_grad_norm": clip, "overlap": "early" if clip is None else "auto"},
            "optimizer": {"lr": LR}}
     with zerotier.initialize(tiny_gpt(), cfg) as engine:
         monkeypatch.setattr(nvme_mod, "aligned_empty", no_staging)
@@ -291,7 +291,7 @@ def test_host_pool_bytes_match_the_plan(name, tmp_path):
     # speculation off: its staged parameters are planned as an allowance beside the write-backs
     # they replace (a safe over-count), and clipping here fires at every step
     cfg = {"offload": offload, "tiers": {"nvme_path": str(tmp_path)},
-           "train": {"max_grad_norm": 1.0, "speculative_step": False}, "prefetch": {"lookahead": 1}}
+           "train": {"max_grad_norm": 1.0, "overlap": "none"}, "prefetch": {"lookahead": 1}}
 
     def model():
         torch.manual_seed(0)

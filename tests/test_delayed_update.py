@@ -1,4 +1,4 @@
-"""The delayed parameter update ([Note: delayed update] in zerotier/delayed.py, issue 25 item 3):
+"""The delayed parameter update ([Note: delayed update] in zerotier/overlap/delayed.py, issue 25 item 3):
 each window's update runs during the next window, whose forward and backward read the weights one
 update behind. Not the same training as without it, so the reference is plain torch doing the same
 delayed math: the gradients of window k are kept, and applied (clip_grad_norm_ on them, then
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import zerotier
-from zerotier import delayed, export
+from zerotier import export
+from zerotier.overlap import delayed
 from zerotier.units import format_setting
 from zerotier.errors import ConfigError, TierIOError, ZerotierError
 from zerotier.models import TinyGPT, batches
@@ -72,7 +73,7 @@ def reference_run(model, steps=STEPS, accum=ACCUM, clip=CLIP, delay=True, flush_
 def config(tmp_path, offload=None, accum=ACCUM, clip=CLIP, **train):
     return {"optimizer": {"lr": LR, "weight_decay": 0.01}, "offload": offload or {},
             "tiers": {"nvme_path": str(tmp_path)},
-            "train": {"grad_accum_steps": accum, "max_grad_norm": clip, "delayed_update": True, **train}}
+            "train": {"grad_accum_steps": accum, "max_grad_norm": clip, "overlap": "delayed", **train}}
 
 
 def train(engine, data, steps, accum=ACCUM):
@@ -93,7 +94,7 @@ def engine_run(tmp_path, offload=None, steps=STEPS, accum=ACCUM, clip=CLIP, devi
     cfg = config(tmp_path, offload, accum, clip)
     cfg["train"]["device"] = device
     with zerotier.initialize(make_model(), cfg) as engine:
-        assert engine.window.delayed is not None
+        assert isinstance(engine.window.overlap, delayed.Delayed)
         losses = train(engine, batches(VOCAB, SEQ, BATCH, steps * accum), steps, accum)
         placement = {k: v.value for k, v in engine.plan.placement.items()}
         return losses, engine.parameters_fp32(), placement
@@ -165,7 +166,7 @@ def test_a_checkpoint_ends_the_delay_and_resumes_exactly(tmp_path):
     with zerotier.initialize(make_model(), config(tmp_path / "a", offload)) as engine:
         losses = train(engine, data, split)
         engine.save_checkpoint(root)
-        assert not engine.window.delayed.pending
+        assert not engine.window.overlap.pending
         losses += train(engine, data, STEPS - split)
         saved_run = losses, engine.parameters_fp32()
     data = batches(VOCAB, SEQ, BATCH, STEPS * ACCUM)
@@ -191,7 +192,7 @@ def test_an_overflowed_window_launches_nothing(tmp_path):
         for x, y in data:
             engine.backward(engine(x, y).float())
             applied.append(engine.step())
-            assert engine.window.delayed.pending == applied[-1]
+            assert engine.window.overlap.pending == applied[-1]
             if len(applied) > 1 and applied[-2] and not applied[-1]:
                 break
         assert not applied[0] and any(applied), applied
@@ -202,8 +203,8 @@ def test_an_overflowed_window_launches_nothing(tmp_path):
 # ------------------------------------------------------------------ what it refuses (docs/errors.md)
 
 @pytest.mark.parametrize("train_keys,match", [
-    ({"early_step": True}, r"train\.delayed_update = true cannot run here: train\.early_step = true"),
-    ({"speculative_step": True}, r"train\.delayed_update = true cannot run here: train\.speculative_step = true"),
+    ({"early_step": True}, r"train\.overlap = 'delayed' cannot run here: train\.early_step = true"),
+    ({"speculative_step": True}, r"train\.overlap = 'delayed' cannot run here: train\.speculative_step = true"),
 ])
 def test_delayed_update_refuses_updates_during_backward(train_keys, match, tmp_path):
     with pytest.raises(ConfigError, match=match):
@@ -212,10 +213,10 @@ def test_delayed_update_refuses_updates_during_backward(train_keys, match, tmp_p
 
 def test_delayed_update_refuses_gradients_on_nvme_and_optimizer_on_device(tmp_path):
     model = make_model()
-    with pytest.raises(ConfigError, match=r"train\.delayed_update = true cannot run here: the gradients are on "
+    with pytest.raises(ConfigError, match=r"train\.overlap = 'delayed' cannot run here: the gradients are on "
                                           r"nvme \(offload\.gradients\)"):
         zerotier.initialize(model, config(tmp_path, {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}))
-    with pytest.raises(ConfigError, match=r"train\.delayed_update = true cannot run here: the optimizer state is "
+    with pytest.raises(ConfigError, match=r"train\.overlap = 'delayed' cannot run here: the optimizer state is "
                                           r"on the device \(offload\.optimizer\)"):
         zerotier.initialize(model, config(tmp_path, {"params": "device", "optimizer": "device"}))
     with zerotier.initialize(model, config(tmp_path, PLACEMENTS["params-host"], accum=1)) as engine:  # model intact
@@ -227,8 +228,8 @@ def test_delayed_update_refuses_gradients_on_nvme_and_optimizer_on_device(tmp_pa
 def test_delayed_update_refuses_several_ranks(tmp_path):
     with zerotier.initialize(make_model(), config(tmp_path, PLACEMENTS["params-host"])) as engine:
         cfg, plan = engine.cfg, engine.plan
-    with pytest.raises(ConfigError, match=r"train\.delayed_update = true cannot run here: 2 ranks"):
-        delayed.refuse(cfg, plan, world_size=2)
+    with pytest.raises(ConfigError, match=r"train\.overlap = 'delayed' cannot run here: 2 ranks"):
+        delayed.Delayed.refuse(cfg, plan, world_size=2)
 
 
 @pytest.mark.parametrize("clip_by", ["config", "user"])
@@ -253,7 +254,7 @@ def test_the_plain_loop(clip_by, tmp_path):
             engine.optimizer.step()
             engine.optimizer.zero_grad()
             losses.append(total / ACCUM)
-        assert engine.window.delayed.pending
+        assert engine.window.overlap.pending
         assert_close((losses, engine.parameters_fp32()), ref)
 
 
@@ -306,9 +307,9 @@ def test_a_read_between_windows_publishes_the_update(how, placement, tmp_path):
     data = batches(VOCAB, SEQ, BATCH, STEPS * ACCUM)
     with zerotier.initialize(make_model(), config(tmp_path / "run", PLACEMENTS[placement])) as engine:
         losses = train(engine, data, split)
-        assert engine.window.delayed.pending
+        assert engine.window.overlap.pending
         value = _read(engine, how, name, tmp_path)
-        assert not engine.window.delayed.pending
+        assert not engine.window.overlap.pending
         if how == "forward":
             model = make_model()
             model.load_state_dict(published, strict=False)  # head.weight is tok.weight
@@ -346,7 +347,7 @@ def test_a_read_within_a_window_returns_its_weights(placement, tmp_path):
             for publish in (engine.module.state_dict, engine.parameters_fp32):
                 with pytest.raises(ZerotierError, match=r"between a training forward and engine\.step\(\)"):
                     publish()
-            assert engine.window.delayed.pending
+            assert engine.window.overlap.pending
             engine.backward(loss)
             engine.step()
             total += float(loss.detach())
@@ -414,7 +415,7 @@ def test_a_failed_parameter_write_back_refuses_the_retry_and_a_checkpoint_resume
                 if isinstance(errors[-1], TierIOError):  # the write failed under the next step's publish
                     ways.add("step")
                 else:
-                    assert re.search(r"failed \(.*No space left.*\) while the delayed update \(train\.delayed_update"
+                    assert re.search(r"failed \(.*No space left.*\) while the delayed update \(train\.overlap = 'delayed'"
                                      r"\) moved its fp32 master on.*\(engine\.load_checkpoint", str(errors[-1]))
                     ways.add("refused")
                 engine.load_checkpoint(tmp_path / "ckpt")
@@ -424,7 +425,7 @@ def test_a_failed_parameter_write_back_refuses_the_retry_and_a_checkpoint_resume
             except TierIOError as exc:
                 errors.append(exc)
                 if engine.window.broken is None:  # a write-back of this publish failed: nothing is pending now
-                    assert not engine.window.delayed.pending
+                    assert not engine.window.overlap.pending
                     ways.add("synchronize")
                 else:  # the last step's write failed under this publish
                     ways.add("step")
@@ -446,16 +447,16 @@ def test_delayed_update_refuses_synchronize_between_forward_and_step(tmp_path):
         x, y = next(data)
         loss = engine(x, y)
         with pytest.raises(ZerotierError, match=r"engine\.synchronize\(\) between a training forward and "
-                                                r"engine\.step\(\) with train\.delayed_update = true"):
+                                                r"engine\.step\(\) with train\.overlap = 'delayed'"):
             engine.save_checkpoint(tmp_path / "ckpt")
         engine.backward(loss)  # the window goes on, untouched
         assert engine.step()
         engine.synchronize()  # between windows: the delay ends
-        assert not engine.window.delayed.pending
+        assert not engine.window.overlap.pending
 
 
 def test_the_key_is_off_by_default():
-    assert zerotier.config.Config().train.delayed_update is False
+    assert zerotier.config.Config().train.overlap == "auto"  # the delayed update is opt-in
 
 
 def test_zerotier_trainer_trains_and_saves_with_it(tmp_path):
@@ -484,10 +485,10 @@ def test_zerotier_trainer_trains_and_saves_with_it(tmp_path):
             lr_scheduler_type="linear", seed=0, data_seed=0)
         trainer = ZerotierTrainer(model=model, args=args, train_dataset=Tokens(), zerotier_config={
             "offload": {"params": "host", "gradients": "host", "optimizer": "host"},
-            "train": {"delayed_update": delayed_update}})
+            "train": {"overlap": "delayed" if delayed_update else "auto"}})
         trainer.train()
         engine = trainer.engine
-        assert engine.global_steps == 4 and not (delayed_update and engine.window.delayed.pending)
+        assert engine.global_steps == 4 and not (delayed_update and engine.window.overlap.pending)
         engine.close()
         return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
@@ -497,17 +498,18 @@ def test_zerotier_trainer_trains_and_saves_with_it(tmp_path):
 
 
 def test_the_host_bytes_it_adds_are_checked_at_initialize(tmp_path):
-    """The gradient copy and the staged parameters are host-pool blocks beyond the plan's need
-    (delayed.host_bytes): a tiers.host without room for them is refused before anything is placed,
-    naming the budget it needs; with that budget, training stays within it."""
+    """The gradient copy and the staged parameters are host-pool blocks beyond the rest of the plan's
+    need (delayed.host_bytes), the plan's `delayed` term ([Note: needs per component]): a tiers.host
+    without room for them is refused before anything is placed, naming the budget it needs; with
+    that budget, training stays within it."""
     offload = PLACEMENTS["optimizer-nvme"]
     cfg = config(tmp_path, offload, accum=1)
-    cfg["train"]["speculative_step"] = False
     with zerotier.initialize(make_model(), cfg) as engine:
-        need = engine.plan.need["host"]
         extra = delayed.host_bytes([u.numel for u in engine.units], 4, 4, engine.cfg.io.alignment)
+        assert engine.plan.needs["delayed"] == {"device": 0, "host": extra, "nvme": 0}
+        need = engine.plan.need["host"] - extra  # the rest of the plan
     cfg["tiers"]["host"] = need + extra - 4096
-    with pytest.raises(zerotier.errors.BudgetError, match=rf"train\.delayed_update = true needs {extra:,} B of host "
+    with pytest.raises(zerotier.errors.BudgetError, match=rf"train\.overlap = 'delayed' needs {extra:,} B of host "
                                                           rf"memory beyond the plan's .* raise tiers\.host to at least "
                                                           rf"{format_setting(need + extra)}, ") as ei:
         zerotier.initialize(make_model(), cfg)

@@ -20,14 +20,14 @@ from zerotier.dist import (AVG, SUM, CollectiveError, Comm, GradBucketer, ParamG
                            SpawnError, init_distributed, is_persistent, padded_numel, partition_units,
                            ring_bytes, shard_numel, shard_range, spawn)
 from zerotier.errors import ZerotierError
-from zerotier.tiers import DeviceTier, HostPool
+from zerotier.tiers import HostPool, make_device_tier
 
 WORLD = 2
 
 
 def _tiered(bucketer, parts, host_pool=None, device="cpu"):
     """The bucketer with its buffers from a device tier ([Note: bucket memory]), as the engine's."""
-    bucketer.allocate_from(DeviceTier(1 << 30, device), [p for p in parts if not p.replicated]
+    bucketer.allocate_from(make_device_tier(1 << 30, device), [p for p in parts if not p.replicated]
                            if isinstance(bucketer, ParamGatherer) else parts, host_pool)
     return bucketer
 
@@ -166,7 +166,7 @@ def test_host_gradients_cross_by_the_device_tiers_copies(device):
     and on a GPU's copy streams, a copy not joined before the collective or not waited before
     delivery reads NaN or stale bytes."""
     parts = [Partition(n, 1, align=4) for n in (5, 3, 9, 40)]
-    pool, tier = HostPool(1 << 24), DeviceTier(1 << 30, device)
+    pool, tier = HostPool(1 << 24), make_device_tier(1 << 30, device)
     got = {}
     b = GradBucketer(64, lambda k, s: got.__setitem__(k, s.clone()), comm=Comm(), reduce_dtype=torch.float32)
     b.allocate_from(tier, parts, pool)
@@ -194,7 +194,7 @@ def test_host_parameter_gathers_use_host_pool_buckets():
     """[Note: bucket memory]: a gatherer of host-resident parameters packs into host-pool blocks,
     counted in the host budget (the planner's ParamGatherer.buffer_bytes there), none on the device."""
     parts = [Partition(n, 1, align=4) for n in (5, 3, 9)]
-    pool, tier = HostPool(1 << 24), DeviceTier(1 << 30, "cpu")
+    pool, tier = HostPool(1 << 24), make_device_tier(1 << 30, "cpu")
     g = ParamGatherer(32, comm=Comm())
     g.allocate_from(tier, parts, pool)
     shards = [torch.arange(p.shard_numel, dtype=torch.float32) + 10 * i for i, p in enumerate(parts)]

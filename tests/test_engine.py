@@ -233,13 +233,13 @@ def run_without_clipping(model, config=None, steps=6, accum=2):
                 opt.step()
                 opt.zero_grad()
         return {n: p.detach().clone() for n, p in model.named_parameters()}, 0
-    cfg = {"optimizer": {"lr": LR, "weight_decay": 0.01}, "train": {"grad_accum_steps": accum, "early_step": True},
+    cfg = {"optimizer": {"lr": LR, "weight_decay": 0.01}, "train": {"grad_accum_steps": accum, "overlap": "early"},
            **config}
     early = 0
     with zerotier.initialize(model, cfg) as engine:
         for x, y in data:
             engine.backward(engine(x, y))
-            early += len(engine.window.early)  # updates started on the optimizer thread during this backward
+            early += len(engine.window.overlap.early)  # updates started on the optimizer thread during this backward
             engine.step()
         return engine.parameters_fp32(), early
 

@@ -104,7 +104,7 @@ def test_a_fresh_model_that_rolls_back_every_step_is_told_the_plan_assumed_one_p
     plan's 1% and what to do (issue 35 item 8: 3 of 3 on a fresh model)."""
     torch.manual_seed(0)
     cfg = {"offload": {"params": "device", "gradients": "host", "optimizer": "host"}, "profile": {"enabled": True},
-           "train": {"max_grad_norm": 1e-6, "speculative_step": True}}
+           "train": {"max_grad_norm": 1e-6, "overlap": "speculative"}}
     with zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16), cfg) as engine:
         for x, y in batches(64, 16, 2, 3):
             engine.backward(engine(x, y))
@@ -115,4 +115,4 @@ def test_a_fresh_model_that_rolls_back_every_step_is_told_the_plan_assumed_one_p
     table = report.table()
     assert "rollback rate 100.0% (the plan assumed 1.0%)" in table, table
     assert "warning: 100.0% of the speculated windows rolled back (3 of 3), 100.0x the 1.0% the plan assumed" in table
-    assert "train.speculative_step = false" in table
+    assert "train.overlap = 'none'" in table

@@ -241,12 +241,12 @@ def test_step_before_backward(engine):
 def test_backward_again_after_an_early_step():
     """engine.backward() twice before step() accumulates like torch (tests/test_window.py), except
     where the window's update already started during the first (train.early_step)."""
-    with zerotier.initialize(tiny(), {"train": {"early_step": True}}) as engine:
+    with zerotier.initialize(tiny(), {"train": {"overlap": "early"}}) as engine:
         engine.backward(_loss(engine, 0))
         with pytest.raises(ZerotierError, match=r"^engine\.backward\(\) again after a backward whose update "
-                                                r"already started \(train\.early_step = true applies the "
+                                                r"already started \(train\.overlap = 'early' applies the "
                                                 r"window's update during its last backward\): call "
-                                                r"engine\.step\(\) first, or leave train\.early_step off"):
+                                                r"engine\.step\(\) first, or set train\.overlap = 'auto'"):
             engine.backward(_loss(engine, 1))
         assert engine.step()  # the loop goes on normally
         engine.backward(_loss(engine, 2))

@@ -58,14 +58,14 @@ def test_eio_in_an_update_during_backward_surfaces_in_that_step(tmp_path):
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 16)
     cfg = {"offload": {"params": "device", "gradients": "host", "optimizer": "nvme"},
-           "tiers": {"nvme_path": str(tmp_path)}, "optimizer": {"lr": 3e-3}, "train": {"early_step": True}}
+           "tiers": {"nvme_path": str(tmp_path)}, "optimizer": {"lr": 3e-3}, "train": {"overlap": "early"}}
     x = torch.randn(4, 16)
     engine = zerotier.initialize(layer, cfg)
     engine.backward(engine(x).square().mean())
     engine.step()
     engine.store.engine.inject_fault(op="write", errno=errno.EIO, count=1)
     engine.backward(engine(x).square().mean())
-    assert engine.window.early, "the update must have started during backward"
+    assert engine.window.overlap.early, "the update must have started during backward"
     with pytest.raises(TierIOError) as info:
         engine.step()
     assert info.value.errno == errno.EIO and ".swp" in str(info.value)

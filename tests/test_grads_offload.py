@@ -313,7 +313,7 @@ def host_peak(layers, gradients, tmp_path):
     cfg = config(tmp_path, gradients, accum=2, params="nvme", optimizer="nvme")
     cfg["train"]["wrap"] = ["Linear"]
     # gradients only: a speculated window holds every unit's new parameters until its check
-    cfg["train"]["speculative_step"] = False
+    cfg["train"]["overlap"] = "none"
     gen = torch.Generator().manual_seed(0)
     with zerotier.initialize(mlp(layers), cfg) as engine:
         for _ in range(4):

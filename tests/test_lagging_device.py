@@ -1,4 +1,4 @@
-"""The lagging device ([Note: the lagging device] in zerotier/tiers/device.py): a CPU DeviceTier whose
+"""The lagging device ([Note: the lagging device] in zerotier/tiers/lagging.py): a CPU DeviceTier whose
 copies complete late, as a GPU's do, so that a missing wait fails in the CPU suite (issue 22 item 3b).
 A test instrument, never a GPU result. The suite turns it on for every test (tests/conftest.py)."""
 from __future__ import annotations
@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from zerotier.errors import ZerotierError
-from zerotier.tiers import device as device_mod
-from zerotier.tiers.device import DeviceTier, LateTicket
+from zerotier.tiers import lagging as device_mod
+from zerotier.tiers.lagging import LaggingDeviceTier, LateTicket, make_device_tier
 from zerotier.tiers.host import HostPool
 
 LAG = 0.5  # s: long enough that nothing below completes by itself unless it waits for it
 
 
 def tier(lag=LAG):
-    return DeviceTier(1 << 20, "cpu", lag_s=lag)
+    return LaggingDeviceTier(1 << 20, "cpu", lag_s=lag)
 
 
 def expect_violation(match):
@@ -30,9 +30,9 @@ def expect_violation(match):
 def test_on_for_the_whole_suite_and_off_by_the_environment(monkeypatch):
     if os.environ.get("ZEROTIER_LAGGING_DEVICE") == "0":
         pytest.skip("ZEROTIER_LAGGING_DEVICE=0 was given: the suite runs without the instrument, by request")
-    assert DeviceTier(1 << 10, "cpu").lagging, "tests/conftest.py sets ZEROTIER_LAGGING_DEVICE=1"
+    assert make_device_tier(1 << 10, "cpu").lagging, "tests/conftest.py sets ZEROTIER_LAGGING_DEVICE=1"
     monkeypatch.setenv("ZEROTIER_LAGGING_DEVICE", "0")
-    assert not DeviceTier(1 << 10, "cpu").lagging
+    assert not make_device_tier(1 << 10, "cpu").lagging
 
 
 def test_destination_is_nan_until_joined_and_the_event_comes_late():

@@ -241,7 +241,7 @@ def test_sources_of_every_kind(store, tmp_path):
 def test_host_buffer_zero_copy(store, monkeypatch):
     """Pool blocks are aligned and padded to the alignment: the store writes and reads
     them in place, never through a staging buffer."""
-    import zerotier.tiers.nvme as nvme_mod
+    import zerotier.tiers.nvme_files as nvme_mod
 
     def no_staging(*a, **k):
         raise AssertionError("NVMeStore made a staging copy")
@@ -491,7 +491,7 @@ def test_preallocation_refused(store, monkeypatch, tmp_path, code):
     and leaves the old version; a filesystem that cannot preallocate has the file grow as written."""
     import ctypes
 
-    import zerotier.tiers.nvme as nvme_mod
+    import zerotier.tiers.nvme_files as nvme_mod
 
     old, new = rand(3000, torch.float32, 1), rand(3000, torch.float32, 2)
     store.write("k", old).wait()

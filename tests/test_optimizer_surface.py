@@ -122,7 +122,7 @@ def test_param_groups_with_their_own_hyperparameters_match_torch(name, mode, tmp
     torch_train(ref, opt, 4, clip=clip)
     model = make_model()
     cfg = config(name, tmp_path, optimizer={"no_weight_decay": ["*.bias"]},
-                 train={"max_grad_norm": clip, "early_step": mode == "early-step"})
+                 train={"max_grad_norm": clip, "overlap": "early" if mode == "early-step" else "auto"})
     with zerotier.initialize(model, cfg) as engine:
         for group in extra_groups(model):
             engine.optimizer.add_param_group(group)
@@ -194,7 +194,7 @@ def test_units_sharing_hyperparameters_keep_the_single_pass(tmp_path, monkeypatc
     monkeypatch.setattr(UnitOptimizer, "_adam_ranges", spy)
     model = make_model()
     # one pass per unit and step: no speculated update to redo ([Note: speculative step])
-    with zerotier.initialize(model, config("host", tmp_path, train={"speculative_step": False})) as engine:
+    with zerotier.initialize(model, config("host", tmp_path, train={"overlap": "none"})) as engine:
         engine.optimizer.add_param_group({"params": list(model.blocks[1].parameters()), "lr": 1e-2})
         engine_train(engine, 1)
         assert len(calls) == len(engine.units) and all(calls)  # blocks.1 is a unit of its own

@@ -284,11 +284,11 @@ def test_speculation_plan_predicts_commit_rollback_and_the_expected_step():
     undo = undo_bytes(1000, 4)
     assert undo == 16_000 and plan.speculation_undo_bytes == {"host": 2 * undo, "device": 0}
     off = spec_plan(speculative=False)
-    assert not off.speculative and off.predicted_step_s == 9.75 and "train.speculative_step = false" in \
+    assert not off.speculative and off.predicted_step_s == 9.75 and "train.overlap = 'none'" in \
         off.speculation_note
     assert plan.need["host"] - off.need["host"] == 2 * undo and plan.need["device"] == off.need["device"]
     text = plan.summary()
-    assert "speculative step: on (train.speculative_step = true); 2 of 2 units speculated; allowance host 31.25 KiB" \
+    assert "speculative step: on (train.overlap = 'speculative'); 2 of 2 units speculated; allowance host 31.25 KiB" \
         in text
     assert "predicted step (expected at rollback rate 25.0%): 9.19 s" in text
     assert "commit 8.25 s, rollback 12.00 s, expected 9.19 s; without speculation 9.75 s (6% saved)" in text
@@ -332,7 +332,7 @@ def test_speculation_auto_makes_no_undo_copies():
     """auto speculates NVMe-state units only (their undo is the old files); host or device state
     needs `true` (an undo copy of 12 B/param: on an H200 it cost more than it hid)."""
     plan = spec_plan(speculative="auto")
-    assert not plan.speculative and "train.speculative_step = true" in plan.speculation_note
+    assert not plan.speculative and "train.overlap = 'speculative'" in plan.speculation_note
     assert plan.speculation_undo_bytes == {"host": 0, "device": 0}
     with pytest.raises(ConfigError, match="rollback_rate"):
         spec_plan(rollback_rate=1.5)
@@ -363,7 +363,7 @@ def test_cli_plan_rollback_rate(tmp_path, capsys):
     from zerotier import cli
 
     cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps({"train": {"max_grad_norm": 1.0, "speculative_step": True},
+    cfg.write_text(json.dumps({"train": {"max_grad_norm": 1.0, "overlap": "speculative"},
                                "tiers": {"device": "1GiB", "host": "4GiB"}}))
     base = ["plan", "--params", "10M", "--layers", "2", "--config", str(cfg), "--json"]
     assert cli.main(base + ["--rollback-rate", "0.2"]) == 0
@@ -374,11 +374,11 @@ def test_cli_plan_rollback_rate(tmp_path, capsys):
 
 
 def test_plan_api_takes_the_rollback_rate_and_the_config_speculative_step():
-    cfg = {"train": {"max_grad_norm": 1.0, "speculative_step": True},
+    cfg = {"train": {"max_grad_norm": 1.0, "overlap": "speculative"},
            "tiers": {"device": "1GiB", "host": "1GiB", "nvme": 0}}
     plan = zerotier.plan(tiny("meta"), cfg, rates={"cpu_adam": 1e9}, rollback_rate=0.05)
     assert plan.speculative and plan.rollback_rate == 0.05 and sum(plan.speculation_undo_bytes.values()) > 0
-    cfg["train"]["speculative_step"] = False
+    cfg["train"]["overlap"] = "none"
     assert not zerotier.plan(tiny("meta"), cfg, rates={"cpu_adam": 1e9}).speculative
 
 

@@ -2,13 +2,11 @@
 NVMe, host memory does not grow with the model — 4x the layers (same largest unit) moves
 the host pool's peak and the process's peak RSS by no more than allocator noise, while a
 host-resident model would add ~16 bytes per parameter."""
-import importlib.util
+import sys
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location(
-    "zt_rss_scale", Path(__file__).parent.parent / "benchmarks" / "bench_rss_scale.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))  # the benchmarks import their siblings
+import bench_rss_scale as bench  # noqa: E402
 
 MiB = 1 << 20
 

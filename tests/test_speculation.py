@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 # The losses' gradient norms on this data are 2.217, 2.100, 2.179, 2.125 (then on): clipping at
 # 2.15 fires at steps 1 and 3 and not at 2 and 4.
 CLIP, STEPS = 2.15, 4
+OVERLAP = {False: "none", True: "speculative", "auto": "auto"}  # the old train.speculative_step values
 ROOM = {Location.HOST: 1 << 30, Location.DEVICE: 1 << 30}
 
 
@@ -44,13 +45,13 @@ def run(tmp_path, speculate, offload=None, train=None, precision=None, steps=STE
     nvme = tmp_path / f"nvme-{speculate}"
     nvme.mkdir(exist_ok=True)
     cfg = {"offload": offload or {}, "tiers": {"nvme_path": str(nvme)},
-           "train": {"max_grad_norm": CLIP, "speculative_step": speculate, **(train or {})},
+           "train": {"max_grad_norm": CLIP, "overlap": OVERLAP[speculate], **(train or {})},
            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}, "precision": precision or {}}
     accum = cfg["train"].get("grad_accum_steps", 1)
     applied = []
     with zerotier.initialize(model or gpt2(), cfg) as engine:
         if room is not None:
-            engine.window.undo.allowance = dict(room)
+            engine.window.overlap.undo.allowance = dict(room)
         for i in range(steps * accum):
             x = batch(i)
             engine.backward(engine(input_ids=x, labels=x).loss.float())
@@ -61,8 +62,9 @@ def run(tmp_path, speculate, offload=None, train=None, precision=None, steps=STE
         state = {u.index: engine.unit_optimizer.read_state(u) for u in engine.units}
         state = {i: {k: v.clone() for k, v in s.items()} for i, s in state.items()}
         steps_of = [list(s) for s in engine.unit_optimizer.steps]
-        policy = engine.window.speculation
-        return weights, (state, steps_of), (policy.windows, policy.rollbacks), applied
+        policy = getattr(engine.window.overlap, "speculation", None)  # train.speculative_step = false: none
+        counts = (policy.windows, policy.rollbacks) if policy is not None else (0, 0)
+        return weights, (state, steps_of), counts, applied
 
 
 def assert_same(a, b, what):
@@ -175,8 +177,8 @@ def test_weights_read_before_step_are_the_old_ones(tmp_path):
 
     def read(engine, i):
         if i == 1:
-            engine.window.wait_early_steps()
-            seen["spec"] = len(engine.window.undo.speculated)
+            engine.window.overlap.wait()
+            seen["spec"] = len(engine.window.overlap.undo.speculated)
             seen["during"] = {n: p.detach().clone() for n, p in engine.module.state_dict().items()}
     ours = run(tmp_path, True, {"params": "host", "optimizer": "host"}, steps=1)
     run(tmp_path, True, {"params": "host", "optimizer": "host"}, steps=2, between=read)
@@ -233,9 +235,9 @@ def test_a_failed_write_during_speculation_leaves_the_step_retryable(tmp_path):
         nvme = tmp_path / f"fail-{n}"
         nvme.mkdir()
         cfg = {"offload": offload, "tiers": {"nvme_path": str(nvme)}, "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
-               "train": {"max_grad_norm": CLIP, "speculative_step": True}}
+               "train": {"max_grad_norm": CLIP, "overlap": "speculative"}}
         with zerotier.initialize(gpt2(), cfg) as engine:
-            engine.window.undo.allowance = dict(ROOM)
+            engine.window.overlap.undo.allowance = dict(ROOM)
             for i in range(STEPS):
                 x = batch(i)
                 write = engine.store.write
@@ -305,19 +307,19 @@ def test_a_failed_write_at_every_position_of_a_speculated_window_is_recoverable(
     on a failure path (the engine wedged in 'pop from an empty deque') fails the next ones."""
     (tmp_path / "nvme").mkdir()
     cfg = {"offload": offload, "tiers": {"nvme_path": str(tmp_path / "nvme")},
-           "train": {"max_grad_norm": 100.0, "speculative_step": speculate},
+           "train": {"max_grad_norm": 100.0, "overlap": OVERLAP[speculate]},
            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}, "precision": {"moment_dtype": moments}}
     with zerotier.initialize(gpt2(), cfg) as engine:
-        engine.window.undo.allowance = dict(ROOM)
+        engine.window.overlap.undo.allowance = dict(ROOM)
         store_write, clean = engine.store.write, {0: [], 1: []}
         for w in range(3):  # windows 0 and 1 are faulted: the first writes the second state files
             if w in clean:
                 engine.save_checkpoint(tmp_path / f"ckpt{w}")
                 engine.store.write = recorded_writes(engine, clean[w])
-            speculated = engine.window.speculation.windows
+            speculated = engine.window.overlap.speculation.windows
             window(engine, w)
             engine.store.write = store_write
-            assert engine.window.speculation.windows == speculated + 1, "each window must speculate"
+            assert engine.window.overlap.speculation.windows == speculated + 1, "each window must speculate"
         expected = snapshot(engine)
 
         def in_flight(key):

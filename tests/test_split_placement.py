@@ -40,8 +40,7 @@ def config(optimizer, nvme_dir, clip=1.0, **tiers):
             "offload": {"params": "device", "gradients": "host", "optimizer": optimizer},
             "tiers": {"nvme_path": str(nvme_dir), **tiers},
             # the split, not speculation: its allowance would move the plans' host needs
-            "train": {"grad_accum_steps": ACCUM, "max_grad_norm": clip, "early_step": clip is None,
-                      "speculative_step": False}}
+            "train": {"grad_accum_steps": ACCUM, "max_grad_norm": clip, "overlap": "early" if clip is None else "none"}}
 
 
 def train(engine, start_step, steps):

@@ -31,7 +31,7 @@ def plain_step(engine, x, y):
 
 def train(early_step: bool, step=plain_step):
     cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "host"}, "optimizer": {"lr": 3e-3},
-           "train": {"max_grad_norm": None, "early_step": early_step}}
+           "train": {"max_grad_norm": None, "overlap": "early" if early_step else "auto"}}
     with zerotier.initialize(model(), cfg) as engine:
         for x, y in DATA:
             step(engine, x, y)
@@ -58,8 +58,8 @@ def test_early_step_backward_never_waits_for_a_units_host_adds():
         gate.clear()
         try:
             engine.backward(engine(x, y))
-            assert engine.window.early, "with no clipping, units are updated during backward"
-            assert not any(f.done() for f in engine.window.early), "the optimizer thread waits for the gate"
+            assert engine.window.overlap.early, "with no clipping, units are updated during backward"
+            assert not any(f.done() for f in engine.window.overlap.early), "the optimizer thread waits for the gate"
             handed = {i for i, slot in enumerate(engine.grads.slots) if slot.handed}
             on_compute = {i for role, i, in_backward in calls if role == threads.COMPUTE and in_backward}
             assert handed and not handed & on_compute, f"units {sorted(handed & on_compute)} settled in backward"
@@ -86,12 +86,12 @@ _CHECKED = textwrap.dedent("""
     assert threads.CHECK and hasattr(ParamStore.commit, "__wrapped__")
     torch.manual_seed(0)
     cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "host"},
-           "train": {"max_grad_norm": None, "early_step": True}}
+           "train": {"max_grad_norm": None, "overlap": "early"}}
     with zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16), cfg) as engine:
         early = 0
         for x, y in batches(64, 16, 2, 2):  # early steps hand the updater's state over and back
             engine.backward(engine(x, y))
-            early += len(engine.window.early)
+            early += len(engine.window.overlap.early)
             engine.step()
         assert early > 0
         unit = engine.units[0]

@@ -10,7 +10,7 @@ import torch
 from zerotier.units import parse_size
 from zerotier.errors import BudgetError, ZerotierError
 from zerotier.io import FutureTicket
-from zerotier.tiers import BudgetedTier, DeviceTier, HostPool
+from zerotier.tiers import BudgetedTier, DeviceTier, HostPool, make_device_tier
 
 SIZES = [1, 7, 4095, 4097, (1 << 20) + 3]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
@@ -172,7 +172,7 @@ def test_host_pool_threads():
 # ----------------------------------------------------------------------- device tier
 
 def test_device_tier_cpu_alloc_free_and_copies():
-    dev = DeviceTier(1 << 20, "cpu")
+    dev = make_device_tier(1 << 20, "cpu")
     assert dev.device.type == "cpu" and not dev.is_cuda
     t = dev.alloc((256, 256), torch.float32, what="w")  # 256 KiB
     assert dev.used == 1 << 18
@@ -202,7 +202,7 @@ def test_cuda_pinned_pool_and_event_tickets():
     assert buf.pinned and buf.tensor.is_pinned()
     assert pool.stats()["current"] == 5 * PAGE  # real bytes, not a power of two
     buf.tensor.copy_(rand(4097, torch.float32))
-    dev = DeviceTier(64 << 20, "cuda")
+    dev = make_device_tier(64 << 20, "cuda")
     d = dev.alloc((4097,), torch.float32)
     t = dev.copy_h2d(d, buf.tensor)
     t.wait_on()  # the current stream waits for the copy stream's event

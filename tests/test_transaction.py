@@ -32,8 +32,7 @@ def model():
 def cfg(tmp_path, clip=1.0):
     return {"offload": {"params": "host", "gradients": "host", "optimizer": "nvme"},
             "tiers": {"nvme_path": str(tmp_path / "swap")}, "optimizer": {"lr": 3e-3},
-            "train": {"max_grad_norm": clip, "early_step": clip is None,
-                      "speculative_step": False}}  # speculated failures: tests/test_speculation.py
+            "train": {"max_grad_norm": clip, "overlap": "early" if clip is None else "none"}}  # speculated failures: tests/test_speculation.py
 
 
 def run(engine, data):
@@ -92,7 +91,7 @@ def test_failed_write_at_every_unit_refuses_then_resumes_exactly(swap, clip):
         fail_nth_write(engine, n)
         with pytest.raises(TierIOError, match="No space left|ENOSPC|space"):
             run(engine, DATA[3:4])
-        assert not engine.window.early, "an update still queued after the error reached the caller"
+        assert not engine.window.overlap.early, "an update still queued after the error reached the caller"
         assert_broken(engine)
         engine.store.write = type(engine.store).write.__get__(engine.store)  # the disk is fixed
         engine.load_checkpoint(swap / "ckpt")
@@ -151,7 +150,7 @@ def test_error_in_backward_at_every_module(swap, clip, error):
         with pytest.raises(error):
             run(engine, DATA[3:4])
         armed[0] = False
-        assert not engine.window.early, "an update still queued after the error reached the caller"
+        assert not engine.window.overlap.early, "an update still queued after the error reached the caller"
         if engine.window.broken is not None:
             outcomes.add("refused")
             assert_broken(engine)

@@ -135,23 +135,23 @@ def test_grad_set_drops_or_replaces_one_parameter(tmp_path):
         assert_matches(engine.parameters_fp32(), reference)
 
 
-@pytest.mark.pins("design#the-early-step-is-opt-in-train-early-step-issue-21")
+@pytest.mark.pins("design#the-early-step-is-opt-in-train-overlap-early-issue-21", "design#the-overlap-seam")
 def test_early_step_is_opt_in_and_refuses_what_it_cannot_honour(tmp_path):
     x, y = data(1)[0]
-    with zerotier.initialize(gpt(), cfg("host", tmp_path, early_step=True)) as engine:
+    with zerotier.initialize(gpt(), cfg("host", tmp_path, overlap="early")) as engine:
         engine.backward(engine(x, y))
-        assert engine.unit_optimizer.applied > 0 or engine.window.early, "train.early_step: updates during backward"
+        assert engine.unit_optimizer.applied > 0 or engine.window.overlap.early, "train.early_step: updates during backward"
         with torch.no_grad():
             engine(x, y)  # a read after the last backward waits for its updates: never a home being written
-        assert not engine.window.early
+        assert not engine.window.overlap.early
         with pytest.raises(ZerotierError, match=r"^zero_grad\(\) after a backward whose update already started "
-                                                r"\(train\.early_step = true .*leave train\.early_step off"):
+                                                r"\(train\.overlap = 'early' .*set train\.overlap = 'auto'"):
             engine.zero_grad()
         with pytest.raises(ZerotierError, match=r"^clip_grad_norm_ after a backward whose update already "
                                                 r"started .*set train\.max_grad_norm instead"):
             torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0)
         with pytest.raises(ZerotierError, match=r"^engine\.backward\(\) again after a backward whose update "
-                                                r"already started .*train\.early_step"):
+                                                r"already started .*train\.overlap = 'early'"):
             engine.backward(engine(x, y))
         with pytest.raises(ZerotierError, match=r"^p\.grad set after a backward whose update already started"):
             engine.module.pos.grad = None

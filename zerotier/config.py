@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Union
 
 from . import config_files, deepspeed_config
-from .config_schema import (TRAINER_KEYS, Auto, Bytes, Placement, Size, TierFractions, check_field_rule, convert_value,
-                            type_hints)
+from .config_schema import (OVERLAP, TRAINER_KEYS, Auto, Bytes, Placement, Size, TierFractions, check_field_rule,
+                            convert_value, resolve_aliases, type_hints)
 from .errors import ConfigError
+from .tier_names import TIER_NAMES
 from .units import format_size
 
 
@@ -128,13 +129,10 @@ class OptimizerConfig(_Section):
 class TrainConfig(_Section):
     grad_accum_steps: int | Auto = 1
     max_grad_norm: float | None | Auto = None  # global grad-norm clipping; None disables
-    early_step: bool = False               # Adam during the window's last backward ([Note: early step])
-    # Adam during the last backward even with clipping / a dynamic loss scale, undone when the global
-    # check disagrees ([Note: speculative step] in overlap/speculative.py). auto: on when either is set
-    speculative_step: bool | Literal["auto"] = "auto"
-    # the update of each window runs during the next one, which reads weights one step stale (ZeRO-Offload's
-    # DPU): not the same training ([Note: delayed update] in delayed.py)
-    delayed_update: bool = False
+    # what of a window's update overlaps its backward or the next window ([Note: overlap policies] in
+    # overlap/base.py): none | early | speculative | delayed | auto. Old keys: early_step, speculative_step,
+    # delayed_update (aliases, one warning each)
+    overlap: OVERLAP = "auto"
     device: str = "auto"                   # auto | cpu | cuda | cuda:N (see zerotier/device.py)
     wrap: Literal["auto"] | tuple[str, ...] = "auto"  # unit boundaries: auto | module class names (state.py)
     handle_signals: bool = True            # SIGTERM/SIGINT stop at a step boundary ([Note: graceful stop])
@@ -313,6 +311,7 @@ def _section_from_value(section_cls: type, name: str, value: Any) -> Any:
         return value
     if not isinstance(value, Mapping):
         raise ConfigError(f"config section '{name}' must be a table of keys, got {type(value).__name__}")
+    value = resolve_aliases(name, value)  # old keys of train.overlap
     valid = {f.name: f for f in dataclasses.fields(section_cls)}
     for key in value:
         if key not in valid:
@@ -364,8 +363,7 @@ def _check_optimizer_split(offload: OffloadConfig) -> None:
         raise ConfigError(f"offload.optimizer = {{{shown}}}: a split spans host and nvme only (the device "
                           "tier holds the whole optimizer state or none of it): drop device, or set "
                           "offload.optimizer = 'device'")
-    order = ("device", "host", "nvme")  # fastest first: the first units go to the fastest tier
-    normalized = {t: split[t] for t in order if t in split}
+    normalized = {t: split[t] for t in TIER_NAMES if t in split}  # fastest first: the first units go there
     object.__setattr__(offload, "optimizer", next(iter(normalized)) if len(normalized) == 1 else normalized)
 
 

@@ -9,17 +9,19 @@ from __future__ import annotations
 import functools
 import math
 import types
+import warnings
 from typing import Annotated, Any, Callable, Literal, Mapping, Union, get_args, get_origin, get_type_hints
 
 from .errors import ConfigError
+from .tier_names import TIER_NAMES
 from .units import parse_size, shown
 
 _BYTES = "bytes"  # Annotated marker: an int count of bytes, writable as "24GiB" in config sources
 Bytes = Annotated[int, _BYTES]
 Size = Union[Bytes, Literal["auto"]]
-Placement = Literal["auto", "device", "host", "nvme"]
+Placement = Literal[("auto",) + TIER_NAMES]
 Auto = Literal["auto"]  # a trainer-filled key: [Note: keys a trainer fills] in config.py
-TierFractions = dict[Literal["device", "host", "nvme"], float]  # offload.optimizer split: tier -> fraction
+TierFractions = dict[Literal[TIER_NAMES], float]  # offload.optimizer split: tier -> fraction
 
 # the keys a trainer may fill ([Note: keys a trainer fills] in config.py)
 TRAINER_KEYS = ("precision.param_dtype", "optimizer.lr", "optimizer.betas", "optimizer.eps",
@@ -189,3 +191,58 @@ def check_field_rule(path: str, value: Any) -> None:
         return
     if rule is not None and not rule[0](value):
         raise ConfigError(f"{path}: {rule[1]}, got {shown(value)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Old keys kept as aliases of a newer one: each given one warns once, naming the new key.
+
+OVERLAP = Literal["none", "early", "speculative", "delayed", "auto"]  # train.overlap ([Note: overlap policies])
+_OVERLAP_ALIASES = ("delayed_update", "early_step", "speculative_step")  # train.overlap's old keys
+
+
+def _alias_mode(key: str, v: Any) -> "str | None":
+    """The train.overlap value an old key's value asks for (None: no opinion)."""
+    if key == "speculative_step":
+        return {True: "speculative", False: "none"}.get(v, "auto") if isinstance(v, bool) or v == "auto" else None
+    return ("delayed" if key == "delayed_update" else "early") if v is True else None
+
+
+def resolve_aliases(section: str, value: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A section's keys with train.early_step / speculative_step / delayed_update given as
+    train.overlap (one FutureWarning each). Keys that ask for different policies (two old ones, or
+    one beside train.overlap) are a ConfigError: one key, one value."""
+    given = [k for k in _OVERLAP_ALIASES if k in value] if section == "train" else []
+    if not given:
+        return value
+    wanted = {"overlap": value["overlap"]} if "overlap" in value else {}
+    weak = None  # speculative_step = false / 'auto': the policy when nothing else is asked for
+    for key in given:
+        v, auto = value[key], key == "speculative_step"
+        if not (isinstance(v, bool) or (auto and v == "auto")):
+            choices = "true, false or 'auto'" if auto else "true or false"
+            raise ConfigError(f"train.{key}: expected {choices}, got {shown(v)} (an old key: set train.overlap instead)")
+        if auto and v is not True:
+            weak = _alias_mode(key, v)
+        elif _alias_mode(key, v) is not None:
+            wanted[key] = _alias_mode(key, v)
+    if len(set(wanted.values())) > 1:
+        items = list(wanted.items())
+        other = next(kv for kv in items if kv[1] != items[0][1])
+        (a, mode_a), (b, mode_b) = (other, items[0]) if other[1] == "delayed" else (items[0], other)
+
+        def said(k: str) -> str:
+            v = value[k]
+            return f"train.{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}"
+        if mode_a == "delayed" and mode_b in ("early", "speculative"):
+            cause = f"{said(a)} cannot run here: {said(b)} updates units during backward, under the pending update"
+        else:
+            cause = f"{said(a)} and {said(b)}"
+        raise ConfigError(f"{cause}: each is a value of train.overlap now ({mode_a!r}, {mode_b!r}), which "
+                          "takes one: set train.overlap alone")
+    mode = next(iter(wanted.values()), weak or "auto")
+    for key in given:
+        warnings.warn(f"train.{key} is an old key of train.overlap: set train.overlap = {mode!r} instead",
+                      FutureWarning, stacklevel=5)
+    out = {k: v for k, v in value.items() if k not in _OVERLAP_ALIASES}
+    out["overlap"] = mode
+    return out

@@ -68,6 +68,7 @@ from .grads_memory import STAGED_UNITS, MemoryGrads
 from .grads_nvme import GRAD_WRITES, OPEN_UNITS, GradFile, NvmeGrads
 from .slots import SlotField
 from .state import GRAD_TRANSITIONS, GradState, Location, Unit, transition
+from .tiers.homes import HOMES
 from .threads import COMPUTE, UPDATER, owned
 
 __all__ = ["GRAD_WRITES", "OPEN_UNITS", "STAGED_UNITS", "GradFile", "GradSlot", "GradStore", "MemoryGrads",
@@ -101,6 +102,11 @@ class GradSlot:
     handed: bool = False                            # an early step owns it until step() ([Note: thread ownership])
 
 
+def _backend(loc: Location):
+    """The backend class for gradients on `loc`: files on NVMe, accumulators in memory otherwise."""
+    return MemoryGrads if HOMES[loc].in_memory else NvmeGrads
+
+
 class GradStore:
     """Gradients of every unit over an accumulation window ([Note: the gradient store's backends])."""
 
@@ -110,7 +116,7 @@ class GradStore:
         self.slots = [GradSlot() for _ in units]    # by unit index
         self._states = SlotField(self.slots, "state")  # what transition() writes
         self._keep_zeros = False                       # the last drop was set_to_none=False
-        if loc is Location.NVME:
+        if _backend(loc) is NvmeGrads:  # the backend is chosen once
             if store is None:
                 raise ValueError("GradStore: gradients on nvme need the NVMe store")
             self.backend = NvmeGrads(units, grad_dtype, device_tier, host_pool, sharding, store, profiler)
@@ -120,7 +126,7 @@ class GradStore:
                                      reduce_dtype=torch.float32) if sharding.active else None
         if self.bucketer is not None:  # the buckets live on the device: counted there ([Note: bucket memory])
             self.bucketer.allocate_from(device_tier, [u.part for u in units],
-                                        host_pool if loc is not Location.DEVICE else None)
+                                        None if HOMES[loc].on_device else host_pool)
         self._reduce_order = [u.index for u in reversed(units)]  # [Note: the same collectives on every rank]
         self._queued = 0                                         # reduce-order position reached
         self._agreed = False                                     # this window's Sharding.agree() done
@@ -147,11 +153,7 @@ class GradStore:
     def host_blocks(loc: Location, units: int, world_size: int, stage: int) -> int:
         """Host-pool blocks the gradients hold at most at once: on the host an accumulator per unit
         (and its reduced shard when sharded); on NVMe the staging of NvmeGrads.staging_bytes."""
-        if loc is Location.NVME:
-            return NvmeGrads.host_blocks(world_size)
-        if loc is Location.HOST:
-            return units * (2 if world_size > 1 and stage >= 1 else 1)
-        return 0
+        return _backend(loc).host_blocks(loc, units, world_size, stage)
 
     @owned(COMPUTE)
     def place(self, unit: Unit) -> None:

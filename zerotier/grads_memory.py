@@ -12,6 +12,7 @@ import torch
 from .device import enter as enter_device
 from .optim import _kernels
 from .state import Location, Unit
+from .tiers.homes import HOMES, Tiers
 from .threads import GRAD_ADD, owned
 
 STAGED_UNITS = 2  # GPU review N6: gradient D2H staging in flight, in the largest unit's bytes (_StagingBound)
@@ -36,14 +37,22 @@ class MemoryGrads:
     def __init__(self, units: list[Unit], loc: Location, grad_dtype: torch.dtype, device_tier, host_pool, sharding,
                  profiler=None):
         self.units, self.loc, self.grad_dtype = units, loc, grad_dtype
+        self.home_kind = HOMES[loc]  # the accumulators' tier ([Note: homes] in tiers/homes.py)
         self.device_tier, self.host_pool, self.sharding, self.profiler = device_tier, host_pool, sharding, profiler
+        self.tiers = Tiers(device_tier, host_pool)
         self.slots = [AccumulatorSlot() for _ in units]
         self._blocks = []  # host-pool blocks this backend holds
         device = device_tier.device
         self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-grad",
                                          initializer=enter_device, initargs=(device,)) \
-            if device.type == "cuda" and loc is Location.HOST else None
+            if device.type == "cuda" and not self.home_kind.on_device else None
         self._staging: _StagingBound | None = None  # D2H staging of host gradients (CUDA), made at the first offload
+
+    @staticmethod
+    def host_blocks(loc: Location, units: int, world_size: int, stage: int) -> int:
+        """Host-pool blocks the accumulators hold: per unit its home's (and its reduced shard's when
+        sharded)."""
+        return units * (2 if world_size > 1 and stage >= 1 else 1) * HOMES[loc].blocks_at_rest
 
     @staticmethod
     def staging_bytes(largest: int, grad_itemsize: int, alignment: int) -> int:
@@ -59,20 +68,17 @@ class MemoryGrads:
         slot.reduced = slot.acc if whole else self._alloc(unit.shard_numel, f"{unit.key}.grad_shard")
 
     def _alloc(self, numel: int, what: str) -> torch.Tensor:
-        if self.loc is Location.DEVICE:
-            t = self.device_tier.alloc((numel,), self.grad_dtype, what)
-        else:
-            block = self.host_pool.alloc(numel * self.grad_dtype.itemsize, self.grad_dtype, what)
-            self._blocks.append(block)
-            t = block.tensor
-        return t.zero_()
+        home = self.home_kind.reserve(what, numel, self.grad_dtype, self.tiers)
+        if home.block is not None:
+            self._blocks.append(home.block)
+        return home.view().zero_()
 
     def accumulate(self, unit: Unit, i: int, grad: torch.Tensor, first_in_window: bool) -> None:
         slot = self.slots[unit.index]
         offset, numel = unit.offsets[i], unit.shapes[i].numel()
         acc = slot.acc[offset: offset + numel]
         flat = grad.reshape(-1)
-        offload = acc.device.type == "cpu" and self.loc is Location.HOST
+        offload = acc.device.type == "cpu" and not self.home_kind.on_device
         nbytes = numel * grad.element_size()
         prof = self.profiler
         token = prof.begin(unit.key + ".grad", "grad", "device", "host", nbytes, "grad-offload") \

@@ -104,7 +104,7 @@ class NvmeGrads:
         return GRAD_WRITES
 
     @staticmethod
-    def host_blocks(world_size: int) -> int:
+    def host_blocks(loc, units: int, world_size: int, stage: int) -> int:
         """Host-pool blocks staging_bytes counts: the open units' fresh gradients, each fold's source
         and sum read back, and with several ranks three reduce inputs."""
         return OPEN_UNITS + 2 * GRAD_WRITES + (3 if world_size > 1 else 0)

@@ -92,10 +92,9 @@ class ShardGathers:
     def _shard_buffer(self, unit: Unit) -> "torch.Tensor | None":
         """A device-tier buffer for this rank's shard (counted: the planner's
         ParamStore.gather_staging_bytes), or None where the gather reads the shard where it is:
-        the device home, or host memory, which is the CPU device's (not on the lagging device,
-        which copies as a GPU would: [Note: the lagging device] in tiers/device.py)."""
-        if self.slots[unit.index].home.on_device or \
-                (self.device_tier.device.type == "cpu" and not self.device_tier.lagging):
+        the device home, or host memory where the device shares it (a CPU device; not the lagging
+        device, which copies as a GPU would: [Note: the lagging device] in tiers/lagging.py)."""
+        if self.slots[unit.index].home.on_device or self.device_tier.shares_host_memory:
             return None
         return self.device_tier.alloc((unit.shard_numel,), self.lp_dtype, f"{unit.param_key} shard")
 

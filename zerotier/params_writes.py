@@ -9,8 +9,8 @@ later fetch first rewrites the file from the fp32 master (`master_of`, the truth
 raising again while the drive still refuses. ZeRO-1/2 homes hold the full flat
 gathered from every rank, which one rank cannot rebuild alone: there the fetch
 refuses and names load_checkpoint. So does it while a delayed update is pending
-(`delayed.master_of`): that update moves the master past the weights the file must
-hold, and nothing keeps them ([Note: delayed update] in delayed.py).
+(`Delayed.master_of`): that update moves the master past the weights the file must
+hold, and nothing keeps them ([Note: delayed update] in overlap/delayed.py).
 """
 from __future__ import annotations
 

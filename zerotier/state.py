@@ -46,16 +46,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .tier_names import TIER_NAMES
+
 
 class Location(enum.Enum):
-    """The three tiers. Their names ("device", "host", "nvme") are defined here only."""
+    """The three tiers, named by tier_names.TIER_NAMES (fastest first)."""
 
-    DEVICE = "device"
-    HOST = "host"
-    NVME = "nvme"
-
-
-TIER_NAMES = tuple(loc.value for loc in Location)
+    DEVICE, HOST, NVME = TIER_NAMES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

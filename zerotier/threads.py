@@ -22,9 +22,9 @@ lock: HostPool, DeviceTier's budget, NVMeStore, and under ParamStore's `_lock` i
 One role moves: the *updater*, which runs Adam and commits the new parameters
 (UnitOptimizer, ParamStore's write-back state, a unit's READY/STEPPED gradient
 state). It is the compute thread, except from an early or speculative update's
-submission until the compute thread has waited for its future (`Window._on_optimizer_thread`
--> `Window.wait_early_steps` / `quiesce`), and from a delayed update's launch until the next
-step publishes it (`DelayedUpdate`, a whole window), when it is the optimizer thread. `hand()`
+submission until the compute thread has waited for its future (`OverlapPolicy.on_optimizer_thread`
+-> `OverlapPolicy.wait` / `quiesce`), and from a delayed update's launch until the next
+step publishes it (`overlap.delayed.Delayed`, a whole window), when it is the optimizer thread. `hand()`
 records each such handoff.
 
 With `ZEROTIER_CHECK_THREADS=1` (read once, at import) every mutating method decorated

@@ -19,10 +19,9 @@ def plan_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--params", metavar="N",
                        help="trainable parameters of the model, e.g. 7B, 350M, 7.5e9 or 1200000")
     model.add_argument("--model", metavar="MODULE:FACTORY",
-                       help="a callable returning an nn.Module, e.g. zerotier.models:TinyGPT; built on the "
-                            "meta device if it takes a `device` keyword, else normally; its trainable and "
-                            "frozen (requires_grad=False) parameters and per-module units are counted as the "
-                            "engine does")
+                       help="a callable returning an nn.Module, e.g. zerotier.models:TinyGPT; built on the meta "
+                            "device if it takes a `device` keyword, else normally; its trainable and frozen "
+                            "(requires_grad=False) parameters and per-module units are counted as the engine does")
     parser.add_argument("--frozen-params", metavar="N",
                         help="with --params: frozen parameters besides the trainable ones (a LoRA base), "
                              "placed by offload.params with no gradient or optimizer state, e.g. 7B")
@@ -62,7 +61,7 @@ def plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "replace this node's and measured unit times scale by the ratio of the two nodes' "
                              "matmul rates (bench compute)")
     parser.add_argument("--rollback-rate", type=float, metavar="R",
-                        help="share of speculated steps rolled back (train.speculative_step), 0..1: the expected "
+                        help="share of speculated steps rolled back (train.overlap), 0..1: the expected "
                              "step is (1 - R) x commit + R x rollback (default 0.01; `zerotier profile` measures it)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object: per_rank_bytes, tiers (bytes needed per tier), placement, "

@@ -8,6 +8,7 @@ import os
 import sys
 
 from zerotier.errors import ZerotierError
+from zerotier.tier_names import TIER_NAMES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -25,7 +26,7 @@ def demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for the optimizer's swap files (default: the system temp dir)")
     parser.add_argument("--device-budget", default="24MiB", metavar="SIZE",
                         help="tiers.device; the default is smaller than the model's training state")
-    parser.add_argument("--optimizer-tier", choices=["auto", "device", "host", "nvme"], default="nvme",
+    parser.add_argument("--optimizer-tier", choices=["auto", *TIER_NAMES], default="nvme",
                         help="offload.optimizer: where fp32 master weights and Adam moments live (default nvme)")
     parser.add_argument("--trace", metavar="FILE", default=None,
                         help="also write a Perfetto/Chrome trace of the swap traffic (see `zerotier profile`)")

@@ -10,7 +10,6 @@ See docs/dist.md for the protocol per stage.
 """
 from .buckets import GradBucketer, ParamGatherer  # noqa: F401
 from .comm import AVG, SUM, CollectiveError, Comm, Handle, ring_bytes  # noqa: F401
-from ..io.ticket import wait_all  # noqa: F401  (works on Handles: anything with wait())
 from .launch import SpawnError, init_distributed, spawn  # noqa: F401
 from .partition import (Partition, is_persistent, padded_numel, partition_units, shard_numel,  # noqa: F401
                         shard_range)

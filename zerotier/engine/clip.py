@@ -18,8 +18,8 @@ include ones a live engine manages it
 norm_type 2 only (the engine keeps sums of squares); other norm types are refused, as is
 `clip_grad_value_` on managed parameters (an element-wise clamp of gradients that may sit
 on NVMe; train.max_grad_norm is the supported form). Parameters no engine manages go to
-torch's own functions untouched. Where the update already started (train.early_step,
-[Note: early step] in window.py) the clip is refused: it could not be honoured.
+torch's own functions untouched. Where the update already started (train.overlap = "early",
+[Note: early step] in overlap/early.py) the clip is refused: it could not be honoured.
 """
 from __future__ import annotations
 
@@ -83,10 +83,7 @@ def _clip_window(window, max_norm: float, others: list, error_if_nonfinite: bool
     """clip_grad_norm_ over an engine's parameters (and `others`, unmanaged ones with a gradient):
     the factor is recorded in the window (window.py), whose update applies it."""
     window.refuse_if_closed("clip_grad_norm_")
-    if window.updated():
-        raise ZerotierError("clip_grad_norm_ after a backward whose update already started (train.early_step = "
-                            "true applies the window's update during its last backward, unclipped): set "
-                            "train.max_grad_norm instead, or leave train.early_step off (the default)")
+    window.refuse_if_started("clip_grad_norm_")
     if not window.has_grads() and not others:
         return torch.tensor(0.0)  # torch: no gradients, norm 0
     managed = window.grad_norm() * window.user_clip if window.has_grads() else 0.0

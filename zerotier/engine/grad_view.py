@@ -52,11 +52,8 @@ def grad_set(window, p, value) -> None:
     if value is None and not e.grads.has(unit, k):
         return
     _refuse_access(window, "setting p.grad")
-    window.cancel_speculation()  # [Note: speculative step]: the window's update is made again at step()
-    if window.updated():
-        raise ZerotierError("p.grad set after a backward whose update already started (train.early_step = "
-                            "true applies the window's update during its last backward): call "
-                            "engine.step() first, or leave train.early_step off (the default)")
+    window.overlap.cancel()  # [Note: speculative step]: the window's update is made again at step()
+    window.refuse_if_started("setting p.grad")
     window.refuse_after_grad_norm("setting p.grad")
     if value is not None:
         if not isinstance(value, torch.Tensor) or value.shape != p.shape:

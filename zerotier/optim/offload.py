@@ -182,6 +182,15 @@ class UnitOptimizer:
         """Host-pool bytes of the NVMe pipeline's staging sets (the planner counts exactly this)."""
         return depth * layout.state_bytes(largest_shard)
 
+    @staticmethod
+    def host_blocks(loc: Location, units: int, depth: int, grads_staged: bool, writeback: bool) -> int:
+        """Host-pool blocks the optimizer holds at most at once (the planner rounds each up to
+        io.alignment): a block per state key per unit on host (_place_state), a set of them per
+        pipeline slot on NVMe (_make_sets), two gradient shards staged (_StagedGrads) and, at
+        ZeRO-1/2 over several ranks, each unit's updated shard until the gather (ParamStore.writeback_bytes)."""
+        blocks = {Location.HOST: len(STATE_KEYS) * units, Location.NVME: len(STATE_KEYS) * depth}.get(loc, 0)
+        return blocks + 2 * grads_staged + units * writeback
+
     def _key(self, unit: Unit, key: str, update: bool = False) -> str:
         """The NVMe key of `unit`'s state buffer `key`; `update`: the file an update writes."""
         return self.file_of(unit, key, update)

@@ -1,12 +1,12 @@
 """When the window's update may run during backward before the global check allows it, and what
-undoes it: the policy of `train.speculative_step`, and its undo log.
+undoes it: `train.overlap = "speculative"` and "auto" (the default), and the undo log.
 
 [Note: speculative step]
 With clipping (train.max_grad_norm) or a dynamic loss scale, no unit may be updated before the
 global gradient norm is known, which is after the last gradient of the window. Speculation
 (SuperOffload's speculation-then-validation) updates each unit anyway, during the window's last
-backward, as soon as its gradient is final ([Note: early step] in window.py: the same hook, the
-same optimizer thread), with clip coefficient 1 and no overflow assumed, and keeps what an exact
+backward, as soon as its gradient is final ([Note: early step] in overlap/early.py: the same hook,
+the same optimizer thread), with clip coefficient 1 and no overflow assumed, and keeps what an exact
 undo needs in its log (UndoLog.speculate; the optimizer offers `live_state`, `file_of` and `rewind`):
   * NVMe state: the pre-step files. The update writes the unit's other file set (UndoLog.file_of,
     the optimizer's file naming while the log lives); the commit makes it current. No copy is made;
@@ -14,7 +14,7 @@ undo needs in its log (UndoLog.speculate; the optimizer offers `live_state`, `fi
     NVMe budget).
   * host or device state: an undo copy of the unit's state buffers, on the state's own tier,
     within the plan's allowance (`plan.speculation_undo_bytes`); a unit whose copy does not fit
-    is updated after the check, as without speculation. Only with `true`: the copy reads and
+    is updated after the check, as without speculation. Only with "speculative": the copy reads and
     writes the unit's whole state once more on the optimizer thread (12 B/param each way at
     fp32), which on an H200 with the optimizer on host made a 1.3B step slower, not faster
     (1176 ms with speculation at --clip 100 vs 781 ms without clipping or speculation; the undo
@@ -35,7 +35,7 @@ loss scale, and factor == 1.0 exactly on commit).
 
 A call that changes the window after a speculated update (zero_grad, p.grad = ..., another
 backward of the same micro-batch, a checkpoint or an optimizer state_dict, engine.synchronize)
-cancels the speculation first (Window.cancel_speculation): roll back, the gradients reopened;
+cancels the speculation first (Speculative.cancel): roll back, the gradients reopened;
 so unlike train.early_step nothing the user does is refused. A failure during the window
 (I/O error, Ctrl-C) rolls back too: the window is PARTIAL, not BROKEN.
 
@@ -47,10 +47,11 @@ thread, hidden under backward) and, on a rollback, the restore plus the normal u
 the undo costs no copy there), pauses it after
 PAUSE_AFTER rollbacks in a row (clipping that fires every step, as in warm-up, makes every
 speculation wasted work), and tries again after a pause that doubles each time (PAUSE_STEPS up
-to MAX_PAUSE_STEPS); `true` always speculates, `false` never.
+to MAX_PAUSE_STEPS); "speculative" always speculates; "none" (and every other policy) never.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,7 @@ import torch
 from .. import threads
 from ..optim.state_layout import STATE_KEYS, StateLayout
 from ..state import Location, Unit
+from .base import OverlapPolicy
 
 PAUSE_AFTER = 3         # rollbacks in a row before auto pauses: one is noise, three is a regime
 PAUSE_STEPS = 16        # optimizer steps without speculation after the first pause
@@ -139,8 +141,8 @@ class UndoLog:
 
     def __init__(self, optimizer, device_tier, host_pool, allowance: "dict[str, int]", copies: bool):
         """allowance: undo bytes a window may hold, by tier ("host", "device": the plan's
-        speculation_undo_bytes). copies: host/device state may be speculated (train.speculative_step
-        = true); without, NVMe-state units only."""
+        speculation_undo_bytes). copies: host/device state may be speculated (train.overlap
+        = "speculative"); without, NVMe-state units only."""
         self.optimizer, self.device_tier, self.host_pool = optimizer, device_tier, host_pool
         self.allowance = {Location.HOST: allowance["host"], Location.DEVICE: allowance["device"]}
         self.copies = copies
@@ -225,3 +227,138 @@ class UndoLog:
         self._held[undo.tier] -= undo.held
         for copy in undo.copies.values():
             self.device_tier.free(copy) if isinstance(copy, torch.Tensor) else self.host_pool.free(copy)
+
+
+class Speculative(OverlapPolicy):
+    """`train.overlap = "speculative"` (always, with undo copies of host and device state) and, as
+    AutoSpeculative, "auto": [Note: speculative step]. Holds the window's UndoLog."""
+
+    name = "speculative"
+    speculates: "bool | str" = True
+
+    def __init__(self, engine, window):
+        super().__init__(engine, window)
+        # the plan resolved the mode for this placement ([Note: speculation in the plan] in planner.py)
+        mode = self.speculates if engine.plan.speculative else False
+        self.speculation = SpeculationPolicy(mode, engine.cfg.train.max_grad_norm is not None, engine.scaler.dynamic)
+        self.undo = UndoLog(engine.unit_optimizer, engine.device_tier, engine.host_pool,
+                            engine.plan.speculation_undo_bytes, copies=self.speculates is True)
+        self._speculating = False           # this window's last backward updates units speculatively
+        self._spec_hyper: dict[int, list] = {}  # unit index -> the Hyper its speculated update used
+        self._spec_scale = 1.0              # the gradient scale speculated updates used (1 / loss scale)
+        self._rollback_started: tuple | None = None  # a rollback's (start, units, undo bytes, bytes moved)
+
+    def on_unit_final(self, last_micro: bool):
+        e = self.engine
+        if last_micro and not e.sharding.active and self.speculation.wanted():
+            self._speculating = True
+            self._spec_scale = 1.0 / e.scaler.scale
+            return self._start
+        return super().on_unit_final(last_micro)
+
+    def _start(self, unit) -> None:
+        """Update `unit` on the optimizer thread with clip coefficient 1, undoably, while backward goes
+        on; its new parameters wait in a staged write-back buffer until engine.step() validates the
+        window. A unit whose undo does not fit the allowance only has its NVMe state reads started."""
+        e, scale = self.engine, self._spec_scale
+
+        def update(hyper_of):
+            if not self.undo.speculate(unit, e.params.staged_out_bytes(unit)):
+                e.unit_optimizer.prefetch(unit)
+                return
+            self._spec_hyper[unit.index] = list(hyper_of(unit))
+            self.update([unit], hyper_of, scale, drain=False, keep_grads=True, speculative=True)
+        self.on_optimizer_thread(unit, update)
+
+    def started(self) -> bool:
+        return False if self._speculating else super().started()  # speculated updates are undone on demand
+
+    def cancel(self) -> None:
+        """A call that changes the window after speculated updates (another backward, zero_grad,
+        p.grad = ..., engine.synchronize: checkpoints, state_dicts): wait for them, undo them, reopen
+        the window's gradients. Nothing if the window did not speculate."""
+        if not self._speculating:
+            return
+        self._speculating = False
+        self.wait()
+        self._roll_back()
+        self.engine.grads.reopen()
+
+    def _roll_back(self) -> int:
+        """Undo every speculated update of the window (after its futures were waited); the staged
+        parameters are dropped (the redo, if any, writes them again). Returns bytes moved."""
+        e = self.engine
+        indices = self.undo.speculated
+        moved = self.undo.roll_back()
+        for i in indices:
+            e.params.drop_out(e.units[i])
+        self._spec_hyper.clear()
+        return moved
+
+    def _validate(self, factor: float, overflow: bool) -> "tuple[set[int], bool | None]":
+        """After the window's norm: commit the speculated updates if the step would have made exactly
+        them, else roll them back. Returns (units committed, rolled back?: None when nothing was
+        speculated) and reports to the profiler."""
+        e = self.engine
+        if not self._speculating:
+            return set(), None
+        self._speculating = False
+        indices = self.undo.speculated
+        if not indices:
+            return set(), None
+        hyper_of = e.optimizer.hyper_of()
+        valid = (not overflow and factor == 1.0 and self._spec_scale == 1.0 / e.scaler.scale
+                 and all(list(hyper_of(e.units[i])) == self._spec_hyper.get(i) for i in indices))
+        undo_bytes = self.undo.copy_bytes()
+        prof = e.profiler
+        if valid:
+            for i in indices:
+                e.grads.stepped(e.units[i])
+                e.params.commit(e.units[i])
+            self.undo.commit()
+            self._spec_hyper.clear()
+            if prof is not None:
+                prof.speculation(len(indices), 0, undo_bytes, 0, 0.0)
+            return set(indices), False
+        start = time.perf_counter()
+        moved = self._roll_back()
+        opt = e.unit_optimizer
+        moved += sum(opt.layout.state_bytes(e.units[i].shard_numel) for i in indices
+                     if opt.locs[i] is Location.NVME)  # read again for the redo
+        self._rollback_started = (start, len(indices), undo_bytes, moved)
+        return set(), True
+
+    def _outcome(self, rolled_back: "bool | None") -> None:
+        """The window's outcome to the auto policy and, for a rollback, to the profiler: units, bytes,
+        and the seconds from the rollback to the end of the redone update."""
+        self.speculation.outcome(rolled_back)
+        if not rolled_back:
+            return
+        start, units, undo_bytes, moved = self._rollback_started
+        prof = self.engine.profiler
+        if prof is not None:
+            prof.speculation(units, units, undo_bytes, moved, time.perf_counter() - start)
+
+    def skip(self, factor: float) -> None:
+        _, rolled_back = self._validate(factor, overflow=True)
+        self._outcome(rolled_back)
+
+    def apply(self, pending: list, grad_scale: float, factor: float) -> None:
+        e = self.engine
+        committed, rolled_back = self._validate(factor, overflow=False)
+        self.update([u for u in pending if u.index not in committed], e.optimizer.hyper_of(), grad_scale)
+        self._outcome(rolled_back)
+        e.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
+
+    def _undo_window(self) -> None:
+        if self._speculating:  # undone, so the failure leaves no unit updated
+            self._speculating = False
+            self._roll_back()
+
+
+class AutoSpeculative(Speculative):
+    """`train.overlap = "auto"` (the default): speculates NVMe-state units, where the undo is the old
+    files, when clipping or a dynamic loss scale is set; pauses after rollbacks in a row."""
+
+    name = "auto"
+    speculates = "auto"

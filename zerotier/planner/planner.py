@@ -15,6 +15,16 @@ The step time: [Note: step-time prediction] in predict.py, the schedule it lays 
 planner/step_model.py. `auto` placement: among the placements (and the optimizer split) that
 fit, the one with the lowest predicted step; ties keep the fastest-tier-first order above
 (`Plan.alternatives` lists every candidate considered).
+
+[Note: needs per component]
+The plan's bytes are kept per component, `Plan.needs[component][tier]`: `params`, `gradients`,
+`optimizer` (each kind where it is placed, with its working sets, as sizes.bytes_for counts
+them from the stores' own sizing functions), `speculation` (the speculative step's allowance and
+shadow files), `delayed` (train.overlap = 'delayed': its gradient copies and staged parameters,
+`overlap.delayed.host_bytes`; a host budget without room for them refuses the plan), `activations` and
+`materialization`. `Plan.need` is their sum per tier; nothing is checked outside the plan.
+ZEROTIER_CHECK_PLAN=1 compares the run's peaks with these terms ([Note: the plan against the
+run's peaks] in plan_check.py).
 """
 from __future__ import annotations
 
@@ -26,7 +36,8 @@ import torch
 from ..config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, ZeroConfig
 from ..errors import ConfigError
 from ..optim.state_layout import StateLayout
-from ..state import DTYPES, Location
+from ..overlap.delayed import Delayed, host_bytes as delayed_host_bytes
+from ..state import DTYPES, TIER_NAMES as TIERS, Location
 from .budgets import nvme_off, resolve_budgets
 from .machine_fit import Machine, shortfall
 from .messages import PlanDoesNotFit, does_not_fit, split_does_not_fit
@@ -153,8 +164,9 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
     local = ranks_per_node or world_size
     free = dict(budgets)
     base_sizes, base = sizes, {"device": activation_bytes, "host": materialize_bytes, "nvme": 0}
-    need = dict(base)  # [Note: materialization in the
-    free["host"] -= materialize_bytes                                      # host pool], [Note: activation memory]
+    # [Note: needs per component]: [Note: activation memory], [Note: materialization in the host pool]
+    needs = {"activations": _on_tiers(device=activation_bytes), "materialization": _on_tiers(host=materialize_bytes)}
+    free["host"] -= materialize_bytes
     free["device"] -= activation_bytes
     placement: dict[str, Location] = {}
     units_on: tuple[Location, ...] | None = None  # [Note: optimizer split]
@@ -198,13 +210,21 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
         want = split_bytes(units_on, sizes) if kind == "optimizer" and units_on else bytes_for(kind, chosen, sizes)
         for t, b in want.items():
             free[t] -= b
-            need[t] += b
+        needs[kind] = want
         if kind == "gradients":
             sizes = dataclasses.replace(sizes, grads_on_gpu=device.type == "cuda" and chosen is Location.DEVICE,
                                         grads_on_nvme=chosen is Location.NVME)
     spec = fit_speculation(step, placement, units_on, sizes, free, compute, sum(state_bytes.values()))
-    for t, b in (*spec.undo.items(), ("nvme", spec.nvme)):
-        need[t] += b
+    needs["speculation"] = _on_tiers(**spec.undo, nvme=spec.nvme)
+    if step.overlap == Delayed.name and Delayed.refusal(world_size, placement, units_on) is None:
+        # [Note: delayed update]: the window's gradient copies and staged parameters, in the host pool
+        extra = delayed_host_bytes(rank_shards_in_order(sizes), sizes.grad_bytes, lp_bytes, alignment)
+        if extra > free["host"] - spec.undo["host"]:
+            raise PlanDoesNotFit(Delayed.too_little_host(extra, free["host"], budgets["host"]), "gradients",
+                                 [{"tier": "host", "more": {"host": extra - free["host"]}}], placement,
+                                 sum(state_bytes.values()))
+        needs["delayed"] = _on_tiers(host=extra)
+    need = {t: sum(term[t] for term in needs.values()) for t in TIERS}
     schedule, used, spec_s = predict_step(placement, sizes, device.type, rates, local, units_on, compute, step,
                                            spec.units if spec.on else None)
     breakdown = {c: schedule.seconds.get(c, 0.0) for c in COMPONENTS}
@@ -220,7 +240,12 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                 state_layout=sizes.state, speculative=spec.on, rollback_rate=step.rollback_rate,
                 speculation_undo_bytes=spec.undo, speculation_nvme_bytes=spec.nvme,
                 speculation_units=spec.units if spec.on else (), speculation_step_s=spec_s,
-                speculation_note=spec.note)
+                speculation_note=spec.note, needs=needs)
+
+
+def _on_tiers(device: int = 0, host: int = 0, nvme: int = 0) -> dict[str, int]:
+    """A component's term: its bytes on each tier."""
+    return {"device": device, "host": host, "nvme": nvme}
 
 
 def _resolve_rates(rates: dict[str, float] | None) -> tuple[dict[str, float], dict[str, str]]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..grads import GradStore
+from ..overlap import policy_for
 from ..overlap.speculative import undo_bytes
 from ..params import ParamStore
 from .sizes import shard_numel
@@ -82,8 +83,9 @@ class UnitCompute:
 class StepOptions:
     """What of train.* and precision.* shapes the schedule (defaults: the engine's).
 
-    speculative: train.speculative_step (True, False or "auto": on with clipping or a dynamic
-    loss scale), resolved by the planner ([Note: speculation in the plan] in speculation_plan.py);
+    early_step, speculative: what the overlap policy `overlap` (train.overlap) does: the exact early
+    step; speculation (True, False or "auto": on with clipping or a dynamic loss scale), resolved by
+    the planner ([Note: speculation in the plan] in speculation_plan.py);
     rollback_rate: the share of speculated steps rolled back, for the expected step."""
     accum_steps: int = 1
     clip: bool = False
@@ -91,14 +93,16 @@ class StepOptions:
     dynamic_scale: bool = False      # precision.loss_scale = "dynamic": no early step (every gradient checked)
     speculative: bool | str = "auto"
     rollback_rate: float = 0.01
+    overlap: str | None = None       # the train.overlap value (None: the one `speculative` stands for)
 
     @classmethod
     def of(cls, cfg, rollback_rate: float | None = None) -> "StepOptions":
-        """The options of a Config (its "auto" trainer keys already filled)."""
-        train = cfg.train
+        """The options of a Config (its "auto" trainer keys already filled); what overlaps the update is
+        its overlap policy's, the one the engine runs ([Note: overlap policies])."""
+        train, policy = cfg.train, policy_for(cfg)
         return cls(accum_steps=train.grad_accum_steps, clip=train.max_grad_norm is not None,
-                   early_step=train.early_step, dynamic_scale=cfg.precision.loss_scale == "dynamic",
-                   speculative=train.speculative_step,
+                   early_step=policy.early_step, dynamic_scale=cfg.precision.loss_scale == "dynamic",
+                   speculative=policy.speculates, overlap=policy.name,
                    rollback_rate=cls.rollback_rate if rollback_rate is None else rollback_rate)
 
 

@@ -42,7 +42,7 @@ class Plan:
     compute_measured: bool = False
     alternatives: tuple[dict, ...] = ()
     state_layout: StateLayout = StateLayout()  # precision.master_dtype / moment_dtype
-    # [Note: speculation in the plan]: train.speculative_step resolved, the rollback rate the expected
+    # [Note: speculation in the plan]: train.overlap's speculation resolved, the rollback rate the expected
     # step assumes, the speculated units' allowance per tier (undo copies, staged parameters; in `need`),
     # the NVMe units' shadow files (in need["nvme"]), which units the prediction speculates (by unit
     # index), the step's commit /
@@ -60,6 +60,8 @@ class Plan:
     # and where the figure comes from ("": not counted)
     activation_bytes: int = 0
     activation_source: str = ""
+    # [Note: needs per component] in planner.py: component -> tier -> bytes; `need` is their sum
+    needs: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def per_rank_bytes(self) -> int:
@@ -152,6 +154,7 @@ class Plan:
             "per_rank_bytes": self.per_rank_bytes, "state_bytes": dict(self.state_bytes),
             "frozen_numel": self.frozen_numel, "frozen_param_bytes": self.frozen_param_bytes,
             "tiers": dict(self.need), "budgets": dict(self.budgets),
+            "needs": {c: dict(term) for c, term in self.needs.items()},
             "fits": True, "missing": None, "machine_note": self.machine_note or None,
             "activation_bytes": self.activation_bytes, "activation_source": self.activation_source or None,
             "predicted_step_s": self.predicted_step_s if measured else None,

@@ -188,7 +188,7 @@ def _nvme_rewrites(kind: str, s: Sizes) -> int:
     """NVMe bytes beyond the state itself: every swap file is rounded up to io.alignment, and a
     rewrite goes to a second file until it commits (NVMeStore.write), so the writes that may be in
     flight at once need their room too: the optimizer's `pipeline_depth` staging sets (3 files of
-    the largest units each), the parameters' `lookahead + 2` write-backs (ParamStore.max_writes)."""
+    the largest units each), the parameters' `lookahead + 2` write-backs (ParamStore.writes_in_flight)."""
     shards = sorted(s.rank_shards(kind), reverse=True)
     if kind == "params":
         files, inflight = 1, ParamStore.writes_in_flight(s.lookahead)
@@ -211,12 +211,9 @@ def _host_blocks(kind: str, loc: Location, s: Sizes) -> int:
         return ParamStore.host_blocks(loc, s.lookahead, units)
     if kind == "gradients":
         return GradStore.host_blocks(loc, units, s.world_size, s.stage)
-    blocks = {Location.HOST: 3 * units, Location.NVME: 3 * s.pipeline_depth}.get(loc, 0)
-    if s.grads_on_nvme or (s.grads_on_gpu and loc is not Location.DEVICE):
-        blocks += 2
-    if s.world_size > 1 and s.stage in (1, 2) and loc is not Location.DEVICE:
-        blocks += units
-    return blocks
+    return UnitOptimizer.host_blocks(loc, units, s.pipeline_depth,
+                                     grads_staged=s.grads_on_nvme or (s.grads_on_gpu and loc is not Location.DEVICE),
+                                     writeback=s.world_size > 1 and s.stage in (1, 2) and loc is not Location.DEVICE)
 
 
 def _state_and_buffers(kind: str, loc: Location, s: Sizes) -> dict[str, int]:

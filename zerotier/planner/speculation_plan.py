@@ -1,8 +1,8 @@
-"""train.speculative_step resolved for one placement: whether it is on, the memory its held
+"""train.overlap's speculation resolved for one placement: whether it is on, the memory its held
 state takes, and the step predicted as commit and rollback.
 
 [Note: speculation in the plan]
-train.speculative_step ([Note: speculative step] in overlap/speculative.py) resolved per placement:
+train.overlap's speculation ([Note: speculative step] in overlap/speculative.py) resolved per placement:
 `auto` is on with clipping (train.max_grad_norm) or a dynamic loss scale, when the NVMe
 budget left by the rest of the plan holds the NVMe units' shadow state files
 (`overlap.speculative.shadow_bytes`, every NVMe unit: the pre-step files stay until the step is
@@ -47,19 +47,20 @@ class SpeculationFit:
 
 def fit_speculation(step: StepOptions, placement: dict[str, Location], units_on: tuple[Location, ...] | None,
                  s: Sizes, free: dict[str, int], compute: UnitCompute | None, per_rank: int) -> SpeculationFit:
-    """[Note: speculation in the plan] train.speculative_step resolved for this placement, with the
+    """[Note: speculation in the plan] train.overlap's speculation resolved for this placement, with the
     memory it takes from what the rest of the plan left `free`."""
     wanted = step.speculative
     why = "clipping" if step.clip else "a dynamic loss scale" if step.dynamic_scale else None
     if wanted is False:
-        return SpeculationFit(False, "off (train.speculative_step = false)")
+        overlap = step.overlap or "none"
+        return SpeculationFit(False, f"off (train.overlap = {overlap!r})")
     if s.world_size > 1:  # the engine speculates at one rank only ([Note: speculative step] in overlap/speculative.py)
         return SpeculationFit(False, f"off ({s.world_size} ranks: the reduced gradient shards land at the end of "
                                    "backward, so nothing can be speculated during it)")
     if wanted == "auto" and why is None:
         return SpeculationFit(False, "off (auto: no clipping and no dynamic loss scale, nothing waits for the "
                                    "whole gradient)")
-    setting = "on (train.speculative_step = true)" if wanted is True else f"on (auto: {why})"
+    setting = "on (train.overlap = 'speculative')" if wanted is True else f"on (auto: {why})"
     shards = rank_shards_in_order(s)
     tiers = units_on or (placement["optimizer"],) * len(shards)
     nvme = sum(shadow_bytes(n, s.alignment, s.state) for n, at in zip(shards, tiers)
@@ -69,9 +70,9 @@ def fit_speculation(step: StepOptions, placement: dict[str, Location], units_on:
         if wanted == "auto":
             return SpeculationFit(False, f"off (auto: the NVMe budget lacks {format_size(short)} for the NVMe units' "
                                        f"shadow state files, {format_size(nvme)})")
-        raise PlanDoesNotFit(f"train.speculative_step = true: the NVMe units' shadow state files take "
+        raise PlanDoesNotFit(f"train.overlap = 'speculative': the NVMe units' shadow state files take "
                              f"{format_size(nvme)} beside the plan's NVMe files; {format_size(short)} more nvme "
-                             f"(tiers.nvme) or train.speculative_step = \"auto\"", "optimizer",
+                             f"(tiers.nvme) or train.overlap = 'auto'", "optimizer",
                              [{"tier": "nvme", "more": {"nvme": short}}], placement, per_rank)
     # what a speculated unit holds until the check (UndoLog.speculate): a host or device unit its
     # undo copy on its tier, an NVMe unit its new low-precision shard (ParamStore.staged_out_bytes) on host
@@ -81,7 +82,7 @@ def fit_speculation(step: StepOptions, placement: dict[str, Location], units_on:
             for n, at in zip(shards, tiers)]
     if not any(t for t, _ in held):
         return SpeculationFit(False, "off (auto: no optimizer state on NVMe; host or device state would need undo "
-                                   "copies, which cost more than they hide: train.speculative_step = true)")
+                                   "copies, which cost more than they hide: train.overlap = 'speculative')")
     allowance = {t: min(sum(b for at, b in held if at == t), max(0, free[t])) for t in ("host", "device")}
     # each unit as its gradient becomes final (backward order, enclosing units last), if what it holds fits
     encloses = compute.encloses if compute is not None else (False,) * len(shards)
@@ -98,8 +99,8 @@ def fit_speculation(step: StepOptions, placement: dict[str, Location], units_on:
                             for t in ("host", "device") if any(at == t for at, _ in held))
         if wanted == "auto":
             return SpeculationFit(False, f"off (auto: no unit's undo copy fits: {room})")
-        raise PlanDoesNotFit(f"train.speculative_step = true: no unit's undo copy fits ({room}); raise the "
-                             f"budgets or set train.speculative_step = \"auto\"", "optimizer", [], placement,
+        raise PlanDoesNotFit(f"train.overlap = 'speculative': no unit's undo copy fits ({room}); raise the "
+                             f"budgets or set train.overlap = 'auto'", "optimizer", [], placement,
                              per_rank)
     return SpeculationFit(True, setting, allowance, nvme, tuple(units))
 

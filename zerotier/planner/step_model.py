@@ -44,7 +44,7 @@ What waits for what (the engine's schedule, engine.py and the stores' Notes):
     write-backs may still be in flight into the next step.
 
 [Note: speculation in the schedule]
-With `speculative` (train.speculative_step: [Note: speculative step] in overlap/speculative.py) the
+With `speculative` (train.overlap: [Note: speculative step] in overlap/speculative.py) the
 units marked `speculate` update during the window's last backward as an early step does:
 each as its gradient becomes final, in backward order, on the optimizer thread, its NVMe
 state read when the thread takes it up and written after it (to shadow files); a speculated

@@ -32,7 +32,8 @@ copy=ticket)`; a copy from NVMe keeps its host start, when the read began). Even
 are resolved into the same perf_counter_ns clock when a trace is built: a
 reference event is recorded and synchronized when the profiler starts, and every
 event's time is that instant plus `reference.elapsed_time(event)`. So overlap %,
-stalls and the verdict are computed by the same code on both kinds of machine.
+stalls and the verdict are computed by the same code on both kinds of machine. The
+clock and the records waiting for their events: cuda_timing.py.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
 
 from ..config import ProfileConfig
+from .cuda_timing import CudaClock, PendingTimings
 from .schema import COMPUTE_KINDS, REASONS, ROLES, SPECULATION_TOTALS, TIERS
 
 _TIERS, _REASONS, _ROLES, _KINDS = frozenset(TIERS), frozenset(REASONS), frozenset(ROLES), frozenset(COMPUTE_KINDS)
@@ -68,7 +70,9 @@ class Recorder:
     def __init__(self, cfg: ProfileConfig, residency: Residency | None = None, device=None,
                  unit_names: Mapping[str, str] | None = None, planned_rollback_rate: float | None = None):
         self.cfg = cfg
-        self._cuda = _CudaClock(device) if device is not None and device.type == "cuda" else None
+        # event-timed records ([Note: CUDA timing]); their clock records the events
+        self._cuda = (PendingTimings(CudaClock(device), self._add_timed)
+                      if device is not None and device.type == "cuda" else None)
         self.device_type = device.type if device is not None else None  # names the links in the summary
         self.t0_ns = _now()                  # trace time 0
         self.wall_t0 = time.time()           # the same instant, as wall-clock seconds
@@ -121,7 +125,7 @@ class Recorder:
         waiting on it, if known here."""
         events = getattr(copy, "timing_events", None)
         if self._cuda is not None and events is not None:
-            self._pend_cuda(("transfer", token[:6] + (copy.stream_name, token[7], stall_ns), events))
+            self._cuda.add("transfer", token[:6] + (copy.stream_name, token[7], stall_ns), *events)
         else:
             self._add_transfer(token[:8] + (_now(), stall_ns))
         if token[8] is not None:
@@ -164,12 +168,12 @@ class Recorder:
     def wait_begin(self, name: str, device: bool = False) -> tuple:
         """Compute starts waiting for tensor `name` (a prefetch in flight, a demand fetch, an I/O ticket).
         `device`: the wait is the compute stream's (e.g. on a copy's event), timed on the GPU."""
-        ev = self._cuda.record() if device and self._cuda is not None else None
+        ev = self._cuda.clock.record() if device and self._cuda is not None else None
         return (name, _thread().name, _now(), self._label(f"zerotier::stall {name}"), ev)
 
     def wait_end(self, token: tuple) -> None:
         if token[4] is not None:
-            self._pend_cuda(("wait", token[:2], (token[4], self._cuda.record())))
+            self._cuda.add("wait", token[:2], token[4], self._cuda.clock.record())
         else:
             self._waits.append(token[:3] + (_now(),))
         if token[3] is not None:
@@ -197,12 +201,12 @@ class Recorder:
         if kind not in _KINDS:
             raise ValueError(f"profiler: compute kind {kind!r} is not one of {', '.join(COMPUTE_KINDS)}")
         label = label or kind
-        ev = self._cuda.record() if self._cuda is not None and kind in _DEVICE_KINDS else None
+        ev = self._cuda.clock.record() if self._cuda is not None and kind in _DEVICE_KINDS else None
         return (label, kind, _thread().name, _now(), numel, self._label(f"zerotier::{label}"), ev)
 
     def compute_end(self, token: tuple) -> None:
         if token[6] is not None:  # device work: timed by events on the compute stream
-            self._pend_cuda(("compute", token[:3] + (token[4],), (token[6], self._cuda.record())))
+            self._cuda.add("compute", token[:3] + (token[4],), token[6], self._cuda.clock.record())
         else:
             self._computes.append(token[:4] + (_now(), token[4]))
         if token[5] is not None:
@@ -300,7 +304,7 @@ class Recorder:
         (see __init__) and "speculation_totals": {SPECULATION_TOTALS key: sum} since the start.
         CUDA-timed records are resolved first (waiting for their events)."""
         if self._cuda is not None:
-            self._resolve_cuda()
+            self._cuda.resolve()
         full = [name for name, records in (("transfers", self._transfers), ("computes", self._computes),
                                            ("waits", self._waits), ("samples", self._samples),
                                            ("speculation", self._speculation))
@@ -337,43 +341,19 @@ class Recorder:
 
     # ------------------------------------------------------------------ internals
 
-    def _pend_cuda(self, record: tuple) -> None:
-        """Keep an event-timed record until its events are reached. Bounded (GPU review N11: a long
-        profiled run held millions of events until the report): past RESOLVE_AT pending records
-        the ones whose events have been reached are resolved without waiting; past MAX_PENDING
-        the oldest half is resolved, waiting for its events."""
-        clock = self._cuda
-        clock.pending.append(record)
-        if len(clock.pending) >= clock.RESOLVE_AT:
-            self._resolve_cuda(wait=False)
-
-    def _resolve_cuda(self, wait: bool = True) -> None:
-        """Turn the event-timed records into perf_counter_ns records ([Note: CUDA timing]): all of
-        them (waiting for their events), or with wait=False those already reached, and with
-        too many pending the oldest half."""
-        clock = self._cuda
-        with clock.lock:
-            if wait:
-                batch = list(clock.pending)
-            else:
-                batch = clock.pending[: len(clock.pending) // 2] if len(clock.pending) >= clock.MAX_PENDING else []
-                batch += [r for r in clock.pending[len(batch):] if r[2][0].query() and r[2][1].query()]
-            taken = {id(r) for r in batch}
-            clock.pending[:] = [r for r in clock.pending if id(r) not in taken]
-        for what, fields, (start_ev, end_ev) in batch:
-            end = clock.ns(end_ev)
-            start = min(clock.ns(start_ev), end)
-            if what == "transfer":
-                name, role, src, dst, nbytes, reason, stream, host_start, stall = fields
-                if "nvme" in (src, dst):  # the read/write before the copy belongs to the transfer
-                    start = min(host_start, end)
-                self._add_transfer((name, role, src, dst, nbytes, reason, stream, start, end, stall))
-            elif what == "compute":
-                label, kind, thread, numel = fields
-                self._computes.append((label, kind, thread, start, end, numel))
-            else:
-                name, thread = fields
-                self._waits.append((name, thread, start, end))
+    def _add_timed(self, what: str, fields: tuple, start: int, end: int) -> None:
+        """An event-timed record, its events reached: into the records as if timed by the host."""
+        if what == "transfer":
+            name, role, src, dst, nbytes, reason, stream, host_start, stall = fields
+            if "nvme" in (src, dst):  # the read/write before the copy belongs to the transfer
+                start = min(host_start, end)
+            self._add_transfer((name, role, src, dst, nbytes, reason, stream, start, end, stall))
+        elif what == "compute":
+            label, kind, thread, numel = fields
+            self._computes.append((label, kind, thread, start, end, numel))
+        else:
+            name, thread = fields
+            self._waits.append((name, thread, start, end))
 
     def _label(self, text: str):
         """An entered torch record_function for `text` while a torch profiler runs, else None."""
@@ -385,33 +365,6 @@ class Recorder:
 
 
 _DEVICE_KINDS = frozenset(("forward", "backward", "device-optimizer"))  # timed on the GPU when there is one
-
-
-class _CudaClock:
-    """Timing events on one CUDA device, in the perf_counter_ns clock ([Note: CUDA timing])."""
-
-    RESOLVE_AT = 512     # pending records before the reached ones are resolved (Recorder._pend_cuda)
-    MAX_PENDING = 4096   # pending records before the oldest half is resolved, waiting
-
-    def __init__(self, device):
-        import torch
-
-        self.torch, self.device = torch, device
-        self.pending: list[tuple] = []  # (what, fields, (start_event, end_event)), resolved by snapshot()
-        self.lock = threading.Lock()    # appends come from every thread; resolving takes a batch
-        self.reference = self.record()
-        self.reference.synchronize()
-        self.reference_ns = _now()
-
-    def record(self, stream=None):
-        """A timing event recorded now on `stream` (default: the calling thread's current stream)."""
-        event = self.torch.cuda.Event(enable_timing=True)
-        event.record(stream if stream is not None else self.torch.cuda.current_stream(self.device))
-        return event
-
-    def ns(self, event) -> int:
-        event.synchronize()
-        return self.reference_ns + int(self.reference.elapsed_time(event) * 1e6)
 
 
 def _check(role: str, src: str, dst: str, reason: str) -> None:

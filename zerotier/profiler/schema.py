@@ -16,7 +16,7 @@ warning and what to do when it is far above it (versus_plan.rollback_warning).
 """
 from __future__ import annotations
 
-from ..state import TIER_NAMES as TIERS
+from ..tier_names import TIER_NAMES as TIERS
 
 # Why a transfer happened; docs/profiler.md says where the engine uses each one.
 REASONS = ("demand", "prefetch", "evict", "optimizer-read", "optimizer-write", "grad-offload", "param-copyback")

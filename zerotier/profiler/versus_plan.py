@@ -30,8 +30,8 @@ def rollback_warning(rolled: int, windows: int, planned: float | None) -> str | 
     return (f"warning: {100 * rate:.1f}% of the speculated windows rolled back ({rolled:,} of {windows:,}), {times} the "
             f"{100 * planned:.1f}% the plan assumed: its expected step is optimistic (a rollback restores the state and "
             f"redoes the update). Clipping or a loss-scale overflow fires often on a fresh model and in warm-up "
-            f"(train.speculative_step = \"auto\" pauses after {PAUSE_AFTER} rollbacks in a row); if it keeps firing, set "
-            f"train.speculative_step = false, or plan at the measured rate: zerotier.plan(..., rollback_rate={rate:.2f}) "
+            f"(train.overlap = 'auto' pauses after {PAUSE_AFTER} rollbacks in a row); if it keeps firing, set "
+            f"train.overlap = 'none', or plan at the measured rate: zerotier.plan(..., rollback_rate={rate:.2f}) "
             f"or `zerotier plan --rollback-rate {rate:.2f}`")
 
 

@@ -8,6 +8,15 @@ out. `reserve()` is the single place a budget is enforced, so every BudgetError
 carries the same facts: tier, requested bytes, free bytes, and what to change.
 
 The tickets the tiers hand back are zerotier.io.ticket's (see [Note: tickets] there).
+
+[Note: peaks per component]
+Under ZEROTIER_CHECK_PLAN=1 the engine hands each store (params, gradients, optimizer) its
+tiers through `Charged(tier, component)`: every call goes to the tier, and what a call
+allocates is charged to that component (a host-pool buffer carries its component to its
+free, a device tensor's is kept by its address, a storage refilled through the view is charged
+to it and given back by it). `component_peaks()` is each component's peak of live bytes, which
+the plan's check compares with its term ([Note: needs per component] in planner/planner.py).
+Without the check no view exists and nothing is charged.
 """
 from __future__ import annotations
 
@@ -15,7 +24,36 @@ import threading
 
 from ..units import format_setting, format_size
 from ..errors import BudgetError
-from ..state import TIER_NAMES
+from ..tier_names import TIER_NAMES
+
+
+_charging = threading.local()  # the component the calling thread allocates for, inside a Charged call
+
+
+def charging() -> str | None:
+    """The component this thread's current tier call allocates for ([Note: peaks per component])."""
+    return getattr(_charging, "component", None)
+
+
+class Charged:
+    """A tier as one component of the plan uses it ([Note: peaks per component])."""
+
+    def __init__(self, tier: "BudgetedTier", component: str) -> None:
+        self._tier, self.component = tier, component
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._tier, name)
+        if not callable(attr) or name.startswith("__"):
+            return attr
+
+        def call(*args, **kwargs):
+            outer = charging()
+            _charging.component = self.component
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                _charging.component = outer
+        return call
 
 
 class BudgetedTier:
@@ -40,6 +78,8 @@ class BudgetedTier:
         self._bytes_in = 0
         self._bytes_out = 0
         self._allocations = 0
+        self._component_used: dict[str, int] = {}  # [Note: peaks per component]
+        self._component_peak: dict[str, int] = {}
 
     @property
     def budget(self) -> int:
@@ -84,6 +124,21 @@ class BudgetedTier:
                 raise AssertionError(
                     f"{self.name} tier accounting error: releasing {nbytes} B with {self._used} B in use")
             self._used -= nbytes
+
+    def charge(self, component: str | None, nbytes: int) -> None:
+        """Count `nbytes` (negative: given back) to `component`'s live bytes ([Note: peaks per component])."""
+        if component is None:
+            return
+        with self._acct_lock:
+            used = self._component_used.get(component, 0) + nbytes
+            self._component_used[component] = used
+            if used > self._component_peak.get(component, 0):
+                self._component_peak[component] = used
+
+    def component_peaks(self) -> dict[str, int]:
+        """Each charged component's peak of live bytes on this tier."""
+        with self._acct_lock:
+            return dict(self._component_peak)
 
     def count_in(self, nbytes: int) -> None:
         with self._acct_lock:

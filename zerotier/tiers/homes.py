@@ -13,8 +13,9 @@ A store keeps each unit's state (its low-precision parameters, its gradient accu
   nbytes, blocks_at_rest, blocks_per_move    its own byte and host-pool block counts
 
 So a store chooses the home's class once (`HOMES[location]`) and never branches on the tier
-again; what differs is a home's capability (`view()` is None for a file, `on_device` for a home
-compute reads where it is, `checked_at_read` for a write the next read checks). Each move is
+again; what differs is a home's capability (`in_memory`: `view()` is the state, else None for a
+file; `on_device` for a home compute reads where it is; `checked_at_read` for a write the next
+read checks). Each move is
 bracketed by its tiers' accounting (Gemini's `chunk.shard_move`): a read from NVMe takes a
 pool block, reads the file into it, copies it to the device and gives the block back behind
 the copy's ticket ([Note: deferred free] in host.py); a write from the device stages through
@@ -41,6 +42,7 @@ class Home:
     """One piece of state at rest on one tier ([Note: homes])."""
 
     location: Location
+    in_memory = False       # view() is the state itself (device or host memory); else a file
     on_device = False       # compute reads it where it is (no copy to the device)
     checked_at_read = False  # a write into it is checked by the next read, not joined by compute
     blocks_at_rest = 0      # host-pool blocks one home holds
@@ -79,6 +81,8 @@ def tensor_of(buf) -> torch.Tensor:
 
 class _MemoryHome(Home):
     """A home in memory (device or host): `view()` is the state; moves are copies."""
+
+    in_memory = True
 
     def __init__(self, key: str, tensor: torch.Tensor, tiers: Tiers, block=None) -> None:
         super().__init__(key, tensor.numel(), tensor.dtype, tiers)

@@ -87,7 +87,7 @@ from ..errors import ZerotierError
 from ..io import aligned_empty
 from ..io.memory import round_up
 from ..io.ticket import TicketLike
-from .base import BudgetedTier
+from .base import BudgetedTier, charging
 
 log = logging.getLogger(__name__)
 _malloc_trim = None  # glibc's malloc_trim once looked up; False where there is none
@@ -194,6 +194,7 @@ class HostBuffer:
     what: str
     _block: _Block = field(repr=False)
     _freed: bool = field(default=False, repr=False)
+    component: str | None = field(default=None, repr=False)  # [Note: peaks per component] in base.py
 
     @property
     def block(self) -> torch.Tensor:
@@ -283,7 +284,9 @@ class HostPool(BudgetedTier):
             except Exception:  # noqa: BLE001 - the owner of the ticket reports it
                 pass
         tensor = block.data[:nbytes].view(dtype)
-        return HostBuffer(tensor=tensor, nbytes=nbytes, what=what, _block=block)
+        component = charging()
+        self.charge(component, block.size)
+        return HostBuffer(tensor=tensor, nbytes=nbytes, what=what, _block=block, component=component)
 
     def free(self, buf: HostBuffer, after: TicketLike | None = None, cache: bool = True) -> None:
         """Return buf's block to the pool, once `after` (if given) has completed. `cache=False` gives a
@@ -295,6 +298,7 @@ class HostPool(BudgetedTier):
                 raise ZerotierError(f"host pool: double free of buffer {buf.what or ''} ({buf.nbytes} B)")
             buf._freed = True
             block = buf._block
+            self.charge(buf.component, -block.size)
             self._in_use -= block.size
             self._live -= 1
             if self._closed or not (cache or wait_for):
