@@ -20,9 +20,9 @@ import sys
 import pytest
 import torch
 
-from zerotier.models import TinyGPT
+from reference_runs import ACCUM, LR, adamw_reference, global_batches, tiny_gpt
 
-VOCAB, SEQ, GLOBAL_BATCH, STEPS, ACCUM, LR = 64, 16, 4, 4, 2, 3e-3
+TESTS = os.path.dirname(os.path.abspath(__file__))  # the workers import reference_runs from here
 STAGES = (0, 1, 2, 3)
 RTOL, ATOL = 1e-4, 1e-5
 TORCHRUN_TIMEOUT_S = 180
@@ -42,26 +42,13 @@ import json, os, sys, traceback
 import torch
 import torch.distributed as dist
 import zerotier
-from zerotier.models import TinyGPT
 
-VOCAB, SEQ, GLOBAL_BATCH, STEPS, ACCUM, LR = 64, 16, 4, 4, 2, 3e-3
 offload, out_dir = json.loads(sys.argv[1]), sys.argv[2]
+sys.path.insert(0, sys.argv[3])  # tests/
+from reference_runs import ACCUM, GLOBAL_BATCH, LR, global_batches, tiny_gpt
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
-
-
-def make_model():
-    torch.manual_seed(0)
-    return TinyGPT(vocab=VOCAB, dim=32, layers=2, heads=2, seq=SEQ)
-
-
-def global_batches():
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(STEPS * ACCUM):
-        data = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
-        yield data[:, :-1], data[:, 1:]
-
 
 results = {}
 path = os.path.join(out_dir, f"rank{rank}.pt")
@@ -72,7 +59,7 @@ for stage in (0, 1, 2, 3):
            "train": {"grad_accum_steps": ACCUM, "max_grad_norm": 1.0, "device": "cuda"}}
     try:
         losses = []
-        with zerotier.initialize(make_model(), cfg) as engine:
+        with zerotier.initialize(tiny_gpt(), cfg) as engine:
             device = engine.device
             assert device == torch.device("cuda", int(os.environ["LOCAL_RANK"])), (device, os.environ["LOCAL_RANK"])
             for x, y in global_batches():
@@ -101,21 +88,7 @@ def reference():
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        torch.manual_seed(0)
-        model = TinyGPT(vocab=VOCAB, dim=32, layers=2, heads=2, seq=SEQ).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for i in range(STEPS * ACCUM):
-            data = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
-            loss = model(data[:, :-1].cuda(), data[:, 1:].cuda())
-            (loss / ACCUM).backward()
-            losses.append(float(loss.detach()))
-            if (i + 1) % ACCUM == 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad()
-        return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        return adamw_reference(tiny_gpt().cuda(), ((x.cuda(), y.cuda()) for x, y in global_batches()), LR, ACCUM)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
@@ -145,7 +118,7 @@ def launches(tmp_path_factory):
                    if k not in ("ZEROTIER_DEVICE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                 "MASTER_ADDR", "MASTER_PORT")}
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   str(script), json.dumps(PLACEMENTS[name]), str(out_dir)]
+                   str(script), json.dumps(PLACEMENTS[name]), str(out_dir), TESTS]
             try:
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
             except subprocess.TimeoutExpired as exc:

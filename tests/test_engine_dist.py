@@ -12,7 +12,8 @@ import zerotier
 from zerotier.dist import SpawnError, spawn
 from zerotier.models import TinyGPT
 
-VOCAB, SEQ, GLOBAL_BATCH, STEPS, ACCUM, LR = 64, 16, 4, 4, 2, 3e-3
+from reference_runs import ACCUM, GLOBAL_BATCH, LR, STEPS, adamw_reference, global_batches, tiny_gpt
+
 STAGES = (0, 1, 2, 3)
 PLACEMENTS = {
     "device": {"params": "device", "gradients": "device", "optimizer": "device"},
@@ -21,31 +22,8 @@ PLACEMENTS = {
 }
 
 
-def make_model():
-    torch.manual_seed(0)
-    return TinyGPT(vocab=VOCAB, dim=32, layers=2, heads=2, seq=SEQ)
-
-
-def global_batches():
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(STEPS * ACCUM):
-        data = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
-        yield data[:, :-1], data[:, 1:]
-
-
 def reference():
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for i, (x, y) in enumerate(global_batches()):
-        loss = model(x, y)
-        (loss / ACCUM).backward()
-        losses.append(float(loss.detach()))
-        if (i + 1) % ACCUM == 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return adamw_reference(tiny_gpt(), global_batches(), LR, ACCUM)
 
 
 def train_rank(rank, world_size, nvme_dir):
@@ -59,7 +37,7 @@ def train_rank(rank, world_size, nvme_dir):
                    "optimizer": {"lr": LR, "weight_decay": 0.01},
                    "train": {"grad_accum_steps": ACCUM, "max_grad_norm": 1.0}}
             losses = []
-            with zerotier.initialize(make_model(), cfg) as engine:
+            with zerotier.initialize(tiny_gpt(), cfg) as engine:
                 for x, y in global_batches():
                     xs, ys = x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
                     loss = engine(xs, ys)
@@ -103,7 +81,7 @@ def test_stage_communication_volume(two_rank_results):
 
 def failing_rank(rank, world_size, nvme_dir):
     cfg = {"zero": {"stage": 2, "timeout_s": 5}, "tiers": {"nvme_path": nvme_dir}}
-    engine = zerotier.initialize(make_model(), cfg)
+    engine = zerotier.initialize(tiny_gpt(), cfg)
     x, y = next(global_batches())
     if rank == 1:
         raise RuntimeError("rank 1 fails on purpose before its first backward")
@@ -166,16 +144,9 @@ def routed_batches():
 def routed_reference():
     """One process: each micro-batch's loss is the mean of the two ranks' losses (rank r's half
     through expert r); parameters without a gradient (expert 2) are never updated."""
-    model = Routed()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    for i, x in enumerate(routed_batches()):
-        loss = (model(x[:2], 0) + model(x[2:], 1)) / 2
-        (loss / ACCUM).backward()
-        if (i + 1) % ACCUM == 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    _, weights = adamw_reference(Routed(), routed_batches(), LR, ACCUM,
+                                 loss_of=lambda model, x: (model(x[:2], 0) + model(x[2:], 1)) / 2)
+    return weights
 
 
 def routed_rank(rank, world_size, nvme_dir):
@@ -216,7 +187,7 @@ def skipping_rank(rank, world_size, nvme_dir, accum):
     cfg = {"zero": {"stage": 3, "persistence_threshold": 0, "timeout_s": 15},
            "offload": {"params": "host", "gradients": "host", "optimizer": "host"},
            "tiers": {"nvme_path": nvme_dir}, "train": {"grad_accum_steps": accum}}
-    engine = zerotier.initialize(make_model(), cfg)
+    engine = zerotier.initialize(tiny_gpt(), cfg)
     for i, (x, y) in enumerate(global_batches()):
         if rank == 1 and i == 3:
             continue

@@ -8,18 +8,15 @@ import torch
 
 import zerotier
 from zerotier.errors import ConfigError
-from zerotier.models import TinyGPT, batches
+from zerotier.models import batches
+
+from reference_runs import tiny_gpt
 
 PLACEMENTS = {
     "device": {"params": "device", "gradients": "device", "optimizer": "device"},
     "params-host": {"params": "host", "gradients": "host", "optimizer": "host"},
     "params-nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
 }
-
-
-def model():
-    torch.manual_seed(0)
-    return TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
 
 
 def train(engine, steps=3):
@@ -31,7 +28,7 @@ def train(engine, steps=3):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.pins("design#the-user-s-model-stays-the-truth")
 def test_state_dict_during_training_and_after_close_holds_the_trained_weights(placement, tmp_path):
-    m = model()
+    m = tiny_gpt()
     initial = {k: v.clone() for k, v in m.state_dict().items()}
     cfg = {"offload": PLACEMENTS[placement], "tiers": {"nvme_path": str(tmp_path)},
            "precision": {"param_dtype": "bf16"}}
@@ -60,7 +57,7 @@ def test_state_dict_during_training_and_after_close_holds_the_trained_weights(pl
 
 @pytest.mark.pins("design#the-user-s-model-stays-the-truth")
 def test_initialize_twice_is_a_clear_error_until_close():
-    m = model()
+    m = tiny_gpt()
     engine = zerotier.initialize(m)
     with pytest.raises(ConfigError, match="already managed by a zerotier engine.*close"):
         zerotier.initialize(m)

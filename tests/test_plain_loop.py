@@ -8,7 +8,9 @@ import torch
 
 import zerotier
 from zerotier.errors import ZerotierError
-from zerotier.models import TinyGPT, batches
+from zerotier.models import batches
+
+from reference_runs import tiny_gpt
 
 STEPS, ACCUM, CLIP, LR = 6, 2, 1.0, 3e-3
 PLACEMENTS = {
@@ -19,17 +21,12 @@ PLACEMENTS = {
 }
 
 
-def model():
-    torch.manual_seed(0)
-    return TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
-
-
 def data():
     return list(batches(64, 16, 4, STEPS * ACCUM))
 
 
 def torch_reference():
-    m = model()
+    m = tiny_gpt()
     opt = torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
     for i, (x, y) in enumerate(data()):
@@ -49,7 +46,7 @@ def cfg(placement, tmp_path, accum=1):
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_plain_loop_matches_the_engine_loop_and_torch(placement, tmp_path):
-    m = model()
+    m = tiny_gpt()
     engine = zerotier.initialize(m, cfg(placement, tmp_path))
     opt = engine.optimizer
     assert isinstance(opt, torch.optim.Optimizer)
@@ -65,7 +62,7 @@ def test_plain_loop_matches_the_engine_loop_and_torch(placement, tmp_path):
     plain = engine.parameters_fp32()
     engine.close()
 
-    with zerotier.initialize(model(), cfg(placement, tmp_path, accum=ACCUM)) as engine:
+    with zerotier.initialize(tiny_gpt(), cfg(placement, tmp_path, accum=ACCUM)) as engine:
         sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, 2, gamma=0.5)
         for x, y in data():
             engine.backward(engine(x, y))
@@ -79,7 +76,7 @@ def test_plain_loop_matches_the_engine_loop_and_torch(placement, tmp_path):
 
 
 def test_mixing_loop_styles_in_a_window_is_refused(tmp_path):
-    m = model()
+    m = tiny_gpt()
     with zerotier.initialize(m, cfg("params-host", tmp_path)) as engine:
         x, y = data()[0]
         m(x, y).backward()
@@ -95,7 +92,7 @@ def test_mixing_loop_styles_in_a_window_is_refused(tmp_path):
 
 
 def test_plain_backward_that_dies_half_way_is_dropped_not_applied(tmp_path):
-    m = model()
+    m = tiny_gpt()
     with zerotier.initialize(m, cfg("params-host", tmp_path)) as engine:
         x, y = data()[0]
         armed = [True]

@@ -14,6 +14,8 @@ import torch
 import zerotier
 from zerotier.errors import ConfigError
 
+from reference_runs import adamw_reference
+
 STEPS, ACCUM, LR = 5, 2, 3e-3
 PLACEMENTS = {
     "device": {"params": "device", "gradients": "device", "optimizer": "device"},
@@ -140,18 +142,7 @@ def data():
 
 def reference(factory):
     torch.manual_seed(0)
-    model = factory()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for i, x in enumerate(data()):
-        loss = model(x)
-        (loss / ACCUM).backward()
-        losses.append(float(loss.detach()))
-        if (i + 1) % ACCUM == 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return adamw_reference(factory(), data(), LR, ACCUM)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
