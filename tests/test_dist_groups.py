@@ -96,17 +96,22 @@ def test_device_tensors_are_probed_on_no_backend():
 # N9: host tensors on a group with no CPU backend
 
 
+def host_collectives(comm: Comm, t: torch.Tensor) -> torch.Tensor:
+    """The host tensor `t` through broadcast, all_reduce and all_gather (one rank); the gathered copy."""
+    comm.broadcast(t).wait()
+    comm.all_reduce(t).wait()
+    full = torch.empty_like(t)
+    comm.all_gather(full, t).wait()
+    return full
+
+
 def test_host_tensors_on_a_device_only_world_run_on_one_gloo_group(one_rank):
     one_rank(_plugin("ztplugcuda", ["cuda"]))
     with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
         dist.all_reduce(torch.ones(2))  # what the engine's CPU collectives met before
     groups = len(_world.pg_map)
     comm = Comm()
-    t = torch.ones(3)
-    comm.all_reduce(t).wait()
-    comm.broadcast(t).wait()
-    full = torch.empty(3)
-    comm.all_gather(full, t).wait()
+    host_collectives(comm, torch.ones(3))
     comm.check_all_ranks(True, "step 1")
     host_group, backend = comm.route(torch.device("cpu"))
     assert backend == "gloo" and host_group is not dist.group.WORLD
@@ -186,12 +191,7 @@ def test_nccl_only_world_routes_host_tensors_to_gloo_and_device_tensors_to_nccl(
     one_rank("nccl")
     assert backends_by_device() == {"cuda": "nccl"}
     comm = Comm()
-    host = torch.arange(4.0)
-    comm.broadcast(host).wait()
-    comm.all_reduce(host).wait()
-    full = torch.empty(4)
-    comm.all_gather(full, host).wait()
-    assert torch.equal(full, torch.arange(4.0))
+    assert torch.equal(host_collectives(comm, torch.arange(4.0)), torch.arange(4.0))
     assert comm.route(torch.device("cpu"))[1] == "gloo"
     device = torch.arange(8.0, device="cuda")
     shard = torch.empty(8, device="cuda")

@@ -739,6 +739,13 @@ def blocks_of(model):
     return list(model.blocks[1].parameters())
 
 
+def eval_between_steps(mode: str) -> Case:
+    """A BatchNorm model trained on all batches but the last, with a forward of the last one in
+    `mode` (engine_loop's eval_mode) between steps: eval uses the running stats."""
+    return Case(seeded(Net, block=NormBlock),
+                lambda run, data: engine_loop(run, data[:-1], eval_batch=data[-1], eval_mode=mode),
+                functools.partial(batches, STEPS + 1))
+
 
 CASES = {
     # shared parameters
@@ -799,22 +806,10 @@ CASES = {
     "parameter registered after init, add_param_group": Case(
         seeded(LateParamNet), register_after_init(True), refusal=r"add_param_group.*'scale'.*zerotier\.initialize"),
     # eval between steps (BatchNorm: eval uses the running stats)
-    "eval between steps, no_grad": Case(
-        seeded(Net, block=NormBlock),
-        lambda run, data: engine_loop(run, data[:-1], eval_batch=data[-1], eval_mode="no_grad"),
-        functools.partial(batches, STEPS + 1)),
-    "eval between steps, inference_mode": Case(
-        seeded(Net, block=NormBlock),
-        lambda run, data: engine_loop(run, data[:-1], eval_batch=data[-1], eval_mode="inference_mode"),
-        functools.partial(batches, STEPS + 1)),
-    "no_grad forward in train mode between steps": Case(
-        seeded(Net, block=NormBlock),
-        lambda run, data: engine_loop(run, data[:-1], eval_batch=data[-1], eval_mode="train-mode no_grad"),
-        functools.partial(batches, STEPS + 1)),
-    "eval between steps, grad enabled": Case(
-        seeded(Net, block=NormBlock),
-        lambda run, data: engine_loop(run, data[:-1], eval_batch=data[-1], eval_mode="grad"),
-        functools.partial(batches, STEPS + 1)),
+    "eval between steps, no_grad": eval_between_steps("no_grad"),
+    "eval between steps, inference_mode": eval_between_steps("inference_mode"),
+    "no_grad forward in train mode between steps": eval_between_steps("train-mode no_grad"),
+    "eval between steps, grad enabled": eval_between_steps("grad"),
     # gradient accumulation
     "accumulation, engine loop": Case(seeded(Net), engine_loop, functools.partial(batches, 3 * STEPS),
                                       train={"grad_accum_steps": 3}),

@@ -60,6 +60,20 @@ def train_alone(model):
     return losses, adapters(model)
 
 
+def train_engine(engine, model, after_step=None):
+    """STEPS through the engine on train_alone's data: the losses. `after_step()` runs after each step."""
+    model.train()
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=IDS, labels=IDS).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        if after_step is not None:
+            after_step()
+    return losses
+
+
 def peft_alone():
     return train_alone(lora_model())
 
@@ -92,16 +106,13 @@ def test_lora_with_the_base_offloaded_trains_as_peft(params, tmp_path):
         else:  # each frozen unit's file holds its parameters
             assert sum(engine.store.read(u.param_key, torch.empty(u.numel, dtype=engine.lp_dtype)).wait()
                        for u in engine.frozen_units) >= base_bytes
-        model.train()
-        losses = []
-        for _ in range(STEPS):
-            loss = model(input_ids=IDS, labels=IDS).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
-            for unit in engine.frozen_units:  # between steps the base holds no compute bytes
+
+        def base_released():  # between steps the base holds no compute bytes
+            for unit in engine.frozen_units:
                 assert engine.params.state[unit.index] is ParamState.RELEASED, unit.name
                 assert all(p.untyped_storage().nbytes() == 0 for p in unit.params), unit.name
+
+        losses = train_engine(engine, model, after_step=base_released)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         trained = adapters(model)
         assert trained.keys() == ref_adapters.keys()
@@ -259,13 +270,7 @@ def test_from_pretrained_with_peft_config_trains_as_transformers_and_peft(tmp_pa
         for name, value in base.items():  # the base streamed from the files under peft's names
             assert torch.equal(loaded[name], value), name
         assert not model.load_state_dict(start, strict=False).unexpected_keys
-        model.train()
-        losses = []
-        for _ in range(STEPS):
-            loss = model(input_ids=IDS, labels=IDS).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
+        losses = train_engine(engine, model)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         trained, expected = adapters(model), adapters(reference)
         assert trained.keys() == expected.keys()
