@@ -20,6 +20,8 @@ from zerotier.errors import BudgetError, ConfigError, TierIOError
 from zerotier.tiers import HostPool, NVMeStore, scan_stale
 from zerotier.tiers.rundir import MAGIC
 
+from concurrency import run_threads
+
 SIZES = [1, 7, 4095, 4097, (1 << 20) + 3]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
 
@@ -385,7 +387,6 @@ def test_no_fd_or_disk_leak(tmp_path):
 
 def test_concurrent_writes_of_one_key(store):
     """Writes of one key from many threads commit one at a time; the last commit wins whole."""
-    import threading
     xs = [torch.full((20_000,), float(i)) for i in range(8)]
     errors = []
 
@@ -396,11 +397,7 @@ def test_concurrent_writes_of_one_key(store):
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(writer, 8)
     assert errors == []
     y = torch.empty(20_000)
     store.read("same", y).wait()

@@ -10,25 +10,10 @@ import subprocess
 import pytest
 import torch
 
-from zerotier.config import IOConfig, TiersConfig
 from zerotier.errors import ConfigError, TierIOError
 from zerotier.tiers import NVMeStore
 
-
-def cfgs(path, nvme=1 << 30, **io):
-    return TiersConfig(device=256 << 20, host=256 << 20, nvme=nvme, nvme_path=str(path)), IOConfig(**io)
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = NVMeStore(*cfgs(tmp_path, checksum="crc32c"))
-    yield s
-    s.close()
-
-
-def swap_file(store, key):
-    """[Note: NVMe layout]: `<key>.swp` in the run directory."""
-    return store.run_dir / f"{key}.swp"
+from test_nvme_store import cfgs, store, swap_file  # noqa: F401  (store: the fixture)
 
 
 def assert_names_file_and_tier(exc, path):

@@ -1,7 +1,6 @@
 """Tier accounting, host pool and device tier."""
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 
 import pytest
@@ -11,6 +10,8 @@ from zerotier.units import parse_size
 from zerotier.errors import BudgetError, ZerotierError
 from zerotier.io import FutureTicket
 from zerotier.tiers import BudgetedTier, DeviceTier, HostPool, make_device_tier
+
+from concurrency import run_threads
 
 SIZES = [1, 7, 4095, 4097, (1 << 20) + 3]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
@@ -61,16 +62,12 @@ def test_budgeted_tier_accounting_and_message():
 def test_budgeted_tier_thread_safe():
     t = BudgetedTier("device", 64, hint="")
 
-    def worker():
+    def worker(_):
         for _ in range(2000):
             if t.try_reserve(3):
                 t.release(3)
 
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    run_threads(worker, 8)
     assert t.used == 0 and t.peak <= 64
 
 
@@ -160,11 +157,7 @@ def test_host_pool_threads():
             assert bool((b.tensor == seed).all())
             pool.free(b)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    run_threads(worker, 6)
     st = pool.stats()
     assert st["in_use"] == 0 and st["live_buffers"] == 0 and st["current"] == st["cached"]
 
