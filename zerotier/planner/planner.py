@@ -37,7 +37,7 @@ from ..config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
 from ..errors import ConfigError
 from ..optim.state_layout import StateLayout
 from ..overlap.delayed import Delayed, host_bytes as delayed_host_bytes
-from ..state import DTYPES, TIER_NAMES as TIERS, Location
+from ..state import DTYPES, Location
 from .budgets import nvme_off, resolve_budgets
 from .machine_fit import Machine, shortfall
 from .messages import PlanDoesNotFit, does_not_fit, split_does_not_fit
@@ -121,7 +121,7 @@ def _on(machine: Machine | None, plan: Plan, ranks_per_node: int | None, activat
     """The plan with what `machine` lacks for it ([Note: the plan against the machine]) and where its
     activation figure comes from ([Note: activation memory])."""
     if activations:
-        plan = dataclasses.replace(plan, activation_bytes=activations[0], activation_source=activations[1])
+        plan = dataclasses.replace(plan, activation_source=activations[1])  # its bytes: needs["activations"]
     if machine is None:
         return plan
     return dataclasses.replace(plan, machine_note=shortfall(plan.need, machine, ranks_per_node or plan.world_size))
@@ -224,7 +224,6 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                                  [{"tier": "host", "more": {"host": extra - free["host"]}}], placement,
                                  sum(state_bytes.values()))
         needs["delayed"] = _on_tiers(host=extra)
-    need = {t: sum(term[t] for term in needs.values()) for t in TIERS}
     schedule, used, spec_s = predict_step(placement, sizes, device.type, rates, local, units_on, compute, step,
                                            spec.units if spec.on else None)
     breakdown = {c: schedule.seconds.get(c, 0.0) for c in COMPONENTS}
@@ -232,15 +231,14 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
     for loc, n in zip(units_on or (), rank_shards_in_order(sizes)):
         b, k = split.get(loc.value, (0, 0))
         split[loc.value] = (b + round(sizes.state.bytes_per_param * n), k + 1)
-    return Plan(placement, need, budgets, schedule.step_s, breakdown, sizes.numel, world_size, stage,
+    return Plan(placement, needs, budgets, schedule.step_s, breakdown, sizes.numel, world_size, stage,
                 state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes, precision.accumulator_dtype,
                 units_on, split, sum(frozen_numels), frozen_bytes,
                 {c: schedule.critical.get(c, 0.0) for c in COMPONENTS},
                 bound_by(schedule.critical, device.type, placement["optimizer"] is Location.DEVICE), compute is not None,
                 state_layout=sizes.state, speculative=spec.on, rollback_rate=step.rollback_rate,
-                speculation_undo_bytes=spec.undo, speculation_nvme_bytes=spec.nvme,
                 speculation_units=spec.units if spec.on else (), speculation_step_s=spec_s,
-                speculation_note=spec.note, needs=needs)
+                speculation_note=spec.note)
 
 
 def _on_tiers(device: int = 0, host: int = 0, nvme: int = 0) -> dict[str, int]:

@@ -14,7 +14,8 @@ from .sizes import KINDS, sharding_words
 @dataclass(frozen=True)
 class Plan:
     placement: dict[str, Location]      # kind -> tier
-    need: dict[str, int]                # tier -> bytes this plan uses there (model state + working sets)
+    # [Note: needs per component] in planner.py: component -> tier -> bytes (model state + working sets)
+    needs: dict[str, dict[str, int]]
     budgets: dict[str, int]             # tier -> budget (auto resolved)
     predicted_step_s: float
     breakdown: dict[str, float]         # seconds per component of the prediction
@@ -43,25 +44,40 @@ class Plan:
     alternatives: tuple[dict, ...] = ()
     state_layout: StateLayout = StateLayout()  # precision.master_dtype / moment_dtype
     # [Note: speculation in the plan]: train.overlap's speculation resolved, the rollback rate the expected
-    # step assumes, the speculated units' allowance per tier (undo copies, staged parameters; in `need`),
-    # the NVMe units' shadow files (in need["nvme"]), which units the prediction speculates (by unit
-    # index), the step's commit /
+    # step assumes (its allowance per tier and the NVMe units' shadow files: needs["speculation"]),
+    # which units the prediction speculates (by unit index), the step's commit /
     # rollback / expected / without-speculation seconds, and why speculation is on or off
     speculative: bool = False
     rollback_rate: float = 0.01
-    speculation_undo_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "device": 0})
-    speculation_nvme_bytes: int = 0
     speculation_units: tuple[bool, ...] = ()
     speculation_step_s: dict[str, float] = field(default_factory=dict)
     speculation_note: str = ""
     # [Note: the plan against the machine] in machine_fit.py: what the node lacks for `need` ("": it has room)
     machine_note: str = ""
-    # [Note: activation memory] in activations.py: one micro-batch's saved activations, in need["device"],
-    # and where the figure comes from ("": not counted)
-    activation_bytes: int = 0
+    # [Note: activation memory] in activations.py: where one micro-batch's saved activations
+    # (needs["activations"]) come from ("": not counted)
     activation_source: str = ""
-    # [Note: needs per component] in planner.py: component -> tier -> bytes; `need` is their sum
-    needs: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def need(self) -> dict[str, int]:
+        """Tier -> bytes this plan uses there: every component's term summed ([Note: needs per component])."""
+        return {t: sum(term.get(t, 0) for term in self.needs.values()) for t in TIERS}
+
+    @property
+    def speculation_undo_bytes(self) -> dict[str, int]:
+        """The speculated units' allowance on host and device ([Note: speculation in the plan])."""
+        term = self.needs.get("speculation", {})
+        return {"host": term.get("host", 0), "device": term.get("device", 0)}
+
+    @property
+    def speculation_nvme_bytes(self) -> int:
+        """The NVMe units' shadow state files ([Note: speculation in the plan])."""
+        return self.needs.get("speculation", {}).get("nvme", 0)
+
+    @property
+    def activation_bytes(self) -> int:
+        """One micro-batch's saved activations on the device ([Note: activation memory])."""
+        return self.needs.get("activations", {}).get("device", 0)
 
     @property
     def per_rank_bytes(self) -> int:
