@@ -86,7 +86,7 @@ class TiersConfig(_Section):
 class OffloadConfig(_Section):
     params: Placement = "auto"
     gradients: Placement = "auto"       # nvme: a file per unit, folded into as backward goes (grads.py)
-    optimizer: Union[Placement, TierFractions] = "auto"  # or a split {host = 0.6, nvme = 0.4} (planner.py)
+    optimizer: Union[Placement, TierFractions] = "auto"  # or a split {host = 0.6, nvme = 0.4} (planner/sizes.py)
 
 
 @dataclass(frozen=True)
@@ -344,7 +344,7 @@ def _check_io_block_size(io: IOConfig) -> None:
 
 def _check_optimizer_split(offload: OffloadConfig) -> None:
     """offload.optimizer as {tier: fraction}: fractions of the parameters, > 0, summing to 1, over host
-    and nvme ([Note: optimizer split] in planner.py); a one-tier table becomes that tier's name."""
+    and nvme ([Note: optimizer split] in planner/sizes.py); a one-tier table becomes that tier's name."""
     split = offload.optimizer
     if not isinstance(split, dict):
         return

@@ -238,7 +238,7 @@ class Speculative(OverlapPolicy):
 
     def __init__(self, engine, window):
         super().__init__(engine, window)
-        # the plan resolved the mode for this placement ([Note: speculation in the plan] in planner.py)
+        # the plan resolved the mode for this placement ([Note: speculation in the plan] in planner/speculation_plan.py)
         mode = self.speculates if engine.plan.speculative else False
         self.speculation = SpeculationPolicy(mode, engine.cfg.train.max_grad_norm is not None, engine.scaler.dynamic)
         self.undo = UndoLog(engine.unit_optimizer, engine.device_tier, engine.host_pool,
