@@ -2,9 +2,10 @@
 
 `adamw_reference` is torch.optim.AdamW (weight decay 0.01) over micro-batches, gradients
 accumulated `accum` to a step and clipped to norm 1.0. `tiny_gpt` is the small seeded model the
-tests train. The data-parallel case (tests/test_engine_dist.py on gloo ranks,
-tests/test_cuda_dist.py on two GPUs) shares it and its global batches: each rank trains on its
-half of every global batch, the reference on the whole batch.
+tests train, PLACEMENTS the offload sections they train under. The data-parallel case
+(tests/test_engine_dist.py on gloo ranks, tests/test_cuda_dist.py on two GPUs) shares tiny_gpt
+and its global batches: each rank trains on its half of every global batch, the reference on
+the whole batch.
 """
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ import torch
 from zerotier.models import TinyGPT
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, ACCUM, LR = 64, 16, 4, 4, 2, 3e-3  # the data-parallel case
+# offload sections: the engine's runs under each are held against the reference
+PLACEMENTS = {
+    "all-device": {"params": "device", "gradients": "device", "optimizer": "device"},
+    "optimizer-host": {"params": "device", "gradients": "device", "optimizer": "host"},
+    "optimizer-nvme": {"params": "device", "gradients": "host", "optimizer": "nvme"},
+    "params-host": {"params": "host", "gradients": "host", "optimizer": "host"},
+    "params-nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
+}
 
 
 def tiny_gpt():
@@ -31,10 +40,11 @@ def global_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def adamw_reference(model: torch.nn.Module, micro_batches: Iterable, lr: float, accum: int,
-                    loss_of: Callable | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+                    loss_of: Callable | None = None, clip: float | None = 1.0
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train `model` on `micro_batches`: a micro-batch's loss is `loss_of(model, batch)`, by default
-    `model(*batch)` for a tuple and `model(batch)` else. Returns each micro-batch's loss and the
-    final weights by name (copies, on the CPU)."""
+    `model(*batch)` for a tuple and `model(batch)` else; `clip` None: no clipping. Returns each
+    micro-batch's loss and the final weights by name (float32 copies, on the CPU)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     losses = []
     for i, batch in enumerate(micro_batches):
@@ -45,7 +55,13 @@ def adamw_reference(model: torch.nn.Module, micro_batches: Iterable, lr: float, 
         (loss / accum).backward()
         losses.append(float(loss.detach()))
         if (i + 1) % accum == 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad()
-    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+
+
+def step_means(losses: list[float], accum: int) -> list[float]:
+    """Each optimizer step's mean loss over its `accum` micro-batches (summed in order)."""
+    return [sum(losses[i:i + accum]) / accum for i in range(0, len(losses), accum)]

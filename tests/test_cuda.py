@@ -33,18 +33,13 @@ import zerotier
 from zerotier.errors import ConfigError
 from zerotier.models import TinyGPT, batches
 
+from reference_runs import PLACEMENTS, adamw_reference, step_means
+
 STEPS, ACCUM, CLIP, LR = 20, 2, 1.0, 3e-3
 VOCAB, SEQ, BATCH = 128, 16, 4
 RTOL_FP32, ATOL_FP32 = 1e-4, 1e-5
 RTOL_BF16 = 2e-2
 
-PLACEMENTS = {
-    "all-device": {"params": "device", "gradients": "device", "optimizer": "device"},
-    "optimizer-host": {"params": "device", "gradients": "device", "optimizer": "host"},
-    "optimizer-nvme": {"params": "device", "gradients": "host", "optimizer": "nvme"},
-    "params-host": {"params": "host", "gradients": "host", "optimizer": "host"},
-    "params-nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
-}
 OFFLOADED = ["optimizer-host", "optimizer-nvme", "params-host", "params-nvme"]
 
 cuda = pytest.mark.cuda
@@ -88,26 +83,19 @@ def autocast_ctx(device, enabled: bool):
     return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
+def forward(call, batch, device, autocast: bool):
+    """The loss of one micro-batch: `call` (the model or the engine) on `batch` moved to `device`."""
+    x, y = batch
+    with autocast_ctx(device, autocast):
+        return call(x.to(device), y.to(device))
+
+
 def reference_run(model, device, steps=STEPS, accum=ACCUM, clip=CLIP, autocast=False):
-    """Plain PyTorch + torch.optim.AdamW, model and data on `device`."""
-    model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    data = batches(VOCAB, SEQ, BATCH, steps * accum)
-    for _ in range(steps):
-        total = 0.0
-        for _ in range(accum):
-            x, y = next(data)
-            with autocast_ctx(device, autocast):
-                loss = model(x.to(device), y.to(device))
-            (loss / accum).backward()
-            total += float(loss.detach())
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total / accum)
-    return losses, {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    """Plain PyTorch + torch.optim.AdamW, model and data on `device`: each step's mean loss, the
+    final weights (float32, on the CPU)."""
+    losses, weights = adamw_reference(model.to(device), batches(VOCAB, SEQ, BATCH, steps * accum), LR, accum,
+                                      loss_of=lambda model, batch: forward(model, batch, device, autocast), clip=clip)
+    return step_means(losses, accum), weights
 
 
 def engine_config(device, offload, nvme_path=None, accum=ACCUM, clip=CLIP, **sections):
@@ -133,9 +121,7 @@ def engine_run(model, cfg, device, steps=STEPS, accum=ACCUM, autocast=False):
         for _ in range(steps):
             total = 0.0
             for _ in range(accum):
-                x, y = next(data)
-                with autocast_ctx(device, autocast):
-                    loss = engine(x.to(device), y.to(device))
+                loss = forward(engine, next(data), device, autocast)
                 engine.backward(loss)
                 early += len(engine.window.overlap.early)  # updates started on the optimizer thread in this backward
                 engine.step()

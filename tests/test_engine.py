@@ -12,6 +12,8 @@ import zerotier
 from zerotier.errors import BudgetError, ConfigError, ZerotierError
 from zerotier.models import TinyGPT, batches
 
+import reference_runs
+
 STEPS, ACCUM, CLIP, LR = 20, 2, 1.0, 3e-3
 VOCAB, SEQ, BATCH = 128, 16, 4
 
@@ -22,21 +24,10 @@ def make_model(seed=0, layers=2, **kw):
 
 
 def reference_run(model, steps=STEPS):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    data = batches(VOCAB, SEQ, BATCH, steps * ACCUM)
-    for _ in range(steps):
-        total = 0.0
-        for _ in range(ACCUM):
-            x, y = next(data)
-            loss = model(x, y)
-            (loss / ACCUM).backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total / ACCUM)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    """torch.optim.AdamW on the engine runs' data: each step's mean loss, the final weights."""
+    losses, weights = reference_runs.adamw_reference(model, batches(VOCAB, SEQ, BATCH, steps * ACCUM), LR, ACCUM,
+                                                     clip=CLIP)
+    return reference_runs.step_means(losses, ACCUM), weights
 
 
 def engine_run(model, config, steps=STEPS):
@@ -62,11 +53,7 @@ def engine_run(model, config, steps=STEPS):
 
 
 PLACEMENTS = {
-    "all-device": {"params": "device", "gradients": "device", "optimizer": "device"},
-    "optimizer-host": {"params": "device", "gradients": "device", "optimizer": "host"},
-    "optimizer-nvme": {"params": "device", "gradients": "host", "optimizer": "nvme"},
-    "params-host": {"params": "host", "gradients": "host", "optimizer": "host"},
-    "params-nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
+    **reference_runs.PLACEMENTS,
     # the new parameters go home through a pool block (it crashed at step 1: issue 26 item 3)
     "params-nvme-optimizer-device": {"params": "nvme", "gradients": "device", "optimizer": "device"},
     "auto-small-device": "auto",  # the planner decides, under a device budget of ~3 B/param

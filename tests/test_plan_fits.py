@@ -11,13 +11,7 @@ import torch
 import zerotier
 from zerotier.models import TinyGPT, batches
 
-PLACEMENTS = {
-    "all-device": {"params": "device", "gradients": "device", "optimizer": "device"},
-    "optimizer-host": {"params": "device", "gradients": "device", "optimizer": "host"},
-    "optimizer-nvme": {"params": "device", "gradients": "host", "optimizer": "nvme"},
-    "params-host": {"params": "host", "gradients": "host", "optimizer": "host"},
-    "params-nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
-}
+from reference_runs import PLACEMENTS
 
 
 class Nested(torch.nn.Module):
