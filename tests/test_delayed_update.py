@@ -7,7 +7,6 @@ must match it within 1e-6 under each placement, with clipping and accumulation, 
 the undelayed run (the forward really reads stale weights)."""
 from __future__ import annotations
 
-import errno
 import re
 
 import pytest
@@ -19,6 +18,8 @@ from zerotier.overlap import delayed
 from zerotier.units import format_setting
 from zerotier.errors import ConfigError, TierIOError, ZerotierError
 from zerotier.models import TinyGPT, batches
+
+from injected_faults import fail_nth_write
 
 STEPS, ACCUM, CLIP, LR = 6, 2, 1.0, 3e-3
 VOCAB, SEQ, BATCH = 128, 16, 4
@@ -390,15 +391,7 @@ def test_a_failed_parameter_write_back_refuses_the_retry_and_a_checkpoint_resume
     for n in range(1, writes + 1):
         with zerotier.initialize(make_model(), config(tmp_path / "run", offload, accum=1)) as engine:
             engine.load_checkpoint(tmp_path / "ckpt")
-            store_write, seen = engine.store.write, []
-
-            def failing(key, buf, *args, **kwargs):
-                if key.endswith(".param"):
-                    seen.append(key)
-                    if len(seen) == n:
-                        engine.store.engine.inject_fault(op="write", errno=errno.ENOSPC)
-                return store_write(key, buf, *args, **kwargs)
-            engine.store.write = failing
+            seen = fail_nth_write(engine, n, suffix=".param")
             i, errors = 2, []
             while i < len(data):
                 try:

@@ -24,14 +24,19 @@ def run(engine, data):
         engine.step()
 
 
+def uninterrupted(cfg, data):
+    """The weights after `data` with no fault: what each recovery must reach, bitwise."""
+    with zerotier.initialize(model(), cfg) as engine:
+        run(engine, data)
+        return engine.parameters_fp32()
+
+
 def test_eio_on_swap_file_then_resume_from_checkpoint(tmp_path):
     data = list(batches(64, 16, 2, 16))
     cfg = {**CFG, "tiers": {"nvme_path": str(tmp_path / "swap")}}
     (tmp_path / "swap").mkdir()
 
-    with zerotier.initialize(model(), cfg) as engine:  # uninterrupted reference
-        run(engine, data)
-        expected = engine.parameters_fp32()
+    expected = uninterrupted(cfg, data)
 
     engine = zerotier.initialize(model(), cfg)
     run(engine, data[:8])
@@ -85,9 +90,7 @@ def test_transient_read_error_is_not_raised_again_by_the_next_attempt(tmp_path, 
     that never failed."""
     data = list(batches(64, 16, 2, 6))
     cfg = {**NVME_ALL, "tiers": {"nvme_path": str(tmp_path)}, "prefetch": {"lookahead": 2}}
-    with zerotier.initialize(model(), cfg) as engine:
-        run(engine, data)
-        expected = engine.parameters_fp32()
+    expected = uninterrupted(cfg, data)
     with zerotier.initialize(model(), cfg) as engine:
         assert len(engine.units) == 3
         run(engine, data[:3])
@@ -116,9 +119,7 @@ def test_load_checkpoint_after_a_failed_step_is_not_failed_by_a_stale_read(tmp_p
     that then failed are dropped with their errors; load_checkpoint works at the first try."""
     data = list(batches(64, 16, 2, 6))
     cfg = {**NVME_ALL, "offload": {**NVME_ALL["offload"], "params": "host"}, "tiers": {"nvme_path": str(tmp_path)}}
-    with zerotier.initialize(model(), cfg) as engine:
-        run(engine, data)
-        expected = engine.parameters_fp32()
+    expected = uninterrupted(cfg, data)
     with zerotier.initialize(model(), cfg) as engine:
         run(engine, data[:3])
         engine.save_checkpoint(tmp_path / "ckpt")

@@ -21,6 +21,8 @@ import zerotier
 from zerotier.errors import TierIOError, ZerotierError
 from zerotier.models import TinyGPT, batches
 
+from injected_faults import fail_nth_write
+
 DATA = list(batches(64, 16, 2, 8))
 
 
@@ -64,18 +66,6 @@ def assert_broken(engine):
 def swap(tmp_path):
     (tmp_path / "swap").mkdir()
     return tmp_path
-
-
-def fail_nth_write(engine, n, code=errno.ENOSPC):
-    """The n-th NVMe write from now fails with `code` (the store's own fault injection)."""
-    write, calls = engine.store.write, [0]
-
-    def failing(key, buf, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] == n:
-            engine.store.engine.inject_fault(op="write", errno=code)
-        return write(key, buf, *args, **kwargs)
-    engine.store.write = failing
 
 
 @pytest.mark.parametrize("clip", [1.0, None], ids=["step", "during-backward"])
@@ -212,15 +202,7 @@ def test_failed_parameter_write_back_is_never_trained_on(swap, n):
     with zerotier.initialize(model(), nvme) as engine:
         run(engine, DATA[:3])
         engine.save_checkpoint(swap / "ckpt")
-        write, seen = engine.store.write, []
-
-        def failing(key, buf, *args, **kwargs):
-            if key.endswith(".param"):
-                seen.append(key)
-                if len(seen) == n:
-                    engine.store.engine.inject_fault(op="write", errno=errno.ENOSPC)
-            return write(key, buf, *args, **kwargs)
-        engine.store.write = failing
+        fail_nth_write(engine, n, suffix=".param")
         raised = []
         for x, y in DATA[3:]:
             for _attempt in range(2):
