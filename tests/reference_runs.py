@@ -17,13 +17,14 @@ from zerotier.models import TinyGPT
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, ACCUM, LR = 64, 16, 4, 4, 2, 3e-3  # the data-parallel case
 # offload sections: the engine's runs under each are held against the reference
-PLACEMENTS = {
-    "all-device": {"params": "device", "gradients": "device", "optimizer": "device"},
-    "optimizer-host": {"params": "device", "gradients": "device", "optimizer": "host"},
-    "optimizer-nvme": {"params": "device", "gradients": "host", "optimizer": "nvme"},
-    "params-host": {"params": "host", "gradients": "host", "optimizer": "host"},
-    "params-nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
-}
+PLACEMENTS = {name: {"params": params, "gradients": gradients, "optimizer": optimizer}
+              for name, (params, gradients, optimizer) in {
+                  "all-device": ("device", "device", "device"),
+                  "optimizer-host": ("device", "device", "host"),
+                  "optimizer-nvme": ("device", "host", "nvme"),
+                  "params-host": ("host", "host", "host"),
+                  "params-nvme": ("nvme", "host", "nvme"),
+              }.items()}
 
 
 def tiny_gpt():
