@@ -500,6 +500,11 @@ def test_load_with_a_scheduler_the_checkpoint_lacks_changes_nothing_and_its_advi
     for _ in range(engine.global_steps):
         sched.step()
     engine.set_lr_scheduler(sched)
+    last_step_lands_as_before(engine, expected_lr, expected)
+
+
+def last_step_lands_as_before(engine, expected_lr, expected):
+    """Step 2, the last of the uninterrupted run, ends on its lr and weights; closes the engine."""
     train(engine, 2, 1)
     assert engine.optimizer.param_groups[0]["lr"] == expected_lr
     assert_same(expected, engine.parameters_fp32())
@@ -544,10 +549,7 @@ def test_load_without_the_scheduler_a_checkpoint_carries_warns_and_setting_it_fi
                 engine.load_checkpoint(tmp_path / "ckpts")
         if given:
             engine.set_lr_scheduler(sched)
-        train(engine, 2, 1)
-        assert engine.optimizer.param_groups[0]["lr"] == expected_lr
-        assert_same(expected, engine.parameters_fp32())
-        engine.close()
+        last_step_lands_as_before(engine, expected_lr, expected)
 
 
 # ------------------------------------ reading bad checkpoints (hostile #36, #38, #39, #44, #45)
