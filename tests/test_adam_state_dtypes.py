@@ -245,6 +245,20 @@ def test_native_threads_and_multi_call_do_not_change_bits(moment_dtype):
             assert_same_bits(b, a)
 
 
+def int8_step_by_python_and_native(grad, blocks, level):
+    """One step of int8 moments from zero state with beta1 = beta2 = 0 (the new exp_avg is `grad`,
+    exp_avg_sq is grad*grad), lr and weight decay 0, by the Python reference and by the native
+    kernel at `level`: asserts the two states bit-equal and returns the reference's."""
+    n = grad.numel()
+    results = []
+    for lvl in ("python", level):
+        state = {"master": torch.zeros(n), "exp_avg_absmax": torch.zeros(blocks), "exp_avg_sq_absmax": torch.zeros(blocks),
+                 "exp_avg": torch.zeros(n, dtype=torch.uint8), "exp_avg_sq": torch.zeros(n, dtype=torch.uint8)}
+        results.append(step_state(state, grad, lvl, seed=0, beta1=0.0, beta2=0.0, lr=0.0, weight_decay=0.0)[0])
+    assert_same_bits(results[1], results[0])
+    return results[0]
+
+
 @pytest.mark.parametrize("level", NATIVE_LEVELS)
 @pytest.mark.parametrize("signed", [True, False], ids=["exp_avg", "exp_avg_sq"])
 def test_native_quantization_at_the_map_midpoints(level, signed):
@@ -259,16 +273,10 @@ def test_native_quantization_at_the_map_midpoints(level, signed):
     blocks = -(-targets.numel() // per_block)
     values = torch.cat([targets, torch.zeros(blocks * per_block - targets.numel())]).view(blocks, per_block)
     values = torch.cat([values, torch.ones(blocks, 1)], dim=1).view(-1)
-    n = values.numel()
     grad = values if signed else values.sqrt()  # g*g lands within an ulp or so of the target
-    results = []
-    for lvl in ("python", level):
-        state = {"master": torch.zeros(n), "exp_avg_absmax": torch.zeros(blocks), "exp_avg_sq_absmax": torch.zeros(blocks),
-                 "exp_avg": torch.zeros(n, dtype=torch.uint8), "exp_avg_sq": torch.zeros(n, dtype=torch.uint8)}
-        results.append(step_state(state, grad, lvl, seed=0, beta1=0.0, beta2=0.0, lr=0.0, weight_decay=0.0)[0])
-    assert_same_bits(results[1], results[0])
+    reference = int8_step_by_python_and_native(grad, blocks, level)
     if signed:  # the reference's codes are the nearest, ties down: spot-check against quantize_blockwise
-        assert torch.equal(results[0]["exp_avg"], quantize_blockwise(values, True)[0])
+        assert torch.equal(reference["exp_avg"], quantize_blockwise(values, True)[0])
 
 
 
@@ -293,15 +301,8 @@ def test_native_quantization_near_the_midpoints_at_any_block_scale(level, signed
     values = torch.cat([values, last[:, None]], dim=1).view(-1)  # each block's absmax is its scale
     if not signed:
         values = values.abs()
-    n = values.numel()
     grad = values if signed else values.sqrt()  # beta2 = 0: v = g*g, within an ulp or so of the value
-    results = []
-    for lvl in ("python", level):
-        state = {"master": torch.zeros(n), "exp_avg_absmax": torch.zeros(blocks), "exp_avg_sq_absmax": torch.zeros(blocks),
-                 "exp_avg": torch.zeros(n, dtype=torch.uint8), "exp_avg_sq": torch.zeros(n, dtype=torch.uint8)}
-        results.append(step_state(state, grad, lvl, seed=0, beta1=0.0, beta2=0.0, lr=0.0, weight_decay=0.0)[0])
-    assert_same_bits(results[1], results[0])
-    codes = results[0]["exp_avg" if signed else "exp_avg_sq"]
+    codes = int8_step_by_python_and_native(grad, blocks, level)["exp_avg" if signed else "exp_avg_sq"]
     assert codes.unique().numel() > 200  # the values cover the map
 
 
