@@ -69,9 +69,9 @@ def main() -> None:
     on, off, ref = [], [], []
     for _ in range(args.repeats):
         on.append(step_s(engine, x, y))
-        engine._surface.disown()
+        engine.surface.disown()
         off.append(step_s(engine, x, y))
-        engine._surface.adopt()
+        engine.surface.adopt()
         ref.append(step_s(plain, x, y))
     on_s, off_s, ref_s = (statistics.median(v) for v in (on, off, ref))
     print(f"TinyGPT dim {args.dim} x {args.layers} layers, forward+backward (median of {args.repeats}): "

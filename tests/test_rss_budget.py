@@ -104,7 +104,7 @@ def test_meta_units_are_materialized_in_pool_blocks_and_given_back(tmp_path, mon
     engine = zerotier.initialize(model, cfg, init_fn=init_tiny_gpt)
     try:
         assert seen and all(numel == flat and viewed for numel, flat, viewed in seen), seen
-        assert not engine._materializer._blocks  # every block given back
+        assert not engine._placement.materializer._blocks  # every block given back
     finally:
         engine.close(restore_weights=False)
 

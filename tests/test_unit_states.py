@@ -23,7 +23,7 @@ def test_unit_state_tables_are_the_design_diagrams_and_illegal_moves_raise():
 def test_a_slot_field_is_the_slots_state_live():
     """Each store keeps one slot per unit; the per-unit states that transition() and the
     parameter surface take as a list are a SlotField over the slots: one copy, read and
-    written through, so a view taken once (surface.ParamSurface.adopt) never goes stale."""
+    written through, so a view taken once (param_surface.ParamSurface.adopt) never goes stale."""
     from zerotier.params import ParamSlot
     from zerotier.slots import SlotField
 

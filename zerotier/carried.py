@@ -20,7 +20,7 @@ stop.py), right after the update, before the loop's code that follows step() run
     has advanced them for its batch already. load_checkpoint restores them in that order; the same
     number of objects of the same types must be registered (a checkpoint whose objects an engine
     with none registered would drop is loaded with a warning, as is one whose lr scheduler state an
-    engine with none set, and no lr_scheduler=, would drop: checkpoint.load).
+    engine with none set, and no lr_scheduler=, would drop: checkpoint_load.load).
 Their states are data (checked at save as client_state is: [Note: checkpoints hold data]).
 """
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""Checkpoints of a zerotier run: save, load (into another placement / world size), export.
+"""Checkpoints of a zerotier run: save (load, into another placement / world size, is in
+checkpoint_load.py).
 
     engine.save_checkpoint("ckpts", lr_scheduler=sched, client_state={"epoch": 3})
     client_state = engine.load_checkpoint("ckpts", lr_scheduler=sched)
 
 Reading and checking a checkpoint directory (trusting nothing in it) is in
 zerotier/checkpoint_read.py; export to plain model weights (.safetensors / .pt) is in
-zerotier/export.py.
+zerotier/export.py. Save and load receive the engine's `Parts` (below), never the engine.
 
 [Note: checkpoint layout]
     root/latest                  "ckpt-<step>\\n": the newest complete checkpoint
@@ -23,14 +24,6 @@ zerotier/export.py.
                                  client_state, unmanaged module state (frozen params, buffers)
 The .pt files' crc32c are in the manifest too. Low-precision parameters are not saved: on
 load they are the master rounded to the param dtype, which is what the engine keeps.
-
-[Note: converting state dtypes on load]
-A checkpoint loads into any precision.master_dtype / moment_dtype: each key is decoded to fp32
-from the checkpoint's dtype and stored in the engine's (round to nearest; int8 re-quantized in
-blocks from the new shard's first element), with one warning naming each conversion that loses
-precision (to a narrower dtype, or int8 re-blocked under another sharding). Same dtypes load
-exactly: fp32 and bf16 round-trip through fp32 unchanged, and int8 records whose range is the
-new shard's are copied byte for byte (codes and block scales).
 
 [Note: checkpoint atomicity]
 Every rank writes into root/.ckpt-<step>.tmp-<random>/ and fsyncs its files; a
@@ -57,6 +50,7 @@ hold nothing but our files.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import json
 import os
@@ -65,14 +59,12 @@ import re
 import secrets
 import shutil
 import time
-import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from .checkpoint_read import (FORMAT, CheckpointError, RankFiles, crc, load_rng, load_state, manifest_crc,
-                              read_manifest, resolve, state_layout, step_of)
+from .checkpoint_read import FORMAT, CheckpointError, crc, manifest_crc, step_of
 from .errors import ZerotierError
 from .io import aligned_empty, open_direct, open_engine, round_up
 from .optim import _kernels
@@ -80,6 +72,26 @@ from .optim.state_layout import STATE_KEYS
 
 KEEP = 2  # checkpoints of the current run kept by default ([Note: checkpoint retention])
 _OUR_FILE = re.compile(r"manifest\.json|state\.pt|rank\d+\.(bin|pt)")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What save and load touch, handed over by the engine at each call: its parts ([Note: the
+    runtime record] in engine/runtime.py: stores, sharding, scaler, units, the step counters),
+    its config now, engine.optimizer (the param groups), what every checkpoint carries
+    (carried.py), the user's weights (restore.py: the unmanaged state), the parameter surface
+    (a load's writes to frozen parameters), the roots this run saves into (checkpoint_lock.py),
+    and the engine's synchronize and zero_grad."""
+    rt: Any
+    cfg: Any
+    optimizer: Any
+    carried: Any
+    weights: Any
+    surface: Any
+    locks: Any
+    synchronize: Callable[[], None]
+    zero_grad: Callable[[], None]
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -161,21 +173,21 @@ def _names(module: torch.nn.Module) -> dict[int, list[str]]:
     return out
 
 
-def fingerprint(engine) -> list[dict]:
+def fingerprint(parts) -> list[dict]:
     """The model's description stored in the manifest: units with parameter names and shapes."""
-    names = _names(engine.module)
+    names = _names(parts.rt.module)
     return [{"key": u.key, "name": u.name, "numel": u.numel,
              "params": [{"names": names[id(p)], "shape": list(s), "offset": off}
                         for p, s, off in zip(u.params, u.shapes, u.offsets)]}
-            for u in engine.units]
+            for u in parts.rt.units]
 
 
-def _unmanaged_state(engine) -> dict[str, torch.Tensor]:
+def _unmanaged_state(parts) -> dict[str, torch.Tensor]:
     """Frozen parameters and buffers (everything in module.state_dict() zerotier does not train); frozen
     units' parameters are read from their home through the surface ([Note: frozen units] in state.py)."""
-    managed = {id(p) for u in engine.units for p in u.params}
+    managed = {id(p) for u in parts.rt.units for p in u.params}
     out = {}
-    for name, t in engine.raw_state_dict().items():
+    for name, t in parts.weights.raw_state_dict().items():
         if id(t) not in managed:
             out[name] = t.detach().cpu().clone()
     return out
@@ -195,25 +207,10 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "numpy" in state:
-        import numpy as np
-        n = state["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        cuda = state["cuda"]
-        if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            torch.cuda.set_rng_state(cuda[0])
-
-
 # ------------------------------------------------------------------------------- save
 
-def save(engine, root, *, lr_scheduler=None, client_state=None, keep: int | None = KEEP) -> Path:
-    """Save `engine`'s training state under `root` (collective: every rank calls it).
+def save(parts: Parts, root, *, lr_scheduler=None, client_state=None, keep: int | None = KEEP) -> Path:
+    """Save the engine's training state under `root` (collective: every rank calls it).
 
     Returns the checkpoint directory root/ckpt-<global_steps>. `keep`: how many of this
     run's checkpoints to keep (None: all). See [Note: checkpoint layout],
@@ -221,22 +218,22 @@ def save(engine, root, *, lr_scheduler=None, client_state=None, keep: int | None
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ZerotierError(f"save_checkpoint(keep={keep!r}): keep is how many of this run's checkpoints "
                             f"to keep, an int >= 1 (or None to keep all)")
-    accum = engine.cfg.train.grad_accum_steps
-    if engine.micro_steps % accum:
-        raise ZerotierError(f"save_checkpoint at micro-step {engine.micro_steps}: in the middle of a gradient "
+    accum = parts.cfg.train.grad_accum_steps
+    if parts.rt.steps.micro_steps % accum:
+        raise ZerotierError(f"save_checkpoint at micro-step {parts.rt.steps.micro_steps}: in the middle of a gradient "
                             f"accumulation window (grad_accum_steps = {accum}); the accumulated gradients are "
                             f"not saved. Save right after an engine.step() that returned True")
-    rank, world = engine.rank, engine.world_size
+    rank, world = parts.rt.sharding.rank, parts.rt.sharding.world
     problem = None
     root = Path(root)
-    final = root / f"ckpt-{engine.global_steps}"
-    lr_scheduler = lr_scheduler if lr_scheduler is not None else engine.carried.lr_scheduler
+    final = root / f"ckpt-{parts.rt.steps.global_steps}"
+    lr_scheduler = lr_scheduler if lr_scheduler is not None else parts.carried.lr_scheduler
     registered = []  # [Note: what a checkpoint carries] in carried.py
     try:  # before anything is written: a refused save leaves nothing behind
         _check_loadable(client_state, "client_state")
         if lr_scheduler is not None:
             _check_loadable(lr_scheduler.state_dict(), "the lr scheduler's state_dict()")
-        registered = engine.carried.states()
+        registered = parts.carried.states()
         _check_loadable(registered, "a registered object's state_dict() (engine.register_for_checkpointing)")
         if rank == 0 and os.path.lexists(final) and not _is_ours(final):
             raise CheckpointError(errno.EEXIST, f"save_checkpoint: {final} exists and is not a zerotier "
@@ -248,19 +245,19 @@ def save(engine, root, *, lr_scheduler=None, client_state=None, keep: int | None
                                                 f"the newest checkpoint; nothing was written: remove or rename "
                                                 f"it, or save to another directory")
         if rank == 0:  # [Note: the checkpoint root lock] in checkpoint_lock.py
-            engine.checkpoint_locks.acquire(root, engine.run_id)
+            parts.locks.acquire(root, parts.rt.steps.run_id)
     except CheckpointError as exc:
         problem = exc
     if world > 1:  # every rank stops, the one with the problem with its own message
         try:
-            engine.sharding.comm.check_all_ranks(problem is None, "save_checkpoint: client_state")
+            parts.rt.sharding.comm.check_all_ranks(problem is None, "save_checkpoint: client_state")
         except ZerotierError:
             if problem is None:
                 raise
     if problem is not None:
         raise problem
-    engine.synchronize()
-    step = engine.global_steps
+    parts.synchronize()
+    step = parts.rt.steps.global_steps
     dist = _dist() if world > 1 else None
     token = [secrets.token_hex(4)]
     if dist is not None:
@@ -272,10 +269,10 @@ def save(engine, root, *, lr_scheduler=None, client_state=None, keep: int | None
     try:
         _mkdir_private(root)
         _mkdir_private(tmp)
-        records = _write_rank_data(engine, tmp / f"rank{rank}.bin")
+        records = _write_rank_data(parts, tmp / f"rank{rank}.bin")
         files[f"rank{rank}.pt"] = _save_pt({"rng": _rng_state()}, tmp / f"rank{rank}.pt")
         if rank == 0:
-            files["state.pt"] = _save_pt(_global_state(engine, lr_scheduler, client_state, registered),
+            files["state.pt"] = _save_pt(_global_state(parts, lr_scheduler, client_state, registered),
                                          tmp / "state.pt")
     except OSError as exc:
         error = exc if isinstance(exc, CheckpointError) else _space_error(tmp, f"rank {rank}'s files", exc)
@@ -283,7 +280,7 @@ def save(engine, root, *, lr_scheduler=None, client_state=None, keep: int | None
         error = exc
     try:
         if dist is not None:
-            engine.sharding.comm.check_all_ranks(error is None, "checkpoint save")
+            parts.rt.sharding.comm.check_all_ranks(error is None, "checkpoint save")
     except BaseException as exc:
         if error is None:
             error = exc
@@ -297,7 +294,7 @@ def save(engine, root, *, lr_scheduler=None, client_state=None, keep: int | None
         dist.all_gather_object(gathered, (records, files))
     if rank == 0:
         try:
-            _commit(engine, root, tmp, final, gathered, keep)
+            _commit(parts, root, tmp, final, gathered, keep)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             error = exc if isinstance(exc, CheckpointError) else _space_error(tmp, "the manifest", exc)
@@ -306,7 +303,7 @@ def save(engine, root, *, lr_scheduler=None, client_state=None, keep: int | None
             error = exc
     if dist is not None:
         try:
-            engine.sharding.comm.check_all_ranks(error is None, "checkpoint commit")
+            parts.rt.sharding.comm.check_all_ranks(error is None, "checkpoint commit")
         except BaseException as exc:
             if error is None:
                 error = exc
@@ -323,7 +320,7 @@ def _write_record(eng, fd: int, buf: torch.Tensor, offset: int, path: str):
     return eng.write(fd, buf, offset, path)
 
 
-def _write_rank_data(engine, path: Path) -> list[dict]:
+def _write_rank_data(parts, path: Path) -> list[dict]:
     """[Note: checkpoint streaming] This rank's real optimizer-state ranges go to `path` through
     zerotier's I/O engine, O_DIRECT where the filesystem allows: each record starts at an
     `io.alignment` boundary (nbytes stays exact; the padding after it is zeros and no reader
@@ -331,11 +328,11 @@ def _write_rank_data(engine, path: Path) -> list[dict]:
     next unit's state is being read from the NVMe tier meanwhile (UnitOptimizer.iter_state):
     the drive's queue stays full instead of each read and write waiting for the last. The
     host memory this takes is the buffers of the units in flight, not the model's state."""
-    io_cfg = engine.cfg.io
+    io_cfg = parts.cfg.io
     align = io_cfg.alignment
     records, inflight = [], collections.deque()
     offset = 0
-    layout = engine.unit_optimizer.layout
+    layout = parts.rt.unit_optimizer.layout
 
     def retire(item) -> None:
         ticket, want, _keep = item
@@ -346,7 +343,7 @@ def _write_rank_data(engine, path: Path) -> list[dict]:
         fd, _direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, direct=io_cfg.o_direct)
         try:
             try:
-                for unit, state in engine.unit_optimizer.iter_state(engine.units, align):
+                for unit, state in parts.rt.unit_optimizer.iter_state(parts.rt.units, align):
                     n, unit_layout = unit.shard_hi - unit.shard_lo, layout.for_unit(unit)
                     for k in STATE_KEYS:
                         nbytes = unit_layout.nbytes(k, n)
@@ -390,32 +387,32 @@ def _hf_config(module) -> dict | None:
         return None
 
 
-def _global_state(engine, lr_scheduler, client_state, registered: list) -> dict:
-    return {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-            "scaler": engine.scaler.state_dict(),
-            "optimizer": engine.optimizer.groups_state_dict(),  # the Adam state is in the rank files
+def _global_state(parts, lr_scheduler, client_state, registered: list) -> dict:
+    return {"global_steps": parts.rt.steps.global_steps, "micro_steps": parts.rt.steps.micro_steps,
+            "scaler": parts.rt.scaler.state_dict(),
+            "optimizer": parts.optimizer.groups_state_dict(),  # the Adam state is in the rank files
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "client_state": client_state, "module_unmanaged": _unmanaged_state(engine), "registered": registered}
+            "client_state": client_state, "module_unmanaged": _unmanaged_state(parts), "registered": registered}
 
 
-def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list, keep: int | None) -> None:
-    world = engine.world_size
+def _commit(parts, root: Path, tmp: Path, final: Path, gathered: list, keep: int | None) -> None:
+    world = parts.rt.sharding.world
     ranks = []
     for r, (records, files) in enumerate(gathered):
-        lo_hi = [list(u.part.shard_range(r)) for u in engine.units]
+        lo_hi = [list(u.part.shard_range(r)) for u in parts.rt.units]
         ranks.append({"file": f"rank{r}.bin", "ranges": lo_hi, "records": records,
                       "rng": files[f"rank{r}.pt"]})
     manifest = {
-        "format": FORMAT, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-        "world_size": world, "zero_stage": engine.sharding.stage,
-        "param_dtype": str(engine.lp_dtype).replace("torch.", ""),
-        "unit_steps": [list(steps) for steps in engine.unit_optimizer.steps],  # per unit, per parameter
-        "state_dtypes": {k: engine.unit_optimizer.layout.dtype(k) for k in STATE_KEYS},
+        "format": FORMAT, "global_steps": parts.rt.steps.global_steps, "micro_steps": parts.rt.steps.micro_steps,
+        "world_size": world, "zero_stage": parts.rt.sharding.stage,
+        "param_dtype": str(parts.rt.lp_dtype).replace("torch.", ""),
+        "unit_steps": [list(steps) for steps in parts.rt.unit_optimizer.steps],  # per unit, per parameter
+        "state_dtypes": {k: parts.rt.unit_optimizer.layout.dtype(k) for k in STATE_KEYS},
         "quant_block": _kernels.QUANT_BLOCK,
-        "fp32_moments_below": engine.unit_optimizer.layout.fp32_below,  # [Note: small parameters keep fp32 moments]
-        "units": fingerprint(engine), "ranks": ranks, "state": gathered[0][1]["state.pt"],
-        "hf_config": _hf_config(engine.module),  # for `zerotier export --to DIR` (config.json)
-        "run": {"id": engine.run_id, "saved_ns": time.time_ns()},  # [Note: checkpoint retention]
+        "fp32_moments_below": parts.rt.unit_optimizer.layout.fp32_below,  # [Note: small parameters keep fp32 moments]
+        "units": fingerprint(parts), "ranks": ranks, "state": gathered[0][1]["state.pt"],
+        "hf_config": _hf_config(parts.rt.module),  # for `zerotier export --to DIR` (config.json)
+        "run": {"id": parts.rt.steps.run_id, "saved_ns": time.time_ns()},  # [Note: checkpoint retention]
     }
     manifest["crc32c"] = manifest_crc(manifest)  # [Note: manifest checksum]
     data = json.dumps(manifest).encode()
@@ -439,7 +436,7 @@ def _commit(engine, root: Path, tmp: Path, final: Path, gathered: list, keep: in
     _fsync_dir(root)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
-    _prune(root, final, engine.run_id, keep)
+    _prune(root, final, parts.rt.steps.run_id, keep)
 
 
 def _run_of(ckpt: Path) -> dict | None:
@@ -485,133 +482,3 @@ def _only_our_files(path: Path) -> bool:
                 and all(_OUR_FILE.fullmatch(n) for n in os.listdir(path)))
     except OSError:
         return False
-
-
-# ------------------------------------------------------------------------------- load
-
-def _same_range(engine, manifest: dict, unit) -> int | None:
-    """The old rank whose range of `unit` is this rank's, or None."""
-    for r, rank in enumerate(manifest["ranks"]):
-        if rank["ranges"][unit.index] == [unit.shard_lo, unit.shard_hi]:
-            return r
-    return None
-
-
-def _warn_lossy(engine, ckpt: Path, manifest: dict) -> None:
-    """[Note: converting state dtypes on load] One warning naming the conversions that lose precision."""
-    old, new = state_layout(manifest), engine.unit_optimizer.layout
-    lossy = [f"{k} {old.dtype(k)} -> {new.dtype(k)}" for k in STATE_KEYS if new.lossy_from(old, k)]
-    if new.moments == old.moments == "int8" and any(_same_range(engine, manifest, u) is None for u in engine.units):
-        lossy.append("int8 moments re-quantized in the new sharding's blocks")
-    if lossy:
-        warnings.warn(f"load_checkpoint({ckpt}): the optimizer state loses precision: {', '.join(lossy)} "
-                      f"(precision.master_dtype = {new.master!r}, moment_dtype = {new.moments!r}; the checkpoint "
-                      f"was saved with {old.master!r} / {old.moments!r})", stacklevel=3)
-
-
-def _load_unit_state(engine, files: RankFiles, unit, steps) -> None:
-    """[Note: converting state dtypes on load] One unit's state into the engine's layout."""
-    opt, old = engine.unit_optimizer, files.layout
-    lo, hi, n = unit.shard_lo, unit.shard_hi, unit.part.shard_numel
-    same = _same_range(engine, files.manifest, unit)
-    new = opt.layout.for_unit(unit)
-    for k in STATE_KEYS:
-        if old.dtype(k) == new.dtype(k) == "int8" and old.fp32_below == new.fp32_below and same is not None:
-            raw = new.resize(k, files.read(same, unit.index, k), hi - lo, n,  # byte for byte
-                             torch.zeros(new.nbytes(k, n), dtype=torch.uint8))
-            opt.write_state(unit, {k: raw}, steps, encoded=True)
-            continue
-        values = torch.zeros(n)
-        files.piece(unit.index, k, lo, hi, values)
-        opt.write_state(unit, {k: values}, steps)
-
-
-def _check_fingerprint(engine, manifest: dict, ckpt: Path) -> None:
-    ours, theirs = fingerprint(engine), manifest["units"]
-    for i in range(max(len(ours), len(theirs))):
-        a = ours[i] if i < len(ours) else None
-        b = theirs[i] if i < len(theirs) else None
-        strip = (lambda u: None if u is None else (u["name"], u["numel"],
-                                                   [(p["shape"], p["offset"]) for p in u["params"]]))
-        if strip(a) != strip(b):
-            def desc(u):
-                return "nothing" if u is None else f"unit {u['key']} (module '{u['name']}', {u['numel']} elements, " \
-                                                   f"shapes {[p['shape'] for p in u['params']]})"
-            raise ZerotierError(f"checkpoint {ckpt} does not match this model: the first difference is unit "
-                                f"{i}: the checkpoint has {desc(b)}, the model has {desc(a)}. Load it into the "
-                                f"model it was saved from")
-
-
-def _refuse_missing_scheduler(ckpt: Path, step: int, given: bool) -> None:
-    """No error may advise a path that trains differently: loading without the scheduler restarts it."""
-    which = "lr_scheduler=" if given else "the engine's lr scheduler (engine.set_lr_scheduler)"
-    raise ZerotierError(
-        f"checkpoint {ckpt} holds no lr scheduler state (it was saved without one), so {which} cannot be restored "
-        f"from it (nothing was loaded); a schedule restarted at its first step would train differently from the run "
-        f"that saved it. To go on with the schedule at step {step}: build the scheduler as that run did, load the "
-        f"checkpoint without one (no lr_scheduler=, no engine.set_lr_scheduler before the load), then call "
-        f"scheduler.step() {step} times (exact for a schedule of the step count alone: LambdaLR, transformers' "
-        f"get_*_schedule_with_warmup). Then engine.set_lr_scheduler(scheduler): every later checkpoint carries it")
-
-
-def load(engine, root, *, lr_scheduler=None, trust_pickle: bool = False):
-    """Load a checkpoint into `engine` (collective: every rank calls it); returns client_state.
-
-    Works into another tier placement, ZeRO stage or world size: each rank computes its own
-    range of every unit and reads the overlapping pieces of the old ranks' records, verifying
-    each record's crc32c. RNG states: new rank r gets old rank r's states if the old run had a
-    rank r, else old rank 0's (so with more ranks than before, ranks >= the old world size
-    share rank 0's random streams)."""
-    ckpt = resolve(root)
-    manifest = read_manifest(ckpt)
-    _check_fingerprint(engine, manifest, ckpt)
-    scheduler = lr_scheduler if lr_scheduler is not None else engine.carried.lr_scheduler
-    engine.synchronize()  # fetches issued but not consumed would hold the old parameters
-    files = RankFiles(ckpt, manifest)
-    try:
-        state = load_state(ckpt, manifest, trust_pickle)
-        if scheduler is not None and state["lr_scheduler"] is None:  # before anything changes
-            _refuse_missing_scheduler(ckpt, state["global_steps"], given=lr_scheduler is not None)
-        if scheduler is None and state["lr_scheduler"] is not None:
-            warnings.warn(f"load_checkpoint({ckpt}): the checkpoint carries lr scheduler state, but no lr_scheduler= "
-                          "was given and the engine has none set, so it is not restored: a scheduler built afresh "
-                          "restarts its schedule at the first step. Set the scheduler before loading: "
-                          "engine.set_lr_scheduler(sched) or load_checkpoint(root, lr_scheduler=sched) (see "
-                          "docs/checkpoint.md)", RuntimeWarning, stacklevel=3)
-        engine.carried.check(state["registered"], ckpt)
-        try:
-            engine.optimizer.checked(state["optimizer"])
-        except ValueError as exc:
-            raise ZerotierError(f"checkpoint {ckpt} does not match engine.optimizer's param groups ({exc}): "
-                                "make the same add_param_group calls before loading (nothing was loaded)") from exc
-        sd = engine.raw_state_dict()
-        for name, t in state["module_unmanaged"].items():
-            if name in sd and t.shape != sd[name].shape:
-                raise ZerotierError(f"checkpoint {ckpt} does not match this model: its '{name}' has shape "
-                                    f"{list(t.shape)}, the model's {list(sd[name].shape)} (nothing was loaded)")
-        old_world = manifest["world_size"]
-        src = engine.rank if engine.rank < old_world else 0
-        rng = load_rng(ckpt, manifest, src, trust_pickle)
-        files.check([(u.index, u.shard_lo, u.shard_hi) for u in engine.units])  # before anything changes
-        _warn_lossy(engine, ckpt, manifest)
-        for unit, step in zip(engine.units, manifest["unit_steps"]):
-            _load_unit_state(engine, files, unit, step)
-            engine.params.load(unit, engine.unit_optimizer.read_state(unit, ("master",))["master"].cpu())
-        engine.params.synchronize()
-    finally:
-        files.close()
-    with torch.no_grad(), engine._surface.batch():  # frozen units' parameters: one store per unit
-        for name, t in state["module_unmanaged"].items():
-            if name in sd:
-                sd[name].data.copy_(t) if isinstance(sd[name], torch.nn.Parameter) else sd[name].copy_(t)
-    engine.zero_grad()
-    run = manifest.get("run")  # the resumed run continues its lineage ([Note: checkpoint retention])
-    engine.runtime.steps.restore(state["global_steps"], state["micro_steps"],
-                                 run["id"] if isinstance(run, dict) and isinstance(run.get("id"), str) else None)
-    engine.scaler.load_state_dict(state["scaler"])
-    engine.optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(state["lr_scheduler"])
-    engine.carried.restore(state["registered"])
-    _set_rng_state(rng)
-    return state["client_state"]

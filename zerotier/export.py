@@ -31,16 +31,17 @@ _ST_FROM = {v: k for k, v in _ST_DTYPES.items()}
 _DTYPE_NAMES = {**DTYPES, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def consolidated_state_dict(engine, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Model weights by state_dict name (collective with several ranks; rank 0's is the full dict)."""
-    full = engine.parameters_fp32()
+def consolidated_state_dict(weights, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Model weights by state_dict name (collective with several ranks; rank 0's is the full dict).
+    `weights`: the engine's UserWeights (engine/restore.py)."""
+    full = weights.parameters_fp32()
     by_id = {}
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    for unit in engine.units:
+    names = {id(p): n for n, p in weights.rt.module.named_parameters()}
+    for unit in weights.rt.units:
         for p in unit.params:
             by_id[id(p)] = full[names[id(p)]].to(dtype)
     out = {}
-    for name, t in engine.raw_state_dict().items():
+    for name, t in weights.raw_state_dict().items():
         if id(t) in by_id:
             out[name] = by_id[id(t)]
         else:

@@ -3,7 +3,7 @@
 [Note: meta-device models]
 A model built under `torch.device("meta")` has shapes but no bytes, so a model larger than
 RAM can be described before it is trained. `initialize` gives it bytes unit by unit, each
-straight before that unit goes to its tier (Engine._place_all), so at most one unit's
+straight before that unit goes to its tier (engine/placement.py), so at most one unit's
 full-precision tensors exist in RAM at a time:
   1. every module holding one of the unit's parameters gets new CPU Parameters (and
      buffers) in place of its meta ones — new objects, because a meta tensor's data cannot

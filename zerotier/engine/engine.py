@@ -30,12 +30,12 @@ from ..dist import init_distributed
 from ..dist.sharding import Sharding
 from ..errors import ConfigError, ZerotierError
 from ..grads import GradStore, refuse_sparse_gradients
-from ..materialize import Materializer, is_meta, pool_bytes as materialize_pool_bytes
+from ..materialize import pool_bytes as materialize_pool_bytes
 from ..optim.offload import UnitOptimizer
 from ..optim.state_layout import StateLayout
 from ..planner.predict import StepOptions
 from ..optim.torch_optimizer import EngineOptimizer, Loop, exempt_from_decay
-from ..integrations.plain_trainer import check_plain_trainer
+from .trainer_guard import check_plain_trainer
 from ..params import ParamStore
 from ..planner.machine_fit import refuse_over as refuse_over_machine
 from ..planner import plan_check
@@ -46,7 +46,8 @@ from ..scaler import LossScaler
 from ..schedule import PrefetchScheduler
 from .hooks import ModuleHooks
 from ..state import DTYPES, Location, build_units, nested_numel
-from .surface import ParamSurface
+from .placement import Placement
+from .param_surface import ParamSurface
 from .runtime import Runtime
 from .window import Window, WindowState
 from ..overlap import policy_for
@@ -57,6 +58,17 @@ from ..tiers.base import Charged
 from ..tiers.lagging import make_device_tier
 from ..tiers.host import HostPool, trim_heap
 from ..units import format_size
+
+
+def _weak_call(engine: "Engine", name: str):
+    """engine.<name>(*args) through a weak reference (nothing once the engine is gone): for the
+    collaborators the user's objects hold (engine.optimizer, the parameters' surface)."""
+    ref = weakref.ref(engine)
+
+    def call(*args):
+        live = ref()
+        return None if live is None else getattr(live, name)(*args)
+    return call
 
 
 def initialize(model: torch.nn.Module, config=None, *, wrap=None, init_fn=None) -> "Engine":
@@ -82,7 +94,6 @@ class Engine:
             raise ConfigError(model._zerotier_lost)
         self.cfg = cfg
         self.module = model
-        self._init_fn = init_fn
         # [Note: choosing the device] in device.py: before anything allocates or a group exists
         self.device = choose_device(cfg.train.device)
         refuse_sparse_gradients(model)
@@ -92,8 +103,7 @@ class Engine:
                               "there is nothing for zerotier to train")
         self.lp_dtype = DTYPES[cfg.precision.param_dtype]
         # [Note: the user's model stays the truth] in restore.py: what each parameter was before we took it
-        self._user_form = {id(p): (p.dtype, p.device) for u in units for p in u.params}
-        self.weights = UserWeights(self, self._user_form)
+        user_form = {id(p): (p.dtype, p.device) for u in units for p in u.params}
         self.rank, self.world_size = init_distributed(cfg.zero, self.device)
         self.sharding = Sharding(cfg.zero, self.rank, self.world_size)
         # [Note: frozen units] in state.py: the stepped units, then the frozen ones (indices go on)
@@ -145,16 +155,19 @@ class Engine:
         self.runtime = Runtime(model, self.device, self.lp_dtype, self.plan, self.sharding, self.scaler,
                                self.profiler, self.param_units, self.units, self.frozen_units, self.params,
                                self.grads, self.unit_optimizer, self.device_tier, self.host_pool, self.store)
+        self.weights = UserWeights(self.runtime, user_form, self.synchronize)
         self.checkpoint_locks = RootLocks()  # the roots it saves into ([Note: the checkpoint root lock])
         self._stop_code = 0  # [Note: graceful stop] in stop.py
+        self._placement = Placement(self.runtime, self.weights, init_fn)  # the units into the stores
         try:
-            self._place_all()
+            self._placement.run()
         except BaseException:
-            self._undo_place()  # [Note: a failed initialize]
+            self._placement.undo()  # [Note: a failed initialize] in placement.py
+            self.store = None  # closed with its run directory
             self.sharding.close()
             raise
         self.window = Window(self)  # the loop's state ([Note: the plain PyTorch loop] in window.py)
-        # over the placed parameters ([Note: param groups]); the HF Trainer check: integrations/plain_trainer.py
+        # over the placed parameters ([Note: param groups]); the HF Trainer check: trainer_guard.py
         self.optimizer = EngineOptimizer(self.runtime, cfg.optimizer, self._optimizer_loop(), no_decay,
                                          on_first_train=check_plain_trainer)
         self.carried = Carried(self.optimizer)  # [Note: what a checkpoint carries] in carried.py
@@ -162,138 +175,24 @@ class Engine:
             cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.param_units],
             [u.name for u in self.param_units],
             self.params.prefetch, self.params.inflight_bytes)
-        self.hooks = ModuleHooks(self)  # [Note: fetch and release] in hooks.py
+        # [Note: the parameter surface] in surface.py: reads and writes of managed parameters
+        self.surface = ParamSurface(self.runtime, self.window, self.weights, _weak_call(self, "synchronize"))
+        self.hooks = ModuleHooks(self.runtime, self.window, self.scheduler, self.surface, user_form,
+                                 self._stop_before_window)  # [Note: fetch and release] in hooks.py
         self.hooks.register([u for u in self.param_units if self.params.streamed[u.index]])
         if cfg.train.handle_signals:
             stop.register(self)
         model._zerotier_engine = weakref.ref(self)  # the model does not keep the engine alive
         self.hooks.handles.append(self.weights.install_state_dict_hook(model))
-        # [Note: the parameter surface] in surface.py: reads and writes of managed parameters
-        self._surface = ParamSurface(self)
-        self._surface.adopt()
+        self.surface.adopt()
         self.hooks.guard_root_methods()
         trim_heap()  # the user's tensors and placement temporaries ([Note: heap trimming])
-
-    # ------------------------------------------------------------ placement
-
-    def _place_all(self) -> None:
-        """Every rank starts from rank 0's weights; each store takes its part of every unit.
-        The user's tensors are dropped (the parameters become views of the engine's flats)."""
-        sharding = self.sharding
-        # [Note: meta-device models]; [Note: materialization in the host pool]
-        materializer = self._materializer = Materializer(self.module, self._init_fn, self.host_pool)
-        for i, unit in enumerate(self.param_units):
-            if is_meta(unit):  # the stores hold these lists: they see the rebuilt unit
-                unit = self.param_units[i] = materializer.unit(unit)
-                (self.frozen_units if unit.frozen else self.units)[i - len(self.units) * unit.frozen] = unit
-                self._user_form.update({id(p): (p.dtype, torch.device("meta")) for p in unit.params})
-            pooled = materializer.flat(unit)  # the materialized unit's flat in the host pool, or None
-            if unit.frozen:  # [Note: frozen units]: its low-precision bytes only
-                full = materializer.cast(unit, pooled, self.lp_dtype) if pooled is not None else \
-                    torch.cat([p.detach().reshape(-1).to(self.lp_dtype).cpu() for p in unit.params])
-                sharding.broadcast(full)
-                self._swapped = i + 1
-                self.params.place(unit, full if not sharding.gathered(unit) else sharding.shard_of(unit, full))
-                del pooled, full  # the last views of the unit's pool blocks: they go back to the system now
-                materializer.release(unit)
-                continue
-            if pooled is not None:
-                full = pooled.float()  # the pool block itself when fp32
-            elif len(unit.params) > 1:
-                full = torch.cat([p.detach().reshape(-1).float().cpu() for p in unit.params])
-            else:  # the parameter itself (no copy) unless the broadcast below writes into it
-                full = unit.params[0].detach().reshape(-1).float().cpu()
-                full = full.clone() if sharding.active else full
-            sharding.broadcast(full)
-            master = sharding.shard_of(unit, full)  # fp32 master of this rank's shard (all of it on one rank)
-            self.unit_optimizer.place(unit, master)
-            self._swapped = i + 1  # the user's tensors of units[:i + 1] may be dropped ([Note: a failed initialize])
-            lp = materializer.cast(unit, master if sharding.gathered(unit) else full, self.lp_dtype)
-            self.params.place(unit, lp)
-            self.grads.place(unit)
-            del pooled, full, master, lp  # the last views of the unit's pool blocks: they go back to the system now
-            materializer.release(unit)
-        self.unit_optimizer.finish_place()
-        self.params.finish_place()
-        materializer.rest()
-        self._move_unmanaged_to_device()
-
-    def _undo_place(self) -> None:
-        """[Note: a failed initialize]
-        A failing _place_all (an init_fn raising, a tier refusing a write, Ctrl-C) leaves the model
-        as the user built it, so initialize can be called again: modules materialized from the meta
-        device get their meta tensors back; units whose parameters were already swapped to the
-        engine's flats get their weights back from the fp32 masters (one rank; with several the
-        masters are shards). Where a unit cannot be given back, the model is marked and the next
-        initialize refuses it with a ConfigError naming what happened, instead of reading freed
-        memory; its parameters become meta tensors (a read raises, never crashes)."""
-        materializer = getattr(self, "_materializer", None)
-        materialized = {id(p) for p in materializer.replaced.values()} if materializer is not None else set()
-        lost = []
-        for unit in self.param_units[:getattr(self, "_swapped", 0)]:
-            if all(id(p) in materialized for p in unit.params):
-                continue
-            try:
-                if self.sharding.active:
-                    raise ZerotierError("the fp32 masters are sharded over ranks")
-                master = self.weights.frozen_value(unit) if unit.frozen else \
-                    self.unit_optimizer.read_state(unit, ("master",))["master"].cpu()
-                for p, view in unit.views(master):
-                    dtype, device = self._user_form[id(p)]
-                    p.data = view.to(device=device, dtype=dtype, copy=True)
-            except Exception:  # noqa: BLE001 - the original error is what the user sees
-                lost.append(unit)
-        if materializer is not None:
-            materializer.undo()
-        gone = {id(p) for unit in lost for p in unit.params}
-        for module in self.module.modules():  # new meta Parameters: a CPU one's data cannot become meta
-            for name, p in module._parameters.items():
-                if p is not None and id(p) in gone:
-                    module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                                  requires_grad=p.requires_grad)
-        lost = [unit.name or "<root>" for unit in lost]
-        if lost:
-            self.module._zerotier_lost = (
-                f"an earlier zerotier.initialize on this model failed part-way and could not give the weights of "
-                f"{len(lost)} unit(s) back ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}): build or load "
-                "the model again")
-        if self.store is not None:  # its run directory goes with it
-            try:
-                self.store.close()
-            except Exception:  # noqa: BLE001
-                pass
-            self.store = None
 
     def _residency(self) -> dict[str, tuple[int, int]]:
         tiers = {"device": self.device_tier, "host": self.host_pool}
         if self.store is not None:
             tiers["nvme"] = self.store
         return {name: (t.used, t.budget) for name, t in tiers.items()}
-
-    def _move_unmanaged_to_device(self) -> None:
-        """Parameters no unit holds (non-floating frozen ones) and buffers go to the compute device.
-
-        [Note: buffers and inputs in low precision]
-        Under a bf16/fp16 precision.param_dtype, compute sees the model as `model.to(dtype)` would
-        make it, as FSDP2's MixedPrecisionPolicy does: the floating buffers of a module that owns
-        managed parameters (BatchNorm's running stats) take param_dtype (back to their dtype at
-        close), and floating tensors passed to the root's forward are cast to it
-        (cast_forward_inputs); integer inputs (token ids, labels) are left alone. Buffers of
-        modules without parameters (rotary inv_freq) keep their dtype: their module casts."""
-        managed = {id(p) for u in self.param_units for p in u.params}
-        low = self.lp_dtype if self.lp_dtype != torch.float32 else None
-        self._buffer_dtypes = []  # (module, name, the user's dtype) of buffers cast to param_dtype
-        for module in self.module.modules():
-            owns = any(p is not None and id(p) in managed for p in module._parameters.values())
-            for name, p in module._parameters.items():
-                if p is not None and id(p) not in managed:
-                    p.data = p.data.to(self.device)
-            for name, b in module._buffers.items():
-                if b is not None:
-                    cast = low is not None and owns and b.is_floating_point() and b.dtype != low
-                    if cast:
-                        self._buffer_dtypes.append((module, name, b.dtype))
-                    module._buffers[name] = b.to(self.device, low if cast else b.dtype)
 
     # ------------------------------------------------------------ training API
 
@@ -340,14 +239,8 @@ class Engine:
         """engine.optimizer's calls into the loop, through weak references: the optimizer (which an lr
         scheduler or the user may hold) keeps no engine alive."""
         ref = weakref.ref(self)
-
-        def weak(name):
-            def call(*args):
-                engine = ref()
-                return None if engine is None else getattr(engine, name)(*args)
-            return call
-        return Loop(step=weak("_plain_step"), zero_grad=weak("zero_grad"), synchronize=weak("synchronize"),
-                    closed=lambda: ref() is None or ref().closed)
+        return Loop(step=_weak_call(self, "_plain_step"), zero_grad=_weak_call(self, "zero_grad"),
+                    synchronize=_weak_call(self, "synchronize"), closed=lambda: ref() is None or ref().closed)
 
     def _plain_step(self) -> None:
         """engine.optimizer.step() of the plain PyTorch loop ([Note: the plain PyTorch loop] in window.py)."""
@@ -445,6 +338,13 @@ class Engine:
         if self.sharding.agreed_stop if self.sharding.active else self._stop_code:
             self._stop()
 
+    def _stop_before_window(self) -> None:
+        """A training forward would begin a new window (one rank, nothing registered to carry): stop
+        before it if asked (the hooks call this; [Note: what a checkpoint carries] in carried.py)."""
+        if self.stop_requested and not self.sharding.active and self.window.between_windows() \
+                and not self.carried.objects:
+            self._stop()
+
     def _stop(self) -> None:
         code = self.sharding.agreed_stop if self.sharding.active else self._stop_code
         why = stop.describe(code) if code == self._stop_code else f"{stop.describe(code)} on another rank"
@@ -465,19 +365,24 @@ class Engine:
         writes outside it work too, one fetch per call ([Note: the parameter surface])."""
         wanted = None if params is None else {id(p) for p in params}
         units = [u for u in self.param_units if wanted is None or any(id(p) in wanted for p in u.params)]
-        return self._surface.fetched(units)
+        return self.surface.fetched(units)
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Full-precision weights by parameter name (copies; reads NVMe-resident masters).
         With several ranks this is a collective: every rank must call it."""
-        trained = {id(p): view.clone() for unit, views in self.weights.trained_units() for p, view in views}
-        return {n: trained[id(p)] for n, p in self.module.named_parameters() if id(p) in trained}
+        return self.weights.parameters_fp32()
 
     def raw_state_dict(self) -> dict:
         """`module.state_dict(keep_vars=True)` as torch makes it, without the trained weights (restore.py)."""
         return self.weights.raw_state_dict()
 
-    # ------------------------------------------------------------ checkpoints (zerotier/checkpoint.py)
+    # ------------------------------------------------------------ checkpoints (checkpoint.py, checkpoint_load.py)
+
+    def _checkpoint_parts(self):
+        """What a checkpoint's save and load touch (checkpoint.Parts), the config as it is now."""
+        from ..checkpoint import Parts
+        return Parts(self.runtime, self.cfg, self.optimizer, self.carried, self.weights, self.surface,
+                     self.checkpoint_locks, self.synchronize, self.zero_grad)
 
     def save_checkpoint(self, root, *, lr_scheduler=None, client_state=None, keep: int | None = 2):
         """Save the training state under `root` as root/ckpt-<global_steps> (collective; only at an
@@ -486,20 +391,22 @@ class Engine:
         from .. import checkpoint
         self.window.refuse_if_broken("engine.save_checkpoint()")
         try:
-            return checkpoint.save(self, root, lr_scheduler=lr_scheduler, client_state=client_state, keep=keep)
+            return checkpoint.save(self._checkpoint_parts(), root, lr_scheduler=lr_scheduler,
+                                   client_state=client_state, keep=keep)
         finally:
             trim_heap()  # the streaming buffers ([Note: heap trimming])
 
     def load_checkpoint(self, root, *, lr_scheduler=None, trust_pickle: bool = False):
         """Load root/latest (or a ckpt-N directory) into this engine, whatever its placement, stage or
-        world size (collective). Returns the saved client_state. See checkpoint.load for RNG rules."""
-        from .. import checkpoint
+        world size (collective). Returns the saved client_state. See checkpoint_load.load for RNG rules."""
+        from .. import checkpoint_load
         self.window.refuse_if_closed("engine.load_checkpoint()")
         self.window.refuse_before_backward("engine.load_checkpoint()")
         self.window.quiesce()
         versions = list(self.params.version)  # a commit bumps them: did the load change anything?
         try:
-            client_state = checkpoint.load(self, root, lr_scheduler=lr_scheduler, trust_pickle=trust_pickle)
+            client_state = checkpoint_load.load(self._checkpoint_parts(), root, lr_scheduler=lr_scheduler,
+                                                trust_pickle=trust_pickle)
         except BaseException as exc:
             if self.params.version != versions:
                 self.window.mark_broken(f"engine.load_checkpoint() failed half-way ({type(exc).__name__}: {exc})")
@@ -512,7 +419,7 @@ class Engine:
         """Plain model weights by state_dict name (trained params from the fp32 master, plus frozen
         params and buffers), for model.load_state_dict. Collective with several ranks."""
         from .. import export
-        return export.consolidated_state_dict(self, dtype)
+        return export.consolidated_state_dict(self.weights, dtype)
 
     def report(self):
         """Swap-traffic summary of the run so far (needs profile.enabled = true)."""
@@ -548,7 +455,7 @@ class Engine:
         self.grads.close()
         self.unit_optimizer.close()
         self.host_pool.trim()
-        self._surface.disown()  # plain parameters again ([Note: the parameter surface])
+        self.surface.disown()  # plain parameters again ([Note: the parameter surface])
         self.weights.give_back(restore_weights, broken)
         self.hooks.remove()
         if getattr(self.module, "_zerotier_engine", None) is not None:

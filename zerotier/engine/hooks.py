@@ -92,7 +92,7 @@ class _FetchOnBackward(torch.autograd.Function):
         if ctx.transformed:  # a transform's own backward, not a training one: no window, no prefetch
             with _outside_transforms():
                 for unit in ctx.units:
-                    ctx.hooks.engine.params.demand(unit)
+                    ctx.hooks.rt.params.demand(unit)
         else:
             ctx.hooks.enter_backward()
             for unit in ctx.units:
@@ -193,10 +193,16 @@ def map_tensors(obj, fn):
 
 
 class ModuleHooks:
-    """The hooks of one engine's model; `handles` are every hook it registered (removed at close)."""
+    """The hooks of one engine's model; `handles` are every hook it registered (removed at close).
+    `rt`: the engine's parts ([Note: the runtime record] in runtime.py); `window`: the loop the
+    hooks enter; `scheduler`: the prefetch trace; `surface`: the parameter surface; `user_form`:
+    the managed parameters as initialize found them (restore.py); `stop_before_window`: called when
+    a training forward would begin a new window ([Note: graceful stop] in stop.py)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, rt, window, scheduler, surface, user_form: dict, stop_before_window):
+        self.rt, self.window, self.scheduler, self.surface = rt, window, scheduler, surface
+        self.user_form = user_form
+        self.stop_before_window = stop_before_window
         self.handles: list = []
 
     def register(self, streamed: list) -> None:
@@ -208,17 +214,17 @@ class ModuleHooks:
         resident before the compiled code reads it and released after. Inside a compiled region
         ManagedParameter's sorting is skipped (surface.py): the parameters are plain resident tensors
         there, and dynamo guards on nothing of zerotier's but the parameters' class (one per hook
-        layout: [Note: compiled code and the hook layout] in surface.py), so the block code compiles
+        layout: [Note: compiled code and the hook layout] in param_surface.py), so the block code compiles
         once, not once per unit. A compiled region that reads another unit's parameters without that unit's module
         running (none of the usual models do) reads released storage: keep such reads in eager code.
         tests/test_compile.py pins all of this."""
-        engine = self.engine
+        rt = self.rt
         by_module: dict[str, list] = {}
         for unit in streamed:
             for name in unit.modules:
                 by_module.setdefault(name, []).append(unit)
-        root = engine.module
-        if engine.device.type == "cuda" or engine.lp_dtype != torch.float32:  # inputs follow the model, as FSDP does
+        root = rt.module
+        if rt.device.type == "cuda" or rt.lp_dtype != torch.float32:  # inputs follow the model, as FSDP does
             self.handles.append(root.register_forward_pre_hook(torch.compiler.disable(self._inputs_to_device),
                                                                with_kwargs=True))
         self.handles.append(root.register_forward_hook(torch.compiler.disable(self._root_returned)))
@@ -232,16 +238,16 @@ class ModuleHooks:
             if frozen and module is not root:
                 self.handles.append(module.register_forward_pre_hook(self._release_frozen_after_backward(frozen),
                                                                      with_kwargs=True))
-        for unit in engine.units:
+        for unit in rt.units:
             for i, p in enumerate(unit.params):
-                self.handles.append(p.register_post_accumulate_grad_hook(engine.window.grad_hook(unit, i)))
+                self.handles.append(p.register_post_accumulate_grad_hook(self.window.grad_hook(unit, i)))
 
     def guard_root_methods(self) -> None:
         """[Note: the parameter surface] model.load_state_dict batches its writes per unit and
         refuses assign=True (it would swap managed parameters for new ones); model.to()/half()/
         cuda() that would convert a managed parameter are refused before anything changes.
         Instance attributes on the root, removed by remove()."""
-        model, surface = self.engine.module, self.engine._surface
+        model, surface = self.rt.module, self.surface
         load, apply = model.load_state_dict, model._apply
 
         @functools.wraps(load)
@@ -265,16 +271,16 @@ class ModuleHooks:
             h.remove()
         self.handles = []
         for name in ("load_state_dict", "_apply"):  # guard_root_methods
-            self.engine.module.__dict__.pop(name, None)
+            self.rt.module.__dict__.pop(name, None)
 
     def demand(self, unit) -> None:
         """Compute needs `unit` now: make it resident. Its own fetch (if not prefetched) is issued
         before the prefetches of the units after it, so on CUDA it is first on the copy stream."""
-        engine = self.engine
-        if torch.is_grad_enabled() and engine.module.training or engine.window.in_backward:
-            engine.params.demand(unit, then=lambda: engine.scheduler.on_demand(unit.index))
+        params, scheduler = self.rt.params, self.scheduler
+        if torch.is_grad_enabled() and self.rt.module.training or self.window.in_backward:
+            params.demand(unit, then=lambda: scheduler.on_demand(unit.index))
         else:
-            engine.params.demand(unit)
+            params.demand(unit)
 
     def enter_backward(self) -> None:
         """[Note: the plain PyTorch loop] in window.py: the first hook of a backward the engine did
@@ -287,7 +293,7 @@ class ModuleHooks:
                 "streams (offload.params host/nvme, or ZeRO-3): the gradient's own backward would read parameters "
                 "released after the first. Keep the parameters on the device: offload.params = \"device\" with "
                 "zero.stage 1 or 2, where double backward trains as in torch")
-        window = self.engine.window
+        window = self.window
         if window.in_backward:
             return
         window.begin_plain_backward()
@@ -295,8 +301,8 @@ class ModuleHooks:
 
     def _inputs_to_device(self, module, args, kwargs):
         """The root's inputs on the compute device, floating ones in param_dtype
-        ([Note: buffers and inputs in low precision] in engine.py)."""
-        device, lp_dtype = self.engine.device, self.engine.lp_dtype
+        ([Note: buffers and inputs in low precision] in placement.py)."""
+        device, lp_dtype = self.rt.device, self.rt.lp_dtype
         low = lp_dtype if lp_dtype != torch.float32 else None
 
         def move(t):
@@ -305,32 +311,29 @@ class ModuleHooks:
         return map_tensors(args, move), map_tensors(kwargs, move)
 
     def _pre_forward(self, is_root: bool, units: list):
-        engine = self.engine
+        rt, window = self.rt, self.window
 
         def hook(module, args):
-            window = engine.window
             transformed = _in_transform()
             if is_root:
                 window.on_root_forward()  # a plain loss.backward() that died half-way ends here
             if is_root and torch.is_grad_enabled() and not window.in_backward:
                 self._refuse_unmanaged_grads()
             if is_root and torch.is_grad_enabled() and module.training and not window.in_backward and not transformed:
-                if engine.stop_requested and not engine.sharding.active and window.between_windows() \
-                        and not engine.carried.objects:  # [Note: what a checkpoint carries] in carried.py
-                    engine._stop()  # a new window would begin: stop before it ([Note: graceful stop])
-                engine.scheduler.begin_pass()
-            if engine._surface.publish_first or window.overlap.early:  # a read: [Note: delayed update], [Note: early step]
+                self.stop_before_window()  # a new window would begin: stop before it ([Note: graceful stop])
+                self.scheduler.begin_pass()
+            if self.surface.publish_first or window.overlap.early:  # a read: [Note: delayed update], [Note: early step]
                 window.overlap.before_read()
-            amp = autocast_dtype(engine.device.type) if units else None
-            if amp not in (None, engine.lp_dtype):
+            amp = autocast_dtype(rt.device.type) if units else None
+            if amp not in (None, rt.lp_dtype):
                 self._refuse_autocast(units[0], amp)
             if transformed and units:  # [Note: torch.func over the inputs]
                 self._refuse_nested_reverse_transforms(units)
                 with _outside_transforms():
                     for unit in units:
-                        engine.params.demand(unit)
+                        rt.params.demand(unit)
                 if torch.is_grad_enabled():
-                    return map_tensors(args, lambda t: _ReleaseAfterBackward.apply(engine.params, units, t)
+                    return map_tensors(args, lambda t: _ReleaseAfterBackward.apply(rt.params, units, t)
                                        if t.requires_grad else t)
                 return None
             for unit in units:
@@ -339,7 +342,7 @@ class ModuleHooks:
 
     def _root_returned(self, module, args, output) -> None:
         if torch.is_grad_enabled():  # a graph for a backward (Window.refuse_before_backward)
-            self.engine.window.forward_returned()
+            self.window.forward_returned()
 
     def _refuse_nested_reverse_transforms(self, units: list) -> None:
         """[Note: torch.func over the inputs] Reverse mode over reverse mode (jacrev(jacrev(f)), grad(grad(f)))
@@ -349,18 +352,17 @@ class ModuleHooks:
             raise ZerotierError(
                 f"module '{units[0].name or '<root>'}' runs under {len(levels)} nested reverse-mode torch.func "
                 "transforms (grad/vjp/jacrev inside grad/vjp/jacrev) while its parameters are streamed from "
-                f"{self.engine.params.loc.value}: the outer backward would read parameters released after the inner "
+                f"{self.rt.params.loc.value}: the outer backward would read parameters released after the inner "
                 "one. Use forward mode outside (torch.func.hessian, jacfwd(jacrev(f))), or keep the parameters on "
                 "the device: offload.params = \"device\" with zero.stage 1 or 2")
 
     def _refuse_autocast(self, unit, amp: torch.dtype) -> None:
         """[Note: autocast and streamed parameters]: the casts would pin a copy of every
         streamed parameter on the device until backward, outside every budget."""
-        engine = self.engine
-        lp, amp_name = str(engine.lp_dtype).replace("torch.", ""), str(amp).replace("torch.", "")
+        lp, amp_name = str(self.rt.lp_dtype).replace("torch.", ""), str(amp).replace("torch.", "")
         raise ConfigError(
             f"module '{unit.name or '<root>'}' runs under torch.autocast({amp_name}) while its {lp} parameters "
-            f"are streamed from {engine.params.loc.value}: autocast keeps a {amp_name} copy of every such "
+            f"are streamed from {self.rt.params.loc.value}: autocast keeps a {amp_name} copy of every such "
             "parameter on the device until backward, so offloading them would save no device memory. Set "
             f"precision.param_dtype = \"{'bf16' if amp is torch.bfloat16 else 'fp16'}\" and drop autocast "
             "(zerotier keeps the fp32 master and updates it in fp32), or keep the parameters on the device "
@@ -375,7 +377,7 @@ class ModuleHooks:
         node of the module that feeds it has run (all created after it, so autograd ran them first),
         and a later output gradient refetches through _FetchOnBackward. A module whose inputs need
         no gradient (the first block over frozen embeddings) keeps its frozen unit until backward ends."""
-        params = self.engine.params
+        params = self.rt.params
 
         def hook(module, args, kwargs):
             if not torch.is_grad_enabled():
@@ -387,7 +389,7 @@ class ModuleHooks:
         return torch.compiler.disable(hook)  # [Note: compiled units]
 
     def _post_forward(self, units: list):
-        params = self.engine.params
+        params = self.rt.params
 
         def hook(module, args, output):
             if torch.is_grad_enabled():
@@ -416,8 +418,8 @@ class ModuleHooks:
     def _refuse_unmanaged_grads(self) -> None:
         """A parameter frozen (or absent) at initialize that now requires grad would get a .grad that
         no update ever applies: refuse at the forward, naming it."""
-        engine = self.engine
-        for name, p in engine.module.named_parameters():
+        module = self.rt.module
+        for name, p in module.named_parameters():
             if not isinstance(p, torch.nn.Parameter) and p.requires_grad:
                 raise ZerotierError(
                     f"parameter '{name}' is replaced by a plain tensor in this forward (torch.func.functional_call, or "
@@ -425,9 +427,9 @@ class ModuleHooks:
                     "train or release tensors it does not hold. Run torch.func on a model zerotier does not manage: "
                     "engine.close() first (the model then holds the trained weights), or load "
                     "engine.parameters_fp32() into a copy")
-            trained = engine.window.slot(p) is not None
-            if not trained and p.requires_grad and id(p) not in engine.weights.user_form:
-                raise ZerotierError(_added_after_initialize(engine.module, name))
+            trained = self.window.slot(p) is not None
+            if not trained and p.requires_grad and id(p) not in self.user_form:
+                raise ZerotierError(_added_after_initialize(module, name))
             if not trained and p.requires_grad:
                 raise ZerotierError(
                     f"parameter '{name}' requires grad but zerotier does not train it: it was frozen (or not yet "

@@ -21,11 +21,16 @@ from ..state import ParamState
 
 class UserWeights:
     """The engine's view of the user's weights: `user_form` is what each managed parameter was
-    before initialize took it (dtype, device), by id."""
+    before initialize took it (dtype, device), by id; `buffer_dtypes` the (module, name, dtype) of
+    the buffers cast to param_dtype ([Note: buffers and inputs in low precision] in placement.py).
+    `rt`: the engine's parts ([Note: the runtime record] in runtime.py); `synchronize`: the engine's
+    (updates and write-backs in flight land)."""
 
-    def __init__(self, engine, user_form: dict[int, tuple[torch.dtype, torch.device]]):
-        self.engine = engine
+    def __init__(self, rt, user_form: dict[int, tuple[torch.dtype, torch.device]], synchronize):
+        self.rt = rt
         self.user_form = user_form
+        self.buffer_dtypes: list[tuple] = []
+        self._synchronize = synchronize
 
     def install_state_dict_hook(self, model: torch.nn.Module):
         """model.state_dict() holds the trained weights; the hook keeps no engine alive."""
@@ -41,24 +46,29 @@ class UserWeights:
         """`module.state_dict(keep_vars=True)`: the live tensors, managed parameters included as the
         Parameter objects (the trained-weights hook leaves them), for code that wants the frozen
         parameters and buffers (checkpoint, export)."""
-        return self.engine.module.state_dict(keep_vars=True)
+        return self.rt.module.state_dict(keep_vars=True)
 
     def trained_units(self):
         """(unit, [(parameter, fp32 view of its full master)]) one unit at a time, so a caller that
         converts as it goes holds one unit in fp32 at most. Collective with several ranks."""
-        engine = self.engine
-        engine.sharding.sync_point(engine.global_steps, engine.micro_steps,
-                                   "gathering the trained weights")  # [Note: ranks out of step]
-        engine.synchronize()  # updates and NVMe writes in flight land first
-        for unit in engine.units:
-            master = engine.sharding.gather_full(
-                unit, engine.unit_optimizer.read_state(unit, ("master",))["master"].cpu())
+        rt = self.rt
+        rt.sharding.sync_point(rt.steps.global_steps, rt.steps.micro_steps,
+                               "gathering the trained weights")  # [Note: ranks out of step]
+        self._synchronize()  # updates and NVMe writes in flight land first
+        for unit in rt.units:
+            master = rt.sharding.gather_full(unit, rt.unit_optimizer.read_state(unit, ("master",))["master"].cpu())
             yield unit, list(unit.views(master))
+
+    def parameters_fp32(self) -> dict[str, torch.Tensor]:
+        """engine.parameters_fp32(): full-precision weights by parameter name (copies). Collective with
+        several ranks."""
+        trained = {id(p): view.clone() for unit, views in self.trained_units() for p, view in views}
+        return {n: trained[id(p)] for n, p in self.rt.module.named_parameters() if id(p) in trained}
 
     def frozen_value(self, unit) -> torch.Tensor:
         """[Note: frozen units] A frozen unit's full flat as its home holds it (param dtype, on the CPU,
         a copy): fetched and released again unless resident. A collective when it is gathered."""
-        params = self.engine.params
+        params = self.rt.params
         resident = params.state[unit.index] is ParamState.RESIDENT
         if not resident:
             params.demand(unit)
@@ -86,7 +96,7 @@ class UserWeights:
                 value = view.to(self.user_form[id(p)][0], copy=True)
                 for key in names.get(id(p), ()):
                     state_dict[key] = value
-        for unit in self.engine.frozen_units:  # [Note: frozen units]: their home's values (safetensors: raw memory)
+        for unit in self.rt.frozen_units:  # [Note: frozen units]: their home's values (safetensors: raw memory)
             for p, view in unit.views(self.frozen_value(unit)):
                 value = view.to(self.user_form[id(p)][0], copy=True)
                 for key in names.get(id(p), ()):
@@ -109,12 +119,12 @@ class UserWeights:
 
     def _restore(self) -> None:
         """[Note: the user's model stays the truth]"""
-        engine, left = self.engine, 0
+        left = 0
         for unit, views in self.trained_units():
             left += self._put_back(views)
-        for unit in engine.frozen_units:  # [Note: frozen units]: their home holds them
+        for unit in self.rt.frozen_units:  # [Note: frozen units]: their home holds them
             left += self._put_back(unit.views(self.frozen_value(unit)))
-        for module, name, dtype in engine._buffer_dtypes:  # [Note: buffers and inputs in low precision]
+        for module, name, dtype in self.buffer_dtypes:  # [Note: buffers and inputs in low precision]
             if module._buffers.get(name) is not None:
                 module._buffers[name] = module._buffers[name].to(dtype)
         if left:  # [Note: meta-device models]: such a model may not fit where it would go back to
@@ -137,7 +147,7 @@ class UserWeights:
     def _leave_no_released_storage(self) -> None:
         """Parameters not put back (restore_weights=False, a broken engine, a meta-built model)
         are left empty (0 elements, their dtype and device), never views of freed memory."""
-        for unit in self.engine.param_units:
+        for unit in self.rt.param_units:
             for p in unit.params:
                 if p.numel() and p.untyped_storage().nbytes() < p.numel() * p.element_size():
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)

@@ -27,8 +27,8 @@ group by add_param_group, and engine.cfg's train keys; its parameter dtype canno
 a differing bf16 / fp16 is refused with the fix.
 A plain `transformers.Trainer` given `optimizers=(engine.optimizer, None)` applies none of
 this (Trainer builds its exemptions only into an optimizer it makes): at its first training
-step, `check_plain_trainer` (integrations/plain_trainer.py, installed by initialize) refuses a run in which weight decay would reach a parameter
-Trainer exempts, naming the fix. Its max_grad_norm goes through clip_grad_norm_, which the
+step, `check_plain_trainer` (engine/trainer_guard.py, installed by initialize) refuses a run
+in which weight decay would reach a parameter Trainer exempts, naming the fix. Its max_grad_norm goes through clip_grad_norm_, which the
 engine honours ([Note: the user's clipping] in clip.py).
 
 Training runs through the plain PyTorch loop ([Note: the plain PyTorch loop] in window.py):
@@ -54,7 +54,7 @@ from transformers import Trainer
 from ..config import Config
 from ..engine.engine import Engine, initialize
 from ..errors import ConfigError, ZerotierError
-from .plain_trainer import decayed_exempt, no_decay_names
+from ..engine.trainer_guard import decayed_exempt, no_decay_names
 
 ENGINE_DIR = "zerotier"  # the engine's checkpoint inside each Trainer checkpoint-N/
 

@@ -15,7 +15,7 @@ load_state_dict rebuilds a unit's int8 buffers from its parameters' entries and 
 they decode to the dict's exp_avg / exp_avg_sq exactly, which holds when the unit is blocked as
 the saver's was; otherwise (other units, a ZeRO shard, moments edited or trained on by torch
 since, no entries) it quantizes the fp32 moments and warns as a checkpoint does ([Note:
-converting state dtypes on load] in checkpoint.py), as it does for a lossy dtype (fp32 or bf16
+converting state dtypes on load] in checkpoint_load.py), as it does for a lossy dtype (fp32 or bf16
 moments into int8). A unit split between ranks has other blocks on each rank: its parameters
 carry no entries, and such a unit always loads quantized (with the warning). Parameters with
 fp32 moments ([Note: small parameters keep fp32 moments]) need none: exp_avg is exact.

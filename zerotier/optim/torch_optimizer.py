@@ -105,7 +105,7 @@ class EngineOptimizer(torch.optim.Optimizer):
     engine's update of the gradients accumulated by loss.backward() ([Note: the plain PyTorch
     loop] in window.py); `zero_grad()` drops them. `rt`: the engine's parts ([Note: the runtime
     record] in engine/runtime.py); `on_first_train(module, param_groups)`: what the first train()
-    checks (the Hugging Face Trainer's exemptions, integrations/plain_trainer.py)."""
+    checks (the Hugging Face Trainer's exemptions, engine/trainer_guard.py)."""
 
     def __init__(self, rt, cfg, loop: Loop, no_decay: "set[tuple[int, int]]" = frozenset(),
                  on_first_train: "Callable[[torch.nn.Module, list], None] | None" = None):
@@ -406,7 +406,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         if requantized and saved_dtype == "int8":
             lossy.append("int8 moments re-quantized in this engine's blocks (the state dict's codes do not fit "
                          "them: saved with other units or ZeRO shards, or its moments changed since)")
-        if lossy:  # the wording of [Note: converting state dtypes on load] (checkpoint.py)
+        if lossy:  # the wording of [Note: converting state dtypes on load] (checkpoint_load.py)
             warnings.warn(f"engine.optimizer.load_state_dict(): the optimizer state loses precision: "
                           f"{', '.join(lossy)} (precision.moment_dtype = {new.moments!r}; the state dict was "
                           f"saved with {saved_dtype!r})", stacklevel=3)

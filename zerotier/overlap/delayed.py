@@ -176,7 +176,7 @@ class Delayed(OverlapPolicy):
 
     def _gate_reads(self) -> None:
         """The surface's hot path (reads of resident units as torch) is off while a read would publish."""
-        surface = getattr(self.engine, "_surface", None)
+        surface = getattr(self.engine, "surface", None)
         if surface is not None:
             surface.publish_first = self.pending and not self._forward_in_window
 

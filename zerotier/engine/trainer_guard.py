@@ -3,9 +3,9 @@
 A plain `transformers.Trainer` given `optimizers=(engine.optimizer, None)` builds its exemptions
 (biases and norm weights) only into an optimizer it makes ([Note: TrainingArguments and the
 zerotier config] in integrations/transformers.py). initialize installs `check_plain_trainer` as
-engine.optimizer's first-train() callback; it imports nothing of the engine (it reads the running
-Trainer off the stack, through `sys.modules`), so the optimizer below it never reaches up into
-the integration.
+engine.optimizer's first-train() callback; it imports nothing of transformers or of the engine
+(it finds the running Trainer on the stack, through `sys.modules`), so neither the optimizer nor
+the engine reaches up into the integration.
 """
 from __future__ import annotations
 
