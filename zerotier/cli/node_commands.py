@@ -120,8 +120,8 @@ def bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 1GiB, pcie 512MiB; with --quick 256MiB mem, 64MiB pcie and io)")
     parser.add_argument("--params", metavar="N", help="parameters for the adam measurement (default 50M; --quick 2M)")
     parser.add_argument("--quick", action="store_true", help="small sizes: a rough figure in a few seconds")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON (one section: its object, "
-                                                            "e.g. read_GBps/write_GBps)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the results as JSON (one section: its object, e.g. read_GBps/write_GBps)")
     parser.add_argument("--save", metavar="FILE",
                         help="merge the results into FILE (default $ZEROTIER_BENCH_FILE, else "
                              "~/.cache/zerotier/bench.json), where `zerotier plan` reads them")

@@ -19,9 +19,10 @@ def plan_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--params", metavar="N",
                        help="trainable parameters of the model, e.g. 7B, 350M, 7.5e9 or 1200000")
     model.add_argument("--model", metavar="MODULE:FACTORY",
-                       help="a callable returning an nn.Module, e.g. zerotier.models:TinyGPT; built on the meta "
-                            "device if it takes a `device` keyword, else normally; its trainable and frozen "
-                            "(requires_grad=False) parameters and per-module units are counted as the engine does")
+                       help="a callable returning an nn.Module, e.g. zerotier.models:TinyGPT; built on the "
+                            "meta device if it takes a `device` keyword, else normally; its trainable and "
+                            "frozen (requires_grad=False) parameters and per-module units are counted as the "
+                            "engine does")
     parser.add_argument("--frozen-params", metavar="N",
                         help="with --params: frozen parameters besides the trainable ones (a LoRA base), "
                              "placed by offload.params with no gradient or optimizer state, e.g. 7B")
