@@ -12,7 +12,7 @@ so a ratio measured at load > cores is only an indication.
     python benchmarks/bench_cpu_adam.py --states-only --repeats 11   # the state-dtype table alone
 
 State dtypes (issue 27): one row per master/moment dtype pair (fp32 grads, [Note: compact
-optimizer state] and [Note: 8-bit moments] in zerotier/optim/_kernels.py) against torch's
+optimizer state] and [Note: 8-bit moments] in zerotier/optim/kernel_math.py) against torch's
 fused AdamW with fp32 state in the same rounds, each with the bytes it moves per parameter,
 its GB/s and that as a share of the host's memory bandwidth (issue 36 item 5): a STREAM-style
 copy (c = a: 8 B per element) and triad (a = b + s c: 12 B per element), timed in the same
@@ -34,7 +34,7 @@ import time
 import torch
 
 import zerotier.optim as zo
-from zerotier.optim import _kernels
+from zerotier.optim import _kernels, kernel_math
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -133,7 +133,7 @@ def state_fns(n: int, threads: int) -> dict:
         buffers = [master.to(_kernels._DTYPE_NAMES[master_dtype])]
         for signed in (True, False):
             if moment_dtype == "int8":
-                codes, absmax = _kernels.quantize_blockwise(torch.zeros(n), signed)
+                codes, absmax = kernel_math.quantize_blockwise(torch.zeros(n), signed)
                 buffers += [codes, absmax]
             else:
                 buffers += [torch.zeros(n, dtype=_kernels._DTYPE_NAMES[moment_dtype]), None]

@@ -1,6 +1,6 @@
 """Compact optimizer state in the CPU Adam kernel (issue 27): a bf16 master with stochastic
 rounding, bf16 moments, and 8-bit blockwise-quantized moments ([Note: compact optimizer
-state], [Note: 8-bit moments] in zerotier/optim/_kernels.py).
+state], [Note: 8-bit moments] in zerotier/optim/kernel_math.py).
 
 The pure-torch reference `adam_step_reference` defines the math; these tests pin the
 reference's quantization and rounding, the interface's errors, and that the native kernels
@@ -11,8 +11,9 @@ import torch
 
 import zerotier.optim as zo
 from zerotier.errors import ZerotierError
-from zerotier.optim import _kernels
-from zerotier.optim._kernels import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise, state_bytes_per_param
+from zerotier.optim import kernel_math
+from zerotier.optim._kernels import state_bytes_per_param
+from zerotier.optim.kernel_math import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
@@ -28,7 +29,7 @@ def test_quantize_picks_the_nearest_code_per_block(signed):
     assert codes.dtype == torch.uint8 and codes.shape == (n,) and absmax.shape == (-(-n // QUANT_BLOCK),)
     blocks = torch.nn.functional.pad(x, (0, absmax.numel() * QUANT_BLOCK - n)).view(-1, QUANT_BLOCK)
     assert torch.equal(absmax, blocks.abs().amax(dim=1))
-    qmap = _kernels._QMAPS[0 if signed else 2]
+    qmap = kernel_math.QMAPS[0 if signed else 2]
     xn = x / absmax.repeat_interleave(QUANT_BLOCK)[:n]
     nearest = (xn[:, None] - qmap[None, :]).abs().argmin(dim=1)  # ties (measure zero here) aside
     assert torch.equal(codes.long(), nearest)
@@ -39,7 +40,7 @@ def test_quantize_picks_the_nearest_code_per_block(signed):
 
 
 def test_dynamic_maps_are_bitsandbytes_tree_maps():
-    signed, unsigned = _kernels._QMAPS[0], _kernels._QMAPS[2]
+    signed, unsigned = kernel_math.QMAPS[0], kernel_math.QMAPS[2]
     for qmap in (signed, unsigned):
         assert qmap.numel() == 256 and qmap[-1] == 1.0 and bool((qmap[1:] > qmap[:-1]).all())
     assert (signed < 0).sum() == 127 and (signed == 0).sum() == 1 and unsigned[0] == 0
@@ -60,14 +61,14 @@ def test_zero_and_nan_blocks_are_defined():
 def test_stochastic_rounding_is_unbiased_reproducible_and_between_neighbours():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(20000, generator=gen) * 1e-3
-    a = _kernels._to_bf16_stochastic(x, 12345)
-    assert torch.equal(a.view(torch.int16), _kernels._to_bf16_stochastic(x, 12345).view(torch.int16))
-    assert not torch.equal(a, _kernels._to_bf16_stochastic(x, 12346))
+    a = kernel_math.to_bf16_stochastic(x, 12345)
+    assert torch.equal(a.view(torch.int16), kernel_math.to_bf16_stochastic(x, 12345).view(torch.int16))
+    assert not torch.equal(a, kernel_math.to_bf16_stochastic(x, 12346))
     down = (x.view(torch.int32) & ~0xFFFF).view(torch.float32)  # truncation toward zero
     up = ((x.view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32)
     af = a.float()
     assert bool(((af == down) | (af == up)).all())
-    mean = torch.stack([_kernels._to_bf16_stochastic(x, s).float() for s in range(0, 400 * 7919, 7919)]).mean(0)
+    mean = torch.stack([kernel_math.to_bf16_stochastic(x, s).float() for s in range(0, 400 * 7919, 7919)]).mean(0)
     rne_err = (x.bfloat16().float() - x).abs().mean()
     assert (mean - x).abs().mean() < rne_err / 8  # 400 draws: ~1/20 of a rounding error left
     assert (mean - x).mean().abs() < rne_err / 50  # and no bias
@@ -75,7 +76,7 @@ def test_stochastic_rounding_is_unbiased_reproducible_and_between_neighbours():
 
 def test_stochastic_rounding_keeps_specials():
     x = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0])
-    y = _kernels._to_bf16_stochastic(x, 7).float()
+    y = kernel_math.to_bf16_stochastic(x, 7).float()
     assert y[0] == float("inf") and y[1] == float("-inf") and torch.isnan(y[2])
     assert torch.equal(y[3:].view(torch.int32), x[3:].view(torch.int32))
 
@@ -266,7 +267,7 @@ def test_native_quantization_at_the_map_midpoints(level, signed):
     as the reference at every midpoint of the map and one ulp either side (ties round down).
     With beta1 = 0 and zero moments the new exp_avg is the gradient itself; with beta2 = 0 the
     new exp_avg_sq is g*g, so these gradients put the values where they are wanted."""
-    mid = _kernels._QMAPS[1 if signed else 3][:255]
+    mid = kernel_math.QMAPS[1 if signed else 3][:255]
     targets = torch.cat([mid, torch.nextafter(mid, torch.tensor(2.0)), torch.nextafter(mid, torch.tensor(-2.0))])
     targets = targets[(targets.abs() <= 1) & (targets >= (-1 if signed else 0))]
     per_block = QUANT_BLOCK - 1  # the last element of each block is 1.0: absmax 1, x / absmax = x
@@ -288,7 +289,7 @@ def test_native_quantization_near_the_midpoints_at_any_block_scale(level, signed
     Blocks with absmax from 2^-60 to 2^60 (and one subnormal, where 1/absmax overflows) hold
     values within +-12 patterns of midpoint * absmax: every code equals the reference's."""
     gen = torch.Generator().manual_seed(5)
-    mid = _kernels._QMAPS[1 if signed else 3][:255]
+    mid = kernel_math.QMAPS[1 if signed else 3][:255]
     blocks = 96
     scales = torch.exp2(torch.randint(-60, 61, (blocks,), generator=gen).float()) * (1 + torch.rand(blocks, generator=gen))
     scales[0] = 1e-40  # subnormal absmax
@@ -330,8 +331,9 @@ def test_unit_layout_steps_like_the_reference_per_piece(level, split):
     as adam_step_reference on each piece with the piece's seed offset. A range that splits a run
     (parameters without a gradient) is stepped on fp32 copies, re-encoded after: bit for bit the
     reference's fp32 math then the layout's encode; a run no range touches keeps its bytes."""
-    from zerotier.optim.offload import Hyper
-    from zerotier.optim.state_layout import StateLayout, cpu_adam_ranges, sr_seed
+    from zerotier.optim.kernel_math import sr_seed
+    from zerotier.optim.rules.adamw import AdamW, Hyper
+    from zerotier.optim.state_layout import StateLayout
     numels = SMALL_AND_LARGE
     n, offsets = sum(numels), [sum(numels[:i]) for i in range(len(numels))]
     layout = StateLayout("bf16", "int8").for_params(numels, offsets, 0, n)
@@ -366,9 +368,8 @@ def test_unit_layout_steps_like_the_reference_per_piece(level, split):
                                                   if p[0] == 5374]
                 codes.copy_(old_codes)
                 absmax.copy_(old_absmax)
-    cpu_adam_ranges(unit_index, shard_lo, (master, None), layout.typed("exp_avg", raw["exp_avg"], n),
-                    layout.typed("exp_avg_sq", raw["exp_avg_sq"], n), grad, out, ranges, grad_scale=1.0,
-                    bias_correction=True, simd=level, threads=2, layout=layout)
+    AdamW().apply_cpu(unit_index, shard_lo, (master, None), {k: layout.typed(k, raw[k], n) for k in ("exp_avg", "exp_avg_sq")},
+                      grad, out, ranges, grad_scale=1.0, bias_correction=True, simd=level, threads=2, layout=layout)
     assert torch.equal(master.view(torch.int16), ref_master.view(torch.int16))
     assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16))
     for key in raw:

@@ -309,7 +309,7 @@ def test_streaming_memory_bound(tmp_path):
     assert state_bytes >= 500e6
     cfg = {"offload": HOST, "tiers": {"nvme_path": str(tmp_path)}}
     with zerotier.initialize(model, cfg) as engine:
-        exp_avg = [engine.unit_optimizer.read_state(u)["exp_avg"] for u in engine.units]  # host: the live tensors
+        exp_avg = [engine.unit_optimizer.state.read_state(u)["exp_avg"] for u in engine.units]  # host: the live tensors
         for t in exp_avg:
             t.fill_(0.5)
         with PeakRSS(interval=0.002) as save_mem:

@@ -294,7 +294,7 @@ def test_device_optimizer_fused_call_matches_torch_adam(decoupled, grad_dtype):
     """The optimizer-on-GPU path calls torch's fused Adam(W) kernel; its arguments (step count,
     gradient scale, L2 vs decoupled decay, the low-precision output) are checked here on the CPU,
     where the same kernel exists, against torch.optim with the same hyper-parameters."""
-    from zerotier.optim.offload import _fused_adam
+    from zerotier.optim.rules.adamw import _fused_adam
 
     gen = torch.Generator().manual_seed(0)
     p0 = torch.randn(1000, generator=gen)

@@ -259,7 +259,7 @@ def test_parameter_without_gradient_is_not_updated():
         engine.backward(engine(torch.randn(2, 4)))
         engine.step()
         assert torch.equal(engine.parameters_fp32()["unused.weight"], before)
-        assert engine.unit_optimizer.steps[0] == [1, 1, 0, 0]  # used.weight/bias stepped, unused.* not
+        assert engine.unit_optimizer.state.steps[0] == [1, 1, 0, 0]  # used.weight/bias stepped, unused.* not
 
 
 @pytest.mark.pins("design#one-memory-system-for-a-one-rank-step")
@@ -314,7 +314,7 @@ def test_parameter_unused_on_some_steps_matches_torch(name, tmp_path):
             engine.backward(engine(x, use))
             engine.step()
         ours = engine.parameters_fp32()
-        assert engine.unit_optimizer.steps[0] == [6, 3]  # p2 had a gradient in 3 of the 6 windows
+        assert engine.unit_optimizer.state.steps[0] == [6, 3]  # p2 had a gradient in 3 of the 6 windows
     torch.testing.assert_close(ours["p1"], ref.p1.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ours["p2"], ref.p2.detach(), rtol=1e-5, atol=1e-6)
 

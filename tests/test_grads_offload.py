@@ -27,7 +27,7 @@ from zerotier.dist import spawn
 from zerotier.errors import TierIOError, ZerotierError
 from zerotier.grads import GradFile, GradStore
 from zerotier.models import TinyGPT, batches
-from zerotier.optim.offload import UnitOptimizer
+from zerotier.optim.grad_staging import StagedGrads
 from zerotier.planner.planner import make_plan
 from zerotier.state import Location
 
@@ -353,7 +353,7 @@ def test_plan_counts_nvme_gradients_and_their_staging(grad_dtype, grad_bytes):
     assert on_nvme.placement["gradients"] is Location.NVME
     assert on_nvme.state_bytes["gradients"] == grad_bytes * 6000 == on_host.state_bytes["gradients"]
     staging = (GradStore.nvme_staging_bytes(3000, 3000, 4, grad_bytes, 1, 0)
-               + UnitOptimizer.grad_staging_bytes(3000, grad_bytes))
+               + StagedGrads.staging_bytes(3000, grad_bytes))
     assert on_nvme.need["host"] == on_host.need["host"] - grad_bytes * 6000 + staging
     # the files, and room for GRAD_WRITES rewrites in flight (the two largest units)
     assert on_nvme.need["nvme"] == grad_bytes * 6000 + grad_bytes * (3000 + 2000)

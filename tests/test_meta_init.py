@@ -219,11 +219,11 @@ def test_a_model_whose_weights_cannot_be_given_back_is_refused(monkeypatch):
     """Where a failed initialize cannot give a placed unit's weights back (here: reading its master
     fails too), its parameters become meta tensors (a read raises, never reads freed memory) and the
     next initialize is a ConfigError saying so."""
-    from zerotier.optim.offload import UnitOptimizer
+    from zerotier.optim.state_store import OptStateStore
 
     def unreadable(self, unit, keys=()):
         raise OSError("master unreadable")
-    monkeypatch.setattr(UnitOptimizer, "read_state", unreadable)
+    monkeypatch.setattr(OptStateStore, "read_state", unreadable)
     model = TinyGPT(vocab=64, dim=32, layers=3, heads=2, seq=16)
     with torch.device("meta"):
         model.blocks[2] = TinyGPT(vocab=64, dim=32, layers=1, heads=2, seq=16).blocks[0]

@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import zerotier
-from zerotier.optim import offload
-from zerotier.optim.offload import _fused_adam
+from zerotier.optim.rules import adamw
+from zerotier.optim.rules.adamw import _fused_adam
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
 
@@ -103,13 +103,13 @@ def test_a_gradient_the_kernel_cannot_consume_is_copied_a_chunk_at_a_time(case, 
     before = grad.clone()
     results = []
     for chunk in (n, 256):
-        monkeypatch.setattr(offload, "CAST_CHUNK", chunk)
+        monkeypatch.setattr(adamw, "CAST_CHUNK", chunk)
         master, m, v = torch.randn(n, generator=torch.Generator().manual_seed(2)), torch.zeros(n), torch.zeros(n)
         with NewTensors() as seen:
             for step in (1, 2):
                 _fused_adam(master, m, v, grad, None, step=step, decoupled=True, bias_correction=True,
                             grad_scale=0.125, keep_grad=keep, **HYPER)
-        assert seen.largest() <= chunk and offload.fused_temp_bytes() == 4 * chunk
+        assert seen.largest() <= chunk and adamw.fused_temp_bytes() == 4 * chunk
         results.append((master, m, v))
         assert torch.equal(grad, before)
     for a, b in zip(*results):
@@ -190,7 +190,7 @@ def test_the_plan_counts_the_cuda_only_transients():
                          budgets={"device": dev_budget, "host": big, "nvme": big}, alignment=4096, **kw)
     on_device = {"params": "device", "gradients": "device", "optimizer": "device"}
     nvme_grads = {"params": "device", "gradients": "nvme", "optimizer": "host"}
-    cases = [(on_device, {}, offload.fused_temp_bytes()),
+    cases = [(on_device, {}, adamw.fused_temp_bytes()),
              (nvme_grads, dict(world_size=2, stage=2), GradStore.nvme_conversion_bytes(5000, 2, 4, 2, 2))]
     for placement, kw, term in cases:
         assert term > 0

@@ -186,12 +186,12 @@ def test_units_sharing_hyperparameters_keep_the_single_pass(tmp_path, monkeypatc
     """The fast path: a unit whose parameters share group and step count is one range over the
     whole shard; a unit split between groups is updated slice by slice (adjacent slices merged)."""
     calls = []
-    real = UnitOptimizer._adam_ranges
+    real = UnitOptimizer._apply
 
-    def spy(self, unit, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale):
+    def spy(self, unit, master, moments, grad, out, ranges, grad_scale):
         calls.append([(a, b) for a, b, _, _ in ranges] == [(0, unit.shard_numel)])
-        return real(self, unit, master, exp_avg, exp_avg_sq, grad, out, ranges, grad_scale)
-    monkeypatch.setattr(UnitOptimizer, "_adam_ranges", spy)
+        return real(self, unit, master, moments, grad, out, ranges, grad_scale)
+    monkeypatch.setattr(UnitOptimizer, "_apply", spy)
     model = make_model()
     # one pass per unit and step: no speculated update to redo ([Note: speculative step])
     with zerotier.initialize(model, config("host", tmp_path, train={"overlap": "none"})) as engine:
@@ -300,7 +300,7 @@ def test_torch_adamw_state_dict_loads_and_ours_loads_into_torch(name, tmp_path):
 
 def raw_state(engine):
     """Every unit's state buffers as stored (master and moments in their dtypes, int8 codes and scales)."""
-    return {u.key: engine.unit_optimizer.read_state(u, encoded=True) for u in engine.units}
+    return {u.key: engine.unit_optimizer.state.read_state(u, encoded=True) for u in engine.units}
 
 
 def assert_same_state(got, want):
@@ -361,7 +361,7 @@ def moments_after_load(sd, moments, tmp_path):
             engine.optimizer.load_state_dict(sd)
         said = [str(w.message) for w in caught if "loses precision" in str(w.message)]
         index = {id(p): i for i, p in enumerate(engine.module.parameters())}  # the dict's numbering
-        state = [(u, [index[id(p)] for p in u.params], engine.unit_optimizer.read_state(u)) for u in engine.units]
+        state = [(u, [index[id(p)] for p in u.params], engine.unit_optimizer.state.read_state(u)) for u in engine.units]
         return said, state, engine.unit_optimizer.layout
 
 
@@ -490,7 +490,7 @@ def test_load_state_dict_without_state_starts_adam_afresh(tmp_path):
         assert engine.optimizer.state_dict()["state"]
         engine.optimizer.load_state_dict(fresh)
         assert engine.optimizer.state_dict()["state"] == {}
-        assert all(s == 0 for steps in engine.unit_optimizer.steps for s in steps)
+        assert all(s == 0 for steps in engine.unit_optimizer.state.steps for s in steps)
 
 
 # --- refusals ------------------------------------------------------------------------------------
@@ -754,7 +754,7 @@ def test_zerotier_trainer_has_trainers_param_groups_and_saves_them_without_the_s
 
 @pytest.mark.parametrize("simd", ["scalar", "auto", "python"])
 def test_adam_step_multi_with_hyperparameters_per_buffer_is_each_buffers_own_step(simd, monkeypatch):
-    """One native call over slices of different param groups (UnitOptimizer._adam_ranges) gives
+    """One native call over slices of different param groups (UnitOptimizer._apply) gives
     each slice exactly what its own adam_step gives (python: the fallback without the library)."""
     from zerotier.optim import _kernels, adam_step, adam_step_multi
     if simd == "python":

@@ -59,9 +59,9 @@ def run(tmp_path, speculate, offload=None, train=None, precision=None, steps=STE
                 between(engine, i // accum)
             applied.append(engine.step())
         weights = engine.parameters_fp32()
-        state = {u.index: engine.unit_optimizer.read_state(u) for u in engine.units}
+        state = {u.index: engine.unit_optimizer.state.read_state(u) for u in engine.units}
         state = {i: {k: v.clone() for k, v in s.items()} for i, s in state.items()}
-        steps_of = [list(s) for s in engine.unit_optimizer.steps]
+        steps_of = [list(s) for s in engine.unit_optimizer.state.steps]
         policy = getattr(engine.window.overlap, "speculation", None)  # train.speculative_step = false: none
         counts = (policy.windows, policy.rollbacks) if policy is not None else (0, 0)
         return weights, (state, steps_of), counts, applied
@@ -277,8 +277,8 @@ def window(engine, i):
 
 
 def snapshot(engine):
-    state = {u.index: {k: v.clone() for k, v in engine.unit_optimizer.read_state(u).items()} for u in engine.units}
-    return engine.parameters_fp32(), (state, [list(s) for s in engine.unit_optimizer.steps])
+    state = {u.index: {k: v.clone() for k, v in engine.unit_optimizer.state.read_state(u).items()} for u in engine.units}
+    return engine.parameters_fp32(), (state, [list(s) for s in engine.unit_optimizer.state.steps])
 
 
 def recorded_writes(engine, keys, fail_at=None, fail=None):

@@ -1,5 +1,5 @@
 """The optimizer state split between host and NVMe unit by unit (planner/sizes.py [Note: optimizer
-split], offload.py [Note: units on different tiers]): explicit fractions and `auto`, bitwise
+split], optim/state_store.py [Note: units on different tiers]): explicit fractions and `auto`, bitwise
 equal training and checkpoints, the plan's figures and `zerotier plan` output, bad fractions."""
 import os
 import subprocess
@@ -53,7 +53,7 @@ def train(engine, start_step, steps):
 def trained(optimizer, root, steps=4, clip=1.0, **tiers):
     with zerotier.initialize(make_model(), config(optimizer, root, clip, **tiers)) as engine:
         train(engine, 0, steps)
-        return engine.parameters_fp32(), engine.plan, list(engine.unit_optimizer.locs)
+        return engine.parameters_fp32(), engine.plan, list(engine.unit_optimizer.state.locs)
 
 
 def assert_same(a, b):
@@ -93,7 +93,7 @@ def test_checkpoint_with_a_split_loads_into_all_host_and_back(tmp_path):
         train(engine, 0, 3)
         engine.save_checkpoint(tmp_path / "ck-host")
     with zerotier.initialize(make_model(), config(SPLIT, tmp_path / "d")) as engine:
-        assert len(set(engine.unit_optimizer.locs)) == 2
+        assert len(set(engine.unit_optimizer.state.locs)) == 2
         engine.load_checkpoint(tmp_path / "ck-host")
         train(engine, 3, 3)
         assert_same(engine.parameters_fp32(), expected)

@@ -14,8 +14,9 @@ import torch
 import zerotier
 from zerotier.errors import ConfigError
 from zerotier.models import TinyGPT, batches
-from zerotier.optim import _kernels
-from zerotier.optim.state_layout import FP32_MOMENT_NUMEL, StateLayout, sr_seed
+from zerotier.optim import _kernels, kernel_math
+from zerotier.optim.kernel_math import sr_seed
+from zerotier.optim.state_layout import FP32_MOMENT_NUMEL, StateLayout
 from zerotier.planner.planner import make_plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -46,19 +47,19 @@ def train(engine, start, steps):
 
 def test_layout_sizes_and_bytes_per_param():
     """Each key's buffer: n values, or n codes padded to 4 B then one fp32 absmax per block."""
-    n = 2 * _kernels.QUANT_BLOCK + 3  # a block tail
+    n = 2 * kernel_math.QUANT_BLOCK + 3  # a block tail
     assert StateLayout().state_bytes(n) == 12 * n and StateLayout().exact
     assert StateLayout("bf16", "bf16").state_bytes(n) == 6 * n
     compact = StateLayout("bf16", "int8")
     assert compact.nbytes("exp_avg", n) == (n + 1) + 4 * 3
     assert compact.state_bytes(n) == 2 * n + 2 * (n + 1 + 12)
     assert [StateLayout(m, v).bytes_per_param for m, v in (("fp32", "fp32"), ("bf16", "bf16"))] == [12, 6]
-    assert compact.bytes_per_param == pytest.approx(4 + 8 / _kernels.QUANT_BLOCK)
+    assert compact.bytes_per_param == pytest.approx(4 + 8 / kernel_math.QUANT_BLOCK)
     x = torch.randn(n)
     raw = torch.empty(compact.nbytes("exp_avg", n), dtype=torch.uint8)
     compact.encode("exp_avg", x, raw)
-    codes, absmax = _kernels.quantize_blockwise(x, signed=True)
-    assert torch.equal(compact.decode("exp_avg", raw, n), _kernels.dequantize_blockwise(codes, absmax, signed=True))
+    codes, absmax = kernel_math.quantize_blockwise(x, signed=True)
+    assert torch.equal(compact.decode("exp_avg", raw, n), kernel_math.dequantize_blockwise(codes, absmax, signed=True))
 
 
 def test_small_parameters_keep_fp32_moments_in_the_unit_layout():
@@ -84,8 +85,8 @@ def test_small_parameters_keep_fp32_moments_in_the_unit_layout():
     got = layout.decode("exp_avg", raw, n)
     assert torch.equal(got[:364], x[:364]) and torch.equal(got[5364:5374], x[5364:5374])
     for a, b in ((364, 5364), (5374, n)):  # each run quantized in blocks from its own first element
-        codes, absmax = _kernels.quantize_blockwise(x[a:b], signed=True)
-        assert torch.equal(got[a:b], _kernels.dequantize_blockwise(codes, absmax, signed=True))
+        codes, absmax = kernel_math.quantize_blockwise(x[a:b], signed=True)
+        assert torch.equal(got[a:b], kernel_math.dequantize_blockwise(codes, absmax, signed=True))
     assert (raw[5000:5120] == 0).all()  # the gap after the first run's codes
     padded = torch.empty(layout.nbytes("exp_avg", n + 100), dtype=torch.uint8)
     back = torch.empty_like(raw)
@@ -121,8 +122,8 @@ def test_compact_state_lives_in_its_dtypes_and_resumes_exactly(offload, master, 
                 assert [engine.store.nbytes(f"{unit.key}.{k}") for k in ("master", "exp_avg", "exp_avg_sq")] == \
                     [unit_layout.nbytes(k, n) for k in ("master", "exp_avg", "exp_avg_sq")]
             else:
-                assert all(opt._state[unit.index][k].numel() == unit_layout.nbytes(k, n)
-                           for k in opt._state[unit.index])
+                assert all(opt.state.slots[unit.index].buffers[k].numel() == unit_layout.nbytes(k, n)
+                           for k in opt.state.slots[unit.index].buffers)
     with zerotier.initialize(make_model(), config(offload, tmp_path / "b", master, moments)) as engine:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # same dtypes: nothing is lost, nothing is said
@@ -150,18 +151,18 @@ def test_compact_state_trains_like_the_reference_kernel(tmp_path):
         grad = torch.cat([model.weight.grad.reshape(-1), model.bias.grad]).detach().clone()  # what the step reads
         engine.step()
         assert engine.unit_optimizer.layout.for_unit(engine.units[0]).fp32_ranges == ((5000, 5005),)
-        got = engine.unit_optimizer.read_state(engine.units[0])
+        got = engine.unit_optimizer.state.read_state(engine.units[0])
     master = start.bfloat16()
     hyper = dict(step=1, lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     m, v, ma, va = torch.zeros(5000, dtype=torch.uint8), torch.zeros(5000, dtype=torch.uint8), torch.zeros(20), \
         torch.zeros(20)
-    _kernels.adam_step_reference(master[:5000], m, v, grad[:5000], exp_avg_absmax=ma, exp_avg_sq_absmax=va,
+    kernel_math.adam_step_reference(master[:5000], m, v, grad[:5000], exp_avg_absmax=ma, exp_avg_sq_absmax=va,
                                  sr_seed=sr_seed(0, 1), **hyper)
     bias_m, bias_v = torch.zeros(5), torch.zeros(5)
-    _kernels.adam_step_reference(master[5000:], bias_m, bias_v, grad[5000:], sr_seed=sr_seed(0, 1) + 5000, **hyper)
+    kernel_math.adam_step_reference(master[5000:], bias_m, bias_v, grad[5000:], sr_seed=sr_seed(0, 1) + 5000, **hyper)
     assert torch.equal(got["master"], master.float())
-    assert torch.equal(got["exp_avg"], torch.cat([_kernels.dequantize_blockwise(m, ma, signed=True), bias_m]))
-    assert torch.equal(got["exp_avg_sq"], torch.cat([_kernels.dequantize_blockwise(v, va, signed=False), bias_v]))
+    assert torch.equal(got["exp_avg"], torch.cat([kernel_math.dequantize_blockwise(m, ma, signed=True), bias_m]))
+    assert torch.equal(got["exp_avg_sq"], torch.cat([kernel_math.dequantize_blockwise(v, va, signed=False), bias_v]))
 
 
 @pytest.mark.parametrize("old,new,lossy", [
@@ -175,7 +176,7 @@ def test_checkpoints_convert_between_state_dtypes(old, new, lossy, tmp_path):
     with zerotier.initialize(make_model(), config(NVME, tmp_path / "a", *old)) as engine:
         train(engine, 0, 3)
         engine.save_checkpoint(tmp_path / "ck")
-        saved = {u.index: engine.unit_optimizer.read_state(u) for u in engine.units}
+        saved = {u.index: engine.unit_optimizer.state.read_state(u) for u in engine.units}
     with zerotier.initialize(make_model(), config(HOST, tmp_path / "b", *new)) as engine:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -184,7 +185,7 @@ def test_checkpoints_convert_between_state_dtypes(old, new, lossy, tmp_path):
         assert (said == []) if lossy is None else (len(said) == 1 and lossy in said[0]), said
         for unit in engine.units:
             layout = StateLayout(*new).for_unit(unit)
-            state = engine.unit_optimizer.read_state(unit)
+            state = engine.unit_optimizer.state.read_state(unit)
             for k, values in saved[unit.index].items():
                 want = torch.empty(layout.nbytes(k, values.numel()), dtype=torch.uint8)
                 layout.encode(k, values, want)  # what the new dtype holds of the saved values
@@ -260,12 +261,13 @@ def test_int8_checkpoints_without_fp32_ranges_load(tmp_path, monkeypatch):
     import json
     from zerotier.checkpoint_read import manifest_crc
     with monkeypatch.context() as patch:
-        patch.setattr(StateLayout, "of", classmethod(lambda cls, p: cls(p.master_dtype, p.moment_dtype, fp32_below=0)))
+        patch.setattr(StateLayout, "of", classmethod(lambda cls, p, rule=None: cls(p.master_dtype, p.moment_dtype,
+                                                                                  fp32_below=0)))
         with zerotier.initialize(make_model(), config(NVME, tmp_path / "a", "bf16", "int8")) as engine:
             train(engine, 0, 2)
             assert not any(engine.unit_optimizer.layout.for_unit(u).fp32_ranges for u in engine.units)
             ckpt = engine.save_checkpoint(tmp_path / "ck")
-            saved = {u.index: engine.unit_optimizer.read_state(u) for u in engine.units}
+            saved = {u.index: engine.unit_optimizer.state.read_state(u) for u in engine.units}
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest.pop("fp32_moments_below") == 0
     manifest["crc32c"] = manifest_crc(manifest)
@@ -274,7 +276,7 @@ def test_int8_checkpoints_without_fp32_ranges_load(tmp_path, monkeypatch):
         engine.load_checkpoint(tmp_path / "ck")
         for unit in engine.units:
             layout = engine.unit_optimizer.layout.for_unit(unit)
-            state = engine.unit_optimizer.read_state(unit)
+            state = engine.unit_optimizer.state.read_state(unit)
             for k, values in saved[unit.index].items():
                 want = torch.empty(layout.nbytes(k, values.numel()), dtype=torch.uint8)
                 layout.encode(k, values, want)
@@ -399,13 +401,13 @@ def test_checkpoint_with_bad_values_is_refused_and_changes_nothing(bad, moments,
     with zerotier.initialize(make_model(), config(HOST, tmp_path, "fp32", moments)) as engine:
         train(engine, 0, 2)
         weights = engine.parameters_fp32()
-        state = {u.index: engine.unit_optimizer.read_state(u, encoded=True) for u in engine.units}
+        state = {u.index: engine.unit_optimizer.state.read_state(u, encoded=True) for u in engine.units}
         with pytest.raises(CheckpointError, match=rf"bad/rank0\.bin: u{unit:05d}\.{key} \({key} of '[\w.]+' element "
                                                   rf"\d+\) holds {re.escape(said)}: .*damaged or edited"):
             engine.load_checkpoint(tmp_path / "bad")
         assert all(torch.equal(w, weights[k]) for k, w in engine.parameters_fp32().items())
         for u in engine.units:
-            for k, raw in engine.unit_optimizer.read_state(u, encoded=True).items():
+            for k, raw in engine.unit_optimizer.state.read_state(u, encoded=True).items():
                 assert torch.equal(raw, state[u.index][k]), (u.key, k)
         train(engine, 2, 1)  # not broken
         engine.load_checkpoint(compact_checkpoint)

@@ -97,7 +97,7 @@ def test_failed_read_before_any_update_leaves_the_step_retryable(swap):
         run(engine, DATA[:3])
         x, y = DATA[3]
         engine.backward(engine(x, y))
-        engine.unit_optimizer.drop_prefetched()  # the step's first read is then issued by step()
+        engine.unit_optimizer.state.drop_prefetched()  # the step's first read is then issued by step()
         engine.store.engine.inject_fault(op="read", errno=errno.EIO)
         with pytest.raises(TierIOError):
             engine.step()

@@ -14,7 +14,8 @@ zerotier/export.py. Save and load receive the engine's `Parts` (below), never th
     root/ckpt-<step>/manifest.json   format, world size, stage, dtypes, fingerprint (units with
                                  their parameter names and shapes), per rank and unit the real
                                  element range [lo, hi) and the records (offset, nbytes, crc32c)
-    root/ckpt-<step>/rank<r>.bin master, exp_avg, exp_avg_sq of rank r's real range of every
+    root/ckpt-<step>/rank<r>.bin the update rule's state (AdamW: master, exp_avg, exp_avg_sq;
+                                 manifest "optimizer") of rank r's real range of every
                                  unit, one record each, in unit order, in the state's layout
                                  (manifest "state_dtypes", "quant_block": [Note: optimizer state
                                  layout] in optim/state_layout.py; raw little-endian; no state_dtypes:
@@ -67,8 +68,7 @@ import torch
 from .checkpoint_read import FORMAT, CheckpointError, crc, manifest_crc, step_of
 from .errors import ZerotierError
 from .io import aligned_empty, open_direct, open_engine, round_up
-from .optim import _kernels
-from .optim.state_layout import STATE_KEYS
+from .optim import kernel_math
 
 KEEP = 2  # checkpoints of the current run kept by default ([Note: checkpoint retention])
 _OUR_FILE = re.compile(r"manifest\.json|state\.pt|rank\d+\.(bin|pt)")
@@ -343,9 +343,9 @@ def _write_rank_data(parts, path: Path) -> list[dict]:
         fd, _direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, direct=io_cfg.o_direct)
         try:
             try:
-                for unit, state in parts.rt.unit_optimizer.iter_state(parts.rt.units, align):
+                for unit, state in parts.rt.unit_optimizer.state.iter_state(parts.rt.units, align):
                     n, unit_layout = unit.shard_hi - unit.shard_lo, layout.for_unit(unit)
-                    for k in STATE_KEYS:
+                    for k in layout.keys:
                         nbytes = unit_layout.nbytes(k, n)
                         padded = round_up(nbytes, align) if nbytes else 0
                         t = state[k]  # aligned, with room for `padded` bytes (iter_state)
@@ -406,9 +406,10 @@ def _commit(parts, root: Path, tmp: Path, final: Path, gathered: list, keep: int
         "format": FORMAT, "global_steps": parts.rt.steps.global_steps, "micro_steps": parts.rt.steps.micro_steps,
         "world_size": world, "zero_stage": parts.rt.sharding.stage,
         "param_dtype": str(parts.rt.lp_dtype).replace("torch.", ""),
-        "unit_steps": [list(steps) for steps in parts.rt.unit_optimizer.steps],  # per unit, per parameter
-        "state_dtypes": {k: parts.rt.unit_optimizer.layout.dtype(k) for k in STATE_KEYS},
-        "quant_block": _kernels.QUANT_BLOCK,
+        "unit_steps": [list(steps) for steps in parts.rt.unit_optimizer.state.steps],  # per unit, per parameter
+        "optimizer": parts.rt.unit_optimizer.rule.name,  # whose state the records hold (absent: adamw)
+        "state_dtypes": {k: parts.rt.unit_optimizer.layout.dtype(k) for k in parts.rt.unit_optimizer.layout.keys},
+        "quant_block": kernel_math.QUANT_BLOCK,
         "fp32_moments_below": parts.rt.unit_optimizer.layout.fp32_below,  # [Note: small parameters keep fp32 moments]
         "units": fingerprint(parts), "ranks": ranks, "state": gathered[0][1]["state.pt"],
         "hf_config": _hf_config(parts.rt.module),  # for `zerotier export --to DIR` (config.json)

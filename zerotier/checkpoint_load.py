@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import Parts, fingerprint
-from .checkpoint_read import RankFiles, load_rng, load_state, read_manifest, resolve, state_layout
+from .checkpoint_read import RankFiles, check_rule, load_rng, load_state, read_manifest, resolve, state_layout
 from .errors import ZerotierError
-from .optim.state_layout import STATE_KEYS
 
 
 def _set_rng_state(state: dict) -> None:
@@ -50,7 +49,7 @@ def _same_range(parts, manifest: dict, unit) -> int | None:
 def _warn_lossy(parts, ckpt: Path, manifest: dict) -> None:
     """[Note: converting state dtypes on load] One warning naming the conversions that lose precision."""
     old, new = state_layout(manifest), parts.rt.unit_optimizer.layout
-    lossy = [f"{k} {old.dtype(k)} -> {new.dtype(k)}" for k in STATE_KEYS if new.lossy_from(old, k)]
+    lossy = [f"{k} {old.dtype(k)} -> {new.dtype(k)}" for k in new.keys if new.lossy_from(old, k)]
     if new.moments == old.moments == "int8" and any(_same_range(parts, manifest, u) is None for u in parts.rt.units):
         lossy.append("int8 moments re-quantized in the new sharding's blocks")
     if lossy:
@@ -61,11 +60,11 @@ def _warn_lossy(parts, ckpt: Path, manifest: dict) -> None:
 
 def _load_unit_state(parts, files: RankFiles, unit, steps) -> None:
     """[Note: converting state dtypes on load] One unit's state into the engine's layout."""
-    opt, old = parts.rt.unit_optimizer, files.layout
+    opt, old = parts.rt.unit_optimizer.state, files.layout
     lo, hi, n = unit.shard_lo, unit.shard_hi, unit.part.shard_numel
     same = _same_range(parts, files.manifest, unit)
     new = opt.layout.for_unit(unit)
-    for k in STATE_KEYS:
+    for k in new.keys:
         if old.dtype(k) == new.dtype(k) == "int8" and old.fp32_below == new.fp32_below and same is not None:
             raw = new.resize(k, files.read(same, unit.index, k), hi - lo, n,  # byte for byte
                              torch.zeros(new.nbytes(k, n), dtype=torch.uint8))
@@ -115,6 +114,7 @@ def load(parts: Parts, root, *, lr_scheduler=None, trust_pickle: bool = False):
     ckpt = resolve(root)
     manifest = read_manifest(ckpt)
     _check_fingerprint(parts, manifest, ckpt)
+    check_rule(manifest, ckpt, parts.rt.unit_optimizer.rule)
     scheduler = lr_scheduler if lr_scheduler is not None else parts.carried.lr_scheduler
     parts.synchronize()  # fetches issued but not consumed would hold the old parameters
     files = RankFiles(ckpt, manifest)
@@ -146,7 +146,7 @@ def load(parts: Parts, root, *, lr_scheduler=None, trust_pickle: bool = False):
         _warn_lossy(parts, ckpt, manifest)
         for unit, step in zip(parts.rt.units, manifest["unit_steps"]):
             _load_unit_state(parts, files, unit, step)
-            parts.rt.params.load(unit, parts.rt.unit_optimizer.read_state(unit, ("master",))["master"].cpu())
+            parts.rt.params.load(unit, parts.rt.unit_optimizer.state.read_state(unit, ("master",))["master"].cpu())
         parts.rt.params.synchronize()
     finally:
         files.close()

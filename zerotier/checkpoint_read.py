@@ -41,8 +41,9 @@ import crc32c as _crc32c
 import torch
 
 from .errors import TierIOError
-from .optim import _kernels
-from .optim.state_layout import STATE_DTYPES, STATE_KEYS, StateLayout
+from .optim import kernel_math
+from .optim.rules import RULES, make_rule
+from .optim.state_layout import STATE_DTYPES, StateLayout
 
 FORMAT = 1
 
@@ -58,10 +59,23 @@ def crc(data) -> int:
 def state_layout(manifest: dict) -> StateLayout:
     """The optimizer state's layout the checkpoint was saved in ([Note: optimizer state layout]);
     checkpoints written before compact state have none: fp32; before [Note: small parameters keep
-    fp32 moments], int8 moments everywhere (fp32_below 0)."""
+    fp32 moments], int8 moments everywhere (fp32_below 0); before update rules, AdamW's state
+    ("optimizer": the rule's name)."""
     dtypes = manifest.get("state_dtypes") or {}
+    rule = make_rule(manifest.get("optimizer", "adamw"))
     return StateLayout(dtypes.get("master", "fp32"), dtypes.get("exp_avg", "fp32"),
-                       fp32_below=manifest.get("fp32_moments_below", 0))
+                       fp32_below=manifest.get("fp32_moments_below", 0), keys=rule.state_keys,
+                       nonnegative=rule.nonnegative)
+
+
+def check_rule(manifest: dict, ckpt, rule) -> None:
+    """The checkpoint holds the state of the engine's update rule (optim/rules/): another rule's
+    state is refused before anything changes."""
+    saved = manifest.get("optimizer", "adamw")
+    if saved != rule.name:
+        raise CheckpointError(f"checkpoint {ckpt} holds {saved} optimizer state "
+                              f"({', '.join(state_layout(manifest).keys)}), this engine runs {rule.name} "
+                              f"({', '.join(rule.state_keys)}): load it with optimizer.type = {saved!r}")
 
 
 def record_layout(manifest: dict, unit_index: int, lo: int, hi: int) -> StateLayout:
@@ -326,18 +340,22 @@ def _check_manifest(m: dict, where: str) -> None:
     below = m.get("fp32_moments_below", 0)  # [Note: small parameters keep fp32 moments]
     if type(below) is not int or below < 0:
         bad(f"fp32_moments_below is {reprlib.repr(below)}, not an element count")
+    rule_name = m.get("optimizer", "adamw")  # the update rule whose state the records hold
+    if rule_name not in RULES:
+        bad(f"optimizer is {reprlib.repr(rule_name)}, not one of {', '.join(RULES)}")
+    keys = make_rule(rule_name).state_keys
     dtypes = m.get("state_dtypes")
     if dtypes is not None:
-        if not isinstance(dtypes, dict) or set(dtypes) != set(STATE_KEYS) \
-                or not all(isinstance(dtypes[k], str) and dtypes[k] in STATE_DTYPES for k in STATE_KEYS) \
-                or dtypes["exp_avg"] != dtypes["exp_avg_sq"] \
+        if not isinstance(dtypes, dict) or set(dtypes) != set(keys) \
+                or not all(isinstance(dtypes[k], str) and dtypes[k] in STATE_DTYPES for k in keys) \
+                or len({dtypes[k] for k in keys[1:]}) != 1 \
                 or dtypes["master"] not in ("fp32", "bf16"):
             bad(f"state_dtypes is {reprlib.repr(dtypes)}, not a master dtype (fp32, bf16) and one moment dtype "
-                f"(fp32, bf16, int8) for {', '.join(STATE_KEYS)}")
-        if dtypes["exp_avg"] == "int8" and m.get("quant_block") != _kernels.QUANT_BLOCK:
+                f"(fp32, bf16, int8) for {', '.join(keys)}")
+        if dtypes["exp_avg"] == "int8" and m.get("quant_block") != kernel_math.QUANT_BLOCK:
             raise CheckpointError(f"{where}: its int8 moments are quantized in blocks of "
                                   f"{reprlib.repr(m.get('quant_block'))} elements, this zerotier reads blocks of "
-                                  f"{_kernels.QUANT_BLOCK}: load it with the zerotier version that saved it and "
+                                  f"{kernel_math.QUANT_BLOCK}: load it with the zerotier version that saved it and "
                                   f"save it with precision.moment_dtype = 'fp32' or 'bf16'")
     ranks = items(m.get("ranks"), "ranks", world)
     for r, rank in enumerate(ranks):
@@ -352,7 +370,7 @@ def _check_manifest(m: dict, where: str) -> None:
         seen = set()
         for rec in items(rank.get("records"), f"ranks[{r}].records"):
             unit, key = rec.get("unit"), rec.get("key")
-            if type(unit) is not int or not 0 <= unit < len(units) or key not in STATE_KEYS or (unit, key) in seen:
+            if type(unit) is not int or not 0 <= unit < len(units) or key not in keys or (unit, key) in seen:
                 bad(f"ranks[{r}] has a record for unit {reprlib.repr(unit)} key {reprlib.repr(key)}")
             seen.add((unit, key))
             lo, hi = ranges[unit]
@@ -362,8 +380,8 @@ def _check_manifest(m: dict, where: str) -> None:
                     f"[{lo}, {hi}) in {layout.dtype(key)} is {layout.nbytes(key, hi - lo)}")
             count(rec.get("offset"), f"ranks[{r}] record offset")
             count(rec.get("crc32c"), f"ranks[{r}] record crc32c")
-        if len(seen) != len(units) * len(STATE_KEYS):
-            bad(f"ranks[{r}] lacks records: {len(seen)} of {len(units) * len(STATE_KEYS)}")
+        if len(seen) != len(units) * len(keys):
+            bad(f"ranks[{r}] lacks records: {len(seen)} of {len(units) * len(keys)}")
     for i, u in enumerate(units):  # the ranks' ranges cover every unit: nothing is left unread
         end = 0
         for lo, hi in sorted(rank["ranges"][i] for rank in ranks):
@@ -443,7 +461,7 @@ class RankFiles:
         before a load changes the engine (which then reads them again as it stores them)."""
         for unit_index, lo, hi in ranges:
             for r, _, _ in self.sources(unit_index, lo, hi):
-                for key in STATE_KEYS:
+                for key in self.layout.keys:
                     self.read(r, unit_index, key)
 
     def piece(self, unit_index: int, key: str, lo: int, hi: int, out: torch.Tensor) -> None:

@@ -113,7 +113,9 @@ class PrecisionConfig(_Section):
 
 @dataclass(frozen=True)
 class OptimizerConfig(_Section):
-    type: Literal["adamw", "adam"] = "adamw"   # adam = L2 weight decay added to the gradient
+    # the update rule (optim/rules/): adam = L2 weight decay added to the gradient; lion = Lion (one
+    # moment), whose lr / betas / weight_decay left at these defaults become 1e-4 / (0.9, 0.99) / 0.0
+    type: Literal["adamw", "adam", "lion"] = "adamw"
     lr: float | Auto = 1e-3
     betas: tuple[float, float] | Auto = (0.9, 0.999)
     eps: float | Auto = 1e-8

@@ -21,7 +21,7 @@ end of backward) and GRAD_WRITES folds in flight (accumulate waits for the oldes
 handing over another): `NvmeGrads.staging_bytes`, which the planner counts. The
 optimizer reads a unit's file one unit ahead: `shard()` returns a `GradFile`, which reads
 the file into the optimizer's block ([Note: device gradients, host optimizer] in
-optim/offload.py). With several ranks the fresh gradient,
+optim/grad_staging.py). With several ranks the fresh gradient,
 rounded to grad_dtype as a zeroed accumulator would round it, is the reduce-scatter
 input at stages 2-3 and the reduced shard is folded into the file; at stages 0-1 the
 window's last backward reads the sum back as the input (one more read per unit and step).

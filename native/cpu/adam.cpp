@@ -1,10 +1,10 @@
-// CPU Adam / AdamW over flat master weights and moments, in place.
+// CPU Adam / AdamW (and Lion: cpu/lion.inc) over flat master weights and moments, in place.
 //
 // One pass per element: read grad (fp32/bf16/fp16, optionally scaled by
 // 1/loss_scale and clip coefficient), update master/exp_avg/exp_avg_sq, optionally
 // write the new parameter as fp32/bf16/fp16 into a separate buffer, and count
 // non-finite gradients. State dtypes ([Note: compact optimizer state] and [Note: 8-bit
-// moments] in zerotier/optim/_kernels.py): master fp32 or bf16 (stochastic rounding),
+// moments] in zerotier/optim/kernel_math.py): master fp32 or bf16 (stochastic rounding),
 // moments fp32, bf16 (round to nearest even) or uint8 codes with one fp32 absmax per
 // QUANT_BLOCK elements.
 //
@@ -465,6 +465,8 @@ int64_t adam_scalar(const ZtAdamArgs& a, const Coef& c, int64_t begin, int64_t e
 
 }  // namespace
 
+#include "cpu/lion.inc"
+
 #ifdef ZT_X86
 // ---- AVX2 + FMA + F16C: 8 lanes ------------------------------------------------
 #pragma GCC push_options
@@ -596,7 +598,14 @@ inline float vabsmax(const float* x, int64_t len) {  // absmax_scalar's result
   for (float l : lanes) tail = std::max(tail, l);
   return tail;
 }
+// lion_sign() per lane: +1, -1, or 0 (for +-0 and NaN).
+inline F vsign(F x) {
+  const F zero = _mm256_setzero_ps();
+  return _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_GT_OQ), _mm256_set1_ps(1.0f)),
+                      _mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_LT_OQ), _mm256_set1_ps(-1.0f)));
+}
 #include "cpu/adam_simd.inc"
+#include "cpu/lion_simd.inc"
 }  // namespace
 }  // namespace avx2
 #pragma GCC pop_options
@@ -708,7 +717,14 @@ inline float vabsmax(const float* x, int64_t len) {
   if (nan || tail != tail) return NAN;
   return std::max(tail, _mm512_reduce_max_ps(mx));
 }
+// lion_sign() per lane: +1, -1, or 0 (for +-0 and NaN).
+inline F vsign(F x) {
+  const F zero = _mm512_setzero_ps();
+  F r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
+}
 #include "cpu/adam_simd.inc"
+#include "cpu/lion_simd.inc"
 }  // namespace
 }  // namespace avx512
 #pragma GCC pop_options
@@ -722,6 +738,14 @@ Kernel pick_kernel(const ZtAdamArgs& a, int simd) {
   if (simd >= ZT_SIMD_AVX2) return avx2::pick(a);
 #endif
   return adam_scalar;
+}
+
+LionKernel pick_lion_kernel(const ZtLionArgs& a, int simd) {
+#ifdef ZT_X86
+  if (simd >= ZT_SIMD_AVX512) return avx512::pick_lion(a);
+  if (simd >= ZT_SIMD_AVX2) return avx2::pick_lion(a);
+#endif
+  return lion_scalar;
 }
 
 // Elements per thread below which waking workers costs more than it saves.
@@ -762,39 +786,18 @@ int64_t check_args(const ZtAdamArgs& a, int64_t t, int supported) {
   return 0;
 }
 
-int64_t adam_step_multi(const ZtAdamArgs* args, int64_t count) {
-  if (count < 0) return zt::set_error("zt_adam_step_multi", "count = %lld < 0", (long long)count), ZT_ERR_ARGS;
-  if (count == 0) return 0;
-  const int supported = zt_cpu_simd_supported();
+// Runs kernels[t] over every buffer args[t] (one parallel region for all of them): what
+// adam_step_multi and lion_step_multi share. Returns the non-finite gradients counted.
+template <class Args, class K>
+int64_t run_buffers(const Args* args, int64_t count, const std::vector<Coef>& coefs, const std::vector<K>& kernels) {
+  std::vector<int64_t> starts;  // starts[t] = first global index of buffer t
+  starts.reserve(count + 1);
   int64_t total = 0;
   for (int64_t t = 0; t < count; ++t) {
-    int64_t rc = check_args(args[t], t, supported);
-    if (rc < 0) return rc;
+    starts.push_back(total);
     total += args[t].n;
   }
-  std::vector<Coef> coefs;
-  std::vector<Kernel> kernels;
-  std::vector<int64_t> starts;  // starts[t] = first global index of buffer t
-  std::vector<std::shared_ptr<const QIndex>> qindexes;  // what the coefs point to, alive until the end
-  coefs.reserve(count);
-  kernels.reserve(count);
-  starts.reserve(count + 1);
-  int64_t acc = 0;
-  for (int64_t t = 0; t < count; ++t) {
-    coefs.push_back(make_coef(args[t]));
-    if (args[t].exp_avg_dtype == ZT_Q8) {
-      qindexes.push_back(qindex_for(coefs[t].mid_m));
-      coefs[t].qi_m = qindexes.back().get();
-    }
-    if (args[t].exp_avg_sq_dtype == ZT_Q8) {
-      qindexes.push_back(qindex_for(coefs[t].mid_v));
-      coefs[t].qi_v = qindexes.back().get();
-    }
-    kernels.push_back(pick_kernel(args[t], args[t].simd == ZT_SIMD_AUTO ? supported : args[t].simd));
-    starts.push_back(acc);
-    acc += args[t].n;
-  }
-  starts.push_back(acc);
+  starts.push_back(total);
 
   int threads = args[0].threads > 0 ? args[0].threads : zt::hardware_threads();
   threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / kMinPerThread));
@@ -831,6 +834,84 @@ int64_t adam_step_multi(const ZtAdamArgs* args, int64_t count) {
   return nonfinite.load();
 }
 
+int64_t adam_step_multi(const ZtAdamArgs* args, int64_t count) {
+  if (count < 0) return zt::set_error("zt_adam_step_multi", "count = %lld < 0", (long long)count), ZT_ERR_ARGS;
+  if (count == 0) return 0;
+  const int supported = zt_cpu_simd_supported();
+  for (int64_t t = 0; t < count; ++t) {
+    int64_t rc = check_args(args[t], t, supported);
+    if (rc < 0) return rc;
+  }
+  std::vector<Coef> coefs;
+  std::vector<Kernel> kernels;
+  std::vector<std::shared_ptr<const QIndex>> qindexes;  // what the coefs point to, alive until the end
+  coefs.reserve(count);
+  kernels.reserve(count);
+  for (int64_t t = 0; t < count; ++t) {
+    coefs.push_back(make_coef(args[t]));
+    if (args[t].exp_avg_dtype == ZT_Q8) {
+      qindexes.push_back(qindex_for(coefs[t].mid_m));
+      coefs[t].qi_m = qindexes.back().get();
+    }
+    if (args[t].exp_avg_sq_dtype == ZT_Q8) {
+      qindexes.push_back(qindex_for(coefs[t].mid_v));
+      coefs[t].qi_v = qindexes.back().get();
+    }
+    kernels.push_back(pick_kernel(args[t], args[t].simd == ZT_SIMD_AUTO ? supported : args[t].simd));
+  }
+  return run_buffers(args, count, coefs, kernels);
+}
+
+// 0, or ZT_ERR_ARGS / ZT_ERR_SIMD with the reason recorded for zt_cpu_last_error().
+int64_t check_lion_args(const ZtLionArgs& a, int64_t t, int supported) {
+  const char* fn = "zt_lion_step_multi";
+  if (a.n < 0) return zt::set_error(fn, "args[%lld].n = %lld < 0", (long long)t, (long long)a.n), ZT_ERR_ARGS;
+  if (a.n > 0 && (!a.master || !a.exp_avg || !a.grad))
+    return zt::set_error(fn, "args[%lld] has a NULL buffer", (long long)t), ZT_ERR_ARGS;
+  if (a.master_dtype != ZT_F32 && a.master_dtype != ZT_BF16)
+    return zt::set_error(fn, "args[%lld].master_dtype = %d is not ZT_F32 or ZT_BF16", (long long)t, a.master_dtype),
+           ZT_ERR_ARGS;
+  if (a.exp_avg_dtype != ZT_F32 && a.exp_avg_dtype != ZT_BF16 && a.exp_avg_dtype != ZT_Q8)
+    return zt::set_error(fn, "args[%lld].exp_avg_dtype = %d is not ZT_F32, ZT_BF16 or ZT_Q8", (long long)t,
+                         a.exp_avg_dtype), ZT_ERR_ARGS;
+  if (a.exp_avg_dtype == ZT_Q8 && a.n > 0 && (!a.exp_avg_absmax || !a.qmaps))
+    return zt::set_error(fn, "args[%lld]: 8-bit exp_avg without its absmax or the quantization maps", (long long)t),
+           ZT_ERR_ARGS;
+  if (a.grad_dtype < ZT_F32 || a.grad_dtype > ZT_F16)
+    return zt::set_error(fn, "args[%lld].grad_dtype = %d is not a ZtDtype", (long long)t, a.grad_dtype), ZT_ERR_ARGS;
+  if (a.out_dtype != ZT_NONE && (a.out_dtype < ZT_F32 || a.out_dtype > ZT_F16 || !a.param_out))
+    return zt::set_error(fn, "args[%lld]: out_dtype = %d without a matching param_out", (long long)t, a.out_dtype),
+           ZT_ERR_ARGS;
+  int simd = a.simd == ZT_SIMD_AUTO ? supported : a.simd;
+  if (simd > supported)
+    return zt::set_error(fn, "SIMD level %d is not supported by this CPU (best: %d)", simd, supported), ZT_ERR_SIMD;
+  return 0;
+}
+
+int64_t lion_step_multi(const ZtLionArgs* args, int64_t count) {
+  if (count < 0) return zt::set_error("zt_lion_step_multi", "count = %lld < 0", (long long)count), ZT_ERR_ARGS;
+  if (count == 0) return 0;
+  const int supported = zt_cpu_simd_supported();
+  for (int64_t t = 0; t < count; ++t) {
+    int64_t rc = check_lion_args(args[t], t, supported);
+    if (rc < 0) return rc;
+  }
+  std::vector<Coef> coefs;
+  std::vector<LionKernel> kernels;
+  std::vector<std::shared_ptr<const QIndex>> qindexes;
+  coefs.reserve(count);
+  kernels.reserve(count);
+  for (int64_t t = 0; t < count; ++t) {
+    coefs.push_back(make_lion_coef(args[t]));
+    if (args[t].exp_avg_dtype == ZT_Q8) {
+      qindexes.push_back(qindex_for(coefs[t].mid_m));
+      coefs[t].qi_m = qindexes.back().get();
+    }
+    kernels.push_back(pick_lion_kernel(args[t], args[t].simd == ZT_SIMD_AUTO ? supported : args[t].simd));
+  }
+  return run_buffers(args, count, coefs, kernels);
+}
+
 }  // namespace
 
 // Steps `count` independent buffers (e.g. all parameters of a param group) in ONE
@@ -841,6 +922,13 @@ int64_t adam_step_multi(const ZtAdamArgs* args, int64_t count) {
 // ZT_ERR_SIMD or ZT_ERR_EXCEPTION (message in zt_cpu_last_error()).
 ZT_API int64_t zt_adam_step_multi(const ZtAdamArgs* args, int64_t count) {
   return zt::guard<int64_t>("zt_adam_step_multi", ZT_ERR_EXCEPTION, [&] { return adam_step_multi(args, count); });
+}
+
+// Lion over `count` independent buffers in one parallel region, as zt_adam_step_multi.
+// Returns the number of non-finite scaled gradients seen, or ZT_ERR_ARGS, ZT_ERR_SIMD or
+// ZT_ERR_EXCEPTION (message in zt_cpu_last_error()).
+ZT_API int64_t zt_lion_step_multi(const ZtLionArgs* args, int64_t count) {
+  return zt::guard<int64_t>("zt_lion_step_multi", ZT_ERR_EXCEPTION, [&] { return lion_step_multi(args, count); });
 }
 
 // Sum of squares of load(i) * scale over [begin, end): 8 independent float accumulators per
@@ -903,6 +991,7 @@ ZT_API int32_t zt_grad_sumsq(const void* grad, int32_t dtype, int64_t n, float s
 // sizeof(ZtAdamArgs) as this library was compiled; zerotier/optim/_kernels.py refuses a
 // library whose struct does not match its ctypes mirror.
 ZT_API int64_t zt_adam_args_size(void) noexcept { return (int64_t)sizeof(ZtAdamArgs); }
+ZT_API int64_t zt_lion_args_size(void) noexcept { return (int64_t)sizeof(ZtLionArgs); }
 
 // The calling thread's message for the last failure of an export of this library.
 ZT_API const char* zt_cpu_last_error(void) noexcept { return zt::g_last_error; }

@@ -18,4 +18,4 @@ ZT_API int zt_cpu_simd_supported(void) noexcept {
 //    removed; zt_cpu_last_error and zt_adam_args_size added.
 // 3: ZtAdamArgs: `param` is `master` (fp32 or bf16); state dtypes, block scales, the
 //    quantization maps and the stochastic-rounding seed appended.
-ZT_API int zt_abi_version(void) noexcept { return 3; }
+ZT_API int zt_abi_version(void) noexcept { return 4; }

@@ -32,6 +32,7 @@ from ..errors import ConfigError, ZerotierError
 from ..grads import GradStore, refuse_sparse_gradients
 from ..materialize import pool_bytes as materialize_pool_bytes
 from ..optim.offload import UnitOptimizer
+from ..optim.rules import make_rule
 from ..optim.state_layout import StateLayout
 from ..planner.predict import StepOptions
 from ..optim.torch_optimizer import EngineOptimizer, Loop, exempt_from_decay
@@ -141,8 +142,9 @@ class Engine:
         tiers = lambda component: (Charged(self.device_tier, component), Charged(self.host_pool, component)) \
             if self._check_plan else (self.device_tier, self.host_pool)  # noqa: E731
         optimizer_loc = self.plan.optimizer_units or placement["optimizer"]  # a tier, or one per unit (a split)
+        rule = make_rule(cfg.optimizer.type)  # the update rule (optim/rules/)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, optimizer_loc, *tiers("optimizer"),
-                                            self.store, self.profiler, StateLayout.of(cfg.precision))
+                                            self.store, self.profiler, StateLayout.of(cfg.precision, rule), rule)
         no_decay = exempt_from_decay(model, self.units, cfg.optimizer.no_weight_decay)  # checked before placing
         self.params = ParamStore(self.param_units, placement["params"], self.lp_dtype, *tiers("params"),
                                  self.store, self.sharding, placement["optimizer"],
@@ -169,7 +171,7 @@ class Engine:
         self.window = Window(self)  # the loop's state ([Note: the plain PyTorch loop] in window.py)
         # over the placed parameters ([Note: param groups]); the HF Trainer check: trainer_guard.py
         self.optimizer = EngineOptimizer(self.runtime, cfg.optimizer, self._optimizer_loop(), no_decay,
-                                         on_first_train=check_plain_trainer)
+                                         on_first_train=check_plain_trainer, given=cfg.given)
         self.carried = Carried(self.optimizer)  # [Note: what a checkpoint carries] in carried.py
         self.scheduler = PrefetchScheduler(
             cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.param_units],
@@ -312,7 +314,7 @@ class Engine:
         """Finish the work in flight: Adam updates started during backward, parameter fetches
         issued but not consumed (e.g. before loading new weights), write-backs."""
         self.window.synchronize("engine.synchronize()")  # [Note: overlap policies]
-        self.unit_optimizer.drop_prefetched()
+        self.unit_optimizer.state.drop_prefetched()
         self.params.synchronize()
 
     # ------------------------------------------------------------ graceful stop ([Note: graceful stop])

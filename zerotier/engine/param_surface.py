@@ -239,7 +239,7 @@ class ParamSurface:
         if unit.frozen:
             full = self._weights().frozen_value(unit).float()
         else:
-            shard = rt.unit_optimizer.read_state(unit, ("master",))["master"]
+            shard = rt.unit_optimizer.state.read_state(unit, ("master",))["master"]
             full = rt.sharding.gather_full(unit, shard.cpu()).clone()
         if self._batch is not None:
             self._batch[unit.index] = full
@@ -253,10 +253,9 @@ class ParamSurface:
         lo, hi = unit.shard_lo, unit.shard_hi
         shard[: hi - lo] = full[lo:hi]
         if not unit.frozen:
-            opt = rt.unit_optimizer
+            opt = rt.unit_optimizer.state
             state = opt.read_state(unit)
-            opt.write_state(unit, {"master": shard, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]},
-                            list(opt.steps[unit.index]))
+            opt.write_state(unit, {**state, "master": shard}, list(opt.steps[unit.index]))
         rt.params.load(unit, shard)
         rt.params.finish_commits()
         i = unit.index

@@ -53,14 +53,14 @@ class Placement:
                 full = full.clone() if sharding.active else full
             sharding.broadcast(full)
             master = sharding.shard_of(unit, full)  # fp32 master of this rank's shard (all of it on one rank)
-            rt.unit_optimizer.place(unit, master)
+            rt.unit_optimizer.state.place(unit, master)
             self.swapped = i + 1  # the user's tensors of units[:i + 1] may be dropped ([Note: a failed initialize])
             lp = materializer.cast(unit, master if sharding.gathered(unit) else full, rt.lp_dtype)
             rt.params.place(unit, lp)
             rt.grads.place(unit)
             del pooled, full, master, lp  # the last views of the unit's pool blocks: they go back to the system now
             materializer.release(unit)
-        rt.unit_optimizer.finish_place()
+        rt.unit_optimizer.state.finish_place()
         rt.params.finish_place()
         materializer.rest()
         self._move_unmanaged_to_device()
@@ -84,7 +84,7 @@ class Placement:
                 if rt.sharding.active:
                     raise ZerotierError("the fp32 masters are sharded over ranks")
                 master = self.weights.frozen_value(unit) if unit.frozen else \
-                    rt.unit_optimizer.read_state(unit, ("master",))["master"].cpu()
+                    rt.unit_optimizer.state.read_state(unit, ("master",))["master"].cpu()
                 for p, view in unit.views(master):
                     dtype, device = self.weights.user_form[id(p)]
                     p.data = view.to(device=device, dtype=dtype, copy=True)

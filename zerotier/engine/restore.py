@@ -56,7 +56,7 @@ class UserWeights:
                                "gathering the trained weights")  # [Note: ranks out of step]
         self._synchronize()  # updates and NVMe writes in flight land first
         for unit in rt.units:
-            master = rt.sharding.gather_full(unit, rt.unit_optimizer.read_state(unit, ("master",))["master"].cpu())
+            master = rt.sharding.gather_full(unit, rt.unit_optimizer.state.read_state(unit, ("master",))["master"].cpu())
             yield unit, list(unit.views(master))
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:

@@ -320,7 +320,7 @@ class Window:
         if overflow and e.scaler.dynamic:
             self.overlap.skip(factor)
             e.scaler.update(overflow=True)
-            e.unit_optimizer.drop_prefetched()
+            e.unit_optimizer.state.drop_prefetched()
             return False
         self.last_norm = total_norm
         loop = self.state

@@ -1,15 +1,16 @@
 """The optimizer's only door to native code: ctypes bindings of `_zt_cpu`.
 
-`adam_step()` is the flat, low-level entry the engine calls on (sub-ranges of)
-flat buffers; `CPUAdamW` is built on it. With the native library unavailable
-(or ZEROTIER_NATIVE=0) the same calls run `adam_step_reference()`, a pure-torch
-transcription of the scalar C loop that is also the test oracle: every native
-kernel (scalar, AVX2, AVX-512) is bitwise equal to it, for every state dtype.
+`adam_step()` / `adam_step_multi()` and `lion_step_multi()` are the flat, low-level
+entries the update rules (optim/rules/) call on (sub-ranges of) flat buffers; `CPUAdamW`
+is built on the first. With the native library unavailable (or ZEROTIER_NATIVE=0) the
+same calls run `adam_step_reference()` / `lion_step_reference()` (kernel_math.py),
+pure-torch transcriptions of the scalar C loops that are also the test oracles: every
+native kernel (scalar, AVX2, AVX-512) is bitwise equal to them, for every state dtype.
 
-State dtypes ([Note: compact optimizer state]): the master is fp32 or bf16
+State dtypes ([Note: compact optimizer state] in kernel_math.py): the master is fp32 or bf16
 (stochastic rounding), each moment fp32, bf16 (round to nearest even) or uint8
 codes of blockwise 8-bit quantization with one fp32 absmax per QUANT_BLOCK
-elements ([Note: 8-bit moments]).
+elements ([Note: 8-bit moments] in kernel_math.py).
 """
 from __future__ import annotations
 
@@ -21,109 +22,40 @@ import torch
 
 from .. import _native
 from ..errors import ZerotierError
+from .kernel_math import QMAPS, QUANT_BLOCK, adam_step_reference, lion_step_reference
 
 SIMD_LEVELS = ("scalar", "avx2", "avx512")  # index == ZtSimd code
-_ABI_VERSION = 3  # zt_abi_version() in native/cpu/cpu_info.cpp; bump both together
+_ABI_VERSION = 4  # zt_abi_version() in native/cpu/cpu_info.cpp; bump both together
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # ZtDtype
 _Q8 = 3  # ZtDtype ZT_Q8: uint8 codes of blockwise 8-bit quantization
 _STATE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: _Q8}  # moments' dtypes
 _MASTER_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
-# [Note: compact optimizer state] Why stochastic rounding for a bf16 master, not Kahan
-# compensation: a Kahan buffer must be as wide as what it compensates, so bf16 master +
-# bf16 compensation is 4 B/param again: the fp32 master's bytes on every NVMe/PCIe link,
-# which is what compact state exists to halve. Stochastic rounding keeps 2 B/param and is
-# unbiased (E[round(x)] = x), so updates smaller than half a bf16 ulp still move the weight
-# in expectation instead of being lost (Gupta et al. 2015; Zamirai et al. 2020). The random
-# bits are counter-based: element i of a call rounds with sr_bits(sr_seed + i), a hash, so
-# the result depends on the seed and the element alone, not on threads or SIMD level, and
-# a caller that steps a shard in pieces adds each piece's offset to the seed.
-#   sr_bits(c) = fmix32(lo32(c) ^ fmix32(hi32(c) ^ 0x9E3779B9)) >> 16   (murmur3's fmix32)
-#   bf16 = (bits(x) + sr_bits) >> 16   (truncation after adding 16 random bits; NaN stays a
-#   quiet NaN as in round-to-nearest)
-QUANT_BLOCK = 256
-
-# [Note: 8-bit moments] Blockwise dynamic quantization, as bitsandbytes' 8-bit Adam (Dettmers,
-# Lewis, Shleifer, Zettlemoyer, "8-bit Optimizers via Block-wise Quantization", ICLR 2022):
-# a moment of n elements is cut into blocks of QUANT_BLOCK from its first element; each
-# block stores absmax = max |x| (fp32) and one uint8 code per element, the index of the
-# nearest value of a 256-entry map to x / absmax. The maps are the paper's dynamic (tree)
-# quantization: per code, a run of leading zeros picks the decade 10^-6 .. 10^0 and the
-# remaining bits a linear fraction in it, so small values keep relative precision. exp_avg
-# uses the signed map (sign bit + 7), exp_avg_sq the unsigned one (its sign bit spent on
-# one more fraction bit): bitsandbytes' create_dynamic_map(signed, 7, 8). Block-wise scales
-# confine an outlier's damage to its block and make the quantization embarrassingly
-# parallel. QUANT_BLOCK = 256, bitsandbytes' own blockwise optimizer block (the paper used
-# 2048): a smaller block holds fewer elements hostage to one outlier, for 4/256 = 0.016
-# B/param per moment of scales, and 256 is a multiple of every SIMD width and cache line.
-# The step dequantizes the old moments, updates them in fp32, moves the parameter with
-# the fp32 values, then re-quantizes each block with its new absmax. Nearest is exact and
-# deterministic: code = #{k : mid[k] < x/absmax} for the 255 midpoints mid[k] = (map[k] +
-# map[k+1]) / 2 (fp32), a tie rounds down; absmax 0 divides by 1; NaN gives code 0 and the
-# NaN absmax it came from. The same tables (_QMAPS) go to the native kernel, so both agree
-# bit for bit. A sub-range view must start on a block boundary of its storage.
+_CTYPES = {"p": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32, "f64": ctypes.c_double,
+           "u64": ctypes.c_uint64}
 
 
-def _dynamic_map(signed: bool) -> torch.Tensor:
-    """bitsandbytes.functional.create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)."""
-    data = []
-    for i in range(7):
-        items = 2**i + 1 if signed else 2 ** (i + 1) + 1
-        bounds = torch.linspace(0.1, 1, items, dtype=torch.float32)
-        means = (bounds[:-1] + bounds[1:]) / 2.0
-        data += (10 ** (-6 + i) * means).tolist()
-        if signed:
-            data += (-(10 ** (-6 + i)) * means).tolist()
-    data += [0.0, 1.0]
-    return torch.tensor(sorted(data), dtype=torch.float32)
-
-
-def _qmaps() -> torch.Tensor:
-    """(4, 256) fp32: signed map, its midpoints, unsigned map, its midpoints (255 + inf)."""
-    rows = []
-    for signed in (True, False):
-        qmap = _dynamic_map(signed)
-        mid = (qmap[:-1] + qmap[1:]) / 2
-        assert qmap.numel() == 256 and bool((mid[1:] > mid[:-1]).all()), "quantization map not strictly sorted"
-        rows += [qmap, torch.cat([mid, torch.tensor([float("inf")])])]
-    return torch.stack(rows).contiguous()
-
-
-_QMAPS = _qmaps()  # lives as long as the module: the native kernel reads it by pointer
+def _fields(spec: str) -> list:
+    """A ctypes `_fields_` list from "name:type ..." (types: _CTYPES' keys), in order."""
+    return [(name, _CTYPES[kind]) for name, kind in (field.split(":") for field in spec.split())]
 
 
 class ZtAdamArgs(ctypes.Structure):
     """Mirror of `struct ZtAdamArgs` in native/cpu/adam.cpp (same field order; its size is
     checked against the library's zt_adam_args_size() at load)."""
 
-    _fields_ = [
-        ("master", ctypes.c_void_p),
-        ("exp_avg", ctypes.c_void_p),
-        ("exp_avg_sq", ctypes.c_void_p),
-        ("grad", ctypes.c_void_p),
-        ("param_out", ctypes.c_void_p),
-        ("n", ctypes.c_int64),
-        ("grad_dtype", ctypes.c_int32),
-        ("out_dtype", ctypes.c_int32),
-        ("lr", ctypes.c_double),
-        ("beta1", ctypes.c_double),
-        ("beta2", ctypes.c_double),
-        ("eps", ctypes.c_double),
-        ("weight_decay", ctypes.c_double),
-        ("grad_scale", ctypes.c_double),
-        ("step", ctypes.c_int64),
-        ("decoupled", ctypes.c_int32),
-        ("bias_correction", ctypes.c_int32),
-        ("simd", ctypes.c_int32),
-        ("threads", ctypes.c_int32),
-        ("master_dtype", ctypes.c_int32),
-        ("exp_avg_dtype", ctypes.c_int32),
-        ("exp_avg_sq_dtype", ctypes.c_int32),
-        ("exp_avg_absmax", ctypes.c_void_p),
-        ("exp_avg_sq_absmax", ctypes.c_void_p),
-        ("qmaps", ctypes.c_void_p),
-        ("sr_seed", ctypes.c_uint64),
-    ]
+    _fields_ = _fields("master:p exp_avg:p exp_avg_sq:p grad:p param_out:p n:i64 grad_dtype:i32 out_dtype:i32 "
+                       "lr:f64 beta1:f64 beta2:f64 eps:f64 weight_decay:f64 grad_scale:f64 step:i64 decoupled:i32 "
+                       "bias_correction:i32 simd:i32 threads:i32 master_dtype:i32 exp_avg_dtype:i32 "
+                       "exp_avg_sq_dtype:i32 exp_avg_absmax:p exp_avg_sq_absmax:p qmaps:p sr_seed:u64")
+
+
+class ZtLionArgs(ctypes.Structure):
+    """Mirror of `struct ZtLionArgs` in native/cpu/lion.inc (checked against zt_lion_args_size())."""
+
+    _fields_ = _fields("master:p exp_avg:p grad:p param_out:p n:i64 grad_dtype:i32 out_dtype:i32 lr:f64 beta1:f64 "
+                       "beta2:f64 weight_decay:f64 grad_scale:f64 simd:i32 threads:i32 master_dtype:i32 "
+                       "exp_avg_dtype:i32 exp_avg_absmax:p qmaps:p sr_seed:u64")
 
 
 def abi_mismatch(lib: ctypes.CDLL) -> str | None:
@@ -139,6 +71,9 @@ def abi_mismatch(lib: ctypes.CDLL) -> str | None:
     try:
         lib.zt_adam_step_multi.argtypes = [ctypes.POINTER(ZtAdamArgs), ctypes.c_int64]
         lib.zt_adam_step_multi.restype = ctypes.c_int64
+        lib.zt_lion_step_multi.argtypes = [ctypes.POINTER(ZtLionArgs), ctypes.c_int64]
+        lib.zt_lion_step_multi.restype = ctypes.c_int64
+        lib.zt_lion_args_size.restype = ctypes.c_int64
         lib.zt_grad_sumsq.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float,
                                       ctypes.c_int32, ctypes.POINTER(ctypes.c_double)]
         lib.zt_grad_sumsq.restype = ctypes.c_int32
@@ -150,6 +85,10 @@ def abi_mismatch(lib: ctypes.CDLL) -> str | None:
     size = lib.zt_adam_args_size()
     if size != ctypes.sizeof(ZtAdamArgs):
         return (f"sizeof(ZtAdamArgs) is {size} bytes in the library but {ctypes.sizeof(ZtAdamArgs)} "
+                "in its ctypes mirror (zerotier/optim/_kernels.py)")
+    size = lib.zt_lion_args_size()
+    if size != ctypes.sizeof(ZtLionArgs):
+        return (f"sizeof(ZtLionArgs) is {size} bytes in the library but {ctypes.sizeof(ZtLionArgs)} "
                 "in its ctypes mirror (zerotier/optim/_kernels.py)")
     return None
 
@@ -331,12 +270,51 @@ def adam_step_multi(buffers, *, step, lr, beta1, beta2, eps, weight_decay, decou
             s, int(decs[i]), int(bias_correction), SIMD_LEVELS.index(level),
             threads if threads is not None else default_threads(),
             _MASTER_CODES[master.dtype], _STATE_CODES[exp_avg.dtype], _STATE_CODES[exp_avg_sq.dtype],
-            ptr(m_absmax), ptr(v_absmax), _QMAPS.data_ptr(), seed or 0,
+            ptr(m_absmax), ptr(v_absmax), QMAPS.data_ptr(), seed or 0,
         )
     lib = _lib()
     result = lib.zt_adam_step_multi(args, len(buffers))
     if result < 0:
         raise _native.error(lib.zt_cpu_last_error, "zt_adam_step_multi", result)
+    return int(result)
+
+
+def lion_step_multi(buffers, *, lr, beta1, beta2, weight_decay, grad_scale=1.0, simd="auto", threads=None) -> int:
+    """One Lion update of many (master, exp_avg, grad, param_out|None, exp_avg_absmax|None,
+    sr_seed|None) tuples in one native call, in place (native/cpu/lion.inc has the math). The
+    dtypes are adam_step's (exp_avg: fp32, bf16, or uint8 codes of the signed map with its block
+    scales); lr, beta1, beta2 and weight_decay may each be a list with one value per tuple.
+    Returns the count of non-finite scaled gradients. The native call releases the GIL."""
+    def each(value):
+        return list(value) if isinstance(value, (list, tuple)) else [value] * len(buffers)
+    lrs, b1s, b2s, wds = map(each, (lr, beta1, beta2, weight_decay))
+    for master, exp_avg, grad, param_out, m_absmax, seed in buffers:
+        n = master.numel()
+        _check_master(master, n, seed)
+        _check_moment(exp_avg, m_absmax, "exp_avg", n)
+        _check_buffer(grad, "grad", n, tuple(_DTYPE_CODES))
+        if param_out is not None:
+            _check_buffer(param_out, "param_out", n, (torch.float32, torch.bfloat16, torch.float16))
+    level = simd_level(simd)
+    if level == "python":
+        return sum(lion_step_reference(master, exp_avg, grad, param_out=out, exp_avg_absmax=m_absmax, sr_seed=seed,
+                                       lr=lr_, beta1=b1, beta2=b2, weight_decay=wd, grad_scale=grad_scale)
+                   for (master, exp_avg, grad, out, m_absmax, seed), lr_, b1, b2, wd
+                   in zip(buffers, lrs, b1s, b2s, wds))
+    args = (ZtLionArgs * len(buffers))()
+    ptr = (lambda t: t.data_ptr() if t is not None else None)
+    for i, (master, exp_avg, grad, out, m_absmax, seed) in enumerate(buffers):
+        args[i] = ZtLionArgs(
+            master.data_ptr(), exp_avg.data_ptr(), grad.data_ptr(), ptr(out), master.numel(),
+            _DTYPE_CODES[grad.dtype], _DTYPE_CODES[out.dtype] if out is not None else -1,
+            lrs[i], b1s[i], b2s[i], wds[i], grad_scale, SIMD_LEVELS.index(level),
+            threads if threads is not None else default_threads(),
+            _MASTER_CODES[master.dtype], _STATE_CODES[exp_avg.dtype], ptr(m_absmax), QMAPS.data_ptr(), seed or 0,
+        )
+    lib = _lib()
+    result = lib.zt_lion_step_multi(args, len(buffers))
+    if result < 0:
+        raise _native.error(lib.zt_cpu_last_error, "zt_lion_step_multi", result)
     return int(result)
 
 
@@ -355,42 +333,12 @@ def grad_sumsq(grad: torch.Tensor, scale: float = 1.0, threads: int | None = Non
     return out.value
 
 
-def quantize_blockwise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 `x` (flattened) as (uint8 codes, fp32 absmax per QUANT_BLOCK elements): the
-    quantization the kernel applies to an updated moment ([Note: 8-bit moments]); signed
-    for exp_avg, unsigned for exp_avg_sq (negative values become 0)."""
-    x = x.reshape(-1).float()
-    n = x.numel()
-    nblocks = _blocks(n)
-    if n == 0:
-        return torch.empty(0, dtype=torch.uint8), torch.empty(0)
-    blocks = torch.zeros(nblocks * QUANT_BLOCK)
-    blocks[:n] = x
-    blocks = blocks.view(nblocks, QUANT_BLOCK)
-    absmax = blocks.abs().amax(dim=1)  # NaN propagates
-    scale = torch.where(absmax > 0, absmax, torch.ones(()))
-    xn = blocks / scale[:, None]
-    mid = _QMAPS[1 if signed else 3][:255].contiguous()
-    codes = torch.searchsorted(mid, xn, side="left")  # #{k: mid[k] < xn}
-    codes = torch.where(torch.isnan(xn), 0, codes)
-    return codes.to(torch.uint8).view(-1)[:n].clone(), absmax
-
-
-def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
-    """uint8 `codes` with their block scales `absmax` back to fp32 (map[code] * absmax)."""
-    n = codes.numel()
-    if absmax.numel() != _blocks(n):
-        raise ZerotierError(f"{n} codes need {_blocks(n)} block scales (QUANT_BLOCK = {QUANT_BLOCK}), "
-                            f"got {absmax.numel()}")
-    values = _QMAPS[0 if signed else 2][codes.reshape(-1).long()]
-    return values * absmax.float().repeat_interleave(QUANT_BLOCK)[:n]
-
-
 _DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 
 
-def state_bytes_per_param(master_dtype, moment_dtype) -> float:
-    """Optimizer-state bytes per parameter, block scales included: master + two moments.
+def state_bytes_per_param(master_dtype, moment_dtype, moments: int = 2) -> float:
+    """Optimizer-state bytes per parameter, block scales included: master + `moments` moments
+    (Adam's two, Lion's one).
     Dtypes as config names ("fp32", "bf16", "int8" for moments) or torch dtypes (torch.uint8
     = 8-bit codes). fp32/fp32 = 12, bf16/bf16 = 6, bf16/int8 = 2 + 2 * (1 + 4/QUANT_BLOCK)."""
     master_dtype, moment_dtype = (_DTYPE_NAMES.get(d, d) for d in (master_dtype, moment_dtype))
@@ -399,91 +347,4 @@ def state_bytes_per_param(master_dtype, moment_dtype) -> float:
     if moment_dtype not in _STATE_CODES:
         raise ZerotierError(f"moment dtype {moment_dtype} is not one of fp32, bf16, int8")
     moment = 1 + 4 / QUANT_BLOCK if moment_dtype == torch.uint8 else moment_dtype.itemsize
-    return float(master_dtype.itemsize + 2 * moment)
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for int64 x in [0, 2^32), without int64 overflow."""
-    return (x * (c & 0xFFFF) + ((x * (c >> 16)) << 16)) & _MASK32
-
-
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def _to_bf16_stochastic(x: torch.Tensor, seed: int) -> torch.Tensor:
-    """fp32 `x` to bf16 by stochastic rounding: element i adds the 16 bits
-    fmix32(lo ^ fmix32(hi ^ 0x9E3779B9)) >> 16 of the 64-bit counter seed + i, then truncates
-    ([Note: compact optimizer state])."""
-    n = x.numel()
-    i = torch.arange(n, dtype=torch.int64)
-    lo = (i + (seed & _MASK32)) & _MASK32
-    hi = ((seed >> 32) + ((i + (seed & _MASK32)) >> 32)) & _MASK32
-    bits = _fmix32(lo ^ _fmix32(hi ^ 0x9E3779B9)) >> 16
-    u = x.view(torch.int32).long() & _MASK32
-    rounded = ((u + bits) & _MASK32) >> 16
-    nan = torch.isnan(x)
-    rounded = torch.where(nan, (u >> 16) | 0x40, rounded)
-    return (rounded - ((rounded >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
-
-
-def adam_step_reference(
-    master, exp_avg, exp_avg_sq, grad, *, step, lr, beta1, beta2, eps, weight_decay,
-    decoupled=True, bias_correction=True, grad_scale=1.0, param_out=None,
-    exp_avg_absmax=None, exp_avg_sq_absmax=None, sr_seed=None,
-) -> int:
-    """Pure-torch transcription of the scalar kernel: the same fp32 operations in the same
-    order, one rounding each (no fused multiply-add), and the same rounding of each state
-    dtype, so every native kernel is bitwise equal to it. fp32 state runs on any device
-    (the engine's device optimizer); compact state on the CPU."""
-    def f32(value):  # a Python float rounded to fp32 once, as the kernel's coefficients
-        return torch.tensor(value, dtype=torch.float32, device=master.device)
-    g = grad.float() * f32(grad_scale)
-    nonfinite = int((~torch.isfinite(g)).sum())
-    p = master.float()
-    if decoupled:
-        p = p * f32(1.0 - lr * weight_decay)
-    elif weight_decay != 0.0:
-        g = g + f32(weight_decay) * p
-    m = _load_moment(exp_avg, exp_avg_absmax, signed=True)
-    v = _load_moment(exp_avg_sq, exp_avg_sq_absmax, signed=False)
-    m = m + f32(1.0 - beta1) * (g - m)
-    v = v * f32(beta2) + f32(1.0 - beta2) * (g * g)
-    bc1 = 1.0 - beta1**step if bias_correction else 1.0
-    bc2 = 1.0 - beta2**step if bias_correction else 1.0
-    # torch.sqrt on fp32 CPU tensors is not correctly rounded (SLEEF, up to 1 ulp off);
-    # the fp64 root rounded to fp32 is, like the kernels' sqrtps (double rounding is
-    # exact for the square root of an fp32)
-    denom = v.double().sqrt().float() * f32(1.0 / math.sqrt(bc2)) + f32(eps)  # [Note: one division per element]
-    p = p - f32(lr / bc1) * (m / denom)
-    if master.dtype == torch.bfloat16:
-        master.copy_(_to_bf16_stochastic(p, sr_seed))
-    else:
-        master.copy_(p)
-    _store_moment(exp_avg, exp_avg_absmax, m, signed=True)
-    _store_moment(exp_avg_sq, exp_avg_sq_absmax, v, signed=False)
-    if param_out is not None:
-        param_out.copy_(master)
-    return nonfinite
-
-
-def _load_moment(values, absmax, signed: bool) -> torch.Tensor:
-    if values.dtype == torch.uint8:
-        return dequantize_blockwise(values, absmax, signed).to(values.device)
-    return values.float()
-
-
-def _store_moment(values, absmax, new: torch.Tensor, signed: bool) -> None:
-    if values.dtype == torch.uint8:
-        codes, scales = quantize_blockwise(new, signed)
-        values.copy_(codes)
-        absmax.copy_(scales)
-    else:
-        values.copy_(new)  # bf16: round to nearest even
+    return float(master_dtype.itemsize + moments * moment)

@@ -1,6 +1,7 @@
 """int8 moments in engine.optimizer's state_dict ([Note: int8 moments in the optimizer
-state_dict]): each parameter's codes and block scales as stored, beside torch's fp32 exp_avg /
-exp_avg_sq, and the unit's buffers rebuilt from them on load.
+state_dict]): each parameter's codes and block scales as stored, beside torch's fp32 moments
+(AdamW's exp_avg / exp_avg_sq, Lion's exp_avg: the update rule's), and the unit's buffers
+rebuilt from them on load.
 
 [Note: int8 moments in the optimizer state_dict]
 torch's layout holds the moments as fp32 `exp_avg` / `exp_avg_sq`, which every reader
@@ -8,9 +9,9 @@ understands, so state_dict() gives int8 moments decoded. Quantized again on load
 the codes they were: a block's absmax comes back as its largest decoded value, not the absmax
 the kernel kept (issue 37 row 2: 1.5e-3 to 5.5e-3 relative off after 3 steps). So a parameter
 with int8 moments also carries them as stored, in `state[i][INT8]`: {"quant_block",
-"block_offset" (its first element's place in its first block), "exp_avg", "exp_avg_sq" (uint8
-codes, one per element), "exp_avg_absmax", "exp_avg_sq_absmax" (fp32, one per block it
-touches)}; and the dict's MOMENT_DTYPE says the moments' dtype (absent: fp32, torch's).
+"block_offset" (its first element's place in its first block), and for each moment of the rule
+(AdamW: "exp_avg", "exp_avg_sq") its uint8 codes, one per element, and "<moment>_absmax" (fp32,
+one per block it touches)}; and the dict's MOMENT_DTYPE says the moments' dtype (absent: fp32, torch's).
 load_state_dict rebuilds a unit's int8 buffers from its parameters' entries and takes them when
 they decode to the dict's exp_avg / exp_avg_sq exactly, which holds when the unit is blocked as
 the saver's was; otherwise (other units, a ZeRO shard, moments edited or trained on by torch
@@ -25,12 +26,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import ZerotierError
-from ._kernels import QUANT_BLOCK
+from .kernel_math import QUANT_BLOCK
 from .state_layout import STATE_DTYPES, StateLayout, first_bad_value
 
 INT8 = "zerotier_int8"  # a parameter's entry in state[i]
 MOMENT_DTYPE = "zerotier_moment_dtype"  # the state dict's: the moments' dtype where they were saved
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def entries(layout: StateLayout, raw: dict[str, torch.Tensor], unit) -> list[dict | None]:
@@ -44,7 +44,7 @@ def entries(layout: StateLayout, raw: dict[str, torch.Tensor], unit) -> list[dic
             continue
         codes, scales, block_offset = where
         entry = {"quant_block": QUANT_BLOCK, "block_offset": block_offset}
-        for k in MOMENTS:
+        for k in layout.moment_keys:
             values, tail = layout.typed(k, raw[k], unit.shard_numel)
             entry[k] = values[codes].clone()
             entry[f"{k}_absmax"] = tail[scales].clone()
@@ -57,8 +57,9 @@ def unit_buffers(layout: StateLayout, unit, full: dict[str, torch.Tensor],
     """A whole unit's int8 moment buffers with the codes and scales of `given` (each parameter's
     entry or None), when they decode to `full` (fp32 moments of the unit) exactly; else None."""
     n = unit.shard_numel
-    raw = {k: torch.zeros(layout.nbytes(k, n), dtype=torch.uint8) for k in MOMENTS}
-    for k in MOMENTS:
+    moments = layout.moment_keys
+    raw = {k: torch.zeros(layout.nbytes(k, n), dtype=torch.uint8) for k in moments}
+    for k in moments:
         layout.encode(k, full[k], raw[k])  # the parameters without an entry (zeros: never stepped)
     for shape, offset, entry in zip(unit.shapes, unit.offsets, given):
         where = _blocks_of(layout, n, offset, offset + shape.numel())
@@ -66,18 +67,18 @@ def unit_buffers(layout: StateLayout, unit, full: dict[str, torch.Tensor],
             continue
         codes, scales, block_offset = where
         if entry["quant_block"] != QUANT_BLOCK or entry["block_offset"] != block_offset \
-                or any(entry[f"{k}_absmax"].numel() != scales.stop - scales.start for k in MOMENTS):
+                or any(entry[f"{k}_absmax"].numel() != scales.stop - scales.start for k in moments):
             return None  # blocked otherwise than here
-        for k in MOMENTS:
+        for k in moments:
             values, tail = layout.typed(k, raw[k], n)
             values[codes] = entry[k].reshape(-1)
             tail[scales] = entry[f"{k}_absmax"].reshape(-1)
-    if all(torch.equal(layout.decode(k, raw[k], n), full[k]) for k in MOMENTS):
+    if all(torch.equal(layout.decode(k, raw[k], n), full[k]) for k in moments):
         return raw
     return None
 
 
-def checked_entry(value, numel: int, where: str) -> dict | None:
+def checked_entry(value, numel: int, where: str, moments: tuple[str, ...]) -> dict | None:
     """A loaded parameter's INT8 entry, its scales checked ([Note: loaded state is checked]); None
     when there is none or it is not one (the moments are then quantized)."""
     entry = value.get(INT8) if isinstance(value, dict) else None
@@ -85,7 +86,7 @@ def checked_entry(value, numel: int, where: str) -> dict | None:
             or type(entry.get("block_offset")) is not int:
         return None
     out = {"quant_block": entry["quant_block"], "block_offset": entry["block_offset"]}
-    for k in MOMENTS:
+    for k in moments:
         codes, scales = entry.get(k), entry.get(f"{k}_absmax")
         if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.numel() != numel \
                 or not isinstance(scales, torch.Tensor) or not scales.is_floating_point():

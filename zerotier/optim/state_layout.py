@@ -1,6 +1,6 @@
-"""The bytes of the optimizer state ([Note: optimizer state layout]) and the native CPU Adam call
-over them: what the state of one unit's shard is, on every tier, in NVMe files and in checkpoints,
-whatever its dtypes (fp32, bf16, blockwise int8)."""
+"""The bytes of the optimizer state ([Note: optimizer state layout]): what the state of one unit's
+shard is, on every tier, in NVMe files and in checkpoints, whatever its update rule's keys
+(optim/rules/) and its dtypes (fp32, bf16, blockwise int8)."""
 from __future__ import annotations
 
 import functools
@@ -8,10 +8,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import _kernels
+from . import _kernels, kernel_math
+from .rules import AdamW, UpdateRule
 
-STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
-OPTIMIZER_BYTES = 4 * len(STATE_KEYS)  # fp32 master + two moments per element (the default StateLayout)
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}  # int8: the codes' storage
 
 
@@ -39,29 +38,41 @@ FP32_MOMENT_NUMEL = 4096
 @dataclass(frozen=True)
 class StateLayout:
     """[Note: optimizer state layout] The bytes of one unit's optimizer state, the same on every
-    tier, in NVMe unit files and in checkpoints: one buffer per STATE_KEYS key (so one file per
-    key per unit), sized `nbytes(key, n)` for a shard of n elements. An fp32 or bf16 key holds n
+    tier, in NVMe unit files and in checkpoints: one buffer per key of its update rule (`keys`:
+    "master", then the rule's moments; one file per key per unit), sized `nbytes(key, n)` for a shard of n elements. An fp32 or bf16 key holds n
     values. An int8 moment holds, for the runs of the shard (the slices not in `fp32_ranges`,
     [Note: small parameters keep fp32 moments]), their one-byte codes, each run starting at a
     multiple of QUANT_BLOCK codes (zero codes between), padded to 4 bytes; then one fp32 absmax per
     block of each run, in run order (blocks start at the run's first element); then the fp32
     values of the `fp32_ranges` elements, in order. Without fp32 ranges: n codes, padded to 4
     bytes, and one absmax per QUANT_BLOCK elements of the shard. The block scales travel with the
-    codes, and zero bytes mean zero moments in every dtype (absmax 0). exp_avg is signed,
-    exp_avg_sq unsigned ([Note: 8-bit moments] in _kernels.py).
+    codes, and zero bytes mean zero moments in every dtype (absmax 0). A moment is signed unless
+    the rule lists it `nonnegative` (AdamW's exp_avg_sq: the unsigned map, [Note: 8-bit moments]
+    in kernel_math.py).
 
     The master's dtype is `master` (fp32, or bf16 updated with stochastic rounding: `sr_seed`),
-    both moments' `moments`. fp32/fp32 is the default and torch AdamW's exact state. The layout
-    of the optimizer as configured has no fp32 ranges; `for_unit` gives a unit's."""
+    every moment's `moments`. AdamW's fp32/fp32 is the default and torch AdamW's exact state. The
+    layout of the optimizer as configured has no fp32 ranges; `for_unit` gives a unit's."""
 
     master: str = "fp32"   # precision.master_dtype
     moments: str = "fp32"  # precision.moment_dtype
     fp32_below: int = FP32_MOMENT_NUMEL  # int8 moments: parameters with fewer elements keep fp32 moments
     fp32_ranges: tuple[tuple[int, int], ...] = ()  # one shard's slices [a, b) with fp32 moments (for_unit)
+    keys: tuple[str, ...] = AdamW.state_keys  # the update rule's state: "master", then its moments
+    nonnegative: frozenset = AdamW.nonnegative  # its moments that are never negative (unsigned int8 map)
 
     @classmethod
-    def of(cls, precision) -> "StateLayout":
-        return cls(precision.master_dtype, precision.moment_dtype)
+    def of(cls, precision, rule: UpdateRule | None = None) -> "StateLayout":
+        rule = rule if rule is not None else AdamW()
+        return cls(precision.master_dtype, precision.moment_dtype, keys=rule.state_keys, nonnegative=rule.nonnegative)
+
+    @property
+    def moment_keys(self) -> tuple[str, ...]:
+        return self.keys[1:]
+
+    def signed(self, key: str) -> bool:
+        """Whether `key`'s int8 codes use the signed map."""
+        return key not in self.nonnegative
 
     def for_unit(self, unit) -> "StateLayout":
         """This layout for the shard of `unit` this rank holds ([Note: small parameters keep fp32 moments])."""
@@ -91,14 +102,14 @@ class StateLayout:
         return n * STATE_DTYPES[self.dtype(key)].itemsize
 
     def state_bytes(self, n: int) -> int:
-        """Bytes of a shard's whole state (the three buffers)."""
-        return sum(self.nbytes(k, n) for k in STATE_KEYS)
+        """Bytes of a shard's whole state (one buffer per key)."""
+        return sum(self.nbytes(k, n) for k in self.keys)
 
     @property
     def bytes_per_param(self) -> float:
         """The state's bytes per element, block scales included, of parameters with int8 moments
         (what the planner counts; fp32 moments of small parameters are 6 B more per element)."""
-        return _kernels.state_bytes_per_param(self.master, self.moments)
+        return _kernels.state_bytes_per_param(self.master, self.moments, len(self.keys) - 1)
 
     def typed(self, key: str, raw: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`key`'s buffer `raw` (uint8, at least nbytes(key, n)) as (values, tail): views, no copy.
@@ -115,7 +126,7 @@ class StateLayout:
         run, (a, b, fp32 values, None) for each fp32 range, in shard order."""
         runs, wide = self._runs(n), self._wide(n)
         blocks = sum(_blocks(b - a) for a, b, _ in runs)
-        out = [(a, b, values[s: s + b - a], tail[s // _kernels.QUANT_BLOCK: s // _kernels.QUANT_BLOCK + _blocks(b - a)])
+        out = [(a, b, values[s: s + b - a], tail[s // kernel_math.QUANT_BLOCK: s // kernel_math.QUANT_BLOCK + _blocks(b - a)])
                for a, b, s in runs]
         at = blocks
         for a, b in wide:
@@ -130,7 +141,7 @@ class StateLayout:
             return values.float() if values.dtype != torch.float32 else values.clone()
         out = torch.empty(n)
         for a, b, part, absmax in self.pieces(n, values, tail):
-            out[a:b] = part if absmax is None else _kernels.dequantize_blockwise(part, absmax, signed=key == "exp_avg")
+            out[a:b] = part if absmax is None else kernel_math.dequantize_blockwise(part, absmax, signed=self.signed(key))
         return out
 
     def encode(self, key: str, values: torch.Tensor, raw: torch.Tensor) -> None:
@@ -147,7 +158,7 @@ class StateLayout:
             if absmax is None:
                 part.copy_(values[a:b])
                 continue
-            codes, scales = _kernels.quantize_blockwise(values[a:b].contiguous(), signed=key == "exp_avg")
+            codes, scales = kernel_math.quantize_blockwise(values[a:b].contiguous(), signed=self.signed(key))
             part.copy_(codes)
             absmax.copy_(scales)
 
@@ -169,7 +180,7 @@ class StateLayout:
             d[:j].copy_(s[:j])
             if s_absmax is not None:
                 d_absmax[: _blocks(j)].copy_(s_absmax[: _blocks(j)])
-                d[j:] = _zero_code(signed=key == "exp_avg")  # added elements of a kept block: 0, not map[0]
+                d[j:] = _zero_code(signed=self.signed(key))  # added elements of a kept block: 0, not map[0]
         return out
 
     def run_of(self, n: int, a: int, b: int) -> tuple[int, int] | None:
@@ -182,16 +193,17 @@ class StateLayout:
     def first_bad(self, key: str, raw: torch.Tensor, n: int) -> tuple[str, int, float] | None:
         """[Note: loaded state is checked] The first value of `key`'s buffer that no Adam run holds,
         as (what, element of the shard, value): a non-finite value or block scale, a negative
-        exp_avg_sq or block scale; None when there is none. Any byte is a valid int8 code."""
+        value of a `nonnegative` moment (exp_avg_sq) or block scale; None when there is none. Any
+        byte is a valid int8 code."""
         values, tail = self.typed(key, raw, n)
         pieces = [(0, n, values, None)] if tail is None else self.pieces(n, values, tail)
         for a, _b, part, absmax in pieces:
             if absmax is not None:
                 i = first_bad_value(absmax, nonnegative=True)
                 if i is not None:
-                    return "block scale", a + i * _kernels.QUANT_BLOCK, float(absmax[i])
+                    return "block scale", a + i * kernel_math.QUANT_BLOCK, float(absmax[i])
                 continue
-            i = first_bad_value(part, nonnegative=key == "exp_avg_sq")
+            i = first_bad_value(part, nonnegative=key in self.nonnegative)
             if i is not None:
                 return "value", a + i, float(part[i])
         return None
@@ -212,7 +224,7 @@ class StateLayout:
         for a, b in self._wide(n) + [(n, n)]:
             if at < a:
                 runs.append((at, a, s))
-                s += _blocks(a - at) * _kernels.QUANT_BLOCK
+                s += _blocks(a - at) * kernel_math.QUANT_BLOCK
             at = max(at, b)
         return runs
 
@@ -253,7 +265,7 @@ def _small_ranges(numels: tuple, offsets: tuple, lo: int, hi: int, below: int) -
 @functools.lru_cache(maxsize=2)
 def _zero_code(signed: bool) -> int:
     """The code of 0.0 in a moment's quantization map ([Note: 8-bit moments])."""
-    return int((_kernels._QMAPS[0 if signed else 2] == 0).nonzero()[0])
+    return int((kernel_math.QMAPS[0 if signed else 2] == 0).nonzero()[0])
 
 
 def _stream(runs) -> int:
@@ -262,95 +274,8 @@ def _stream(runs) -> int:
 
 
 def _blocks(n: int) -> int:
-    return -(-n // _kernels.QUANT_BLOCK)
+    return -(-n // kernel_math.QUANT_BLOCK)
 
 
 def _codes_bytes(n: int) -> int:
     return -(-n // 4) * 4  # the absmax after the codes is 4-byte aligned
-
-
-def sr_seed(unit_index: int, step: int) -> int:
-    """[Note: stochastic rounding seed] The seed of a bf16 master's stochastic rounding in one unit's
-    update: a function of the unit's index and the step count alone (splitmix64), so a resumed run
-    rounds exactly as the uninterrupted one. The kernel rounds element i with seed + i; the caller
-    adds the shard's offset in the unit, so each element of the unit draws its own stream whatever
-    the world size."""
-    z = ((unit_index << 32) ^ step) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) >> 2  # < 2**62: room to add element offsets within int64
-
-
-def cpu_adam_ranges(unit_index: int, shard_lo: int, master, exp_avg, exp_avg_sq, grad, out, ranges, *,
-                    grad_scale: float, bias_correction: bool, simd: str, threads: int,
-                    layout: StateLayout | None = None) -> None:
-    """Adam(W) with the native CPU kernel over the slices [a, b) of a unit's shard in `ranges`
-    ((a, b, step, hyper) each), in one native call. master, exp_avg, exp_avg_sq: `layout.typed`
-    pairs ([Note: optimizer state layout]) of the unit's `layout` (`for_unit`; None: a layout
-    without fp32 ranges); `out` is host memory too. A bf16 master is rounded stochastically, seeded
-    by [Note: stochastic rounding seed] (`unit_index`, the step, and the element's offset in the
-    unit: `shard_lo` + the piece's first element). int8 moments go to the kernel one run at a time
-    (codes, block scales) and one fp32 range at a time (fp32 values) ([Note: small parameters keep
-    fp32 moments]). Their blocks start at each run's first element, which parameter slices do not
-    follow: when every run a range touches is covered whole, the pieces go to the kernel as they
-    are; otherwise (the rare case of [Note: parameters without a gradient] in offload.py) the
-    ranges are updated on fp32 copies of the moments (8 B per element of the shard), and the runs
-    they touch re-quantized once after (a run no range touches keeps its bytes)."""
-    (master, _), (exp_avg, avg_tail), (exp_avg_sq, sq_tail) = master, exp_avg, exp_avg_sq
-    n = master.numel()
-    step_args = dict(master=master, grad=grad, out=out, unit_index=unit_index, shard_lo=shard_lo,
-                     bias_correction=bias_correction, grad_scale=grad_scale, simd=simd, threads=threads)
-    if avg_tail is None:  # fp32 / bf16 moments
-        _adam_pieces([(a, b, step, h, (exp_avg[a:b], None), (exp_avg_sq[a:b], None)) for a, b, step, h in ranges],
-                     **step_args)
-        return
-    layout = layout if layout is not None else StateLayout(moments="int8", fp32_below=0)
-    slices = list(zip(layout.pieces(n, exp_avg, avg_tail), layout.pieces(n, exp_avg_sq, sq_tail)))
-    whole = all(a <= sa and sb <= b for a, b, _, _ in ranges for (sa, sb, _, absmax), _ in slices
-                if absmax is not None and max(a, sa) < min(b, sb))
-    if whole:
-        pieces = []
-        for a, b, step, h in ranges:
-            for (sa, sb, m, m_absmax), (_, _, v, v_absmax) in slices:
-                x, y = max(a, sa), min(b, sb)
-                if x < y:  # a whole run, or a part of an fp32 range
-                    pieces.append((x, y, step, h, (m[x - sa: y - sa], m_absmax), (v[x - sa: y - sa], v_absmax)))
-        _adam_pieces(pieces, **step_args)
-        return
-    wide = []  # the moments as fp32 copies
-    for j, signed in ((0, True), (1, False)):
-        values = torch.empty(n)
-        for piece in slices:
-            a, b, part, absmax = piece[j]
-            values[a:b] = part if absmax is None else _kernels.dequantize_blockwise(part, absmax, signed=signed)
-        wide.append(values)
-    _adam_pieces([(a, b, step, h, (wide[0][a:b], None), (wide[1][a:b], None)) for a, b, step, h in ranges],
-                 **step_args)
-    for j, signed in ((0, True), (1, False)):
-        for piece in slices:
-            a, b, part, absmax = piece[j]
-            if not any(max(a, x) < min(b, y) for x, y, _, _ in ranges):
-                continue  # no range touches it: its bytes stay as they are
-            if absmax is None:
-                part.copy_(wide[j][a:b])
-                continue
-            codes, scales = _kernels.quantize_blockwise(wide[j][a:b], signed=signed)
-            part.copy_(codes)
-            absmax.copy_(scales)
-
-
-def _adam_pieces(pieces, *, master, grad, out, unit_index, shard_lo, bias_correction, grad_scale, simd,
-                 threads) -> None:
-    """One native call over (a, b, step, hyper, (exp_avg, absmax), (exp_avg_sq, absmax)) pieces of a shard."""
-    if not pieces:
-        return
-    bf16_master = master.dtype == torch.bfloat16
-    buffers = [(master[a:b], m, v, grad[a:b], None if out is None else out[a:b], m_absmax, v_absmax,
-                sr_seed(unit_index, step) + shard_lo + a if bf16_master else None)
-               for a, b, step, _, (m, m_absmax), (v, v_absmax) in pieces]
-    hs = [p[3] for p in pieces]
-    _kernels.adam_step_multi(buffers, step=[p[2] for p in pieces], lr=[h.lr for h in hs],
-                             beta1=[h.beta1 for h in hs], beta2=[h.beta2 for h in hs],
-                             eps=[h.eps for h in hs], weight_decay=[h.weight_decay for h in hs],
-                             decoupled=[h.decoupled for h in hs], simd=simd, threads=threads,
-                             bias_correction=bias_correction, grad_scale=grad_scale)

@@ -1,13 +1,15 @@
-"""`engine.optimizer`: the engine's Adam(W) as a torch.optim.Optimizer.
+"""`engine.optimizer`: the engine's update rule (AdamW, Adam, Lion: optim/rules/) as a
+torch.optim.Optimizer.
 
 The engine builds it at initialize over every parameter it trains; the update itself is
-UnitOptimizer's (offload.py), over fp32 state on the device, host or NVMe tier. What the
-user's code sees is torch's AdamW: param_groups with torch's keys, lr schedulers,
-add_param_group, state_dict / load_state_dict in torch's layout, step(closure).
+UnitOptimizer's (offload.py), over state on the device, host or NVMe tier. What the user's
+code sees is torch's AdamW (or lion-pytorch's Lion): param_groups with their keys, lr
+schedulers, add_param_group, state_dict / load_state_dict in their layout, step(closure).
 
 [Note: param groups]
 The groups are the truth, as in torch: every step reads lr, betas, eps, weight_decay
-(and decoupled_weight_decay) of each parameter's group (`hyper_of()`), so any lr
+(and decoupled_weight_decay; Lion: lr, betas, weight_decay) of each parameter's group
+(`hyper_of()`, through the rule's `hyper`), so any lr
 scheduler works, OneCycleLR's momentum cycling (it writes betas) included. UnitOptimizer
 updates a unit in one pass when its parameters share their hyper-parameters and step
 counts, and slice by slice otherwise.
@@ -28,8 +30,8 @@ parameter zerotier does not train (frozen at initialize: no master, no state) wi
 ZerotierError naming the fix. Changing a group's "params" list by hand is not followed.
 
 [Note: optimizer state_dict]
-`state_dict()` returns the real Adam state in torch's layout, `state[i] = {"step",
-"exp_avg", "exp_avg_sq"}` (fp32 CPU tensors shaped like the parameter; no entry for a
+`state_dict()` returns the real state in torch's layout, `state[i] = {"step", *the rule's
+moments}` (AdamW: exp_avg, exp_avg_sq; Lion: exp_avg; fp32 CPU tensors shaped like the parameter; no entry for a
 parameter never stepped, as in torch), read one unit at a time (NVMe state streamed;
 several ranks gather each unit: a collective, call it on every rank). It holds the whole
 state in memory, as torch's does. The fp32 masters are not in it: they are the model's
@@ -59,7 +61,7 @@ import torch
 
 from ..errors import ConfigError, ZerotierError
 from . import state_dict_int8
-from .offload import Hyper, HyperOf
+from .rules.base import HyperOf
 from .state_layout import StateLayout, first_bad_value
 
 # state_dict() under groups_only(): this key says the state is elsewhere (load keeps ours)
@@ -105,10 +107,12 @@ class EngineOptimizer(torch.optim.Optimizer):
     engine's update of the gradients accumulated by loss.backward() ([Note: the plain PyTorch
     loop] in window.py); `zero_grad()` drops them. `rt`: the engine's parts ([Note: the runtime
     record] in engine/runtime.py); `on_first_train(module, param_groups)`: what the first train()
-    checks (the Hugging Face Trainer's exemptions, engine/trainer_guard.py)."""
+    checks (the Hugging Face Trainer's exemptions, engine/trainer_guard.py); `given`: whether the
+    config's source set a key (`Config.given`), for the update rule's defaults."""
 
     def __init__(self, rt, cfg, loop: Loop, no_decay: "set[tuple[int, int]]" = frozenset(),
-                 on_first_train: "Callable[[torch.nn.Module, list], None] | None" = None):
+                 on_first_train: "Callable[[torch.nn.Module, list], None] | None" = None,
+                 given: Callable[[str], bool] = lambda path: False):
         self._rt = weakref.ref(rt)         # the optimizer keeps none of the engine's parts alive
         self._loop = loop
         self._on_first_train = on_first_train
@@ -126,10 +130,8 @@ class EngineOptimizer(torch.optim.Optimizer):
         groups = [{"params": decayed}] if decayed else []
         if len(decayed) < len(trained):
             groups.append({"params": [p for p in trained if where[id(p)] in no_decay], "weight_decay": 0.0})
-        defaults = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                        amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
-                        fused=None, decoupled_weight_decay=cfg.type == "adamw")
-        super().__init__(groups, defaults)
+        self._rule = rt.unit_optimizer.rule
+        super().__init__(groups, self._rule.group_defaults(cfg, given))
         self._built = list(self.param_groups)
 
     # ------------------------------------------------------------ the engine's side
@@ -138,7 +140,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         """Each parameter's hyper-parameters now, by unit ([Note: param groups]): what
         UnitOptimizer.step reads. Checked here, so a bad group fails before any update."""
         layout = self._unit_layout()
-        hypers = [_hyper(g, i) for i, g in enumerate(self.param_groups)]
+        hypers = [self._rule.hyper(g, i) for i, g in enumerate(self.param_groups)]
         return lambda unit: [hypers[g] for g in layout[unit.index]]
 
     def _unit_layout(self) -> list[list[int]]:
@@ -297,24 +299,25 @@ class EngineOptimizer(torch.optim.Optimizer):
                                "gathering the optimizer state")  # [Note: ranks out of step] in dist/sharding.py
         self._loop.synchronize()  # updates and write-backs in flight land first
         opt, sharding = rt.unit_optimizer, rt.sharding
+        moments = self._rule.moment_keys
         state: dict[int, dict[str, torch.Tensor]] = {}
         for unit in rt.units:
-            steps = opt.steps[unit.index]
+            steps = opt.state.steps[unit.index]
             if not any(steps) and not sharding.active:  # never stepped: no state to read (torch keeps none)
                 continue
             layout, codes = opt.layout.for_unit(unit), [None] * len(steps)
             if layout.moments == "int8" and unit.part.replicated:  # [Note: int8 moments in the optimizer state_dict]
-                raw = opt.read_state(unit, ("exp_avg", "exp_avg_sq"), encoded=True)
+                raw = opt.state.read_state(unit, moments, encoded=True)
                 shard = {k: layout.decode(k, t, unit.shard_numel) for k, t in raw.items()}
                 codes = state_dict_int8.entries(layout, raw, unit)
             else:
-                shard = opt.read_state(unit, ("exp_avg", "exp_avg_sq"))  # one unit at a time
+                shard = opt.state.read_state(unit, moments)  # one unit at a time
             full = {k: sharding.gather_full(unit, t.cpu()) for k, t in shard.items()}  # collective with ranks
-            for k, (p, view_avg), (_, view_sq) in zip(range(len(steps)), unit.views(full["exp_avg"]),
-                                                      unit.views(full["exp_avg_sq"])):
+            views = {k: list(unit.views(full[k])) for k in moments}
+            for k, p in enumerate(unit.params):
                 if steps[k] and id(p) in index:
                     state[index[id(p)]] = {"step": torch.tensor(float(steps[k]), dtype=_step_dtype()),
-                                           "exp_avg": view_avg.clone(), "exp_avg_sq": view_sq.clone()}
+                                           **{m: views[m][k][1].clone() for m in moments}}
                     if codes[k] is not None:
                         state[index[id(p)]][state_dict_int8.INT8] = codes[k]
         return state
@@ -335,7 +338,7 @@ class EngineOptimizer(torch.optim.Optimizer):
             moments = {}
             for key, value in state_dict["state"].items():
                 if key in ids:
-                    moments[id(ids[key])] = _moments(key, value, ids[key], self._name)
+                    moments[id(ids[key])] = _moments(key, value, ids[key], self._name, self._rule)
             self._write_state(moments, state_dict_int8.saved_moment_dtype(state_dict))
         self.param_groups = new_groups
         self._built = new_groups[: len(self._built)]
@@ -366,13 +369,13 @@ class EngineOptimizer(torch.optim.Optimizer):
                 new["param_names"] = g["param_names"]
             for k, v in self.defaults.items():
                 new.setdefault(k, v)
-            _hyper(new, i)  # refuse what zerotier cannot run before anything changes
+            self._rule.hyper(new, i)  # refuse what zerotier cannot run before anything changes
             new_groups.append(new)
         return state_dict, saved, new_groups
 
     def _write_state(self, moments: dict[int, tuple], saved_dtype: str) -> None:
-        """Every unit's moments and step counts from `moments` (id(param) -> (step, exp_avg,
-        exp_avg_sq, int8 entry or None)), saved with `saved_dtype` moments; a parameter without an
+        """Every unit's moments and step counts from `moments` (id(param) -> (step, {moment key:
+        fp32 values}, int8 entry or None)), saved with `saved_dtype` moments; a parameter without an
         entry starts afresh (zero moments, step 0). int8 moments are the entries' codes where they
         fit ([Note: int8 moments in the optimizer state_dict]); a lossy conversion warns."""
         rt = self._live("load_state_dict()")
@@ -380,29 +383,28 @@ class EngineOptimizer(torch.optim.Optimizer):
         opt, sharding = rt.unit_optimizer, rt.sharding
         requantized = False
         for unit in rt.units:
-            if not any(opt.steps[unit.index]) and not any(id(p) in moments for p in unit.params):
+            if not any(opt.state.steps[unit.index]) and not any(id(p) in moments for p in unit.params):
                 continue  # fresh before and after
-            full = {"exp_avg": torch.zeros(unit.numel), "exp_avg_sq": torch.zeros(unit.numel)}
+            full = {k: torch.zeros(unit.numel) for k in self._rule.moment_keys}
             steps, codes = [], []
             for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets):
-                step, exp_avg, exp_avg_sq, entry = moments.get(id(p), (0, None, None, None))
+                step, values, entry = moments.get(id(p), (0, None, None))
                 steps.append(step)
                 codes.append(entry if step else None)
-                if step:
-                    full["exp_avg"][offset: offset + shape.numel()] = exp_avg.reshape(-1)
-                    full["exp_avg_sq"][offset: offset + shape.numel()] = exp_avg_sq.reshape(-1)
+                for k in full if step else ():
+                    full[k][offset: offset + shape.numel()] = values[k].reshape(-1)
             layout = opt.layout.for_unit(unit)
             if layout.moments == "int8" and any(layout.run_of(unit.shard_numel, o, o + s.numel())
                                                 for s, o, step in zip(unit.shapes, unit.offsets, steps) if step):
                 raw = state_dict_int8.unit_buffers(layout, unit, full, codes) if unit.part.replicated else None
                 if raw is not None:
-                    opt.write_state(unit, raw, steps, encoded=True)
+                    opt.state.write_state(unit, raw, steps, encoded=True)
                     continue
                 requantized = True
-            opt.write_state(unit, {k: sharding.shard_of(unit, t) for k, t in full.items()}, steps)
+            opt.state.write_state(unit, {k: sharding.shard_of(unit, t) for k, t in full.items()}, steps)
         new = opt.layout
         old = StateLayout(moments=saved_dtype)
-        lossy = [f"{k} {old.dtype(k)} -> {new.dtype(k)}" for k in ("exp_avg", "exp_avg_sq") if new.lossy_from(old, k)]
+        lossy = [f"{k} {old.dtype(k)} -> {new.dtype(k)}" for k in new.moment_keys if new.lossy_from(old, k)]
         if requantized and saved_dtype == "int8":
             lossy.append("int8 moments re-quantized in this engine's blocks (the state dict's codes do not fit "
                          "them: saved with other units or ZeRO shards, or its moments changed since)")
@@ -435,30 +437,19 @@ def _step_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def _hyper(group: dict, index: int) -> Hyper:
-    """A param group's hyper-parameters, or a ZerotierError for what zerotier's Adam cannot run."""
-    for key in ("amsgrad", "maximize"):
-        if group.get(key):
-            raise ZerotierError(f"engine.optimizer.param_groups[{index}]['{key}'] = True: zerotier's Adam(W) runs "
-                                f"without {key}; set it to False")
-    try:
-        beta1, beta2 = group["betas"]
-        return Hyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                     float(group["weight_decay"]), bool(group["decoupled_weight_decay"]))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ZerotierError(f"engine.optimizer.param_groups[{index}]: lr, betas (two numbers), eps, weight_decay "
-                            f"and decoupled_weight_decay must be numbers ({type(exc).__name__}: {exc})") from exc
-
-
-def _moments(key, value, p: torch.Tensor, name) -> tuple[int, torch.Tensor, torch.Tensor, dict | None]:
-    """(step, exp_avg, exp_avg_sq, int8 entry or None) of one parameter's saved state, checked
-    against the parameter and for values no Adam run holds ([Note: loaded state is checked])."""
-    if not isinstance(value, dict) or not {"step", "exp_avg", "exp_avg_sq"} <= value.keys():
-        raise ValueError(f"loaded optimizer state {key} (parameter {name(p)}) is not Adam's: it needs step, "
-                         f"exp_avg and exp_avg_sq, it has {sorted(value) if isinstance(value, dict) else value!r}")
+def _moments(key, value, p: torch.Tensor, name, rule) -> tuple[int, dict[str, torch.Tensor], dict | None]:
+    """(step, {moment key: fp32 values}, int8 entry or None) of one parameter's saved state,
+    checked against the parameter and for values no run of the rule holds ([Note: loaded state
+    is checked])."""
+    moments = rule.moment_keys
+    if not isinstance(value, dict) or not {"step", *moments} <= value.keys():
+        words = ["step", *moments]
+        raise ValueError(f"loaded optimizer state {key} (parameter {name(p)}) is not {rule.state_title}'s: it needs "
+                         f"{', '.join(words[:-1])} and {words[-1]}, it has "
+                         f"{sorted(value) if isinstance(value, dict) else value!r}")
     step = float(value["step"])
-    exp_avg, exp_avg_sq = value["exp_avg"], value["exp_avg_sq"]
-    for what, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+    for what in moments:
+        t = value[what]
         if not isinstance(t, torch.Tensor) or t.numel() != p.numel():
             raise ValueError(f"loaded optimizer state {key}: its {what} has "
                              f"{t.numel() if isinstance(t, torch.Tensor) else type(t).__name__} elements, parameter "
@@ -466,11 +457,12 @@ def _moments(key, value, p: torch.Tensor, name) -> tuple[int, torch.Tensor, torc
     if not math.isfinite(step) or step != int(step) or step < 0:
         raise ValueError(f"loaded optimizer state {key}: step {step} is not a count")
     where = f"engine.optimizer.load_state_dict: loaded optimizer state {key} (parameter {name(p)})"
-    exp_avg, exp_avg_sq = exp_avg.detach().to("cpu", torch.float32), exp_avg_sq.detach().to("cpu", torch.float32)
-    for what, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):  # [Note: loaded state is checked]
-        i = first_bad_value(t, nonnegative=what == "exp_avg_sq")
+    values = {what: value[what].detach().to("cpu", torch.float32) for what in moments}
+    for what, t in values.items():  # [Note: loaded state is checked]
+        i = first_bad_value(t, nonnegative=what in rule.nonnegative)
         if i is not None:
-            raise ZerotierError(f"{where}: its {what} holds {float(t.reshape(-1)[i])} at element {i}: Adam's "
-                                f"moments are finite and exp_avg_sq is >= 0, so this state dict was damaged or "
+            bounds = "".join(f" and {k} is >= 0" for k in moments if k in rule.nonnegative)
+            raise ZerotierError(f"{where}: its {what} holds {float(t.reshape(-1)[i])} at element {i}: "
+                                f"{rule.state_title}'s moments are finite{bounds}, so this state dict was damaged or "
                                 f"edited. Nothing was loaded; load a state dict saved by the run")
-    return int(step), exp_avg, exp_avg_sq, state_dict_int8.checked_entry(value, p.numel(), where)
+    return int(step), values, state_dict_int8.checked_entry(value, p.numel(), where, moments)

@@ -87,7 +87,7 @@ class OverlapPolicy:
         """The callable this backward runs on each unit whose gradient became final, or None. Without
         overlap: the NVMe state reads start then ([Note: NVMe optimizer pipeline] in optim/offload.py)."""
         e = self.engine
-        return e.unit_optimizer.prefetch if last_micro and not e.sharding.active else None
+        return e.unit_optimizer.state.prefetch if last_micro and not e.sharding.active else None
 
     def started(self) -> bool:
         """Some unit's update of this window already started and cannot be undone."""
@@ -146,7 +146,8 @@ class OverlapPolicy:
                 done.synchronize()
             e.grads.ready(unit)
             update(hyper_of)
-        threads.hand(threads.OPTIMIZER, e.grads, e.params, e.unit_optimizer)  # [Note: thread ownership]
+        # [Note: thread ownership]
+        threads.hand(threads.OPTIMIZER, e.grads, e.params, e.unit_optimizer, e.unit_optimizer.state)
         self.early.append(self._thread.submit(run))
 
     def wait(self) -> None:
@@ -154,7 +155,7 @@ class OverlapPolicy:
         flight so each unit's read overlapped the previous writes); re-raise the first error."""
         early, self.early = self.early, []
         waits = [future.result for future in early] + ([self._take_back] if early else []) + \
-            ([self.engine.unit_optimizer.finish] if early else [])
+            ([self.engine.unit_optimizer.state.finish] if early else [])
         first = None
         for wait in waits:  # every one is waited, then the first error (from the optimizer thread) raised
             try:
@@ -167,7 +168,7 @@ class OverlapPolicy:
     def _take_back(self) -> None:
         """Every early update's future was waited: the updater's state is the compute thread's again."""
         e = self.engine
-        threads.hand(threads.COMPUTE, e.grads, e.params, e.unit_optimizer)
+        threads.hand(threads.COMPUTE, e.grads, e.params, e.unit_optimizer, e.unit_optimizer.state)
 
     # ------------------------------------------------------------ errors ([Note: a step is all or nothing])
 
@@ -178,7 +179,7 @@ class OverlapPolicy:
         for future in early:
             wait_out(future)
         self._take_back()
-        optimizer = self.engine.unit_optimizer
+        optimizer = self.engine.unit_optimizer.state
         try:
             optimizer.finish()
         except BaseException:  # noqa: BLE001 - the error being raised already tells the story
@@ -216,7 +217,7 @@ class OverlapPolicy:
 
     def master_of(self, unit):
         """The fp32 master a stale unit's parameter file is rewritten from ([Note: a failed write-back])."""
-        return self.engine.unit_optimizer.read_state(unit, ("master",))["master"]
+        return self.engine.unit_optimizer.state.read_state(unit, ("master",))["master"]
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)

@@ -252,7 +252,8 @@ class Delayed(OverlapPolicy):
             for unit in opt.step(self.units, lambda u: grads[u.index].tensor, e.params.staged_out,
                                  lambda u: hypers[u.index], grad_scale, drain=True, got_of=lambda u: got[u.index]):
                 e.host_pool.free(grads.pop(unit.index))  # its update read it: the memory goes back now
-        threads.hand(threads.OPTIMIZER, e.params, e.unit_optimizer)  # [Note: thread ownership]
+        # [Note: thread ownership]
+        threads.hand(threads.OPTIMIZER, e.params, e.unit_optimizer, e.unit_optimizer.state)
         self.future = self._thread.submit(run)
 
     def _wait_update(self) -> None:
@@ -263,7 +264,7 @@ class Delayed(OverlapPolicy):
             return
         self.error, interrupted = wait_out(future)
         e = self.engine
-        threads.hand(threads.COMPUTE, e.params, e.unit_optimizer)
+        threads.hand(threads.COMPUTE, e.params, e.unit_optimizer, e.unit_optimizer.state)
         for block in self._grads.values():
             e.host_pool.free(block)
         self._grads = {}

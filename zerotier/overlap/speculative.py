@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import threads
-from ..optim.state_layout import STATE_KEYS, StateLayout
+from ..optim.state_layout import StateLayout
 from ..state import Location, Unit
 from .base import OverlapPolicy
 
@@ -116,7 +116,7 @@ def undo_bytes(shard_numel: int, lp_itemsize: int, layout: StateLayout = StateLa
 def shadow_bytes(shard_numel: int, alignment: int, layout: StateLayout = StateLayout()) -> int:
     """NVMe bytes of one NVMe-resident unit's speculative state files ([Note: speculative step]):
     the pre-step files stay until the step is validated, so the new ones are a second copy."""
-    return sum(-(-layout.nbytes(k, shard_numel) // alignment) * alignment for k in STATE_KEYS)
+    return sum(-(-layout.nbytes(k, shard_numel) // alignment) * alignment for k in layout.keys)
 
 
 @dataclass
@@ -149,7 +149,7 @@ class UndoLog:
         self._held = {Location.HOST: 0, Location.DEVICE: 0}
         self._undo: dict[int, _Undo] = {}  # speculated units of this window: what undoes them
         self._file_version = [0] * len(optimizer.units)  # which of a unit's two NVMe file sets is current
-        optimizer.file_of = self.file_of
+        optimizer.state.file_of = self.file_of
 
     def _updater(self, what: str) -> None:
         if threads.CHECK:
@@ -169,7 +169,7 @@ class UndoLog:
         anyway). False: the unit is updated after the window's check instead."""
         self._updater("speculate")
         opt = self.optimizer
-        loc = opt.locs[unit.index]
+        loc = opt.state.slots[unit.index].loc
         if loc is not Location.NVME and not self.copies:
             return False
         tier = Location.HOST if loc is Location.NVME else loc
@@ -179,15 +179,15 @@ class UndoLog:
             return False
         copies = {}
         if loc is not Location.NVME:
-            live = opt.live_state(unit)
-            for k in STATE_KEYS:
+            live = opt.state.live_state(unit)
+            for k in opt.layout.keys:
                 if loc is Location.DEVICE:
                     copies[k] = self.device_tier.alloc(live[k].shape, torch.uint8, f"{unit.key}.{k} undo")
                 else:
                     copies[k] = self.host_pool.alloc(live[k].numel(), torch.uint8, f"{unit.key}.{k} undo")
                 _tensor(copies[k]).copy_(live[k])
         self._held[tier] += need
-        self._undo[unit.index] = _Undo(tier, need, copies, list(opt.steps[unit.index]), opt.applied)
+        self._undo[unit.index] = _Undo(tier, need, copies, list(opt.state.steps[unit.index]), opt.applied)
         return True
 
     @property
@@ -204,7 +204,7 @@ class UndoLog:
         landed (the caller waited: the optimizer's `finish()`); each unit's new file set becomes current."""
         self._updater("commit")
         for index, undo in self._undo.items():
-            if self.optimizer.locs[index] is Location.NVME:
+            if self.optimizer.state.slots[index].loc is Location.NVME:
                 self._file_version[index] ^= 1
             self._free(undo)
         self._undo.clear()
@@ -264,7 +264,7 @@ class Speculative(OverlapPolicy):
 
         def update(hyper_of):
             if not self.undo.speculate(unit, e.params.staged_out_bytes(unit)):
-                e.unit_optimizer.prefetch(unit)
+                e.unit_optimizer.state.prefetch(unit)
                 return
             self._spec_hyper[unit.index] = list(hyper_of(unit))
             self.update([unit], hyper_of, scale, drain=False, keep_grads=True, speculative=True)
@@ -324,7 +324,7 @@ class Speculative(OverlapPolicy):
         moved = self._roll_back()
         opt = e.unit_optimizer
         moved += sum(opt.layout.state_bytes(e.units[i].shard_numel) for i in indices
-                     if opt.locs[i] is Location.NVME)  # read again for the redo
+                     if opt.state.on_nvme(e.units[i]))  # read again for the redo
         self._rollback_started = (start, len(indices), undo_bytes, moved)
         return set(), True
 

@@ -35,6 +35,7 @@ import torch
 
 from ..config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, ZeroConfig
 from ..errors import ConfigError
+from ..optim.rules import make_rule
 from ..optim.state_layout import StateLayout
 from ..overlap.delayed import Delayed, host_bytes as delayed_host_bytes
 from ..state import DTYPES, Location
@@ -97,7 +98,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
             raise error.explained()
         return _on(machine, first, ranks_per_node, activations)
     tried = [first] if first is not None else []
-    layout = StateLayout.of(precision)
+    layout = StateLayout.of(precision, make_rule(step.optimizer))
     choices = [[loc.value for loc in Location if tier_holds(k, loc, device.type == "cuda", layout)]
                + (["auto"] if k == "optimizer" else []) for k in autos]
     for combo in itertools.product(*choices):  # "auto" optimizer: a split where one is faster
@@ -150,7 +151,7 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                    lookahead=prefetch.lookahead if prefetch.enabled else 0, stage=stage, world_size=world_size,
                    pipeline_depth=pipeline_depth, engine_buffers=grad_bytes is None, nested=nested_numel,
                    alignment=alignment, cuda=device.type == "cuda", frozen=tuple(frozen_numels),
-                   state=StateLayout.of(precision))
+                   state=StateLayout.of(precision, make_rule(step.optimizer)), rule=make_rule(step.optimizer))
     state_bytes = {kind: round(b * (sizes.with_frozen() if kind == "params" else sizes).rank_numel(kind)) for kind, b
                    in (("params", lp_bytes), ("gradients", sizes.grad_bytes),
                        ("optimizer", sizes.state.bytes_per_param))}

@@ -86,7 +86,8 @@ class StepOptions:
     early_step, speculative: what the overlap policy `overlap` (train.overlap) does: the exact early
     step; speculation (True, False or "auto": on with clipping or a dynamic loss scale), resolved by
     the planner ([Note: speculation in the plan] in speculation_plan.py);
-    rollback_rate: the share of speculated steps rolled back, for the expected step."""
+    rollback_rate: the share of speculated steps rolled back, for the expected step;
+    optimizer: optimizer.type, the update rule whose state the plan counts (optim/rules/)."""
     accum_steps: int = 1
     clip: bool = False
     early_step: bool = False
@@ -94,6 +95,7 @@ class StepOptions:
     speculative: bool | str = "auto"
     rollback_rate: float = 0.01
     overlap: str | None = None       # the train.overlap value (None: the one `speculative` stands for)
+    optimizer: str = "adamw"
 
     @classmethod
     def of(cls, cfg, rollback_rate: float | None = None) -> "StepOptions":
@@ -103,7 +105,8 @@ class StepOptions:
         return cls(accum_steps=train.grad_accum_steps, clip=train.max_grad_norm is not None,
                    early_step=policy.early_step, dynamic_scale=cfg.precision.loss_scale == "dynamic",
                    speculative=policy.speculates, overlap=policy.name,
-                   rollback_rate=cls.rollback_rate if rollback_rate is None else rollback_rate)
+                   rollback_rate=cls.rollback_rate if rollback_rate is None else rollback_rate,
+                   optimizer=cfg.optimizer.type)
 
 
 def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str, float], local_ranks: int,

@@ -2,9 +2,10 @@
 (`zerotier plan`) and JSON (`zerotier plan --json`) forms."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ..optim.state_layout import OPTIMIZER_BYTES, StateLayout
+from ..optim.rules import AdamW
+from ..optim.state_layout import StateLayout
 from ..state import DTYPES, TIER_NAMES as TIERS, Location
 from ..tiers.host import RSS_OUTSIDE_BUDGETS
 from ..units import format_duration, format_size
@@ -193,11 +194,13 @@ _STATE_CHOICES = (("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "int8"))  # what 
 def _state_dtypes_line(layout: StateLayout) -> str:
     """The optimizer state's B/param and what each precision.master_dtype / moment_dtype choice saves."""
     def bpp(master, moments):
-        return StateLayout(master, moments).bytes_per_param
+        return replace(layout, master=master, moments=moments).bytes_per_param
     choices = " -> ".join(f"{m}/{v} {bpp(m, v):.4g}" for m, v in _STATE_CHOICES)
-    saved = 1 - layout.bytes_per_param / OPTIMIZER_BYTES
-    return (f"  optimizer state: master {layout.master}, moments {layout.moments}: {layout.bytes_per_param:.4g} B/param"
-            + (f" ({saved:.0%} less than fp32)" if saved else " (exact: torch AdamW's state)")
+    saved = 1 - layout.bytes_per_param / bpp("fp32", "fp32")
+    adamw = layout.keys == AdamW.state_keys
+    return (f"  optimizer state{'' if adamw else ' (' + ', '.join(layout.keys) + ')'}: master {layout.master}, "
+            f"moments {layout.moments}: {layout.bytes_per_param:.4g} B/param"
+            + (f" ({saved:.0%} less than fp32)" if saved else " (exact: torch AdamW's state)" if adamw else " (fp32)")
             + f"; master/moments B/param: {choices} (precision.master_dtype, precision.moment_dtype)")
 
 

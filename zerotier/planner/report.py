@@ -92,7 +92,7 @@ def _settings(need: dict[str, int], budgets: dict[str, int], nvme_off: str) -> s
 
 def _largest_unit(s, budgets: dict[str, int], route: dict, names: dict[int, str]) -> str:
     """[Note: the whole shortfall] The largest unit, when it alone cannot fit its tier."""
-    from ..optim.offload import UnitOptimizer
+    from ..optim.state_store import OptStateStore
 
     full = s.with_frozen()
     numel = full.largest
@@ -105,7 +105,7 @@ def _largest_unit(s, budgets: dict[str, int], route: dict, names: dict[int, str]
                 f"({format_size(budgets['device'])}): its parameters are on the device while it computes. Split it "
                 "(train.wrap: a finer wrap) or raise tiers.device")
     if route.get("optimizer") is Location.NVME:
-        staging = UnitOptimizer.staging_bytes(1, s.rank_largest("optimizer"), s.state)
+        staging = OptStateStore.staging_bytes(1, s.rank_largest("optimizer"), s.state)
         if staging > budgets["host"]:
             return (f"{who} has {numel:,} parameters; one staging set of its optimizer state, "
                     f"{format_size(staging)}, is more than the whole host budget ({format_size(budgets['host'])}). "

@@ -24,10 +24,10 @@ Working sets come on top of the model state, on the tier that pays for them:
       module's whole forward), at most the whole model; params on NVMe: host-pool
       blocks for the fetches and write-backs in flight, `ParamStore.host_staging_bytes`
   optimizer on NVMe: `optimizer.pipeline_depth` host staging sets of 12 x largest unit
-      shard, `UnitOptimizer.staging_bytes`
+      shard, `OptStateStore.staging_bytes`
   gradients on NVMe: the fresh gradients being filled and the read-modify-writes in flight,
       `GradStore.nvme_staging_bytes`, and the optimizer's two gradient read blocks
-      (`UnitOptimizer.grad_staging_bytes`, as for device gradients read by a host optimizer)
+      (`StagedGrads.staging_bytes`, as for device gradients read by a host optimizer)
   gradients on host with a CUDA device: the per-parameter D2H staging blocks in flight,
       2 x the largest unit's gradient, `GradStore.offload_staging_bytes` (GPU review N6)
   ZeRO-1/2 with several ranks: every unit's updated low-precision shard, on the optimizer's
@@ -40,7 +40,8 @@ Working sets come on top of the model state, on the tier that pays for them:
       with params off the device each fetch's shard staged for its gather
       (`ParamStore.gather_staging_bytes`), NVMe gradients cast to grad_dtype on a CUDA device
       at stages 2-3 (`GradStore.nvme_conversion_bytes`),
-      and the optimizer on a CUDA device: the fused kernel's gradient chunk (`fused_temp_bytes`)
+      and the optimizer on a CUDA device: the update rule's device temporaries
+      (`device_temp_bytes`: AdamW's fused kernel's gradient chunk)
 These are the functions the stores size their allocations with, so the plan cannot drift
 from the code.
 
@@ -70,8 +71,10 @@ from ..dist.buckets import GradBucketer, ParamGatherer
 from ..dist.partition import Partition, partition_units
 from ..errors import ConfigError
 from ..grads import GradStore
-from ..optim.offload import UnitOptimizer, fused_temp_bytes
-from ..optim.state_layout import OPTIMIZER_BYTES, StateLayout
+from ..optim.grad_staging import StagedGrads
+from ..optim.rules import AdamW, UpdateRule
+from ..optim.state_layout import StateLayout
+from ..optim.state_store import OptStateStore
 from ..params import ParamStore
 from ..state import Location
 
@@ -95,7 +98,7 @@ def shard_numel(numel: int, kind: str, stage: int, world_size: int) -> int:
 
 
 def model_state_bytes(numel: int, stage: int, world_size: int, param_bytes: int = 2, grad_bytes: int = 2,
-                      k: int = OPTIMIZER_BYTES) -> int:
+                      k: float = AdamW().bytes_per_param()) -> int:
     """Model-state bytes per rank for mixed-precision Adam under ZeRO `stage` over `world_size`.
 
     The ZeRO paper's formulas (defaults: 2 + 2 + K bytes per parameter, K = 12):
@@ -140,7 +143,8 @@ class Sizes:
     nested: int = 0              # elements of enclosing units resident around a fetch (state.nested_numel)
     alignment: int = 4096        # io.alignment: host-pool blocks are rounded up to it
     unit_order: tuple[int, ...] = ()  # every unit's numel in unit order ([Note: optimizer split])
-    state: StateLayout = StateLayout()  # the optimizer state's dtypes: state.bytes_per_param B/param
+    state: StateLayout = StateLayout()  # the optimizer state's keys and dtypes: state.bytes_per_param B/param
+    rule: UpdateRule = AdamW()          # optimizer.type: its device variant's temporaries
     frozen: tuple[int, ...] = ()      # frozen units' numels: parameters only ([Note: frozen units] in state.py)
 
     def with_frozen(self) -> "Sizes":
@@ -199,7 +203,7 @@ def _nvme_rewrites(kind: str, s: Sizes) -> int:
             files, shards = 2, sorted(s.numels, reverse=True)
         rewrite = s.grad_bytes * sum(shards[:inflight])
     else:
-        files, inflight = 3, s.pipeline_depth
+        files, inflight = len(s.state.keys), s.pipeline_depth
         rewrite = round(s.state.bytes_per_param * sum(shards[:inflight]))
     return rewrite + files * (len(shards) + min(inflight, len(shards))) * (s.alignment - 1)
 
@@ -211,9 +215,10 @@ def _host_blocks(kind: str, loc: Location, s: Sizes) -> int:
         return ParamStore.host_blocks(loc, s.lookahead, units)
     if kind == "gradients":
         return GradStore.host_blocks(loc, units, s.world_size, s.stage)
-    return UnitOptimizer.host_blocks(loc, units, s.pipeline_depth,
+    return OptStateStore.host_blocks(loc, units, s.pipeline_depth,
                                      grads_staged=s.grads_on_nvme or (s.grads_on_gpu and loc is not Location.DEVICE),
-                                     writeback=s.world_size > 1 and s.stage in (1, 2) and loc is not Location.DEVICE)
+                                     writeback=s.world_size > 1 and s.stage in (1, 2) and loc is not Location.DEVICE,
+                                     layout=s.state)
 
 
 def _state_and_buffers(kind: str, loc: Location, s: Sizes) -> dict[str, int]:
@@ -262,11 +267,11 @@ def _state_and_buffers(kind: str, loc: Location, s: Sizes) -> dict[str, int]:
     else:
         need[loc.value] += round(s.state.bytes_per_param * n)
         if loc is Location.DEVICE and s.cuda and s.engine_buffers:
-            need["device"] += fused_temp_bytes()
+            need["device"] += s.rule.device_temp_bytes()
         if loc is Location.NVME:
-            need["host"] += UnitOptimizer.staging_bytes(s.pipeline_depth, s.rank_largest(kind), s.state)
+            need["host"] += OptStateStore.staging_bytes(s.pipeline_depth, s.rank_largest(kind), s.state)
         if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu and loc is not Location.DEVICE):
-            need["host"] += UnitOptimizer.grad_staging_bytes(s.rank_largest(kind), s.grad_bytes)
+            need["host"] += StagedGrads.staging_bytes(s.rank_largest(kind), s.grad_bytes)
         if s.engine_buffers and s.world_size > 1 and s.stage in (1, 2):
             # the updated low-precision shards wait on the optimizer's side for the all-gather
             side = "device" if loc is Location.DEVICE else "host"
@@ -304,7 +309,7 @@ def split_bytes(units_on: tuple[Location, ...], s: Sizes) -> dict[str, int]:
         for t, b in bytes_for("optimizer", loc, dataclasses.replace(plain, numels=numels)).items():
             need[t] += b
     if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu):  # a split holds no unit on the device
-        need["host"] += UnitOptimizer.grad_staging_bytes(s.rank_largest("optimizer"), s.grad_bytes)
+        need["host"] += StagedGrads.staging_bytes(s.rank_largest("optimizer"), s.grad_bytes)
         need["host"] += 2 * (s.alignment - 1)
     return need
 

@@ -1,0 +1,487 @@
+"""The optimizer's state store: where each unit's optimizer state lives and how it moves.
+
+One `OptSlot` per unit holds the unit's tier, its state buffers (one per key of the update rule,
+optim/rules/, in the layout of [Note: optimizer state layout]: device tensors, host-pool blocks,
+or none for NVMe state, whose buffers are files) and its parameters' step counts. The store
+places a unit's initial state, hands the update its buffers (in place on host and device, through
+the pipeline below for NVMe), reads and writes state for checkpoints and state dicts, and iterates
+it for checkpoints. It knows no update rule: the driver (offload.py) runs the rule on what it
+hands out.
+
+[Note: NVMe optimizer pipeline]
+NVMe-resident state goes through `optimizer.pipeline_depth` staging sets (one block per state
+key: exact-size pinned aligned host-pool blocks, so every read and write is zero-copy whatever
+the unit's size). A set is busy from its read until its write-back completes. While the update
+runs on one unit, the reads of the next `depth - 2` units are in flight and earlier units'
+writes drain; a read that needs a set waits for the oldest write only. During the last backward
+of a window the engine calls `prefetch(unit)` as each unit's gradient becomes final: its state
+reads start then (they do not depend on the global gradient norm), using sets that are free
+without waiting, so with clipping on only the update math and the last writes remain after
+backward. Without clipping the engine updates each unit on its optimizer thread as soon as its
+gradient is final (`step(..., drain=False)`): the unit's writes stay in flight while the next
+unit is read, and `finish()` waits for them when engine.step() begins. Either way the step's
+writes are waited before it returns: an I/O error surfaces in the step that caused it. Whatever
+fails (a read, the update, a write refused at submit, as a full drive's fallocate refuses it),
+the set comes back to the free ones once its issued I/O has ended: a lost set is never found
+again, and after `depth` of them every step died in 'pop from an empty deque'.
+
+[Note: units on different tiers]
+With an optimizer split (planner/sizes.py [Note: optimizer split]) each unit's state lives on its own
+tier, `slots[unit.index].loc`: host units keep their state in pool blocks, NVMe units go through
+the pipeline above, whose staging sets are sized to the largest NVMe unit. A step takes the units
+in the same order (reads issued during backward first); a host unit's update runs while the
+reads of the next NVMe units are in flight.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from ..errors import ConfigError
+from ..io import aligned_empty
+from ..state import Location, Unit
+from ..threads import UPDATER, owned
+from .state_layout import StateLayout
+
+
+def plain_file(unit: Unit, key: str, update: bool = False) -> str:
+    """The NVMe key of `unit`'s state buffer `key`: one file per buffer. `update`: the key an update
+    writes (an undo log may divert it: OptStateStore.file_of)."""
+    return f"{unit.key}.{key}"
+
+
+class Profiled:
+    """An I/O ticket plus what the profiler needs to record it once it has completed.
+    The end time is when the waiter saw completion (an upper bound of the I/O's end)."""
+
+    def __init__(self, ticket, name, role, src, dst, nbytes, reason, start_ns):
+        self.ticket, self.name, self.role, self.src, self.dst = ticket, name, role, src, dst
+        self.nbytes, self.reason, self.start_ns = nbytes, reason, start_ns
+        self.recorded = False
+
+    def wait(self):
+        return self.ticket.wait()
+
+    def done(self):
+        return self.ticket.done()
+
+    def record(self, prof) -> None:
+        if not self.recorded:
+            self.recorded = True
+            prof.record(self.name, self.role, self.src, self.dst, self.nbytes, self.reason, self.start_ns,
+                        time.perf_counter_ns(), stream="nvme-io")
+
+
+@dataclass
+class OptSlot:
+    """One unit's optimizer state. [Note: the slot's storage] `loc` and `buffers` are where the state
+    is, kept together so a tier's home can replace both: key -> uint8 tensor of `layout.nbytes(key,
+    shard)` on the device or in a host-pool block, None for NVMe state (its files, `file_of`)."""
+
+    unit: Unit
+    loc: Location
+    buffers: dict | None = None
+    steps: list[int] = field(default_factory=list)  # optimizer steps applied per parameter (torch's `step`)
+
+
+class OptStateStore:
+    """Every unit's optimizer state, wherever it lives (see the module docstring)."""
+
+    def __init__(self, units: list[Unit], locs: list[Location], layout: StateLayout, device_tier, host_pool, nvme,
+                 depth: int, profiler=None):
+        """locs: each unit's tier by unit index ([Note: units on different tiers]; a split spans host
+        and NVMe only). layout: the state's keys and dtypes ([Note: optimizer state layout])."""
+        if len(locs) != len(units) or (Location.DEVICE in locs and len(set(locs)) > 1):
+            raise ConfigError(f"optimizer state placement {[at.value for at in locs]} for {len(units)} "
+                              "units: give one tier per unit, a split over host and nvme only")
+        self.units, self.layout, self.depth, self.profiler = units, layout, depth, profiler
+        self.device_tier, self.host_pool, self.nvme = device_tier, host_pool, nvme
+        self.slots = [OptSlot(u, at, None, [0] * len(u.params)) for u, at in zip(units, locs)]
+        self._nvme_units = [u for u in units if locs[u.index] is Location.NVME]
+        # [Note: NVMe optimizer pipeline]
+        self._sets: list[dict] = []              # staging sets of pool blocks, made at the first NVMe step
+        self._free_sets: collections.deque[int] = collections.deque()
+        self._writing: collections.deque[tuple[int, list]] = collections.deque()  # (set, write tickets)
+        self._reads: dict[int, tuple[int, list]] = {}   # unit index -> (set, read tickets), in issue order
+        # [Note: initial NVMe writes] Initialization keeps the writes of up to `depth` units in flight
+        # (their master blocks + one shared zeros block: within the staging the planner counts,
+        # depth x the state's bytes of the largest shard), so the drive's queue stays full while the
+        # next units are materialized and cast.
+        self._placing: collections.deque = collections.deque()  # (master block, write tickets), oldest first
+        self._zeros = None  # host-pool block of zeros, the largest moment's size: every unit's initial moments
+        # where each state buffer's NVMe file is: plain_file, or an undo log's (overlap/speculative.py)
+        self.file_of: Callable[[Unit, str, bool], str] = plain_file
+
+    @property
+    def locs(self) -> list[Location]:
+        """Each unit's tier, by unit index."""
+        return [slot.loc for slot in self.slots]
+
+    @property
+    def steps(self) -> list[list[int]]:
+        """Each unit's per-parameter step counts, by unit index (the slots' lists, mutable)."""
+        return [slot.steps for slot in self.slots]
+
+    @property
+    def has_nvme(self) -> bool:
+        return bool(self._nvme_units)
+
+    def on_nvme(self, unit: Unit) -> bool:
+        return self.slots[unit.index].loc is Location.NVME
+
+    @staticmethod
+    def staging_bytes(depth: int, largest_shard: int, layout: StateLayout = StateLayout()) -> int:
+        """Host-pool bytes of the NVMe pipeline's staging sets (the planner counts exactly this)."""
+        return depth * layout.state_bytes(largest_shard)
+
+    @staticmethod
+    def host_blocks(loc: Location, units: int, depth: int, grads_staged: bool, writeback: bool,
+                    layout: StateLayout = StateLayout()) -> int:
+        """Host-pool blocks the optimizer holds at most at once (the planner rounds each up to
+        io.alignment): a block per state key per unit on host (place), a set of them per pipeline
+        slot on NVMe (_make_sets), two gradient shards staged (grad_staging.StagedGrads) and, at
+        ZeRO-1/2 over several ranks, each unit's updated shard until the gather (ParamStore.writeback_bytes)."""
+        keys = len(layout.keys)
+        blocks = {Location.HOST: keys * units, Location.NVME: keys * depth}.get(loc, 0)
+        return blocks + 2 * grads_staged + units * writeback
+
+    def _key(self, unit: Unit, key: str, update: bool = False) -> str:
+        """The NVMe key of `unit`'s state buffer `key`; `update`: the file an update writes."""
+        return self.file_of(unit, key, update)
+
+    # ------------------------------------------------------------------ place
+
+    @owned(UPDATER)
+    def place(self, unit: Unit, master: torch.Tensor) -> None:
+        """Put the fp32 master of this rank's shard (a CPU tensor) and zero moments on the tier, in
+        the state's layout (a bf16 master: rounded to nearest).
+        [Note: initial NVMe writes] NVMe: the writes are left in flight; finish_place() waits."""
+        n, slot = unit.shard_numel, self.slots[unit.index]
+        layout = self.layout.for_unit(unit)  # [Note: small parameters keep fp32 moments]
+        if slot.loc is Location.NVME:
+            moment_bytes = max(layout.nbytes(k, n) for k in layout.moment_keys)
+            if self._zeros is None or self._zeros.tensor.numel() < moment_bytes:
+                self._finish_placing(0)  # writes in flight read the old zeros block
+                if self._zeros is not None:
+                    self.host_pool.free(self._zeros)
+                largest = max(self.layout.for_unit(u).nbytes(k, u.shard_numel) for u in self._nvme_units
+                              for k in self.layout.moment_keys)
+                self._zeros = self.host_pool.alloc(largest, torch.uint8, "optimizer.zeros")
+                self._zeros.tensor.zero_()
+            block = self.host_pool.alloc(layout.nbytes("master", n), torch.uint8, f"{unit.key}.master")
+            layout.encode("master", master, block.tensor)
+            zeros = self._zeros.tensor  # aligned, with the room of the largest shard after each moment
+            self._placing.append((block, [self.nvme.write(self._key(unit, k), block if k == "master"
+                                                          else zeros[: layout.nbytes(k, n)]) for k in layout.keys]))
+            self._finish_placing(self.depth)
+            return
+        buffers = {}
+        for key in layout.keys:
+            nbytes = layout.nbytes(key, n)
+            if slot.loc is Location.DEVICE:
+                raw = buffers[key] = self.device_tier.alloc((nbytes,), torch.uint8, f"{unit.key}.{key}")
+            else:
+                raw = buffers[key] = self.host_pool.alloc(nbytes, torch.uint8, f"{unit.key}.{key}").tensor
+            layout.encode(key, master, raw) if key == "master" else raw.zero_()
+        slot.buffers = buffers
+
+    @owned(UPDATER)
+    def finish_place(self) -> None:
+        """Wait for the initial NVMe writes still in flight; free their blocks."""
+        self._finish_placing(0)
+        if self._zeros is not None:
+            self.host_pool.free(self._zeros)
+            self._zeros = None
+
+    def _finish_placing(self, keep: int) -> None:
+        """[Note: initial NVMe writes] Wait for the oldest units' writes until `keep` are in flight."""
+        while len(self._placing) > keep:
+            block, tickets = self._placing.popleft()
+            try:
+                self._wait(tickets)
+            finally:
+                self.host_pool.free(block)
+
+    # ------------------------------------------------------------------ what an update uses
+
+    def live_state(self, unit: Unit) -> dict:
+        """A host- or device-resident unit's state buffers (key -> tensor), updated in place."""
+        return self.slots[unit.index].buffers
+
+    def read_order(self, units: list[Unit]) -> list[Unit]:
+        """`units` with those whose NVMe reads started (during backward) first, in issue order."""
+        if not self._nvme_units:
+            return units
+        issued = list(self._reads)
+        return sorted(units, key=lambda u: issued.index(u.index) if u.index in self._reads
+                      else len(issued) + u.index)
+
+    @owned(UPDATER)
+    def read_ahead(self, units: list[Unit], block: bool) -> None:
+        """Issue the NVMe reads of `units` not yet issued; `block`: wait for a set if none is free
+        (False before a host unit's update: only free sets)."""
+        for unit in units:
+            if unit.index not in self._reads:
+                self._issue_read(unit, block)
+
+    @owned(UPDATER)
+    def prefetch(self, unit: Unit) -> None:
+        """NVMe state: start reading `unit`'s state now if a staging set is free (never waits)."""
+        if self.on_nvme(unit) and unit.index not in self._reads:
+            self._issue_read(unit, block=False)
+
+    @contextlib.contextmanager
+    def staged(self, unit: Unit) -> Iterator[dict]:
+        """An NVMe unit's state buffers (its read waited for) for the update inside the block; its
+        write-back is issued after it, left in flight ([Note: NVMe optimizer pipeline])."""
+        staging, tickets = self._reads.pop(unit.index)
+        try:
+            self._wait(tickets)
+            bufs = self._set_views(staging, unit)
+            yield bufs
+            writes = self._io(unit, bufs, "optimizer-write")
+        except BaseException:
+            self._free_sets.append(staging)  # [Note: NVMe optimizer pipeline]: the set comes back
+            raise
+        self._writing.append((staging, writes))
+
+    @owned(UPDATER)
+    def finish(self) -> None:
+        """Wait for the NVMe write-backs still in flight; raise the first error."""
+        self._drain_writes()
+
+    @owned(UPDATER)
+    def rewind(self, kept: "dict[int, tuple[dict, list[int]]]") -> int:
+        """Put units' state back as an undo log kept it ([Note: speculative step] in
+        overlap/speculative.py): `kept` maps a unit index to (key -> its pre-step bytes, empty for
+        NVMe state; the parameters' step counts). NVMe writes in flight are waited (their files are
+        the discarded set: a write error there is dropped with them). Returns the bytes copied back."""
+        try:
+            self._drain_writes()
+        except Exception:  # noqa: BLE001 - the discarded files' writes: nothing reads them
+            pass
+        self.drop_prefetched()
+        moved = 0
+        for index, (copies, steps) in kept.items():
+            for k, src in copies.items():
+                self.slots[index].buffers[k].copy_(src)
+                moved += src.numel()
+            self.slots[index].steps = steps
+        return moved
+
+    # ------------------------------------------------------------------ NVMe pipeline
+
+    def _make_sets(self) -> None:
+        largest = {k: max(self.layout.for_unit(u).nbytes(k, u.shard_numel) for u in self._nvme_units)
+                   for k in self.layout.keys}
+        self._sets = [{k: self.host_pool.alloc(largest[k], torch.uint8, f"optimizer staging {k}")
+                       for k in self.layout.keys} for _ in range(self.depth)]
+        self._free_sets.extend(range(self.depth))
+
+    def _take_set(self, block: bool) -> int | None:
+        if not self._sets:
+            self._make_sets()
+        while self._writing and all(t.done() for t in self._writing[0][1]):
+            self._retire_write()
+        if self._free_sets:
+            return self._free_sets.popleft()
+        if not block:
+            return None
+        self._retire_write()  # the oldest write-back must land before its set is reused
+        return self._free_sets.popleft()
+
+    def _retire_write(self) -> None:
+        staging, tickets = self._writing.popleft()
+        self._free_sets.append(staging)
+        self._wait(tickets)
+
+    def _issue_read(self, unit: Unit, block: bool) -> None:
+        staging = self._take_set(block)
+        if staging is None:
+            return
+        try:
+            self._reads[unit.index] = (staging, self._io(unit, self._set_views(staging, unit), "optimizer-read"))
+        except BaseException:
+            self._free_sets.append(staging)
+            raise
+
+    def _set_views(self, staging: int, unit: Unit) -> dict:
+        """The set's blocks as this unit's state: pool buffers sized to the shard, padded room after."""
+        layout = self.layout.for_unit(unit)
+        return {k: buf.tensor[: layout.nbytes(k, unit.shard_numel)] for k, buf in self._sets[staging].items()}
+
+    def _io(self, unit: Unit, bufs: dict, reason: str) -> list:
+        """Submit reads or writes of a unit's state buffers; tickets carry profiler info."""
+        read = reason == "optimizer-read"
+        tickets = []
+        try:
+            for k in self.layout.keys:
+                tickets.append(self.nvme.read(self._key(unit, k), bufs[k], padded=True) if read
+                               else self.nvme.write(self._key(unit, k, update=True), bufs[k]))
+        except BaseException:  # refused at submit (a full drive's fallocate): the set's I/O ends first
+            for t in tickets:
+                try:
+                    t.wait()
+                except BaseException:  # noqa: BLE001 - the submit's error is the one raised
+                    pass
+            raise
+        if self.profiler is None:
+            return tickets
+        start = time.perf_counter_ns()
+        src, dst = ("nvme", "host") if read else ("host", "nvme")
+        layout = self.layout.for_unit(unit)
+        return [Profiled(t, f"{unit.key}.{k}", k, src, dst, layout.nbytes(k, unit.shard_numel), reason, start)
+                for t, k in zip(tickets, self.layout.keys)]
+
+    def _wait(self, tickets: list) -> None:
+        """Wait for every ticket (even after a failure), then raise the first error."""
+        prof = self.profiler
+        prof = prof if tickets and isinstance(tickets[0], Profiled) else None  # place(): plain store tickets
+        token = prof.wait_begin(tickets[0].name) if prof is not None else None
+        first = None
+        for t in tickets:
+            try:
+                t.wait()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest landed
+                first = first or exc
+            if prof is not None:
+                t.record(prof)
+        if token is not None:
+            prof.wait_end(token)
+        if first is not None:
+            raise first
+
+    def _drain_writes(self) -> None:
+        first = None
+        while self._writing:
+            try:
+                self._retire_write()
+            except BaseException as exc:  # noqa: BLE001
+                first = first or exc
+        if first is not None:
+            raise first
+
+    @owned(UPDATER)
+    def drop_prefetched(self) -> None:
+        """Forget state reads issued ahead (before the state is replaced, when a step is skipped
+        or failed). Their errors are dropped with them: the next read of the unit is issued
+        afresh and reports whatever still fails (hostile trial #24)."""
+        reads, self._reads = self._reads, {}
+        for staging, tickets in reads.values():
+            try:
+                self._wait(tickets)
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
+            finally:
+                self._free_sets.append(staging)
+
+    # ------------------------------------------------------------------ access
+
+    def read_state(self, unit: Unit, keys: tuple[str, ...] | None = None,
+                   encoded: bool = False) -> dict[str, torch.Tensor]:
+        """fp32 `keys` (default: every key of the rule: master, then its moments) of a unit's shard:
+        the live tensors for fp32 state on host or device, else fp32 copies on the CPU (decoded:
+        [Note: optimizer state layout]). With `encoded`: CPU copies of the layout's own buffers
+        (what write_state(encoded=True) takes)."""
+        n, layout = unit.shard_numel, self.layout.for_unit(unit)
+        keys = layout.keys if keys is None else keys
+        slot = self.slots[unit.index]
+        if slot.loc is not Location.NVME:
+            raw = slot.buffers
+            if encoded:
+                return {k: raw[k][: layout.nbytes(k, n)].to("cpu", copy=True) for k in keys}
+            if layout.exact:
+                return {k: layout.typed(k, raw[k], n)[0] for k in keys}
+            return {k: layout.decode(k, raw[k].cpu(), n) for k in keys}
+        out = {}
+        for k in keys:
+            raw = torch.empty(layout.nbytes(k, n), dtype=torch.uint8)
+            self.nvme.read(self._key(unit, k), raw).wait()
+            out[k] = raw if encoded else layout.typed(k, raw, n)[0] if layout.exact else layout.decode(k, raw, n)
+        return out
+
+    def iter_state(self, units: list[Unit], alignment: int) -> Iterator[tuple[Unit, dict[str, torch.Tensor]]]:
+        """Each unit's state buffers as they are stored ([Note: optimizer state layout]: uint8,
+        `layout.nbytes(key, shard_numel)` each) in aligned CPU memory (storage padded to `alignment`
+        bytes: [Note: checkpoint streaming] in checkpoint.py), the next unit's NVMe reads already in
+        flight; reads still in flight are waited for if the caller stops early. Host-resident state
+        is yielded as it lives in its pool blocks (aligned and padded already: no copy); the caller
+        may write only the padding."""
+        def issue(unit: Unit):
+            n, layout, slot = unit.shard_numel, self.layout.for_unit(unit), self.slots[unit.index]
+            if slot.loc is Location.HOST:
+                return slot.buffers, []
+            bufs = {k: aligned_empty(layout.nbytes(k, n), alignment)[: layout.nbytes(k, n)] for k in layout.keys}
+            if slot.loc is Location.NVME:
+                return bufs, [self.nvme.read(self._key(unit, k), bufs[k], padded=True) for k in layout.keys]
+            for k in layout.keys:
+                bufs[k].copy_(slot.buffers[k])
+            return bufs, []
+
+        ahead: collections.deque = collections.deque()
+        try:
+            for j, unit in enumerate(units):
+                if not ahead:
+                    ahead.append(issue(unit))
+                if j + 1 < len(units):
+                    ahead.append(issue(units[j + 1]))
+                bufs, tickets = ahead.popleft()
+                self._wait(tickets)
+                yield unit, bufs
+        finally:
+            for _bufs, tickets in ahead:  # the engine must not write into memory we drop
+                try:
+                    self._wait(tickets)
+                except Exception:  # noqa: BLE001 - the caller is already leaving with its own error
+                    pass
+
+    @owned(UPDATER)
+    def write_state(self, unit: Unit, state: dict[str, torch.Tensor], steps: "int | list[int]",
+                    encoded: bool = False) -> None:
+        """Replace the state tensors in `state` (any of the rule's keys) of a unit and its
+        parameters' step counts (one int: all of them), wherever they live; the keys not in
+        `state` are kept. The tensors are fp32 CPU tensors of the shard's size, stored in the
+        layout's dtypes (round to nearest, int8 re-blocked), or with `encoded` the layout's own
+        buffers (`layout.nbytes(key, n)` uint8 each, as iter_state yields them), stored as they are."""
+        unknown = set(state) - set(self.layout.keys)
+        if unknown:
+            raise ValueError(f"write_state: unknown state keys {sorted(unknown)} (known: {self.layout.keys})")
+        self.drop_prefetched()
+        slot = self.slots[unit.index]
+        slot.steps = [steps] * len(unit.params) if isinstance(steps, int) else list(steps)
+        n, layout = unit.shard_numel, self.layout.for_unit(unit)
+        on_nvme = slot.loc is Location.NVME
+        for k in (k for k in self.layout.keys if k in state):
+            live = None if on_nvme else slot.buffers[k]
+            if encoded:
+                raw = state[k].contiguous()
+                if raw.dtype != torch.uint8 or raw.numel() != layout.nbytes(k, n):
+                    raise ValueError(f"write_state(encoded=True): {k} must be {layout.nbytes(k, n)} uint8 "
+                                     f"bytes, got {raw.numel()} {raw.dtype}")
+                if live is not None:
+                    live.copy_(raw)
+            elif live is not None:
+                layout.encode(k, state[k], live)
+            else:
+                raw = torch.empty(layout.nbytes(k, n), dtype=torch.uint8)
+                layout.encode(k, state[k], raw)
+            if on_nvme:
+                self.nvme.write(self._key(unit, k), raw).wait()
+
+    def close(self) -> None:
+        """Finish NVMe I/O in flight and give the staging sets back (the state stays readable). Idempotent."""
+        try:
+            self.drop_prefetched()
+            self._drain_writes()
+        except Exception:  # noqa: BLE001 - closing: errors were reported by the step that caused them
+            pass
+        sets, self._sets = self._sets, []
+        self._free_sets.clear()
+        for staging in sets:
+            for block in staging.values():
+                self.host_pool.free(block)
