@@ -368,8 +368,9 @@ def test_unit_layout_steps_like_the_reference_per_piece(level, split):
                                                   if p[0] == 5374]
                 codes.copy_(old_codes)
                 absmax.copy_(old_absmax)
-    AdamW().apply_cpu(unit_index, shard_lo, (master, None), {k: layout.typed(k, raw[k], n) for k in ("exp_avg", "exp_avg_sq")},
-                      grad, out, ranges, grad_scale=1.0, bias_correction=True, simd=level, threads=2, layout=layout)
+    layout.step_pieces(AdamW().cpu_pieces, master, {k: layout.typed(k, raw[k], n) for k in ("exp_avg", "exp_avg_sq")},
+                       ranges, grad=grad, out=out, unit_index=unit_index, shard_lo=shard_lo, grad_scale=1.0,
+                       bias_correction=True, simd=level, threads=2)
     assert torch.equal(master.view(torch.int16), ref_master.view(torch.int16))
     assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16))
     for key in raw:

@@ -117,8 +117,8 @@ def test_lion_rule_steps_int8_units_piecewise_like_whole_pieces():
     ref_m = layout.decode("exp_avg", raw, n)
     ref_p = master.clone()
     ranges = [(0, 300 + 2000, 1, h)]  # splits the int8 run at 2300
-    Lion().apply_cpu(0, 0, (master, None), {"exp_avg": layout.typed("exp_avg", raw, n)}, grad, None, ranges,
-                     layout=layout, grad_scale=1.0, bias_correction=True, simd="auto", threads=2)
+    layout.step_pieces(Lion().cpu_pieces, master, {"exp_avg": layout.typed("exp_avg", raw, n)}, ranges, grad=grad,
+                       out=None, unit_index=0, shard_lo=0, grad_scale=1.0, bias_correction=True, simd="auto", threads=2)
     kernel_math.lion_step_reference(ref_p[:2300], ref_m[:2300], grad[:2300], lr=1e-3, beta1=0.9, beta2=0.99,
                                     weight_decay=0.0)
     expect = torch.zeros_like(raw)

@@ -183,8 +183,9 @@ class UnitOptimizer:
             return
         common = dict(bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
         if master[0].device.type == "cpu":  # `out` is host memory too (ParamStore.out_buffer): one native call
-            self.rule.apply_cpu(unit.index, unit.shard_lo, master, moments, grad, out, ranges,
-                                layout=self.layout.for_unit(unit), simd=self.cfg.simd, threads=self.threads, **common)
+            self.layout.for_unit(unit).step_pieces(self.rule.cpu_pieces, master[0], moments, ranges, grad=grad,
+                                                   out=out, unit_index=unit.index, shard_lo=unit.shard_lo,
+                                                   simd=self.cfg.simd, threads=self.threads, **common)
             return
         master = master[0]  # fp32 state (the constructor refuses compact state on an accelerator)
         for a, b, step, h in ranges:

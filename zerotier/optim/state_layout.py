@@ -183,6 +183,57 @@ class StateLayout:
                 d[j:] = _zero_code(signed=self.signed(key))  # added elements of a kept block: 0, not map[0]
         return out
 
+    def step_pieces(self, update, master: torch.Tensor, moments: dict, ranges, **step_args) -> None:
+        """An update rule's native CPU call (`update`: UpdateRule.cpu_pieces) over the slices [a, b)
+        of a shard in `ranges` ((a, b, step, hyper) each), cut in pieces the kernel can take, in one
+        call. `master`: the shard's master values; `moments` by key: `typed` pairs of this layout
+        (the unit's: `for_unit`); `step_args`: the rest of cpu_pieces' arguments (grad, out,
+        unit_index, shard_lo, ...). int8 moments go to the kernel one run at a time (codes, block
+        scales) and one fp32 range at a time ([Note: small parameters keep fp32 moments]). Their
+        blocks start at each run's first element, which parameter slices do not follow: when every
+        run a range touches is covered whole, the pieces go to the kernel as they are; otherwise
+        (the rare case of [Note: parameters without a gradient] in offload.py) the ranges are
+        updated on fp32 copies of the moments (4 B per element and moment), and the runs they touch
+        re-quantized once after (a run no range touches keeps its bytes)."""
+        n, keys = master.numel(), list(moments)
+        step_args = dict(step_args, master=master)
+        if all(tail is None for _, tail in moments.values()):  # fp32 / bf16 moments
+            update([(a, b, step, h, {k: (v[a:b], None) for k, (v, _) in moments.items()})
+                    for a, b, step, h in ranges], **step_args)
+            return
+        slices = {k: self.pieces(n, values, tail) for k, (values, tail) in moments.items()}
+        first = slices[keys[0]]  # every moment has the same runs and fp32 ranges
+        whole = all(a <= sa and sb <= b for a, b, _, _ in ranges for sa, sb, _, absmax in first
+                    if absmax is not None and max(a, sa) < min(b, sb))
+        if whole:
+            pieces = []
+            for a, b, step, h in ranges:
+                for j, (sa, sb, _, _) in enumerate(first):
+                    x, y = max(a, sa), min(b, sb)
+                    if x < y:  # a whole run, or a part of an fp32 range
+                        pieces.append((x, y, step, h, {k: (slices[k][j][2][x - sa: y - sa], slices[k][j][3])
+                                                       for k in keys}))
+            update(pieces, **step_args)
+            return
+        wide = {}  # the moments as fp32 copies
+        for k in keys:
+            values = torch.empty(n)
+            for a, b, part, absmax in slices[k]:
+                values[a:b] = part if absmax is None else \
+                    kernel_math.dequantize_blockwise(part, absmax, signed=self.signed(k))
+            wide[k] = values
+        update([(a, b, step, h, {k: (wide[k][a:b], None) for k in keys}) for a, b, step, h in ranges], **step_args)
+        for k in keys:
+            for a, b, part, absmax in slices[k]:
+                if not any(max(a, x) < min(b, y) for x, y, _, _ in ranges):
+                    continue  # no range touches it: its bytes stay as they are
+                if absmax is None:
+                    part.copy_(wide[k][a:b])
+                    continue
+                codes, scales = kernel_math.quantize_blockwise(wide[k][a:b], signed=self.signed(k))
+                part.copy_(codes)
+                absmax.copy_(scales)
+
     def run_of(self, n: int, a: int, b: int) -> tuple[int, int] | None:
         """(first element, first code in the buffer) of the int8 run holding all of [a, b) in a
         shard of n elements; None when [a, b) is empty or not within one run (fp32 moments)."""

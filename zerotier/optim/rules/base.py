@@ -2,8 +2,9 @@
 
 An `UpdateRule` names its state (`state_keys`: "master" first, then its moments, one buffer
 and one NVMe file each per unit, [Note: optimizer state layout] in state_layout.py), its bytes
-per parameter, the hyper-parameters of a param group, and `apply`: a native CPU variant over
-(pieces of) a unit's shard through optim/_kernels.py, and a device variant. The state store
+per parameter, the hyper-parameters of a param group, and the update: a native CPU variant over
+pieces of a unit's shard through optim/_kernels.py (`cpu_pieces`, which the layout cuts:
+`StateLayout.step_pieces`), and a device variant (`apply_device`). The state store
 (optim/state_store.py) places, reads and writes whatever keys the rule names; the driver
 (optim/offload.py) hands each unit's state views to the rule. A new optimizer is one module
 here and one line in `RULES` (rules/__init__.py).
@@ -16,7 +17,6 @@ import torch
 
 from ...errors import ZerotierError
 from .. import _kernels
-from ..kernel_math import dequantize_blockwise, quantize_blockwise
 
 HyperOf = Callable[[Any], Sequence[NamedTuple]]  # a unit -> each of its parameters' hyper-parameters
 
@@ -78,58 +78,3 @@ class UpdateRule:
     def device_temp_bytes(self) -> int:
         """Device bytes `apply_device` allocates at most beside the state (the planner counts them)."""
         raise NotImplementedError
-
-    def apply_cpu(self, unit_index: int, shard_lo: int, master, moments: dict, grad, out, ranges, *, layout,
-                  grad_scale: float, bias_correction: bool, simd: str, threads: int) -> None:
-        """The native CPU update over the slices [a, b) of a unit's shard in `ranges` ((a, b,
-        step, hyper) each), in one native call. `master` and each of `moments` (by key) are
-        `layout.typed` pairs of the unit's layout (`StateLayout.for_unit`); `out` is host memory
-        too. A bf16 master is rounded stochastically, seeded by [Note: stochastic rounding seed]
-        (kernel_math.py; the unit, the step, and the element's offset in the unit: `shard_lo` +
-        the piece's first element). int8 moments go to the kernel one run at a time (codes,
-        block scales) and one fp32 range at a time ([Note: small parameters keep fp32 moments]).
-        Their blocks start at each run's first element, which parameter slices do not follow:
-        when every run a range touches is covered whole, the pieces go to the kernel as they are;
-        otherwise (the rare case of [Note: parameters without a gradient] in offload.py) the
-        ranges are updated on fp32 copies of the moments (4 B per element and moment), and the
-        runs they touch re-quantized once after (a run no range touches keeps its bytes)."""
-        master, _ = master
-        n, keys = master.numel(), list(moments)
-        step_args = dict(master=master, grad=grad, out=out, unit_index=unit_index, shard_lo=shard_lo,
-                         grad_scale=grad_scale, bias_correction=bias_correction, simd=simd, threads=threads)
-        if all(tail is None for _, tail in moments.values()):  # fp32 / bf16 moments
-            self.cpu_pieces([(a, b, step, h, {k: (v[a:b], None) for k, (v, _) in moments.items()})
-                             for a, b, step, h in ranges], **step_args)
-            return
-        slices = {k: layout.pieces(n, values, tail) for k, (values, tail) in moments.items()}
-        first = slices[keys[0]]  # every moment has the same runs and fp32 ranges
-        whole = all(a <= sa and sb <= b for a, b, _, _ in ranges for sa, sb, _, absmax in first
-                    if absmax is not None and max(a, sa) < min(b, sb))
-        if whole:
-            pieces = []
-            for a, b, step, h in ranges:
-                for j, (sa, sb, _, _) in enumerate(first):
-                    x, y = max(a, sa), min(b, sb)
-                    if x < y:  # a whole run, or a part of an fp32 range
-                        pieces.append((x, y, step, h, {k: (slices[k][j][2][x - sa: y - sa], slices[k][j][3])
-                                                       for k in keys}))
-            self.cpu_pieces(pieces, **step_args)
-            return
-        wide = {}  # the moments as fp32 copies
-        for k in keys:
-            values = torch.empty(n)
-            for a, b, part, absmax in slices[k]:
-                values[a:b] = part if absmax is None else dequantize_blockwise(part, absmax, signed=layout.signed(k))
-            wide[k] = values
-        self.cpu_pieces([(a, b, step, h, {k: (wide[k][a:b], None) for k in keys}) for a, b, step, h in ranges],
-                        **step_args)
-        for k in keys:
-            for a, b, part, absmax in slices[k]:
-                if not any(max(a, x) < min(b, y) for x, y, _, _ in ranges):
-                    continue  # no range touches it: its bytes stay as they are
-                if absmax is None:
-                    part.copy_(wide[k][a:b])
-                    continue
-                codes, scales = quantize_blockwise(wide[k][a:b], signed=layout.signed(k))
-                part.copy_(codes)
-                absmax.copy_(scales)
