@@ -49,8 +49,8 @@ from .hooks import ModuleHooks
 from ..state import DTYPES, Location, build_units, nested_numel
 from .placement import Placement
 from .param_surface import ParamSurface
-from .runtime import Runtime
-from .window import Window, WindowState
+from .runtime import Runtime, Settings
+from .window import Window
 from ..overlap import policy_for
 from . import clip, stop
 from ..carried import Carried
@@ -93,7 +93,7 @@ class Engine:
                               "back into the model, or build a new model")
         if getattr(model, "_zerotier_lost", None):  # [Note: a failed initialize]
             raise ConfigError(model._zerotier_lost)
-        self.cfg = cfg
+        self.settings = Settings(cfg)  # engine.cfg ([Note: the runtime record] in runtime.py)
         self.module = model
         # [Note: choosing the device] in device.py: before anything allocates or a group exists
         self.device = choose_device(cfg.train.device)
@@ -156,7 +156,8 @@ class Engine:
         # [Note: the runtime record] in runtime.py: what the collaborators below receive instead of the engine
         self.runtime = Runtime(model, self.device, self.lp_dtype, self.plan, self.sharding, self.scaler,
                                self.profiler, self.param_units, self.units, self.frozen_units, self.params,
-                               self.grads, self.unit_optimizer, self.device_tier, self.host_pool, self.store)
+                               self.grads, self.unit_optimizer, self.device_tier, self.host_pool, self.store,
+                               self.settings)
         self.weights = UserWeights(self.runtime, user_form, self.synchronize)
         self.checkpoint_locks = RootLocks()  # the roots it saves into ([Note: the checkpoint root lock])
         self._stop_code = 0  # [Note: graceful stop] in stop.py
@@ -168,10 +169,11 @@ class Engine:
             self.store = None  # closed with its run directory
             self.sharding.close()
             raise
-        self.window = Window(self)  # the loop's state ([Note: the plain PyTorch loop] in window.py)
         # over the placed parameters ([Note: param groups]); the HF Trainer check: trainer_guard.py
         self.optimizer = EngineOptimizer(self.runtime, cfg.optimizer, self._optimizer_loop(), no_decay,
                                          on_first_train=check_plain_trainer, given=cfg.given)
+        # the loop's state ([Note: the plain PyTorch loop] in window.py); its update counts in engine.optimizer
+        self.window = Window(self.runtime, self.optimizer)
         self.carried = Carried(self.optimizer)  # [Note: what a checkpoint carries] in carried.py
         self.scheduler = PrefetchScheduler(
             cfg.prefetch, [u.numel * self.lp_dtype.itemsize for u in self.param_units],
@@ -182,6 +184,7 @@ class Engine:
         self.hooks = ModuleHooks(self.runtime, self.window, self.scheduler, self.surface, user_form,
                                  self._stop_before_window)  # [Note: fetch and release] in hooks.py
         self.hooks.register([u for u in self.param_units if self.params.streamed[u.index]])
+        self.window.overlap.surface = self.surface  # what a delayed update gates ([Note: delayed update])
         if cfg.train.handle_signals:
             stop.register(self)
         model._zerotier_engine = weakref.ref(self)  # the model does not keep the engine alive
@@ -189,6 +192,16 @@ class Engine:
         self.surface.adopt()
         self.hooks.guard_root_methods()
         trim_heap()  # the user's tensors and placement temporaries ([Note: heap trimming])
+
+    @property
+    def cfg(self) -> Config:
+        return self.settings.cfg
+
+    @cfg.setter
+    def cfg(self, cfg: Config) -> None:
+        """A new Config for the live engine (ZerotierTrainer's train keys): every collaborator reads it
+        at its next call ([Note: the runtime record] in runtime.py)."""
+        self.settings.cfg = cfg
 
     def _residency(self) -> dict[str, tuple[int, int]]:
         tiers = {"device": self.device_tier, "host": self.host_pool}
@@ -321,7 +334,7 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        return self.window.state is WindowState.CLOSED
+        return self.window.closed
 
     @property
     def stop_requested(self) -> bool:

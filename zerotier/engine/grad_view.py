@@ -9,8 +9,20 @@ from ..errors import ZerotierError
 from ..state import GradState
 
 
+def sparse_gradient(module, p: torch.Tensor) -> ZerotierError:
+    """A sparse gradient (F.embedding(..., sparse=True) on a parameter of a dense module) reached
+    `module`'s parameter `p` (the window's grad hook): the store sums dense flats and AdamW steps
+    dense ones, as torch's AdamW refuses it."""
+    name = next((n for n, q in module.named_parameters() if q is p), "?")
+    return ZerotierError(
+        f"parameter '{name}' got a sparse gradient (F.embedding(..., sparse=True) makes one), "
+        "which zerotier's AdamW does not take (nor does torch.optim.AdamW: \"Adam does not support sparse "
+        "gradients\"). Call it with sparse=False (the default; the training is the same, with a dense "
+        "gradient), then engine.zero_grad() and go on: this backward's gradients were not applied")
+
+
 def _refuse_access(window, what: str) -> None:
-    if window.engine.sharding.active:
+    if window.rt.sharding.active:
         raise ZerotierError(f"{what} of a parameter zerotier manages with several ranks: a parameter's "
                             "gradient is reduced into shards, no rank holds torch's .grad; use "
                             "engine.zero_grad() to drop the window and engine.grad_norm() for its norm")
@@ -24,9 +36,9 @@ def grad_get(window, p) -> "torch.Tensor | None":
     its gradient as it will be applied (before the loss scale's and the clipping's factors).
     Gradients on the device or host: a view of the accumulator, so p.grad.zero_() or .mul_()
     reach the window, as in torch; on NVMe (or once its unit was updated early): a copy."""
-    e = window.engine
+    e = window.rt
     slot = window.slot(p)
-    if slot is None or e.closed:
+    if slot is None or window.closed:
         return None
     unit, k = slot
     if not e.grads.has(unit, k):
@@ -43,7 +55,7 @@ def grad_get(window, p) -> "torch.Tensor | None":
 def grad_set(window, p, value) -> None:
     """User code assigned `p.grad = value`: None drops the parameter's gradient from this window
     (it is not stepped, as torch skips a .grad of None); a tensor replaces it."""
-    e = window.engine
+    e = window.rt
     slot = window.slot(p)
     if slot is None:
         raise ZerotierError("p.grad set on a parameter this engine does not manage")

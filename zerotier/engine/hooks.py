@@ -240,7 +240,8 @@ class ModuleHooks:
                                                                      with_kwargs=True))
         for unit in rt.units:
             for i, p in enumerate(unit.params):
-                self.handles.append(p.register_post_accumulate_grad_hook(self.window.grad_hook(unit, i)))
+                hook = self.window.grad_hook(unit, i, self.enter_backward)
+                self.handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def guard_root_methods(self) -> None:
         """[Note: the parameter surface] model.load_state_dict batches its writes per unit and

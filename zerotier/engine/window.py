@@ -36,6 +36,7 @@ import torch
 from ..errors import ZerotierError
 from ..overlap import make_policy
 from ..state import check_transition
+from .grad_view import sparse_gradient
 from .surface import internal
 
 
@@ -84,13 +85,14 @@ BACKWARDS = frozenset({S.ENGINE_BACKWARD, S.PLAIN_BACKWARD})
 
 
 class Window:
-    """The loop state of one engine and the step that ends a window. Reads the engine's stores
-    (params, grads, unit_optimizer), scaler, sharding and counters; what of the update overlaps is
-    its overlap policy's (`self.overlap`, [Note: overlap policies])."""
+    """The loop state of one engine and the step that ends a window. Reads the runtime record's
+    stores (params, grads, unit_optimizer), scaler, sharding, counters and config ([Note: the runtime
+    record] in runtime.py); counts each update in engine.optimizer (`optimizer`, the lr schedulers'
+    step); what of the update overlaps is its overlap policy's (`self.overlap`, [Note: overlap policies])."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.steps = engine.runtime.steps  # their one writer while training ([Note: the step counters])
+    def __init__(self, rt, optimizer):
+        self.rt, self.optimizer = rt, optimizer
+        self.steps = rt.steps  # their one writer while training ([Note: the step counters])
         self.state = S.IDLE
         self._why: str | None = None        # PARTIAL / BROKEN: what happened, for the refusals
         self.norm: float | None = None      # grad_norm() of this window, once computed
@@ -100,8 +102,8 @@ class Window:
         self._last_loss = None              # weakref to the last engine.backward(loss)'s loss
         self._on_complete = None            # this backward's use of a unit's complete gradient (grad_hook)
         self._slots: dict[int, tuple] | None = None  # id(param) -> (unit, index): grad_get / grad_set
-        self.applied_before = engine.unit_optimizer.applied  # unit updates before this window
-        self.overlap = make_policy(engine, self)  # [Note: overlap policies] in overlap/base.py
+        self.applied_before = rt.unit_optimizer.applied  # unit updates before this window
+        self.overlap = make_policy(rt, self, optimizer)  # [Note: overlap policies] in overlap/base.py
         self._forward_awaits_backward = False  # a forward under grad returned since the last backward began
 
     def _to(self, new: WindowState) -> None:
@@ -112,24 +114,28 @@ class Window:
         return self.state in BACKWARDS
 
     @property
+    def closed(self) -> bool:
+        return self.state is S.CLOSED
+
+    @property
     def broken(self) -> "str | None":
         """Why the engine is broken ([Note: a step is all or nothing]), or None."""
         return self._why if self.state is S.BROKEN else None
 
     def between_windows(self) -> bool:
         """A forward now begins a new window (graceful stop's boundary, one rank)."""
-        e = self.engine
-        return self.state is not S.ENGINE_GRADS and self.steps.at_window_start(e.cfg.train.grad_accum_steps)
+        accum = self.rt.settings.cfg.train.grad_accum_steps
+        return self.state is not S.ENGINE_GRADS and self.steps.at_window_start(accum)
 
     def ends_window(self) -> bool:
         """The next engine.step() is the window's last micro-batch."""
-        return self.steps.window_ends(self.engine.cfg.train.grad_accum_steps)
+        return self.steps.window_ends(self.rt.settings.cfg.train.grad_accum_steps)
 
     # ------------------------------------------------------------ backward, both loops
 
     def backward(self, loss: torch.Tensor) -> None:
         """engine.backward(loss): scaled, accumulated ([Note: early step])."""
-        e = self.engine
+        e = self.rt
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZerotierError("engine.backward(loss) needs the scalar loss tensor of this micro-batch")
         self._forward_awaits_backward = False  # its backward was called (refused or not: the graph is the user's)
@@ -145,7 +151,7 @@ class Window:
                                 "graph (torch raises 'Trying to backward through the graph a second time'); compute "
                                 "the loss again, or call engine.step() after each micro-batch's backward")
         self.refuse_if_started("engine.backward()")  # a second backward of this micro-batch (torch accumulates it)
-        train = e.cfg.train
+        train = e.settings.cfg.train
         scale = e.scaler.scale / train.grad_accum_steps
         last_micro = self.ends_window()
         # engine.no_sync(): no reduce before the window's last micro-batch (the accumulator keeps the sum)
@@ -177,7 +183,7 @@ class Window:
         """[Note: the plain PyTorch loop] A plain loss.backward() enters here (hooks.enter_backward)."""
         self.refuse_if_broken("loss.backward()")
         self.refuse_after_grad_norm("loss.backward()")
-        e, why = self.engine, None
+        e, why = self.rt, None
         if e.scaler.dynamic or e.scaler.scale != 1.0:
             why = "the loss scale (precision.loss_scale) must multiply the loss before backward"
         elif e.sharding.active:
@@ -193,7 +199,7 @@ class Window:
 
     def end_plain_backward(self) -> None:
         """The end of a plain loss.backward() (queued by hooks.enter_backward)."""
-        e = self.engine
+        e = self.rt
         self._to(S.PLAIN_GRADS)
         for unit in e.param_units:
             e.params.release(unit)
@@ -214,17 +220,18 @@ class Window:
         if not self.in_backward:
             self._forward_awaits_backward = True
 
-    def grad_hook(self, unit, i: int):
-        """The post-accumulate-grad hook of `unit`'s parameter i ([Note: fetch and release] in hooks.py)."""
-        e = self.engine
+    def grad_hook(self, unit, i: int, enter_backward):
+        """The post-accumulate-grad hook of `unit`'s parameter i ([Note: fetch and release] in hooks.py);
+        `enter_backward`: the hooks' entry of a plain backward ([Note: the plain PyTorch loop])."""
+        e = self.rt
 
         def hook(p: torch.Tensor) -> None:
             try:
                 with internal():
                     sparse = p.grad.layout is not torch.strided
                 if sparse:  # refused before the window moves: zero_grad() recovers
-                    raise self._sparse_gradient(p)
-                e.hooks.enter_backward()
+                    raise sparse_gradient(self.rt.module, p)
+                enter_backward()
             except BaseException:
                 with internal():
                     p.grad = None  # never a silent accumulation a later step would apply
@@ -238,16 +245,6 @@ class Window:
             if self._on_complete is not None:
                 self._on_complete(unit)
         return hook
-
-    def _sparse_gradient(self, p: torch.Tensor) -> ZerotierError:
-        """A sparse gradient (F.embedding(..., sparse=True) on a parameter of a dense module) reached a
-        parameter: the store sums dense flats and AdamW steps dense ones, as torch's AdamW refuses it."""
-        name = next((n for n, q in self.engine.module.named_parameters() if q is p), "?")
-        return ZerotierError(
-            f"parameter '{name}' got a sparse gradient (F.embedding(..., sparse=True) makes one), "
-            "which zerotier's AdamW does not take (nor does torch.optim.AdamW: \"Adam does not support sparse "
-            "gradients\"). Call it with sparse=False (the default; the training is the same, with a dense "
-            "gradient), then engine.zero_grad() and go on: this backward's gradients were not applied")
 
     # ------------------------------------------------------------ the step, both loops
 
@@ -268,7 +265,7 @@ class Window:
 
     def step(self) -> bool:
         """engine.step(): see Engine.step and [Note: a step is all or nothing] there."""
-        e = self.engine
+        e = self.rt
         if not self._ready_to_step("engine.step()", S.ENGINE_GRADS, "engine.step() after a plain loss.backward(): "
                                    "call engine.optimizer.step() in that loop, or engine.backward(loss) then engine.step()"):
             raise ZerotierError("engine.step() called before engine.backward(loss): there are no gradients to apply")
@@ -295,7 +292,7 @@ class Window:
 
     def grad_norm(self) -> float:
         """Engine.grad_norm: computed once per window; between windows, the last update's."""
-        e = self.engine
+        e = self.rt
         self.refuse_if_closed("engine.grad_norm()")
         if self.norm is None and not self.has_grads():
             return self.last_norm
@@ -308,14 +305,14 @@ class Window:
 
     def _apply(self) -> bool:
         """The update at the end of an accumulation window (see Engine.step())."""
-        e = self.engine
+        e = self.rt
         total_norm = self.grad_norm()
         pending = e.grads.ready_all()  # units stepped early are STEPPED already
         inv_scale = 1.0 / e.scaler.scale
         overflow = not math.isfinite(total_norm)
         factor = self.user_clip  # [Note: the user's clipping], then train.max_grad_norm on what it left
-        if e.cfg.train.max_grad_norm is not None:
-            factor *= min(1.0, e.cfg.train.max_grad_norm / (total_norm * factor + 1e-6))
+        if e.settings.cfg.train.max_grad_norm is not None:
+            factor *= min(1.0, e.settings.cfg.train.max_grad_norm / (total_norm * factor + 1e-6))
         self.overlap.before_update()  # [Note: delayed update]: the previous window's update is published
         if overflow and e.scaler.dynamic:
             self.overlap.skip(factor)
@@ -326,7 +323,7 @@ class Window:
         loop = self.state
         self._to(S.APPLYING)  # the optimizer's step() counts for lr schedulers, and does nothing more
         try:
-            e.optimizer.count_step()
+            self.optimizer.count_step()
         finally:
             self._to(loop)
         self.overlap.apply(pending, factor * inv_scale, factor)
@@ -354,7 +351,7 @@ class Window:
         ([Note: a step is all or nothing]); a backward that stopped half-way leaves partial
         gradients, which must be dropped (zero_grad) before training goes on."""
         self.quiesce()
-        applied = self.engine.unit_optimizer.applied
+        applied = self.rt.unit_optimizer.applied
         if self.state is S.BROKEN:
             return  # a delayed update that failed said so ([Note: delayed update])
         why = self.overlap.failure()  # a delayed update that failed ([Note: delayed update])
@@ -427,8 +424,7 @@ class Window:
             # [Note: a step is all or nothing] in engine.py: the dropped window starts again at its
             # first micro-batch (issue 37 row 12: kept, the count ended every later window one
             # micro-batch early)
-            e = self.engine
-            self.steps.drop_window(e.cfg.train.grad_accum_steps)
+            self.steps.drop_window(self.rt.settings.cfg.train.grad_accum_steps)
         self.drop(set_to_none)
 
     def drop(self, set_to_none: "bool | None" = None) -> None:
@@ -437,7 +433,7 @@ class Window:
         half-way is ended first."""
         if self.state is S.PLAIN_BACKWARD:
             self.end_plain_backward()
-        self.engine.grads.zero(set_to_none)
+        self.rt.grads.zero(set_to_none)
         self.user_clip = 1.0
         self.norm = None
         if self.state is not S.BROKEN:
@@ -459,11 +455,11 @@ class Window:
     def slot(self, p) -> "tuple | None":
         """(unit, index in unit) of a managed parameter; None for any other tensor."""
         if self._slots is None:
-            self._slots = {id(q): (unit, k) for unit in self.engine.units for k, q in enumerate(unit.params)}
+            self._slots = {id(q): (unit, k) for unit in self.rt.units for k, q in enumerate(unit.params)}
         return self._slots.get(id(p))
 
     def has_grads(self) -> bool:
-        e = self.engine
+        e = self.rt
         return self.state in (S.ENGINE_GRADS, S.PLAIN_GRADS) or \
             any(e.grads.has(u, k) for u in e.units for k in range(len(u.params)))
 

@@ -23,8 +23,10 @@ config left "auto" or did not give is filled; one it gave with another value is 
 naming both values ([Note: keys a trainer fills] in config.py). For a model an engine already
 manages, the filling happens on the live engine: the param groups' hyper-parameters
 ([Note: param groups] in optim/torch_optimizer.py), the exempt parameters moved into their own
-group by add_param_group, and engine.cfg's train keys; its parameter dtype cannot change, so
-a differing bf16 / fp16 is refused with the fix.
+group by add_param_group, and engine.cfg's train keys (assigning engine.cfg puts the new Config
+in the runtime record's settings, which the window reads at each call: [Note: the runtime
+record] in engine/runtime.py); its parameter dtype cannot change, so a differing bf16 / fp16 is
+refused with the fix.
 A plain `transformers.Trainer` given `optimizers=(engine.optimizer, None)` applies none of
 this (Trainer builds its exemptions only into an optimizer it makes): at its first training
 step, `check_plain_trainer` (engine/trainer_guard.py, installed by initialize) refuses a run

@@ -23,6 +23,7 @@ def policy_for(cfg) -> type[OverlapPolicy]:
     return POLICIES[cfg.train.overlap]
 
 
-def make_policy(engine, window) -> OverlapPolicy:
-    """The engine's policy object, for its Window."""
-    return policy_for(engine.cfg)(engine, window)
+def make_policy(rt, window, optimizer) -> OverlapPolicy:
+    """The engine's policy object, for its Window: over the runtime record ([Note: the runtime record]
+    in engine/runtime.py) and engine.optimizer (the hyper-parameters each update uses)."""
+    return policy_for(rt.settings.cfg)(rt, window, optimizer)

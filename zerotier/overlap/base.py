@@ -4,7 +4,10 @@ optimizer thread, and what the window must wait for, undo or refuse because of i
 [Note: overlap policies]
 One policy object per engine (`train.overlap`, chosen once by `policy_for`, overlap/__init__.py)
 serves the Window (engine/window.py), which keeps the window's state, its norm and its
-refusals and asks the policy at each point where an update may already be running:
+refusals and asks the policy at each point where an update may already be running. A policy
+receives the runtime record (`rt`: the stores, tiers, scaler, sharding, profiler and config,
+[Note: the runtime record] in engine/runtime.py), its window and engine.optimizer (the
+hyper-parameters an update uses), never the Engine:
 
   on_unit_final(last_micro)   this backward's use of each unit's complete gradient (or None)
   refuses(call)               a call the window's started update cannot honour: the message, or None
@@ -70,11 +73,12 @@ class OverlapPolicy:
     early_step = False             # updates a unit during backward where that is exact ([Note: early step])
     speculates: "bool | str" = False  # the planner's speculation: True, "auto" or False
 
-    def __init__(self, engine, window):
-        self.engine, self.window = engine, window
+    def __init__(self, rt, window, optimizer):
+        self.rt, self.window, self.optimizer = rt, window, optimizer
+        self.surface = None  # the parameter surface, once built over the window (engine.py): Delayed gates its reads
         # The "optimizer stream": one thread running updates during backward (and a delayed update).
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotier-optim",
-                                          initializer=enter_device, initargs=(engine.device,))
+                                          initializer=enter_device, initargs=(rt.device,))
         self.early: list[Future] = []  # updates started during this backward, on that thread
 
     @classmethod
@@ -86,12 +90,12 @@ class OverlapPolicy:
     def on_unit_final(self, last_micro: bool):
         """The callable this backward runs on each unit whose gradient became final, or None. Without
         overlap: the NVMe state reads start then ([Note: NVMe optimizer pipeline] in optim/offload.py)."""
-        e = self.engine
+        e = self.rt
         return e.unit_optimizer.state.prefetch if last_micro and not e.sharding.active else None
 
     def started(self) -> bool:
         """Some unit's update of this window already started and cannot be undone."""
-        return bool(self.early) or self.engine.unit_optimizer.applied != self.window.applied_before
+        return bool(self.early) or self.rt.unit_optimizer.applied != self.window.applied_before
 
     def refuses(self, call: str) -> "str | None":
         """Why `call` (a key of STARTED) cannot be honoured now, or None."""
@@ -113,14 +117,14 @@ class OverlapPolicy:
 
     def apply(self, pending: list, grad_scale: float, factor: float) -> None:
         """The window's update of `pending` (its READY units) after the optimizer's step() ran."""
-        self.update(pending, self.engine.optimizer.hyper_of(), grad_scale)
-        self.engine.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
+        self.update(pending, self.optimizer.hyper_of(), grad_scale)
+        self.rt.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
 
     def update(self, units: list, hyper_of, grad_scale: float, drain: bool = True, keep_grads: bool = False,
                speculative: bool = False) -> None:
         """Adam on `units`; each one's new parameters are committed as soon as it is done, unless
         `speculative` ([Note: speculative step]: staged until the window is validated)."""
-        e = self.engine
+        e = self.rt
         out_of = e.params.staged_out if speculative else e.params.out_buffer
         for unit in e.unit_optimizer.step(units, e.grads.shard, out_of, hyper_of, grad_scale,
                                           drain, got_of=e.grads.got, keep_grads=keep_grads):
@@ -132,14 +136,14 @@ class OverlapPolicy:
         """Hand `unit`'s complete gradient to the optimizer thread and run `update(hyper_of)` there.
         The gradient is handed over whole: the optimizer thread waits for its host adds
         (`grads.ready` -> settle), so backward never blocks on the host per unit (GPU review N8)."""
-        e = self.engine
+        e = self.rt
         e.grads.hand_over(unit)
         if e.device.type == "cuda":  # the gradient add above was queued on the compute stream
             done = torch.cuda.Event()
             done.record()
         else:
             done = None
-        hyper_of = e.optimizer.hyper_of()
+        hyper_of = self.optimizer.hyper_of()
 
         def run():
             if done is not None:
@@ -155,7 +159,7 @@ class OverlapPolicy:
         flight so each unit's read overlapped the previous writes); re-raise the first error."""
         early, self.early = self.early, []
         waits = [future.result for future in early] + ([self._take_back] if early else []) + \
-            ([self.engine.unit_optimizer.state.finish] if early else [])
+            ([self.rt.unit_optimizer.state.finish] if early else [])
         first = None
         for wait in waits:  # every one is waited, then the first error (from the optimizer thread) raised
             try:
@@ -167,7 +171,7 @@ class OverlapPolicy:
 
     def _take_back(self) -> None:
         """Every early update's future was waited: the updater's state is the compute thread's again."""
-        e = self.engine
+        e = self.rt
         threads.hand(threads.COMPUTE, e.grads, e.params, e.unit_optimizer, e.unit_optimizer.state)
 
     # ------------------------------------------------------------ errors ([Note: a step is all or nothing])
@@ -179,7 +183,7 @@ class OverlapPolicy:
         for future in early:
             wait_out(future)
         self._take_back()
-        optimizer = self.engine.unit_optimizer.state
+        optimizer = self.rt.unit_optimizer.state
         try:
             optimizer.finish()
         except BaseException:  # noqa: BLE001 - the error being raised already tells the story
@@ -196,7 +200,7 @@ class OverlapPolicy:
 
     def applied_baseline(self) -> int:
         """UnitOptimizer.applied as a new window starts (updates in flight counted as done)."""
-        return self.engine.unit_optimizer.applied
+        return self.rt.unit_optimizer.applied
 
     # ------------------------------------------------------------ reads between windows
 
@@ -217,7 +221,7 @@ class OverlapPolicy:
 
     def master_of(self, unit):
         """The fp32 master a stale unit's parameter file is rewritten from ([Note: a failed write-back])."""
-        return self.engine.unit_optimizer.state.read_state(unit, ("master",))["master"]
+        return self.rt.unit_optimizer.state.read_state(unit, ("master",))["master"]
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)

@@ -80,8 +80,8 @@ class Delayed(OverlapPolicy):
 
     name = "delayed"
 
-    def __init__(self, engine, window):
-        super().__init__(engine, window)
+    def __init__(self, rt, window, optimizer):
+        super().__init__(rt, window, optimizer)
         self.future = None
         self.units: list = []             # units whose new parameters wait in staged_out
         self._grads: dict[int, object] = {}  # unit index -> host-pool block: the gradient copy
@@ -139,7 +139,7 @@ class Delayed(OverlapPolicy):
         self._finish()  # the previous window's update is published
 
     def apply(self, pending: list, grad_scale: float, factor: float) -> None:
-        self.launch(pending, self.engine.optimizer.hyper_of(), grad_scale)  # runs during the next window
+        self.launch(pending, self.optimizer.hyper_of(), grad_scale)  # runs during the next window
 
     def quiesce(self) -> None:
         self._wait_update()  # waited, not published
@@ -176,9 +176,8 @@ class Delayed(OverlapPolicy):
 
     def _gate_reads(self) -> None:
         """The surface's hot path (reads of resident units as torch) is off while a read would publish."""
-        surface = getattr(self.engine, "surface", None)
-        if surface is not None:
-            surface.publish_first = self.pending and not self._forward_in_window
+        if self.surface is not None:
+            self.surface.publish_first = self.pending and not self._forward_in_window
 
     def publish(self, what: str, force: bool = False) -> None:
         """engine.synchronize() and what calls it (checkpoints, state_dicts, weight reads and writes):
@@ -207,7 +206,7 @@ class Delayed(OverlapPolicy):
             self.window.mark_broken(f"the delayed update of the previous window failed ({type(exc).__name__}: "
                                     f"{exc}) after some of its units were updated")
             raise
-        self.window.applied_before = self.engine.unit_optimizer.applied
+        self.window.applied_before = self.rt.unit_optimizer.applied
 
     def master_of(self, unit):
         """The fp32 master a stale unit's file is rewritten from ([Note: a failed write-back] in params_writes.py).
@@ -215,9 +214,9 @@ class Delayed(OverlapPolicy):
         hold, and nothing else keeps them: the engine breaks, naming load_checkpoint, rather than train the
         window on weights one update fresher than its other units'."""
         if self.pending:
-            engine = self.engine
-            cause = engine.params.slots[unit.index].failed_write
-            why = (f"writing the parameters of unit '{unit.name or '<root>'}' to {engine.params.loc.value} failed "
+            rt = self.rt
+            cause = rt.params.slots[unit.index].failed_write
+            why = (f"writing the parameters of unit '{unit.name or '<root>'}' to {rt.params.loc.value} failed "
                    f"({cause}) while the delayed update (train.overlap = 'delayed') moved its fp32 master on, so the "
                    "weights this window must read are kept nowhere")
             self.window.mark_broken(why)
@@ -229,7 +228,7 @@ class Delayed(OverlapPolicy):
     def launch(self, units: list, hyper_of, grad_scale: float) -> None:
         """Copy the window's gradients of `units` (READY) and start their update; the caller drops
         the window's gradients after this. Nothing is started if a copy fails."""
-        e = self.engine
+        e = self.rt
         grads, got, hypers = {}, {}, {}
         try:
             for unit in units:
@@ -263,7 +262,7 @@ class Delayed(OverlapPolicy):
         if future is None:
             return
         self.error, interrupted = wait_out(future)
-        e = self.engine
+        e = self.rt
         threads.hand(threads.COMPUTE, e.params, e.unit_optimizer, e.unit_optimizer.state)
         for block in self._grads.values():
             e.host_pool.free(block)
@@ -276,7 +275,7 @@ class Delayed(OverlapPolicy):
         parameters are dropped and its error raised (some units were updated, others not: the
         caller breaks the engine)."""
         self._wait_update()
-        e = self.engine
+        e = self.rt
         units, self.units = self.units, []
         error, self.error = self.error, None
         if error is not None:
@@ -291,5 +290,5 @@ class Delayed(OverlapPolicy):
         """Forget a failed update's staged parameters (load_checkpoint replaces every state)."""
         self._wait_update()
         for unit in self.units:
-            self.engine.params.drop_out(unit)
+            self.rt.params.drop_out(unit)
         self.units, self.error = [], None

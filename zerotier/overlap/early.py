@@ -32,14 +32,14 @@ class EarlyStep(AutoSpeculative):
     early_step = True
 
     def on_unit_final(self, last_micro: bool):
-        e = self.engine
-        if e.cfg.train.max_grad_norm is None and not e.scaler.dynamic and last_micro and not e.sharding.active:
+        e = self.rt
+        if e.settings.cfg.train.max_grad_norm is None and not e.scaler.dynamic and last_micro and not e.sharding.active:
             return self._start_early
         return super().on_unit_final(last_micro)
 
     def _start_early(self, unit) -> None:
         """Update `unit` on the optimizer thread while backward goes on."""
-        scale = 1.0 / self.engine.scaler.scale
+        scale = 1.0 / self.rt.scaler.scale
 
         def update(hyper_of):
             # step() waits for the writes; the window's norm reads this gradient again

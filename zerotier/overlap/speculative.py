@@ -236,20 +236,20 @@ class Speculative(OverlapPolicy):
     name = "speculative"
     speculates: "bool | str" = True
 
-    def __init__(self, engine, window):
-        super().__init__(engine, window)
+    def __init__(self, rt, window, optimizer):
+        super().__init__(rt, window, optimizer)
         # the plan resolved the mode for this placement ([Note: speculation in the plan] in planner/speculation_plan.py)
-        mode = self.speculates if engine.plan.speculative else False
-        self.speculation = SpeculationPolicy(mode, engine.cfg.train.max_grad_norm is not None, engine.scaler.dynamic)
-        self.undo = UndoLog(engine.unit_optimizer, engine.device_tier, engine.host_pool,
-                            engine.plan.speculation_undo_bytes, copies=self.speculates is True)
+        mode = self.speculates if rt.plan.speculative else False
+        self.speculation = SpeculationPolicy(mode, rt.settings.cfg.train.max_grad_norm is not None, rt.scaler.dynamic)
+        self.undo = UndoLog(rt.unit_optimizer, rt.device_tier, rt.host_pool,
+                            rt.plan.speculation_undo_bytes, copies=self.speculates is True)
         self._speculating = False           # this window's last backward updates units speculatively
         self._spec_hyper: dict[int, list] = {}  # unit index -> the Hyper its speculated update used
         self._spec_scale = 1.0              # the gradient scale speculated updates used (1 / loss scale)
         self._rollback_started: tuple | None = None  # a rollback's (start, units, undo bytes, bytes moved)
 
     def on_unit_final(self, last_micro: bool):
-        e = self.engine
+        e = self.rt
         if last_micro and not e.sharding.active and self.speculation.wanted():
             self._speculating = True
             self._spec_scale = 1.0 / e.scaler.scale
@@ -260,7 +260,7 @@ class Speculative(OverlapPolicy):
         """Update `unit` on the optimizer thread with clip coefficient 1, undoably, while backward goes
         on; its new parameters wait in a staged write-back buffer until engine.step() validates the
         window. A unit whose undo does not fit the allowance only has its NVMe state reads started."""
-        e, scale = self.engine, self._spec_scale
+        e, scale = self.rt, self._spec_scale
 
         def update(hyper_of):
             if not self.undo.speculate(unit, e.params.staged_out_bytes(unit)):
@@ -282,12 +282,12 @@ class Speculative(OverlapPolicy):
         self._speculating = False
         self.wait()
         self._roll_back()
-        self.engine.grads.reopen()
+        self.rt.grads.reopen()
 
     def _roll_back(self) -> int:
         """Undo every speculated update of the window (after its futures were waited); the staged
         parameters are dropped (the redo, if any, writes them again). Returns bytes moved."""
-        e = self.engine
+        e = self.rt
         indices = self.undo.speculated
         moved = self.undo.roll_back()
         for i in indices:
@@ -299,14 +299,14 @@ class Speculative(OverlapPolicy):
         """After the window's norm: commit the speculated updates if the step would have made exactly
         them, else roll them back. Returns (units committed, rolled back?: None when nothing was
         speculated) and reports to the profiler."""
-        e = self.engine
+        e = self.rt
         if not self._speculating:
             return set(), None
         self._speculating = False
         indices = self.undo.speculated
         if not indices:
             return set(), None
-        hyper_of = e.optimizer.hyper_of()
+        hyper_of = self.optimizer.hyper_of()
         valid = (not overflow and factor == 1.0 and self._spec_scale == 1.0 / e.scaler.scale
                  and all(list(hyper_of(e.units[i])) == self._spec_hyper.get(i) for i in indices))
         undo_bytes = self.undo.copy_bytes()
@@ -335,7 +335,7 @@ class Speculative(OverlapPolicy):
         if not rolled_back:
             return
         start, units, undo_bytes, moved = self._rollback_started
-        prof = self.engine.profiler
+        prof = self.rt.profiler
         if prof is not None:
             prof.speculation(units, units, undo_bytes, moved, time.perf_counter() - start)
 
@@ -344,9 +344,9 @@ class Speculative(OverlapPolicy):
         self._outcome(rolled_back)
 
     def apply(self, pending: list, grad_scale: float, factor: float) -> None:
-        e = self.engine
+        e = self.rt
         committed, rolled_back = self._validate(factor, overflow=False)
-        self.update([u for u in pending if u.index not in committed], e.optimizer.hyper_of(), grad_scale)
+        self.update([u for u in pending if u.index not in committed], self.optimizer.hyper_of(), grad_scale)
         self._outcome(rolled_back)
         e.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
 
