@@ -756,6 +756,21 @@ constexpr int64_t kChunk = 1 << 16;  // elements per work chunk, a multiple of Q
 
 namespace {
 
+// What every step's args share: the gradient and output dtypes and the SIMD level. 0, or
+// ZT_ERR_ARGS / ZT_ERR_SIMD with the reason recorded for zt_cpu_last_error().
+template <class Args>
+int64_t check_io(const char* fn, const Args& a, int64_t t, int supported) {
+  if (a.grad_dtype < ZT_F32 || a.grad_dtype > ZT_F16)
+    return zt::set_error(fn, "args[%lld].grad_dtype = %d is not a ZtDtype", (long long)t, a.grad_dtype), ZT_ERR_ARGS;
+  if (a.out_dtype != ZT_NONE && (a.out_dtype < ZT_F32 || a.out_dtype > ZT_F16 || !a.param_out))
+    return zt::set_error(fn, "args[%lld]: out_dtype = %d without a matching param_out", (long long)t, a.out_dtype),
+           ZT_ERR_ARGS;
+  int simd = a.simd == ZT_SIMD_AUTO ? supported : a.simd;
+  if (simd > supported)
+    return zt::set_error(fn, "SIMD level %d is not supported by this CPU (best: %d)", simd, supported), ZT_ERR_SIMD;
+  return 0;
+}
+
 // 0, or ZT_ERR_ARGS / ZT_ERR_SIMD with the reason recorded for zt_cpu_last_error().
 int64_t check_args(const ZtAdamArgs& a, int64_t t, int supported) {
   const char* fn = "zt_adam_step_multi";
@@ -775,15 +790,7 @@ int64_t check_args(const ZtAdamArgs& a, int64_t t, int supported) {
       return zt::set_error(fn, "args[%lld]: 8-bit %s without its absmax or the quantization maps", (long long)t, name),
              ZT_ERR_ARGS;
   }
-  if (a.grad_dtype < ZT_F32 || a.grad_dtype > ZT_F16)
-    return zt::set_error(fn, "args[%lld].grad_dtype = %d is not a ZtDtype", (long long)t, a.grad_dtype), ZT_ERR_ARGS;
-  if (a.out_dtype != ZT_NONE && (a.out_dtype < ZT_F32 || a.out_dtype > ZT_F16 || !a.param_out))
-    return zt::set_error(fn, "args[%lld]: out_dtype = %d without a matching param_out", (long long)t, a.out_dtype),
-           ZT_ERR_ARGS;
-  int simd = a.simd == ZT_SIMD_AUTO ? supported : a.simd;
-  if (simd > supported)
-    return zt::set_error(fn, "SIMD level %d is not supported by this CPU (best: %d)", simd, supported), ZT_ERR_SIMD;
-  return 0;
+  return check_io(fn, a, t, supported);
 }
 
 // Runs kernels[t] over every buffer args[t] (one parallel region for all of them): what
@@ -834,32 +841,43 @@ int64_t run_buffers(const Args* args, int64_t count, const std::vector<Coef>& co
   return nonfinite.load();
 }
 
-int64_t adam_step_multi(const ZtAdamArgs* args, int64_t count) {
-  if (count < 0) return zt::set_error("zt_adam_step_multi", "count = %lld < 0", (long long)count), ZT_ERR_ARGS;
+// The checks, coefficients and kernels of `count` buffers, then run_buffers: what
+// zt_adam_step_multi and zt_lion_step_multi do. `prepare(args, simd, coefs, qindexes)` appends the
+// buffer's Coef (its 8-bit moments' indexes kept alive in `qindexes`) and returns its kernel.
+template <class Args, class K, class Check, class Prepare>
+int64_t step_multi(const char* fn, const Args* args, int64_t count, Check check, Prepare prepare) {
+  if (count < 0) return zt::set_error(fn, "count = %lld < 0", (long long)count), ZT_ERR_ARGS;
   if (count == 0) return 0;
   const int supported = zt_cpu_simd_supported();
   for (int64_t t = 0; t < count; ++t) {
-    int64_t rc = check_args(args[t], t, supported);
+    int64_t rc = check(args[t], t, supported);
     if (rc < 0) return rc;
   }
   std::vector<Coef> coefs;
-  std::vector<Kernel> kernels;
+  std::vector<K> kernels;
   std::vector<std::shared_ptr<const QIndex>> qindexes;  // what the coefs point to, alive until the end
   coefs.reserve(count);
   kernels.reserve(count);
-  for (int64_t t = 0; t < count; ++t) {
-    coefs.push_back(make_coef(args[t]));
-    if (args[t].exp_avg_dtype == ZT_Q8) {
-      qindexes.push_back(qindex_for(coefs[t].mid_m));
-      coefs[t].qi_m = qindexes.back().get();
-    }
-    if (args[t].exp_avg_sq_dtype == ZT_Q8) {
-      qindexes.push_back(qindex_for(coefs[t].mid_v));
-      coefs[t].qi_v = qindexes.back().get();
-    }
-    kernels.push_back(pick_kernel(args[t], args[t].simd == ZT_SIMD_AUTO ? supported : args[t].simd));
-  }
+  for (int64_t t = 0; t < count; ++t)
+    kernels.push_back(prepare(args[t], args[t].simd == ZT_SIMD_AUTO ? supported : args[t].simd, coefs, qindexes));
   return run_buffers(args, count, coefs, kernels);
+}
+
+int64_t adam_step_multi(const ZtAdamArgs* args, int64_t count) {
+  return step_multi<ZtAdamArgs, Kernel>("zt_adam_step_multi", args, count, check_args,
+                                        [](const ZtAdamArgs& a, int simd, std::vector<Coef>& coefs,
+                                           std::vector<std::shared_ptr<const QIndex>>& qindexes) {
+    coefs.push_back(make_coef(a));
+    if (a.exp_avg_dtype == ZT_Q8) {
+      qindexes.push_back(qindex_for(coefs.back().mid_m));
+      coefs.back().qi_m = qindexes.back().get();
+    }
+    if (a.exp_avg_sq_dtype == ZT_Q8) {
+      qindexes.push_back(qindex_for(coefs.back().mid_v));
+      coefs.back().qi_v = qindexes.back().get();
+    }
+    return pick_kernel(a, simd);
+  });
 }
 
 // 0, or ZT_ERR_ARGS / ZT_ERR_SIMD with the reason recorded for zt_cpu_last_error().
@@ -877,39 +895,20 @@ int64_t check_lion_args(const ZtLionArgs& a, int64_t t, int supported) {
   if (a.exp_avg_dtype == ZT_Q8 && a.n > 0 && (!a.exp_avg_absmax || !a.qmaps))
     return zt::set_error(fn, "args[%lld]: 8-bit exp_avg without its absmax or the quantization maps", (long long)t),
            ZT_ERR_ARGS;
-  if (a.grad_dtype < ZT_F32 || a.grad_dtype > ZT_F16)
-    return zt::set_error(fn, "args[%lld].grad_dtype = %d is not a ZtDtype", (long long)t, a.grad_dtype), ZT_ERR_ARGS;
-  if (a.out_dtype != ZT_NONE && (a.out_dtype < ZT_F32 || a.out_dtype > ZT_F16 || !a.param_out))
-    return zt::set_error(fn, "args[%lld]: out_dtype = %d without a matching param_out", (long long)t, a.out_dtype),
-           ZT_ERR_ARGS;
-  int simd = a.simd == ZT_SIMD_AUTO ? supported : a.simd;
-  if (simd > supported)
-    return zt::set_error(fn, "SIMD level %d is not supported by this CPU (best: %d)", simd, supported), ZT_ERR_SIMD;
-  return 0;
+  return check_io(fn, a, t, supported);
 }
 
 int64_t lion_step_multi(const ZtLionArgs* args, int64_t count) {
-  if (count < 0) return zt::set_error("zt_lion_step_multi", "count = %lld < 0", (long long)count), ZT_ERR_ARGS;
-  if (count == 0) return 0;
-  const int supported = zt_cpu_simd_supported();
-  for (int64_t t = 0; t < count; ++t) {
-    int64_t rc = check_lion_args(args[t], t, supported);
-    if (rc < 0) return rc;
-  }
-  std::vector<Coef> coefs;
-  std::vector<LionKernel> kernels;
-  std::vector<std::shared_ptr<const QIndex>> qindexes;
-  coefs.reserve(count);
-  kernels.reserve(count);
-  for (int64_t t = 0; t < count; ++t) {
-    coefs.push_back(make_lion_coef(args[t]));
-    if (args[t].exp_avg_dtype == ZT_Q8) {
-      qindexes.push_back(qindex_for(coefs[t].mid_m));
-      coefs[t].qi_m = qindexes.back().get();
+  return step_multi<ZtLionArgs, LionKernel>("zt_lion_step_multi", args, count, check_lion_args,
+                                            [](const ZtLionArgs& a, int simd, std::vector<Coef>& coefs,
+                                               std::vector<std::shared_ptr<const QIndex>>& qindexes) {
+    coefs.push_back(make_lion_coef(a));
+    if (a.exp_avg_dtype == ZT_Q8) {
+      qindexes.push_back(qindex_for(coefs.back().mid_m));
+      coefs.back().qi_m = qindexes.back().get();
     }
-    kernels.push_back(pick_lion_kernel(args[t], args[t].simd == ZT_SIMD_AUTO ? supported : args[t].simd));
-  }
-  return run_buffers(args, count, coefs, kernels);
+    return pick_lion_kernel(a, simd);
+  });
 }
 
 }  // namespace
