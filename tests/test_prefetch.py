@@ -42,9 +42,13 @@ def test_prefetch_copies_wait_for_compute_as_of_their_issue(monkeypatch):
     import zerotier
     from zerotier.models import TinyGPT, batches
     from zerotier.tiers.device import DeviceTier
+    from zerotier.tiers.lagging import LaggingDeviceTier, _lag_from_env
 
+    # the class make_device_tier builds here (the lagging one under the suite's conftest), whose
+    # mark() the engine calls: patching DeviceTier alone would miss LaggingDeviceTier's override
+    tier_cls = LaggingDeviceTier if _lag_from_env() is not None else DeviceTier
     marks, copies = [], []
-    mark, copy_h2d = DeviceTier.mark, DeviceTier.copy_h2d
+    mark, copy_h2d = tier_cls.mark, tier_cls.copy_h2d
 
     def marking(self):
         token = ("mark", threading.current_thread().name, mark(self))
@@ -55,8 +59,8 @@ def test_prefetch_copies_wait_for_compute_as_of_their_issue(monkeypatch):
         copies.append((threading.current_thread().name, after))
         return copy_h2d(self, dst, src, after=None if after is None else after[2])
 
-    monkeypatch.setattr(DeviceTier, "mark", marking)
-    monkeypatch.setattr(DeviceTier, "copy_h2d", copying)
+    monkeypatch.setattr(tier_cls, "mark", marking)
+    monkeypatch.setattr(tier_cls, "copy_h2d", copying)
     torch.manual_seed(0)
     with zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=4, heads=2, seq=16),
                              {"offload": {"params": "host"}, "prefetch": {"lookahead": 2}}) as engine:
