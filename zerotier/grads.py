@@ -68,7 +68,7 @@ from .grads_memory import STAGED_UNITS, MemoryGrads
 from .grads_nvme import GRAD_WRITES, OPEN_UNITS, GradFile, NvmeGrads
 from .slots import SlotField
 from .state import GRAD_TRANSITIONS, GradState, Location, Unit, transition
-from .tiers.homes import HOMES
+from .tiers.homes import HOMES, Home
 from .threads import COMPUTE, UPDATER, owned
 
 __all__ = ["GRAD_WRITES", "OPEN_UNITS", "STAGED_UNITS", "GradFile", "GradSlot", "GradStore", "MemoryGrads",
@@ -154,6 +154,36 @@ class GradStore:
         """Host-pool blocks the gradients hold at most at once: on the host an accumulator per unit
         (and its reduced shard when sharded); on NVMe the staging of NvmeGrads.staging_bytes."""
         return _backend(loc).host_blocks(loc, units, world_size, stage)
+
+    @staticmethod
+    def plan_terms(home: type[Home], s) -> dict[str, int]:
+        """The gradients' bytes per tier with accumulators in homes of class `home` ([Note: bytes per
+        parameter] in planner/sizes.py; `s`: the planner's Sizes): the accumulators, their staging,
+        and with several ranks the reduce buckets and the copies on each side of the reduce."""
+        n, tier = s.rank_numel("gradients"), home.location.value
+        need = home.plan_bytes(n, s.grad_bytes)
+        if home.in_memory and not home.on_device and s.cuda and s.engine_buffers:
+            need["host"] += GradStore.offload_staging_bytes(s.largest, s.lp_bytes, s.alignment)  # the D2H in flight
+        if not home.in_memory:  # [Note: gradients on NVMe]: the full gradient is staging only
+            if s.engine_buffers:
+                need["host"] += GradStore.nvme_staging_bytes(s.largest, s.rank_largest("gradients"), s.lp_bytes,
+                                                            s.grad_bytes, s.world_size, s.stage)
+            if s.engine_buffers and s.world_size > 1 and s.stage == 1:  # the reduced shards' files too
+                need[tier] += s.grad_bytes * (s.numel // s.world_size)
+        elif s.engine_buffers and s.world_size > 1 and s.stage >= 1:
+            # The engine keeps both the full gradient (the reduce-scatter input; freeing
+            # it per bucket is future work) and this rank's reduced shard, on the gradient
+            # tier. Stages >= 2 counted the shard above, stage 1 the full flat.
+            need[tier] += s.grad_bytes * (s.numel if n < s.numel else s.numel // s.world_size)
+        if s.engine_buffers and s.world_size > 1:  # the reduce buckets: fp32, on the device
+            need["device"] += GradBucketer.buffer_bytes(s.reduce_bucket, 4, s.partitions())
+            if not home.on_device:  # [Note: bucket memory]: host gradients cross by the tier's copies
+                need["host"] += GradBucketer.staging_bytes(s.reduce_bucket, 4, s.partitions(), alignment=s.alignment)
+                need["device"] += GradBucketer.conversion_bytes(s.largest, s.grad_bytes)
+            if not home.in_memory and s.cuda:
+                need["device"] += GradStore.nvme_conversion_bytes(s.largest, s.lp_bytes, s.grad_bytes, s.world_size,
+                                                                 s.stage)
+        return need
 
     @owned(COMPUTE)
     def place(self, unit: Unit) -> None:

@@ -49,6 +49,7 @@ from .device import enter as enter_device
 from .errors import BudgetError
 from .io.memory import round_up
 from .params_gather import Fetch, Now, ShardGathers
+from .params_terms import ParamSizing
 from .params_writes import WriteBacks, refuse_rewrite
 from .slots import SlotField
 from .state import PARAM_TRANSITIONS, Location, ParamState, Unit, transition
@@ -74,7 +75,9 @@ class ParamSlot:
     failed_write: "BaseException | None" = None     # [Note: a failed write-back] in params_writes.py
 
 
-class ParamStore:
+class ParamStore(ParamSizing):
+    """[Note: a unit's parameter bytes]; its sizing (the planner's term) is ParamSizing's (params_terms.py)."""
+
     def __init__(self, units: list[Unit], loc: Location, lp_dtype: torch.dtype, device_tier, host_pool, store,
                  sharding, out_loc: Location, lookahead: int = 0, profiler=None):
         self.units, self.loc, self.lp_dtype = units, loc, lp_dtype
@@ -122,35 +125,6 @@ class ParamStore:
     @property
     def device_flat(self) -> SlotField:
         return SlotField(self.slots, "device_flat")
-
-    # ------------------------------------------------------------------ sizing (the planner's terms)
-
-    writes_in_flight = staticmethod(WriteBacks.in_flight)
-    gather_staging_bytes = staticmethod(ShardGathers.staging_bytes)
-
-    @staticmethod
-    def host_blocks(loc: Location, lookahead: int, units: int) -> int:
-        """Host-pool blocks the parameters hold at most at once: a home's own (a home per unit on the
-        host) and a block per move in flight (from NVMe: a fetch per `lookahead` prefetch + the demand,
-        a write-back per `writes_in_flight`), as host_staging_bytes counts their bytes."""
-        home = HOMES[loc]
-        moves = lookahead + 1 + ParamStore.writes_in_flight(lookahead)
-        return units * home.blocks_at_rest + moves * home.blocks_per_move
-
-    @staticmethod
-    def host_staging_bytes(lookahead: int, shard_numels: list[int], lp_itemsize: int) -> int:
-        """Pool bytes NVMe-resident params need at most: a block per fetch in flight (`lookahead`
-        prefetches + the demand: distinct units) plus one per write-back in flight (at most
-        `writes_in_flight(lookahead)` distinct units, see WriteBacks.track), so the largest units'
-        sizes. `shard_numels`: every unit's rank shard. The planner counts exactly this."""
-        top = sorted(shard_numels, reverse=True)
-        return (sum(top[:lookahead + 1]) + sum(top[:ParamStore.writes_in_flight(lookahead)])) * lp_itemsize
-
-    @staticmethod
-    def writeback_bytes(rank_numel: int, lp_itemsize: int) -> int:
-        """ZeRO-1/2 over several ranks: bytes of the out buffers of one step (this rank's new shard
-        of every unit), alive until finish_commits() (the all-gathers read them). Planner's term."""
-        return rank_numel * lp_itemsize
 
     # ------------------------------------------------------------------ place
 

@@ -48,6 +48,7 @@ from ..params import ParamStore
 from .sizes import shard_numel
 from .step_model import Schedule, StepShape, UnitWork, simulate
 from ..state import Location
+from ..tiers.homes import HOMES
 
 # Rates assumed when none were measured on this node (bytes/s, params/s, flop/s);
 # `zerotier bench` measures the real ones. Figures: GUIDE.md section 3 and PCIe 4 x16.
@@ -129,8 +130,9 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
 
     cuda = device_type == "cuda"
     link_in, link_out = ("h2d", "d2h") if cuda else ("mem_copy", "mem_copy")
-    params_at, grads_at, opt_at = placement["params"], placement["gradients"], placement["optimizer"]
-    streamed = params_at is not Location.DEVICE or s.stage >= 3
+    # each kind's home class ([Note: homes] in tiers/homes.py): what it crosses, at which rate key
+    params_at, grads_at, opt_at = (HOMES[placement[kind]] for kind in ("params", "gradients", "optimizer"))
+    streamed = not params_at.on_device or s.stage >= 3
     trainable = list(s.unit_order)
     numels = trainable + list(s.frozen)
     works: list[UnitWork] = []
@@ -140,45 +142,45 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
         p_shard = shard_numel(n, "params", s.stage, s.world_size)
         g_shard = shard_numel(n, "gradients", s.stage, s.world_size)
         o_shard = shard_numel(n, "optimizer", s.stage, s.world_size)
-        unit_opt = optimizer_units[i] if optimizer_units and is_trainable else opt_at
+        unit_opt = HOMES[optimizer_units[i]] if optimizer_units and is_trainable else opt_at
         w = dict(forward_s=compute.forward_s[i] if compute else 0.0,
                  backward_s=compute.backward_s[i] if compute else 0.0,
                  encloses=bool(compute and compute.encloses[i]), trainable=is_trainable)
         if streamed:
             w["fetch_h2d_s"] = secs(s.lp_bytes * n, link_in)
-            if params_at is Location.NVME:
-                w["fetch_nvme_s"] = secs(s.lp_bytes * p_shard * local_ranks, "nvme_read")
+            if params_at.read_rate:  # from a drive (ranks per node share it), then over the link
+                w["fetch_nvme_s"] = secs(s.lp_bytes * p_shard * local_ranks, params_at.read_rate)
         if is_trainable:
-            if grads_at is not Location.DEVICE:  # the fresh gradient leaves the device (a CPU device: a copy)
+            if not grads_at.on_device:  # the fresh gradient leaves the device (a CPU device: a copy)
                 w["grad_d2h_s"] = secs(s.lp_bytes * n, link_out)
-            if grads_at is Location.NVME:
-                w["grad_write_s"] = secs(s.grad_bytes * g_shard * local_ranks, "nvme_write")
-                w["grad_read_s"] = secs(s.grad_bytes * g_shard * local_ranks, "nvme_read")
-            elif grads_at is Location.DEVICE and cuda and unit_opt is not Location.DEVICE:
+            if grads_at.write_rate:
+                w["grad_write_s"] = secs(s.grad_bytes * g_shard * local_ranks, grads_at.write_rate)
+                w["grad_read_s"] = secs(s.grad_bytes * g_shard * local_ranks, grads_at.read_rate)
+            elif grads_at.on_device and cuda and not unit_opt.on_device:
                 w["grad_stage_s"] = secs(s.grad_bytes * o_shard, "d2h")
-            norm_bytes += 0 if grads_at is Location.NVME else s.grad_bytes * g_shard
-            if unit_opt is Location.DEVICE and cuda:
+            norm_bytes += s.grad_bytes * g_shard if grads_at.in_memory else 0  # a file's sums are kept as folded
+            if unit_opt.on_device and cuda:
                 w["adam_s"], w["adam_on"] = secs(DEVICE_ADAM_BYTES * o_shard, "device_adam"), "compute"
             else:
                 w["adam_s"] = secs(o_shard * local_ranks, "cpu_adam")
                 w["adam_on"] = "cpu" if cuda else "compute"  # a CPU device's compute is the same cores
-            if unit_opt is Location.NVME:
-                w["state_read_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, "nvme_read")
-                w["state_write_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, "nvme_write")
-            if speculated and speculated[i] and unit_opt is not Location.NVME:  # the undo copy, and its restore
+            if unit_opt.read_rate:
+                w["state_read_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, unit_opt.read_rate)
+                w["state_write_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, unit_opt.write_rate)
+            if speculated and speculated[i] and unit_opt.in_memory:  # the undo copy, and its restore
                 undo = undo_bytes(o_shard, s.lp_bytes, s.state)
-                if unit_opt is Location.DEVICE and cuda:  # read and written on the device
+                if unit_opt.on_device and cuda:  # read and written on the device
                     w["undo_s"] = secs(2 * undo, "device_adam")
                 else:
                     w["undo_s"] = secs(undo * local_ranks, "mem_copy")
                 w["restore_s"] = w["undo_s"]
             w["speculate"] = bool(speculated and speculated[i])
-            if params_at is Location.NVME:
-                w["copyback_s"], w["copyback_on"] = secs(s.lp_bytes * o_shard * local_ranks, "nvme_write"), "nvme"
-            elif cuda and unit_opt is not Location.DEVICE and params_at is Location.DEVICE:
+            if params_at.write_rate:
+                w["copyback_s"], w["copyback_on"] = secs(s.lp_bytes * o_shard * local_ranks, params_at.write_rate), "nvme"
+            elif cuda and not unit_opt.on_device and params_at.on_device:
                 w["copyback_s"] = secs(s.lp_bytes * o_shard, "h2d")
         works.append(UnitWork(**w))
-    if options.clip and grads_at is Location.DEVICE and cuda:
+    if options.clip and grads_at.on_device and cuda:
         norm_s, norm_on = secs(norm_bytes / DEVICE_ADAM_BYTES, "device_adam"), "compute"
     else:
         norm_s = secs(norm_bytes * local_ranks, "mem_read") if options.clip else 0.0  # the node's memory bus

@@ -43,7 +43,10 @@ Working sets come on top of the model state, on the tier that pays for them:
       and the optimizer on a CUDA device: the update rule's device temporaries
       (`device_temp_bytes`: AdamW's fused kernel's gradient chunk)
 These are the functions the stores size their allocations with, so the plan cannot drift
-from the code.
+from the code: each kind's term is its store's `plan_terms(home, sizes)` (ParamStore,
+GradStore; the optimizer's is `_optimizer_terms` here for now), given the class of the home
+its tier keeps it in (tiers/homes.py: `HOMES[tier]`), and `bytes_for` adds the host-pool
+rounding and the NVMe rewrites. A new tier is a Home class; nothing here names a tier.
 
 
 [Note: optimizer split]
@@ -77,6 +80,7 @@ from ..optim.state_layout import StateLayout
 from ..optim.state_store import OptStateStore
 from ..params import ParamStore
 from ..state import Location
+from ..tiers.homes import HOMES, Home
 
 KINDS = ("params", "gradients", "optimizer")  # in auto-placement priority order
 SHARDED_FROM_STAGE = {"params": 3, "gradients": 2, "optimizer": 1}
@@ -120,7 +124,7 @@ def sharding_words(stage: int, world_size: int) -> str:
 def tier_holds(kind: str, loc: Location, cuda: bool, layout: StateLayout) -> bool:
     """Whether `auto` may put `kind` on `loc`: compact optimizer state (precision.master_dtype /
     moment_dtype other than fp32) is updated by the CPU kernel, never on a GPU (UnitOptimizer refuses it)."""
-    return not (kind == "optimizer" and loc is Location.DEVICE and cuda and not layout.exact)
+    return not (kind == "optimizer" and HOMES[loc].on_device and cuda and not layout.exact)
 
 
 @dataclass(frozen=True)
@@ -178,12 +182,16 @@ class Sizes:
 
 
 def bytes_for(kind: str, loc: Location, s: Sizes) -> dict[str, int]:
+    """The bytes per tier `kind` takes placed on `loc`: its store's term (the store's own sizing
+    functions, with the home class of `loc`), and with the engine's buffers each host-pool block
+    rounded up to io.alignment and the NVMe files' rewrites."""
+    home = HOMES[loc]
     if kind == "params":
         s = s.with_frozen()
-    need = _state_and_buffers(kind, loc, s)
+    need = STORE_TERMS[kind](home, s)
     if s.engine_buffers:  # each host-pool block is rounded up to io.alignment: count the worst case
-        need["host"] += _host_blocks(kind, loc, s) * (s.alignment - 1)
-        if loc is Location.NVME:
+        need["host"] += _host_blocks(kind, home, s) * (s.alignment - 1)
+        if not home.in_memory:
             need["nvme"] += _nvme_rewrites(kind, s)
     return need
 
@@ -208,75 +216,41 @@ def _nvme_rewrites(kind: str, s: Sizes) -> int:
     return rewrite + files * (len(shards) + min(inflight, len(shards))) * (s.alignment - 1)
 
 
-def _host_blocks(kind: str, loc: Location, s: Sizes) -> int:
-    """How many host-pool blocks `kind` on `loc` holds at most at once (for the rounding)."""
+def _host_blocks(kind: str, home: type[Home], s: Sizes) -> int:
+    """How many host-pool blocks `kind` in homes of class `home` holds at most at once (for the rounding)."""
     units = len(s.numels)
     if kind == "params":
-        return ParamStore.host_blocks(loc, s.lookahead, units)
+        return ParamStore.host_blocks(home.location, s.lookahead, units)
     if kind == "gradients":
-        return GradStore.host_blocks(loc, units, s.world_size, s.stage)
-    return OptStateStore.host_blocks(loc, units, s.pipeline_depth,
-                                     grads_staged=s.grads_on_nvme or (s.grads_on_gpu and loc is not Location.DEVICE),
-                                     writeback=s.world_size > 1 and s.stage in (1, 2) and loc is not Location.DEVICE,
+        return GradStore.host_blocks(home.location, units, s.world_size, s.stage)
+    return OptStateStore.host_blocks(home.location, units, s.pipeline_depth,
+                                     grads_staged=s.grads_on_nvme or (s.grads_on_gpu and not home.on_device),
+                                     writeback=s.world_size > 1 and s.stage in (1, 2) and not home.on_device,
                                      layout=s.state)
 
 
-def _state_and_buffers(kind: str, loc: Location, s: Sizes) -> dict[str, int]:
-    need = {"device": 0, "host": 0, "nvme": 0}
-    n = s.rank_numel(kind)
-    if kind == "params":
-        need[loc.value] += s.lp_bytes * n
-        if loc is not Location.DEVICE or s.stage >= SHARDED_FROM_STAGE["params"]:
-            # fetched full units: the one computing, the one just done, the lookahead, and the
-            # units enclosing them (resident for their module's whole forward/backward)
-            need["device"] += min(sum(s.numels[:s.lookahead + 2]) + s.nested, s.numel) * s.lp_bytes
-        if loc is Location.NVME:
-            need["host"] += ParamStore.host_staging_bytes(s.lookahead, s.rank_shards(kind), s.lp_bytes)
-        if s.engine_buffers and s.world_size > 1:
-            sharded = [p for p in s.partitions() if not p.replicated]
-            if s.stage >= 3 and loc is not Location.DEVICE:
-                need["device"] += ParamStore.gather_staging_bytes(s.lookahead, [p.shard_numel for p in sharded],
-                                                                  s.lp_bytes)
-            if s.stage in (1, 2):  # the gather buckets live with the parameters ([Note: bucket memory])
-                on_device = loc is Location.DEVICE
-                need["device" if on_device else "host"] += ParamGatherer.buffer_bytes(
-                    s.gather_bucket, s.lp_bytes, sharded, alignment=1 if on_device else s.alignment)
-    elif kind == "gradients":
-        need[loc.value] += s.grad_bytes * n
-        if loc is Location.HOST and s.cuda and s.engine_buffers:  # GPU review N6: the D2H staging in flight
-            need["host"] += GradStore.offload_staging_bytes(s.largest, s.lp_bytes, s.alignment)
-        if loc is Location.NVME:  # [Note: gradients on NVMe]: the full gradient is staging only
-            if s.engine_buffers:
-                need["host"] += GradStore.nvme_staging_bytes(s.largest, s.rank_largest(kind), s.lp_bytes,
-                                                            s.grad_bytes, s.world_size, s.stage)
-            if s.engine_buffers and s.world_size > 1 and s.stage == 1:  # the reduced shards' files too
-                need["nvme"] += s.grad_bytes * (s.numel // s.world_size)
-        elif s.engine_buffers and s.world_size > 1 and s.stage >= 1:
-            # The engine keeps both the full gradient (the reduce-scatter input; freeing
-            # it per bucket is future work) and this rank's reduced shard, on the gradient
-            # tier. Stages >= 2 counted the shard above, stage 1 the full flat.
-            need[loc.value] += s.grad_bytes * (s.numel if n < s.numel else s.numel // s.world_size)
-        if s.engine_buffers and s.world_size > 1:  # the reduce buckets: fp32, on the device
-            need["device"] += GradBucketer.buffer_bytes(s.reduce_bucket, 4, s.partitions())
-            if loc is not Location.DEVICE:  # [Note: bucket memory]: host gradients cross by the tier's copies
-                need["host"] += GradBucketer.staging_bytes(s.reduce_bucket, 4, s.partitions(), alignment=s.alignment)
-                need["device"] += GradBucketer.conversion_bytes(s.largest, s.grad_bytes)
-            if loc is Location.NVME and s.cuda:
-                need["device"] += GradStore.nvme_conversion_bytes(s.largest, s.lp_bytes, s.grad_bytes, s.world_size,
-                                                                 s.stage)
-    else:
-        need[loc.value] += round(s.state.bytes_per_param * n)
-        if loc is Location.DEVICE and s.cuda and s.engine_buffers:
-            need["device"] += s.rule.device_temp_bytes()
-        if loc is Location.NVME:
-            need["host"] += OptStateStore.staging_bytes(s.pipeline_depth, s.rank_largest(kind), s.state)
-        if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu and loc is not Location.DEVICE):
-            need["host"] += StagedGrads.staging_bytes(s.rank_largest(kind), s.grad_bytes)
-        if s.engine_buffers and s.world_size > 1 and s.stage in (1, 2):
-            # the updated low-precision shards wait on the optimizer's side for the all-gather
-            side = "device" if loc is Location.DEVICE else "host"
-            need[side] += ParamStore.writeback_bytes(n, s.lp_bytes)
+def _optimizer_terms(home: type[Home], s: Sizes) -> dict[str, int]:
+    """The optimizer state's bytes per tier in homes of class `home`: the state, the update rule's
+    device temporaries on a CUDA device, the NVMe pipeline's staging sets, the gradient read blocks,
+    and at ZeRO-1/2 the updated low-precision shards waiting for the all-gather on the optimizer's
+    side. [Note: to the optimizer's store] This is the optimizer's term, summed here until the
+    optimizer state store (optim/state_store.py) offers it as ParamStore and GradStore do (`plan_terms`)."""
+    n = s.rank_numel("optimizer")
+    need = home.plan_bytes(n, s.state.bytes_per_param)
+    if home.on_device and s.cuda and s.engine_buffers:
+        need["device"] += s.rule.device_temp_bytes()
+    if not home.in_memory:
+        need["host"] += OptStateStore.staging_bytes(s.pipeline_depth, s.rank_largest("optimizer"), s.state)
+    if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu and not home.on_device):
+        need["host"] += StagedGrads.staging_bytes(s.rank_largest("optimizer"), s.grad_bytes)
+    if s.engine_buffers and s.world_size > 1 and s.stage in (1, 2):
+        # the updated low-precision shards wait on the optimizer's side for the all-gather
+        need["device" if home.on_device else "host"] += ParamStore.writeback_bytes(n, s.lp_bytes)
     return need
+
+
+STORE_TERMS = {"params": ParamStore.plan_terms, "gradients": GradStore.plan_terms, "optimizer": _optimizer_terms}
+"""Each kind's term: (home class, Sizes) -> bytes per tier, from the store that holds it."""
 
 
 def rank_shards_in_order(s: Sizes) -> list[int]:

@@ -11,11 +11,14 @@ A store keeps each unit's state (its low-precision parameters, its gradient accu
                                       None when it was copied on the spot
   view() -> tensor | None             the state itself, to update in place; None on NVMe
   nbytes, blocks_at_rest, blocks_per_move    its own byte and host-pool block counts
+  plan_bytes(numel, itemsize)         (on the class) the bytes per tier one home takes: the
+                                      planner's figure, by the code reserve() sizes with
 
 So a store chooses the home's class once (`HOMES[location]`) and never branches on the tier
 again; what differs is a home's capability (`in_memory`: `view()` is the state, else None for a
 file; `on_device` for a home compute reads where it is; `checked_at_read` for a write the next
-read checks). Each move is
+read checks; `read_rate`/`write_rate` for the rate key of the drive a move crosses beyond the
+host, which the planner's step prediction reads). Each move is
 bracketed by its tiers' accounting (Gemini's `chunk.shard_move`): a read from NVMe takes a
 pool block, reads the file into it, copies it to the device and gives the block back behind
 the copy's ticket ([Note: deferred free] in host.py); a write from the device stages through
@@ -27,6 +30,7 @@ import torch
 
 from ..io.ticket import CompletedTicket
 from ..state import Location
+from ..tier_names import TIER_NAMES
 
 
 class Tiers:
@@ -47,6 +51,8 @@ class Home:
     checked_at_read = False  # a write into it is checked by the next read, not joined by compute
     blocks_at_rest = 0      # host-pool blocks one home holds
     blocks_per_move = 0     # host-pool blocks one read or write holds while it is in flight
+    read_rate: "str | None" = None   # the rate key of a read beyond the host (a drive), for the step prediction
+    write_rate: "str | None" = None  # the same for a write
 
     def __init__(self, key: str, numel: int, dtype: torch.dtype, tiers: Tiers) -> None:
         self.key, self.numel, self.dtype, self.tiers = key, numel, dtype, tiers
@@ -59,6 +65,19 @@ class Home:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    @staticmethod
+    def state_bytes(numel: int, itemsize: float) -> int:
+        """Bytes of `numel` elements of `itemsize` bytes (a float for a mixed state: rounded)."""
+        return round(numel * itemsize)
+
+    @classmethod
+    def plan_bytes(cls, numel: int, itemsize: float) -> dict[str, int]:
+        """The bytes per tier a home of `numel` elements takes, as reserve() sizes it (the host pool
+        rounds a block up to io.alignment: the planner counts that per block)."""
+        need = dict.fromkeys(TIER_NAMES, 0)
+        need[cls.location.value] = cls.state_bytes(numel, itemsize)
+        return need
 
     @classmethod
     def reserve(cls, key: str, numel: int, dtype: torch.dtype, tiers: Tiers) -> "Home":
@@ -125,7 +144,7 @@ class HostHome(_MemoryHome):
 
     @classmethod
     def reserve(cls, key: str, numel: int, dtype: torch.dtype, tiers: Tiers) -> "HostHome":
-        block = tiers.host.alloc(numel * dtype.itemsize, dtype, key)
+        block = tiers.host.alloc(cls.state_bytes(numel, dtype.itemsize), dtype, key)
         return cls(key, block.tensor, tiers, block)
 
     def read_into(self, dst, after=None):
@@ -141,6 +160,7 @@ class NVMeHome(Home):
     location = Location.NVME
     checked_at_read = True
     blocks_per_move = 1
+    read_rate, write_rate = "nvme_read", "nvme_write"
 
     @classmethod
     def reserve(cls, key: str, numel: int, dtype: torch.dtype, tiers: Tiers) -> "NVMeHome":
