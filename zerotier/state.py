@@ -138,6 +138,12 @@ class Unit:
     shard_lo: int = 0                          # this rank's real elements: [shard_lo, shard_hi)
     shard_hi: int = 0
     frozen: bool = False                       # [Note: frozen units]: no gradient, master or optimizer state
+    # elements of this rank's (padded) shard: what the optimizer and gradient shard hold; fixed by
+    # `part` at construction (the whole flat without one), so the step reads a field, not a call
+    shard_numel: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shard_numel", self.numel if self.part is None else self.part.shard_numel)
 
     @property
     def key(self) -> str:
@@ -147,11 +153,6 @@ class Unit:
     @property
     def param_key(self) -> str:
         return f"{self.key}.param"
-
-    @property
-    def shard_numel(self) -> int:
-        """Elements of this rank's (padded) shard: what the optimizer and gradient shard hold."""
-        return self.part.shard_numel
 
     def views(self, flat: torch.Tensor):
         """(param, view of flat shaped like the param) pairs."""

@@ -105,6 +105,8 @@ class Window:
         self.applied_before = rt.unit_optimizer.applied  # unit updates before this window
         self.overlap = make_policy(rt, self, optimizer)  # [Note: overlap policies] in overlap/base.py
         self._forward_awaits_backward = False  # a forward under grad returned since the last backward began
+        # the units whose gradients this rank counts in the norm, fixed by the sharding (replicated ones on rank 0)
+        self._norm_units = [u for u in rt.units if rt.sharding.local_sumsq_share(u)]
 
     def _to(self, new: WindowState) -> None:
         self.state = check_transition(self.state, new, WINDOW_TRANSITIONS, "the accumulation window")
@@ -299,7 +301,7 @@ class Window:
         if self.norm is None:
             self.overlap.before_norm()
             e.grads.ready_all()
-            local = e.grads.sumsq([u for u in e.units if e.sharding.local_sumsq_share(u)])
+            local = e.grads.sumsq(self._norm_units)
             self.norm = math.sqrt(e.sharding.global_sum(local)) / e.scaler.scale
         return self.norm
 

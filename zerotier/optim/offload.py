@@ -141,11 +141,12 @@ class UnitOptimizer:
         unit's state buffers ([Note: optimizer state layout])."""
         self.applied += 1  # from here on the unit's state may differ from before the step
         got = self._got.pop(unit.index, None)
-        steps = self.state.slots[unit.index].steps
+        slot = self.state.slots[unit.index]
+        steps = slot.steps
         for k in range(len(steps)):
             if got is None or k in got:
                 steps[k] += 1
-        n, layout = unit.shard_numel, self.layout.for_unit(unit)
+        n, layout = unit.shard_numel, slot.layout  # fixed at placement
         master = layout.typed("master", raw["master"], n)
         moments = {k: layout.typed(k, raw[k], n) for k in layout.moment_keys}
         if grad.device != master[0].device:
@@ -175,17 +176,18 @@ class UnitOptimizer:
 
     def _apply(self, unit: Unit, master, moments: dict, grad, out, ranges, grad_scale: float) -> None:
         """The rule's update over the slices [a, b) of the shard in `ranges` ((a, b, step, hyper)
-        each). master and each moment: (values, tail) pairs, StateLayout.typed's views ([Note:
-        optimizer state layout]); on the CPU the rule's native variant runs them in one call, bf16
+        each), with the unit's layout (its slot's, fixed at placement). master and each moment:
+        (values, tail) pairs, the layout's `typed` views ([Note: optimizer state layout]); on the CPU the rule's native variant runs them in one call, bf16
         masters, int8 runs and fp32 ranges ([Note: small parameters keep fp32 moments]) included;
         on an accelerator the state is fp32 and the rule's device variant runs each range."""
         if not ranges:
             return
         common = dict(bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
         if master[0].device.type == "cpu":  # `out` is host memory too (ParamStore.out_buffer): one native call
-            self.layout.for_unit(unit).step_pieces(self.rule.cpu_pieces, master[0], moments, ranges, grad=grad,
-                                                   out=out, unit_index=unit.index, shard_lo=unit.shard_lo,
-                                                   simd=self.cfg.simd, threads=self.threads, **common)
+            layout = self.state.slots[unit.index].layout
+            layout.step_pieces(self.rule.cpu_pieces, master[0], moments, ranges, grad=grad, out=out,
+                               unit_index=unit.index, shard_lo=unit.shard_lo, simd=self.cfg.simd,
+                               threads=self.threads, **common)
             return
         master = master[0]  # fp32 state (the constructor refuses compact state on an accelerator)
         for a, b, step, h in ranges:

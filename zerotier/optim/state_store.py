@@ -87,6 +87,7 @@ class OptSlot:
     loc: Location
     buffers: dict | None = None
     steps: list[int] = field(default_factory=list)  # optimizer steps applied per parameter (torch's `step`)
+    layout: StateLayout | None = None  # the store's layout for this unit's shard (for_unit), fixed at placement
 
 
 class OptStateStore:
@@ -101,7 +102,7 @@ class OptStateStore:
                               "units: give one tier per unit, a split over host and nvme only")
         self.units, self.layout, self.depth, self.profiler = units, layout, depth, profiler
         self.device_tier, self.host_pool, self.nvme = device_tier, host_pool, nvme
-        self.slots = [OptSlot(u, at, None, [0] * len(u.params)) for u, at in zip(units, locs)]
+        self.slots = [OptSlot(u, at, None, [0] * len(u.params), layout.for_unit(u)) for u, at in zip(units, locs)]
         self._nvme_units = [u for u in units if locs[u.index] is Location.NVME]
         # [Note: NVMe optimizer pipeline]
         self._sets: list[dict] = []              # staging sets of pool blocks, made at the first NVMe step
@@ -162,14 +163,14 @@ class OptStateStore:
         the state's layout (a bf16 master: rounded to nearest).
         [Note: initial NVMe writes] NVMe: the writes are left in flight; finish_place() waits."""
         n, slot = unit.shard_numel, self.slots[unit.index]
-        layout = self.layout.for_unit(unit)  # [Note: small parameters keep fp32 moments]
+        layout = self.slots[unit.index].layout  # [Note: small parameters keep fp32 moments]
         if slot.loc is Location.NVME:
             moment_bytes = max(layout.nbytes(k, n) for k in layout.moment_keys)
             if self._zeros is None or self._zeros.tensor.numel() < moment_bytes:
                 self._finish_placing(0)  # writes in flight read the old zeros block
                 if self._zeros is not None:
                     self.host_pool.free(self._zeros)
-                largest = max(self.layout.for_unit(u).nbytes(k, u.shard_numel) for u in self._nvme_units
+                largest = max(self.slots[u.index].layout.nbytes(k, u.shard_numel) for u in self._nvme_units
                               for k in self.layout.moment_keys)
                 self._zeros = self.host_pool.alloc(largest, torch.uint8, "optimizer.zeros")
                 self._zeros.tensor.zero_()
@@ -277,7 +278,7 @@ class OptStateStore:
     # ------------------------------------------------------------------ NVMe pipeline
 
     def _make_sets(self) -> None:
-        largest = {k: max(self.layout.for_unit(u).nbytes(k, u.shard_numel) for u in self._nvme_units)
+        largest = {k: max(self.slots[u.index].layout.nbytes(k, u.shard_numel) for u in self._nvme_units)
                    for k in self.layout.keys}
         self._sets = [{k: self.host_pool.alloc(largest[k], torch.uint8, f"optimizer staging {k}")
                        for k in self.layout.keys} for _ in range(self.depth)]
@@ -312,7 +313,7 @@ class OptStateStore:
 
     def _set_views(self, staging: int, unit: Unit) -> dict:
         """The set's blocks as this unit's state: pool buffers sized to the shard, padded room after."""
-        layout = self.layout.for_unit(unit)
+        layout = self.slots[unit.index].layout
         return {k: buf.tensor[: layout.nbytes(k, unit.shard_numel)] for k, buf in self._sets[staging].items()}
 
     def _io(self, unit: Unit, bufs: dict, reason: str) -> list:
@@ -334,7 +335,7 @@ class OptStateStore:
             return tickets
         start = time.perf_counter_ns()
         src, dst = ("nvme", "host") if read else ("host", "nvme")
-        layout = self.layout.for_unit(unit)
+        layout = self.slots[unit.index].layout
         return [Profiled(t, f"{unit.key}.{k}", k, src, dst, layout.nbytes(k, unit.shard_numel), reason, start)
                 for t, k in zip(tickets, self.layout.keys)]
 
@@ -388,7 +389,7 @@ class OptStateStore:
         the live tensors for fp32 state on host or device, else fp32 copies on the CPU (decoded:
         [Note: optimizer state layout]). With `encoded`: CPU copies of the layout's own buffers
         (what write_state(encoded=True) takes)."""
-        n, layout = unit.shard_numel, self.layout.for_unit(unit)
+        n, layout = unit.shard_numel, self.slots[unit.index].layout
         keys = layout.keys if keys is None else keys
         slot = self.slots[unit.index]
         if slot.loc is not Location.NVME:
@@ -413,7 +414,8 @@ class OptStateStore:
         is yielded as it lives in its pool blocks (aligned and padded already: no copy); the caller
         may write only the padding."""
         def issue(unit: Unit):
-            n, layout, slot = unit.shard_numel, self.layout.for_unit(unit), self.slots[unit.index]
+            n, slot = unit.shard_numel, self.slots[unit.index]
+            layout = slot.layout
             if slot.loc is Location.HOST:
                 return slot.buffers, []
             bufs = {k: aligned_empty(layout.nbytes(k, n), alignment)[: layout.nbytes(k, n)] for k in layout.keys}
@@ -454,7 +456,7 @@ class OptStateStore:
         self.drop_prefetched()
         slot = self.slots[unit.index]
         slot.steps = [steps] * len(unit.params) if isinstance(steps, int) else list(steps)
-        n, layout = unit.shard_numel, self.layout.for_unit(unit)
+        n, layout = unit.shard_numel, self.slots[unit.index].layout
         on_nvme = slot.loc is Location.NVME
         for k in (k for k in self.layout.keys if k in state):
             live = None if on_nvme else slot.buffers[k]
