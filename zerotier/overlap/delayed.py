@@ -62,6 +62,7 @@ from __future__ import annotations
 from .. import threads
 from ..errors import ConfigError, ZerotierError
 from ..state import Location
+from ..tier_names import TIER_NAMES
 from ..units import format_setting
 from .base import OverlapPolicy, wait_out
 
@@ -112,6 +113,14 @@ class Delayed(OverlapPolicy):
         why = cls.refusal(world_size, plan.placement, plan.optimizer_units)
         if why is not None:
             raise ConfigError(f"train.overlap = 'delayed' cannot run here: {why}")
+
+    @classmethod
+    def plan_terms(cls, s) -> dict[str, int]:
+        """The plan's "delayed" term per tier ([Note: needs per component] in planner/planner.py):
+        host_bytes of every unit's optimizer shard; `s` is the planner's Sizes."""
+        need = dict.fromkeys(TIER_NAMES, 0)
+        need["host"] = host_bytes(s.rank_shards("optimizer"), s.grad_bytes, s.lp_bytes, s.alignment)
+        return need
 
     @staticmethod
     def too_little_host(extra: int, room: int, host_budget: int) -> str:

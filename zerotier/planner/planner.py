@@ -21,7 +21,7 @@ The plan's bytes are kept per component, `Plan.needs[component][tier]`: `params`
 `optimizer` (each kind where it is placed, with its working sets, as sizes.bytes_for counts
 them from the stores' own sizing functions), `speculation` (the speculative step's allowance and
 shadow files), `delayed` (train.overlap = 'delayed': its gradient copies and staged parameters,
-`overlap.delayed.host_bytes`; a host budget without room for them refuses the plan), `activations` and
+`Delayed.plan_terms`; a host budget without room for them refuses the plan), `activations` and
 `materialization`. `Plan.need` is their sum per tier; nothing is checked outside the plan.
 ZEROTIER_CHECK_PLAN=1 compares the run's peaks with these terms ([Note: the plan against the
 run's peaks] in plan_check.py).
@@ -37,8 +37,9 @@ from ..config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
 from ..errors import ConfigError
 from ..optim.rules import make_rule
 from ..optim.state_layout import StateLayout
-from ..overlap.delayed import Delayed, host_bytes as delayed_host_bytes
+from ..overlap.delayed import Delayed
 from ..state import DTYPES, Location
+from ..tiers.homes import HOMES
 from .budgets import nvme_off, resolve_budgets
 from .machine_fit import Machine, shortfall
 from .messages import PlanDoesNotFit, does_not_fit, split_does_not_fit
@@ -213,18 +214,19 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
             free[t] -= b
         needs[kind] = want
         if kind == "gradients":
-            sizes = dataclasses.replace(sizes, grads_on_gpu=device.type == "cuda" and chosen is Location.DEVICE,
-                                        grads_on_nvme=chosen is Location.NVME)
+            sizes = dataclasses.replace(sizes, grads_on_gpu=device.type == "cuda" and HOMES[chosen].on_device,
+                                        grads_on_nvme=not HOMES[chosen].in_memory)
     spec = fit_speculation(step, placement, units_on, sizes, free, compute, sum(state_bytes.values()))
     needs["speculation"] = _on_tiers(**spec.undo, nvme=spec.nvme)
     if step.overlap == Delayed.name and Delayed.refusal(world_size, placement, units_on) is None:
         # [Note: delayed update]: the window's gradient copies and staged parameters, in the host pool
-        extra = delayed_host_bytes(rank_shards_in_order(sizes), sizes.grad_bytes, lp_bytes, alignment)
+        delayed = Delayed.plan_terms(sizes)
+        extra = delayed["host"]
         if extra > free["host"] - spec.undo["host"]:
             raise PlanDoesNotFit(Delayed.too_little_host(extra, free["host"], budgets["host"]), "gradients",
                                  [{"tier": "host", "more": {"host": extra - free["host"]}}], placement,
                                  sum(state_bytes.values()))
-        needs["delayed"] = _on_tiers(host=extra)
+        needs["delayed"] = delayed
     schedule, used, spec_s = predict_step(placement, sizes, device.type, rates, local, units_on, compute, step,
                                            spec.units if spec.on else None)
     breakdown = {c: schedule.seconds.get(c, 0.0) for c in COMPONENTS}
@@ -236,7 +238,7 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                 state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes, precision.accumulator_dtype,
                 units_on, split, sum(frozen_numels), frozen_bytes,
                 {c: schedule.critical.get(c, 0.0) for c in COMPONENTS},
-                bound_by(schedule.critical, device.type, placement["optimizer"] is Location.DEVICE), compute is not None,
+                bound_by(schedule.critical, device.type, HOMES[placement["optimizer"]].on_device), compute is not None,
                 state_layout=sizes.state, speculative=spec.on, rollback_rate=step.rollback_rate,
                 speculation_units=spec.units if spec.on else (), speculation_step_s=spec_s,
                 speculation_note=spec.note)

@@ -28,6 +28,7 @@ from ..config import OffloadConfig
 from ..units import format_setting, format_size
 from ..optim.state_layout import StateLayout
 from ..state import TIER_NAMES as TIERS, Location
+from ..tiers.homes import HOMES
 from .sizes import KINDS, bytes_for, split_bytes, split_units, tier_holds
 
 PRICE = {"device": 100, "host": 10, "nvme": 1}  # relative cost of a byte: HBM, DRAM, flash
@@ -44,8 +45,8 @@ def _route_need(route: dict, s, base: dict[str, int], cuda: bool) -> dict[str, i
         for t, b in want.items():
             need[t] += b
         if kind == "gradients":
-            s = dataclasses.replace(s, grads_on_gpu=cuda and where is Location.DEVICE,
-                                    grads_on_nvme=where is Location.NVME)
+            s = dataclasses.replace(s, grads_on_gpu=cuda and HOMES[where].on_device,
+                                    grads_on_nvme=not HOMES[where].in_memory)
     return need
 
 
@@ -104,7 +105,8 @@ def _largest_unit(s, budgets: dict[str, int], route: dict, names: dict[int, str]
         return (f"{who} has {numel:,} parameters, {format_size(params)}, more than the whole device budget "
                 f"({format_size(budgets['device'])}): its parameters are on the device while it computes. Split it "
                 "(train.wrap: a finer wrap) or raise tiers.device")
-    if route.get("optimizer") is Location.NVME:
+    optimizer_home = HOMES.get(route.get("optimizer"))  # None for a split: a tuple of unit tiers
+    if optimizer_home is not None and not optimizer_home.in_memory:  # NVMe: the state is staged through host
         staging = OptStateStore.staging_bytes(1, s.rank_largest("optimizer"), s.state)
         if staging > budgets["host"]:
             return (f"{who} has {numel:,} parameters; one staging set of its optimizer state, "

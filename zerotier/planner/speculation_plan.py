@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from ..io.memory import round_up
 from ..overlap.speculative import shadow_bytes, undo_bytes
 from ..state import Location
+from ..tiers.homes import HOMES
 from ..units import format_size
 from .messages import PlanDoesNotFit
 from .predict import StepOptions, UnitCompute, predict
@@ -64,7 +65,7 @@ def fit_speculation(step: StepOptions, placement: dict[str, Location], units_on:
     shards = rank_shards_in_order(s)
     tiers = units_on or (placement["optimizer"],) * len(shards)
     nvme = sum(shadow_bytes(n, s.alignment, s.state) for n, at in zip(shards, tiers)
-               if at is Location.NVME)
+               if not HOMES[at].in_memory)
     if nvme > free["nvme"]:
         short = nvme - free["nvme"]
         if wanted == "auto":
@@ -77,7 +78,7 @@ def fit_speculation(step: StepOptions, placement: dict[str, Location], units_on:
     # what a speculated unit holds until the check (UndoLog.speculate): a host or device unit its
     # undo copy on its tier, an NVMe unit its new low-precision shard (ParamStore.staged_out_bytes) on host
     # auto copies no state: host/device units are speculated with `true` only (UndoLog.copies)
-    held = [("host", max(round_up(n * s.lp_bytes, s.alignment), s.alignment)) if at is Location.NVME else
+    held = [("host", max(round_up(n * s.lp_bytes, s.alignment), s.alignment)) if not HOMES[at].in_memory else
             (at.value, undo_bytes(n, s.lp_bytes, s.state)) if wanted is True else (None, 0)
             for n, at in zip(shards, tiers)]
     if not any(t for t, _ in held):
