@@ -103,10 +103,9 @@ def stays(calls):
     return route
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print the route as JSON")
-    args = ap.parse_args()
+def walk() -> dict:
+    """One unit's route through one backward and optimizer step: {"route": a line per stay,
+    "files", "stays", "returns", "file_list"} (tests/test_grad_walk.py pins it)."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
     engine = zerotier.initialize(model, {
@@ -136,14 +135,22 @@ def main() -> None:
         seen.add(f)
     files = sorted(seen)
     lines = [f"{f} ({', '.join(dict.fromkeys(fns))})" for f, fns in route]
-    summary = {"files": len(files), "stays": len(route), "returns": returns, "file_list": files}
+    return {"route": lines, "files": len(files), "stays": len(route), "returns": returns, "file_list": files}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the route as JSON")
+    args = ap.parse_args()
+    summary = walk()
+    lines = summary["route"]
     if args.json:
-        print(json.dumps({"route": lines, **summary}, indent=1))
+        print(json.dumps(summary, indent=1))
         return
     for line in lines:
         print("  " + line[:160])
     print(f"\n{summary['files']} files, {summary['stays']} stays, {summary['returns']} returns to a file already left")
-    print("files: " + ", ".join(files))
+    print("files: " + ", ".join(summary["file_list"]))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@ state, wherever the state store (state_store.py) keeps it.
 
 `step()` reads each unit's gradient shard and writes the new low-precision parameters into the
 buffer the parameter store hands it, in the same pass as the update math (fused output, in the
-param dtype); it yields each unit once it is updated, and the engine commits it. It calls nobody
-back. The state, its placement, the NVMe pipeline ([Note: NVMe optimizer pipeline]) and the step
+param dtype); it yields each unit once it is updated. `update()` is the loop an overlap policy
+starts (the policy decides when, the driver does it): `step()` over the units, each one marked
+stepped in the gradient store and committed by the parameter store as it is yielded. The
+hyper-parameters come as data (rules/base.py's HyperTable), not a call back. The state, its placement, the NVMe pipeline ([Note: NVMe optimizer pipeline]) and the step
 counts are the store's (`self.state`); gradients that are not in host memory for a CPU update are
 staged by grad_staging.py ([Note: device gradients, host optimizer]).
 
@@ -29,7 +31,7 @@ from ..threads import UPDATER, owned
 from . import _kernels
 from .grad_staging import StagedGrads
 from .rules import AdamW, UpdateRule
-from .rules.base import HyperOf
+from .rules.base import HyperTable
 from .state_layout import StateLayout
 from .state_store import OptStateStore
 
@@ -77,13 +79,28 @@ class UnitOptimizer:
     # ------------------------------------------------------------------ step
 
     @owned(UPDATER)
+    def update(self, units: list[Unit], grads, params, hypers: HyperTable, grad_scale: float, drain: bool = True,
+               keep_grads: bool = False, speculative: bool = False) -> None:
+        """The update an overlap policy starts (it decides when, this does it): `step` over `units`
+        reading the gradient store's shards (`grads`: GradStore) into the parameter store's output
+        buffers (`params`: ParamStore), and each unit's new parameters committed as soon as it is
+        done, unless `speculative` ([Note: speculative step] in overlap/speculative.py: staged
+        until the window is validated)."""
+        out_of = params.staged_out if speculative else params.out_buffer
+        for unit in self.step(units, grads.shard, out_of, hypers, grad_scale, drain, got_of=grads.got,
+                              keep_grads=keep_grads):
+            if not speculative:
+                grads.stepped(unit)
+                params.commit(unit)
+
+    @owned(UPDATER)
     def step(self, units: list[Unit], grad_of: Callable[[Unit], torch.Tensor],
-             out_of: Callable[[Unit], torch.Tensor], hyper_of: HyperOf, grad_scale: float,
+             out_of: Callable[[Unit], torch.Tensor], hypers: HyperTable, grad_scale: float,
              drain: bool = True, got_of: Callable[[Unit], "frozenset[int] | None"] | None = None,
              keep_grads: bool = False) -> Iterator[Unit]:
         """Update `units`, yielding each once its master and its low-precision output are written.
         `grad_of(unit)`: the gradient shard to read; `out_of(unit)`: where the new params go;
-        `hyper_of(unit)`: each parameter's hyper-parameters; `got_of(unit)`: the unit's
+        `hypers`: this step's hyper-parameters by group, and each unit's parameters' groups; `got_of(unit)`: the unit's
         parameters that got a gradient (None: all of them) — the others are left untouched
         ([Note: parameters without a gradient]).
         drain=False leaves NVMe write-backs in flight (an early update during backward: the
@@ -98,12 +115,12 @@ class UnitOptimizer:
                                   or self.device.type == "cpu" and first.device.type == "cuda"):
             grad_of = StagedGrads(order, grad_of, self.device_tier, self.host_pool, self.profiler)
         try:
-            yield from self._step(order, grad_of, out_of, hyper_of, grad_scale, drain)
+            yield from self._step(order, grad_of, out_of, hypers, grad_scale, drain)
         finally:
             if isinstance(grad_of, StagedGrads):
                 grad_of.close()
 
-    def _step(self, order, grad_of, out_of, hyper_of: HyperOf, grad_scale: float, drain: bool) -> Iterator[Unit]:
+    def _step(self, order, grad_of, out_of, hypers: HyperTable, grad_scale: float, drain: bool) -> Iterator[Unit]:
         state = self.state
         ahead = max(1, state.depth - 2)
         nvme_order = [u for u in order if state.on_nvme(u)]
@@ -111,17 +128,17 @@ class UnitOptimizer:
         completed = False
         try:
             for unit in order:
+                hyper = [hypers.groups[g] for g in hypers.unit_groups[unit.index]]  # data, no call back
                 on_nvme = state.on_nvme(unit)
                 # [Note: units on different tiers]: before a host unit, only free sets
                 state.read_ahead(nvme_order[done: done + 1 + ahead], block=on_nvme)
                 if not on_nvme:
-                    self._update(unit, state.live_state(unit), grad_of(unit), out_of(unit), hyper_of(unit),
-                                 grad_scale)
+                    self._update(unit, state.live_state(unit), grad_of(unit), out_of(unit), hyper, grad_scale)
                     yield unit
                     continue
                 done += 1
                 with state.staged(unit) as bufs:  # [Note: NVMe optimizer pipeline]
-                    self._update(unit, bufs, grad_of(unit), out_of(unit), hyper_of(unit), grad_scale)
+                    self._update(unit, bufs, grad_of(unit), out_of(unit), hyper, grad_scale)
                 yield unit
             completed = True
         finally:

@@ -9,7 +9,7 @@ schedulers, add_param_group, state_dict / load_state_dict in their layout, step(
 [Note: param groups]
 The groups are the truth, as in torch: every step reads lr, betas, eps, weight_decay
 (and decoupled_weight_decay; Lion: lr, betas, weight_decay) of each parameter's group
-(`hyper_of()`, through the rule's `hyper`), so any lr
+(`hyper_table()`, through the rule's `hyper`, once per step), so any lr
 scheduler works, OneCycleLR's momentum cycling (it writes betas) included. UnitOptimizer
 updates a unit in one pass when its parameters share their hyper-parameters and step
 counts, and slice by slice otherwise.
@@ -61,7 +61,7 @@ import torch
 
 from ..errors import ConfigError, ZerotierError
 from . import state_dict_int8
-from .rules.base import HyperOf
+from .rules.base import HyperTable
 from .state_layout import StateLayout, first_bad_value
 
 # state_dict() under groups_only(): this key says the state is elsewhere (load keeps ours)
@@ -119,7 +119,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         self._counting = False             # inside count_step(): step() only counts
         self._built: list[dict] | None = None  # the groups zerotier built (add_param_group moves out of them)
         self._layout_key = None           # what _layout was built from
-        self._layout: list[list[int]] = []  # unit index -> group index of each of its parameters
+        self._layout: tuple[tuple[int, ...], ...] = ()  # unit index -> group of each of its parameters
         self._groups_only = False
         self._trainer_checked = False  # train(): the plain Trainer's exemptions checked
         where = {id(p): (u.index, k) for u in rt.units for k, p in enumerate(u.params)}
@@ -136,14 +136,13 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ the engine's side
 
-    def hyper_of(self) -> HyperOf:
-        """Each parameter's hyper-parameters now, by unit ([Note: param groups]): what
-        UnitOptimizer.step reads. Checked here, so a bad group fails before any update."""
+    def hyper_table(self) -> HyperTable:
+        """The groups' hyper-parameters now and each unit's parameters' groups ([Note: param groups]):
+        the data UnitOptimizer.step reads. Checked here, so a bad group fails before any update."""
         layout = self._unit_layout()
-        hypers = [self._rule.hyper(g, i) for i, g in enumerate(self.param_groups)]
-        return lambda unit: [hypers[g] for g in layout[unit.index]]
+        return HyperTable(tuple(self._rule.hyper(g, i) for i, g in enumerate(self.param_groups)), layout)
 
-    def _unit_layout(self) -> list[list[int]]:
+    def _unit_layout(self) -> tuple[tuple[int, ...], ...]:
         key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
         if key == self._layout_key:
             return self._layout
@@ -159,14 +158,14 @@ class EngineOptimizer(torch.optim.Optimizer):
                 if id(p) not in group_of:
                     missing.append(p)
                 row.append(group_of.get(id(p), -1))
-            layout.append(row)
+            layout.append(tuple(row))
         if missing:
             raise ZerotierError(f"engine.optimizer: {len(missing)} trained parameters ({self._name(missing[0])} ...) "
                                 "are in no param group (a group's 'params' list was edited by hand): zerotier "
                                 "updates every parameter it trains. Freeze a parameter with requires_grad_(False) "
                                 "before zerotier.initialize, or give it its own group with add_param_group")
-        self._layout, self._layout_key = layout, key
-        return layout
+        self._layout, self._layout_key = tuple(layout), key
+        return self._layout
 
     # ------------------------------------------------------------ torch.optim.Optimizer
 

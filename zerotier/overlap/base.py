@@ -22,8 +22,9 @@ plan, world_size)` (what it cannot run, before anything is placed; what it holds
 
 The base class is the machinery every policy shares: the optimizer thread ("zerotier-optim"),
 the futures of the updates started during backward (`early`), the hand-over of the updater
-([Note: thread ownership] in threads.py) and the update of a list of units. Its behaviour is
-NoOverlap's: nothing of the update runs before the step. A new policy is one module with a
+([Note: thread ownership] in threads.py). A policy decides when a list of units is updated; the
+driver does it (`UnitOptimizer.update` in optim/offload.py, with this step's HyperTable from
+`engine.optimizer.hyper_table()`). Its behaviour is NoOverlap's: nothing of the update runs before the step. A new policy is one module with a
 subclass and one entry in overlap/__init__.py's POLICIES.
 """
 from __future__ import annotations
@@ -117,23 +118,12 @@ class OverlapPolicy:
 
     def apply(self, pending: list, grad_scale: float, factor: float) -> None:
         """The window's update of `pending` (its READY units) after the optimizer's step() ran."""
-        self.update(pending, self.optimizer.hyper_of(), grad_scale)
-        self.rt.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
-
-    def update(self, units: list, hyper_of, grad_scale: float, drain: bool = True, keep_grads: bool = False,
-               speculative: bool = False) -> None:
-        """Adam on `units`; each one's new parameters are committed as soon as it is done, unless
-        `speculative` ([Note: speculative step]: staged until the window is validated)."""
         e = self.rt
-        out_of = e.params.staged_out if speculative else e.params.out_buffer
-        for unit in e.unit_optimizer.step(units, e.grads.shard, out_of, hyper_of, grad_scale,
-                                          drain, got_of=e.grads.got, keep_grads=keep_grads):
-            if not speculative:
-                e.grads.stepped(unit)
-                e.params.commit(unit)
+        e.unit_optimizer.update(pending, e.grads, e.params, self.optimizer.hyper_table(), grad_scale)
+        e.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
 
     def on_optimizer_thread(self, unit, update) -> None:
-        """Hand `unit`'s complete gradient to the optimizer thread and run `update(hyper_of)` there.
+        """Hand `unit`'s complete gradient to the optimizer thread and run `update(hypers)` there.
         The gradient is handed over whole: the optimizer thread waits for its host adds
         (`grads.ready` -> settle), so backward never blocks on the host per unit (GPU review N8)."""
         e = self.rt
@@ -143,13 +133,13 @@ class OverlapPolicy:
             done.record()
         else:
             done = None
-        hyper_of = self.optimizer.hyper_of()
+        hypers = self.optimizer.hyper_table()  # this step's, read on this thread
 
         def run():
             if done is not None:
                 done.synchronize()
             e.grads.ready(unit)
-            update(hyper_of)
+            update(hypers)
         # [Note: thread ownership]
         threads.hand(threads.OPTIMIZER, e.grads, e.params, e.unit_optimizer, e.unit_optimizer.state)
         self.early.append(self._thread.submit(run))

@@ -148,7 +148,7 @@ class Delayed(OverlapPolicy):
         self._finish()  # the previous window's update is published
 
     def apply(self, pending: list, grad_scale: float, factor: float) -> None:
-        self.launch(pending, self.optimizer.hyper_of(), grad_scale)  # runs during the next window
+        self.launch(pending, self.optimizer.hyper_table(), grad_scale)  # runs during the next window
 
     def quiesce(self) -> None:
         self._wait_update()  # waited, not published
@@ -234,11 +234,11 @@ class Delayed(OverlapPolicy):
 
     # ------------------------------------------------------------ the update in flight
 
-    def launch(self, units: list, hyper_of, grad_scale: float) -> None:
+    def launch(self, units: list, hypers, grad_scale: float) -> None:
         """Copy the window's gradients of `units` (READY) and start their update; the caller drops
         the window's gradients after this. Nothing is started if a copy fails."""
         e = self.rt
-        grads, got, hypers = {}, {}, {}
+        grads, got = {}, {}  # `hypers`: a snapshot (HyperTable), whatever an lr scheduler changes meanwhile
         try:
             for unit in units:
                 shard = e.grads.shard(unit)
@@ -247,7 +247,6 @@ class Delayed(OverlapPolicy):
                 grads[unit.index] = block
                 block.tensor.copy_(shard)  # a device shard: a synchronous D2H copy
                 got[unit.index] = e.grads.got(unit)
-                hypers[unit.index] = list(hyper_of(unit))  # an lr scheduler may change them meanwhile
         except BaseException:
             for block in grads.values():
                 e.host_pool.free(block)
@@ -258,7 +257,7 @@ class Delayed(OverlapPolicy):
         def run():
             opt = e.unit_optimizer
             for unit in opt.step(self.units, lambda u: grads[u.index].tensor, e.params.staged_out,
-                                 lambda u: hypers[u.index], grad_scale, drain=True, got_of=lambda u: got[u.index]):
+                                 hypers, grad_scale, drain=True, got_of=lambda u: got[u.index]):
                 e.host_pool.free(grads.pop(unit.index))  # its update read it: the memory goes back now
         # [Note: thread ownership]
         threads.hand(threads.OPTIMIZER, e.params, e.unit_optimizer, e.unit_optimizer.state)

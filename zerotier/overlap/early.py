@@ -39,9 +39,9 @@ class EarlyStep(AutoSpeculative):
 
     def _start_early(self, unit) -> None:
         """Update `unit` on the optimizer thread while backward goes on."""
-        scale = 1.0 / self.rt.scaler.scale
+        e, scale = self.rt, 1.0 / self.rt.scaler.scale
 
-        def update(hyper_of):
+        def update(hypers):
             # step() waits for the writes; the window's norm reads this gradient again
-            self.update([unit], hyper_of, scale, drain=False, keep_grads=True)
+            e.unit_optimizer.update([unit], e.grads, e.params, hypers, scale, drain=False, keep_grads=True)
         self.on_optimizer_thread(unit, update)

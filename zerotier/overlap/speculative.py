@@ -174,7 +174,7 @@ class UndoLog:
             return False
         tier = Location.HOST if loc is Location.NVME else loc
         n = unit.shard_numel
-        need = out_bytes + (0 if loc is Location.NVME else opt.layout.for_unit(unit).state_bytes(n))
+        need = out_bytes + (0 if loc is Location.NVME else opt.state.slots[unit.index].layout.state_bytes(n))
         if self._held[tier] + need > self.allowance[tier]:
             return False
         copies = {}
@@ -262,12 +262,13 @@ class Speculative(OverlapPolicy):
         window. A unit whose undo does not fit the allowance only has its NVMe state reads started."""
         e, scale = self.rt, self._spec_scale
 
-        def update(hyper_of):
+        def update(hypers):
             if not self.undo.speculate(unit, e.params.staged_out_bytes(unit)):
                 e.unit_optimizer.state.prefetch(unit)
                 return
-            self._spec_hyper[unit.index] = list(hyper_of(unit))
-            self.update([unit], hyper_of, scale, drain=False, keep_grads=True, speculative=True)
+            self._spec_hyper[unit.index] = hypers.of(unit.index)
+            e.unit_optimizer.update([unit], e.grads, e.params, hypers, scale, drain=False, keep_grads=True,
+                                    speculative=True)
         self.on_optimizer_thread(unit, update)
 
     def started(self) -> bool:
@@ -306,9 +307,9 @@ class Speculative(OverlapPolicy):
         indices = self.undo.speculated
         if not indices:
             return set(), None
-        hyper_of = self.optimizer.hyper_of()
+        hypers = self.optimizer.hyper_table()
         valid = (not overflow and factor == 1.0 and self._spec_scale == 1.0 / e.scaler.scale
-                 and all(list(hyper_of(e.units[i])) == self._spec_hyper.get(i) for i in indices))
+                 and all(hypers.of(i) == self._spec_hyper.get(i) for i in indices))
         undo_bytes = self.undo.copy_bytes()
         prof = e.profiler
         if valid:
@@ -346,7 +347,8 @@ class Speculative(OverlapPolicy):
     def apply(self, pending: list, grad_scale: float, factor: float) -> None:
         e = self.rt
         committed, rolled_back = self._validate(factor, overflow=False)
-        self.update([u for u in pending if u.index not in committed], self.optimizer.hyper_of(), grad_scale)
+        e.unit_optimizer.update([u for u in pending if u.index not in committed], e.grads, e.params,
+                                self.optimizer.hyper_table(), grad_scale)
         self._outcome(rolled_back)
         e.params.finish_commits()  # ZeRO-1/2: the new parameter shards reach every rank
 

@@ -11,14 +11,25 @@ here and one line in `RULES` (rules/__init__.py).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
 from ...errors import ZerotierError
 from .. import _kernels
 
-HyperOf = Callable[[Any], Sequence[NamedTuple]]  # a unit -> each of its parameters' hyper-parameters
+class HyperTable(NamedTuple):
+    """One step's hyper-parameters, as data ([Note: param groups] in torch_optimizer.py): built once
+    per step by `engine.optimizer`, read by the driver without calling back. `groups[g]`: group g's
+    (the rule's `hyper`); `unit_groups[i]`: the group of each parameter of unit i. Immutable: a
+    snapshot stays what it was when an lr scheduler changes the groups afterwards."""
+
+    groups: tuple[NamedTuple, ...]
+    unit_groups: tuple[tuple[int, ...], ...]
+
+    def of(self, index: int) -> list[NamedTuple]:
+        """Each parameter's hyper-parameters of the unit at `index`."""
+        return [self.groups[g] for g in self.unit_groups[index]]
 
 
 class UpdateRule:
