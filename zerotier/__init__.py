@@ -7,9 +7,8 @@ __version__ = "0.1.0"
 
 import importlib
 
-from .errors import BudgetError, ConfigError, TierIOError, ZerotierError  # noqa: F401
+from .errors import BudgetError, ConfigError, TierIOError, TrainingStopped, ZerotierError  # noqa: F401
 from .config import Config  # noqa: E402,F401
-from .engine.stop import TrainingStopped  # noqa: E402,F401
 
 _LAZY = {"Engine": "engine.engine", "initialize": "engine.engine", "from_pretrained": "pretrained", "plan": "planner.planning"}
 

@@ -27,3 +27,17 @@ class NativeUnavailableError(ZerotierError, RuntimeError):
 
 class NativeError(ZerotierError, RuntimeError):
     """A native (C++) call failed; the message names the function and the native reason."""
+
+
+class TrainingStopped(SystemExit):
+    """Training stopped at a step boundary after SIGTERM / SIGINT / engine.request_stop()
+    ([Note: graceful stop]). A SystemExit: uncaught, the process exits with `code`
+    (128 + signal number, 0 for request_stop()); `checkpoint` is the checkpoint written, or None.
+    Not a ZerotierError: a stop is no failure."""
+
+    def __init__(self, message: str, code: int, checkpoint=None):
+        super().__init__(code)
+        self.message, self.checkpoint = message, checkpoint
+
+    def __str__(self) -> str:
+        return self.message

@@ -28,7 +28,7 @@ from ..config import Config
 from ..device import choose as choose_device
 from ..dist import init_distributed
 from ..dist.sharding import Sharding
-from ..errors import ConfigError, ZerotierError
+from ..errors import ConfigError, TrainingStopped, ZerotierError
 from ..grads import GradStore, refuse_sparse_gradients
 from ..materialize import pool_bytes as materialize_pool_bytes
 from ..optim.offload import UnitOptimizer
@@ -371,7 +371,7 @@ class Engine:
                       else "no checkpoint written (set train.checkpoint_on_signal to write one)"))
         if self.rank == 0:
             print(message, file=sys.stderr, flush=True)
-        raise stop.TrainingStopped(message, stop.exit_status(code), saved)
+        raise TrainingStopped(message, stop.exit_status(code), saved)
 
 
     def gathered(self, params=None):

@@ -47,19 +47,6 @@ _received: set[int] = set()         # signals handled since ours were installed
 _lock = threading.Lock()
 
 
-class TrainingStopped(SystemExit):
-    """Training stopped at a step boundary after SIGTERM / SIGINT / engine.request_stop()
-    ([Note: graceful stop]). A SystemExit: uncaught, the process exits with `code`
-    (128 + signal number, 0 for request_stop()); `checkpoint` is the checkpoint written, or None."""
-
-    def __init__(self, message: str, code: int, checkpoint=None):
-        super().__init__(code)
-        self.message, self.checkpoint = message, checkpoint
-
-    def __str__(self) -> str:
-        return self.message
-
-
 def describe(code: int) -> str:
     if code == REQUEST:
         return "engine.request_stop()"

@@ -4,7 +4,7 @@ rule: one moment, so 8 B of fp32 state per parameter where AdamW keeps 12.
     c = b1*m + (1-b1)*g;   p = p*(1 - lr*wd) - lr*sign(c);   m = b2*m + (1-b2)*g
 
 DeepSpeed ships it as a CPU optimizer beside Adam and Adagrad. The CPU variant is the native
-kernel (native/cpu/lion.inc through optim/_kernels.py, every state dtype of [Note: optimizer
+kernel (_kernels.lion_step_multi, whose docstring names its C source; every state dtype of [Note: optimizer
 state layout]); the device variant is the same math in torch ops (torch has no fused Lion
 kernel). The state dict's layout is lion-pytorch's: `{"step", "exp_avg"}` per parameter.
 """
