@@ -41,12 +41,13 @@ def global_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def adamw_reference(model: torch.nn.Module, micro_batches: Iterable, lr: float, accum: int,
-                    loss_of: Callable | None = None, clip: float | None = 1.0
+                    loss_of: Callable | None = None, clip: float | None = 1.0, optimizer: Callable | None = None
                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train `model` on `micro_batches`: a micro-batch's loss is `loss_of(model, batch)`, by default
-    `model(*batch)` for a tuple and `model(batch)` else; `clip` None: no clipping. Returns each
-    micro-batch's loss and the final weights by name (float32 copies, on the CPU)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    `model(*batch)` for a tuple and `model(batch)` else; `clip` None: no clipping; `optimizer(params)`
+    replaces AdamW (another rule's reference, e.g. test_lion.py's). Returns each micro-batch's loss
+    and the final weights by name (float32 copies, on the CPU)."""
+    opt = (optimizer or (lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)))(model.parameters())
     losses = []
     for i, batch in enumerate(micro_batches):
         if loss_of is not None:

@@ -10,48 +10,53 @@ import torch
 import zerotier
 from zerotier.checkpoint_read import CheckpointError
 from zerotier.errors import ConfigError
-from zerotier.models import TinyGPT, batches
+from zerotier.models import batches
 from zerotier.optim import _kernels
 from zerotier.planner.planner import make_plan
 from zerotier.planner.predict import StepOptions
 
+from reference_runs import PLACEMENTS as ALL_PLACEMENTS, adamw_reference, step_means, tiny_gpt as make_model
+
 VOCAB, SEQ, BATCH, STEPS, ACCUM = 64, 16, 4, 8, 2
 LR, WD = 1e-3, 0.1
-PLACEMENTS = {
-    "all-device": {"params": "device", "gradients": "device", "optimizer": "device"},
-    "optimizer-host": {"params": "device", "gradients": "device", "optimizer": "host"},
-    "optimizer-nvme": {"params": "device", "gradients": "host", "optimizer": "nvme"},
-    "params-nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
-}
+PLACEMENTS = {name: ALL_PLACEMENTS[name] for name in ("all-device", "optimizer-host", "optimizer-nvme", "params-nvme")}
 
 
-def make_model():
-    torch.manual_seed(0)
-    return TinyGPT(vocab=VOCAB, dim=32, layers=2, heads=2, seq=SEQ)
+class ReferenceLion(torch.optim.Optimizer):
+    """Lion from the formulas: c = b1*m + (1-b1)*g; p = p*(1 - lr*wd) - lr*sign(c); m = b2*m + (1-b2)*g."""
+
+    def __init__(self, params, lr, betas, wd):
+        super().__init__(params, {"lr": lr, "betas": betas, "wd": wd})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, (b1, b2), wd = group["lr"], group["betas"], group["wd"]
+            for p in group["params"]:
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                c = b1 * m + (1 - b1) * p.grad
+                p.copy_(p * (1 - lr * wd) - lr * torch.sign(c))
+                m.copy_(b2 * m + (1 - b2) * p.grad)
 
 
 def reference_lion_run(model, steps=STEPS, lr=LR, betas=(0.9, 0.99), wd=WD):
-    """Lion from the formulas, over a plain torch model: c = b1*m + (1-b1)*g;
-    p = p*(1 - lr*wd) - lr*sign(c); m = b2*m + (1-b2)*g."""
-    params = list(model.parameters())
-    moments = [torch.zeros_like(p) for p in params]
-    data = batches(VOCAB, SEQ, BATCH, steps * ACCUM, seed=5)
-    losses = []
-    for _ in range(steps):
-        total = 0.0
-        for _ in range(ACCUM):
-            x, y = next(data)
-            loss = model(x, y)
-            (loss / ACCUM).backward()
-            total += float(loss.detach())
-        with torch.no_grad():
-            for p, m in zip(params, moments):
-                c = betas[0] * m + (1 - betas[0]) * p.grad
-                p.copy_(p * (1 - lr * wd) - lr * torch.sign(c))
-                m.copy_(betas[1] * m + (1 - betas[1]) * p.grad)
-                p.grad = None
-        losses.append(total / ACCUM)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    """ReferenceLion over a plain torch model: each step's mean loss and the final weights."""
+    losses, weights = adamw_reference(model, batches(VOCAB, SEQ, BATCH, steps * ACCUM, seed=5), lr, ACCUM, clip=None,
+                                      optimizer=lambda params: ReferenceLion(params, lr, betas, wd))
+    return step_means(losses, ACCUM), weights
+
+
+def assert_bitwise(got, expected):
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+
+
+def adamw_engine_after_one_step(tmp_path):
+    """An engine of the default rule (AdamW) on optimizer-host, after one step."""
+    cfg = {"offload": PLACEMENTS["optimizer-host"], "tiers": {"nvme_path": str(tmp_path)}}
+    engine = zerotier.initialize(make_model(), cfg)
+    train(engine, 0, 1)
+    return engine
 
 
 def config(offload, nvme_dir, **optimizer):
@@ -72,6 +77,14 @@ def train(engine, start, steps):
             total += float(loss.detach())
         losses.append(total / ACCUM)
     return losses
+
+
+def train_with_a_checkpoint_after_3_steps(engine, path):
+    """6 steps, saving a checkpoint to `path` after the third: the final weights."""
+    train(engine, 0, 3)
+    engine.save_checkpoint(path)
+    train(engine, 3, 3)
+    return engine.parameters_fp32()
 
 
 @pytest.mark.parametrize("name", PLACEMENTS)
@@ -112,15 +125,12 @@ def test_lion_defaults_groups_and_state_dict(tmp_path):
         engine.module.load_state_dict(model_state)
         engine.optimizer.load_state_dict(state)
         train(engine, 2, 2)
-        got = engine.parameters_fp32()
-    for k in expected:
-        assert torch.equal(got[k], expected[k]), k
+        assert_bitwise(engine.parameters_fp32(), expected)
 
 
 def test_an_adam_state_dict_does_not_load_into_lion(tmp_path):
     host = PLACEMENTS["optimizer-host"]
-    with zerotier.initialize(make_model(), {"offload": host, "tiers": {"nvme_path": str(tmp_path)}}) as engine:
-        train(engine, 0, 1)
+    with adamw_engine_after_one_step(tmp_path) as engine:
         adam_state = engine.optimizer.state_dict()
     with zerotier.initialize(make_model(), config(host, tmp_path)) as engine:
         train(engine, 0, 1)
@@ -145,10 +155,7 @@ def test_lion_checkpoints_resume_bitwise(where, master, moments, tmp_path):
     with zerotier.initialize(make_model(), cfg("a")) as engine:
         layout = engine.unit_optimizer.layout
         assert layout.keys == ("master", "exp_avg") and layout.moments == moments
-        train(engine, 0, 3)
-        engine.save_checkpoint(tmp_path / "ck")
-        train(engine, 3, 3)
-        expected = engine.parameters_fp32()
+        expected = train_with_a_checkpoint_after_3_steps(engine, tmp_path / "ck")
         for unit in engine.units:
             n, unit_layout = unit.shard_numel, layout.for_unit(unit)
             if where == "optimizer-nvme":
@@ -160,15 +167,12 @@ def test_lion_checkpoints_resume_bitwise(where, master, moments, tmp_path):
             warnings.simplefilter("error")
             engine.load_checkpoint(tmp_path / "ck")
         train(engine, 3, 3)
-        got = engine.parameters_fp32()
-    for k in expected:
-        assert torch.equal(got[k], expected[k]), k
+        assert_bitwise(engine.parameters_fp32(), expected)
 
 
 def test_a_checkpoint_of_another_rule_is_refused_before_anything_changes(tmp_path):
     host = PLACEMENTS["optimizer-host"]
-    with zerotier.initialize(make_model(), {"offload": host, "tiers": {"nvme_path": str(tmp_path)}}) as engine:
-        train(engine, 0, 1)
+    with adamw_engine_after_one_step(tmp_path) as engine:
         engine.save_checkpoint(tmp_path / "adam")
     with zerotier.initialize(make_model(), config(host, tmp_path)) as engine:
         train(engine, 0, 1)
