@@ -468,6 +468,37 @@ int64_t adam_scalar(const ZtAdamArgs& a, const Coef& c, int64_t begin, int64_t e
 #include "cpu/lion.inc"
 
 #ifdef ZT_X86
+// The lane shims whose AVX2 and AVX-512 bodies differ only in the intrinsics' prefix (P: _mm256, _mm512).
+#define ZT_LANE_ARITHMETIC(P)                                                                                 \
+  inline F vload(const float* p) { return P##_loadu_ps(p); }                                                  \
+  inline void vstore(float* p, F x) { P##_storeu_ps(p, x); }                                                  \
+  inline F vset(float x) { return P##_set1_ps(x); }                                                           \
+  inline F vadd(F a, F b) { return P##_add_ps(a, b); }                                                        \
+  inline F vsub(F a, F b) { return P##_sub_ps(a, b); }                                                        \
+  inline F vmul(F a, F b) { return P##_mul_ps(a, b); }                                                        \
+  inline F vdiv(F a, F b) { return P##_div_ps(a, b); }                                                        \
+  inline F vsqrt(F a) { return P##_sqrt_ps(a); }
+// A QIndex's constants, broadcast to integer vectors I.
+#define ZT_QLOOKUP(I, P)                                                                                      \
+  struct QLookup {                                                                                            \
+    I lo, hi, nb, mask, margin;                                                                               \
+    __m128i shift;                                                                                            \
+    const int32_t* entries;                                                                                   \
+    explicit QLookup(const QIndex& q)                                                                         \
+        : lo(P##_set1_epi32(q.lo)), hi(P##_set1_epi32(q.hi)), nb(P##_set1_epi32(q.nb)),                       \
+          mask(P##_set1_epi32(q.mask)), margin(P##_set1_epi32(kQMargin)), shift(_mm_cvtsi32_si128(q.shift)),  \
+          entries(q.entries.data()) {}                                                                        \
+  };
+// fmix32 (MurmurHash3's finalizer) per 32-bit lane of I; S: the lane-agnostic suffix (si256, si512).
+#define ZT_FMIX32(I, P, S)                                                                                    \
+  inline I vfmix32(I x) {                                                                                     \
+    x = P##_xor_##S(x, P##_srli_epi32(x, 16));                                                                \
+    x = P##_mullo_epi32(x, P##_set1_epi32((int)0x85ebca6bu));                                                 \
+    x = P##_xor_##S(x, P##_srli_epi32(x, 13));                                                                \
+    x = P##_mullo_epi32(x, P##_set1_epi32((int)0xc2b2ae35u));                                                 \
+    return P##_xor_##S(x, P##_srli_epi32(x, 16));                                                             \
+  }
+
 // ---- AVX2 + FMA + F16C: 8 lanes ------------------------------------------------
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -475,14 +506,7 @@ namespace avx2 {
 namespace {
 constexpr int W = 8;
 using F = __m256;
-inline F vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, F x) { _mm256_storeu_ps(p, x); }
-inline F vset(float x) { return _mm256_set1_ps(x); }
-inline F vadd(F a, F b) { return _mm256_add_ps(a, b); }
-inline F vsub(F a, F b) { return _mm256_sub_ps(a, b); }
-inline F vmul(F a, F b) { return _mm256_mul_ps(a, b); }
-inline F vdiv(F a, F b) { return _mm256_div_ps(a, b); }
-inline F vsqrt(F a) { return _mm256_sqrt_ps(a); }
+ZT_LANE_ARITHMETIC(_mm256)
 inline F vwiden_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
 inline F vload_bf16(const uint16_t* p) { return vwiden_bf16(_mm_loadu_si128((const __m128i*)p)); }
 inline F vload_grad(const void* g, int dt, int64_t i) {
@@ -519,13 +543,7 @@ inline void vstore_bf16(uint16_t* dst, F p) {  // round to nearest even
   r = _mm256_blendv_epi8(r, vnan_bf16(u), _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q)));
   _mm_storeu_si128((__m128i*)dst, vpack16(r));
 }
-inline __m256i vfmix32(__m256i x) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x85ebca6bu));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0xc2b2ae35u));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-}
+ZT_FMIX32(__m256i, _mm256, si256)
 // Stochastic rounding of lane l with counter + l; the lanes share the high word's key
 // (the caller falls back to scalar where the low word wraps inside the vector).
 inline void vstore_bf16_sr(uint16_t* dst, F p, uint64_t counter) {
@@ -546,15 +564,7 @@ inline F vdequant(const uint8_t* codes, const float* map, F absmax) {
                        map[codes[6]], map[codes[7]]);
   return _mm256_mul_ps(x, absmax);
 }
-struct QLookup {  // a QIndex's constants, broadcast
-  __m256i lo, hi, nb, mask, margin;
-  __m128i shift;
-  const int32_t* entries;
-  explicit QLookup(const QIndex& q)
-      : lo(_mm256_set1_epi32(q.lo)), hi(_mm256_set1_epi32(q.hi)), nb(_mm256_set1_epi32(q.nb)),
-        mask(_mm256_set1_epi32(q.mask)), margin(_mm256_set1_epi32(kQMargin)), shift(_mm_cvtsi32_si128(q.shift)),
-        entries(q.entries.data()) {}
-};
+ZT_QLOOKUP(__m256i, _mm256)
 // Stores the codes of xn (qindex_code per lane, [Note: 8-bit code search]). CHECK: stores
 // nothing and returns false if a lane lies within kQMargin patterns of its threshold.
 template <bool CHECK>
@@ -617,14 +627,7 @@ namespace avx512 {
 namespace {
 constexpr int W = 16;
 using F = __m512;
-inline F vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, F x) { _mm512_storeu_ps(p, x); }
-inline F vset(float x) { return _mm512_set1_ps(x); }
-inline F vadd(F a, F b) { return _mm512_add_ps(a, b); }
-inline F vsub(F a, F b) { return _mm512_sub_ps(a, b); }
-inline F vmul(F a, F b) { return _mm512_mul_ps(a, b); }
-inline F vdiv(F a, F b) { return _mm512_div_ps(a, b); }
-inline F vsqrt(F a) { return _mm512_sqrt_ps(a); }
+ZT_LANE_ARITHMETIC(_mm512)
 inline F vload_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -647,13 +650,7 @@ inline void vstore_bf16(uint16_t* dst, F p) {
   r = _mm512_mask_or_epi32(r, isnan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
   _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(r));
 }
-inline __m512i vfmix32(__m512i x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x85ebca6bu));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0xc2b2ae35u));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
+ZT_FMIX32(__m512i, _mm512, si512)
 inline void vstore_bf16_sr(uint16_t* dst, F p, uint64_t counter) {
   __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)counter),
                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
@@ -671,15 +668,7 @@ inline F vdequant(const uint8_t* codes, const float* map, F absmax) {
   __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)codes));
   return _mm512_mul_ps(_mm512_i32gather_ps(idx, map, 4), absmax);
 }
-struct QLookup {  // a QIndex's constants, broadcast
-  __m512i lo, hi, nb, mask, margin;
-  __m128i shift;
-  const int32_t* entries;
-  explicit QLookup(const QIndex& q)
-      : lo(_mm512_set1_epi32(q.lo)), hi(_mm512_set1_epi32(q.hi)), nb(_mm512_set1_epi32(q.nb)),
-        mask(_mm512_set1_epi32(q.mask)), margin(_mm512_set1_epi32(kQMargin)), shift(_mm_cvtsi32_si128(q.shift)),
-        entries(q.entries.data()) {}
-};
+ZT_QLOOKUP(__m512i, _mm512)
 // The AVX2 vcodes with 16 lanes and mask registers; the table is read by a gather (fast on
 // the Intel CPUs that have AVX-512).
 template <bool CHECK>
@@ -728,6 +717,9 @@ inline F vsign(F x) {
 }  // namespace
 }  // namespace avx512
 #pragma GCC pop_options
+#undef ZT_LANE_ARITHMETIC
+#undef ZT_QLOOKUP
+#undef ZT_FMIX32
 #endif  // ZT_X86
 
 namespace {
