@@ -482,3 +482,16 @@ def test_the_old_overlap_keys_are_read_as_train_overlap_with_one_warning(old, va
 def test_train_overlap_takes_one_value(train, match):
     with pytest.raises(ConfigError, match=match):
         Config.from_dict({"train": train})
+
+
+@pytest.mark.pins("design#the-overlap-seam")
+def test_every_overlap_value_has_a_policy_and_every_policy_a_value():
+    """train.overlap's values (config_schema.OVERLAP: the config imports nothing of overlap/) and the
+    policy registry (overlap.POLICIES) are one list: a policy added to one and not the other is
+    either unreachable from a config or a value that fails at initialize."""
+    import typing
+
+    from zerotier.config_schema import OVERLAP
+    from zerotier.overlap import POLICIES
+
+    assert set(typing.get_args(OVERLAP)) == set(POLICIES)
