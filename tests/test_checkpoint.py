@@ -611,7 +611,9 @@ def test_manifest_edited_with_its_checksum_fixed(tmp_path):
               r"ranks\[0\]\.ranges\[0\] = \[0, \d+\) is outside unit 0's \d+ elements"),
              (lambda m: m["ranks"][0]["records"].pop(), r"ranks\[0\] lacks records: 8 of 9"),
              (lambda m: m["unit_steps"][0].append(7), r"unit_steps\[0\] is .*, not a list of \d+ ints"),
-             (lambda m: m.__setitem__("world_size", "2"), r"world_size is '2', not a count >= 1")]
+             (lambda m: m.__setitem__("world_size", "2"), r"world_size is '2', not a count >= 1"),
+             # the update rule's name, not hashable (test_fuzz found a TypeError here)
+             (lambda m: m.__setitem__("optimizer", []), r"optimizer is \[\], not one of adamw, adam, lion")]
     for edit, message in edits:
         edited = json.loads(json.dumps(manifest))
         edit(edited)

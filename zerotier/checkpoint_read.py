@@ -341,7 +341,7 @@ def _check_manifest(m: dict, where: str) -> None:
     if type(below) is not int or below < 0:
         bad(f"fp32_moments_below is {reprlib.repr(below)}, not an element count")
     rule_name = m.get("optimizer", "adamw")  # the update rule whose state the records hold
-    if rule_name not in RULES:
+    if not isinstance(rule_name, str) or rule_name not in RULES:
         bad(f"optimizer is {reprlib.repr(rule_name)}, not one of {', '.join(RULES)}")
     keys = make_rule(rule_name).state_keys
     dtypes = m.get("state_dtypes")
