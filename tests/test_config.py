@@ -339,6 +339,7 @@ INVALID = [
     ("optimizer", {"threads": "many"}, r"optimizer\.threads: expected an int or 'auto', got 'many'"),
     ("optimizer", {"simd": "sse"}, r"optimizer\.simd: must be one of"),
     ("optimizer", {"bias_correction": "no"}, r"optimizer\.bias_correction: expected true or false"),
+    ("optimizer", {"step_on": "gpu"}, r"optimizer\.step_on: must be one of 'cpu', 'device', 'auto', got 'gpu'"),
     ("train", {"grad_accum_steps": 0}, r"train\.grad_accum_steps: must be >= 1, got 0"),
     ("train", {"max_grad_norm": 0}, r"train\.max_grad_norm: must be > 0, or left out to disable clipping"),
     ("train", {"max_grad_norm": "big"}, r"train\.max_grad_norm: expected a number or null"),
@@ -495,3 +496,19 @@ def test_every_overlap_value_has_a_policy_and_every_policy_a_value():
     from zerotier.overlap import POLICIES
 
     assert set(typing.get_args(OVERLAP)) == set(POLICIES)
+
+
+def test_optimizer_step_on_takes_cpu_device_or_auto_and_names_them_otherwise():
+    """optimizer.step_on ([Note: where the update runs] in planner/step_on.py): "auto" by default, the
+    three values accepted, anything else a ConfigError naming the choices; the config's Literal and
+    the planner's STEP_ON are one list."""
+    import typing
+
+    from zerotier.planner.step_on import STEP_ON
+
+    assert Config().optimizer.step_on == "auto"
+    for value in ("cpu", "device", "auto"):
+        assert Config.from_dict({"optimizer": {"step_on": value}}).optimizer.step_on == value
+    with pytest.raises(ConfigError, match=r"^optimizer\.step_on: must be one of 'cpu', 'device', 'auto', got 'GPU'"):
+        Config.from_dict({"optimizer": {"step_on": "GPU"}})
+    assert typing.get_args(typing.get_type_hints(OptimizerConfig)["step_on"]) == STEP_ON

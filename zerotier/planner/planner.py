@@ -49,6 +49,7 @@ from .report import whole_shortfall
 from .sizes import (KINDS, Sizes, auto_split, bytes_for, check_sharding, model_state_bytes, rank_shards_in_order,
                     split_bytes, split_units, tier_holds)
 from .speculation_plan import fit_speculation, predict_step
+from .step_on import steps_on
 
 
 def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig, precision: PrecisionConfig,
@@ -241,7 +242,8 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                 bound_by(schedule.critical, device.type, HOMES[placement["optimizer"]].on_device), compute is not None,
                 state_layout=sizes.state, speculative=spec.on, rollback_rate=step.rollback_rate,
                 speculation_units=spec.units if spec.on else (), speculation_step_s=spec_s,
-                speculation_note=spec.note)
+                speculation_note=spec.note,
+                optimizer_step_on=steps_on(step.step_on, units_on or (placement["optimizer"],) * len(unit_numels)))
 
 
 def _on_tiers(device: int = 0, host: int = 0, nvme: int = 0) -> dict[str, int]:

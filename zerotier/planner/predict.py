@@ -88,7 +88,8 @@ class StepOptions:
     step; speculation (True, False or "auto": on with clipping or a dynamic loss scale), resolved by
     the planner ([Note: speculation in the plan] in speculation_plan.py);
     rollback_rate: the share of speculated steps rolled back, for the expected step;
-    optimizer: optimizer.type, the update rule whose state the plan counts (optim/rules/)."""
+    optimizer: optimizer.type, the update rule whose state the plan counts (optim/rules/);
+    step_on: optimizer.step_on, where host/NVMe units' updates run ([Note: where the update runs])."""
     accum_steps: int = 1
     clip: bool = False
     early_step: bool = False
@@ -97,6 +98,7 @@ class StepOptions:
     rollback_rate: float = 0.01
     overlap: str | None = None       # the train.overlap value (None: the one `speculative` stands for)
     optimizer: str = "adamw"
+    step_on: str = "auto"
 
     @classmethod
     def of(cls, cfg, rollback_rate: float | None = None) -> "StepOptions":
@@ -107,7 +109,7 @@ class StepOptions:
                    early_step=policy.early_step, dynamic_scale=cfg.precision.loss_scale == "dynamic",
                    speculative=policy.speculates, overlap=policy.name,
                    rollback_rate=cls.rollback_rate if rollback_rate is None else rollback_rate,
-                   optimizer=cfg.optimizer.type)
+                   optimizer=cfg.optimizer.type, step_on=cfg.optimizer.step_on)
 
 
 def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str, float], local_ranks: int,

@@ -58,6 +58,8 @@ class Plan:
     # [Note: activation memory] in activations.py: where one micro-batch's saved activations
     # (needs["activations"]) come from ("": not counted)
     activation_source: str = ""
+    # [Note: where the update runs] in step_on.py: "cpu" / "device" per trainable unit, in unit index order
+    optimizer_step_on: tuple[str, ...] = ()
 
     @property
     def need(self) -> dict[str, int]:
@@ -185,6 +187,7 @@ class Plan:
             "speculation_nvme_bytes": self.speculation_nvme_bytes,
             "speculation_step_s": dict(self.speculation_step_s) if measured and self.speculative else None,
             "speculation_note": self.speculation_note,
+            "optimizer_step_on": list(self.optimizer_step_on),
         }
 
 
