@@ -6,6 +6,7 @@ native code) hands the kernels this module's quantization maps by pointer."""
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -72,8 +73,17 @@ def _qmaps() -> torch.Tensor:
 
 
 QMAPS = _qmaps()  # lives as long as the module: the native kernel reads it by pointer
+_QMAPS_ON: dict[torch.device, torch.Tensor] = {}
 
 
+def qmaps_on(device: torch.device) -> torch.Tensor:
+    """QMAPS on `device`: the same tables, copied once per device (the CPU's is QMAPS itself)."""
+    if device.type == "cpu":
+        return QMAPS
+    maps = _QMAPS_ON.get(device)
+    if maps is None:
+        maps = _QMAPS_ON[device] = QMAPS.to(device)
+    return maps
 
 
 def _blocks(n: int) -> int:
@@ -83,49 +93,51 @@ def _blocks(n: int) -> int:
 def quantize_blockwise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 `x` (flattened) as (uint8 codes, fp32 absmax per QUANT_BLOCK elements): the
     quantization the kernel applies to an updated moment ([Note: 8-bit moments]); signed
-    for exp_avg, unsigned for exp_avg_sq (negative values become 0)."""
+    for exp_avg, unsigned for exp_avg_sq (negative values become 0). On x's device."""
     x = x.reshape(-1).float()
-    n = x.numel()
+    n, device = x.numel(), x.device
     nblocks = _blocks(n)
     if n == 0:
-        return torch.empty(0, dtype=torch.uint8), torch.empty(0)
-    blocks = torch.zeros(nblocks * QUANT_BLOCK)
+        return torch.empty(0, dtype=torch.uint8, device=device), torch.empty(0, device=device)
+    blocks = torch.zeros(nblocks * QUANT_BLOCK, device=device)
     blocks[:n] = x
     blocks = blocks.view(nblocks, QUANT_BLOCK)
     absmax = blocks.abs().amax(dim=1)  # NaN propagates
-    scale = torch.where(absmax > 0, absmax, torch.ones(()))
-    xn = blocks / scale[:, None]
-    mid = QMAPS[1 if signed else 3][:255].contiguous()
-    codes = torch.searchsorted(mid, xn, side="left")  # #{k: mid[k] < xn}
-    codes = torch.where(torch.isnan(xn), 0, codes)
+    scale = torch.where(absmax > 0, absmax, 1.0)
+    xn = blocks.div_(scale[:, None])
+    codes = torch.searchsorted(qmaps_on(device)[1 if signed else 3][:255], xn, side="left")  # #{k: mid[k] < xn}
+    codes.masked_fill_(torch.isnan(xn), 0)
     return codes.to(torch.uint8).view(-1)[:n].clone(), absmax
 
 
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
-    """uint8 `codes` with their block scales `absmax` back to fp32 (map[code] * absmax)."""
+    """uint8 `codes` with their block scales `absmax` back to fp32 (map[code] * absmax), on their device."""
     n = codes.numel()
     if absmax.numel() != _blocks(n):
         raise ZerotierError(f"{n} codes need {_blocks(n)} block scales (QUANT_BLOCK = {QUANT_BLOCK}), "
                             f"got {absmax.numel()}")
-    values = QMAPS[0 if signed else 2][codes.reshape(-1).long()]
-    return values * absmax.float().repeat_interleave(QUANT_BLOCK)[:n]
-
+    values = qmaps_on(codes.device)[0 if signed else 2][codes.reshape(-1).long()]
+    return values.mul_(absmax.float().repeat_interleave(QUANT_BLOCK)[:n])
 
 
 _MASK32 = 0xFFFFFFFF
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for int64 x in [0, 2^32), without int64 overflow."""
-    return (x * (c & 0xFFFF) + ((x * (c >> 16)) << 16)) & _MASK32
+    """(x * c) mod 2^32 for int64 x in [0, 2^32), in place (the high product wraps in int64; its
+    low 32 bits are exact)."""
+    high = x * (c >> 16)
+    return x.mul_(c & 0xFFFF).add_(high.bitwise_left_shift_(16)).bitwise_and_(_MASK32)
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
+    """murmur3's finalizer on int64 lanes holding 32-bit values, in place."""
+    x ^= x >> 16
     x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
+    x ^= x >> 13
     x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
+    x ^= x >> 16
+    return x
 
 
 def sr_seed(unit_index: int, step: int) -> int:
@@ -141,19 +153,115 @@ def sr_seed(unit_index: int, step: int) -> int:
 
 
 def to_bf16_stochastic(x: torch.Tensor, seed: int) -> torch.Tensor:
-    """fp32 `x` to bf16 by stochastic rounding: element i adds the 16 bits
+    """fp32 `x` to bf16 by stochastic rounding, on x's device: element i adds the 16 bits
     fmix32(lo ^ fmix32(hi ^ 0x9E3779B9)) >> 16 of the 64-bit counter seed + i, then truncates
     ([Note: compact optimizer state])."""
-    n = x.numel()
-    i = torch.arange(n, dtype=torch.int64)
-    lo = (i + (seed & _MASK32)) & _MASK32
-    hi = ((seed >> 32) + ((i + (seed & _MASK32)) >> 32)) & _MASK32
-    bits = _fmix32(lo ^ _fmix32(hi ^ 0x9E3779B9)) >> 16
-    u = x.view(torch.int32).long() & _MASK32
-    rounded = ((u + bits) & _MASK32) >> 16
-    nan = torch.isnan(x)
-    rounded = torch.where(nan, (u >> 16) | 0x40, rounded)
-    return (rounded - ((rounded >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
+    counter = torch.arange(x.numel(), dtype=torch.int64, device=x.device).add_(seed & _MASK32)
+    hi = (counter >> 32).add_(seed >> 32).bitwise_and_(_MASK32).bitwise_xor_(0x9E3779B9)
+    bits = _fmix32(counter.bitwise_and_(_MASK32).bitwise_xor_(_fmix32(hi))).bitwise_right_shift_(16)
+    del hi
+    u = x.reshape(-1).view(torch.int32).long().bitwise_and_(_MASK32)
+    rounded = bits.add_(u).bitwise_and_(_MASK32).bitwise_right_shift_(16)
+    rounded = torch.where(torch.isnan(x.reshape(-1)), u.bitwise_right_shift_(16).bitwise_or_(0x40), rounded)
+    return rounded.sub_((rounded >> 15) << 16).to(torch.int16).view(torch.bfloat16).view(x.shape)
+
+
+# [Note: the update in torch ops] adam_update and lion_update are the scalar kernels'
+# (native/cpu/adam.cpp, lion.inc) element loops in torch ops over whole chunks, on the
+# tensors' device: the same fp32 operations in the same order, one rounding each (separate
+# kernels: nothing fuses a multiply and an add), the coefficients rounded to fp32 once as the
+# kernel's `Coef`, the square root correctly rounded (torch.sqrt on fp32 CPU tensors is not:
+# SLEEF, up to 1 ulp off; the fp64 root rounded to fp32 is, like sqrtps and CUDA's sqrt, as
+# double rounding is exact for the root of an fp32), the same stochastic rounding bits from
+# (seed, element) and the same blockwise re-quantization. So they are bitwise the native
+# kernel's result, on any device whose fp32 +, -, *, / are IEEE round-to-nearest (the CPU and
+# CUDA). They serve as the kernels' fallback and oracle (adam_step_reference,
+# lion_step_reference) and as the update rules' device variant (UpdateRule.device_pieces).
+# They work on TORCH_CHUNK elements at a time (a multiple of QUANT_BLOCK, so a chunk's
+# moments re-quantize whole blocks), in place on fp32 state: at most
+# TORCH_TEMP_BYTES_PER_ELEMENT * TORCH_CHUNK bytes of temporaries beside the state, which the
+# planner counts (`UpdateRule.device_temp_bytes`); the peak is the int64 lanes of the
+# stochastic rounding's hash. The count of non-finite scaled gradients they return stays a
+# tensor on the device (no host sync).
+TORCH_CHUNK = 1 << 18
+TORCH_TEMP_BYTES_PER_ELEMENT = 64
+
+
+def _f32(value: float) -> float:
+    """A Python float rounded to fp32 once (exact as a Python float, so an op with an fp32 tensor
+    multiplies by exactly this fp32 value)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _chunks(n: int, chunk: int):
+    """(a, b, block slice) of each chunk of n elements: the chunk's slice of an int8 moment's block scales."""
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        yield a, b, slice(a // QUANT_BLOCK, _blocks(b))
+
+
+def _load(values: torch.Tensor, absmax, blocks: slice, a: int, b: int, signed: bool) -> torch.Tensor:
+    """Elements [a, b) of a moment or master as fp32: the buffer's own view when it is fp32 (updated
+    in place), else a new tensor (widened bf16, or map[code] * absmax)."""
+    if values.dtype == torch.uint8:
+        return dequantize_blockwise(values[a:b], absmax[blocks], signed)
+    return values[a:b].float()
+
+
+def _store(values: torch.Tensor, absmax, blocks: slice, a: int, b: int, new: torch.Tensor, signed: bool) -> None:
+    if values.dtype == torch.uint8:
+        codes, scales = quantize_blockwise(new, signed)
+        values[a:b].copy_(codes)
+        absmax[blocks].copy_(scales)
+    elif values.dtype != torch.float32:
+        values[a:b].copy_(new)  # bf16: round to nearest even
+
+
+def _store_master(master: torch.Tensor, a: int, b: int, p: torch.Tensor, seed, param_out) -> None:
+    if master.dtype == torch.bfloat16:
+        master[a:b].copy_(to_bf16_stochastic(p, seed + a))
+    if param_out is not None:
+        param_out[a:b].copy_(master[a:b])
+
+
+def _scaled_grad(grad: torch.Tensor, scale: float, count: torch.Tensor) -> torch.Tensor:
+    g = grad.to(torch.float32, copy=True).mul_(scale)
+    count.add_((~torch.isfinite(g)).sum())
+    return g
+
+
+def adam_update(master, exp_avg, exp_avg_sq, grad, *, step, lr, beta1, beta2, eps, weight_decay, decoupled=True,
+                bias_correction=True, grad_scale=1.0, param_out=None, exp_avg_absmax=None, exp_avg_sq_absmax=None,
+                sr_seed=None, chunk=TORCH_CHUNK) -> torch.Tensor:
+    """The scalar Adam(W) kernel in torch ops ([Note: the update in torch ops]): master, moments and
+    param_out updated in place, in the dtypes of `_kernels.adam_step`; returns the count of
+    non-finite scaled gradients as a tensor on the device."""
+    scale, omb1, b2, omb2 = _f32(grad_scale), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2)
+    decay, wd, eps32 = _f32(1.0 - lr * weight_decay), _f32(weight_decay), _f32(eps)
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    step_size, inv_bc2_sqrt = _f32(lr / bc1), _f32(1.0 / math.sqrt(bc2))  # [Note: one division per element]
+    count = torch.zeros((), dtype=torch.int64, device=master.device)
+    for a, b, blocks in _chunks(master.numel(), chunk):
+        g = _scaled_grad(grad[a:b], scale, count)
+        p = master[a:b].float()
+        if decoupled:
+            p.mul_(decay)
+        elif weight_decay != 0.0:
+            g.add_(p * wd)
+        m = _load(exp_avg, exp_avg_absmax, blocks, a, b, signed=True)
+        v = _load(exp_avg_sq, exp_avg_sq_absmax, blocks, a, b, signed=False)
+        t = torch.sub(g, m).mul_(omb1)
+        m.add_(t)                            # m + (1-b1)*(g - m)
+        v.mul_(b2).add_(g.mul_(g).mul_(omb2))  # v*b2 + (1-b2)*(g*g)
+        del g
+        denom = v.double().sqrt_().float().mul_(inv_bc2_sqrt).add_(eps32)
+        p.sub_(torch.div(m, denom, out=t).mul_(step_size))  # p - (lr/bc1)*(m/denom)
+        del t, denom
+        _store_master(master, a, b, p, sr_seed, param_out)
+        _store(exp_avg, exp_avg_absmax, blocks, a, b, m, signed=True)
+        _store(exp_avg_sq, exp_avg_sq_absmax, blocks, a, b, v, signed=False)
+    return count
 
 
 def adam_step_reference(
@@ -161,76 +269,39 @@ def adam_step_reference(
     decoupled=True, bias_correction=True, grad_scale=1.0, param_out=None,
     exp_avg_absmax=None, exp_avg_sq_absmax=None, sr_seed=None,
 ) -> int:
-    """Pure-torch transcription of the scalar kernel: the same fp32 operations in the same
-    order, one rounding each (no fused multiply-add), and the same rounding of each state
-    dtype, so every native kernel is bitwise equal to it. fp32 state runs on any device
-    (the engine's device optimizer); compact state on the CPU."""
-    def f32(value):  # a Python float rounded to fp32 once, as the kernel's coefficients
-        return torch.tensor(value, dtype=torch.float32, device=master.device)
-    g = grad.float() * f32(grad_scale)
-    nonfinite = int((~torch.isfinite(g)).sum())
-    p = master.float()
-    if decoupled:
-        p = p * f32(1.0 - lr * weight_decay)
-    elif weight_decay != 0.0:
-        g = g + f32(weight_decay) * p
-    m = _load_moment(exp_avg, exp_avg_absmax, signed=True)
-    v = _load_moment(exp_avg_sq, exp_avg_sq_absmax, signed=False)
-    m = m + f32(1.0 - beta1) * (g - m)
-    v = v * f32(beta2) + f32(1.0 - beta2) * (g * g)
-    bc1 = 1.0 - beta1**step if bias_correction else 1.0
-    bc2 = 1.0 - beta2**step if bias_correction else 1.0
-    # torch.sqrt on fp32 CPU tensors is not correctly rounded (SLEEF, up to 1 ulp off);
-    # the fp64 root rounded to fp32 is, like the kernels' sqrtps (double rounding is
-    # exact for the square root of an fp32)
-    denom = v.double().sqrt().float() * f32(1.0 / math.sqrt(bc2)) + f32(eps)  # [Note: one division per element]
-    p = p - f32(lr / bc1) * (m / denom)
-    if master.dtype == torch.bfloat16:
-        master.copy_(to_bf16_stochastic(p, sr_seed))
-    else:
-        master.copy_(p)
-    _store_moment(exp_avg, exp_avg_absmax, m, signed=True)
-    _store_moment(exp_avg_sq, exp_avg_sq_absmax, v, signed=False)
-    if param_out is not None:
-        param_out.copy_(master)
-    return nonfinite
+    """The scalar kernel's Adam(W) in torch ops (`adam_update`), bitwise equal to every native kernel
+    for every state dtype; returns the count of non-finite scaled gradients."""
+    return int(adam_update(master, exp_avg, exp_avg_sq, grad, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                           weight_decay=weight_decay, decoupled=decoupled, bias_correction=bias_correction,
+                           grad_scale=grad_scale, param_out=param_out, exp_avg_absmax=exp_avg_absmax,
+                           exp_avg_sq_absmax=exp_avg_sq_absmax, sr_seed=sr_seed))
 
 
-def _load_moment(values, absmax, signed: bool) -> torch.Tensor:
-    if values.dtype == torch.uint8:
-        return dequantize_blockwise(values, absmax, signed).to(values.device)
-    return values.float()
-
-
-def _store_moment(values, absmax, new: torch.Tensor, signed: bool) -> None:
-    if values.dtype == torch.uint8:
-        codes, scales = quantize_blockwise(new, signed)
-        values.copy_(codes)
-        absmax.copy_(scales)
-    else:
-        values.copy_(new)  # bf16: round to nearest even
+def lion_update(master, exp_avg, grad, *, lr, beta1, beta2, weight_decay, grad_scale=1.0, param_out=None,
+                exp_avg_absmax=None, sr_seed=None, chunk=TORCH_CHUNK) -> torch.Tensor:
+    """The scalar Lion kernel (native/cpu/lion.inc) in torch ops ([Note: the update in torch ops]):
+    c = b1*m + (1-b1)*g; p = p*(1 - lr*wd) - lr*sign(c); m = b2*m + (1-b2)*g, with torch.sign
+    (0 for +-0 and NaN). Returns the count of non-finite scaled gradients as a tensor on the device."""
+    scale, b1, omb1, b2, omb2 = _f32(grad_scale), _f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2)
+    decay, lr32 = _f32(1.0 - lr * weight_decay), _f32(lr)
+    count = torch.zeros((), dtype=torch.int64, device=master.device)
+    for a, b, blocks in _chunks(master.numel(), chunk):
+        g = _scaled_grad(grad[a:b], scale, count)
+        p = master[a:b].float().mul_(decay)
+        m = _load(exp_avg, exp_avg_absmax, blocks, a, b, signed=True)
+        c = (m * b1).add_(g * omb1)
+        p.sub_(torch.sign(c).mul_(lr32))
+        del c
+        m.mul_(b2).add_(g.mul_(omb2))
+        _store_master(master, a, b, p, sr_seed, param_out)
+        _store(exp_avg, exp_avg_absmax, blocks, a, b, m, signed=True)
+    return count
 
 
 def lion_step_reference(master, exp_avg, grad, *, lr, beta1, beta2, weight_decay, grad_scale=1.0, param_out=None,
                         exp_avg_absmax=None, sr_seed=None) -> int:
-    """Pure-torch transcription of the scalar Lion kernel (native/cpu/lion.inc): the same fp32
-    operations in the same order, one rounding each, and the same rounding of each state dtype.
-    c = b1*m + (1-b1)*g; p = p*(1 - lr*wd) - lr*sign(c); m = b2*m + (1-b2)*g, with torch.sign
-    (0 for +-0 and NaN). Returns the count of non-finite scaled gradients."""
-    def f32(value):
-        return torch.tensor(value, dtype=torch.float32, device=master.device)
-    g = grad.float() * f32(grad_scale)
-    nonfinite = int((~torch.isfinite(g)).sum())
-    p = master.float() * f32(1.0 - lr * weight_decay)
-    m = _load_moment(exp_avg, exp_avg_absmax, signed=True)
-    c = m * f32(beta1) + f32(1.0 - beta1) * g
-    p = p - f32(lr) * torch.sign(c)
-    m = m * f32(beta2) + f32(1.0 - beta2) * g
-    if master.dtype == torch.bfloat16:
-        master.copy_(to_bf16_stochastic(p, sr_seed))
-    else:
-        master.copy_(p)
-    _store_moment(exp_avg, exp_avg_absmax, m, signed=True)
-    if param_out is not None:
-        param_out.copy_(master)
-    return nonfinite
+    """The scalar Lion kernel in torch ops (`lion_update`), bitwise equal to every native kernel for
+    every state dtype; returns the count of non-finite scaled gradients."""
+    return int(lion_update(master, exp_avg, grad, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                           grad_scale=grad_scale, param_out=param_out, exp_avg_absmax=exp_avg_absmax,
+                           sr_seed=sr_seed))

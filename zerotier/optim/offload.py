@@ -196,18 +196,15 @@ class UnitOptimizer:
         each), with the unit's layout (its slot's, fixed at placement). master and each moment:
         (values, tail) pairs, the layout's `typed` views ([Note: optimizer state layout]); on the CPU the rule's native variant runs them in one call, bf16
         masters, int8 runs and fp32 ranges ([Note: small parameters keep fp32 moments]) included;
-        on an accelerator the state is fp32 and the rule's device variant runs each range."""
+        on an accelerator the state is fp32 and the rule's device variant runs them."""
         if not ranges:
             return
-        common = dict(bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
+        layout = self.state.slots[unit.index].layout
+        common = dict(grad=grad, out=out, unit_index=unit.index, shard_lo=unit.shard_lo,
+                      bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
         if master[0].device.type == "cpu":  # `out` is host memory too (ParamStore.out_buffer): one native call
-            layout = self.state.slots[unit.index].layout
-            layout.step_pieces(self.rule.cpu_pieces, master[0], moments, ranges, grad=grad, out=out,
-                               unit_index=unit.index, shard_lo=unit.shard_lo, simd=self.cfg.simd,
+            layout.step_pieces(self.rule.cpu_pieces, master[0], moments, ranges, simd=self.cfg.simd,
                                threads=self.threads, **common)
-            return
-        master = master[0]  # fp32 state (the constructor refuses compact state on an accelerator)
-        for a, b, step, h in ranges:
-            self.rule.apply_device(master[a:b], {k: v[a:b] for k, (v, _) in moments.items()}, grad[a:b],
-                                   None if out is None else out[a:b], step=step, hyper=h,
-                                   keep_grad=self._keep_grads, **common)
+        else:  # fp32 state (the constructor refuses compact state on an accelerator)
+            layout.step_pieces(self.rule.device_pieces, master[0], moments, ranges, keep_grad=self._keep_grads,
+                               **common)

@@ -184,10 +184,11 @@ class StateLayout:
         return out
 
     def step_pieces(self, update, master: torch.Tensor, moments: dict, ranges, **step_args) -> None:
-        """An update rule's native CPU call (`update`: UpdateRule.cpu_pieces) over the slices [a, b)
+        """An update rule's variant (`update`: UpdateRule.cpu_pieces, the native CPU call, or
+        UpdateRule.device_pieces, torch ops on the tensors' device) over the slices [a, b)
         of a shard in `ranges` ((a, b, step, hyper) each), cut in pieces the kernel can take, in one
         call. `master`: the shard's master values; `moments` by key: `typed` pairs of this layout
-        (the unit's: `for_unit`); `step_args`: the rest of cpu_pieces' arguments (grad, out,
+        (the unit's: `for_unit`); `step_args`: the rest of the variant's arguments (grad, out,
         unit_index, shard_lo, ...). int8 moments go to the kernel one run at a time (codes, block
         scales) and one fp32 range at a time ([Note: small parameters keep fp32 moments]). Their
         blocks start at each run's first element, which parameter slices do not follow: when every
@@ -217,7 +218,7 @@ class StateLayout:
             return
         wide = {}  # the moments as fp32 copies
         for k in keys:
-            values = torch.empty(n)
+            values = torch.empty(n, device=master.device)
             for a, b, part, absmax in slices[k]:
                 values[a:b] = part if absmax is None else \
                     kernel_math.dequantize_blockwise(part, absmax, signed=self.signed(k))

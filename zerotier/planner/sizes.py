@@ -41,7 +41,7 @@ Working sets come on top of the model state, on the tier that pays for them:
       (`ParamStore.gather_staging_bytes`), NVMe gradients cast to grad_dtype on a CUDA device
       at stages 2-3 (`GradStore.nvme_conversion_bytes`),
       and the optimizer on a CUDA device: the update rule's device temporaries
-      (`device_temp_bytes`: AdamW's fused kernel's gradient chunk)
+      (`device_temp_bytes`: the fused kernel's gradient chunk, the torch ops' chunk temporaries)
 These are the functions the stores size their allocations with, so the plan cannot drift
 from the code: each kind's term is its store's `plan_terms(home, sizes)` (ParamStore,
 GradStore; the optimizer's is `_optimizer_terms` here for now), given the class of the home

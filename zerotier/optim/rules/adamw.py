@@ -1,8 +1,10 @@
 """AdamW (and Adam with L2 decay): the first update rule, torch.optim.AdamW's math and state.
 
 The CPU variant is the native kernel (native/cpu/adam.cpp through optim/_kernels.py); the
-device variant is torch's fused Adam(W) kernel (`_fused_adam`), or the same math in torch ops
-without bias correction."""
+device variant is the same kernel in torch ops (kernel_math.adam_update), or, for fp32 state with
+bias correction, torch's fused Adam(W) kernel (`_fused_adam`), which is faster: one pass where the
+torch ops take about twenty, within a few fp32 ulps of the native kernel (it divides by the bias
+correction where the native kernel multiplies by its reciprocal)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -10,7 +12,8 @@ from typing import NamedTuple
 import torch
 
 from .. import _kernels
-from ..kernel_math import adam_step_reference, sr_seed
+from .. import kernel_math
+from ..kernel_math import adam_update, sr_seed
 from .base import UpdateRule
 
 
@@ -59,18 +62,27 @@ class AdamW(UpdateRule):
                                  decoupled=[h.decoupled for h in hs], simd=simd, threads=threads,
                                  bias_correction=bias_correction, grad_scale=grad_scale)
 
-    def apply_device(self, master, moments, grad, out, *, step, hyper, grad_scale, bias_correction,
-                     keep_grad) -> None:
-        h = hyper
-        kwargs = dict(step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
-                      decoupled=h.decoupled, bias_correction=bias_correction, grad_scale=grad_scale)
-        if master.is_cuda and bias_correction:  # torch's fused kernel: one pass, no sync
-            _fused_adam(master, moments["exp_avg"], moments["exp_avg_sq"], grad, out, keep_grad=keep_grad, **kwargs)
-        else:  # optimizer state on the accelerator: the same math in torch ops
-            adam_step_reference(master, moments["exp_avg"], moments["exp_avg_sq"], grad, param_out=out, **kwargs)
+    def device_pieces(self, pieces, *, master, grad, out, unit_index, shard_lo, grad_scale, bias_correction,
+                      keep_grad=True) -> None:
+        bf16_master = master.dtype == torch.bfloat16
+        for a, b, step, h, m in pieces:
+            (m_values, m_absmax), (v_values, v_absmax) = m["exp_avg"], m["exp_avg_sq"]
+            kwargs = dict(step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+                          decoupled=h.decoupled, bias_correction=bias_correction, grad_scale=grad_scale)
+            piece_out = None if out is None else out[a:b]
+            if bias_correction and master.device.type in FUSED_DEVICES and \
+                    master.dtype == m_values.dtype == v_values.dtype == torch.float32:
+                _fused_adam(master[a:b], m_values, v_values, grad[a:b], piece_out, keep_grad=keep_grad, **kwargs)
+            else:
+                adam_update(master[a:b], m_values, v_values, grad[a:b], param_out=piece_out, exp_avg_absmax=m_absmax,
+                            exp_avg_sq_absmax=v_absmax,
+                            sr_seed=sr_seed(unit_index, step) + shard_lo + a if bf16_master else None, **kwargs)
 
     def device_temp_bytes(self) -> int:
-        return fused_temp_bytes()
+        return max(fused_temp_bytes(), kernel_math.TORCH_TEMP_BYTES_PER_ELEMENT * kernel_math.TORCH_CHUNK)
+
+
+FUSED_DEVICES = ("cpu", "cuda")  # where torch has _fused_adamw_ (torch >= 2.4 on the CPU)
 
 
 # [Note: the fused kernel reads the gradient in place]

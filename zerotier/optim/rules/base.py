@@ -4,7 +4,8 @@ An `UpdateRule` names its state (`state_keys`: "master" first, then its moments,
 and one NVMe file each per unit, [Note: optimizer state layout] in state_layout.py), its bytes
 per parameter, the hyper-parameters of a param group, and the update: a native CPU variant over
 pieces of a unit's shard through optim/_kernels.py (`cpu_pieces`, which the layout cuts:
-`StateLayout.step_pieces`), and a device variant (`apply_device`). The state store
+`StateLayout.step_pieces`), and a device variant over the same pieces in torch ops (`device_pieces`,
+[Note: the update in torch ops] in kernel_math.py), in the same format. The state store
 (optim/state_store.py) places, reads and writes whatever keys the rule names; the driver
 (optim/offload.py) hands each unit's state views to the rule. A new optimizer is one module
 here and one line in `RULES` (rules/__init__.py).
@@ -34,7 +35,7 @@ class HyperTable(NamedTuple):
 
 class UpdateRule:
     """One optimizer algorithm. Subclasses set the class attributes and implement `hyper`,
-    `group_defaults`, `cpu_pieces` and `apply_device`."""
+    `group_defaults`, `cpu_pieces` and `device_pieces`."""
 
     name: str = ""
     state_keys: tuple[str, ...] = ("master",)   # "master" first, then the moments
@@ -81,11 +82,15 @@ class UpdateRule:
         shard: master[a:b] and the moments updated in place, out[a:b] the new parameters."""
         raise NotImplementedError
 
-    def apply_device(self, master: torch.Tensor, moments: dict, grad: torch.Tensor, out, *, step: int, hyper,
-                     grad_scale: float, bias_correction: bool, keep_grad: bool) -> None:
-        """The update of fp32 state on an accelerator (or the CPU device tier), one slice."""
+    def device_pieces(self, pieces, *, master, grad, out, unit_index: int, shard_lo: int, grad_scale: float,
+                      bias_correction: bool, keep_grad: bool = True) -> None:
+        """`cpu_pieces` on tensors of any device (the CPU included), in torch ops: the same pieces, the same
+        result in the same format (the int8 maps and block scales, the bf16 master's stochastic rounding
+        bits from sr_seed(unit_index, step) + shard_lo + a + i), so that a checkpoint does not care where a
+        unit was stepped. The gradient is read, never written, unless `keep_grad` is False (then a
+        kernel may leave it scaled: [Note: the fused kernel reads the gradient in place])."""
         raise NotImplementedError
 
     def device_temp_bytes(self) -> int:
-        """Device bytes `apply_device` allocates at most beside the state (the planner counts them)."""
+        """Device bytes `device_pieces` allocates at most beside the state (the planner counts them)."""
         raise NotImplementedError

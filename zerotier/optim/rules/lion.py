@@ -5,8 +5,8 @@ rule: one moment, so 8 B of fp32 state per parameter where AdamW keeps 12.
 
 DeepSpeed ships it as a CPU optimizer beside Adam and Adagrad. The CPU variant is the native
 kernel (_kernels.lion_step_multi, whose docstring names its C source; every state dtype of [Note: optimizer
-state layout]); the device variant is the same math in torch ops (torch has no fused Lion
-kernel). The state dict's layout is lion-pytorch's: `{"step", "exp_avg"}` per parameter.
+state layout]); the device variant is the same kernel in torch ops (kernel_math.lion_update; torch has
+no fused Lion kernel), bitwise equal to it. The state dict's layout is lion-pytorch's: `{"step", "exp_avg"}` per parameter.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from typing import NamedTuple
 import torch
 
 from .. import _kernels
-from ..kernel_math import lion_step_reference, sr_seed
+from .. import kernel_math
+from ..kernel_math import lion_update, sr_seed
 from .base import UpdateRule
 
 # The paper's and lion-pytorch's defaults: a learning rate 3-10x below AdamW's, and betas whose
@@ -63,20 +64,14 @@ class Lion(UpdateRule):
                                  beta2=[h.beta2 for h in hs], weight_decay=[h.weight_decay for h in hs],
                                  grad_scale=grad_scale, simd=simd, threads=threads)
 
-    def apply_device(self, master, moments, grad, out, *, step, hyper, grad_scale, bias_correction,
-                     keep_grad) -> None:
-        """lion_step_reference's torch ops, DEVICE_CHUNK elements at a time (the gradient is read,
-        never written): at most `device_temp_bytes()` of temporaries on the device."""
-        h, exp_avg = hyper, moments["exp_avg"]
-        for a in range(0, master.numel(), DEVICE_CHUNK):
-            b = min(a + DEVICE_CHUNK, master.numel())
-            lion_step_reference(master[a:b], exp_avg[a:b], grad[a:b], lr=h.lr, beta1=h.beta1, beta2=h.beta2,
-                                weight_decay=h.weight_decay, grad_scale=grad_scale,
-                                param_out=None if out is None else out[a:b])
+    def device_pieces(self, pieces, *, master, grad, out, unit_index, shard_lo, grad_scale, bias_correction,
+                      keep_grad=True) -> None:
+        bf16_master = master.dtype == torch.bfloat16
+        for a, b, step, h, m in pieces:
+            values, absmax = m["exp_avg"]
+            lion_update(master[a:b], values, grad[a:b], lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+                        weight_decay=h.weight_decay, grad_scale=grad_scale, param_out=None if out is None else out[a:b],
+                        exp_avg_absmax=absmax, sr_seed=sr_seed(unit_index, step) + shard_lo + a if bf16_master else None)
 
     def device_temp_bytes(self) -> int:
-        return DEVICE_TEMPS * 4 * DEVICE_CHUNK
-
-
-DEVICE_CHUNK = 1 << 20  # elements the device variant updates at once
-DEVICE_TEMPS = 8        # fp32 temporaries of one chunk alive at once at most (g, p, m, c, sign, products)
+        return kernel_math.TORCH_TEMP_BYTES_PER_ELEMENT * kernel_math.TORCH_CHUNK
