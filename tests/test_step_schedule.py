@@ -140,3 +140,40 @@ def test_speculation_with_nvme_state_commit_and_rollback():
     assert simulate(units, shape).step_s == 22.0
     s = simulate(units, dataclasses.replace(shape, rollback=True))
     assert s.step_s == 34.0 and s.seconds["optimizer_nvme"] == 24.0  # state read and written twice
+
+
+# C: a CPU device ([Note: a CPU device's copies take its cores]): forward 1 s, backward 2 s, the
+# gradient's copy into its host accumulator 0.5 s, Adam 1 s on the same cores.
+CPU_DEVICE = [UnitWork(forward_s=1, backward_s=2, grad_d2h_s=0.5, adam_s=1, adam_on="compute") for _ in range(2)]
+
+
+def test_a_cpu_devices_gradient_copies_take_the_compute_cores():
+    # as a DMA link: fwd 0-2, bwd1 2-4 (its copy 4-4.5 beside), bwd0 4-6, copy0 6-6.5, adam0 6.5-7.5,
+    # adam1 7.5-8.5 -> 8.5 s, one copy hidden
+    link = simulate(CPU_DEVICE, StepShape())
+    assert link.step_s == 8.5 and link.critical["grads_d2h"] == 0.5
+    # on the cores (the copy runs in the backward hook): bwd1 2-4, copy1 4-4.5, bwd0 4.5-6.5,
+    # copy0 6.5-7, adam0 7-8, adam1 8-9 -> 9 s, both copies on the critical path
+    cores = simulate(CPU_DEVICE, StepShape(cpu_device=True))
+    assert cores.step_s == 9.0 and cores.critical["grads_d2h"] == 1.0
+    assert sum(cores.critical.values()) == pytest.approx(9.0)
+
+
+def test_a_cpu_device_plan_puts_its_copies_on_the_critical_path():
+    import torch
+
+    from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+    from zerotier.planner.planner import make_plan
+    from zerotier.planner.predict import UnitCompute
+
+    compute = UnitCompute((0.1, 0.1), (0.2, 0.2), (False, False))
+    rates = {"mem_copy": 1e8, "cpu_adam": 1e9}
+    plan = make_plan([1_000_000, 1_000_000], TiersConfig(), OffloadConfig(params="host", gradients="host",
+                     optimizer="host"), PrecisionConfig(), PrefetchConfig(), torch.device("cpu"),
+                     budgets={"device": 10**12, "host": 10**12, "nvme": 0}, rates=rates, compute=compute)
+    # 4 MB of fp32 gradient per unit at 100 MB/s: 0.04 s each, in the backward hook
+    assert plan.breakdown["grads_d2h"] == pytest.approx(0.08)
+    assert plan.critical["grads_d2h"] == pytest.approx(0.08)
+    # host parameters fetched per use (forward and backward) by a copy on the same cores: none hidden
+    assert plan.breakdown["params_h2d"] == pytest.approx(4 * 0.04)
+    assert plan.critical["params_h2d"] == pytest.approx(4 * 0.04)

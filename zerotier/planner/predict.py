@@ -9,7 +9,8 @@ runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit
                            (make_plan at initialize: then it is the swap + optimizer path)
   params fetched           per use (forward and backward): NVMe read (ranks per node share the
                            drive) then the host->device copy; on a CPU device the "link" is a
-                           memory copy at `mem_copy`
+                           memory copy at `mem_copy` on compute's cores ([Note: a CPU device's
+                           copies take its cores] in step_model.py)
   gradients                off the device: the fresh gradient (param dtype) copied out (d2h, on
                            a CPU device a memory copy: its device tier is a pool of its own);
                            NVMe: grad_bytes written per micro-batch, read back per later one and
@@ -192,7 +193,7 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
                       clip=options.clip, early_step=options.early_step and not options.dynamic_scale,
                       speculative=speculated is not None, rollback=rollback,
                       state_on_nvme=any(u.state_read_s for u in works), norm_s=norm_s, norm_on=norm_on,
-                      streamed=streamed)
+                      streamed=streamed, cpu_device=not cuda)
     return simulate(works, shape), tuple(used)
 
 

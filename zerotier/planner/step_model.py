@@ -9,8 +9,21 @@ tasks it waits for, in the order the engine issues them:
   cpu        CPU Adam per unit (optimizer thread)                 its threads take every core
   nvme       parameter / gradient / optimizer-state reads and writes   one drive, shared by direction
   h2d, d2h   parameter fetches and copy-backs, gradient copies    one link per direction
-On a CPU device, compute and CPU Adam are the same cores: both run on `compute`
-(`StepShape.cpu_device`), so an early step does not overlap backward there.
+On a CPU device, compute and CPU Adam are the same cores: both run on `compute` (predict.py
+sets adam_on), so an early step does not overlap backward there; so do its copies
+([Note: a CPU device's copies take its cores]).
+
+[Note: a CPU device's copies take its cores]
+On a CPU device the "link" between host and device memory is a memory copy made by a thread:
+the compute thread itself for a gradient (copied or added into its host accumulator inside
+the backward hook: grads_memory.py / grads_nvme.py `accumulate`), a fetch worker for a
+prefetched parameter (params.py; a demand fetch: the compute thread). torch's intra-op threads
+already take every core for compute, so such a copy does not run beside compute, as a DMA
+engine does on a GPU: it takes the cores compute uses for its duration. With
+`StepShape.cpu_device` the `h2d` and `d2h` tasks run on `compute` (first come, first served
+with forward and backward), where they were free in parallel before: at 69M parameters that
+is the gradient's 276 MB and the fetched parameters' bytes at `mem_copy` per step, added to the
+step rather than hidden. The NVMe reads and writes stay on `nvme` (the drive's DMA).
 
 What waits for what (the engine's schedule, engine.py and the stores' Notes):
   * fetches ([Note: prefetch trace]): a pass demands the units in forward order, then in
@@ -116,6 +129,7 @@ class StepShape:
     norm_s: float = 0.0          # the global norm's pass over the gradients (clip only)
     norm_on: str = "compute"
     streamed: bool = False       # parameters fetched per use (off the device, or ZeRO-3)
+    cpu_device: bool = False     # h2d / d2h copies take compute's cores ([Note: a CPU device's copies take its cores])
 
 
 @dataclass
@@ -129,7 +143,9 @@ class Schedule:
 
 
 class _Graph:
-    def __init__(self):
+    def __init__(self, cpu_device: bool = False):
+        # [Note: a CPU device's copies take its cores]: the links are copies on compute's cores there
+        self.alias = {"h2d": "compute", "d2h": "compute"} if cpu_device else {}
         self.component: list[str] = []
         self.resource: list[str | None] = []
         self.seconds: list[float] = []
@@ -139,7 +155,7 @@ class _Graph:
 
     def add(self, component: str, resource: str | None, seconds: float, after=()) -> int:
         self.component.append(component)
-        self.resource.append(resource if seconds > 0 else None)  # nothing to do: no turn on the resource
+        self.resource.append(self.alias.get(resource, resource) if seconds > 0 else None)  # nothing to do: no turn
         self.seconds.append(max(0.0, float(seconds)))
         self.after.append(tuple(a for a in after if a is not None))
         self.step.append(self.current_step)
@@ -332,7 +348,7 @@ class _Updates:
 
 def simulate(units: list[UnitWork], shape: StepShape, steps: int = 2) -> Schedule:
     """[Note: the step schedule] The steady-state step: `steps` steps back to back, the last one timed."""
-    g = _Graph()
+    g = _Graph(shape.cpu_device)
     home_write: dict[int, int] = {}
     step_end: int | None = None
     ends: list[int | None] = []
