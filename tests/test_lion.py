@@ -161,7 +161,7 @@ def test_lion_checkpoints_resume_bitwise(where, master, moments, tmp_path):
             if where == "optimizer-nvme":
                 assert engine.store.nbytes(f"{unit.key}.exp_avg") == unit_layout.nbytes("exp_avg", n)
             else:
-                assert sorted(engine.unit_optimizer.state.slots[unit.index].buffers) == ["exp_avg", "master"]
+                assert sorted(engine.unit_optimizer.state.slots[unit.index].homes) == ["exp_avg", "master"]
     with zerotier.initialize(make_model(), cfg("b")) as engine:
         with warnings.catch_warnings():
             warnings.simplefilter("error")

@@ -122,8 +122,8 @@ def test_compact_state_lives_in_its_dtypes_and_resumes_exactly(offload, master, 
                 assert [engine.store.nbytes(f"{unit.key}.{k}") for k in ("master", "exp_avg", "exp_avg_sq")] == \
                     [unit_layout.nbytes(k, n) for k in ("master", "exp_avg", "exp_avg_sq")]
             else:
-                assert all(opt.state.slots[unit.index].buffers[k].numel() == unit_layout.nbytes(k, n)
-                           for k in opt.state.slots[unit.index].buffers)
+                assert all(opt.state.slots[unit.index].homes[k].view().numel() == unit_layout.nbytes(k, n)
+                           for k in opt.state.slots[unit.index].homes)
     with zerotier.initialize(make_model(), config(offload, tmp_path / "b", master, moments)) as engine:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # same dtypes: nothing is lost, nothing is said

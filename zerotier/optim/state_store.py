@@ -1,8 +1,8 @@
 """The optimizer's state store: where each unit's optimizer state lives and how it moves.
 
-One `OptSlot` per unit holds the unit's tier, its state buffers (one per key of the update rule,
-optim/rules/, in the layout of [Note: optimizer state layout]: device tensors, host-pool blocks,
-or none for NVMe state, whose buffers are files) and its parameters' step counts. The store
+One `OptSlot` per unit holds the unit's home per state key (one per key of the update rule,
+optim/rules/, in the layout of [Note: optimizer state layout]: a `Home` of the unit's tier,
+tiers/homes.py: a device tensor, a host-pool block or an NVMe file) and its parameters' step counts. The store
 places a unit's initial state, hands the update its buffers (in place on host and device, through
 the pipeline below for NVMe), reads and writes state for checkpoints and state dicts, and iterates
 it for checkpoints. It knows no update rule: the driver (offload.py) runs the rule on what it
@@ -27,7 +27,7 @@ again, and after `depth` of them every step died in 'pop from an empty deque'.
 
 [Note: units on different tiers]
 With an optimizer split (planner/sizes.py [Note: optimizer split]) each unit's state lives on its own
-tier, `slots[unit.index].loc`: host units keep their state in pool blocks, NVMe units go through
+tier, `slots[unit.index].kind`: host units keep their state in pool blocks, NVMe units go through
 the pipeline above, whose staging sets are sized to the largest NVMe unit. A step takes the units
 in the same order (reads issued during backward first); a host unit's update runs while the
 reads of the next NVMe units are in flight.
@@ -38,7 +38,7 @@ import collections
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -46,13 +46,8 @@ from ..errors import ConfigError
 from ..io import aligned_empty
 from ..state import Location, Unit
 from ..threads import UPDATER, owned
+from ..tiers.homes import HOMES, Home, HostBytes, Tiers
 from .state_layout import StateLayout
-
-
-def plain_file(unit: Unit, key: str, update: bool = False) -> str:
-    """The NVMe key of `unit`'s state buffer `key`: one file per buffer. `update`: the key an update
-    writes (an undo log may divert it: OptStateStore.file_of)."""
-    return f"{unit.key}.{key}"
 
 
 class Profiled:
@@ -79,15 +74,19 @@ class Profiled:
 
 @dataclass
 class OptSlot:
-    """One unit's optimizer state. [Note: the slot's storage] `loc` and `buffers` are where the state
-    is, kept together so a tier's home can replace both: key -> uint8 tensor of `layout.nbytes(key,
-    shard)` on the device or in a host-pool block, None for NVMe state (its files, `file_of`)."""
+    """One unit's optimizer state: `homes` maps each state key to where its bytes live, a home of
+    class `kind` ([Note: homes] in tiers/homes.py) holding `layout.nbytes(key, shard)` uint8 bytes
+    (reserved by place())."""
 
     unit: Unit
-    loc: Location
-    buffers: dict | None = None
+    kind: type[Home]
+    homes: dict[str, Home] = field(default_factory=dict)
     steps: list[int] = field(default_factory=list)  # optimizer steps applied per parameter (torch's `step`)
     layout: StateLayout | None = None  # the store's layout for this unit's shard (for_unit), fixed at placement
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """The state buffers of an in-memory home (key -> its bytes), updated in place."""
+        return {k: home.view() for k, home in self.homes.items()}
 
 
 class OptStateStore:
@@ -97,13 +96,14 @@ class OptStateStore:
                  depth: int, profiler=None):
         """locs: each unit's tier by unit index ([Note: units on different tiers]; a split spans host
         and NVMe only). layout: the state's keys and dtypes ([Note: optimizer state layout])."""
-        if len(locs) != len(units) or (Location.DEVICE in locs and len(set(locs)) > 1):
+        if len(locs) != len(units) or (any(HOMES[at].on_device for at in locs) and len(set(locs)) > 1):
             raise ConfigError(f"optimizer state placement {[at.value for at in locs]} for {len(units)} "
                               "units: give one tier per unit, a split over host and nvme only")
         self.units, self.layout, self.depth, self.profiler = units, layout, depth, profiler
         self.device_tier, self.host_pool, self.nvme = device_tier, host_pool, nvme
-        self.slots = [OptSlot(u, at, None, [0] * len(u.params), layout.for_unit(u)) for u, at in zip(units, locs)]
-        self._nvme_units = [u for u in units if locs[u.index] is Location.NVME]
+        self.tiers = Tiers(device_tier, host_pool, nvme)
+        self.slots = [OptSlot(u, HOMES[at], {}, [0] * len(u.params), layout.for_unit(u)) for u, at in zip(units, locs)]
+        self._nvme_units = [u for u in units if not self.slots[u.index].kind.in_memory]  # through the pipeline
         # [Note: NVMe optimizer pipeline]
         self._sets: list[dict] = []              # staging sets of pool blocks, made at the first NVMe step
         self._free_sets: collections.deque[int] = collections.deque()
@@ -115,13 +115,11 @@ class OptStateStore:
         # next units are materialized and cast.
         self._placing: collections.deque = collections.deque()  # (master block, write tickets), oldest first
         self._zeros = None  # host-pool block of zeros, the largest moment's size: every unit's initial moments
-        # where each state buffer's NVMe file is: plain_file, or an undo log's (overlap/speculative.py)
-        self.file_of: Callable[[Unit, str, bool], str] = plain_file
 
     @property
     def locs(self) -> list[Location]:
         """Each unit's tier, by unit index."""
-        return [slot.loc for slot in self.slots]
+        return [slot.kind.location for slot in self.slots]
 
     @property
     def steps(self) -> list[list[int]]:
@@ -133,7 +131,8 @@ class OptStateStore:
         return bool(self._nvme_units)
 
     def on_nvme(self, unit: Unit) -> bool:
-        return self.slots[unit.index].loc is Location.NVME
+        """The unit's state is in files: its update goes through the pipeline's staging sets."""
+        return not self.slots[unit.index].kind.in_memory
 
     @staticmethod
     def staging_bytes(depth: int, largest_shard: int, layout: StateLayout = StateLayout()) -> int:
@@ -147,13 +146,9 @@ class OptStateStore:
         io.alignment): a block per state key per unit on host (place), a set of them per pipeline
         slot on NVMe (_make_sets), two gradient shards staged (grad_staging.StagedGrads) and, at
         ZeRO-1/2 over several ranks, each unit's updated shard until the gather (ParamStore.writeback_bytes)."""
-        keys = len(layout.keys)
-        blocks = {Location.HOST: keys * units, Location.NVME: keys * depth}.get(loc, 0)
+        keys, home = len(layout.keys), HOMES[loc]
+        blocks = keys * (home.blocks_at_rest * units + home.blocks_per_move * depth)
         return blocks + 2 * grads_staged + units * writeback
-
-    def _key(self, unit: Unit, key: str, update: bool = False) -> str:
-        """The NVMe key of `unit`'s state buffer `key`; `update`: the file an update writes."""
-        return self.file_of(unit, key, update)
 
     # ------------------------------------------------------------------ place
 
@@ -164,7 +159,9 @@ class OptStateStore:
         [Note: initial NVMe writes] NVMe: the writes are left in flight; finish_place() waits."""
         n, slot = unit.shard_numel, self.slots[unit.index]
         layout = self.slots[unit.index].layout  # [Note: small parameters keep fp32 moments]
-        if slot.loc is Location.NVME:
+        slot.homes = {k: slot.kind.reserve(f"{unit.key}.{k}", layout.nbytes(k, n), torch.uint8, self.tiers)
+                      for k in layout.keys}
+        if not slot.kind.in_memory:
             moment_bytes = max(layout.nbytes(k, n) for k in layout.moment_keys)
             if self._zeros is None or self._zeros.tensor.numel() < moment_bytes:
                 self._finish_placing(0)  # writes in flight read the old zeros block
@@ -177,19 +174,12 @@ class OptStateStore:
             block = self.host_pool.alloc(layout.nbytes("master", n), torch.uint8, f"{unit.key}.master")
             layout.encode("master", master, block.tensor)
             zeros = self._zeros.tensor  # aligned, with the room of the largest shard after each moment
-            self._placing.append((block, [self.nvme.write(self._key(unit, k), block if k == "master"
-                                                          else zeros[: layout.nbytes(k, n)]) for k in layout.keys]))
+            self._placing.append((block, [home.write_from(block if k == "master" else HostBytes(zeros[: home.numel]))
+                                          for k, home in slot.homes.items()]))
             self._finish_placing(self.depth)
             return
-        buffers = {}
-        for key in layout.keys:
-            nbytes = layout.nbytes(key, n)
-            if slot.loc is Location.DEVICE:
-                raw = buffers[key] = self.device_tier.alloc((nbytes,), torch.uint8, f"{unit.key}.{key}")
-            else:
-                raw = buffers[key] = self.host_pool.alloc(nbytes, torch.uint8, f"{unit.key}.{key}").tensor
+        for key, raw in slot.views().items():
             layout.encode(key, master, raw) if key == "master" else raw.zero_()
-        slot.buffers = buffers
 
     @owned(UPDATER)
     def finish_place(self) -> None:
@@ -212,7 +202,7 @@ class OptStateStore:
 
     def live_state(self, unit: Unit) -> dict:
         """A host- or device-resident unit's state buffers (key -> tensor), updated in place."""
-        return self.slots[unit.index].buffers
+        return self.slots[unit.index].views()
 
     def read_order(self, units: list[Unit]) -> list[Unit]:
         """`units` with those whose NVMe reads started (during backward) first, in issue order."""
@@ -257,21 +247,19 @@ class OptStateStore:
         self._drain_writes()
 
     @owned(UPDATER)
-    def rewind(self, kept: "dict[int, tuple[dict, list[int]]]") -> int:
+    def rewind(self, kept: "dict[int, tuple[list, list[int]]]") -> int:
         """Put units' state back as an undo log kept it ([Note: speculative step] in
-        overlap/speculative.py): `kept` maps a unit index to (key -> its pre-step bytes, empty for
-        NVMe state; the parameters' step counts). NVMe writes in flight are waited (their files are
-        the discarded set: a write error there is dropped with them). Returns the bytes copied back."""
+        overlap/speculative.py): `kept` maps a unit index to (its homes' Undo records, from
+        Home.undoable; the parameters' step counts). NVMe writes in flight are waited (their files
+        are the discarded set: a write error there is dropped with them). Returns the bytes copied back."""
         try:
             self._drain_writes()
         except Exception:  # noqa: BLE001 - the discarded files' writes: nothing reads them
             pass
         self.drop_prefetched()
         moved = 0
-        for index, (copies, steps) in kept.items():
-            for k, src in copies.items():
-                self.slots[index].buffers[k].copy_(src)
-                moved += src.numel()
+        for index, (undos, steps) in kept.items():
+            moved += sum(undo.restore() for undo in undos)
             self.slots[index].steps = steps
         return moved
 
@@ -317,13 +305,15 @@ class OptStateStore:
         return {k: buf.tensor[: layout.nbytes(k, unit.shard_numel)] for k, buf in self._sets[staging].items()}
 
     def _io(self, unit: Unit, bufs: dict, reason: str) -> list:
-        """Submit reads or writes of a unit's state buffers; tickets carry profiler info."""
+        """Submit reads or writes of a unit's state buffers (the staging set's blocks: padded);
+        tickets carry profiler info."""
         read = reason == "optimizer-read"
+        homes = self.slots[unit.index].homes
         tickets = []
         try:
             for k in self.layout.keys:
-                tickets.append(self.nvme.read(self._key(unit, k), bufs[k], padded=True) if read
-                               else self.nvme.write(self._key(unit, k, update=True), bufs[k]))
+                tickets.append(homes[k].read_into(HostBytes(bufs[k], padded=True)) if read
+                               else homes[k].write_from(HostBytes(bufs[k])))
         except BaseException:  # refused at submit (a full drive's fallocate): the set's I/O ends first
             for t in tickets:
                 try:
@@ -392,8 +382,8 @@ class OptStateStore:
         n, layout = unit.shard_numel, self.slots[unit.index].layout
         keys = layout.keys if keys is None else keys
         slot = self.slots[unit.index]
-        if slot.loc is not Location.NVME:
-            raw = slot.buffers
+        if slot.kind.in_memory:
+            raw = slot.views()
             if encoded:
                 return {k: raw[k][: layout.nbytes(k, n)].to("cpu", copy=True) for k in keys}
             if layout.exact:
@@ -402,7 +392,7 @@ class OptStateStore:
         out = {}
         for k in keys:
             raw = torch.empty(layout.nbytes(k, n), dtype=torch.uint8)
-            self.nvme.read(self._key(unit, k), raw).wait()
+            slot.homes[k].read_into(HostBytes(raw)).wait()
             out[k] = raw if encoded else layout.typed(k, raw, n)[0] if layout.exact else layout.decode(k, raw, n)
         return out
 
@@ -416,14 +406,11 @@ class OptStateStore:
         def issue(unit: Unit):
             n, slot = unit.shard_numel, self.slots[unit.index]
             layout = slot.layout
-            if slot.loc is Location.HOST:
-                return slot.buffers, []
+            padded = {k: home.padded_view() for k, home in slot.homes.items()}
+            if all(view is not None for view in padded.values()):
+                return padded, []
             bufs = {k: aligned_empty(layout.nbytes(k, n), alignment)[: layout.nbytes(k, n)] for k in layout.keys}
-            if slot.loc is Location.NVME:
-                return bufs, [self.nvme.read(self._key(unit, k), bufs[k], padded=True) for k in layout.keys]
-            for k in layout.keys:
-                bufs[k].copy_(slot.buffers[k])
-            return bufs, []
+            return bufs, [slot.homes[k].read_into(HostBytes(bufs[k], padded=True)) for k in layout.keys]
 
         ahead: collections.deque = collections.deque()
         try:
@@ -457,9 +444,8 @@ class OptStateStore:
         slot = self.slots[unit.index]
         slot.steps = [steps] * len(unit.params) if isinstance(steps, int) else list(steps)
         n, layout = unit.shard_numel, self.slots[unit.index].layout
-        on_nvme = slot.loc is Location.NVME
         for k in (k for k in self.layout.keys if k in state):
-            live = None if on_nvme else slot.buffers[k]
+            live = slot.homes[k].view()
             if encoded:
                 raw = state[k].contiguous()
                 if raw.dtype != torch.uint8 or raw.numel() != layout.nbytes(k, n):
@@ -472,8 +458,8 @@ class OptStateStore:
             else:
                 raw = torch.empty(layout.nbytes(k, n), dtype=torch.uint8)
                 layout.encode(k, state[k], raw)
-            if on_nvme:
-                self.nvme.write(self._key(unit, k), raw).wait()
+            if live is None:
+                slot.homes[k].write_from(HostBytes(raw)).wait()
 
     def close(self) -> None:
         """Finish NVMe I/O in flight and give the staging sets back (the state stays readable). Idempotent."""

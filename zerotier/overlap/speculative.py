@@ -7,9 +7,10 @@ global gradient norm is known, which is after the last gradient of the window. S
 (SuperOffload's speculation-then-validation) updates each unit anyway, during the window's last
 backward, as soon as its gradient is final ([Note: early step] in overlap/early.py: the same hook,
 the same optimizer thread), with clip coefficient 1 and no overflow assumed, and keeps what an exact
-undo needs in its log (UndoLog.speculate; the optimizer offers `live_state`, `file_of` and `rewind`):
-  * NVMe state: the pre-step files. The update writes the unit's other file set (UndoLog.file_of,
-    the optimizer's file naming while the log lives); the commit makes it current. No copy is made;
+undo needs in its log (UndoLog.speculate: each of the unit's state homes' `undoable()`, tiers/homes.py;
+the optimizer's `rewind` restores them):
+  * NVMe state: the pre-step files. The update writes the unit's other file set (NVMeHome.writes_to,
+    the twin of each file); the commit makes it current. No copy is made;
     the drive holds a second set of the state files (shadow_bytes, which the plan counts in the
     NVMe budget).
   * host or device state: an undo copy of the unit's state buffers, on the state's own tier,
@@ -54,7 +55,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
 
 from .. import threads
 from ..optim.state_layout import StateLayout
@@ -123,43 +123,32 @@ def shadow_bytes(shard_numel: int, alignment: int, layout: StateLayout = StateLa
 class _Undo:
     """What undoes one speculated unit's update."""
 
-    tier: Location          # where `held` bytes are counted (the allowance's tier)
+    tier: Location          # where `held` bytes are counted (the allowance's tier: the home's memory_tier)
     held: int               # undo copies + the parameters' write-back buffer
-    copies: dict            # host/device state: key -> its pre-step bytes (pool block / device tensor)
+    undos: list             # each state home's Undo (Home.undoable: an undo copy, or the NVMe file's twin)
     steps: list[int]        # the parameters' step counts before the update
     applied: int            # UnitOptimizer.applied before it
 
 
-def _tensor(copy) -> torch.Tensor:
-    return copy if isinstance(copy, torch.Tensor) else copy.tensor
-
-
 class UndoLog:
-    """What undoes this window's speculated updates ([Note: speculative step]): undo copies of host
-    and device state, and which of each NVMe unit's two state file sets is current. Its state is
-    the updater's, as the optimizer's ([Note: thread ownership] in threads.py)."""
+    """What undoes this window's speculated updates ([Note: speculative step]): each speculated
+    unit's homes' Undo records (undo copies of host and device state, the current one of each NVMe
+    file's two versions). Its state is the updater's, as the optimizer's ([Note: thread ownership]
+    in threads.py)."""
 
-    def __init__(self, optimizer, device_tier, host_pool, allowance: "dict[str, int]", copies: bool):
+    def __init__(self, optimizer, allowance: "dict[str, int]", copies: bool):
         """allowance: undo bytes a window may hold, by tier ("host", "device": the plan's
         speculation_undo_bytes). copies: host/device state may be speculated (train.overlap
         = "speculative"); without, NVMe-state units only."""
-        self.optimizer, self.device_tier, self.host_pool = optimizer, device_tier, host_pool
+        self.optimizer = optimizer
         self.allowance = {Location.HOST: allowance["host"], Location.DEVICE: allowance["device"]}
         self.copies = copies
         self._held = {Location.HOST: 0, Location.DEVICE: 0}
         self._undo: dict[int, _Undo] = {}  # speculated units of this window: what undoes them
-        self._file_version = [0] * len(optimizer.units)  # which of a unit's two NVMe file sets is current
-        optimizer.state.file_of = self.file_of
 
     def _updater(self, what: str) -> None:
         if threads.CHECK:
             threads.check(self.optimizer, threads.UPDATER, f"UndoLog.{what}")
-
-    def file_of(self, unit: Unit, key: str, update: bool = False) -> str:
-        """The NVMe key of `unit`'s state buffer `key`: the current file set, or for a speculated
-        unit's update the other one (the pre-step files stay)."""
-        version = self._file_version[unit.index] ^ (update and unit.index in self._undo)
-        return f"{unit.key}.{key}" if version == 0 else f"{unit.key}.{key}~1"
 
     def speculate(self, unit: Unit, out_bytes: int) -> bool:
         """Make `unit`'s next update undoable, if the window's allowance holds its undo: host or
@@ -169,25 +158,16 @@ class UndoLog:
         anyway). False: the unit is updated after the window's check instead."""
         self._updater("speculate")
         opt = self.optimizer
-        loc = opt.state.slots[unit.index].loc
-        if loc is not Location.NVME and not self.copies:
+        slot = opt.state.slots[unit.index]
+        if slot.kind.in_memory and not self.copies:
             return False
-        tier = Location.HOST if loc is Location.NVME else loc
-        n = unit.shard_numel
-        need = out_bytes + (0 if loc is Location.NVME else opt.state.slots[unit.index].layout.state_bytes(n))
+        tier = slot.kind.memory_tier
+        need = out_bytes + (slot.layout.state_bytes(unit.shard_numel) if slot.kind.in_memory else 0)
         if self._held[tier] + need > self.allowance[tier]:
             return False
-        copies = {}
-        if loc is not Location.NVME:
-            live = opt.state.live_state(unit)
-            for k in opt.layout.keys:
-                if loc is Location.DEVICE:
-                    copies[k] = self.device_tier.alloc(live[k].shape, torch.uint8, f"{unit.key}.{k} undo")
-                else:
-                    copies[k] = self.host_pool.alloc(live[k].numel(), torch.uint8, f"{unit.key}.{k} undo")
-                _tensor(copies[k]).copy_(live[k])
+        undos = [home.undoable() for home in slot.homes.values()]
         self._held[tier] += need
-        self._undo[unit.index] = _Undo(tier, need, copies, list(opt.state.steps[unit.index]), opt.applied)
+        self._undo[unit.index] = _Undo(tier, need, undos, list(opt.state.steps[unit.index]), opt.applied)
         return True
 
     @property
@@ -197,16 +177,16 @@ class UndoLog:
 
     def copy_bytes(self) -> int:
         """Bytes copied aside for this window's undo copies."""
-        return sum(_tensor(c).numel() for u in self._undo.values() for c in u.copies.values())
+        return sum(undo.held for u in self._undo.values() for undo in u.undos)
 
     def commit(self) -> None:
         """The window's check agreed: the speculated updates stand. Their NVMe writes must have
         landed (the caller waited: the optimizer's `finish()`); each unit's new file set becomes current."""
         self._updater("commit")
-        for index, undo in self._undo.items():
-            if self.optimizer.state.slots[index].loc is Location.NVME:
-                self._file_version[index] ^= 1
-            self._free(undo)
+        for undo in self._undo.values():
+            for home_undo in undo.undos:
+                home_undo.commit()
+            self._held[undo.tier] -= undo.held
         self._undo.clear()
 
     def roll_back(self) -> int:
@@ -216,17 +196,11 @@ class UndoLog:
         opt = self.optimizer
         # the count before the window's first speculated update (some may not have begun)
         applied = min((undo.applied for undo in self._undo.values()), default=opt.applied)
-        moved = opt.rewind({index: ({k: _tensor(c) for k, c in undo.copies.items()}, undo.steps)
-                            for index, undo in self._undo.items()}, applied)
+        moved = opt.rewind({index: (undo.undos, undo.steps) for index, undo in self._undo.items()}, applied)
         for undo in self._undo.values():
-            self._free(undo)
+            self._held[undo.tier] -= undo.held
         self._undo.clear()
         return moved
-
-    def _free(self, undo: _Undo) -> None:
-        self._held[undo.tier] -= undo.held
-        for copy in undo.copies.values():
-            self.device_tier.free(copy) if isinstance(copy, torch.Tensor) else self.host_pool.free(copy)
 
 
 class Speculative(OverlapPolicy):
@@ -241,8 +215,7 @@ class Speculative(OverlapPolicy):
         # the plan resolved the mode for this placement ([Note: speculation in the plan] in planner/speculation_plan.py)
         mode = self.speculates if rt.plan.speculative else False
         self.speculation = SpeculationPolicy(mode, rt.settings.cfg.train.max_grad_norm is not None, rt.scaler.dynamic)
-        self.undo = UndoLog(rt.unit_optimizer, rt.device_tier, rt.host_pool,
-                            rt.plan.speculation_undo_bytes, copies=self.speculates is True)
+        self.undo = UndoLog(rt.unit_optimizer, rt.plan.speculation_undo_bytes, copies=self.speculates is True)
         self._speculating = False           # this window's last backward updates units speculatively
         self._spec_hyper: dict[int, list] = {}  # unit index -> the Hyper its speculated update used
         self._spec_scale = 1.0              # the gradient scale speculated updates used (1 / loss scale)
