@@ -136,7 +136,8 @@ def predict(size: str, case: str, rates: dict, budgets: dict, compute_flops: flo
                          torch.device("cuda"), budgets=budget, rates=rates, zero=cfg.zero,
                          pipeline_depth=cfg.optimizer.pipeline_depth, nested_numel=nested_numel(units),
                          alignment=cfg.io.alignment, compute=compute, step=StepOptions.of(cfg),
-                         materialize_bytes=pool_bytes(units, torch.bfloat16, cfg.io.alignment))
+                         materialize_bytes=pool_bytes(units, torch.bfloat16, cfg.io.alignment),
+                         unit_params=[tuple(s.numel() for s in u.shapes) for u in trainable])
 
     row = {"size": size, "case": case, "numel": gm.param_count(size), "budgets": budgets}
 

@@ -17,6 +17,7 @@ from zerotier.planner.messages import PlanDoesNotFit
 from zerotier.planner.planner import make_plan
 from zerotier.planner.predict import UnitCompute
 from zerotier.models import TinyGPT
+from zerotier.optim.state_layout import StateLayout
 
 RATES = {"io": {"read_GBps": 1.0, "overwrite_GBps": 0.5, "write_GBps": 0.5, "o_direct": True},
          "adam": {"fp32_params_per_s": 1e9}, "mem": {"copy_GBps": 8.0, "inplace_GBps": 8.0},
@@ -281,7 +282,7 @@ def test_speculation_plan_predicts_commit_rollback_and_the_expected_step():
                                        "without": 9.75}
     assert plan.predicted_step_s == pytest.approx(9.1875) and plan.rollback_rate == 0.25
     assert sum(plan.critical.values()) == pytest.approx(plan.predicted_step_s)  # the weighted critical path
-    undo = undo_bytes(1000, 4)
+    undo = undo_bytes(StateLayout().state_bytes(1000), 1000, 4)
     assert undo == 16_000 and plan.speculation_undo_bytes == {"host": 2 * undo, "device": 0}
     off = spec_plan(speculative=False)
     assert not off.speculative and off.predicted_step_s == 9.75 and "train.overlap = 'none'" in \
@@ -344,7 +345,7 @@ def test_speculation_counts_the_nvme_units_shadow_files_and_auto_turns_off_witho
     nvme = OffloadConfig(params="device", gradients="device", optimizer="nvme")
     off = spec_plan(nvme=10**7, offload=nvme, speculative=False)
     plan = spec_plan(nvme=10**7, offload=nvme, speculative="auto")
-    shadow = shadow_bytes(1000, 4096)
+    shadow = shadow_bytes([4000] * 3, 4096)
     assert shadow == 3 * 4096 and plan.speculation_nvme_bytes == 2 * shadow
     assert plan.need["nvme"] - off.need["nvme"] == 2 * shadow
     # no undo copy: the pre-step files stay; the new parameters (4 kB each, a 4 KiB pool block) wait

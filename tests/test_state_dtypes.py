@@ -225,6 +225,28 @@ def test_plan_counts_the_state_dtypes():
     assert "exact: torch AdamW's state" in plans["fp32", "fp32"].summary()
 
 
+@pytest.mark.parametrize("offload", [HOST, NVME], ids=["host", "nvme"])
+def test_the_plan_counts_compact_state_as_the_store_holds_it(offload, tmp_path):
+    """[Note: the optimizer's bytes per unit] The optimizer's terms hold what the store allocates for
+    int8 moments (codes padded to blocks and 4 bytes, block scales, the small parameters' fp32
+    moments): its pool blocks on host, its files and their rewrites on NVMe, its staging sets in
+    the host pool. An average B/param times the elements understated this model's state. (Three
+    units, each rewritten within the pipeline's depth: the files twice over.)"""
+    with zerotier.initialize(make_model(), config(offload, tmp_path, "bf16", "int8")) as engine:
+        train(engine, 0, 2)
+        store, plan, align = engine.unit_optimizer.state, engine.plan, engine.host_pool.alignment
+        bufs = [[slot.layout.nbytes(k, slot.unit.shard_numel) for k in slot.layout.keys] for slot in store.slots]
+        assert sum(map(sum, bufs)) > StateLayout("bf16", "int8").bytes_per_param * sum(u.numel for u in engine.units)
+        in_blocks = sum(-(-b // align) * align for unit in bufs for b in unit)  # as the pool and the files round
+        if offload is HOST:
+            assert plan.needs["optimizer"]["host"] >= in_blocks
+        else:  # the files, their rewrites in flight and (speculation is on) the shadow files
+            assert plan.needs["optimizer"]["nvme"] >= 2 * in_blocks
+            assert plan.needs["optimizer"]["nvme"] + plan.needs["speculation"]["nvme"] >= engine.store.peak
+            staging = store.depth * sum(-(-max(col) // align) * align for col in zip(*bufs))
+            assert plan.needs["optimizer"]["host"] >= staging
+
+
 def test_config_names_the_state_dtypes():
     with pytest.raises(ConfigError, match=r"precision\.moment_dtype: must be one of 'fp32', 'bf16', 'int8'"):
         zerotier.Config.from_dict({"precision": {"moment_dtype": "int4"}})

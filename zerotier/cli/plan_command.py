@@ -113,16 +113,18 @@ def _build_model(spec: str):
     return model
 
 
-def _factory_units(spec: str, wrap="auto", dtype_bytes: int = 4) -> tuple[list[int], list[int], int, tuple | None]:
-    """Build `module:factory` and return the numel of each trainable unit and of each frozen one
-    as zerotier.state.build_units groups them ([Note: frozen units]), their nested_numel, and the
-    activations estimated from the model's config ([Note: activation memory])."""
+def _factory_units(spec: str, wrap="auto", dtype_bytes: int = 4
+                   ) -> tuple[list[tuple[int, ...]], list[int], int, tuple | None]:
+    """Build `module:factory` and return the numels of each trainable unit's parameters and the
+    numel of each frozen unit as zerotier.state.build_units groups them ([Note: frozen units]),
+    their nested_numel, and the activations estimated from the model's config ([Note: activation
+    memory])."""
     from zerotier.planner.activations import estimate
     from zerotier.state import build_units, nested_numel
 
     model = _build_model(spec)
     units = build_units(model, wrap)
-    trainable = [unit.numel for unit in units if not unit.frozen]
+    trainable = [tuple(s.numel() for s in unit.shapes) for unit in units if not unit.frozen]
     if not trainable:
         raise ZerotierError(f"--model: {spec} has no trainable parameters")
     return trainable, [unit.numel for unit in units if unit.frozen], nested_numel(units), estimate(model, dtype_bytes)
@@ -171,10 +173,11 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.frozen_params is not None:
             raise ZerotierError("--frozen-params goes with --params; with --model the model's own "
                                 "requires_grad=False parameters are the frozen ones")
-        numels, frozen_numels, nested, activations = _factory_units(args.model, cfg.train.wrap,
-                                                                    DTYPES[cfg.precision.param_dtype].itemsize)
+        unit_params, frozen_numels, nested, activations = _factory_units(
+            args.model, cfg.train.wrap, DTYPES[cfg.precision.param_dtype].itemsize)
+        numels = [sum(params) for params in unit_params]
     else:
-        nested, activations = 0, None
+        nested, activations, unit_params = 0, None, None  # units known by their sizes: one parameter each
         numels = _equal_units(parameter_count(args.params), 4 * max(args.layers, 1))
         frozen_numels = (_equal_units(parameter_count(args.frozen_params, "--frozen-params"),
                                       4 * max(args.layers, 1)) if args.frozen_params is not None else [])
@@ -192,7 +195,7 @@ def run_plan(args: argparse.Namespace) -> int:
                          ranks_per_node=args.ranks_per_node, nested_numel=nested, frozen_numels=frozen_numels,
                          pipeline_depth=cfg.optimizer.pipeline_depth, step=StepOptions.of(cfg, args.rollback_rate),
                          machine=recorded_machine(args.rates, device.type) if args.rates else this_machine(device),
-                         activations=activations)
+                         activations=activations, unit_params=unit_params)
     except PlanDoesNotFit as exc:
         if args.json:  # the object on stdout, the message on stderr (by main), exit status 1
             print(json.dumps({"numel": sum(numels), "world_size": args.world_size, "stage": cfg.zero.stage,

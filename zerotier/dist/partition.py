@@ -108,3 +108,18 @@ def partition_units(numels: Sequence[int], world_size: int, align: int = 1,
                     persistence_threshold: int = 0) -> list[Partition]:
     """One Partition per unit; units with fewer than `persistence_threshold` elements are replicated."""
     return [Partition(n, world_size, align, replicated=is_persistent(n, persistence_threshold)) for n in numels]
+
+
+SHARD_ALIGN = 32  # elements: every sharded unit's shards start on this boundary
+
+
+def stage_partitions(numels: Sequence[int], world_size: int, stage: int, persistence_threshold: int
+                     ) -> list[Partition]:
+    """Each unit's partition as the engine assigns them at ZeRO `stage` ([Note: sharding] in
+    sharding.py; the planner sizes with the same): with one rank every unit is whole; over several,
+    stage 0 replicates every unit, stage 3 those below `persistence_threshold` elements, and the
+    rest are partitioned with SHARD_ALIGN."""
+    if world_size == 1:
+        return [Partition(n, 1, replicated=True) for n in numels]
+    threshold = {0: 2 ** 63, 3: persistence_threshold}.get(stage, 0)
+    return partition_units(numels, world_size, align=SHARD_ALIGN, persistence_threshold=threshold)

@@ -34,7 +34,7 @@ from ..errors import ZerotierError
 
 _FP_MOD = 2 ** 61 - 1  # gather fingerprints stay within int64, and so does their negation
 _SYNC_POINTS = itertools.count()  # this process's sync points, in the order every rank reaches them
-from .partition import Partition, partition_units
+from .partition import stage_partitions
 
 
 class Sharding:
@@ -47,7 +47,7 @@ class Sharding:
             self.gatherer = ParamGatherer(zero_cfg.allgather_bucket_size, self._params_gathered, comm=self.comm)
         self._gather_done: dict[int, callable] = {}
         self._keep: list[torch.Tensor] = []  # lp shards that must live until their gather completes
-        self._threshold = {0: 2 ** 63, 3: zero_cfg.persistence_threshold}.get(self.stage, 0)
+        self._persistence = zero_cfg.persistence_threshold
         self._gather_fp = 0  # fingerprint of the ZeRO-3 gathers since the last agree()
         self.stop_code = 0    # this rank's stop request, sent with agree() ([Note: graceful stop])
         self.agreed_stop = 0  # the largest stop request of any rank at the last agree()
@@ -56,11 +56,7 @@ class Sharding:
 
     def assign(self, units: list[Unit]) -> list[Unit]:
         """The units with their partition and this rank's range of it (Unit is frozen after this)."""
-        if self.active:
-            parts = partition_units([u.numel for u in units], self.world, align=32,
-                                    persistence_threshold=self._threshold)
-        else:
-            parts = [Partition(u.numel, 1, replicated=True) for u in units]
+        parts = stage_partitions([u.numel for u in units], self.world, self.stage, self._persistence)
         return [dataclasses.replace(unit, part=part, shard_lo=part.shard_range(self.rank)[0],
                                     shard_hi=part.shard_range(self.rank)[1]) for unit, part in zip(units, parts)]
 

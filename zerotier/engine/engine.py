@@ -117,6 +117,7 @@ class Engine:
                               nested_numel=nested_numel(self.param_units), alignment=cfg.io.alignment,
                               frozen_numels=[u.numel for u in self.frozen_units],
                               unit_names=[u.name for u in self.units + self.frozen_units],
+                              unit_params=[tuple(s.numel() for s in u.shapes) for u in self.units],
                               step=StepOptions.of(cfg),  # clipping, accumulation, speculation
                               materialize_bytes=materialize_pool_bytes(self.param_units, self.lp_dtype,
                                                                        cfg.io.alignment))

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..state import Unit
-from .state_store import Profiled
+from .profiled_io import Profiled
 
 
 class StagedGrads:

@@ -47,29 +47,9 @@ from ..io import aligned_empty
 from ..state import Location, Unit
 from ..threads import UPDATER, owned
 from ..tiers.homes import HOMES, Home, HostBytes, Tiers
+from .profiled_io import Profiled
 from .state_layout import StateLayout
-
-
-class Profiled:
-    """An I/O ticket plus what the profiler needs to record it once it has completed.
-    The end time is when the waiter saw completion (an upper bound of the I/O's end)."""
-
-    def __init__(self, ticket, name, role, src, dst, nbytes, reason, start_ns):
-        self.ticket, self.name, self.role, self.src, self.dst = ticket, name, role, src, dst
-        self.nbytes, self.reason, self.start_ns = nbytes, reason, start_ns
-        self.recorded = False
-
-    def wait(self):
-        return self.ticket.wait()
-
-    def done(self):
-        return self.ticket.done()
-
-    def record(self, prof) -> None:
-        if not self.recorded:
-            self.recorded = True
-            prof.record(self.name, self.role, self.src, self.dst, self.nbytes, self.reason, self.start_ns,
-                        time.perf_counter_ns(), stream="nvme-io")
+from .state_terms import OptStateSizing
 
 
 @dataclass
@@ -89,7 +69,7 @@ class OptSlot:
         return {k: home.view() for k, home in self.homes.items()}
 
 
-class OptStateStore:
+class OptStateStore(OptStateSizing):
     """Every unit's optimizer state, wherever it lives (see the module docstring)."""
 
     def __init__(self, units: list[Unit], locs: list[Location], layout: StateLayout, device_tier, host_pool, nvme,
@@ -133,22 +113,6 @@ class OptStateStore:
     def on_nvme(self, unit: Unit) -> bool:
         """The unit's state is in files: its update goes through the pipeline's staging sets."""
         return not self.slots[unit.index].kind.in_memory
-
-    @staticmethod
-    def staging_bytes(depth: int, largest_shard: int, layout: StateLayout = StateLayout()) -> int:
-        """Host-pool bytes of the NVMe pipeline's staging sets (the planner counts exactly this)."""
-        return depth * layout.state_bytes(largest_shard)
-
-    @staticmethod
-    def host_blocks(loc: Location, units: int, depth: int, grads_staged: bool, writeback: bool,
-                    layout: StateLayout = StateLayout()) -> int:
-        """Host-pool blocks the optimizer holds at most at once (the planner rounds each up to
-        io.alignment): a block per state key per unit on host (place), a set of them per pipeline
-        slot on NVMe (_make_sets), two gradient shards staged (grad_staging.StagedGrads) and, at
-        ZeRO-1/2 over several ranks, each unit's updated shard until the gather (ParamStore.writeback_bytes)."""
-        keys, home = len(layout.keys), HOMES[loc]
-        blocks = keys * (home.blocks_at_rest * units + home.blocks_per_move * depth)
-        return blocks + 2 * grads_staged + units * writeback
 
     # ------------------------------------------------------------------ place
 
@@ -266,10 +230,11 @@ class OptStateStore:
     # ------------------------------------------------------------------ NVMe pipeline
 
     def _make_sets(self) -> None:
-        largest = {k: max(self.slots[u.index].layout.nbytes(k, u.shard_numel) for u in self._nvme_units)
-                   for k in self.layout.keys}
-        self._sets = [{k: self.host_pool.alloc(largest[k], torch.uint8, f"optimizer staging {k}")
-                       for k in self.layout.keys} for _ in range(self.depth)]
+        keys = self.layout.keys  # each key's block: the largest NVMe unit's (the planner's staging_bytes)
+        largest = self.staging_set(tuple(self.slots[u.index].layout.nbytes(k, u.shard_numel) for k in keys)
+                                   for u in self._nvme_units)
+        self._sets = [{k: self.host_pool.alloc(nbytes, torch.uint8, f"optimizer staging {k}")
+                       for k, nbytes in zip(keys, largest)} for _ in range(self.depth)]
         self._free_sets.extend(range(self.depth))
 
     def _take_set(self, block: bool) -> int | None:

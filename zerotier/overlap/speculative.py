@@ -54,10 +54,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-
+from typing import Iterable
 
 from .. import threads
-from ..optim.state_layout import StateLayout
 from ..state import Location, Unit
 from .base import OverlapPolicy
 
@@ -106,17 +105,18 @@ class SpeculationPolicy:
         return self.rollbacks / self.windows if self.windows else 0.0
 
 
-def undo_bytes(shard_numel: int, lp_itemsize: int, layout: StateLayout = StateLayout()) -> int:
+def undo_bytes(state_bytes: int, shard_numel: int, lp_itemsize: int) -> int:
     """Bytes of one host- or device-resident unit's undo copy ([Note: speculative step]): its state
-    buffers and its new low-precision shard's old bytes, in the host pool (host state) or on the
-    device tier (device state)."""
-    return layout.state_bytes(shard_numel) + shard_numel * lp_itemsize
+    buffers (`state_bytes`, their sum: OptStateStore.key_bytes) and its new low-precision shard's
+    old bytes, in the host pool (host state) or on the device tier (device state)."""
+    return state_bytes + shard_numel * lp_itemsize
 
 
-def shadow_bytes(shard_numel: int, alignment: int, layout: StateLayout = StateLayout()) -> int:
+def shadow_bytes(key_bytes: Iterable[int], alignment: int) -> int:
     """NVMe bytes of one NVMe-resident unit's speculative state files ([Note: speculative step]):
-    the pre-step files stay until the step is validated, so the new ones are a second copy."""
-    return sum(-(-layout.nbytes(k, shard_numel) // alignment) * alignment for k in layout.keys)
+    the pre-step files stay until the step is validated, so the new ones are a second copy, a file
+    per state buffer (`key_bytes`: OptStateStore.key_bytes) rounded up to `alignment`."""
+    return sum(-(-nbytes // alignment) * alignment for nbytes in key_bytes)
 
 
 @dataclass

@@ -46,7 +46,7 @@ from .messages import PlanDoesNotFit, does_not_fit, split_does_not_fit
 from .predict import COMPONENTS, DEFAULT_RATES, StepOptions, UnitCompute, bound_by, predict
 from .record import Plan
 from .report import whole_shortfall
-from .sizes import (KINDS, Sizes, auto_split, bytes_for, check_sharding, model_state_bytes, rank_shards_in_order,
+from .sizes import (KINDS, Sizes, auto_split, bytes_for, check_sharding, model_state_bytes,
                     split_bytes, split_units, tier_holds)
 from .speculation_plan import fit_speculation, predict_step
 from .step_on import steps_on
@@ -60,7 +60,8 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
               nested_numel: int = 0, alignment: int = 4096, frozen_numels: list[int] = (),
               compute: UnitCompute | None = None, step: StepOptions = StepOptions(),
               materialize_bytes: int = 0, machine: Machine | None = None,
-              activations: tuple[int, str] | None = None, unit_names: list[str] = ()) -> Plan:
+              activations: tuple[int, str] | None = None, unit_names: list[str] = (),
+              unit_params: list[tuple[int, ...]] | None = None) -> Plan:
     """Choose a tier for each kind of state within the per-rank budgets, or raise PlanDoesNotFit.
 
     world_size/stage shard each kind's bytes as ZeRO does ([Note: bytes per parameter]);
@@ -76,6 +77,9 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
     ([Note: activation memory] in activations.py), counted in need["device"]; None: not counted.
     unit_names: each unit's module name (unit_numels', then frozen_numels'), for a refusal that
     names the largest unit ([Note: the whole shortfall] in planner/report.py).
+    unit_params: each unit's parameters' numels in its flat's order (unit_numels' units), what the
+    optimizer state's layout follows ([Note: the optimizer's bytes per unit]); None: each unit one
+    parameter (a model known by its unit sizes only).
     `auto` kinds: every tier choice (and the optimizer split) that fits is predicted and the
     fastest taken, ties to the fastest-tier-first choice; all are in `Plan.alternatives`.
     """
@@ -89,6 +93,7 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
               pipeline_depth=pipeline_depth, nested_numel=nested_numel, alignment=alignment,
               frozen_numels=frozen_numels, compute=compute, step=step, materialize_bytes=materialize_bytes,
               activation_bytes=activations[0] if activations else 0,
+              unit_params=tuple((n,) for n in unit_numels) if unit_params is None else tuple(map(tuple, unit_params)),
               unit_names={n: name for n, name in reversed(list(zip([*unit_numels, *frozen_numels], unit_names)))})
     autos = [k for k in KINDS if getattr(offload, k) == "auto"]
     try:
@@ -144,7 +149,8 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
            resolved: tuple[dict[str, float], dict[str, str]], *, world_size: int, stage: int,
            zero: ZeroConfig | None, grad_bytes: int | None, ranks_per_node: int | None, pipeline_depth: int,
            nested_numel: int, alignment: int, frozen_numels: list[int], compute: UnitCompute | None,
-           step: StepOptions, materialize_bytes: int, activation_bytes: int, unit_names: dict[int, str]) -> Plan:
+           step: StepOptions, materialize_bytes: int, activation_bytes: int, unit_names: dict[int, str],
+           unit_params: tuple[tuple[int, ...], ...]) -> Plan:
     """One placement: `auto` kinds take the fastest tier that fits, in KINDS order."""
     rates, rate_sources = resolved
     lp_bytes = DTYPES[precision.param_dtype].itemsize
@@ -160,7 +166,7 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
     frozen_bytes = state_bytes["params"] - lp_bytes * sizes.rank_numel("params")  # [Note: frozen units]
     assert sum(state_bytes.values()) - frozen_bytes == model_state_bytes(sizes.numel, stage, world_size, lp_bytes,
                                                                          sizes.grad_bytes, sizes.state.bytes_per_param)
-    sizes = dataclasses.replace(sizes, unit_order=tuple(unit_numels))
+    sizes = dataclasses.replace(sizes, unit_order=tuple(unit_numels), unit_params=unit_params)
     if zero is not None:  # the collectives' bucket sizes (zero.*_bucket_size; default: ZeroConfig's)
         sizes = dataclasses.replace(sizes, reduce_bucket=zero.reduce_bucket_size,
                                     gather_bucket=zero.allgather_bucket_size, persistence=zero.persistence_threshold)
@@ -232,9 +238,9 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                                            spec.units if spec.on else None)
     breakdown = {c: schedule.seconds.get(c, 0.0) for c in COMPONENTS}
     split: dict[str, tuple[int, int]] = {}
-    for loc, n in zip(units_on or (), rank_shards_in_order(sizes)):
+    for loc, unit in zip(units_on or (), sizes.state_units):
         b, k = split.get(loc.value, (0, 0))
-        split[loc.value] = (b + round(sizes.state.bytes_per_param * n), k + 1)
+        split[loc.value] = (b + sum(unit), k + 1)
     return Plan(placement, needs, budgets, schedule.step_s, breakdown, sizes.numel, world_size, stage,
                 state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes, precision.accumulator_dtype,
                 units_on, split, sum(frozen_numels), frozen_bytes,

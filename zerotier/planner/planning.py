@@ -75,6 +75,7 @@ def plan_model(model, cfg: Config, inputs, *, rates, device: torch.device, world
                      grad_bytes=grad_bytes, ranks_per_node=ranks_per_node, pipeline_depth=cfg.optimizer.pipeline_depth,
                      nested_numel=nested_numel(units), frozen_numels=[u.numel for u in units if u.frozen],
                      unit_names=[u.name for u in units if not u.frozen] + [u.name for u in units if u.frozen],
+                     unit_params=[tuple(s.numel() for s in u.shapes) for u in units if not u.frozen],
                      compute=compute, step=step,
                      machine=recorded_machine(rates, device.type) if elsewhere else this_machine(device),
                      activations=(compute.activation_bytes, "measured: what one micro-batch of the inputs saves for "

@@ -171,7 +171,7 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
                 w["state_read_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, unit_opt.read_rate)
                 w["state_write_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, unit_opt.write_rate)
             if speculated and speculated[i] and unit_opt.in_memory:  # the undo copy, and its restore
-                undo = undo_bytes(o_shard, s.lp_bytes, s.state)
+                undo = undo_bytes(sum(s.state_units[i]), o_shard, s.lp_bytes)
                 if unit_opt.on_device and cuda:  # read and written on the device
                     w["undo_s"] = secs(2 * undo, "device_adam")
                 else:

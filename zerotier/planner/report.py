@@ -107,7 +107,7 @@ def _largest_unit(s, budgets: dict[str, int], route: dict, names: dict[int, str]
                 "(train.wrap: a finer wrap) or raise tiers.device")
     optimizer_home = HOMES.get(route.get("optimizer"))  # None for a split: a tuple of unit tiers
     if optimizer_home is not None and not optimizer_home.in_memory:  # NVMe: the state is staged through host
-        staging = OptStateStore.staging_bytes(1, s.rank_largest("optimizer"), s.state)
+        staging = OptStateStore.staging_bytes(1, s.state_units)
         if staging > budgets["host"]:
             return (f"{who} has {numel:,} parameters; one staging set of its optimizer state, "
                     f"{format_size(staging)}, is more than the whole host budget ({format_size(budgets['host'])}). "

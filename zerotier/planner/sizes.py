@@ -11,7 +11,10 @@ G = bytes per gradient element:
   optimizer  12 * Psi          stage 1 (fp32 master + m + v)    "P_os", K = 12
 
 `model_state_bytes` is that table summed; a sharded kind holds ceil(Psi / N) elements on
-the largest rank. G has two accountings:
+the largest rank. The optimizer's term counts each unit's state buffers as the store allocates
+them (`Sizes.state_units`, [Note: the optimizer's bytes per unit] in optim/state_terms.py):
+K per element on average, more where int8 blocks are padded, small parameters keep fp32
+moments, or a shard is padded to its partition's alignment. G has two accountings:
   engine (default)  G = bytes of precision.grad_dtype: what the gradient store allocates for
                     its accumulators (fp32 by default: exact over micro-batches; bf16 halves it);
   paper             G = L: the ZeRO paper's fp16 gradients (2 + 2 + K bytes per parameter),
@@ -23,8 +26,8 @@ Working sets come on top of the model state, on the tier that pays for them:
       plus the units enclosing a fetched one (`state.nested_numel`: resident for their
       module's whole forward), at most the whole model; params on NVMe: host-pool
       blocks for the fetches and write-backs in flight, `ParamStore.host_staging_bytes`
-  optimizer on NVMe: `optimizer.pipeline_depth` host staging sets of 12 x largest unit
-      shard, `OptStateStore.staging_bytes`
+  optimizer on NVMe: `optimizer.pipeline_depth` host staging sets, each key's block the
+      largest NVMe unit's buffer of that key, `OptStateStore.staging_bytes`
   gradients on NVMe: the fresh gradients being filled and the read-modify-writes in flight,
       `GradStore.nvme_staging_bytes`, and the optimizer's two gradient read blocks
       (`StagedGrads.staging_bytes`, as for device gradients read by a host optimizer)
@@ -44,7 +47,7 @@ Working sets come on top of the model state, on the tier that pays for them:
       (`device_temp_bytes`: the fused kernel's gradient chunk, the torch ops' chunk temporaries)
 These are the functions the stores size their allocations with, so the plan cannot drift
 from the code: each kind's term is its store's `plan_terms(home, sizes)` (ParamStore,
-GradStore; the optimizer's is `_optimizer_terms` here for now), given the class of the home
+GradStore, OptStateStore), given the class of the home
 its tier keeps it in (tiers/homes.py: `HOMES[tier]`), and `bytes_for` adds the host-pool
 rounding and the NVMe rewrites. A new tier is a Home class; nothing here names a tier.
 
@@ -67,24 +70,25 @@ slowest tier in the split: the NVMe store is opened, updates land in host memory
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from ..config import ZeroConfig
 from ..dist.buckets import GradBucketer, ParamGatherer
-from ..dist.partition import Partition, partition_units
+from ..dist.partition import Partition, stage_partitions
 from ..errors import ConfigError
 from ..grads import GradStore
 from ..optim.grad_staging import StagedGrads
 from ..optim.rules import AdamW, UpdateRule
 from ..optim.state_layout import StateLayout
 from ..optim.state_store import OptStateStore
+from ..optim.state_terms import UnitBytes
 from ..params import ParamStore
 from ..state import Location
 from ..tiers.homes import HOMES, Home
 
 KINDS = ("params", "gradients", "optimizer")  # in auto-placement priority order
 SHARDED_FROM_STAGE = {"params": 3, "gradients": 2, "optimizer": 1}
-_SHARD_ALIGN = 32  # elements: the alignment Sharding.assign partitions units with
 
 
 def check_sharding(stage: int, world_size: int) -> None:
@@ -147,6 +151,7 @@ class Sizes:
     nested: int = 0              # elements of enclosing units resident around a fetch (state.nested_numel)
     alignment: int = 4096        # io.alignment: host-pool blocks are rounded up to it
     unit_order: tuple[int, ...] = ()  # every unit's numel in unit order ([Note: optimizer split])
+    unit_params: tuple[tuple[int, ...], ...] = ()  # every unit's parameters' numels, in unit order (state_units)
     state: StateLayout = StateLayout()  # the optimizer state's keys and dtypes: state.bytes_per_param B/param
     rule: UpdateRule = AdamW()          # optimizer.type: its device variant's temporaries
     frozen: tuple[int, ...] = ()      # frozen units' numels: parameters only ([Note: frozen units] in state.py)
@@ -177,8 +182,16 @@ class Sizes:
     def partitions(self) -> list[Partition]:
         """Every unit's partition over the ranks, as Sharding.assign makes them (stage 0 replicates
         every unit, stage 3 those below zero.persistence_threshold)."""
-        threshold = {0: 2 ** 63, 3: self.persistence}.get(self.stage, 0)
-        return partition_units(self.numels, self.world_size, align=_SHARD_ALIGN, persistence_threshold=threshold)
+        return stage_partitions(self.numels, self.world_size, self.stage, self.persistence)
+
+    @functools.cached_property
+    def state_units(self) -> tuple[UnitBytes, ...]:
+        """Every unit's optimizer state buffers, bytes per key, in unit order: what the store
+        allocates ([Note: the optimizer's bytes per unit] in optim/state_terms.py)."""
+        numels = [sum(p) for p in self.unit_params]
+        assert sorted(numels, reverse=True) == list(self.numels), "Sizes: unit_params must be the units of numels"
+        parts = stage_partitions(numels, self.world_size, self.stage, self.persistence)
+        return tuple(OptStateStore.key_bytes(self.state, p, part) for p, part in zip(self.unit_params, parts))
 
 
 def bytes_for(kind: str, loc: Location, s: Sizes) -> dict[str, int]:
@@ -199,8 +212,9 @@ def bytes_for(kind: str, loc: Location, s: Sizes) -> dict[str, int]:
 def _nvme_rewrites(kind: str, s: Sizes) -> int:
     """NVMe bytes beyond the state itself: every swap file is rounded up to io.alignment, and a
     rewrite goes to a second file until it commits (NVMeStore.write), so the writes that may be in
-    flight at once need their room too: the optimizer's `pipeline_depth` staging sets (3 files of
-    the largest units each), the parameters' `lookahead + 2` write-backs (ParamStore.writes_in_flight)."""
+    flight at once need their room too: the optimizer's `pipeline_depth` staging sets (a file per
+    state key of the largest units' each, as the store sizes them: `Sizes.state_units`), the
+    parameters' `lookahead + 2` write-backs (ParamStore.writes_in_flight)."""
     shards = sorted(s.rank_shards(kind), reverse=True)
     if kind == "params":
         files, inflight = 1, ParamStore.writes_in_flight(s.lookahead)
@@ -212,7 +226,7 @@ def _nvme_rewrites(kind: str, s: Sizes) -> int:
         rewrite = s.grad_bytes * sum(shards[:inflight])
     else:
         files, inflight = len(s.state.keys), s.pipeline_depth
-        rewrite = round(s.state.bytes_per_param * sum(shards[:inflight]))
+        rewrite = sum(sorted((sum(unit) for unit in s.state_units), reverse=True)[:inflight])
     return rewrite + files * (len(shards) + min(inflight, len(shards))) * (s.alignment - 1)
 
 
@@ -229,27 +243,8 @@ def _host_blocks(kind: str, home: type[Home], s: Sizes) -> int:
                                      layout=s.state)
 
 
-def _optimizer_terms(home: type[Home], s: Sizes) -> dict[str, int]:
-    """The optimizer state's bytes per tier in homes of class `home`: the state, the update rule's
-    device temporaries on a CUDA device, the NVMe pipeline's staging sets, the gradient read blocks,
-    and at ZeRO-1/2 the updated low-precision shards waiting for the all-gather on the optimizer's
-    side. [Note: to the optimizer's store] This is the optimizer's term, summed here until the
-    optimizer state store (optim/state_store.py) offers it as ParamStore and GradStore do (`plan_terms`)."""
-    n = s.rank_numel("optimizer")
-    need = home.plan_bytes(n, s.state.bytes_per_param)
-    if home.on_device and s.cuda and s.engine_buffers:
-        need["device"] += s.rule.device_temp_bytes()
-    if not home.in_memory:
-        need["host"] += OptStateStore.staging_bytes(s.pipeline_depth, s.rank_largest("optimizer"), s.state)
-    if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu and not home.on_device):
-        need["host"] += StagedGrads.staging_bytes(s.rank_largest("optimizer"), s.grad_bytes)
-    if s.engine_buffers and s.world_size > 1 and s.stage in (1, 2):
-        # the updated low-precision shards wait on the optimizer's side for the all-gather
-        need["device" if home.on_device else "host"] += ParamStore.writeback_bytes(n, s.lp_bytes)
-    return need
-
-
-STORE_TERMS = {"params": ParamStore.plan_terms, "gradients": GradStore.plan_terms, "optimizer": _optimizer_terms}
+STORE_TERMS = {"params": ParamStore.plan_terms, "gradients": GradStore.plan_terms,
+               "optimizer": OptStateStore.plan_terms}
 """Each kind's term: (home class, Sizes) -> bytes per tier, from the store that holds it."""
 
 
@@ -279,8 +274,11 @@ def split_bytes(units_on: tuple[Location, ...], s: Sizes) -> dict[str, int]:
     need = {"device": 0, "host": 0, "nvme": 0}
     plain = dataclasses.replace(s, grads_on_gpu=False, grads_on_nvme=False)
     for loc in set(units_on):
-        numels = tuple(sorted((n for n, at in zip(s.unit_order, units_on) if at is loc), reverse=True))
-        for t, b in bytes_for("optimizer", loc, dataclasses.replace(plain, numels=numels)).items():
+        mine = [i for i, at in enumerate(units_on) if at is loc]
+        part = dataclasses.replace(plain, numels=tuple(sorted((s.unit_order[i] for i in mine), reverse=True)),
+                                   unit_order=tuple(s.unit_order[i] for i in mine),
+                                   unit_params=tuple(s.unit_params[i] for i in mine))
+        for t, b in bytes_for("optimizer", loc, part).items():
             need[t] += b
     if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu):  # a split holds no unit on the device
         need["host"] += StagedGrads.staging_bytes(s.rank_largest("optimizer"), s.grad_bytes)

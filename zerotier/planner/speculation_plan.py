@@ -64,7 +64,7 @@ def fit_speculation(step: StepOptions, placement: dict[str, Location], units_on:
     setting = "on (train.overlap = 'speculative')" if wanted is True else f"on (auto: {why})"
     shards = rank_shards_in_order(s)
     tiers = units_on or (placement["optimizer"],) * len(shards)
-    nvme = sum(shadow_bytes(n, s.alignment, s.state) for n, at in zip(shards, tiers)
+    nvme = sum(shadow_bytes(unit, s.alignment) for unit, at in zip(s.state_units, tiers)
                if not HOMES[at].in_memory)
     if nvme > free["nvme"]:
         short = nvme - free["nvme"]
@@ -79,8 +79,8 @@ def fit_speculation(step: StepOptions, placement: dict[str, Location], units_on:
     # undo copy on its tier, an NVMe unit its new low-precision shard (ParamStore.staged_out_bytes) on host
     # auto copies no state: host/device units are speculated with `true` only (UndoLog.copies)
     held = [("host", max(round_up(n * s.lp_bytes, s.alignment), s.alignment)) if not HOMES[at].in_memory else
-            (at.value, undo_bytes(n, s.lp_bytes, s.state)) if wanted is True else (None, 0)
-            for n, at in zip(shards, tiers)]
+            (at.value, undo_bytes(sum(unit), n, s.lp_bytes)) if wanted is True else (None, 0)
+            for n, unit, at in zip(shards, s.state_units, tiers)]
     if not any(t for t, _ in held):
         return SpeculationFit(False, "off (auto: no optimizer state on NVMe; host or device state would need undo "
                                    "copies, which cost more than they hide: train.overlap = 'speculative')")
