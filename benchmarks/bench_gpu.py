@@ -33,8 +33,9 @@ profiler: the share of each link's transfer time hidden under compute) and, on C
 torch.profiler's: the share of HtoD / DtoH memcpy time concurrent with a kernel, and the
 GPU's kernel-busy share; host syncs per step; peak device memory (allocated / reserved), peak
 RSS, pinned host bytes, NVMe bytes on disk; zerotier's plan need per tier; the loss after the
-last step and the largest |loss - reference loss| over the steps (gpu_table.py: the derived
-figures and the tables). For zerotier's cases a
+last step and the largest |loss - reference loss| over the steps; for zerotier's cases (issue 34),
+where the plan put each unit's update (optimizer.step_on), the optimizer's exposed time and the
+bytes that crossed PCIe each way, per timed step (gpu_table.py: the derived figures and the tables). For zerotier's cases a
 second table sets predict_table.py's prediction (the committed node rates of this GPU,
 this machine's budgets) beside the measured step, TFLOPS, peak RSS, pinned pool, device peak
 and NVMe bytes per step.
@@ -45,6 +46,7 @@ On a CPU (`--tiny`) this is a smoke test of the script, never a result.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import importlib.util
 import json
@@ -107,6 +109,9 @@ def run_case(case: str, args) -> dict:
         out["nvme_GBps"] = {k: v / timed_s / 1e9 for k, v in moved.items()}
     if not all(math.isfinite(v) for v in losses):
         raise RuntimeError(f"non-finite loss: {losses}")
+    if engine is not None:  # before any untimed step: the trace's last steps are the timed ones
+        out.update(_optimizer_exposure(engine.profiler.trace(), args.steps))
+        out["zt_step_on"] = dict(collections.Counter(engine.plan.optimizer_step_on))
 
     if profiled:  # untimed: torch.profiler's view of the copies, then the host syncs of one step
         out["torch_profiler"] = _torch_profiler(step, data[args.warmup + args.steps:][:PROFILED_STEPS], sync)
@@ -148,6 +153,28 @@ def _link_overlap(trace: dict) -> dict[str, float]:
         total[link] += t["dur"]
         hidden[link] += intervals.overlap(t["ts"], t["ts"] + t["dur"], hidden_under(t["stream"]))
     return {link: 100.0 * hidden[link] / d for link, d in sorted(total.items()) if d > 0}
+
+
+def _optimizer_exposure(trace: dict, steps: int) -> dict:
+    """Per timed step (the trace's last `steps`), issue 34's figures: the optimizer's exposed time (its
+    CPU and device updates and its state's transfers while no forward or backward ran: what the step
+    waits for) and the bytes that crossed PCIe each way (every host <-> device transfer)."""
+    from zerotier.profiler import intervals
+    from zerotier.profiler.spans import step_times
+    from zerotier.profiler.trace import read_trace
+    data, timed = read_trace(trace), step_times(trace)[-steps:]
+    start_us = data.meta["window_us"][0]
+    a, b = start_us + 1e6 * timed[0].start_s, start_us + 1e6 * (timed[-1].start_s + timed[-1].wall_s)
+    model = intervals.union((s, e) for s, e, kind, *_ in data.computes if kind in ("forward", "backward"))
+    optimizer = intervals.union([(s, e) for s, e, kind, *_ in data.computes if kind in ("optimizer", "device-optimizer")]
+                                + [(t["ts"], t["ts"] + t["dur"]) for t in data.transfers
+                                   if t["reason"].startswith("optimizer")])
+    pcie = {"h2d": 0, "d2h": 0}
+    for t in data.transfers:
+        if a <= t["ts"] < b and {t["src"], t["dst"]} == {"host", "device"}:
+            pcie["h2d" if t["dst"] == "device" else "d2h"] += t["bytes"]
+    return {"zt_optimizer_exposed_s": intervals.overlap(a, b, intervals.subtract(optimizer, model)) / 1e6 / len(timed),
+            "zt_pcie_bytes_per_step": {k: v / len(timed) for k, v in pcie.items()}}
 
 
 def memcpy_overlap(trace: dict) -> dict:

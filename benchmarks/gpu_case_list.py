@@ -22,12 +22,17 @@ Cases (name -> framework, settings); their order is their priority under --time-
   zt-opt-nvme            zerotier exact: optimizer on NVMe (params on device, gradients on host)
   zt-params-nvme         zerotier exact: params + optimizer on NVMe
   ds-infinity            DeepSpeed ZeRO-Infinity under zero.Init: params + optimizer on nvme (async_io)
+  zt-opt-host-on-S       zerotier exact, optimizer on host, optimizer.step_on = S (cpu / device / auto:
+                         where each unit's update runs, issue 34); the default overlap
+  zt-compact-host-on-S   the same, compact state
+  zt-compact-auto-on-S   zt-compact-auto with optimizer.step_on = S (20B: compact on host does not fit a node)
 """
 from __future__ import annotations
 
 EXACT_HOST = {"params": "device", "gradients": "host", "optimizer": "host"}
 COMPACT = {"master_dtype": "bf16", "moment_dtype": "int8"}
 ALL_NVME = {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}
+STEP_ON = ("cpu", "device", "auto")  # optimizer.step_on's values (zerotier/planner/step_on.py)
 CASES = {
     "torch": ("torch", {}),
     "zt-opt-host": ("zerotier", {"offload": EXACT_HOST, "overlap": "none"}),
@@ -48,6 +53,11 @@ CASES = {
     "zt-opt-nvme": ("zerotier", {"offload": {**EXACT_HOST, "optimizer": "nvme"}}),
     "zt-params-nvme": ("zerotier", {"offload": {"params": "nvme", "gradients": "host", "optimizer": "nvme"}}),
     "ds-infinity": ("deepspeed", {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}),
+    **{f"zt-opt-host-on-{s}": ("zerotier", {"offload": EXACT_HOST, "step_on": s}) for s in STEP_ON},
+    **{f"zt-compact-host-on-{s}": ("zerotier", {"offload": EXACT_HOST, "precision": COMPACT, "step_on": s})
+       for s in STEP_ON},
+    **{f"zt-compact-auto-on-{s}": ("zerotier", {"offload": {"params": "auto", "gradients": "auto", "optimizer": "auto"},
+                                                "precision": COMPACT, "step_on": s}) for s in STEP_ON},
 }
 ZEROTIER_CASES = [c for c, (fw, _) in CASES.items() if fw == "zerotier"]
 HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -61,7 +71,8 @@ def zerotier_config(case: str, nvme_path: str | None, threads: int, clip: float 
         "offload": settings["offload"],
         "tiers": {"nvme_path": nvme_path},
         "precision": {"param_dtype": "bf16", **settings.get("precision", {})},
-        "optimizer": {**HPARAMS, "betas": list(HPARAMS["betas"]), "threads": threads},
+        "optimizer": {**HPARAMS, "betas": list(HPARAMS["betas"]), "threads": threads,
+                      **({"step_on": settings["step_on"]} if "step_on" in settings else {})},
         "train": {"max_grad_norm": clip, "grad_accum_steps": accum,
                   "overlap": settings.get("overlap", "auto"),
                   "handle_signals": False, "device": device},

@@ -31,7 +31,9 @@
 #               list in one table (bench_gpu.md, rewritten after every case), within
 #               SCALE_SECONDS (default 540, passed on as --time-limit): 7B's exact zerotier
 #               cases against ds-z2-offload and torchao with gradient offload, then 20B compact
-#               (zt-compact-auto), then the rest; 1 warm-up + 2 timed steps, no torch.profiler
+#               (zt-compact-auto), then the rest, then issue 34's optimizer.step_on = cpu / device /
+#               auto cases (7B exact and compact on host, 20B compact `auto`, 20B exact: n/a with
+#               its needs); 1 warm-up + 2 timed steps, no torch.profiler
 #               steps. With --tiny (the rehearsal, CI: tests/test_bench_gpu.py) the same list
 #               runs at bench_gpu's tiny size on the CPU with $PYTHON, no venv or peers: every
 #               step of this script, bench_gpu, the cases and predict_table.py, not a result.
@@ -225,7 +227,9 @@ bench_gpu() {
 SCALE_FIRST="7b:zt-opt-host,7b:ds-z2-offload,7b:torchao-offload-grads,7b:zt-opt-host-early,7b:zt-opt-host-spec,7b:zt-opt-host-delayed"
 SCALE_THEN="20b:zt-compact-auto"
 SCALE_REST="7b:zt-compact-host,7b:zt-params-host,13b:zt-compact-auto,13b:ds-z2-offload,7b:ds-z3-offload,7b:torchao-offload,7b:ds-zenflow,2.7b:zt-compact-nvme,2.7b:ds-infinity,30b:zt-compact-auto,7b:zt-opt-split"
-export SCALE_CASES="${SCALE_CASES:-$SCALE_FIRST,$SCALE_THEN,$SCALE_REST}"
+# issue 34: where the optimizer's update runs (optimizer.step_on), after issue 36's list
+SCALE_STEP_ON="7b:zt-opt-host-on-auto,7b:zt-opt-host-on-cpu,7b:zt-opt-host-on-device,7b:zt-compact-host-on-auto,7b:zt-compact-host-on-cpu,7b:zt-compact-host-on-device,20b:zt-compact-auto-on-auto,20b:zt-compact-auto-on-cpu,20b:zt-compact-auto-on-device,20b:zt-opt-host-on-auto"
+export SCALE_CASES="${SCALE_CASES:-$SCALE_FIRST,$SCALE_THEN,$SCALE_REST,$SCALE_STEP_ON}"
 
 scale() {
     local extra=(--steps 2 --warmup 1 --no-profile --case-timeout "${SCALE_CASE_SECONDS:-240}")

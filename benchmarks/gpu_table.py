@@ -2,7 +2,8 @@
 
 derive: throughput, Megatron-formula TFLOPS, MFU, ratios to the references of the same size,
 |loss - reference loss|, predicted over measured. table: every case's row; predicted_table:
-zerotier's cases, predict_table.py's prediction beside the measured figures. write: both files.
+zerotier's cases, predict_table.py's prediction beside the measured figures; step_on_table:
+zerotier's cases, where the update ran, the optimizer's exposed time and PCIe bytes. write: both files.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import os
 
 import gpu_model as gm
-from gpu_case_list import HPARAMS
+from gpu_case_list import CASES, HPARAMS
 
 REFERENCES = ("torch", "ds-z2-offload")   # step-time ratios and |Δloss| against the first that ran
 GiB = 1 << 30
@@ -104,7 +105,7 @@ def table(results: list[dict], env: dict, args) -> str:
             f"| {r['losses'][-1]:.4f} | {f(r.get('max_abs_dloss'), '{:.4f}')} |")
     notes = ["", "x torch / x DS-Offload: step time over that case's (lower is faster). "
              "max abs dloss: against the first of torch, ds-z2-offload that ran (bf16: within 2e-2 expected)."]
-    return "\n".join(head + rows + notes + predicted_table(results)) + "\n"
+    return "\n".join(head + rows + notes + predicted_table(results) + step_on_table(results)) + "\n"
 
 
 def setup_text(r: dict) -> str:
@@ -141,6 +142,24 @@ def predicted_table(results: list[dict]) -> list[str]:
             f"| {pair(p['device_peak'], r.get('peak_device_allocated'), GiB, '{:.1f}')} "
             f"| {pair(p['nvme_bytes_per_step'], sum(traffic.values()) if traffic else None, 1e9, '{:.1f}')} "
             f"| {p['bound_by']} |")
+    return lines if len(lines) > 5 else []
+
+
+def step_on_table(results: list[dict]) -> list[str]:
+    """zerotier's cases (issue 34): optimizer.step_on, where the plan put each unit's update, the
+    optimizer's exposed time per step (target: at most 20 % of the step with `auto` at 7B) and the
+    bytes that crossed PCIe per step."""
+    lines = ["", "## Where the update runs (zerotier; optimizer.step_on)", "",
+             "| case | step_on | units updated on cpu / device | step ms | optimizer exposed ms (% of step) "
+             "| PCIe GB/step H2D / D2H |", "|" + "---|" * 6]
+    for r in results:
+        if r.get("status") != "ok" or "zt_optimizer_exposed_s" not in r:
+            continue
+        on, pcie, exposed = r.get("zt_step_on") or {}, r["zt_pcie_bytes_per_step"], r["zt_optimizer_exposed_s"]
+        lines.append(
+            f"| {r['label']} | {CASES[r['case']][1].get('step_on', 'auto')} | {on.get('cpu', 0)} / {on.get('device', 0)} "
+            f"| {r['step_s'] * 1e3:.1f} | {exposed * 1e3:.1f} ({100 * exposed / r['step_s']:.0f} %) "
+            f"| {pcie['h2d'] / 1e9:.2f} / {pcie['d2h'] / 1e9:.2f} |")
     return lines if len(lines) > 5 else []
 
 

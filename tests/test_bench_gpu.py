@@ -25,13 +25,19 @@ def _env(tmp_path):
     return dict(os.environ, ZEROTIER_BENCH_FILE=str(tmp_path / "no-bench.json"), PYTHON=sys.executable)
 
 
-@pytest.mark.slow  # five processes importing torch: ~25 s of CPU
-def test_tiny_run_writes_every_row_with_sane_figures(tmp_path):
+def _tiny_run(tmp_path, cases):
+    """bench_gpu.py --tiny over `cases`, 1 warm-up + 2 timed steps: (the finished process, its --out)."""
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--tiny",
-                        "--cases", ",".join(CASES), "--steps", "2", "--warmup", "1", "--threads", "1",
+                        "--cases", ",".join(cases), "--steps", "2", "--warmup", "1", "--threads", "1",
                         "--out", str(out), "--nvme-path", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(tmp_path))
+    return r, out
+
+
+@pytest.mark.slow  # five processes importing torch: ~25 s of CPU
+def test_tiny_run_writes_every_row_with_sane_figures(tmp_path):
+    r, out = _tiny_run(tmp_path, CASES)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + (out / "cases.log").read_text()[-5000:]
     report = json.loads((out / "bench_gpu.json").read_text())
     rows = {c["case"]: c for c in report["cases"]}
@@ -81,7 +87,7 @@ def test_scale_rehearsal_runs_the_priority_list_under_its_time_limit(tmp_path):
     logs = "".join(p.read_text()[-3000:] for p in sorted(out.rglob("*.log")))
     report = json.loads((out / "scale" / "bench_gpu.json").read_text())
     listed = subprocess.run(["bash", "-c", f"source <(grep '^SCALE_' {ROOT}/benchmarks/gpu_run.sh); "
-                             "echo $SCALE_FIRST,$SCALE_THEN,$SCALE_REST"], capture_output=True, text=True).stdout
+                             "echo $SCALE_FIRST,$SCALE_THEN,$SCALE_REST,$SCALE_STEP_ON"], capture_output=True, text=True).stdout
     order = listed.strip().split(",")
     assert order[:2] == ["7b:zt-opt-host", "7b:ds-z2-offload"] and "20b:zt-compact-auto" in order, order
     rows = report["cases"]
@@ -103,6 +109,38 @@ def test_scale_rehearsal_runs_the_priority_list_under_its_time_limit(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "machine" in summary and "scale" in summary and "venv" not in summary  # --tiny: no venv
     assert not list(out.glob("**/.bench_gpu_nvme.*"))  # the swap directories are gone
+
+
+STEP_ON_CASES = ["zt-opt-host-on-cpu", "zt-compact-host-on-device", "zt-compact-auto-on-auto"]
+
+
+@pytest.mark.slow  # four processes importing torch
+def test_step_on_cases_record_where_the_update_ran_its_exposed_time_and_pcie_bytes(tmp_path):
+    """Issue 34's cases (optimizer.step_on = cpu / device / auto) in the tiny rehearsal: the key reaches
+    the engine's plan (every unit's update on the CPU or on the device as asked), and each row records
+    the optimizer's exposed time (within the step) and the PCIe bytes per step, in the json and in the
+    table's step_on section."""
+    from gpu_case_list import zerotier_config
+    for case, on in zip(STEP_ON_CASES, ("cpu", "device", "auto")):
+        assert zerotier_config(case, None, 1, None, 1, "cpu")["optimizer"]["step_on"] == on
+    assert "step_on" not in zerotier_config("zt-opt-host", None, 1, None, 1, "cpu")["optimizer"]
+    r, out = _tiny_run(tmp_path, STEP_ON_CASES)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + (out / "cases.log").read_text()[-5000:]
+    rows = {c["case"]: c for c in json.loads((out / "bench_gpu.json").read_text())["cases"]}
+    for case in STEP_ON_CASES:
+        row = rows[case]
+        assert row["status"] == "ok", row
+        assert 0 <= row["zt_optimizer_exposed_s"] <= row["step_s"]
+        assert set(row["zt_pcie_bytes_per_step"]) == {"h2d", "d2h"}
+        assert all(v >= 0 for v in row["zt_pcie_bytes_per_step"].values())
+    assert set(rows["zt-opt-host-on-cpu"]["zt_step_on"]) == {"cpu"}
+    assert set(rows["zt-compact-host-on-device"]["zt_step_on"]) == {"device"}
+    assert rows["zt-opt-host-on-cpu"]["zt_optimizer_exposed_s"] > 0  # the CPU Adam after the last backward
+    assert rows["zt-opt-host-on-cpu"]["zt_pcie_bytes_per_step"]["d2h"] > 0  # gradients to the host
+    md = (out / "bench_gpu.md").read_text()
+    assert "## Where the update runs" in md
+    for case, on in zip(STEP_ON_CASES, ("cpu", "device", "auto")):
+        assert f"| {case} | {on} | " in md
 
 
 def test_memcpy_overlap_from_a_kineto_trace():
