@@ -174,9 +174,11 @@ def to_bf16_stochastic(x: torch.Tensor, seed: int) -> torch.Tensor:
 # SLEEF, up to 1 ulp off; the fp64 root rounded to fp32 is, like sqrtps and CUDA's sqrt, as
 # double rounding is exact for the root of an fp32), the same stochastic rounding bits from
 # (seed, element) and the same blockwise re-quantization. So they are bitwise the native
-# kernel's result, on any device whose fp32 +, -, *, / are IEEE round-to-nearest (the CPU and
-# CUDA). They serve as the kernels' fallback and oracle (adam_step_reference,
-# lion_step_reference) and as the update rules' device variant (UpdateRule.device_pieces).
+# kernel's result on the CPU (tests/test_device_pieces.py, every SIMD level), and should be on
+# any device whose fp32 +, -, *, / round to nearest as IEEE says (CUDA without fast math: the
+# cuda tests hold it to issue 34's bounds, not yet run on a GPU). They serve as the kernels'
+# fallback and oracle (adam_step_reference, lion_step_reference) and as the update rules'
+# device variant (UpdateRule.device_pieces).
 # They work on TORCH_CHUNK elements at a time (a multiple of QUANT_BLOCK, so a chunk's
 # moments re-quantize whole blocks), in place on fp32 state: at most
 # TORCH_TEMP_BYTES_PER_ELEMENT * TORCH_CHUNK bytes of temporaries beside the state, which the
