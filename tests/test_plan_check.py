@@ -11,7 +11,8 @@ from zerotier.planner import planner as planner_module
 from zerotier.planner.plan_check import PlanTermExceeded
 
 CASES = {"optimizer-host": {"optimizer": "host"}, "optimizer-nvme": {"optimizer": "nvme", "gradients": "host"},
-         "params-nvme": {"params": "nvme", "optimizer": "nvme"}}
+         "params-nvme": {"params": "nvme", "optimizer": "nvme"},
+         "all-nvme": {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}}
 
 
 def _model():
@@ -38,6 +39,9 @@ def test_each_component_stays_within_its_term(tmp_path, monkeypatch, case):
         plan = engine.plan
         assert plan.need == {t: sum(term[t] for term in plan.needs.values()) for t in plan.need}
         peaks = {"device": engine.device_tier.component_peaks(), "host": engine.host_pool.component_peaks()}
+        if engine.store is not None:  # the files, with their rewrites in flight
+            peaks["nvme"] = engine.store.component_peaks()
+        assert ("nvme" in peaks) == ("nvme" in case)
         for kind, where in plan.placement.items():  # every store was charged where its state lives
             if where.value in peaks:
                 assert 0 < peaks[where.value][kind] <= plan.needs[kind][where.value], (kind, where)
@@ -61,8 +65,28 @@ def test_the_check_fails_when_a_term_is_understated(tmp_path, monkeypatch):
         assert ei.value.peak > term
 
 
+@pytest.mark.parametrize("kind", ["optimizer", "params"])
+def test_the_check_fails_when_an_nvme_term_is_understated(tmp_path, monkeypatch, kind):
+    """A kind's NVMe term understated by half: the first step names it on the nvme tier."""
+    monkeypatch.setenv("ZEROTIER_CHECK_PLAN", "1")
+    real = planner_module.bytes_for
+
+    def understated(k, loc, s):
+        want = real(k, loc, s)
+        return {**want, "nvme": want["nvme"] // 2} if k == kind else want
+    monkeypatch.setattr(planner_module, "bytes_for", understated)
+    with zerotier.initialize(_model(), _cfg(tmp_path, CASES["params-nvme"])) as engine:
+        term = engine.plan.needs[kind]["nvme"]
+        with pytest.raises(PlanTermExceeded, match=rf"ZEROTIER_CHECK_PLAN=1: the {kind} held [\d,]+ B on the nvme "
+                                                   rf"tier, above their planned term of {term:,} B") as ei:
+            _train(engine, steps=1)
+        assert (ei.value.component, ei.value.tier, ei.value.term) == (kind, "nvme", term)
+        assert ei.value.peak > term
+
+
 def test_without_the_check_nothing_is_charged(tmp_path, monkeypatch):
     monkeypatch.delenv("ZEROTIER_CHECK_PLAN", raising=False)
     with zerotier.initialize(_model(), _cfg(tmp_path, CASES["optimizer-nvme"])) as engine:
         _train(engine, steps=1)
         assert engine.device_tier.component_peaks() == {} and engine.host_pool.component_peaks() == {}
+        assert engine.store.component_peaks() == {}

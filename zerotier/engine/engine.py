@@ -140,20 +140,20 @@ class Engine:
                                              else None)
         self.scaler = LossScaler(cfg.precision)
         self._check_plan = plan_check.enabled()  # [Note: the plan against the run's peaks]
-        tiers = lambda component: (Charged(self.device_tier, component), Charged(self.host_pool, component)) \
-            if self._check_plan else (self.device_tier, self.host_pool)  # noqa: E731
+        charge = lambda tier, kind: Charged(tier, kind) if self._check_plan and tier is not None else tier  # noqa: E731
+        tiers = lambda kind: [charge(t, kind) for t in (self.device_tier, self.host_pool, self.store)]  # noqa: E731
         optimizer_loc = self.plan.optimizer_units or placement["optimizer"]  # a tier, or one per unit (a split)
         rule = make_rule(cfg.optimizer.type)  # the update rule (optim/rules/)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, optimizer_loc, *tiers("optimizer"),
-                                            self.store, self.profiler, StateLayout.of(cfg.precision, rule), rule)
+                                            self.profiler, StateLayout.of(cfg.precision, rule), rule)
         no_decay = exempt_from_decay(model, self.units, cfg.optimizer.no_weight_decay)  # checked before placing
         self.params = ParamStore(self.param_units, placement["params"], self.lp_dtype, *tiers("params"),
-                                 self.store, self.sharding, placement["optimizer"],
+                                 self.sharding, placement["optimizer"],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
         self.params.master_of = lambda unit: self.window.overlap.master_of(unit)  # [Note: a failed write-back]
         self.grads = GradStore(self.units, placement["gradients"], DTYPES[cfg.precision.accumulator_dtype],
-                               *tiers("gradients"), self.sharding, cfg.zero.reduce_bucket_size,
-                               self.store, self.profiler)
+                               *tiers("gradients")[:2], self.sharding, cfg.zero.reduce_bucket_size,
+                               charge(self.store, "gradients"), self.profiler)
         # [Note: the runtime record] in runtime.py: what the collaborators below receive instead of the engine
         self.runtime = Runtime(model, self.device, self.lp_dtype, self.plan, self.sharding, self.scaler,
                                self.profiler, self.param_units, self.units, self.frozen_units, self.params,
@@ -244,7 +244,7 @@ class Engine:
         ends_window, steps = self.window.ends_window(), self.global_steps
         updated = self.window.step()
         if self._check_plan:
-            plan_check.check_peaks(self.plan.needs, {"device": self.device_tier, "host": self.host_pool})
+            plan_check.check_peaks(self.plan.needs, device=self.device_tier, host=self.host_pool, nvme=self.store)
         if self.global_steps != steps:
             self.carried.stepped()  # the engine's lr scheduler, before a checkpoint may be written
         if ends_window:
@@ -263,7 +263,7 @@ class Engine:
         steps = self.global_steps
         applied = self.window.optimizer_step()
         if self._check_plan:  # [Note: the plan against the run's peaks]
-            plan_check.check_peaks(self.plan.needs, {"device": self.device_tier, "host": self.host_pool})
+            plan_check.check_peaks(self.plan.needs, device=self.device_tier, host=self.host_pool, nvme=self.store)
         if self.global_steps != steps:
             self.carried.stepped()
         if applied:

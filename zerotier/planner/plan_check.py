@@ -5,10 +5,11 @@ The plan sizes each component ([Note: needs per component] in planner.py) with t
 the stores size their allocations with; this check keeps that true where it runs. The engine
 hands the parameter, gradient and optimizer stores their tiers charged to them ([Note: peaks
 per component] in tiers/base.py) and, after each step, compares every component's peak of live
-bytes on the device and host tiers with its term; a peak above it raises PlanTermExceeded,
-naming the component, the tier, the term and the peak. The speculative step's and the delayed
-update's held blocks are allocated by those stores (a speculated NVMe unit's new parameters,
-the delayed update's staged ones), so their terms on the tier are allowed on top. CI runs the
+bytes on the device and host tiers and on NVMe (its files, with the rewrites in flight) with its
+term; a peak above it raises PlanTermExceeded, naming the component, the tier, the term and the
+peak. The speculative step's and the delayed update's held blocks are allocated by those stores
+(a speculated NVMe unit's new parameters and its state's second files, the delayed update's
+staged ones), so their terms on the tier are allowed on top. CI runs the
 engine tests with it (.ci/run).
 """
 from __future__ import annotations
@@ -34,10 +35,13 @@ def enabled() -> bool:
     return os.environ.get(ENV) == "1"
 
 
-def check_peaks(needs: dict[str, dict[str, int]], tiers: dict[str, object]) -> None:
+def check_peaks(needs: dict[str, dict[str, int]], **tiers) -> None:
     """[Note: the plan against the run's peaks] Raise PlanTermExceeded for the first component whose
-    peak on a tier (`tiers`: name -> a BudgetedTier) is above its term in `needs` (Plan.needs)."""
+    peak on a tier (`tiers`: name=a BudgetedTier, or None where the run has no such tier) is above
+    its term in `needs` (Plan.needs)."""
     for tier_name, tier in tiers.items():
+        if tier is None:
+            continue
         peaks = tier.component_peaks()
         borrowed = sum(needs.get(c, {}).get(tier_name, 0) for c in BORROWED)
         for component in CHARGED:

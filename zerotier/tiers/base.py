@@ -14,7 +14,11 @@ Under ZEROTIER_CHECK_PLAN=1 the engine hands each store (params, gradients, opti
 tiers through `Charged(tier, component)`: every call goes to the tier, and what a call
 allocates is charged to that component (a host-pool buffer carries its component to its
 free, a device tensor's is kept by its address, a storage refilled through the view is charged
-to it and given back by it). `component_peaks()` is each component's peak of live bytes, which
+to it and given back by it; an NVMe file to the component writing its key, from the write's
+issue, a rewrite's second file too while in flight, until the file is replaced or its write
+fails: a replaced file kept for reuse, [Note: NVMe file recycling] in nvme_files.py, is charged
+to nobody, a cache the store trims before it refuses a write, not room the plan must hold).
+`component_peaks()` is each component's peak of live bytes, which
 the plan's check compares with its term ([Note: needs per component] in planner/planner.py).
 Without the check no view exists and nothing is charged.
 """

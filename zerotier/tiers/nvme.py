@@ -59,25 +59,15 @@ from ..io import lexists_at, open_direct, open_engine
 from ..io.memory import round_up
 from ..io.ticket import ChainTicket, CompletedTicket
 from ..units import format_size
-from .base import BudgetedTier
+from .base import BudgetedTier, charging
 from .host import HostBuffer
-from .nvme_files import (HINTS, FileRecycler, KeyWrites, NVMeEntry, byte_view, checksum_impl, dtype_from_str,
-                         file_stem, preallocate, quiet_wait, read_buffer, write_buffer)
+from .nvme_files import (HINTS, FileRecycler, KeyWrites, NVMeEntry, Write, byte_view, checksum_impl,
+                         dtype_from_str, file_stem, preallocate, quiet_wait, read_buffer, write_buffer)
 from .rundir import _RECYCLED_PREFIX, _SUFFIX, _TMP_SUFFIX, RunDir, _check_parent, scan_stale
 
 log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------- store
-
-class _Write:
-    """A write in flight: its file, what the index will hold, the buffer the engine reads, and the
-    checksum taken beside it ([Note: the checksum beside the write])."""
-
-    def __init__(self, key: str, fd: int, name: str, path: Path, entry: NVMeEntry, buf: torch.Tensor, inner):
-        self.key, self.fd, self.name, self.path, self.entry, self.buf, self.inner = key, fd, name, path, entry, buf, inner
-        self.summed, self.sums = threading.Event(), []
-        self.ticket: ChainTicket | None = None
-
 
 class NVMeStore(BudgetedTier):
     """The NVMe tier (see [Note: NVMe layout]). Thread-safe.
@@ -144,7 +134,7 @@ class NVMeStore(BudgetedTier):
         nbytes = tensor.numel() * tensor.element_size()
         self._key_writes.claim(key)  # waits for an earlier write of this key: writes commit in order
         try:
-            w = self._issue_write(key, src, tensor, nbytes, round_up(nbytes, self.alignment), what)
+            w = self._issue_write(key, src, tensor, nbytes, round_up(nbytes, self.alignment), what, charging())
         except BaseException:
             self._key_writes.unclaim(key, None)
             raise
@@ -160,7 +150,7 @@ class NVMeStore(BudgetedTier):
         return ticket
 
     def _issue_write(self, key: str, src, tensor: torch.Tensor, nbytes: int, file_bytes: int,
-                     what: str) -> "_Write":
+                     what: str, component: str | None) -> "Write":
         """Account the file, open it (a recycled one, a new one, or a rewrite's temporary), give it its
         blocks and submit the write. On an error nothing is left: no file, no bytes accounted."""
         fd = -1
@@ -169,6 +159,7 @@ class NVMeStore(BudgetedTier):
             recycled = self._recycled.take(file_bytes) if file_bytes else None
         if recycled is None:
             self._reserve_file(file_bytes, what or f"shard '{key}'")
+        self.charge(component, file_bytes)  # [Note: peaks per component]
         try:
             buf = write_buffer(src, tensor, nbytes, file_bytes, self.alignment)
             with self._lock:
@@ -203,10 +194,11 @@ class NVMeStore(BudgetedTier):
             elif recycled is not None:
                 self._unlink_quiet(recycled)
             self.release(file_bytes)
+            self.charge(component, -file_bytes)
             raise
-        return _Write(key, fd, name, path, entry, buf, inner)
+        return Write(key, fd, name, path, entry, buf, inner, component)
 
-    def _finish_write(self, w: "_Write", outcome: int | BaseException) -> int:
+    def _finish_write(self, w: "Write", outcome: int | BaseException) -> int:
         """Runs once, when the write has completed (see [Note: buffers in flight]): commit the file
         under its key, or count the error, drop the file and raise it."""
         key, path, file_bytes = w.key, w.path, w.entry.file_bytes
@@ -237,8 +229,11 @@ class NVMeStore(BudgetedTier):
                     self._errors += 1
                     self._unlink_quiet(w.name)
                     self.release(file_bytes)
+                    self.charge(w.component, -file_bytes)
                     raise err
                 self._index[key] = dataclasses.replace(w.entry, checksum=w.sums[0]) if w.sums else w.entry
+                if old is not None:  # replaced: recycled or released ([Note: peaks per component])
+                    self.charge(w.component, -old.file_bytes)
         finally:
             self._key_writes.unclaim(key, w.ticket)
             if interrupted is not None:

@@ -30,7 +30,9 @@ import ctypes
 import errno
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import crc32c
@@ -259,3 +261,17 @@ class KeyWrites:
             prev = self._pending.get(key)
         if prev is not None:
             quiet_wait(prev)
+
+
+class Write:
+    """A write in flight: its file, what the index will hold, the buffer the engine reads, the
+    checksum taken beside it ([Note: the checksum beside the write] in nvme.py) and the component its
+    file is charged to ([Note: peaks per component] in base.py; None without the check)."""
+
+    def __init__(self, key: str, fd: int, name: str, path: Path, entry: "NVMeEntry", buf: torch.Tensor, inner,
+                 component: str | None):
+        self.key, self.fd, self.name, self.entry, self.buf, self.inner = key, fd, name, entry, buf, inner
+        self.path = path
+        self.summed, self.sums = threading.Event(), []
+        self.ticket = None  # its ChainTicket, once issued
+        self.component = component
