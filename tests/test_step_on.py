@@ -5,9 +5,10 @@ import torch
 
 from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
 from zerotier.errors import ConfigError
+from zerotier.planner.messages import PlanDoesNotFit
 from zerotier.planner.planner import make_plan
 from zerotier.planner.predict import StepOptions
-from zerotier.planner.step_on import steps_on
+from zerotier.planner.step_on import UpdateCosts, choose, steps_on
 from zerotier.state import Location
 
 CPU = torch.device("cpu")
@@ -49,3 +50,90 @@ def test_a_split_gives_each_unit_its_own_entry_in_unit_order():
 def test_an_unknown_step_on_is_a_config_error_naming_the_choices():
     with pytest.raises(ConfigError, match=r"optimizer\.step_on: must be one of 'cpu', 'device', 'auto', got 'gpu'"):
         steps_on("gpu", (Location.HOST,))
+
+
+# --- [Note: choosing where each update runs], hand-computed ---------------------------------------
+# fp32 AdamW state (12 B/param), gradients and parameters on the device: 12 B staged in and out,
+# the kernel 28 B. Rates chosen so each is 1 s per 1e4 params: CPU Adam 1e4 params/s, h2d = d2h =
+# 12e4 B/s, device_adam 28e4 B/s. The device side of units S: 1 s/1e4 x params(S) (its slowest
+# stage) + 2 s/1e4 x its largest unit (the other two stages: fill and drain).
+RATES = {"cpu_adam": 1e4, "h2d": 12e4, "d2h": 12e4, "device_adam": 28e4, "mem_copy": 1e12, "mem_read": 1e12,
+         "nvme_read": 1e12, "nvme_write": 1e12}
+COSTS = UpdateCosts.of(RATES, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True)
+SHARDS = [2000, 4000, 1000, 3000]  # unit index order; by size: units 1, 3, 0, 2
+
+
+def test_the_greedy_split_by_hand():
+    # unit 1 (4000): cpu 0.4 s vs device 0.4 + 0.8 = 1.2 s -> cpu (0.4)
+    # unit 3 (3000): cpu 0.7 vs max(0.4, 0.3 + 0.6 = 0.9) -> cpu (0.7)
+    # unit 0 (2000): cpu 0.9 vs max(0.7, 0.2 + 0.4 = 0.6) = 0.7 -> device (0.6)
+    # unit 2 (1000): cpu max(0.8, 0.6) = 0.8 vs max(0.7, 0.3 + 0.4 = 0.7) = 0.7 -> device
+    # both sides finish at 0.7 s; every unit on the CPU takes 1.0 s
+    assert COSTS.device_stage == pytest.approx(1e-4) and COSTS.device_fill == pytest.approx(2e-4)
+    s = choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, depth=3, cuda=True)
+    assert s.units == ("device", "cpu", "device", "cpu")
+    assert s.sides["cpu"][:2] == (2, 7000) and s.sides["cpu"][2] == pytest.approx(0.7)
+    assert s.sides["device"][:2] == (2, 3000) and s.sides["device"][2] == pytest.approx(0.7)
+    # three units in flight of the largest device unit's state: 3 x 12 B x 2000
+    assert s.staging_bytes == 3 * 12 * 2000
+
+
+def test_forced_sides_and_device_homed_units():
+    cpu = choose("cpu", (Location.HOST,) * 4, SHARDS, COSTS, depth=3, cuda=True)
+    assert cpu.units == ("cpu",) * 4 and cpu.sides == {"cpu": (4, 10000, pytest.approx(1.0))}
+    assert cpu.staging_bytes == 0
+    dev = choose("device", (Location.NVME,) * 4, SHARDS, COSTS, depth=2, cuda=True)
+    assert dev.units == ("device",) * 4 and dev.sides["device"][2] == pytest.approx(1.0 + 0.8)
+    assert dev.staging_bytes == 2 * 12 * 4000
+    # state homed on the device is no choice: updated there, outside the split's sides
+    mixed = choose("auto", (Location.DEVICE, Location.HOST, Location.HOST, Location.HOST), SHARDS, COSTS, 3, True)
+    assert mixed.units[0] == "device" and sum(n for n, _, _ in [mixed.sides[k] for k in mixed.sides]) == 3
+
+
+def test_without_cuda_auto_keeps_the_cpu():
+    s = choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, depth=3, cuda=False)
+    assert s.units == ("cpu",) * 4 and s.staging_bytes == 0
+
+
+def test_the_greedy_is_within_one_unit_of_the_balanced_optimum():
+    """[Note: choosing where each update runs]: at most one unit's update above the point where the
+    two sides would meet if units could be cut (a bound no split beats), here on many unequal units."""
+    costs = UpdateCosts.of(RATES, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True)
+    shards = [1000 + 37 * i % 900 for i in range(40)]
+    s = choose("auto", (Location.HOST,) * 40, shards, costs, depth=3, cuda=True)
+    total = sum(shards)
+    # cut units: cpu x = stage (total - x) + fill x largest: the meeting point is a lower bound
+    bound = (costs.device_stage * total) * costs.cpu / (costs.cpu + costs.device_stage)
+    worst = max(s.sides["cpu"][2], s.sides["device"][2])
+    assert bound <= worst <= bound + costs.device_fill * max(shards) + costs.cpu * max(shards)
+
+
+def cuda_plan(step_on, device=BIG, optimizer="host"):
+    offload = OffloadConfig(params="device", gradients="device", optimizer=optimizer)
+    return make_plan(SHARDS, TiersConfig(), offload, PrecisionConfig(), PrefetchConfig(), torch.device("cuda"),
+                     budgets={"device": device, "host": BIG, "nvme": BIG}, alignment=1, rates=RATES,
+                     step=StepOptions(step_on=step_on))
+
+
+def test_the_plan_splits_prints_and_predicts_the_device_step():
+    auto, cpu, dev = cuda_plan("auto"), cuda_plan("cpu"), cuda_plan("device")
+    assert auto.optimizer_step_on == ("device", "cpu", "device", "cpu")
+    assert auto.needs["device_step"]["device"] == 3 * 12 * 2000 and cpu.needs["device_step"]["device"] == 0
+    assert auto.need["device"] - cpu.need["device"] == 3 * 12 * 2000
+    # the device units' state crosses the link each way: 12 B x 3000 params at 12e4 B/s, in and out
+    assert auto.breakdown["optimizer_staging"] == pytest.approx(2 * 0.3)
+    assert cpu.breakdown["optimizer_staging"] == 0
+    assert auto.predicted_step_s < cpu.predicted_step_s and auto.predicted_step_s < dev.predicted_step_s
+    text = auto.summary()
+    assert "optimizer step on (optimizer.step_on = auto): cpu 2 units, 0.0M params" in text
+    assert "device 2 units" in text and "staged on the device 70.31 KiB (in needed)" in text
+    assert auto.to_dict()["optimizer_step_sides"]["device"]["params"] == 3000
+
+
+def test_device_without_room_for_its_staging_is_refused_and_auto_keeps_the_cpu():
+    room = cuda_plan("cpu").need["device"]
+    with pytest.raises(PlanDoesNotFit, match=r"optimizer\.step_on = 'device' stages the state of the units it updates "
+                                             r"on the device: 140\.62 KiB of device memory .* raise tiers\.device by "
+                                             r"140\.62 KiB"):  # 3 units in flight x 12 B x 4000
+        cuda_plan("device", device=room)
+    assert cuda_plan("auto", device=room).optimizer_step_on == ("cpu",) * 4

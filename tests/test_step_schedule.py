@@ -177,3 +177,21 @@ def test_a_cpu_device_plan_puts_its_copies_on_the_critical_path():
     # host parameters fetched per use (forward and backward) by a copy on the same cores: none hidden
     assert plan.breakdown["params_h2d"] == pytest.approx(4 * 0.04)
     assert plan.critical["params_h2d"] == pytest.approx(4 * 0.04)
+
+
+# D: [Note: the device step in the schedule]: unit 0 updated on the CPU (2 s), unit 1 on the device
+# (staged in 0.5 s, kernel 1 s, staged out 1 s); forward 1 s, backward 2 s each.
+SPLIT = [UnitWork(forward_s=1, backward_s=2, adam_s=2),
+         UnitWork(forward_s=1, backward_s=2, adam_s=1, adam_on="compute", device_step=True, stage_in_s=0.5,
+                  stage_out_s=1)]
+
+
+def test_a_device_step_runs_beside_the_cpus():
+    # fwd 0-2, bwd1 2-4, bwd0 4-6. After backward: adam0 on the optimizer thread 6-8; unit 1 beside it:
+    # in 6-6.5 (h2d), kernel 6.5-7.5 (compute), out 7.5-8.5 (d2h) -> 8.5 s (both on the CPU: 10 s)
+    s = simulate(SPLIT, StepShape())
+    assert s.step_s == 8.5
+    assert s.critical["optimizer_staging"] == 1.5 and s.critical["optimizer"] == 1.0
+    assert sum(s.critical.values()) == pytest.approx(8.5)
+    both_cpu = [SPLIT[0], dataclasses.replace(SPLIT[0])]
+    assert simulate(both_cpu, StepShape()).step_s == 10.0

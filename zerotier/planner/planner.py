@@ -42,14 +42,14 @@ from ..state import DTYPES, Location
 from ..tiers.homes import HOMES
 from .budgets import nvme_off, resolve_budgets
 from .machine_fit import Machine, shortfall
-from .messages import PlanDoesNotFit, does_not_fit, split_does_not_fit
+from .messages import PlanDoesNotFit, device_step_does_not_fit, does_not_fit, split_does_not_fit
 from .predict import COMPONENTS, DEFAULT_RATES, StepOptions, UnitCompute, bound_by, predict
 from .record import Plan
 from .report import whole_shortfall
-from .sizes import (KINDS, Sizes, auto_split, bytes_for, check_sharding, model_state_bytes,
+from .sizes import (KINDS, Sizes, auto_split, bytes_for, check_sharding, model_state_bytes, rank_shards_in_order,
                     split_bytes, split_units, tier_holds)
 from .speculation_plan import fit_speculation, predict_step
-from .step_on import steps_on
+from .step_on import UpdateCosts, choose, cpu_adam_key
 
 
 def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig, precision: PrecisionConfig,
@@ -223,6 +223,15 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
         if kind == "gradients":
             sizes = dataclasses.replace(sizes, grads_on_gpu=device.type == "cuda" and HOMES[chosen].on_device,
                                         grads_on_nvme=not HOMES[chosen].in_memory)
+    # [Note: where the update runs]: each unit's side, and the device memory its staging takes
+    def step_s(on_device: tuple[bool, ...]) -> float:
+        return predict(placement, sizes, device.type, rates, local, units_on, compute,
+                       dataclasses.replace(step, on_device=on_device))[0].step_s
+    step_on = _step_on(step.step_on, placement, units_on, sizes, rates, local, free, budgets,
+                       sum(state_bytes.values()), step_s)
+    needs["device_step"] = _on_tiers(device=step_on.staging_bytes)
+    free["device"] -= step_on.staging_bytes
+    step = dataclasses.replace(step, on_device=tuple(side == "device" for side in step_on.units))
     spec = fit_speculation(step, placement, units_on, sizes, free, compute, sum(state_bytes.values()))
     needs["speculation"] = _on_tiers(**spec.undo, nvme=spec.nvme)
     if step.overlap == Delayed.name and Delayed.refusal(world_size, placement, units_on) is None:
@@ -245,11 +254,40 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
                 state_bytes, {k: rate_sources[k] for k in used}, sizes.grad_bytes, lp_bytes, precision.accumulator_dtype,
                 units_on, split, sum(frozen_numels), frozen_bytes,
                 {c: schedule.critical.get(c, 0.0) for c in COMPONENTS},
-                bound_by(schedule.critical, device.type, HOMES[placement["optimizer"]].on_device), compute is not None,
+                bound_by(schedule.critical, device.type, all(side == "device" for side in step_on.units)),
+                compute is not None,
                 state_layout=sizes.state, speculative=spec.on, rollback_rate=step.rollback_rate,
                 speculation_units=spec.units if spec.on else (), speculation_step_s=spec_s,
-                speculation_note=spec.note,
-                optimizer_step_on=steps_on(step.step_on, units_on or (placement["optimizer"],) * len(unit_numels)))
+                speculation_note=spec.note, optimizer_step_on=step_on.units, optimizer_step_sides=step_on.sides,
+                optimizer_step_request=step.step_on)
+
+
+def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Location, ...] | None, sizes: Sizes,
+             rates: dict[str, float], local: int, free: dict[str, int], budgets: dict[str, int], per_rank_bytes: int,
+             step_s):
+    """[Note: choosing where each update runs] Each unit's side; `auto` keeps the CPU where its split
+    does not shorten the whole step (`step_s(on_device)`: the schedule's, where the device's units share
+    compute and the links with the rest) or the device lacks room for its staging; `device` without
+    that room is refused ([Note: the device step's staging memory])."""
+    homes = units_on or (placement["optimizer"],) * len(sizes.unit_order)
+    costs = UpdateCosts.of(rates, sizes.state.bytes_per_param, sizes.grad_bytes, sizes.lp_bytes, cuda=sizes.cuda,
+                           grads_on_device=HOMES[placement["gradients"]].on_device,
+                           params_on_device=HOMES[placement["params"]].on_device, local_ranks=local,
+                           cpu_key=cpu_adam_key(rates, sizes.state))
+    shards = rank_shards_in_order(sizes)
+    chosen = choose(requested, homes, shards, costs, sizes.pipeline_depth, sizes.cuda)
+    cpu = choose("cpu", homes, shards, costs, sizes.pipeline_depth, sizes.cuda)
+    if requested == "auto" and chosen.units != cpu.units and chosen.staging_bytes <= free["device"]:
+        on = lambda split: tuple(side == "device" for side in split.units)  # noqa: E731
+        return chosen if step_s(on(chosen)) < step_s(on(cpu)) else cpu
+    if chosen.staging_bytes <= free["device"]:
+        return chosen
+    if requested == "device":
+        short = chosen.staging_bytes - free["device"]
+        raise PlanDoesNotFit(device_step_does_not_fit(chosen.staging_bytes, free["device"], budgets["device"]),
+                             "optimizer", [{"tier": "device", "more": {"device": short}}], placement,
+                             per_rank_bytes)
+    return cpu
 
 
 def _on_tiers(device: int = 0, host: int = 0, nvme: int = 0) -> dict[str, int]:

@@ -19,6 +19,10 @@ runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit
   optimizer                CPU Adam at `cpu_adam` params/s over the node's ranks (on a CPU
                            device it runs on the cores compute uses); on a CUDA device
                            28 B/param at `device_adam`
+  update on the device     a host/NVMe unit the planner steps on the device (StepOptions.on_device,
+                           [Note: choosing where each update runs] in step_on.py): its state (and
+                           gradient, when off the device) staged in, the kernel, its state (and new
+                           parameters, when off the device) staged out, `optimizer_staging`
   optimizer state on NVMe  12 B/param read and written per step
   new parameters home      host->device copy when they live on a CUDA device, an NVMe write
                            when on NVMe; none when the home is the optimizer's memory
@@ -47,6 +51,7 @@ from ..overlap import policy_for
 from ..overlap.speculative import undo_bytes
 from ..params import ParamStore
 from .sizes import shard_numel
+from .step_on import UpdateCosts, cpu_adam_key
 from .step_model import Schedule, StepShape, UnitWork, simulate
 from ..state import Location
 from ..tiers.homes import HOMES
@@ -58,11 +63,11 @@ DEFAULT_RATES = {"h2d": 20e9, "d2h": 20e9, "nvme_read": 7e9, "nvme_write": 4.5e9
 DEVICE_ADAM_BYTES = 28  # fp32 master, m, v read and written, the gradient read: bytes per param per step
 
 COMPONENTS = ("forward", "backward", "params_h2d", "params_nvme", "grads_d2h", "grads_nvme", "grad_norm", "optimizer",
-              "optimizer_nvme", "params_copyback", "speculation")  # Plan.breakdown's keys
+              "optimizer_nvme", "optimizer_staging", "params_copyback", "speculation")  # Plan.breakdown's keys
 # bound-by groups of the alternatives table: component -> resource a user can change
 BOUND_BY = {"forward": "compute", "backward": "compute", "grad_norm": "compute",
             "params_h2d": "PCIe", "grads_d2h": "PCIe", "params_copyback": "PCIe",
-            "params_nvme": "NVMe", "grads_nvme": "NVMe", "optimizer_nvme": "NVMe", "optimizer": "CPU Adam",
+            "optimizer_staging": "PCIe", "params_nvme": "NVMe", "grads_nvme": "NVMe", "optimizer_nvme": "NVMe", "optimizer": "CPU Adam",
             "speculation": "CPU Adam"}
 
 
@@ -90,7 +95,8 @@ class StepOptions:
     the planner ([Note: speculation in the plan] in speculation_plan.py);
     rollback_rate: the share of speculated steps rolled back, for the expected step;
     optimizer: optimizer.type, the update rule whose state the plan counts (optim/rules/);
-    step_on: optimizer.step_on, where host/NVMe units' updates run ([Note: where the update runs])."""
+    step_on: optimizer.step_on, where host/NVMe units' updates run ([Note: where the update runs]), and
+    on_device the planner's resolution of it per unit (planner.py fills it)."""
     accum_steps: int = 1
     clip: bool = False
     early_step: bool = False
@@ -100,6 +106,8 @@ class StepOptions:
     overlap: str | None = None       # the train.overlap value (None: the one `speculative` stands for)
     optimizer: str = "adamw"
     step_on: str = "auto"
+    on_device: tuple[bool, ...] = ()  # the planner's choice: units whose update runs on the device ([Note: where
+                                      # the update runs]); their state is off the device. Empty: none
 
     @classmethod
     def of(cls, cfg, rollback_rate: float | None = None) -> "StepOptions":
@@ -140,12 +148,17 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
     numels = trainable + list(s.frozen)
     works: list[UnitWork] = []
     norm_bytes = 0
+    cpu_key = cpu_adam_key(rates, s.state)
+    staged = UpdateCosts.of(rates, s.state.bytes_per_param, s.grad_bytes, s.lp_bytes, cuda=cuda,
+                            grads_on_device=grads_at.on_device, params_on_device=params_at.on_device,
+                            local_ranks=local_ranks, cpu_key=cpu_key)
     for i, n in enumerate(numels):
         is_trainable = i < len(trainable)
         p_shard = shard_numel(n, "params", s.stage, s.world_size)
         g_shard = shard_numel(n, "gradients", s.stage, s.world_size)
         o_shard = shard_numel(n, "optimizer", s.stage, s.world_size)
         unit_opt = HOMES[optimizer_units[i]] if optimizer_units and is_trainable else opt_at
+        device_step = is_trainable and i < len(options.on_device) and options.on_device[i] and not unit_opt.on_device
         w = dict(forward_s=compute.forward_s[i] if compute else 0.0,
                  backward_s=compute.backward_s[i] if compute else 0.0,
                  encloses=bool(compute and compute.encloses[i]), trainable=is_trainable)
@@ -159,13 +172,19 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             if grads_at.write_rate:
                 w["grad_write_s"] = secs(s.grad_bytes * g_shard * local_ranks, grads_at.write_rate)
                 w["grad_read_s"] = secs(s.grad_bytes * g_shard * local_ranks, grads_at.read_rate)
-            elif grads_at.on_device and cuda and not unit_opt.on_device:
+            elif grads_at.on_device and cuda and not unit_opt.on_device and not device_step:
                 w["grad_stage_s"] = secs(s.grad_bytes * o_shard, "d2h")
             norm_bytes += s.grad_bytes * g_shard if grads_at.in_memory else 0  # a file's sums are kept as folded
-            if unit_opt.on_device and cuda:
+            if device_step:  # [Note: choosing where each update runs]: staged in, stepped, staged out
+                w["device_step"], w["adam_on"] = True, "compute"
+                w["adam_s"] = (secs(staged.kernel_bytes * o_shard, "device_adam") if cuda else
+                               secs(o_shard * local_ranks, cpu_key))
+                w["stage_in_s"] = secs(staged.in_bytes * o_shard, link_in)
+                w["stage_out_s"] = secs(staged.out_bytes * o_shard, link_out)
+            elif unit_opt.on_device and cuda:
                 w["adam_s"], w["adam_on"] = secs(DEVICE_ADAM_BYTES * o_shard, "device_adam"), "compute"
             else:
-                w["adam_s"] = secs(o_shard * local_ranks, "cpu_adam")
+                w["adam_s"] = secs(o_shard * local_ranks, cpu_key)
                 w["adam_on"] = "cpu" if cuda else "compute"  # a CPU device's compute is the same cores
             if unit_opt.read_rate:
                 w["state_read_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, unit_opt.read_rate)
@@ -180,8 +199,8 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             w["speculate"] = bool(speculated and speculated[i])
             if params_at.write_rate:
                 w["copyback_s"], w["copyback_on"] = secs(s.lp_bytes * o_shard * local_ranks, params_at.write_rate), "nvme"
-            elif cuda and not unit_opt.on_device and params_at.on_device:
-                w["copyback_s"] = secs(s.lp_bytes * o_shard, "h2d")
+            elif cuda and not unit_opt.on_device and params_at.on_device and not device_step:
+                w["copyback_s"] = secs(s.lp_bytes * o_shard, "h2d")  # a device step writes them where they are
         works.append(UnitWork(**w))
     if options.clip and grads_at.on_device and cuda:
         norm_s, norm_on = secs(norm_bytes / DEVICE_ADAM_BYTES, "device_adam"), "compute"

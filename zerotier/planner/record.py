@@ -58,8 +58,12 @@ class Plan:
     # [Note: activation memory] in activations.py: where one micro-batch's saved activations
     # (needs["activations"]) come from ("": not counted)
     activation_source: str = ""
-    # [Note: where the update runs] in step_on.py: "cpu" / "device" per trainable unit, in unit index order
+    # [Note: where the update runs] in step_on.py: "cpu" / "device" per trainable unit, in unit index order;
+    # the host/NVMe units on each side: side -> (units, params per rank, predicted optimizer seconds);
+    # optimizer.step_on as asked
     optimizer_step_on: tuple[str, ...] = ()
+    optimizer_step_sides: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+    optimizer_step_request: str = "auto"
 
     @property
     def need(self) -> dict[str, int]:
@@ -107,6 +111,8 @@ class Plan:
         for tier, (b, units) in self.optimizer_split.items():
             lines.append(f"    on {tier:6s} {format_size(b):>12s} {b / 1e9:9.2f}   ({units} of "
                          f"{len(self.optimizer_units)} units)")
+        if self.optimizer_step_sides:
+            lines.append(self._step_on_line())
         total = self.per_rank_bytes
         lines.append(f"  {'total':10s} {'':6s} {format_size(total):>12s} {total / 1e9:9.2f}"
                      f"   ({total / max(self.numel + self.frozen_numel, 1):.2f} B per model parameter; "
@@ -151,6 +157,14 @@ class Plan:
             lines.append(alternatives_table(self.alternatives))
         return "\n".join(lines)
 
+    def _step_on_line(self) -> str:
+        """Where the host/NVMe units' updates run ([Note: where the update runs] in step_on.py)."""
+        sides = "; ".join(f"{side} {units} units, {params / 1e6:,.1f}M params, {format_duration(s)}"
+                          for side, (units, params, s) in self.optimizer_step_sides.items())
+        staged = self.needs.get("device_step", {}).get("device", 0)
+        return (f"  optimizer step on (optimizer.step_on = {self.optimizer_step_request}): {sides}"
+                + (f"; staged on the device {format_size(staged)} (in needed)" if staged else ""))
+
     def _speculation_line(self) -> str:
         """Whether the speculative step is on, why, and the memory it holds ([Note: speculation in the plan])."""
         if not self.speculative:
@@ -188,6 +202,8 @@ class Plan:
             "speculation_step_s": dict(self.speculation_step_s) if measured and self.speculative else None,
             "speculation_note": self.speculation_note,
             "optimizer_step_on": list(self.optimizer_step_on),
+            "optimizer_step_sides": {side: {"units": u, "params": p, "seconds": sec}
+                                     for side, (u, p, sec) in self.optimizer_step_sides.items()},
         }
 
 

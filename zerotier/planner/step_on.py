@@ -9,24 +9,164 @@ separate choice, one per trainable unit in unit index order:
   "device"   the state is on the device, or is staged to it, updated there and written back
 
 `optimizer.step_on` chooses: "cpu" or "device" put every host/NVMe unit there; state homed on
-the device is updated where it lives whatever the key says ("device"). "auto" puts every
-host/NVMe unit on the CPU until the planner weighs the split from the node's rates.
+the device is updated where it lives whatever the key says ("device"). "auto" lets the planner
+split the host/NVMe units between the two ([Note: choosing where each update runs]).
+
+[Note: choosing where each update runs]
+After backward the two sides run in parallel: the optimizer thread steps its units with the
+native CPU kernel, and the device steps its units on a pipeline of three stages, each on its own
+resource (the H2D link, the device, the D2H link). Per parameter of a unit's shard (B: the
+state's bytes per parameter, `StateLayout.bytes_per_param`):
+
+  cpu       ranks_per_node / cpu_adam          (the node's cores, shared by its ranks; the rate
+                                               of the state's dtypes where `zerotier bench`
+                                               measured one, `cpu_adam_<master>_<moments>`, else
+                                               the fp32 rate `cpu_adam`)
+  device    in   (B + the gradient's bytes if the gradients are not on the device) / h2d
+            kernel (2 B + the gradient's bytes) / device_adam   (state read and written, the
+                                               gradient read: 28 B/param with fp32 Adam, the
+                                               DEVICE_ADAM_BYTES of predict.py)
+            out  (B + the new parameters' bytes if the parameters are not on the device) / d2h
+
+The device side's time for units S is then max(in, kernel, out) x params(S), the pipeline's
+slowest stage, plus its fill: the other two stages of the largest unit of S. The CPU's is
+cpu x params(S'). The split minimizes the later of the two finish times. Greedy, by unit size,
+largest first (LPT): each unit goes to the side that would finish earlier with it, ties to the
+CPU. Near-optimal: let X be the side that finishes last and j the last unit put there; when j
+was placed, X with j finished no later than the other side Y would have with j, and Y only grew
+since, so the split's time is at most Y's finish + j's cost on Y. Any split, even one cutting
+units in pieces, takes at least the time where the two sides meet, which lies between Y's and
+X's finish: the greedy is within one unit's update (its smallest units: placed last) of the
+optimum. A device budget without room for the staged units in flight keeps every unit on the
+CPU; `device` forced without that room is refused (PlanDoesNotFit).
+
+Without a CUDA device (the "device" is the CPU) `auto` keeps every unit on the CPU: the device
+path would run torch ops on the very cores the native kernel uses, after copying the state into
+buffers of its own, so it cannot finish earlier; `device` still runs it there (CI tests that
+path on the CPU).
+
+[Note: the device step's staging memory]
+A unit stepped on the device takes device memory for its staged state while it is in flight:
+`device_staging_bytes(depth, largest_unit_state_bytes)` = depth x the largest device-stepped
+unit's staged bytes (its state, its gradient when the gradients are not on the device, its new
+parameters when the parameters are not), with depth = `optimizer.pipeline_depth` units in
+flight (one staged in, one stepped, one written back). The plan counts it as
+`needs["device_step"]["device"]`; the engine takes the same bytes from the device tier.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..state import Location
 from ..tiers.homes import HOMES
 
 STEP_ON = ("cpu", "device", "auto")  # optimizer.step_on's values (config.py's Literal)
+DEVICE_RATE_KEYS = ("h2d", "d2h", "device_adam")
 
 
 def steps_on(requested: str, homes: Sequence[Location]) -> tuple[str, ...]:
-    """Each unit's "cpu" / "device" for `optimizer.step_on = requested`, given each unit's optimizer
-    home in unit index order ([Note: where the update runs])."""
+    """Each unit's "cpu" / "device" for `optimizer.step_on = requested` ("auto": every host/NVMe
+    unit on the CPU, the choice before the rates are weighed), given each unit's optimizer home in
+    unit index order ([Note: where the update runs])."""
     if requested not in STEP_ON:
         raise ConfigError(f"optimizer.step_on: must be one of {', '.join(map(repr, STEP_ON))}, got {requested!r}")
     off_device = "device" if requested == "device" else "cpu"
     return tuple("device" if HOMES[home].on_device else off_device for home in homes)
+
+
+def cpu_adam_key(rates: dict[str, float], layout) -> str:
+    """The CPU Adam rate key for the state's dtypes: `cpu_adam_<master>_<moments>` where the node's
+    rates have it, else `cpu_adam` (measured with fp32 state)."""
+    key = f"cpu_adam_{layout.master}_{layout.moments}"
+    return key if key in rates else "cpu_adam"
+
+
+def device_staging_bytes(depth: int, largest_unit_state_bytes: int) -> int:
+    """[Note: the device step's staging memory] Device bytes for `depth` units' staged state in flight."""
+    return depth * largest_unit_state_bytes
+
+
+@dataclass(frozen=True)
+class UpdateCosts:
+    """Seconds per parameter of a unit's shard on each side ([Note: choosing where each update runs])."""
+    cpu: float
+    device_in: float
+    device_kernel: float
+    device_out: float
+    in_bytes: float      # bytes per parameter staged in, and out; the kernel's bytes per parameter
+    out_bytes: float
+    kernel_bytes: float
+    staged_bytes: float  # device bytes per parameter one unit in flight takes (its state, gradient and new params)
+
+    @classmethod
+    def of(cls, rates: dict[str, float], state_bytes: float, grad_bytes: int, lp_bytes: int, *, cuda: bool,
+           grads_on_device: bool, params_on_device: bool, local_ranks: int = 1,
+           cpu_key: str = "cpu_adam") -> "UpdateCosts":
+        """From the node's rates; off CUDA the links are memory copies (`mem_copy`) and the
+        device's kernel runs on the CPU's cores (at `cpu_adam`, the native kernel's rate: a bound)."""
+        in_bytes = state_bytes + (0 if grads_on_device else grad_bytes)
+        out_bytes = state_bytes + (0 if params_on_device else lp_bytes)
+        kernel_bytes = 2 * state_bytes + grad_bytes
+        cpu = local_ranks / rates[cpu_key]
+        link_in, link_out = ("h2d", "d2h") if cuda else ("mem_copy", "mem_copy")
+        return cls(cpu=cpu, device_in=in_bytes / rates[link_in],
+                   device_kernel=kernel_bytes / rates["device_adam"] if cuda else cpu,
+                   device_out=out_bytes / rates[link_out], in_bytes=in_bytes, out_bytes=out_bytes,
+                   kernel_bytes=kernel_bytes, staged_bytes=in_bytes + out_bytes - state_bytes)
+
+    @property
+    def device_stage(self) -> float:
+        """The pipeline's slowest stage per parameter."""
+        return max(self.device_in, self.device_kernel, self.device_out)
+
+    @property
+    def device_fill(self) -> float:
+        """The other two stages per parameter: the pipeline's fill and drain, paid on one unit."""
+        return self.device_in + self.device_kernel + self.device_out - self.device_stage
+
+    def device_s(self, params: int, largest: int) -> float:
+        return self.device_stage * params + self.device_fill * largest if params else 0.0
+
+    def cpu_s(self, params: int) -> float:
+        return self.cpu * params
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """Each unit's side, and what each side does with the units whose state is off the device."""
+    units: tuple[str, ...]                      # "cpu" / "device" per unit, in unit index order
+    sides: dict[str, tuple[int, int, float]]    # side -> (units, params of this rank, predicted seconds)
+    staging_bytes: int                          # [Note: the device step's staging memory]
+
+
+def choose(requested: str, homes: Sequence[Location], shards: Sequence[int], costs: UpdateCosts, depth: int,
+           cuda: bool) -> StepSplit:
+    """[Note: where the update runs] Each unit's side for `optimizer.step_on = requested`: forced,
+    or split by the rates ("auto" with a CUDA device: [Note: choosing where each update runs])."""
+    on = steps_on(requested, homes)  # checks `requested`; "auto" -> the CPU
+    movable = [not HOMES[home].on_device for home in homes]
+    if requested != "auto" or not cuda:
+        return summary(on, shards, movable, costs, depth)
+    side = list(on)
+    cpu_params = dev_params = largest = 0
+    for i in sorted((i for i in range(len(shards)) if movable[i]), key=lambda i: (-shards[i], i)):
+        n = shards[i]
+        on_cpu = max(costs.cpu_s(cpu_params + n), costs.device_s(dev_params, largest))
+        on_dev = max(costs.cpu_s(cpu_params), costs.device_s(dev_params + n, max(largest, n)))
+        if on_dev < on_cpu:
+            side[i], dev_params, largest = "device", dev_params + n, max(largest, n)
+        else:
+            cpu_params += n
+    return summary(tuple(side), shards, movable, costs, depth)
+
+
+def summary(side: Sequence[str], shards: Sequence[int], movable: Sequence[bool], costs: UpdateCosts,
+            depth: int) -> StepSplit:
+    """The split's sides (the units whose state is off the device) and its staging memory."""
+    on = {s: [n for n, at, m in zip(shards, side, movable) if at == s and m] for s in ("cpu", "device")}
+    sides = {s: (len(ns), sum(ns), costs.cpu_s(sum(ns)) if s == "cpu" else costs.device_s(sum(ns), max(ns)))
+             for s, ns in on.items() if ns}
+    staged = round(costs.staged_bytes * max(on["device"])) if on["device"] else 0
+    return StepSplit(tuple(side), sides, device_staging_bytes(depth, staged))
