@@ -137,3 +137,15 @@ def test_device_without_room_for_its_staging_is_refused_and_auto_keeps_the_cpu()
                                              r"140\.62 KiB"):  # 3 units in flight x 12 B x 4000
         cuda_plan("device", device=room)
     assert cuda_plan("auto", device=room).optimizer_step_on == ("cpu",) * 4
+
+
+def test_the_staging_counts_compact_state_as_the_store_allocates_it():
+    """[Note: the device step's staging memory]: a unit's staged state is its allocated bytes (int8
+    moments' scales and rounding included: Sizes.state_units), not bytes_per_param x params."""
+    precision = PrecisionConfig(param_dtype="bf16", master_dtype="bf16", moment_dtype="int8")
+    plan = make_plan([5000], TiersConfig(), OffloadConfig(params="device", gradients="device", optimizer="nvme"),
+                     precision, PrefetchConfig(), torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG},
+                     alignment=1, rates=RATES, step=StepOptions(step_on="device"))
+    one_unit = plan.needs["optimizer"]["nvme"] // 2  # the NVMe term: the state and its one rewrite in flight
+    assert plan.needs["device_step"]["device"] == 3 * one_unit  # gradients and parameters on the device
+    assert one_unit != round(plan.state_layout.bytes_per_param * 5000)

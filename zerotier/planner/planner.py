@@ -275,8 +275,9 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
                            params_on_device=HOMES[placement["params"]].on_device, local_ranks=local,
                            cpu_key=cpu_adam_key(rates, sizes.state))
     shards = rank_shards_in_order(sizes)
-    chosen = choose(requested, homes, shards, costs, sizes.pipeline_depth, sizes.cuda)
-    cpu = choose("cpu", homes, shards, costs, sizes.pipeline_depth, sizes.cuda)
+    unit_state = [sum(unit) for unit in sizes.state_units]  # as the store allocates them
+    chosen = choose(requested, homes, shards, costs, sizes.pipeline_depth, sizes.cuda, unit_state)
+    cpu = choose("cpu", homes, shards, costs, sizes.pipeline_depth, sizes.cuda, unit_state)
     if requested == "auto" and chosen.units != cpu.units and chosen.staging_bytes <= free["device"]:
         on = lambda split: tuple(side == "device" for side in split.units)  # noqa: E731
         return chosen if step_s(on(chosen)) < step_s(on(cpu)) else cpu

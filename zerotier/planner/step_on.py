@@ -48,7 +48,8 @@ path on the CPU).
 [Note: the device step's staging memory]
 A unit stepped on the device takes device memory for its staged state while it is in flight:
 `device_staging_bytes(depth, largest_unit_state_bytes)` = depth x the largest device-stepped
-unit's staged bytes (its state, its gradient when the gradients are not on the device, its new
+unit's staged bytes (its state as the store allocates it, `Sizes.state_units`: compact state's
+scales and rounding included; its gradient when the gradients are not on the device; its new
 parameters when the parameters are not), with depth = `optimizer.pipeline_depth` units in
 flight (one staged in, one stepped, one written back). The plan counts it as
 `needs["device_step"]["device"]`; the engine takes the same bytes from the device tier.
@@ -99,6 +100,7 @@ class UpdateCosts:
     out_bytes: float
     kernel_bytes: float
     staged_bytes: float  # device bytes per parameter one unit in flight takes (its state, gradient and new params)
+    extra_bytes: float   # of which its gradient and new parameters
 
     @classmethod
     def of(cls, rates: dict[str, float], state_bytes: float, grad_bytes: int, lp_bytes: int, *, cuda: bool,
@@ -114,7 +116,8 @@ class UpdateCosts:
         return cls(cpu=cpu, device_in=in_bytes / rates[link_in],
                    device_kernel=kernel_bytes / rates["device_adam"] if cuda else cpu,
                    device_out=out_bytes / rates[link_out], in_bytes=in_bytes, out_bytes=out_bytes,
-                   kernel_bytes=kernel_bytes, staged_bytes=in_bytes + out_bytes - state_bytes)
+                   kernel_bytes=kernel_bytes, staged_bytes=in_bytes + out_bytes - state_bytes,
+                   extra_bytes=in_bytes + out_bytes - 2 * state_bytes)
 
     @property
     def device_stage(self) -> float:
@@ -142,13 +145,14 @@ class StepSplit:
 
 
 def choose(requested: str, homes: Sequence[Location], shards: Sequence[int], costs: UpdateCosts, depth: int,
-           cuda: bool) -> StepSplit:
+           cuda: bool, unit_state: Sequence[int] | None = None) -> StepSplit:
     """[Note: where the update runs] Each unit's side for `optimizer.step_on = requested`: forced,
-    or split by the rates ("auto" with a CUDA device: [Note: choosing where each update runs])."""
+    or split by the rates ("auto" with a CUDA device: [Note: choosing where each update runs]).
+    unit_state: each unit's state bytes as the store allocates them (None: shard x bytes per param)."""
     on = steps_on(requested, homes)  # checks `requested`; "auto" -> the CPU
     movable = [not HOMES[home].on_device for home in homes]
     if requested != "auto" or not cuda:
-        return summary(on, shards, movable, costs, depth)
+        return summary(on, shards, movable, costs, depth, unit_state)
     side = list(on)
     cpu_params = dev_params = largest = 0
     for i in sorted((i for i in range(len(shards)) if movable[i]), key=lambda i: (-shards[i], i)):
@@ -159,14 +163,15 @@ def choose(requested: str, homes: Sequence[Location], shards: Sequence[int], cos
             side[i], dev_params, largest = "device", dev_params + n, max(largest, n)
         else:
             cpu_params += n
-    return summary(tuple(side), shards, movable, costs, depth)
+    return summary(tuple(side), shards, movable, costs, depth, unit_state)
 
 
 def summary(side: Sequence[str], shards: Sequence[int], movable: Sequence[bool], costs: UpdateCosts,
-            depth: int) -> StepSplit:
+            depth: int, unit_state: Sequence[int] | None = None) -> StepSplit:
     """The split's sides (the units whose state is off the device) and its staging memory."""
     on = {s: [n for n, at, m in zip(shards, side, movable) if at == s and m] for s in ("cpu", "device")}
     sides = {s: (len(ns), sum(ns), costs.cpu_s(sum(ns)) if s == "cpu" else costs.device_s(sum(ns), max(ns)))
              for s, ns in on.items() if ns}
-    staged = round(costs.staged_bytes * max(on["device"])) if on["device"] else 0
+    staged = max((round(costs.staged_bytes * n) if unit_state is None else unit_state[i] + round(costs.extra_bytes * n)
+                  for i, (n, at, m) in enumerate(zip(shards, side, movable)) if at == "device" and m), default=0)
     return StepSplit(tuple(side), sides, device_staging_bytes(depth, staged))
