@@ -90,3 +90,25 @@ def test_without_the_check_nothing_is_charged(tmp_path, monkeypatch):
         _train(engine, steps=1)
         assert engine.device_tier.component_peaks() == {} and engine.host_pool.component_peaks() == {}
         assert engine.store.component_peaks() == {}
+
+
+def test_the_optimizers_device_term_includes_the_device_steps_staging():
+    """[Note: the device step's staging memory]: the optimizer store allocates the staged state of the
+    units it updates on the device, so its device peak is checked against its term + needs['device_step']."""
+    from zerotier.planner.plan_check import check_peaks
+
+    class Tier:
+        def __init__(self, peaks):
+            self.peaks = peaks
+
+        def component_peaks(self):
+            return self.peaks
+
+    needs = {"optimizer": {"device": 0, "host": 1000}, "device_step": {"device": 600}}
+    check_peaks(needs, device=Tier({"optimizer": 600}), host=Tier({"optimizer": 1000}))
+    with pytest.raises(PlanTermExceeded, match=r"the optimizer held 601 B on the device tier, above their planned "
+                                               r"term of 600 B") as ei:
+        check_peaks(needs, device=Tier({"optimizer": 601}))
+    assert (ei.value.component, ei.value.term) == ("optimizer", 600)
+    with pytest.raises(PlanTermExceeded, match=r"the params held 600 B on the device tier"):  # not the params'
+        check_peaks(needs, device=Tier({"params": 600}))

@@ -21,6 +21,9 @@ from ..errors import ZerotierError
 ENV = "ZEROTIER_CHECK_PLAN"
 CHARGED = ("params", "gradients", "optimizer")  # the stores the engine charges ([Note: peaks per component])
 BORROWED = ("speculation", "delayed")           # policies whose held blocks those stores allocate
+# terms a store allocates under its own name: the device step's staged state is the optimizer's
+# ([Note: the device step's staging memory] in planner/step_on.py)
+PART_OF = {"optimizer": ("device_step",)}
 
 
 class PlanTermExceeded(ZerotierError):
@@ -45,7 +48,8 @@ def check_peaks(needs: dict[str, dict[str, int]], **tiers) -> None:
         peaks = tier.component_peaks()
         borrowed = sum(needs.get(c, {}).get(tier_name, 0) for c in BORROWED)
         for component in CHARGED:
-            peak, term = peaks.get(component, 0), needs.get(component, {}).get(tier_name, 0)
+            peak = peaks.get(component, 0)
+            term = sum(needs.get(c, {}).get(tier_name, 0) for c in (component, *PART_OF.get(component, ())))
             if peak > term + borrowed:
                 also = f" (+ {borrowed:,} B the speculative step and the delayed update may hold there)" \
                     if borrowed else ""
