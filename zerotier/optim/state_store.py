@@ -11,19 +11,20 @@ hands out.
 [Note: NVMe optimizer pipeline]
 NVMe-resident state goes through `optimizer.pipeline_depth` staging sets (one block per state
 key: exact-size pinned aligned host-pool blocks, so every read and write is zero-copy whatever
-the unit's size). A set is busy from its read until its write-back completes. While the update
-runs on one unit, the reads of the next `depth - 2` units are in flight and earlier units'
-writes drain; a read that needs a set waits for the oldest write only. During the last backward
-of a window the engine calls `prefetch(unit)` as each unit's gradient becomes final: its state
-reads start then (they do not depend on the global gradient norm), using sets that are free
-without waiting, so with clipping on only the update math and the last writes remain after
-backward. Without clipping the engine updates each unit on its optimizer thread as soon as its
+the unit's size). A unit takes ranges of a set, not the whole set ([Note: packed staging sets] in
+staging_sets.py: beside a large unit a set holds several small ones), busy from its read until
+its write-back completes. While the update runs on one unit, the reads of the next `depth - 2`
+units are in flight and earlier units' writes drain; a read that finds no room waits for the
+oldest writes until it fits. During the last backward of a window the engine calls
+`prefetch(unit)` as each unit's gradient becomes final: its state reads start then (they do not
+depend on the global gradient norm), in room that is free without waiting, so with clipping on
+only the update math, the reads that found no room and the last writes remain after backward. Without clipping the engine updates each unit on its optimizer thread as soon as its
 gradient is final (`step(..., drain=False)`): the unit's writes stay in flight while the next
 unit is read, and `finish()` waits for them when engine.step() begins. Either way the step's
 writes are waited before it returns: an I/O error surfaces in the step that caused it. Whatever
 fails (a read, the update, a write refused at submit, as a full drive's fallocate refuses it),
-the set comes back to the free ones once its issued I/O has ended: a lost set is never found
-again, and after `depth` of them every step died in 'pop from an empty deque'.
+its ranges come back once its issued I/O has ended: a lost set is never found again, and after
+`depth` of them every step died in 'pop from an empty deque'.
 
 [Note: units on different tiers]
 With an optimizer split (planner/sizes.py [Note: optimizer split]) each unit's state lives on its own
@@ -48,6 +49,7 @@ from ..state import Location, Unit
 from ..threads import UPDATER, owned
 from ..tiers.homes import HOMES, Home, HostBytes, Tiers
 from .profiled_io import Profiled
+from .staging_sets import Lease, StagingSets
 from .state_layout import StateLayout
 from .state_terms import OptStateSizing
 
@@ -85,10 +87,9 @@ class OptStateStore(OptStateSizing):
         self.slots = [OptSlot(u, HOMES[at], {}, [0] * len(u.params), layout.for_unit(u)) for u, at in zip(units, locs)]
         self._nvme_units = [u for u in units if not self.slots[u.index].kind.in_memory]  # through the pipeline
         # [Note: NVMe optimizer pipeline]
-        self._sets: list[dict] = []              # staging sets of pool blocks, made at the first NVMe step
-        self._free_sets: collections.deque[int] = collections.deque()
-        self._writing: collections.deque[tuple[int, list]] = collections.deque()  # (set, write tickets)
-        self._reads: dict[int, tuple[int, list]] = {}   # unit index -> (set, read tickets), in issue order
+        self._staging: StagingSets | None = None  # made at the first NVMe step ([Note: packed staging sets])
+        self._writing: collections.deque[tuple[Lease, list]] = collections.deque()  # (its ranges, write tickets)
+        self._reads: dict[int, tuple[Lease, list]] = {}   # unit index -> (its ranges, read tickets), in issue order
         # [Note: initial NVMe writes] Initialization keeps the writes of up to `depth` units in flight
         # (their master blocks + one shared zeros block: within the staging the planner counts,
         # depth x the state's bytes of the largest shard), so the drive's queue stays full while the
@@ -194,16 +195,15 @@ class OptStateStore(OptStateSizing):
     def staged(self, unit: Unit) -> Iterator[dict]:
         """An NVMe unit's state buffers (its read waited for) for the update inside the block; its
         write-back is issued after it, left in flight ([Note: NVMe optimizer pipeline])."""
-        staging, tickets = self._reads.pop(unit.index)
+        lease, tickets = self._reads.pop(unit.index)
         try:
             self._wait(tickets)
-            bufs = self._set_views(staging, unit)
-            yield bufs
-            writes = self._io(unit, bufs, "optimizer-write")
+            yield lease.views
+            writes = self._io(unit, lease.views, "optimizer-write")
         except BaseException:
-            self._free_sets.append(staging)  # [Note: NVMe optimizer pipeline]: the set comes back
+            self._staging.give_back(lease)  # [Note: NVMe optimizer pipeline]: the set comes back
             raise
-        self._writing.append((staging, writes))
+        self._writing.append((lease, writes))
 
     @owned(UPDATER)
     def finish(self) -> None:
@@ -229,45 +229,38 @@ class OptStateStore(OptStateSizing):
 
     # ------------------------------------------------------------------ NVMe pipeline
 
-    def _make_sets(self) -> None:
-        keys = self.layout.keys  # each key's block: the largest NVMe unit's (the planner's staging_bytes)
-        largest = self.staging_set(tuple(self.slots[u.index].layout.nbytes(k, u.shard_numel) for k in keys)
-                                   for u in self._nvme_units)
-        self._sets = [{k: self.host_pool.alloc(nbytes, torch.uint8, f"optimizer staging {k}")
-                       for k, nbytes in zip(keys, largest)} for _ in range(self.depth)]
-        self._free_sets.extend(range(self.depth))
-
-    def _take_set(self, block: bool) -> int | None:
-        if not self._sets:
-            self._make_sets()
+    def _lease(self, unit: Unit, block: bool) -> Lease | None:
+        """Ranges of the staging sets for `unit`'s state ([Note: packed staging sets]). `block`: wait for
+        the oldest write-backs until they fit (unless none is left in flight: then None)."""
+        if self._staging is None:  # each key's block: the largest NVMe unit's (the planner's staging_bytes)
+            keys = self.layout.keys
+            largest = self.staging_set(tuple(self.slots[u.index].layout.nbytes(k, u.shard_numel) for k in keys)
+                                       for u in self._nvme_units)
+            self._staging = StagingSets(self.host_pool, dict(zip(keys, largest)), self.depth)
         while self._writing and all(t.done() for t in self._writing[0][1]):
             self._retire_write()
-        if self._free_sets:
-            return self._free_sets.popleft()
-        if not block:
-            return None
-        self._retire_write()  # the oldest write-back must land before its set is reused
-        return self._free_sets.popleft()
+        layout = self.slots[unit.index].layout
+        nbytes = {k: layout.nbytes(k, unit.shard_numel) for k in self.layout.keys}
+        while True:
+            lease = self._staging.take(nbytes)
+            if lease is not None or not block or not self._writing:
+                return lease
+            self._retire_write()  # the oldest write-back must land before its ranges are reused
 
     def _retire_write(self) -> None:
-        staging, tickets = self._writing.popleft()
-        self._free_sets.append(staging)
+        lease, tickets = self._writing.popleft()
+        self._staging.give_back(lease)
         self._wait(tickets)
 
     def _issue_read(self, unit: Unit, block: bool) -> None:
-        staging = self._take_set(block)
-        if staging is None:
+        lease = self._lease(unit, block)
+        if lease is None:
             return
         try:
-            self._reads[unit.index] = (staging, self._io(unit, self._set_views(staging, unit), "optimizer-read"))
+            self._reads[unit.index] = (lease, self._io(unit, lease.views, "optimizer-read"))
         except BaseException:
-            self._free_sets.append(staging)
+            self._staging.give_back(lease)
             raise
-
-    def _set_views(self, staging: int, unit: Unit) -> dict:
-        """The set's blocks as this unit's state: pool buffers sized to the shard, padded room after."""
-        layout = self.slots[unit.index].layout
-        return {k: buf.tensor[: layout.nbytes(k, unit.shard_numel)] for k, buf in self._sets[staging].items()}
 
     def _io(self, unit: Unit, bufs: dict, reason: str) -> list:
         """Submit reads or writes of a unit's state buffers (the staging set's blocks: padded);
@@ -328,13 +321,13 @@ class OptStateStore(OptStateSizing):
         or failed). Their errors are dropped with them: the next read of the unit is issued
         afresh and reports whatever still fails (hostile trial #24)."""
         reads, self._reads = self._reads, {}
-        for staging, tickets in reads.values():
+        for lease, tickets in reads.values():
             try:
                 self._wait(tickets)
             except Exception:  # noqa: BLE001 - see the docstring
                 pass
             finally:
-                self._free_sets.append(staging)
+                self._staging.give_back(lease)
 
     # ------------------------------------------------------------------ access
 
@@ -433,8 +426,6 @@ class OptStateStore(OptStateSizing):
             self._drain_writes()
         except Exception:  # noqa: BLE001 - closing: errors were reported by the step that caused them
             pass
-        sets, self._sets = self._sets, []
-        self._free_sets.clear()
-        for staging in sets:
-            for block in staging.values():
-                self.host_pool.free(block)
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.close()

@@ -1,0 +1,68 @@
+"""The NVMe optimizer pipeline's staging sets, packed ([Note: packed staging sets] in
+optim/staging_sets.py): units take aligned ranges of a set, not whole sets, so beside a large
+unit the last backward reads the state of every small one."""
+import pytest
+import torch
+
+import zerotier
+from zerotier.models import TinyGPT, batches
+from zerotier.optim.staging_sets import StagingSets
+from zerotier.tiers.host import HostPool
+
+ALIGN = 4096
+
+
+def _ranges(lease):
+    return {k: (v.data_ptr(), v.data_ptr() + v.numel()) for k, v in lease.views.items()}
+
+
+def test_small_units_share_a_set_and_a_set_comes_back_with_its_last_unit():
+    pool = HostPool(64 << 20, alignment=ALIGN, pin=False)
+    sets = StagingSets(pool, {"master": 10 * ALIGN, "exp_avg": 10 * ALIGN}, depth=2)
+    small = {"master": 3 * ALIGN - 100, "exp_avg": 3 * ALIGN - 100}   # 3 aligned pages each
+    a, b, c = (sets.take(small) for _ in range(3))
+    assert a.set_index == b.set_index == c.set_index == 0    # 9 of 10 pages of set 0
+    big = sets.take({"master": 10 * ALIGN, "exp_avg": 10 * ALIGN})
+    assert big.set_index == 1                                 # a whole set: the empty one
+    assert sets.take(small) is None                           # no room left anywhere
+    for lease in (a, b, c):
+        assert all(v.data_ptr() % ALIGN == 0 and v.numel() == small[k] for k, v in lease.views.items())
+    spans = sorted(r for lease in (a, b, c) for r in _ranges(lease).values())
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))   # disjoint
+    sets.give_back(a)
+    sets.give_back(b)
+    assert sets.take({"master": 10 * ALIGN, "exp_avg": 10 * ALIGN}) is None  # set 0 still holds c
+    sets.give_back(c)
+    again = sets.take({"master": 10 * ALIGN, "exp_avg": 10 * ALIGN})
+    assert again is not None and again.set_index == 0
+    sets.close()
+    pool.close()
+
+
+@pytest.mark.parametrize("params", ["device", "nvme"])
+def test_last_backward_reads_every_small_units_state_beside_a_large_one(params, tmp_path):
+    """TinyGPT's root unit (embedding, tied head) is ~8x a block: with whole sets the backward read
+    only `pipeline_depth` units' state and step() read the rest on its critical path; packed, every
+    unit's read is issued during backward. The training result is the in-memory run's (bitwise)."""
+    def run(offload):
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=4096, dim=64, layers=4, heads=2, seq=16)
+        cfg = {"offload": offload, "tiers": {"nvme_path": str(tmp_path)}, "optimizer": {"pipeline_depth": 3},
+               "train": {"handle_signals": False}}
+        issued = []
+        with zerotier.initialize(model, cfg) as engine:
+            for x, y in batches(4096, 16, 2, 3):
+                engine.backward(engine(x, y))
+                if engine.unit_optimizer.state.has_nvme:
+                    issued.append(len(engine.unit_optimizer.state._reads))
+                engine.step()
+            engine.synchronize()
+            state = [engine.unit_optimizer.state.read_state(u) for u in engine.units]
+        return issued, len(engine.units), state
+
+    issued, units, on_nvme = run({"params": params, "gradients": "host", "optimizer": "nvme"})
+    assert units == 5 and issued == [units] * 3, issued     # 5 > pipeline_depth
+    _, _, in_memory = run({"params": "device", "gradients": "host", "optimizer": "host"})
+    for a, b in zip(on_nvme, in_memory):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
