@@ -160,7 +160,10 @@ def _zerotier(case, args, device, gen, out, to_dev):
         engine = zerotier.initialize(model, cfg, init_fn=timed_init_fn)
     except PlanDoesNotFit as exc:  # the engine's own plan (this node's rates, no compute) may place `auto` otherwise
         raise NotApplicable(f"does not fit (the engine's plan): {str(exc).splitlines()[0]}") from None
-    out["setup_split_s"] = {"initialize": time.perf_counter() - t0, "of which drawing weights": weights_s[0]}
+    out["setup_split_s"] = {"initialize": time.perf_counter() - t0, "of which drawing weights": weights_s[0],
+                            # [Note: initialize's phases]; the pool's cudaHostRegister time (bench_setup.py)
+                            "phases": {k: v["seconds"] for k, v in engine._placement.times.summary().items()},
+                            "pinning": engine.host_pool.stats()["pin_ns"] / 1e9}
     out["plan"] = {"need": dict(engine.plan.need), "predicted_step_s": engine.plan.predicted_step_s,
                    "rates_measured": engine.plan.rates_measured,
                    "placement": {k: v.value for k, v in engine.plan.placement.items()},

@@ -2,6 +2,9 @@
 materialized unit by unit into their tiers, deterministically whatever the placement."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -271,3 +274,99 @@ def test_a_meta_built_transformers_model_gets_its_own_init_weights(arch):
             assert abs(float(t.std()) - float(expected.std())) < 0.15 * float(expected.std()), name
             assert not torch.equal(t, expected), name
     assert any(abs(float(t.std()) - std) < 0.003 for n, t in got.items() if t.dim() == 2)
+
+
+class _TiedStack(torch.nn.Module):
+    """Linear layers whose first and third share a weight: the unit that comes first materializes
+    the shared weight and the other owner's bias, so the order units are materialized in matters."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(32, 32) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(32)
+        self.c.weight = self.a.weight
+
+    def forward(self, x):
+        return self.c(self.norm(self.b(self.a(x)))).square().mean()
+
+
+@pytest.fixture
+def two_threads():
+    """[Note: materializing ahead] runs only where torch has a thread to share."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _initial_weights(ahead, monkeypatch, tmp_path, init_fn, placement="params-host"):
+    """The initial fp32 weights of a meta-built _TiedStack with `ahead` units materialized ahead,
+    the names of the threads that materialized its units, and torch's thread count after."""
+    import zerotier.materialize as materialize
+    monkeypatch.setattr(materialize, "AHEAD", ahead)
+    threads, unit_of = [], materialize.Materializer.unit
+
+    def unit(self, u):
+        threads.append(threading.current_thread().name)
+        return unit_of(self, u)
+    monkeypatch.setattr(materialize.Materializer, "unit", unit)
+    with torch.device("meta"):
+        model = _TiedStack()
+    torch.manual_seed(11)
+    cfg = {"offload": PLACEMENTS[placement], "tiers": {"nvme_path": str(tmp_path)}, "train": {"wrap": ["Linear"]}}
+    with zerotier.initialize(model, cfg, init_fn=init_fn) as engine:
+        return engine.parameters_fp32(), list(threads), torch.get_num_threads()  # (a later run patches over this one)
+
+
+@pytest.mark.parametrize("init_fn", [None, _linear_only_init], ids=["reset_parameters", "init_fn"])
+@pytest.mark.parametrize("placement", ["params-host", "params-nvme"])
+def test_materializing_ahead_gives_the_serial_weights(init_fn, placement, two_threads, monkeypatch, tmp_path):
+    """[Note: materializing ahead] The next unit is materialized on a worker thread while one is
+    placed: the weights are the serial path's bit for bit (each unit's draws from torch's generator,
+    a tied weight materialized by the same unit), and torch's thread budget is the caller's again after."""
+    serial, serial_threads, _ = _initial_weights(0, monkeypatch, tmp_path, init_fn, placement)
+    ahead, ahead_threads, threads_after = _initial_weights(1, monkeypatch, tmp_path, init_fn, placement)
+    assert set(serial_threads) == {threading.current_thread().name}
+    assert set(ahead_threads) == {"zerotier-materialize"}, ahead_threads  # the worker did run
+    assert threads_after == 2
+    assert serial.keys() == ahead.keys()
+    for key in serial:
+        assert torch.equal(serial[key], ahead[key]), key
+    assert not torch.equal(serial["a.bias"], serial["b.bias"])  # seeded per unit
+
+
+def test_materializing_ahead_holds_at_most_two_units(two_threads, monkeypatch, tmp_path):
+    """Memory stays bounded by units: while one unit is placed, one more is materialized, never
+    more (the plan counts both: materialize.pool_bytes), and every block is given back."""
+    import zerotier.materialize as materialize
+    held, views_of = [], materialize.Materializer._pool_views
+
+    def pool_views(self, unit):
+        out = views_of(self, unit)
+        held.append(len(self._blocks))
+        return out
+    monkeypatch.setattr(materialize.Materializer, "_pool_views", pool_views)
+    monkeypatch.setattr(materialize.Materializer, "release",
+                        lambda self, unit, release=materialize.Materializer.release: (time.sleep(0.02),
+                                                                                      release(self, unit)))
+    with torch.device("meta"):
+        model = TinyGPT(vocab=64, dim=32, layers=6, heads=2, seq=16)
+    cfg = {"offload": PLACEMENTS["params-nvme"], "tiers": {"nvme_path": str(tmp_path)}}
+    engine = zerotier.initialize(model, cfg, init_fn=init_tiny_gpt)
+    try:
+        assert len(held) == len(engine.param_units) and max(held) == 1 + materialize.AHEAD, held
+        assert not engine._placement.materializer._blocks
+    finally:
+        engine.close(restore_weights=False)
+
+
+def test_infinite_values_an_init_fn_sets_are_set():
+    """A tensor holds a NaN iff its sum is NaN, but +inf and -inf also sum to NaN: those tensors are
+    searched element-wise, not taken for unset and reset over."""
+    def init_fn(module):
+        module.weight.copy_(torch.tensor([float("inf"), float("-inf")]).repeat(8).view(4, 4))
+        module.bias.fill_(1.0)
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    with zerotier.initialize(model, init_fn=init_fn) as engine:
+        assert engine.parameters_fp32()["weight"].isinf().all()

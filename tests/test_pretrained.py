@@ -113,27 +113,48 @@ def test_zerotier_export_round_trips_through_from_pretrained(name, tmp_path):
         engine.close(restore_weights=False)
 
 
+@pytest.mark.parametrize("ahead", [0, 1])
 @pytest.mark.pins("design#models-larger-than-ram")
-def test_tensors_are_read_unit_by_unit_as_each_unit_is_placed(tmp_path, monkeypatch):
+def test_tensors_are_read_unit_by_unit_as_each_unit_is_placed(ahead, tmp_path, monkeypatch):
     """[Note: streamed pretrained loading] Only the tensors of the unit being placed have been
-    read when it is placed: the files are never read whole (a model larger than RAM loads)."""
+    read when it is placed (serially), and of the next AHEAD units at most while the next one is
+    materialized meanwhile ([Note: materializing ahead]): the files are never read whole (a model
+    larger than RAM loads)."""
+    import zerotier.materialize as materialize
+    monkeypatch.setattr(materialize, "AHEAD", ahead)
     events = []
     read, place = _SafetensorsFiles.read, ParamStore.place
     monkeypatch.setattr(_SafetensorsFiles, "read", lambda self, n: events.append(("read", n)) or read(self, n))
     monkeypatch.setattr(ParamStore, "place", lambda self, unit, lp: events.append(("place", unit)) or
                         place(self, unit, lp))
-    engine = zerotier.from_pretrained(saved("llama", tmp_path / "hf", sharded=True), zt_config("nvme", tmp_path))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # materializing ahead shares torch's threads: it needs two
+    try:
+        engine = zerotier.from_pretrained(saved("llama", tmp_path / "hf", sharded=True), zt_config("nvme", tmp_path))
+    finally:
+        torch.set_num_threads(before)
     try:
         names = {id(p): n for n, p in engine.module.named_parameters()}
         assert len(engine.units) >= 3  # the layers and the root
+        placed = [sorted(names[id(p)] for p in what.params) for kind, what in events if kind == "place"]
         reads: list[str] = []
+        k = 0  # units placed so far
         for kind, what in events:
             if kind == "read":
                 reads.append(what)
-            else:  # the reads since the previous unit's placement are this unit's parameters, once each
+                continue
+            if not ahead:  # the reads since the previous unit's placement are this unit's parameters, once each
                 assert sorted(reads) == sorted(names[id(p)] for p in what.params), what.name
                 reads = []
-        assert reads == []  # the model's only buffers (rotary inv_freq) are computed, not read
+                continue
+            # all of the units placed so far have been read, each parameter once, and of the next at most
+            done, upto = sum(placed[:k + 1], []), sum(placed[:k + 1 + ahead], [])
+            assert set(done) <= set(reads) <= set(upto) and len(reads) == len(set(reads)), what.name
+            k += 1
+        if ahead:
+            assert sorted(reads) == sorted(sum(placed, []))
+        else:
+            assert reads == []  # the model's only buffers (rotary inv_freq) are computed, not read
     finally:
         engine.close(restore_weights=False)
 

@@ -112,8 +112,10 @@ def test_meta_units_are_materialized_in_pool_blocks_and_given_back(tmp_path, mon
 def test_the_plan_counts_materialization_in_tiers_host():
     """[Note: materialization in the host pool] With everything on host the plan has no staging to
     spare: a meta-built model's host need is the normal build's plus its largest unit in fp32 and
-    bf16 (and two alignment pads); exactly that budget initializes, one byte less is refused by
-    the planner (before, initialize failed at that budget with a BudgetError part-way)."""
+    bf16 (and two alignment pads), and the next largest in fp32 (and its pad), materialized while
+    the largest is placed ([Note: materializing ahead]); exactly that budget initializes, one byte
+    less is refused by the planner (before, initialize failed at that budget with a BudgetError part-way)."""
+    from zerotier.materialize import AHEAD
     import zerotier
     from zerotier.errors import BudgetError
     from zerotier.models import TinyGPT, init_tiny_gpt
@@ -130,7 +132,8 @@ def test_the_plan_counts_materialization_in_tiers_host():
     engine = zerotier.initialize(build("meta"), cfg, init_fn=init_tiny_gpt)
     need = engine.plan.need["host"]
     engine.close(restore_weights=False)
-    assert need - normal == (256 + 1) * 1024 * (4 + 2) + 2 * 4096  # the 256 x 1024 Linear and its bias
+    # the 256 x 1024 Linear and its bias; ahead, the other one (the two layers' fc)
+    assert need - normal == (256 + 1) * 1024 * (4 + 2) + 2 * 4096 + AHEAD * ((256 + 1) * 1024 * 4 + 4096)
     cfg["tiers"]["host"] = str(need)
     zerotier.initialize(build("meta"), cfg, init_fn=init_tiny_gpt).close(restore_weights=False)
     cfg["tiers"]["host"] = str(need - 1)

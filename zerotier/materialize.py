@@ -3,8 +3,9 @@
 [Note: meta-device models]
 A model built under `torch.device("meta")` has shapes but no bytes, so a model larger than
 RAM can be described before it is trained. `initialize` gives it bytes unit by unit, each
-straight before that unit goes to its tier (engine/placement.py), so at most one unit's
-full-precision tensors exist in RAM at a time:
+straight before that unit goes to its tier (engine/placement.py), so at most two units'
+full-precision tensors exist in RAM at a time (the one being placed and the next one,
+[Note: materializing ahead]):
   1. every module holding one of the unit's parameters gets new CPU Parameters (and
      buffers) in place of its meta ones — new objects, because a meta tensor's data cannot
      be replaced — in every module that shares them (tied weights);
@@ -43,13 +44,18 @@ rare).
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 from typing import Callable
 
 import torch
 
 from .errors import ConfigError
+from .setup_times import SetupTimes
 from .state import Unit
 from .tiers.host import HostBuffer, HostPool
+
+AHEAD = 1  # [Note: materializing ahead]: units materialized while an earlier one is placed
 
 _RESETS_BUFFERS = (torch.nn.modules.batchnorm._NormBase,)  # reset_parameters() resets running stats
 
@@ -67,10 +73,16 @@ def _tensors(module: torch.nn.Module, names) -> dict[str, torch.Tensor]:
     return {n: t for n, t in found.items() if t is not None}
 
 
+def _has_nan(t: torch.Tensor) -> bool:
+    """Whether `t` holds a NaN. A NaN makes the sum NaN, so a finite sum (one read, no temporary)
+    settles it; only a sum that is not finite (a NaN, or an overflow) is searched element-wise."""
+    return not bool(torch.isfinite(t.sum())) and bool(torch.isnan(t).any())
+
+
 def _unset(module: torch.nn.Module, names) -> list[str]:
     """The materialized tensors of `module` still holding a NaN (never set, or set in part)."""
     return [n for n, t in _tensors(module, names).items()
-            if (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any())]
+            if (t.is_floating_point() or t.is_complex()) and _has_nan(t)]
 
 
 def is_meta(unit: Unit) -> bool:
@@ -79,10 +91,16 @@ def is_meta(unit: Unit) -> bool:
 
 def pool_bytes(units: list[Unit], lp_dtype: torch.dtype, alignment: int) -> int:
     """Host-pool bytes that initialize's materialization of `units` holds at once: the largest meta
-    unit's flat and its low-precision cast ([Note: materialization in the host pool]); the planner
+    unit's flat and its low-precision cast ([Note: materialization in the host pool]), and the flats
+    of the AHEAD next largest, materialized meanwhile ([Note: materializing ahead]); the planner
     counts them in tiers.host."""
-    return max((u.numel * (u.params[0].dtype.itemsize + lp_dtype.itemsize) + 2 * alignment for u in units
-                if is_meta(u) and len({p.dtype for p in u.params}) == 1), default=0)
+    pooled = sorted((u.numel * u.params[0].dtype.itemsize, u.numel * lp_dtype.itemsize) for u in units
+                    if is_meta(u) and len({p.dtype for p in u.params}) == 1)
+    if not pooled:
+        return 0
+    flat, cast = pooled.pop()
+    ahead = pooled[-AHEAD:] if AHEAD else []
+    return flat + cast + 2 * alignment + sum(f + alignment for f, _ in ahead)
 
 
 def default_init_fn(model: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:
@@ -126,9 +144,10 @@ class _TransformersInit:
 
 class Materializer:
     def __init__(self, model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None,
-                 host_pool: HostPool | None = None):
+                 host_pool: HostPool | None = None, times: SetupTimes | None = None):
         init_fn = init_fn if init_fn is not None else default_init_fn(model)
         self.model, self.init_fn, self.host_pool = model, init_fn, host_pool
+        self.times = times if times is not None else SetupTimes()  # [Note: initialize's phases]
         self.seed = torch.initial_seed()
         # every (module, name) slot holding each parameter: tied ones are replaced everywhere
         self._slots: dict[int, list[tuple[torch.nn.Module, str]]] = {}
@@ -159,7 +178,8 @@ class Materializer:
         for p in unit.params:
             for name, module in self._owners.get(id(p), ()):
                 modules.setdefault(id(module), (name, module))
-        into = self._pool_views(unit)
+        with self.times.phase("fill", unit.numel):
+            into = self._pool_views(unit)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed + unit.index)
             for name, module in modules.values():
@@ -228,18 +248,24 @@ class Materializer:
             self._meta.append((module._buffers, n, module._buffers[n]))
             module._buffers[n] = _unset_like(module._buffers[n])
         names = [n for n, _ in meta_params] + meta_buffers
+        numel = sum(t.numel() for t in _tensors(module, names).values())
         with torch.no_grad():
             if self.init_fn is not None:
-                self.init_fn(module)
-                unset = _unset(module, names)
+                with self.times.phase("init", numel):
+                    self.init_fn(module)
+                with self.times.phase("check", numel):
+                    unset = _unset(module, names)
                 if unset and hasattr(module, "reset_parameters"):
                     kept = {n: t.clone() for n, t in _tensors(module, names).items() if n not in unset}
                     module.reset_parameters()
                     for n, t in _tensors(module, kept).items():
                         t.copy_(kept[n])
+                    unset = _unset(module, names)
             else:
-                module.reset_parameters()
-            unset = _unset(module, names)
+                with self.times.phase("init", numel):
+                    module.reset_parameters()
+                with self.times.phase("check", numel):
+                    unset = _unset(module, names)
         if unset:
             by = "init_fn" if self.init_fn is not None else "reset_parameters()"
             fix = (f"and {type(module).__name__} has no reset_parameters(): set them in init_fn"
@@ -255,3 +281,82 @@ class Materializer:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(self.seed - 1)
                     self._module(name, module)
+
+
+class Ahead:
+    """[Note: materializing ahead]
+    Drawing a unit's weights is serial work when it uses torch's CPU generator (one thread draws
+    each tensor), while placing a unit (casts, the optimizer's copies, NVMe writes issued) is
+    memory- and drive-bound work of the caller's thread. So one worker thread materializes the
+    meta units in their order while the caller places the ones before: at most 1 + AHEAD units
+    hold materialized bytes at once (the one being placed, with its cast, and AHEAD flats; the
+    plan counts them: pool_bytes), so memory stays bounded by units, never a whole model.
+    torch's thread budget (torch.get_num_threads(), T) is shared, not doubled: the worker's ops
+    run on T // 4 threads (at least 1) and the caller's on the rest, until close() gives the
+    caller T again (a team per thread, so no core is oversubscribed; a quarter because the
+    worker writes and reads ~12 B per parameter (fill, draw, check) against the caller's ~30
+    (master, moments, casts, parameters, gradients)). With T = 1 it is the serial path.
+    The weights are those of the serial path, bit for bit: each unit reseeds torch's generator
+    from its own index ([Note: meta-device models]), the worker is the only thread drawing from
+    it meanwhile (placement draws nothing), and it materializes the units in the serial order
+    (a tied parameter goes to the same unit first). The worker takes the caller's CUDA device and
+    default device, which are per thread. An error in the worker (an init_fn raising) is raised
+    by `take` in the caller, for that unit; `close` stops the worker after its current unit,
+    before a failed initialize gives the model back ([Note: a failed initialize]).
+    AHEAD = 0 is the serial path: `take` materializes in the caller's thread."""
+
+    def __init__(self, materializer: Materializer, units: list[Unit], ahead: int | None = None):
+        self.materializer = materializer
+        self._results: queue.Queue = queue.Queue()
+        self._room = threading.Semaphore(1 + (AHEAD if ahead is None else ahead))  # units holding bytes at once
+        self._stop = False
+        self._thread = None
+        self._threads = torch.get_num_threads()
+        if (AHEAD if ahead is None else ahead) and units and self._threads > 1:
+            worker = max(1, self._threads // 4)
+            cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+            self._thread = threading.Thread(target=self._run, args=(units, worker, cuda, torch.get_default_device()),
+                                            name="zerotier-materialize", daemon=True)
+            torch.set_num_threads(self._threads - worker)  # the caller's share, until close()
+            self._thread.start()
+
+    def _run(self, units: list[Unit], threads: int, cuda: int | None, default_device: torch.device) -> None:
+        torch.set_num_threads(threads)
+        if cuda is not None:
+            torch.cuda.set_device(cuda)
+        if default_device.type != "cpu":
+            torch.set_default_device(default_device)
+        for unit in units:
+            self._room.acquire()
+            if self._stop:
+                return
+            try:
+                self._results.put((unit, self.materializer.unit(unit)))
+            except BaseException as exc:  # noqa: BLE001 - raised by take() in the caller
+                self._results.put((unit, exc))
+                return
+
+    def take(self, unit: Unit) -> Unit:
+        """`unit` materialized ([Note: meta-device models]); call done() once its bytes are released."""
+        if self._thread is None:
+            return self.materializer.unit(unit)
+        with self.materializer.times.phase("wait"):
+            got, out = self._results.get()
+        assert got is unit, (got.name, unit.name)  # the same order as the caller's
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def done(self) -> None:
+        """The unit last taken has released its materialized bytes: the worker may start the next."""
+        self._room.release()
+
+    def close(self) -> None:
+        """Stop the worker (after the unit it is materializing), wait for it, and give the caller
+        torch's whole thread budget back."""
+        if self._thread is not None:
+            self._stop = True
+            self._room.release()
+            self._thread.join()
+            self._thread = None
+            torch.set_num_threads(self._threads)

@@ -12,7 +12,8 @@ A Hugging Face model directory (`config.json` plus `model.safetensors`, or shard
   3. `initialize` materializes the model unit by unit ([Note: meta-device models]) and our
      init_fn copies each module's tensors out of the memory-mapped files (`safe_open`
      reads only the tensors asked for), each converted to the parameter's dtype — so RAM
-     holds one unit's tensors at a time, on top of whatever the tiers hold.
+     holds two units' tensors at a time (the one being placed, and the next one, read
+     meanwhile: [Note: materializing ahead] in materialize.py), on top of whatever the tiers hold.
 Names. Tied weights are one Parameter under several names (GPT-2's `lm_head.weight` is
 `transformer.wte.weight`); save_pretrained writes one of them, so a Parameter needs any one
 of its names in the files. A file holding two tied names with different values (a config

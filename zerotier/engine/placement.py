@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ZerotierError
-from ..materialize import Materializer, is_meta
+from ..materialize import Ahead, Materializer, is_meta
+from ..setup_times import SetupTimes
 
 
 class Placement:
@@ -19,31 +20,51 @@ class Placement:
     def __init__(self, rt, weights, init_fn):
         self.rt, self.weights, self.init_fn = rt, weights, init_fn
         self.materializer: Materializer | None = None
+        self.ahead: Ahead | None = None
+        self.times = SetupTimes()  # [Note: initialize's phases]
         self.swapped = 0  # the user's tensors of units[:swapped] may be dropped ([Note: a failed initialize])
 
     def run(self) -> None:
         """Every rank starts from rank 0's weights; each store takes its part of every unit.
         The user's tensors are dropped (the parameters become views of the engine's flats)."""
-        rt = self.rt
-        rt = self.rt
-        sharding = rt.sharding
-        # [Note: meta-device models]; [Note: materialization in the host pool]
-        materializer = self.materializer = Materializer(rt.module, self.init_fn, rt.host_pool)
+        rt, times = self.rt, self.times
+        # [Note: meta-device models]; [Note: materialization in the host pool]; [Note: materializing ahead]
+        materializer = self.materializer = Materializer(rt.module, self.init_fn, rt.host_pool, times)
+        ahead = self.ahead = Ahead(materializer, [u for u in rt.param_units if is_meta(u)])
         for i, unit in enumerate(rt.param_units):
-            if is_meta(unit):  # the stores hold these lists: they see the rebuilt unit
-                unit = rt.param_units[i] = materializer.unit(unit)
+            meta = is_meta(unit)
+            if meta:  # the stores hold these lists: they see the rebuilt unit
+                unit = rt.param_units[i] = ahead.take(unit)
                 (rt.frozen_units if unit.frozen else rt.units)[i - len(rt.units) * unit.frozen] = unit
                 self.weights.user_form.update({id(p): (p.dtype, torch.device("meta")) for p in unit.params})
-            pooled = materializer.flat(unit)  # the materialized unit's flat in the host pool, or None
-            if unit.frozen:  # [Note: frozen units]: its low-precision bytes only
+            self._place(i, unit)
+            if meta:
+                ahead.done()
+        ahead.close()
+        with times.phase("nvme drain"):
+            rt.unit_optimizer.state.finish_place()
+            rt.params.finish_place()
+        with times.phase("rest"):
+            materializer.rest()
+            self._move_unmanaged_to_device()
+
+    def _place(self, i: int, unit) -> None:
+        """Unit `i` (materialized) into the stores: its fp32 master, its low-precision parameters,
+        its gradient buffers ([Note: initialize's phases] names the timed parts)."""
+        rt, times, materializer, sharding = self.rt, self.times, self.materializer, self.rt.sharding
+        pooled = materializer.flat(unit)  # the materialized unit's flat in the host pool, or None
+        if unit.frozen:  # [Note: frozen units]: its low-precision bytes only
+            with times.phase("cast", unit.numel):
                 full = materializer.cast(unit, pooled, rt.lp_dtype) if pooled is not None else \
                     torch.cat([p.detach().reshape(-1).to(rt.lp_dtype).cpu() for p in unit.params])
-                sharding.broadcast(full)
-                self.swapped = i + 1
+            sharding.broadcast(full)
+            self.swapped = i + 1
+            with times.phase("params", unit.numel):
                 rt.params.place(unit, full if not sharding.gathered(unit) else sharding.shard_of(unit, full))
-                del pooled, full  # the last views of the unit's pool blocks: they go back to the system now
-                materializer.release(unit)
-                continue
+            del pooled, full  # the last views of the unit's pool blocks: they go back to the system now
+            materializer.release(unit)
+            return
+        with times.phase("cast"):  # the fp32 flat: no copy (the pool block) but for heap units
             if pooled is not None:
                 full = pooled.float()  # the pool block itself when fp32
             elif len(unit.params) > 1:
@@ -51,19 +72,19 @@ class Placement:
             else:  # the parameter itself (no copy) unless the broadcast below writes into it
                 full = unit.params[0].detach().reshape(-1).float().cpu()
                 full = full.clone() if sharding.active else full
-            sharding.broadcast(full)
-            master = sharding.shard_of(unit, full)  # fp32 master of this rank's shard (all of it on one rank)
+        sharding.broadcast(full)
+        master = sharding.shard_of(unit, full)  # fp32 master of this rank's shard (all of it on one rank)
+        with times.phase("optimizer", unit.shard_numel):
             rt.unit_optimizer.state.place(unit, master)
-            self.swapped = i + 1  # the user's tensors of units[:i + 1] may be dropped ([Note: a failed initialize])
+        self.swapped = i + 1  # the user's tensors of units[:i + 1] may be dropped ([Note: a failed initialize])
+        with times.phase("cast", master.numel()):
             lp = materializer.cast(unit, master if sharding.gathered(unit) else full, rt.lp_dtype)
+        with times.phase("params", lp.numel()):
             rt.params.place(unit, lp)
+        with times.phase("grads", unit.numel):
             rt.grads.place(unit)
-            del pooled, full, master, lp  # the last views of the unit's pool blocks: they go back to the system now
-            materializer.release(unit)
-        rt.unit_optimizer.state.finish_place()
-        rt.params.finish_place()
-        materializer.rest()
-        self._move_unmanaged_to_device()
+        del pooled, full, master, lp  # the last views of the unit's pool blocks: they go back to the system now
+        materializer.release(unit)
 
     def undo(self) -> None:
         """[Note: a failed initialize]
@@ -75,6 +96,8 @@ class Placement:
         initialize refuses it with a ConfigError naming what happened, instead of reading freed
         memory; its parameters become meta tensors (a read raises, never crashes)."""
         rt, materializer = self.rt, self.materializer
+        if self.ahead is not None:  # [Note: materializing ahead]: the worker first
+            self.ahead.close()
         materialized = {id(p) for p in materializer.replaced.values()} if materializer is not None else set()
         lost = []
         for unit in rt.param_units[:self.swapped]:

@@ -76,6 +76,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -247,6 +248,7 @@ class HostPool(BudgetedTier):
         self._alloc_calls = 0
         self._reuses = 0
         self._pin_failures = 0
+        self._pin_ns = self._pinned = 0  # time in cudaHostRegister, bytes it pinned (bench_setup.py)
         self._closed = False
         # [Note: registrations end with the pool]
         self._registered: set[_Block] = set()
@@ -322,7 +324,8 @@ class HostPool(BudgetedTier):
             out = super().stats()
             out.update(in_use=self._in_use, cached=self._cached_bytes, parked=self._parked_bytes,
                        live_buffers=self._live, alloc_calls=self._alloc_calls, reuses=self._reuses,
-                       pinned=int(self.pin), pin_failures=self._pin_failures)
+                       pinned=int(self.pin), pin_failures=self._pin_failures, pin_ns=self._pin_ns,
+                       pinned_bytes=self._pinned)
             return out
 
     def close(self) -> None:
@@ -427,8 +430,11 @@ class HostPool(BudgetedTier):
         return block
 
     def _pin(self, data: torch.Tensor) -> bool:
+        t0 = time.perf_counter_ns()
         try:
             _register(data.data_ptr(), data.numel())
+            self._pin_ns += time.perf_counter_ns() - t0
+            self._pinned += data.numel()
             return True
         except Exception as exc:  # noqa: BLE001 - degrade, but say so once
             _clear_cuda_error()
