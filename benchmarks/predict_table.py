@@ -121,23 +121,19 @@ def predict(size: str, case: str, rates: dict, budgets: dict, compute_flops: flo
     from zerotier.errors import ZerotierError
     from zerotier.materialize import pool_bytes
     from zerotier.planner.messages import PlanDoesNotFit
+    from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
     from zerotier.planner.planner import make_plan
-    from zerotier.planner.predict import StepOptions
-    from zerotier.state import build_units, nested_numel
+    from zerotier.state import build_units
 
     config = config or zerotier_config(case, "/nonexistent/nvme", 16, None, 1, "cuda")
     cfg = Config.coerce(config).auto_to_defaults()
     units = build_units(gm.llama(size, "meta"), cfg.train.wrap)
-    trainable = [u for u in units if not u.frozen]
     compute = unit_compute(size, units, compute_flops) if compute_flops else None
 
     def plan_with(budget):
-        return make_plan([u.numel for u in trainable], cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch,
-                         torch.device("cuda"), budgets=budget, rates=rates, zero=cfg.zero,
-                         pipeline_depth=cfg.optimizer.pipeline_depth, nested_numel=nested_numel(units),
-                         alignment=cfg.io.alignment, compute=compute, step=StepOptions.of(cfg),
-                         materialize_bytes=pool_bytes(units, torch.bfloat16, cfg.io.alignment),
-                         unit_params=[tuple(s.numel() for s in u.shapes) for u in trainable])
+        return make_plan(ModelFacts.of(units, compute=compute,
+                                       materialize_bytes=pool_bytes(units, torch.bfloat16, cfg.io.alignment)),
+                         PlanConfig.of(cfg), Node(torch.device("cuda"), budgets=budget, rates=rates))
 
     row = {"size": size, "case": case, "numel": gm.param_count(size), "budgets": budgets}
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from zerotier import bench, measure
-from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+from zerotier.config import OffloadConfig
+from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
 from zerotier.planner.planner import make_plan
 
 
@@ -83,8 +84,8 @@ def test_other_hosts_and_bad_files_are_ignored(bench_file):
 
 def test_planner_uses_loaded_rates(bench_file):
     def plan():
-        return make_plan([10**7], TiersConfig(), OffloadConfig(optimizer="host"), PrecisionConfig(),
-                         PrefetchConfig(), torch.device("cpu"), budgets={"device": 10**12, "host": 10**12, "nvme": 0})
+        return make_plan(ModelFacts.of_sizes([10**7]), PlanConfig(offload=OffloadConfig(optimizer="host")),
+                         Node(torch.device("cpu"), budgets={"device": 10**12, "host": 10**12, "nvme": 0}))
 
     assumed = plan()
     assert assumed.rate_sources == {"cpu_adam": "default"} and assumed.to_dict()["predicted_step_s"] is None

@@ -209,8 +209,9 @@ def test_usable_memory_without_a_cgroup_limit_is_the_machines(monkeypatch, tmp_p
 def test_auto_budgets_plans_and_env_respect_a_cgroup_limit(monkeypatch, tmp_path, capsys):
     """Issue 37 row 15: automatic budgets took ~9 GiB in a 700 MiB cgroup and the plan said an 812 MiB
     run fits; both must use the cgroup's limit, and `zerotier env` must show it."""
-    from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+    from zerotier.config import OffloadConfig, PrecisionConfig, TiersConfig
     from zerotier.planner.budgets import resolve_budgets
+    from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
     from zerotier.planner.messages import PlanDoesNotFit
     from zerotier.planner.planner import make_plan
 
@@ -220,8 +221,9 @@ def test_auto_budgets_plans_and_env_respect_a_cgroup_limit(monkeypatch, tmp_path
     budgets = resolve_budgets(TiersConfig(), torch.device("cpu"))
     assert budgets["host"] == int(600 * MIB * 0.4) and budgets["device"] == int(600 * MIB * 0.4)
     units = [17_000_000] * 4  # 68M fp32 params: over 1 GiB of weights, gradients and Adam state
-    args = (units, TiersConfig(), OffloadConfig(params="host", gradients="host", optimizer="host"),
-            PrecisionConfig(param_dtype="fp32"), PrefetchConfig(), torch.device("cpu"))
+    offload = OffloadConfig(params="host", gradients="host", optimizer="host")
+    precision = PrecisionConfig(param_dtype="fp32")
+    args = ModelFacts.of_sizes(units), PlanConfig(offload=offload, precision=precision), Node()
     with pytest.raises(PlanDoesNotFit):
         make_plan(*args)
     monkeypatch.setattr(envinfo, "FS_ROOT", tmp_path / "no-cgroup")

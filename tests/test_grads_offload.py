@@ -22,12 +22,13 @@ import pytest
 import torch
 
 import zerotier
-from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+from zerotier.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from zerotier.dist import spawn
 from zerotier.errors import TierIOError, ZerotierError
 from zerotier.grads import GradFile, GradStore
 from zerotier.models import TinyGPT, batches
 from zerotier.optim.grad_staging import StagedGrads
+from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
 from zerotier.planner.planner import make_plan
 from zerotier.state import Location
 
@@ -339,10 +340,12 @@ def test_host_memory_for_nvme_gradients_does_not_grow_with_the_model(tmp_path):
     assert host_big >= host_small + 15 * unit, (host_small, host_big)
 
 
-def plan(numels, offload, grad_dtype="fp32", device=10**15, host=10**15, nvme=10**15, **kw):
-    return make_plan(numels, TiersConfig(), OffloadConfig(**offload), PrecisionConfig(grad_dtype=grad_dtype),
-                     PrefetchConfig(), torch.device("cpu"), budgets={"device": device, "host": host, "nvme": nvme},
-                     alignment=1, **kw)
+def plan(numels, offload, grad_dtype="fp32", device=10**15, host=10**15, nvme=10**15, world_size=1, stage=0):
+    return make_plan(ModelFacts.of_sizes(numels),
+                     PlanConfig(offload=OffloadConfig(**offload), precision=PrecisionConfig(grad_dtype=grad_dtype),
+                                zero=ZeroConfig(stage=stage), alignment=1),
+                     Node(torch.device("cpu"), budgets={"device": device, "host": host, "nvme": nvme},
+                          world_size=world_size))
 
 
 @pytest.mark.parametrize("grad_dtype,grad_bytes", [("fp32", 4), ("bf16", 2)])

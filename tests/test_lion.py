@@ -12,6 +12,7 @@ from zerotier.checkpoint_read import CheckpointError
 from zerotier.errors import ConfigError
 from zerotier.models import batches
 from zerotier.optim import _kernels
+from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
 from zerotier.planner.planner import make_plan
 from zerotier.planner.predict import StepOptions
 
@@ -193,8 +194,9 @@ def test_plan_counts_lions_bytes_per_parameter():
         cfg = zerotier.Config.from_dict({"precision": {"master_dtype": master, "moment_dtype": moments},
                                          "offload": {"params": "host", "gradients": "host", "optimizer": "host"},
                                          "tiers": {"device": "1GiB", "host": "1GiB", "nvme": 0}})
-        plans = {kind: make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, torch.device("cpu"),
-                                 step=StepOptions(optimizer=kind)) for kind in ("lion", "adamw")}
+        sections = (cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch)
+        plans = {kind: make_plan(ModelFacts.of_sizes(numels), PlanConfig(*sections, step=StepOptions(optimizer=kind)),
+                                 Node()) for kind in ("lion", "adamw")}
         assert plans["lion"].state_bytes["optimizer"] == lion * 4_000_000
         assert plans["adamw"].state_bytes["optimizer"] == adamw * 4_000_000
         assert plans["adamw"].need["host"] - plans["lion"].need["host"] >= (adamw - lion) * 4_000_000

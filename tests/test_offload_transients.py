@@ -177,17 +177,20 @@ def test_the_plan_counts_the_cuda_only_transients():
     Adam kernel's gradient chunk with the optimizer on the device, and the casts of fresh NVMe
     gradients to grad_dtype at ZeRO-2 with several ranks. Each is exactly the store's own figure,
     and a device budget one byte short of the plan does not fit."""
-    from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+    from zerotier.config import OffloadConfig, PrecisionConfig, ZeroConfig
     from zerotier.grads import GradStore
+    from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
     from zerotier.planner.messages import PlanDoesNotFit
     from zerotier.planner.planner import make_plan
 
     numels, big = [5000, 3000, 1000], 1 << 40
 
-    def plan(device, offload, dev_budget=big, **kw):
-        return make_plan(numels, TiersConfig(), OffloadConfig(**offload),
-                         PrecisionConfig(param_dtype="bf16", grad_dtype="fp32"), PrefetchConfig(), torch.device(device),
-                         budgets={"device": dev_budget, "host": big, "nvme": big}, alignment=4096, **kw)
+    def plan(device, offload, dev_budget=big, world_size=1, stage=0):
+        return make_plan(ModelFacts.of_sizes(numels),
+                         PlanConfig(offload=OffloadConfig(**offload), zero=ZeroConfig(stage=stage), alignment=4096,
+                                    precision=PrecisionConfig(param_dtype="bf16", grad_dtype="fp32")),
+                         Node(torch.device(device), budgets={"device": dev_budget, "host": big, "nvme": big},
+                              world_size=world_size))
     on_device = {"params": "device", "gradients": "device", "optimizer": "device"}
     nvme_grads = {"params": "device", "gradients": "nvme", "optimizer": "host"}
     cases = [(on_device, {}, adamw.fused_temp_bytes()),

@@ -1,5 +1,6 @@
 """zerotier.plan(model, config, inputs=...) and `zerotier plan --model --inputs`: the whole step,
 measured compute, auto placement by predicted time, another node's rates (issue 24)."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,9 +12,10 @@ import torch
 
 import zerotier
 from zerotier.bench import save
-from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, ZeroConfig
 from zerotier.errors import ConfigError
 from zerotier.planner.messages import PlanDoesNotFit
+from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
 from zerotier.planner.planner import make_plan
 from zerotier.planner.predict import UnitCompute
 from zerotier.models import TinyGPT
@@ -67,9 +69,9 @@ def test_auto_takes_the_fastest_placement_that_fits_not_the_first():
     n = sum(numels)
     budgets = {"device": 4 * n + 1000, "host": 24_000_000, "nvme": 10**9}
     compute = UnitCompute((0.01,) * 16, (0.02,) * 16, (False,) * 16)
-    plan = make_plan(numels, TiersConfig(), OffloadConfig(), PrecisionConfig(), PrefetchConfig(),
-                     torch.device("cpu"), budgets=budgets, compute=compute,
-                     rates={"nvme_read": 1e9, "nvme_write": 1e9, "cpu_adam": 1e9, "mem_copy": 1e10})
+    plan = make_plan(ModelFacts.of_sizes(numels, compute=compute), PlanConfig(),
+                     Node(torch.device("cpu"), budgets=budgets,
+                          rates={"nvme_read": 1e9, "nvme_write": 1e9, "cpu_adam": 1e9, "mem_copy": 1e10}))
     first_fit = [r for r in plan.alternatives if r["placement"] == {"params": "device", "gradients": "host",
                                                                      "optimizer": "split"}]
     assert first_fit, plan.alternatives
@@ -266,11 +268,11 @@ def spec_plan(host=10**6, nvme=0, offload=None, world_size=1, **step):
     from zerotier.planner.predict import StepOptions
 
     offload = offload or OffloadConfig(params="device", gradients="device", optimizer="host")
-    return make_plan(SPEC_UNITS, TiersConfig(), offload, PrecisionConfig(), PrefetchConfig(), torch.device("cuda"),
-                     budgets={"device": 10**6, "host": host, "nvme": nvme}, rates=SPEC_RATES,
-                     compute=SPEC_COMPUTE, step=StepOptions(**{"clip": True, "speculative": True, **step}),
-                     world_size=world_size,
-                     stage=2 if world_size > 1 else 0)
+    return make_plan(ModelFacts.of_sizes(SPEC_UNITS, compute=SPEC_COMPUTE),
+                     PlanConfig(offload=offload, zero=ZeroConfig(stage=2 if world_size > 1 else 0),
+                                step=StepOptions(**{"clip": True, "speculative": True, **step})),
+                     Node(torch.device("cuda"), budgets={"device": 10**6, "host": host, "nvme": nvme}, rates=SPEC_RATES,
+                          world_size=world_size))
 
 
 def test_speculation_plan_predicts_commit_rollback_and_the_expected_step():
@@ -458,20 +460,20 @@ def test_activation_formula_is_korthikanti_eq_1():
 def test_a_device_plan_counts_the_activations_it_leaves_room_for():
     """A 20B-like plan whose params and gradients fill the device: with the activations counted the
     same budgets no longer fit there, and the device need grows by exactly them."""
-    cfg = dict(tiers=TiersConfig(device=80 << 30, host=1 << 40, nvme=0), precision=PrecisionConfig(
-        param_dtype="bf16", grad_dtype="bf16", master_dtype="bf16", moment_dtype="int8"),
-        prefetch=PrefetchConfig(), device=torch.device("cpu"), rates={})
-    pinned = OffloadConfig(params="device", gradients="device", optimizer="host")
-    units = [250_000_000] * 80
-    bare = make_plan(units, offload=pinned, **cfg)
+    cfg = PlanConfig(tiers=TiersConfig(device=80 << 30, host=1 << 40, nvme=0), precision=PrecisionConfig(
+        param_dtype="bf16", grad_dtype="bf16", master_dtype="bf16", moment_dtype="int8"), prefetch=PrefetchConfig(),
+        offload=OffloadConfig(params="device", gradients="device", optimizer="host"))
+    node, units = Node(torch.device("cpu"), rates={}), [250_000_000] * 80
+    bare = make_plan(ModelFacts.of_sizes(units), cfg, node)
     act = 6 << 30
-    with_act = make_plan(units, offload=pinned, activations=(act, "given"), **{**cfg, "tiers": TiersConfig(
-        device=bare.need["device"] + act, host=1 << 40, nvme=0)})
+    given = ModelFacts.of_sizes(units, activations=(act, "given"))
+    with_act = make_plan(given, dataclasses.replace(cfg, tiers=TiersConfig(
+        device=bare.need["device"] + act, host=1 << 40, nvme=0)), node)
     assert with_act.need["device"] == bare.need["device"] + act and with_act.activation_bytes == act
     assert "activations: 6.00 GiB on the device per micro-batch, in needed (given)" in with_act.summary()
     with pytest.raises(PlanDoesNotFit):
-        make_plan(units, offload=pinned, activations=(act, "given"), **{**cfg, "tiers": TiersConfig(
-            device=bare.need["device"] + act - 1, host=1 << 40, nvme=0)})
+        make_plan(given, dataclasses.replace(cfg, tiers=TiersConfig(
+            device=bare.need["device"] + act - 1, host=1 << 40, nvme=0)), node)
 
 
 def test_plan_measures_the_activations_of_its_inputs_and_estimates_them_without(bench_file):

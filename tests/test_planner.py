@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, ZeroConfig
 from zerotier.errors import BudgetError, ConfigError
+from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
 from zerotier.planner.messages import PlanDoesNotFit
 from zerotier.planner.planner import make_plan
 from zerotier.planner.sizes import model_state_bytes, shard_numel
@@ -25,12 +26,16 @@ def _no_saved_rates(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROTIER_BENCH_FILE", str(tmp_path / "no-bench.json"))
 
 
-def plan(numels, device=BIG, host=BIG, nvme=0, offload=None, dtype="bf16", grad_dtype="fp32", **kw):
-    """The byte counts below are for fp32 gradient accumulators (chosen: bf16 is the default under bf16)."""
-    kw.setdefault("alignment", 1)  # no block rounding: the formulas below are exact
+def plan(numels, device=BIG, host=BIG, nvme=0, offload=None, dtype="bf16", grad_dtype="fp32", alignment=1,
+         world_size=1, stage=0, grad_bytes=None, rates=None, nested_numel=0, unit_names=()):
+    """The byte counts below are for fp32 gradient accumulators (chosen: bf16 is the default under bf16).
+    alignment 1: no block rounding, the formulas below are exact."""
     precision = PrecisionConfig(param_dtype=dtype, grad_dtype=grad_dtype)
-    return make_plan(numels, TiersConfig(), OffloadConfig(**(offload or {})), precision,
-                     PrefetchConfig(), CPU, budgets={"device": device, "host": host, "nvme": nvme}, **kw)
+    return make_plan(ModelFacts.of_sizes(numels, nested=nested_numel, names=tuple(unit_names)),
+                     PlanConfig(offload=OffloadConfig(**(offload or {})), precision=precision,
+                                zero=ZeroConfig(stage=stage), alignment=alignment, grad_bytes=grad_bytes),
+                     Node(CPU, budgets={"device": device, "host": host, "nvme": nvme}, rates=rates,
+                          world_size=world_size))
 
 
 def test_host_blocks_are_counted_rounded_up_to_the_alignment():

@@ -10,10 +10,11 @@ import torch
 
 import zerotier
 from zerotier.bench import save
-from zerotier.config import Config, OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+from zerotier.config import Config, OffloadConfig, PrecisionConfig
 from zerotier.errors import ConfigError
 from zerotier.models import TinyGPT, batches
 from zerotier.planner.messages import PlanDoesNotFit
+from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
 from zerotier.planner.planner import make_plan
 from zerotier.state import Location
 
@@ -125,8 +126,8 @@ def plan(numels, host=BIG, nvme=BIG, optimizer="auto", device=None, **kw):
         device = plan(numels, BIG, BIG, optimizer="host" if optimizer == "auto" else optimizer, device=BIG,
                       **kw).need["device"]
     precision = PrecisionConfig(param_dtype="bf16", grad_dtype="fp32")  # the byte counts below: fp32 gradients
-    return make_plan(numels, TiersConfig(), offload, precision, PrefetchConfig(), CPU,
-                     budgets={"device": device, "host": host, "nvme": nvme}, **kw)
+    return make_plan(ModelFacts.of_sizes(numels), PlanConfig(offload=offload, precision=precision, **kw),
+                     Node(CPU, budgets={"device": device, "host": host, "nvme": nvme}))
 
 
 def test_explicit_fractions_take_whole_units_in_unit_order():

@@ -17,6 +17,7 @@ from zerotier.models import TinyGPT, batches
 from zerotier.optim import _kernels, kernel_math
 from zerotier.optim.kernel_math import sr_seed
 from zerotier.optim.state_layout import FP32_MOMENT_NUMEL, StateLayout
+from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
 from zerotier.planner.planner import make_plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -215,8 +216,8 @@ def test_plan_counts_the_state_dtypes():
         cfg = zerotier.Config.from_dict({"precision": {"master_dtype": master, "moment_dtype": moments},
                                          "offload": {"params": "host", "gradients": "host", "optimizer": "host"},
                                          "tiers": {"device": "1GiB", "host": "1GiB", "nvme": 0}})
-        plans[master, moments] = plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch,
-                                                  torch.device("cpu"))
+        sections = PlanConfig(cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch)
+        plans[master, moments] = plan = make_plan(ModelFacts.of_sizes(numels), sections, Node())
         assert plan.state_bytes["optimizer"] == round(_kernels.state_bytes_per_param(master, moments) * 4_000_000)
     assert plans["fp32", "fp32"].need["host"] - plans["bf16", "int8"].need["host"] >= 7.9 * 4_000_000
     text = plans["bf16", "int8"].summary()
@@ -316,8 +317,9 @@ def test_auto_placement_keeps_compact_state_off_the_gpu():
     for master, moments in (("fp32", "fp32"), ("bf16", "int8")):
         cfg = zerotier.Config.from_dict({"precision": {"master_dtype": master, "moment_dtype": moments},
                                          "tiers": {"nvme": 0}})
-        plan = make_plan([1_000_000] * 4, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, torch.device("cuda"),
-                         budgets=budgets)
+        plan = make_plan(ModelFacts.of_sizes([1_000_000] * 4), PlanConfig(cfg.tiers, cfg.offload, cfg.precision,
+                                                                           cfg.prefetch),
+                         Node(torch.device("cuda"), budgets=budgets))
         placed[moments] = plan.placement["optimizer"].value
         assert all(row["placement"]["optimizer"] != "device" for row in plan.alternatives) or moments == "fp32"
     assert placed == {"fp32": "device", "int8": "host"}

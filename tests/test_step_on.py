@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+from zerotier.config import OffloadConfig, PrecisionConfig
 from zerotier.errors import ConfigError
+from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
 from zerotier.planner.messages import PlanDoesNotFit
 from zerotier.planner.planner import make_plan
 from zerotier.planner.predict import StepOptions
@@ -22,9 +23,9 @@ def _no_saved_rates(tmp_path, monkeypatch):
 
 def plan(numels, optimizer, step_on):
     offload = OffloadConfig(params="host", gradients="host", optimizer=optimizer)
-    return make_plan(numels, TiersConfig(), offload, PrecisionConfig(), PrefetchConfig(), CPU,
-                     budgets={"device": BIG, "host": BIG, "nvme": BIG}, alignment=1,
-                     step=StepOptions(step_on=step_on))
+    return make_plan(ModelFacts.of_sizes(numels), PlanConfig(offload=offload, alignment=1,
+                                                             step=StepOptions(step_on=step_on)),
+                     Node(CPU, budgets={"device": BIG, "host": BIG, "nvme": BIG}))
 
 
 @pytest.mark.parametrize("optimizer", ["host", "nvme"])
@@ -110,9 +111,9 @@ def test_the_greedy_is_within_one_unit_of_the_balanced_optimum():
 
 def cuda_plan(step_on, device=BIG, optimizer="host"):
     offload = OffloadConfig(params="device", gradients="device", optimizer=optimizer)
-    return make_plan(SHARDS, TiersConfig(), offload, PrecisionConfig(), PrefetchConfig(), torch.device("cuda"),
-                     budgets={"device": device, "host": BIG, "nvme": BIG}, alignment=1, rates=RATES,
-                     step=StepOptions(step_on=step_on))
+    return make_plan(ModelFacts.of_sizes(SHARDS), PlanConfig(offload=offload, alignment=1,
+                                                             step=StepOptions(step_on=step_on)),
+                     Node(torch.device("cuda"), budgets={"device": device, "host": BIG, "nvme": BIG}, rates=RATES))
 
 
 def test_the_plan_splits_prints_and_predicts_the_device_step():
@@ -143,9 +144,10 @@ def test_the_staging_counts_compact_state_as_the_store_allocates_it():
     """[Note: the device step's staging memory]: a unit's staged state is its allocated bytes (int8
     moments' scales and rounding included: Sizes.state_units), not bytes_per_param x params."""
     precision = PrecisionConfig(param_dtype="bf16", master_dtype="bf16", moment_dtype="int8")
-    plan = make_plan([5000], TiersConfig(), OffloadConfig(params="device", gradients="device", optimizer="nvme"),
-                     precision, PrefetchConfig(), torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG},
-                     alignment=1, rates=RATES, step=StepOptions(step_on="device"))
+    plan = make_plan(ModelFacts.of_sizes([5000]),
+                     PlanConfig(offload=OffloadConfig(params="device", gradients="device", optimizer="nvme"),
+                                precision=precision, alignment=1, step=StepOptions(step_on="device")),
+                     Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=RATES))
     one_unit = plan.needs["optimizer"]["nvme"] // 2  # the NVMe term: the state and its one rewrite in flight
     assert plan.needs["device_step"]["device"] == 3 * one_unit  # gradients and parameters on the device
     assert one_unit != round(plan.state_layout.bytes_per_param * 5000)

@@ -162,15 +162,16 @@ def test_a_cpu_devices_gradient_copies_take_the_compute_cores():
 def test_a_cpu_device_plan_puts_its_copies_on_the_critical_path():
     import torch
 
-    from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+    from zerotier.config import OffloadConfig
+    from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
     from zerotier.planner.planner import make_plan
     from zerotier.planner.predict import UnitCompute
 
     compute = UnitCompute((0.1, 0.1), (0.2, 0.2), (False, False))
     rates = {"mem_copy": 1e8, "cpu_adam": 1e9}
-    plan = make_plan([1_000_000, 1_000_000], TiersConfig(), OffloadConfig(params="host", gradients="host",
-                     optimizer="host"), PrecisionConfig(), PrefetchConfig(), torch.device("cpu"),
-                     budgets={"device": 10**12, "host": 10**12, "nvme": 0}, rates=rates, compute=compute)
+    plan = make_plan(ModelFacts.of_sizes([1_000_000, 1_000_000], compute=compute),
+                     PlanConfig(offload=OffloadConfig(params="host", gradients="host", optimizer="host")),
+                     Node(torch.device("cpu"), budgets={"device": 10**12, "host": 10**12, "nvme": 0}, rates=rates))
     # 4 MB of fp32 gradient per unit at 100 MB/s: 0.04 s each, in the backward hook
     assert plan.breakdown["grads_d2h"] == pytest.approx(0.08)
     assert plan.critical["grads_d2h"] == pytest.approx(0.08)

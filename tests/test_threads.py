@@ -219,8 +219,9 @@ def test_planner_counts_the_gradient_staging_on_cuda():
     """GPU review N6, "plans that fit, run": with host gradients on a CUDA device the plan counts
     the staging the store may hold (GradStore.offload_staging_bytes), and a host budget one byte
     short of it does not fit. On the CPU there is no staging (the gradient is host memory)."""
-    from zerotier.config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig
+    from zerotier.config import OffloadConfig, PrecisionConfig
     from zerotier.grads import GradStore
+    from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
     from zerotier.planner.messages import PlanDoesNotFit
     from zerotier.planner.planner import make_plan
 
@@ -228,8 +229,9 @@ def test_planner_counts_the_gradient_staging_on_cuda():
     offload = OffloadConfig(params="device", gradients="host", optimizer="host")
 
     def plan(device, host=big):
-        return make_plan(numels, TiersConfig(), offload, PrecisionConfig(param_dtype="bf16"), PrefetchConfig(),
-                         torch.device(device), budgets={"device": big, "host": host, "nvme": 0}, alignment=4096)
+        return make_plan(ModelFacts.of_sizes(numels),
+                         PlanConfig(offload=offload, precision=PrecisionConfig(param_dtype="bf16"), alignment=4096),
+                         Node(torch.device(device), budgets={"device": big, "host": host, "nvme": 0}))
     cpu, cuda = plan("cpu"), plan("cuda")
     staging = GradStore.offload_staging_bytes(5000, 2, 4096)
     assert staging == 2 * 12288

@@ -113,27 +113,26 @@ def _build_model(spec: str):
     return model
 
 
-def _factory_units(spec: str, wrap="auto", dtype_bytes: int = 4
-                   ) -> tuple[list[tuple[int, ...]], list[int], int, tuple | None]:
-    """Build `module:factory` and return the numels of each trainable unit's parameters and the
-    numel of each frozen unit as zerotier.state.build_units groups them ([Note: frozen units]),
-    their nested_numel, and the activations estimated from the model's config ([Note: activation
-    memory])."""
+def _factory_units(spec: str, wrap="auto", dtype_bytes: int = 4):
+    """Build `module:factory` and return what the plan knows of it (planner/inputs.py ModelFacts):
+    its units as zerotier.state.build_units groups them ([Note: frozen units]) and the activations
+    estimated from the model's config ([Note: activation memory])."""
     from zerotier.planner.activations import estimate
-    from zerotier.state import build_units, nested_numel
+    from zerotier.planner.inputs import ModelFacts
+    from zerotier.state import build_units
 
     model = _build_model(spec)
     units = build_units(model, wrap)
-    trainable = [tuple(s.numel() for s in unit.shapes) for unit in units if not unit.frozen]
-    if not trainable:
+    if all(unit.frozen for unit in units):
         raise ZerotierError(f"--model: {spec} has no trainable parameters")
-    return trainable, [unit.numel for unit in units if unit.frozen], nested_numel(units), estimate(model, dtype_bytes)
+    return ModelFacts.of(units, activations=estimate(model, dtype_bytes))
 
 
 def run_plan(args: argparse.Namespace) -> int:
     import torch
 
     from zerotier.config import Config
+    from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
     from zerotier.planner.machine_fit import recorded_machine, this_machine
     from zerotier.planner.messages import PlanDoesNotFit
     from zerotier.planner.planner import make_plan
@@ -173,14 +172,11 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.frozen_params is not None:
             raise ZerotierError("--frozen-params goes with --params; with --model the model's own "
                                 "requires_grad=False parameters are the frozen ones")
-        unit_params, frozen_numels, nested, activations = _factory_units(
-            args.model, cfg.train.wrap, DTYPES[cfg.precision.param_dtype].itemsize)
-        numels = [sum(params) for params in unit_params]
-    else:
-        nested, activations, unit_params = 0, None, None  # units known by their sizes: one parameter each
-        numels = _equal_units(parameter_count(args.params), 4 * max(args.layers, 1))
-        frozen_numels = (_equal_units(parameter_count(args.frozen_params, "--frozen-params"),
-                                      4 * max(args.layers, 1)) if args.frozen_params is not None else [])
+        model = _factory_units(args.model, cfg.train.wrap, DTYPES[cfg.precision.param_dtype].itemsize)
+    else:  # units known by their sizes: one parameter each
+        model = ModelFacts.of_sizes(_equal_units(parameter_count(args.params), 4 * max(args.layers, 1)),
+                                    _equal_units(parameter_count(args.frozen_params, "--frozen-params"),
+                                                 4 * max(args.layers, 1)) if args.frozen_params is not None else ())
     grad_bytes = DTYPES[cfg.precision.param_dtype].itemsize if args.accounting == "paper" else None
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     rates = None
@@ -189,16 +185,14 @@ def run_plan(args: argparse.Namespace) -> int:
 
         rates = rates_from_file(args.rates)  # ConfigError naming the file and key when it is not one
         device = _planned_device(rates, cfg, device)
+    machine = recorded_machine(args.rates, device.type) if args.rates else this_machine(device)
     try:
-        plan = make_plan(numels, cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch, device, rates=rates,
-                         world_size=args.world_size, stage=cfg.zero.stage, zero=cfg.zero, grad_bytes=grad_bytes,
-                         ranks_per_node=args.ranks_per_node, nested_numel=nested, frozen_numels=frozen_numels,
-                         pipeline_depth=cfg.optimizer.pipeline_depth, step=StepOptions.of(cfg, args.rollback_rate),
-                         machine=recorded_machine(args.rates, device.type) if args.rates else this_machine(device),
-                         activations=activations, unit_params=unit_params)
+        plan = make_plan(model, PlanConfig.of(cfg, StepOptions.of(cfg, args.rollback_rate), grad_bytes),
+                         Node(device, rates=rates, world_size=args.world_size, ranks_per_node=args.ranks_per_node,
+                              machine=machine))
     except PlanDoesNotFit as exc:
         if args.json:  # the object on stdout, the message on stderr (by main), exit status 1
-            print(json.dumps({"numel": sum(numels), "world_size": args.world_size, "stage": cfg.zero.stage,
+            print(json.dumps({"numel": sum(model.numels), "world_size": args.world_size, "stage": cfg.zero.stage,
                               "per_rank_bytes": exc.per_rank_bytes, "tiers": None,
                               "placement": {k: v.value for k, v in exc.placement.items()},
                               "fits": False, "missing": {"kind": exc.kind, "options": exc.options, "whole": exc.whole},

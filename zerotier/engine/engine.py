@@ -34,19 +34,19 @@ from ..materialize import pool_bytes as materialize_pool_bytes
 from ..optim.offload import UnitOptimizer
 from ..optim.rules import make_rule
 from ..optim.state_layout import StateLayout
-from ..planner.predict import StepOptions
 from ..optim.torch_optimizer import EngineOptimizer, Loop, exempt_from_decay
 from .trainer_guard import check_plain_trainer
 from ..params import ParamStore
 from ..planner.machine_fit import refuse_over as refuse_over_machine
 from ..planner import plan_check
+from ..planner.inputs import ModelFacts, Node, PlanConfig
 from ..planner.planner import make_plan
 from ..profiler import Profiler
 from .restore import UserWeights
 from ..scaler import LossScaler
 from ..schedule import PrefetchScheduler
 from .hooks import ModuleHooks
-from ..state import DTYPES, Location, build_units, nested_numel
+from ..state import DTYPES, Location, build_units
 from .placement import Placement
 from .param_surface import ParamSurface
 from .runtime import Runtime, Settings
@@ -111,16 +111,9 @@ class Engine:
         self.param_units = self.sharding.assign(units)
         self.units = [u for u in self.param_units if not u.frozen]
         self.frozen_units = self.param_units[len(self.units):]
-        self.plan = make_plan([u.numel for u in self.units], cfg.tiers, cfg.offload, cfg.precision,
-                              cfg.prefetch, self.device, world_size=self.world_size, stage=cfg.zero.stage, zero=cfg.zero,
-                              pipeline_depth=cfg.optimizer.pipeline_depth,
-                              nested_numel=nested_numel(self.param_units), alignment=cfg.io.alignment,
-                              frozen_numels=[u.numel for u in self.frozen_units],
-                              unit_names=[u.name for u in self.units + self.frozen_units],
-                              unit_params=[tuple(s.numel() for s in u.shapes) for u in self.units],
-                              step=StepOptions.of(cfg),  # clipping, accumulation, speculation
-                              materialize_bytes=materialize_pool_bytes(self.param_units, self.lp_dtype,
-                                                                       cfg.io.alignment))
+        self.plan = make_plan(ModelFacts.of(self.param_units, materialize_bytes=materialize_pool_bytes(
+                                  self.param_units, self.lp_dtype, cfg.io.alignment)),
+                              PlanConfig.of(cfg), Node(self.device, world_size=self.world_size))
         refuse_over_machine(self.plan.need, self.device)  # [Note: the plan against the machine]
         policy_for(cfg).refuse(cfg, self.plan, self.world_size)  # [Note: overlap policies]
         placement = self.plan.placement

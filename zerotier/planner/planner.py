@@ -31,9 +31,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-import torch
-
-from ..config import OffloadConfig, PrecisionConfig, PrefetchConfig, TiersConfig, ZeroConfig
+from ..config import OffloadConfig
 from ..errors import ConfigError
 from ..optim.rules import make_rule
 from ..optim.state_layout import StateLayout
@@ -41,9 +39,10 @@ from ..overlap.delayed import Delayed
 from ..state import DTYPES, Location
 from ..tiers.homes import HOMES
 from .budgets import nvme_off, resolve_budgets
-from .machine_fit import Machine, shortfall
+from .inputs import ModelFacts, Node, PlanConfig
+from .machine_fit import shortfall
 from .messages import PlanDoesNotFit, device_step_does_not_fit, does_not_fit, split_does_not_fit
-from .predict import COMPONENTS, DEFAULT_RATES, StepOptions, UnitCompute, bound_by, predict
+from .predict import COMPONENTS, DEFAULT_RATES, bound_by, predict
 from .record import Plan
 from .report import whole_shortfall
 from .sizes import (KINDS, Sizes, auto_split, bytes_for, check_sharding, model_state_bytes, rank_shards_in_order,
@@ -52,65 +51,50 @@ from .speculation_plan import fit_speculation, predict_step
 from .step_on import UpdateCosts, choose, cpu_adam_key
 
 
-def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig, precision: PrecisionConfig,
-              prefetch: PrefetchConfig, device: torch.device, budgets: dict[str, int] | None = None,
-              rates: dict[str, float] | None = None, *, world_size: int = 1, stage: int = 0,
-              zero: ZeroConfig | None = None,
-              grad_bytes: int | None = None, ranks_per_node: int | None = None, pipeline_depth: int = 3,
-              nested_numel: int = 0, alignment: int = 4096, frozen_numels: list[int] = (),
-              compute: UnitCompute | None = None, step: StepOptions = StepOptions(),
-              materialize_bytes: int = 0, machine: Machine | None = None,
-              activations: tuple[int, str] | None = None, unit_names: list[str] = (),
-              unit_params: list[tuple[int, ...]] | None = None) -> Plan:
+def make_plan(model: ModelFacts, config: PlanConfig, node: Node) -> Plan:
     """Choose a tier for each kind of state within the per-rank budgets, or raise PlanDoesNotFit.
+    Its inputs: [Note: the plan's inputs] in inputs.py.
 
     world_size/stage shard each kind's bytes as ZeRO does ([Note: bytes per parameter]);
-    grad_bytes defaults to the engine's accumulators (precision.grad_dtype), pass the param dtype's size
-    for the ZeRO paper's accounting. rates=None uses this node's `zerotier bench` results
-    where saved, else DEFAULT_RATES ([Note: step-time prediction]). compute: each unit's measured
-    forward/backward (zerotier.plan measures them); step: accumulation, clipping, early step.
-    materialize_bytes: host-pool bytes a meta-built model's materialization holds during initialize
-    (materialize.pool_bytes), counted in tiers.host beside everything else.
-    machine: the node's memory the chosen plan's need is checked against (`Plan.machine_note`;
-    [Note: the plan against the machine] in machine_fit.py); None: not checked.
-    activations: one micro-batch's activation bytes on the device and where the figure comes from
-    ([Note: activation memory] in activations.py), counted in need["device"]; None: not counted.
-    unit_names: each unit's module name (unit_numels', then frozen_numels'), for a refusal that
-    names the largest unit ([Note: the whole shortfall] in planner/report.py).
-    unit_params: each unit's parameters' numels in its flat's order (unit_numels' units), what the
-    optimizer state's layout follows ([Note: the optimizer's bytes per unit]); None: each unit one
-    parameter (a model known by its unit sizes only).
+    config.grad_bytes defaults to the engine's accumulators (precision.grad_dtype), give the param
+    dtype's size for the ZeRO paper's accounting. node.rates None uses this node's `zerotier bench`
+    results where saved, else DEFAULT_RATES ([Note: step-time prediction]). model.compute: each
+    unit's measured forward/backward (zerotier.plan measures them); config.step: accumulation,
+    clipping, early step. model.materialize_bytes: host-pool bytes a meta-built model's
+    materialization holds during initialize (materialize.pool_bytes), counted in tiers.host beside
+    everything else. node.machine: the node's memory the chosen plan's need is checked against
+    (`Plan.machine_note`; [Note: the plan against the machine] in machine_fit.py); None: not checked.
+    model.activations: one micro-batch's activation bytes on the device and where the figure comes
+    from ([Note: activation memory] in activations.py), counted in need["device"]; None: not counted.
+    model.names: each unit's module name, for a refusal that names the largest unit ([Note: the
+    whole shortfall] in planner/report.py). model.units: each unit's parameters' numels, what the
+    optimizer state's layout follows ([Note: the optimizer's bytes per unit]).
     `auto` kinds: every tier choice (and the optimizer split) that fits is predicted and the
     fastest taken, ties to the fastest-tier-first choice; all are in `Plan.alternatives`.
     """
+    stage, world_size, step, offload = config.zero.stage, node.world_size, config.step, config.offload
     check_sharding(stage, world_size)
     if not 0.0 <= step.rollback_rate <= 1.0:
         raise ConfigError(f"rollback_rate must be in [0, 1] (a share of the speculated steps), got {step.rollback_rate}")
-    budgets = budgets or resolve_budgets(tiers, device)
-    resolved = _resolve_rates(rates)
-    args = (unit_numels, tiers, precision, prefetch, device, budgets, resolved)
-    kw = dict(world_size=world_size, stage=stage, zero=zero, grad_bytes=grad_bytes, ranks_per_node=ranks_per_node,
-              pipeline_depth=pipeline_depth, nested_numel=nested_numel, alignment=alignment,
-              frozen_numels=frozen_numels, compute=compute, step=step, materialize_bytes=materialize_bytes,
-              activation_bytes=activations[0] if activations else 0,
-              unit_params=tuple((n,) for n in unit_numels) if unit_params is None else tuple(map(tuple, unit_params)),
-              unit_names={n: name for n, name in reversed(list(zip([*unit_numels, *frozen_numels], unit_names)))})
+    budgets = node.budgets or resolve_budgets(config.tiers, node.device)
+    names = {n: name for n, name in reversed(list(zip([*model.numels, *model.frozen], model.names)))}
+    args = (model, config, node, budgets, _resolve_rates(node.rates), names)
     autos = [k for k in KINDS if getattr(offload, k) == "auto"]
     try:
-        first, error = _place(offload, *args, **kw), None
+        first, error = _place(offload, *args), None
     except PlanDoesNotFit as exc:
         first, error = None, exc
     if not autos:
         if error is not None:
             raise error.explained()
-        return _on(machine, first, ranks_per_node, activations)
+        return _on(node, first, model.activations)
     tried = [first] if first is not None else []
-    layout = StateLayout.of(precision, make_rule(step.optimizer))
-    choices = [[loc.value for loc in Location if tier_holds(k, loc, device.type == "cuda", layout)]
+    layout = StateLayout.of(config.precision, make_rule(step.optimizer))
+    choices = [[loc.value for loc in Location if tier_holds(k, loc, node.device.type == "cuda", layout)]
                + (["auto"] if k == "optimizer" else []) for k in autos]
     for combo in itertools.product(*choices):  # "auto" optimizer: a split where one is faster
         try:
-            plan = _place(dataclasses.replace(offload, **dict(zip(autos, combo))), *args, **kw)
+            plan = _place(dataclasses.replace(offload, **dict(zip(autos, combo))), *args)
         except PlanDoesNotFit:
             continue
         if all((p.placement, p.optimizer_units) != (plan.placement, plan.optimizer_units) for p in tried):
@@ -122,17 +106,18 @@ def make_plan(unit_numels: list[int], tiers: TiersConfig, offload: OffloadConfig
         if plan.predicted_step_s < best.predicted_step_s * (1 - 1e-9):
             best = plan
     rows = tuple(sorted((_alternative(p, p is best) for p in tried), key=lambda r: r["predicted_step_s"]))
-    return _on(machine, dataclasses.replace(best, alternatives=rows), ranks_per_node, activations)
+    return _on(node, dataclasses.replace(best, alternatives=rows), model.activations)
 
 
-def _on(machine: Machine | None, plan: Plan, ranks_per_node: int | None, activations: tuple[int, str] | None) -> Plan:
-    """The plan with what `machine` lacks for it ([Note: the plan against the machine]) and where its
-    activation figure comes from ([Note: activation memory])."""
+def _on(node: Node, plan: Plan, activations: tuple[int, str] | None) -> Plan:
+    """The plan with what the node's machine lacks for it ([Note: the plan against the machine]) and
+    where its activation figure comes from ([Note: activation memory])."""
     if activations:
         plan = dataclasses.replace(plan, activation_source=activations[1])  # its bytes: needs["activations"]
-    if machine is None:
+    if node.machine is None:
         return plan
-    return dataclasses.replace(plan, machine_note=shortfall(plan.need, machine, ranks_per_node or plan.world_size))
+    return dataclasses.replace(plan, machine_note=shortfall(plan.need, node.machine,
+                                                            node.ranks_per_node or plan.world_size))
 
 
 def _alternative(plan: Plan, chosen: bool) -> dict:
@@ -144,21 +129,21 @@ def _alternative(plan: Plan, chosen: bool) -> dict:
             "chosen": chosen}
 
 
-def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, precision: PrecisionConfig,
-           prefetch: PrefetchConfig, device: torch.device, budgets: dict[str, int],
-           resolved: tuple[dict[str, float], dict[str, str]], *, world_size: int, stage: int,
-           zero: ZeroConfig | None, grad_bytes: int | None, ranks_per_node: int | None, pipeline_depth: int,
-           nested_numel: int, alignment: int, frozen_numels: list[int], compute: UnitCompute | None,
-           step: StepOptions, materialize_bytes: int, activation_bytes: int, unit_names: dict[int, str],
-           unit_params: tuple[tuple[int, ...], ...]) -> Plan:
+def _place(offload: OffloadConfig, model: ModelFacts, config: PlanConfig, node: Node, budgets: dict[str, int],
+           resolved: tuple[dict[str, float], dict[str, str]], unit_names: dict[int, str]) -> Plan:
     """One placement: `auto` kinds take the fastest tier that fits, in KINDS order."""
+    unit_numels, frozen_numels, compute, step = model.numels, model.frozen, model.compute, config.step
+    tiers, precision, prefetch, zero, grad_bytes = config.tiers, config.precision, config.prefetch, config.zero, \
+        config.grad_bytes
+    device, world_size, stage = node.device, node.world_size, zero.stage
+    activation_bytes, materialize_bytes = model.activations[0] if model.activations else 0, model.materialize_bytes
     rates, rate_sources = resolved
     lp_bytes = DTYPES[precision.param_dtype].itemsize
     sizes = Sizes(numels=tuple(sorted(unit_numels, reverse=True)), lp_bytes=lp_bytes,
                    grad_bytes=DTYPES[precision.accumulator_dtype].itemsize if grad_bytes is None else grad_bytes,
                    lookahead=prefetch.lookahead if prefetch.enabled else 0, stage=stage, world_size=world_size,
-                   pipeline_depth=pipeline_depth, engine_buffers=grad_bytes is None, nested=nested_numel,
-                   alignment=alignment, cuda=device.type == "cuda", frozen=tuple(frozen_numels),
+                   pipeline_depth=config.pipeline_depth, engine_buffers=grad_bytes is None, nested=model.nested,
+                   alignment=config.alignment, cuda=device.type == "cuda", frozen=tuple(frozen_numels),
                    state=StateLayout.of(precision, make_rule(step.optimizer)), rule=make_rule(step.optimizer))
     state_bytes = {kind: round(b * (sizes.with_frozen() if kind == "params" else sizes).rank_numel(kind)) for kind, b
                    in (("params", lp_bytes), ("gradients", sizes.grad_bytes),
@@ -166,11 +151,10 @@ def _place(offload: OffloadConfig, unit_numels: list[int], tiers: TiersConfig, p
     frozen_bytes = state_bytes["params"] - lp_bytes * sizes.rank_numel("params")  # [Note: frozen units]
     assert sum(state_bytes.values()) - frozen_bytes == model_state_bytes(sizes.numel, stage, world_size, lp_bytes,
                                                                          sizes.grad_bytes, sizes.state.bytes_per_param)
-    sizes = dataclasses.replace(sizes, unit_order=tuple(unit_numels), unit_params=unit_params)
-    if zero is not None:  # the collectives' bucket sizes (zero.*_bucket_size; default: ZeroConfig's)
-        sizes = dataclasses.replace(sizes, reduce_bucket=zero.reduce_bucket_size,
-                                    gather_bucket=zero.allgather_bucket_size, persistence=zero.persistence_threshold)
-    local = ranks_per_node or world_size
+    sizes = dataclasses.replace(sizes, unit_order=tuple(unit_numels), unit_params=model.units,
+                                reduce_bucket=zero.reduce_bucket_size, gather_bucket=zero.allgather_bucket_size,
+                                persistence=zero.persistence_threshold)  # the collectives' bucket sizes
+    local = node.ranks_per_node or world_size
     free = dict(budgets)
     base_sizes, base = sizes, {"device": activation_bytes, "host": materialize_bytes, "nvme": 0}
     # [Note: needs per component]: [Note: activation memory], [Note: materialization in the host pool]

@@ -28,10 +28,11 @@ from .activations import estimate
 from ..config import Config
 from ..errors import ConfigError
 from .machine_fit import recorded_machine, this_machine
+from .inputs import ModelFacts, Node, PlanConfig
 from .planner import make_plan
 from .predict import StepOptions
 from .record import Plan
-from ..state import DTYPES, build_units, nested_numel
+from ..state import DTYPES, build_units
 
 
 def plan(model: torch.nn.Module, config=None, inputs=None, *, rates: str | os.PathLike | dict | None = None,
@@ -69,17 +70,12 @@ def plan_model(model, cfg: Config, inputs, *, rates, device: torch.device, world
             raise ConfigError("rates: that node has a GPU (its bench measured PCIe) and this one does not: set "
                               "tiers.device to the GPU memory per rank there")
         device = torch.device("cuda")
-    step = StepOptions.of(cfg, rollback_rate)
-    return make_plan([u.numel for u in units if not u.frozen], cfg.tiers, cfg.offload, cfg.precision, cfg.prefetch,
-                     device, rates=rate_dict, world_size=world_size, stage=cfg.zero.stage, zero=cfg.zero,
-                     grad_bytes=grad_bytes, ranks_per_node=ranks_per_node, pipeline_depth=cfg.optimizer.pipeline_depth,
-                     nested_numel=nested_numel(units), frozen_numels=[u.numel for u in units if u.frozen],
-                     unit_names=[u.name for u in units if not u.frozen] + [u.name for u in units if u.frozen],
-                     unit_params=[tuple(s.numel() for s in u.shapes) for u in units if not u.frozen],
-                     compute=compute, step=step,
-                     machine=recorded_machine(rates, device.type) if elsewhere else this_machine(device),
-                     activations=(compute.activation_bytes, "measured: what one micro-batch of the inputs saves for "
-                                  "backward") if compute is not None else estimate(model, dtype.itemsize))
+    activations = (compute.activation_bytes, "measured: what one micro-batch of the inputs saves for backward") \
+        if compute is not None else estimate(model, dtype.itemsize)
+    return make_plan(ModelFacts.of(units, compute=compute, activations=activations),
+                     PlanConfig.of(cfg, StepOptions.of(cfg, rollback_rate), grad_bytes),
+                     Node(device, rates=rate_dict, world_size=world_size, ranks_per_node=ranks_per_node,
+                          machine=recorded_machine(rates, device.type) if elsewhere else this_machine(device)))
 
 
 def _rates(rates, cfg: Config) -> tuple[dict[str, float] | None, bool]:
