@@ -183,6 +183,8 @@ def report(run: dict, here: dict) -> str:
             if name in BYTES and ph["numel"] and ph["seconds"] > 0.01 else None
         bound = {"fill": f"touch {here['touch_GBps']:.1f} GB/s", "init": f"rng {here['rng_Gelem_s']:.2f} Gelem/s "
                  f"(this phase: {ph['numel'] / ph['seconds'] / 1e9:.2f})"}.get(name, f"memory {here['memory_GBps']:.1f} GB/s")
+        if name in ("optimizer", "params") and run["nvme_written"]:  # it waits for its oldest writes in flight
+            bound = f"drive {here.get('drive_write_GBps', float('nan')):.2f} GB/s (NVMe writes in flight)"
         if name in ("wait", "nvme drain", "rest"):
             bound = "drive" if name == "nvme drain" else ""
         lines.append(f"  {name:<11} {ph['seconds']:>8.2f} {ph['numel'] / 1e6:>9.1f} "

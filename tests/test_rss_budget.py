@@ -109,6 +109,45 @@ def test_meta_units_are_materialized_in_pool_blocks_and_given_back(tmp_path, mon
         engine.close(restore_weights=False)
 
 
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_units_of_one_size_reuse_their_materialization_blocks(ahead, tmp_path, monkeypatch):
+    """[Note: materialization in the host pool] A model's layers are units of one size: the next
+    one reuses the blocks the last one released (their pages mapped, on CUDA registered), so the
+    pool allocates a flat and a cast per size (and per unit materialized ahead), not per unit;
+    initialize gives every block back."""
+    import zerotier
+    import zerotier.materialize as materialize
+    from zerotier.models import TinyGPT, init_tiny_gpt
+
+    monkeypatch.setattr(materialize, "AHEAD", ahead)
+    allocs, alloc = [], HostPool.alloc
+
+    def counting(self, nbytes, dtype=torch.uint8, what=""):
+        allocs.append(what)
+        return alloc(self, nbytes, dtype, what)
+    monkeypatch.setattr(HostPool, "alloc", counting)
+    with torch.device("meta"):
+        model = TinyGPT(vocab=64, dim=64, layers=6, heads=2, seq=16)
+    cfg = {"offload": {"params": "host", "gradients": "host", "optimizer": "host"},
+           "precision": {"param_dtype": "bf16"}}
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = zerotier.initialize(model, cfg, init_fn=init_tiny_gpt)
+    finally:
+        torch.set_num_threads(before)
+    try:
+        sizes = {u.numel for u in engine.param_units}
+        assert len(engine.param_units) == 7 and len(sizes) == 2  # six blocks, the root
+        flats = [w for w in allocs if w.startswith("materializing")]
+        casts = [w for w in allocs if " as torch.bfloat16" in w]
+        assert len(flats) <= len(sizes) + ahead + 1 and len(casts) <= len(sizes) + 1, (flats, casts)
+        assert not engine._placement.materializer._blocks
+        assert all(spare is None for spare in engine._placement.materializer._spares.values())
+    finally:
+        engine.close(restore_weights=False)
+
+
 def test_the_plan_counts_materialization_in_tiers_host():
     """[Note: materialization in the host pool] With everything on host the plan has no staging to
     spare: a meta-built model's host need is the normal build's plus its largest unit in fp32 and

@@ -33,10 +33,15 @@ over the pool's; 6 MiB now: docs/tiers.md § RSS beyond the budgets). So with a 
 a unit whose parameters are all meta and of one dtype gets one pool block, laid out as the
 unit's flat (Unit.offsets): its parameters are views of it, `flat(unit)` hands the block to
 placement without a concatenation, `cast(unit, t, dtype)` makes the low-precision copy in
-the pool too, and `release(unit)` gives both back to the system (not to the pool's cache:
-no later request has their sizes) once the stores have copied what they keep (each store
-copies into blocks of its own) and the caller has dropped its views. The plan counts them
-in tiers.host (`pool_bytes`). A pool at its budget first waits for its blocks parked behind
+the pool too, and `release(unit)` gives both up once the stores have copied what they keep
+(each store copies into blocks of its own) and the caller has dropped its views. They are
+kept as spares, one flat and one cast, for the next unit: a model's layers are units of one
+size, so the next one reuses them with their pages mapped (and, on CUDA, registered), where a
+fresh block per unit faulted in every page (and cudaHostRegister'ed it) again: on this
+machine the NaN fill ran at the 0.7-0.8 GB/s of first touch. A spare of another size goes
+back to the system (not to the pool's cache: no other request has its size) before a new
+block is allocated, so no more blocks are held than the plan counts in tiers.host
+(`pool_bytes`); finish() gives the last ones back. A pool at its budget first waits for its blocks parked behind
 NVMe writes ([Note: a full pool waits] in tiers/host.py), then raises BudgetError naming
 what the budget would need. Buffers and units of mixed dtypes stay on the heap (small, or
 rare).
@@ -161,6 +166,8 @@ class Materializer:
         self._meta: list[tuple[dict, str, torch.Tensor]] = []  # (module dict, name, meta tensor) replaced
         # (frozen, unit index) -> the pool blocks of its materialized flat and its cast ([Note: materialization in the host pool])
         self._blocks: dict[tuple[bool, int], list[HostBuffer]] = {}
+        self._spares: dict[str, HostBuffer | None] = {"flat": None, "cast": None}  # released, for the next unit
+        self._spares_lock = threading.Lock()  # the worker takes flats, the caller releases them ([Note: materializing ahead])
 
     def undo(self) -> None:
         """Every parameter and buffer this materializer replaced goes back to its meta tensor: after a
@@ -171,6 +178,7 @@ class Materializer:
         self.replaced.clear()
         for key in list(self._blocks):
             self._free(key)
+        self.finish()
 
     def unit(self, unit: Unit) -> Unit:
         """[Note: meta-device models] The unit with real CPU parameters, initialized."""
@@ -193,8 +201,8 @@ class Materializer:
         if self.host_pool is None or len(dtypes) != 1 or any(id(p) in self.replaced for p in unit.params):
             return {}
         (dtype,) = dtypes
-        block = self.host_pool.alloc(unit.numel * dtype.itemsize, dtype,
-                                     f"materializing unit '{unit.name or '<root>'}' ({unit.numel:,} {dtype})")
+        block = self._alloc("flat", unit.numel * dtype.itemsize, dtype,
+                            f"materializing unit '{unit.name or '<root>'}' ({unit.numel:,} {dtype})")
         self._blocks[(unit.frozen, unit.index)] = [block]
         flat = block.tensor
         flat.fill_(float("nan")) if flat.is_floating_point() or flat.is_complex() else flat.zero_()
@@ -210,7 +218,7 @@ class Materializer:
         blocks = self._blocks.get((unit.frozen, unit.index))
         if not blocks or t.dtype == dtype:
             return t.to(dtype)
-        out = self.host_pool.alloc(t.numel() * dtype.itemsize, dtype, f"unit '{unit.name or '<root>'}' as {dtype}")
+        out = self._alloc("cast", t.numel() * dtype.itemsize, dtype, f"unit '{unit.name or '<root>'}' as {dtype}")
         blocks.append(out)
         return out.tensor.copy_(t.reshape(-1)).view(t.shape)
 
@@ -219,9 +227,32 @@ class Materializer:
         view the engine's flats by now."""
         self._free((unit.frozen, unit.index))
 
+    def finish(self) -> None:
+        """Give the spare blocks back to the system: every unit is placed."""
+        for kind in self._spares:
+            self._keep(kind, None)
+
+    def _alloc(self, kind: str, nbytes: int, dtype: torch.dtype, what: str) -> HostBuffer:
+        """A block for a unit's flat or cast: the spare one when its size and dtype fit, else a new one,
+        the spare given back first ([Note: materialization in the host pool])."""
+        with self._spares_lock:
+            spare, self._spares[kind] = self._spares[kind], None
+        if spare is not None and spare.nbytes == nbytes and spare.dtype == dtype:
+            return spare
+        if spare is not None:
+            self.host_pool.free(spare, cache=False)  # one-off size: back to the system
+        return self.host_pool.alloc(nbytes, dtype, what)
+
+    def _keep(self, kind: str, block: HostBuffer | None) -> None:
+        with self._spares_lock:
+            old, self._spares[kind] = self._spares[kind], block
+        if old is not None:
+            self.host_pool.free(old, cache=False)
+
     def _free(self, key: tuple[bool, int]) -> None:
-        for block in self._blocks.pop(key, ()):
-            self.host_pool.free(block, cache=False)  # one-off sizes: back to the system
+        blocks = self._blocks.pop(key, ())
+        for i, block in enumerate(blocks):  # the flat, then its cast
+            self._keep("flat" if i == 0 else "cast", block)
 
     def _module(self, name: str, module: torch.nn.Module, into: dict[int, torch.Tensor] | None = None) -> None:
         meta_params = [(n, p) for n, p in module._parameters.items() if p is not None and p.is_meta]

@@ -41,6 +41,7 @@ class Placement:
             if meta:
                 ahead.done()
         ahead.close()
+        materializer.finish()  # the spare blocks ([Note: materialization in the host pool])
         with times.phase("nvme drain"):
             rt.unit_optimizer.state.finish_place()
             rt.params.finish_place()
