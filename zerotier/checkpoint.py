@@ -332,7 +332,8 @@ def _write_rank_data(parts, path: Path) -> list[dict]:
     align = io_cfg.alignment
     records, inflight = [], collections.deque()
     offset = 0
-    layout = parts.rt.unit_optimizer.layout
+    store = parts.rt.unit_optimizer.state
+    layout = store.layout
 
     def retire(item) -> None:
         ticket, want, _keep = item
@@ -343,8 +344,8 @@ def _write_rank_data(parts, path: Path) -> list[dict]:
         fd, _direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, direct=io_cfg.o_direct)
         try:
             try:
-                for unit, state in parts.rt.unit_optimizer.state.iter_state(parts.rt.units, align):
-                    n, unit_layout = unit.shard_hi - unit.shard_lo, layout.for_unit(unit)
+                for unit, state in store.iter_state(parts.rt.units, align):
+                    n, unit_layout = unit.shard_hi - unit.shard_lo, store.slots[unit.index].layout
                     for k in layout.keys:
                         nbytes = unit_layout.nbytes(k, n)
                         padded = round_up(nbytes, align) if nbytes else 0

@@ -63,7 +63,7 @@ def _load_unit_state(parts, files: RankFiles, unit, steps) -> None:
     opt, old = parts.rt.unit_optimizer.state, files.layout
     lo, hi, n = unit.shard_lo, unit.shard_hi, unit.part.shard_numel
     same = _same_range(parts, files.manifest, unit)
-    new = opt.layout.for_unit(unit)
+    new = opt.slots[unit.index].layout
     for k in new.keys:
         if old.dtype(k) == new.dtype(k) == "int8" and old.fp32_below == new.fp32_below and same is not None:
             raw = new.resize(k, files.read(same, unit.index, k), hi - lo, n,  # byte for byte

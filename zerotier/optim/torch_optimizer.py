@@ -304,7 +304,7 @@ class EngineOptimizer(torch.optim.Optimizer):
             steps = opt.state.steps[unit.index]
             if not any(steps) and not sharding.active:  # never stepped: no state to read (torch keeps none)
                 continue
-            layout, codes = opt.layout.for_unit(unit), [None] * len(steps)
+            layout, codes = opt.state.slots[unit.index].layout, [None] * len(steps)
             if layout.moments == "int8" and unit.part.replicated:  # [Note: int8 moments in the optimizer state_dict]
                 raw = opt.state.read_state(unit, moments, encoded=True)
                 shard = {k: layout.decode(k, t, unit.shard_numel) for k, t in raw.items()}
@@ -392,7 +392,7 @@ class EngineOptimizer(torch.optim.Optimizer):
                 codes.append(entry if step else None)
                 for k in full if step else ():
                     full[k][offset: offset + shape.numel()] = values[k].reshape(-1)
-            layout = opt.layout.for_unit(unit)
+            layout = opt.state.slots[unit.index].layout
             if layout.moments == "int8" and any(layout.run_of(unit.shard_numel, o, o + s.numel())
                                                 for s, o, step in zip(unit.shapes, unit.offsets, steps) if step):
                 raw = state_dict_int8.unit_buffers(layout, unit, full, codes) if unit.part.replicated else None
