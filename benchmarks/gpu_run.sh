@@ -21,7 +21,7 @@
 #               A stuck test fails alone: pytest-timeout, PYTEST_TIMEOUT s per test (default
 #               150, signal method: the session goes on). The step's own limit stops pytest
 #               with SIGINT, so pytest still writes the junit xml of every test that ran.
-#   bench_*     zerotier bench pcie/mem/adam/io --quick -> OUT_DIR/bench_node.json      (tests)
+#   bench_*     zerotier bench pcie/mem/adam/step/io --quick -> OUT_DIR/bench_node.json (tests)
 #   cpu_adam    bench_cpu_adam.py --states-only: each state dtype's GB/s beside the host's   (tests)
 #               STREAM copy/triad in the same rounds (issue 36 item 5) -> OUT_DIR/cpu_adam.log
 #   bench_deps  deepspeed (no ops: JIT-built when used) and torchao from wheels/        (bench)
@@ -257,7 +257,7 @@ if [[ "$MODE" == scale ]]; then
     step scale "${SCALE_SECONDS:-540}" scale INT
 elif [[ "$MODE" != bench ]]; then
     step pytest      400 run_pytest INT   # ~200-330 s expected (the stress tests: four child runs each)
-    for section in pcie mem adam io; do
+    for section in pcie mem adam step io; do
         step "bench_$section" 45 "node_bench $section"
     done
     step cpu_adam 45 cpu_adam_roofline

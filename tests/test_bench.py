@@ -1,6 +1,7 @@
 """`zerotier bench`: the io form end to end, saving + load_rates round trip, the planner using
 the loaded rates. Sizes are tiny: these check plumbing, not the node's figures."""
 import json
+import math
 import os
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import torch
 
 from zerotier import bench, measure
 from zerotier.config import OffloadConfig
+from zerotier.errors import ConfigError
 from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
 from zerotier.planner.planner import make_plan
 
@@ -166,3 +168,61 @@ def test_adam_quick_size_is_out_of_cache(monkeypatch):
     assert measure.adam_numel(measure.QUICK_SIZES["adam"]) * measure.ADAM_BYTES_PER_PARAM >= 4 * (256 << 20)
     monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {})
     assert measure.adam_numel(measure.QUICK_SIZES["adam"]) == measure.QUICK_SIZES["adam"]
+
+
+def _finite_positive(figures: dict, suffix: str) -> list[str]:
+    keys = [k for k in figures if k.endswith(suffix)]
+    assert all(math.isfinite(figures[k]) and figures[k] > 0 for k in keys), figures
+    return keys
+
+
+def test_the_cpu_update_is_measured_per_rule_and_state_dtype(bench_file):
+    """Issue 34 item 1: `zerotier bench adam` measures each rule's native update per state dtype pair
+    (the engine's call), and load_rates gives them to the planner as cpu_<rule>_<master>_<moments>."""
+    out = measure.bench_state_rates(4096 * 3, repeat=1, threads=1)
+    want = {f"{r}_{m}_{mo}_params_per_s" for r in ("adamw", "lion") for m in ("fp32", "bf16")
+            for mo in ("fp32", "bf16", "int8")}
+    assert set(_finite_positive(out, "_params_per_s")) == want and out["state_threads"] == 1
+    table = bench.format_table({"adam": {**out, "numel": 1, "simd": "x", "threads": 1, "fp32_params_per_s": 1e9,
+                                         "bf16_params_per_s": 1e9}})
+    assert "cpu adamw bf16 master, int8 moments" in table and "cpu lion fp32 master, fp32 moments" in table
+    bench.save({"adam": {"fp32_params_per_s": 1e9, **out}})
+    rates = bench.load_rates()
+    assert rates["cpu_adamw_bf16_int8"] == out["adamw_bf16_int8_params_per_s"]
+    assert rates["cpu_lion_fp32_int8"] == out["lion_fp32_int8_params_per_s"] and rates["cpu_adam"] == 1e9
+    assert not any(k.startswith("device_") for k in rates)  # no device step measured, none written
+
+
+def test_the_device_update_is_measured_on_the_device_it_is_given(bench_file):
+    """Issue 34 item 2: the device step's rate (kernel bytes/s, as the planner counts them) of each
+    rule's device variant per state dtype pair, here on the CPU as the device; without CUDA and no
+    device given, nothing is measured and nothing written."""
+    numel = 4096 * 2
+    out = measure.bench_device_step(numel, device="cpu", repeat=1)
+    assert out["device"] == "cpu" and out["numel"] == numel
+    assert len(_finite_positive(out, "_GBps")) == 12
+    bench.save({"step": out})
+    rates = bench.load_rates()
+    assert rates["device_adam"] == pytest.approx(out["adamw_fp32_fp32_GBps"] * 1e9)
+    assert rates["device_adamw_bf16_int8"] == pytest.approx(out["adamw_bf16_int8_GBps"] * 1e9)
+    assert rates["device_lion_bf16_bf16"] == pytest.approx(out["lion_bf16_bf16_GBps"] * 1e9)
+    assert "device adamw bf16 master, int8 moments" in bench.format_table({"step": out})
+    if not torch.cuda.is_available():
+        assert measure.bench_device_step(numel) is None
+        bench_file.unlink()
+        bench.save({"step": None})
+        assert bench.load_rates() is None
+        assert "device step" in bench.format_table({"step": None})
+
+
+def test_a_crafted_per_state_rate_is_refused(tmp_path):
+    path = tmp_path / "node.json"
+    path.write_text(json.dumps({"format": 1, "hosts": {"n": {"step": {"adamw_bf16_int8_GBps": -1}}}}))
+    with pytest.raises(ConfigError, match=r"hosts\.n\.step\.adamw_bf16_int8_GBps: expected a measured rate"):
+        bench.rates_from_file(path)
+
+
+@pytest.mark.cuda
+def test_the_device_update_on_cuda():
+    out = measure.bench_device_step(1 << 20, repeat=2)
+    assert out["device"] != "cpu" and len(_finite_positive(out, "_GBps")) == 12

@@ -9,7 +9,9 @@ from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
 from zerotier.planner.messages import PlanDoesNotFit
 from zerotier.planner.planner import make_plan
 from zerotier.planner.predict import StepOptions
-from zerotier.planner.step_on import UpdateCosts, choose, steps_on
+from zerotier.optim.rules import AdamW, Lion
+from zerotier.optim.state_layout import StateLayout
+from zerotier.planner.step_on import UpdateCosts, choose, cpu_rate_key, device_rate_key, steps_on
 from zerotier.state import Location
 
 CPU = torch.device("cpu")
@@ -151,3 +153,58 @@ def test_the_staging_counts_compact_state_as_the_store_allocates_it():
     one_unit = plan.needs["optimizer"]["nvme"] // 2  # the NVMe term: the state and its one rewrite in flight
     assert plan.needs["device_step"]["device"] == 3 * one_unit  # gradients and parameters on the device
     assert one_unit != round(plan.state_layout.bytes_per_param * 5000)
+
+
+# --- the update's rates per rule and state dtype (issue 34 item 3) -----------------------------
+# `zerotier bench` writes cpu_<rule>_<master>_<moments> (params/s) and device_<rule>_<master>_<moments>
+# (kernel bytes/s); the planner reads the pair of its rule and state, else cpu_adam / device_adam.
+
+def test_a_slower_cpu_rate_for_the_state_moves_units_to_the_device():
+    # cpu_adamw_fp32_fp32 half of cpu_adam: 2 s / 1e4 params on the CPU; the device as before
+    # (stage 1 s / 1e4, fill 2 s / 1e4 x the largest device unit). Greedy, largest first:
+    # unit 1 (4000): cpu 0.8 vs device 1.2 -> cpu (0.8)
+    # unit 3 (3000): cpu 1.4 vs max(0.8, 0.3 + 0.6) = 0.9 -> device
+    # unit 0 (2000): cpu max(1.2, 0.9) = 1.2 vs max(0.8, 0.5 + 0.6) = 1.1 -> device
+    # unit 2 (1000): cpu max(1.0, 1.1) = 1.1 vs max(0.8, 0.6 + 0.6) = 1.2 -> cpu
+    rates = {**RATES, "cpu_adamw_fp32_fp32": 0.5e4}
+    p = make_plan(ModelFacts.of_sizes(SHARDS),
+                  PlanConfig(offload=OffloadConfig(params="device", gradients="device", optimizer="host"),
+                             alignment=1, step=StepOptions(step_on="auto")),
+                  Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=rates))
+    assert p.optimizer_step_on == ("device", "cpu", "cpu", "device")  # with cpu_adam alone: unit 2, not 3
+    assert p.optimizer_step_sides["cpu"] == (2, 5000, pytest.approx(1.0))
+    assert p.optimizer_step_sides["device"] == (2, 5000, pytest.approx(1.1))
+    assert p.rate_sources["cpu_adamw_fp32_fp32"] == "given" and "cpu_adam" not in p.rate_sources
+    assert cuda_plan("auto").optimizer_step_on == ("device", "cpu", "device", "cpu")
+
+
+def test_a_slower_device_rate_for_the_state_keeps_more_units_on_the_cpu():
+    # device_adamw_fp32_fp32 half of device_adam: the kernel 2 s / 1e4 params, the links 1 s each:
+    # stage 2 s / 1e4, fill 2 s / 1e4. The CPU 1 s / 1e4.
+    # unit 1 (4000): cpu 0.4 vs 1.6 -> cpu;  unit 3 (3000): cpu 0.7 vs max(0.4, 1.2) -> cpu
+    # unit 0 (2000): cpu 0.9 vs max(0.7, 0.4 + 0.4) = 0.8 -> device
+    # unit 2 (1000): cpu max(0.8, 0.8) = 0.8 vs max(0.7, 0.6 + 0.4) = 1.0 -> cpu
+    rates = {**RATES, "device_adamw_fp32_fp32": 14e4}
+    costs = UpdateCosts.of(rates, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True,
+                           device_key=device_rate_key(rates, AdamW(), StateLayout()))
+    s = choose("auto", (Location.HOST,) * 4, SHARDS, costs, depth=3, cuda=True)
+    assert s.units == ("device", "cpu", "cpu", "cpu")
+    assert s.sides["cpu"][2] == pytest.approx(0.8) and s.sides["device"][2] == pytest.approx(0.8)
+
+
+def test_the_rate_keys_follow_the_rule_and_the_state_dtypes():
+    compact = StateLayout("bf16", "int8")
+    rates = {"cpu_adam": 1.0, "device_adam": 1.0, "cpu_adamw_bf16_int8": 2.0, "device_lion_bf16_int8": 3.0}
+    assert cpu_rate_key(rates, AdamW(), compact) == "cpu_adamw_bf16_int8"
+    assert cpu_rate_key(rates, AdamW(), StateLayout()) == "cpu_adam"        # not measured: fp32 Adam's rate
+    assert cpu_rate_key(rates, Lion(), compact) == "cpu_adam"
+    assert device_rate_key(rates, Lion(), compact) == "device_lion_bf16_int8"
+    assert device_rate_key(rates, AdamW(), compact) == "device_adam"
+    # the plan reads its state's key: bf16 master + int8 moments at 1e4 params/s, 1 s for 1e4 params
+    precision = PrecisionConfig(param_dtype="bf16", master_dtype="bf16", moment_dtype="int8")
+    p = make_plan(ModelFacts.of_sizes([10**4]), PlanConfig(offload=OffloadConfig(optimizer="host"), precision=precision,
+                                                           alignment=1, step=StepOptions(step_on="cpu")),
+                  Node(CPU, budgets={"device": BIG, "host": BIG, "nvme": BIG},
+                       rates={"cpu_adam": 1e9, "cpu_adamw_bf16_int8": 1e4}))
+    assert p.rate_sources["cpu_adamw_bf16_int8"] == "given" and "cpu_adam" not in p.rate_sources
+    assert p.breakdown["optimizer"] == pytest.approx(1.0)

@@ -9,7 +9,13 @@ Sections (each a function returning a dict of figures; GB = 1e9 bytes):
         the overwrite is what training's step writes do (recycled swap files, [Note: NVMe file
         recycling]) and is the planner's and the profiler's nvme_write peak
   adam  CPU Adam throughput (params/s) of `zerotier.optim.adam_step`: fp32 grads, and the
-        mixed form (bf16 grads in, bf16 params out)
+        mixed form (bf16 grads in, bf16 params out); and each update rule's native variant per
+        optimizer state dtype pair (fp32 grads, the engine's call and threads): the planner's
+        `cpu_<rule>_<master>_<moments>` ([Note: choosing where each update runs] in planner/step_on.py)
+  step  with CUDA: each update rule's device variant per state dtype pair on state staged on the
+        device (bytes/s of the kernel's traffic): the planner's `device_<rule>_<master>_<moments>`,
+        and AdamW's fp32 pair its `device_adam`; skipped on a CPU-only node (no figure is written:
+        the planner keeps every update there on the CPU)
   compute  the compute device's dense matmul rate (flop/s, fp32 and bf16): what `zerotier plan
         --rates FILE` scales measured unit times by ([Note: another node's rates] in planning.py)
 
@@ -38,12 +44,13 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .measure import (QUICK_SIZES, SIZES, Tick, adam_numel, bench_adam, bench_compute, bench_io, bench_memory,
-                      bench_pcie)
+from .measure import (DEVICE_STEP_SIZES, QUICK_SIZES, SIZES, STATE_PAIRS, STEP_RULES, Tick, adam_numel, bench_adam,
+                      bench_compute, bench_device_step, bench_io, bench_memory, bench_pcie, bench_state_rates)
 
 FORMAT = 1
-SECTIONS = ("mem", "pcie", "io", "adam", "compute")
-STEPS = {"mem": 2, "pcie": 4, "io": 3, "adam": 2, "compute": 2}  # progress-bar ticks per section (pcie: CUDA only)
+SECTIONS = ("mem", "pcie", "io", "adam", "step", "compute")
+# progress-bar ticks per section (pcie, step: CUDA only)
+STEPS = {"mem": 2, "pcie": 4, "io": 3, "adam": 2 + len(STEP_RULES), "step": len(STEP_RULES), "compute": 2}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,7 +86,7 @@ class Progress:
 
 def run(sections: tuple[str, ...] = SECTIONS, *, size: int | None = None, params: int | None = None,
         quick: bool = False, path: str | os.PathLike = ".", progress: Tick | None = None) -> dict[str, Any]:
-    """Measure `sections`; returns {section: figures} (pcie: None without CUDA).
+    """Measure `sections`; returns {section: figures} (pcie, step: None without CUDA).
 
     size: bytes for mem/pcie/io (default SIZES, or QUICK_SIZES with quick); params: Adam numel.
     """
@@ -87,7 +94,7 @@ def run(sections: tuple[str, ...] = SECTIONS, *, size: int | None = None, params
 
     table = QUICK_SIZES if quick else SIZES
     # a CPU-only node has no PCIe link to measure: its section is skipped without a bar
-    ticking = [s for s in sections if s != "pcie" or torch.cuda.is_available()]
+    ticking = [s for s in sections if s not in ("pcie", "step") or torch.cuda.is_available()]
     tick = progress or Progress(sum(STEPS[s] for s in ticking))
     results: dict[str, Any] = {}
     for section in sections:
@@ -98,7 +105,11 @@ def run(sections: tuple[str, ...] = SECTIONS, *, size: int | None = None, params
         elif section == "io":
             results["io"] = bench_io(path, size or table["io"], tick=tick)
         elif section == "adam":
-            results["adam"] = bench_adam(params or adam_numel(table["adam"]), repeat=3, tick=tick)
+            numel = params or adam_numel(table["adam"])
+            results["adam"] = {**bench_adam(numel, repeat=3, tick=tick), **bench_state_rates(numel, repeat=3, tick=tick)}
+        elif section == "step":
+            results["step"] = bench_device_step(params or DEVICE_STEP_SIZES["quick" if quick else "full"], repeat=3,
+                                                tick=tick)
         elif section == "compute":
             results["compute"] = bench_compute(table["compute"], repeat=3, tick=tick)
         else:
@@ -141,6 +152,21 @@ def format_table(results: dict[str, Any]) -> str:
         note = f"({adam['numel'] / 1e6:.0f}M params, {adam['simd']}, {adam['threads']} threads)"
         rows += [("cpu adam fp32", f"{adam['fp32_params_per_s'] / 1e9:7.2f} G params/s  {note}"),
                  ("cpu adam bf16 grad+out", f"{adam['bf16_params_per_s'] / 1e9:7.2f} G params/s")]
+        for rule in STEP_RULES:
+            for master, moments in STATE_PAIRS:
+                value = adam.get(f"{rule}_{master}_{moments}_params_per_s")
+                if value:
+                    rows.append((f"cpu {rule} {master} master, {moments} moments", f"{value / 1e9:7.2f} G params/s"))
+    if "step" in results:
+        step = results["step"]
+        if step is None:
+            rows.append(("device step", "skipped: no CUDA device (the update stays on the CPU)"))
+        else:
+            for rule in STEP_RULES:
+                for master, moments in STATE_PAIRS:
+                    rows.append((f"device {rule} {master} master, {moments} moments",
+                                 f"{step[f'{rule}_{master}_{moments}_GBps']:7.2f} GB/s  (kernel bytes, "
+                                 f"{step['numel'] / 1e6:.0f}M params on {step['device']})"))
     compute = results.get("compute")
     if compute:
         note = f"({compute['side']}^2 matmul on {compute['device']})"
@@ -243,7 +269,10 @@ def rates_from_file(path: str | os.PathLike) -> dict[str, float]:
 # The figures entry_rates reads, by section, with the factor to the rate's unit (bytes, flop or params /s).
 _FIGURES = {"pcie": {"h2d_pinned_GBps": 1e9, "d2h_pinned_GBps": 1e9},
             "io": {"read_GBps": 1e9, "overwrite_GBps": 1e9, "write_GBps": 1e9},
-            "mem": {"copy_GBps": 0.5e9, "inplace_GBps": 1e9}, "adam": {"fp32_params_per_s": 1.0},
+            "mem": {"copy_GBps": 0.5e9, "inplace_GBps": 1e9},
+            "adam": {"fp32_params_per_s": 1.0, **{f"{r}_{m}_{mo}_params_per_s": 1.0 for r in STEP_RULES
+                                                  for m, mo in STATE_PAIRS}},
+            "step": {f"{r}_{m}_{mo}_GBps": 1e9 for r in STEP_RULES for m, mo in STATE_PAIRS},
             "compute": {"fp32_flops": 1.0, "bf16_flops": 1.0}}
 # A figure is a number whose rate lies in this range (1 to 10^18 per second): outside it a
 # prediction is 0 s or overflows.
@@ -277,6 +306,8 @@ def _check_entry(path: Path, host: str, entry: Any) -> None:
 def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
     """One host's figures as the planner's rates: h2d, d2h, nvme_read, nvme_write, mem_copy,
     mem_read (bytes/s), cpu_adam (params/s, fp32 grads: what the engine's fp32 accumulators feed),
+    cpu_<rule>_<master>_<moments> (params/s, per state dtype pair), device_<rule>_<master>_<moments>
+    and device_adam (the device step's kernel bytes/s; device_adam is AdamW's fp32 pair),
     compute_fp32 / compute_bf16 (matmul flop/s); only the keys measured. NVMe figures taken
     without O_DIRECT (page cache) are left out. nvme_write is the overwrite rate (a step's
     writes), the fresh-file rate only in files saved before it was measured. The memory
@@ -286,14 +317,21 @@ def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
         return None
     rates: dict[str, float] = {}
     sections = {name: entry.get(name) if isinstance(entry.get(name), dict) else {} for name in _FIGURES}
-    pcie, io, adam, mem, compute = (sections[name] for name in ("pcie", "io", "adam", "mem", "compute"))
+    pcie, io, adam, mem, compute, step = (sections[name] for name in ("pcie", "io", "adam", "mem", "compute", "step"))
+    per_state = {}
+    for rule in STEP_RULES:
+        for m, mo in STATE_PAIRS:
+            per_state[f"cpu_{rule}_{m}_{mo}"] = (adam, f"{rule}_{m}_{mo}_params_per_s", 1.0)
+            per_state[f"device_{rule}_{m}_{mo}"] = (step, f"{rule}_{m}_{mo}_GBps", 1e9)
     for key, (section, field, factor) in {
             "h2d": (pcie, "h2d_pinned_GBps", 1e9), "d2h": (pcie, "d2h_pinned_GBps", 1e9),
             "nvme_read": (io, "read_GBps", 1e9),
             "nvme_write": (io, "overwrite_GBps" if "overwrite_GBps" in io else "write_GBps", 1e9),
             "mem_copy": (mem, "copy_GBps", 0.5e9), "mem_read": (mem, "inplace_GBps", 1e9),
             "cpu_adam": (adam, "fp32_params_per_s", 1.0),
-            "compute_fp32": (compute, "fp32_flops", 1.0), "compute_bf16": (compute, "bf16_flops", 1.0)}.items():
+            "device_adam": (step, "adamw_fp32_fp32_GBps", 1e9),
+            "compute_fp32": (compute, "fp32_flops", 1.0), "compute_bf16": (compute, "bf16_flops", 1.0),
+            **per_state}.items():
         value = section.get(field)
         if _is_rate(value, factor) and (section is not io or io.get("o_direct")):
             rates[key] = float(value) * factor

@@ -3,7 +3,9 @@
   bench_memory   memory bandwidth: in-place `mul_` and buffer-to-buffer `copy_` (read + write bytes)
   bench_pcie     with CUDA: host->device and device->host copies from pinned and pageable memory
   bench_io       NVMe write, overwrites and reads through zerotier's own I/O engine
-  bench_adam     CPU Adam throughput (params/s) of `zerotier.optim.adam_step`
+  bench_adam     CPU Adam throughput (params/s) of `zerotier.optim.adam_step`, and of each update
+                 rule's native variant per state dtype pair (`bench_state_rates`)
+  bench_device_step  with CUDA: each update rule's device variant per state dtype pair (bytes/s)
   bench_compute  the compute device's dense matmul rate (flop/s, fp32 and bf16)
 
 bench.py runs them, prints them and saves them (its docstring says what each figure means to the
@@ -19,6 +21,12 @@ from typing import Any, Callable
 # default / --quick sizes: bytes for mem, pcie, io; parameters for adam; matrix side for compute
 SIZES = {"mem": 1 << 30, "pcie": 512 << 20, "io": 1 << 30, "adam": 50_000_000, "compute": 4096}
 QUICK_SIZES = {"mem": 256 << 20, "pcie": 64 << 20, "io": 64 << 20, "adam": 8_000_000, "compute": 1024}
+DEVICE_STEP_SIZES = {"full": 64_000_000, "quick": 16_000_000}  # parameters of the device step's shard
+# The optimizer state's dtype pairs (precision.master_dtype x precision.moment_dtype, config.py's
+# Literals) and the update rules (the rule's `name`: optimizer.type "adam" runs AdamW's kernel)
+# whose rates bench measures: `cpu_<rule>_<master>_<moments>` / `device_<rule>_<master>_<moments>`.
+STATE_PAIRS = tuple((m, mo) for m in ("fp32", "bf16") for mo in ("fp32", "bf16", "int8"))
+STEP_RULES = ("adamw", "lion")
 ADAM_BYTES_PER_PARAM = 16  # fp32 master, exp_avg, exp_avg_sq, grad: what one Adam pass streams
 
 Tick = Callable[[str], None]
@@ -233,6 +241,110 @@ def bench_adam(numel: int, repeat: int = 3, tick: Tick = _noop) -> dict[str, Any
     run(grad_bf16, param_bf16)
     out["bf16_params_per_s"] = numel / _best_seconds(lambda: run(grad_bf16, param_bf16), repeat)
     tick("adam: bf16 grads, bf16 params out")
+    return out
+
+
+def _unit_state(rule, master_dtype: str, moment_dtype: str, numel: int, device):
+    """One flat shard of `numel` parameters in the rule's state layout for these dtypes, on `device`,
+    as the state store holds it ([Note: optimizer state layout]: raw bytes, zero moments): the layout,
+    the master's and the moments' typed views, and the step's (a, b, step, hyper) range."""
+    import torch
+
+    from .config import OptimizerConfig
+    from .optim.state_layout import StateLayout
+
+    layout = StateLayout(master_dtype, moment_dtype, keys=rule.state_keys, nonnegative=rule.nonnegative)
+    raw = {k: torch.zeros(layout.nbytes(k, numel), dtype=torch.uint8, device=device) for k in layout.keys}
+    master = layout.typed("master", raw["master"], numel)
+    master[0].copy_(torch.randn(numel, generator=torch.Generator().manual_seed(0)))
+    moments = {k: layout.typed(k, raw[k], numel) for k in layout.moment_keys}
+    hyper = rule.hyper(rule.group_defaults(OptimizerConfig(), lambda _key: False), 0)
+    return layout, master[0], moments, hyper
+
+
+def _timed_steps(step_once, repeat: int, sync=None) -> float:
+    """Best seconds of `step_once(step)` over `repeat` calls after one warm-up (steps 1, 2, ...)."""
+    count = [0]
+
+    def one() -> None:
+        count[0] += 1
+        step_once(count[0])
+        if sync is not None:
+            sync()
+    one()
+    return _best_seconds(one, repeat)
+
+
+def bench_state_rates(numel: int, repeat: int = 3, tick: Tick = _noop, threads: int | None = None) -> dict[str, Any]:
+    """Params/s of each rule's native CPU variant (`UpdateRule.cpu_pieces` through
+    `StateLayout.step_pieces`, the engine's call) per state dtype pair of STATE_PAIRS, fp32 gradients
+    in, at the engine's thread count (`optimizer.threads = "auto"`: the cores over the node's ranks):
+    `<rule>_<master>_<moments>_params_per_s`, the planner's `cpu_<rule>_<master>_<moments>`."""
+    import torch
+
+    from .device import local_world_size
+    from .optim._kernels import default_threads
+    from .optim.rules import make_rule
+
+    threads = threads or max(1, default_threads() // local_world_size())
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 1e-3
+    out: dict[str, Any] = {"state_numel": numel, "state_threads": threads}
+    for name in STEP_RULES:
+        rule = make_rule(name)
+        for master_dtype, moment_dtype in STATE_PAIRS:
+            layout, master, moments, hyper = _unit_state(rule, master_dtype, moment_dtype, numel, "cpu")
+
+            def step_once(step: int) -> None:
+                layout.step_pieces(rule.cpu_pieces, master, moments, [(0, numel, step, hyper)], grad=grad, out=None,
+                                   unit_index=0, shard_lo=0, grad_scale=1.0, bias_correction=True, simd="auto",
+                                   threads=threads)
+            seconds = _timed_steps(step_once, repeat)
+            out[f"{name}_{master_dtype}_{moment_dtype}_params_per_s"] = numel / seconds
+            del layout, master, moments
+        tick(f"adam: {name} per state dtype")
+    return out
+
+
+def device_step_bytes(rule, master_dtype: str, moment_dtype: str) -> float:
+    """Bytes per parameter the device step's kernel moves, as the planner counts them
+    (planner/step_on.py, UpdateCosts.kernel_bytes): the state read and written, an fp32 gradient read."""
+    return 2 * rule.bytes_per_param(master_dtype, moment_dtype) + 4
+
+
+def bench_device_step(numel: int, device=None, repeat: int = 3, tick: Tick = _noop) -> dict[str, Any] | None:
+    """Bytes/s of each rule's device variant (`UpdateRule.device_pieces` through
+    `StateLayout.step_pieces`, what a unit stepped on the device runs) on state staged on `device`,
+    per state dtype pair of STATE_PAIRS, fp32 gradients: `<rule>_<master>_<moments>_GBps`, the
+    planner's `device_<rule>_<master>_<moments>` (and AdamW's fp32 pair its `device_adam`), in the
+    kernel's bytes (`device_step_bytes`). None without CUDA when `device` is not given: a CPU-only node's
+    "device" is the CPU, whose update the planner keeps on the native kernel. `device="cpu"` runs the
+    same path on the CPU (tests)."""
+    import torch
+
+    from .optim.rules import make_rule
+
+    if device is None:
+        if not torch.cuda.is_available():
+            return None
+        device = "cuda"
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(1)).mul_(1e-3).to(device)
+    out: dict[str, Any] = {"numel": numel, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                           else "cpu"}
+    for name in STEP_RULES:
+        rule = make_rule(name)
+        for master_dtype, moment_dtype in STATE_PAIRS:
+            layout, master, moments, hyper = _unit_state(rule, master_dtype, moment_dtype, numel, device)
+
+            def step_once(step: int) -> None:
+                layout.step_pieces(rule.device_pieces, master, moments, [(0, numel, step, hyper)], grad=grad, out=None,
+                                   unit_index=0, shard_lo=0, grad_scale=1.0, bias_correction=True)
+            seconds = _timed_steps(step_once, repeat, sync)
+            out[f"{name}_{master_dtype}_{moment_dtype}_GBps"] = \
+                device_step_bytes(rule, master_dtype, moment_dtype) * numel / seconds / 1e9
+            del layout, master, moments
+        tick(f"device step: {name} per state dtype")
     return out
 
 

@@ -108,9 +108,10 @@ def print_rows(rows: list[tuple[str, str]]) -> None:
 
 
 def bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", nargs="?", default="all", choices=("all", "mem", "pcie", "io", "adam", "compute"),
+    parser.add_argument("what", nargs="?", default="all", choices=("all", "mem", "pcie", "io", "adam", "step", "compute"),
                         help="what to measure: all (default), mem (memory bandwidth), pcie (host<->GPU "
-                             "copies), io (NVMe read/write with zerotier's engine), adam (CPU Adam), compute "
+                             "copies), io (NVMe read/write with zerotier's engine), adam (CPU Adam, per "
+                             "optimizer state dtype), step (the optimizer update on the GPU, per state dtype), compute "
                              "(matmul rate of the compute device: `zerotier plan --rates` scales unit times by it)")
     parser.add_argument("--path", "--nvme-path", dest="path", default=".", metavar="DIR",
                         help="directory on the drive to test; a temp subdir is made and removed "
@@ -118,7 +119,8 @@ def bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", metavar="SIZE",
                         help="bytes per measurement for mem, pcie and io, e.g. 2GiB "
                              "(default 1GiB, pcie 512MiB; with --quick 256MiB mem, 64MiB pcie and io)")
-    parser.add_argument("--params", metavar="N", help="parameters for the adam measurement (default 50M; --quick 2M)")
+    parser.add_argument("--params", metavar="N", help="parameters for the adam and step measurements (default 50M, step 64M; --quick 8M, "
+                         "step 16M)")
     parser.add_argument("--quick", action="store_true", help="small sizes: a rough figure in a few seconds")
     parser.add_argument("--json", action="store_true",
                         help="print the results as JSON (one section: its object, e.g. read_GBps/write_GBps)")

@@ -48,7 +48,7 @@ from .report import whole_shortfall
 from .sizes import (KINDS, Sizes, auto_split, bytes_for, check_sharding, model_state_bytes, rank_shards_in_order,
                     split_bytes, split_units, tier_holds)
 from .speculation_plan import fit_speculation, predict_step
-from .step_on import UpdateCosts, choose, cpu_adam_key
+from .step_on import UpdateCosts, choose, cpu_rate_key, device_rate_key
 
 
 def make_plan(model: ModelFacts, config: PlanConfig, node: Node) -> Plan:
@@ -257,7 +257,8 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
     costs = UpdateCosts.of(rates, sizes.state.bytes_per_param, sizes.grad_bytes, sizes.lp_bytes, cuda=sizes.cuda,
                            grads_on_device=HOMES[placement["gradients"]].on_device,
                            params_on_device=HOMES[placement["params"]].on_device, local_ranks=local,
-                           cpu_key=cpu_adam_key(rates, sizes.state))
+                           cpu_key=cpu_rate_key(rates, sizes.rule, sizes.state),
+                           device_key=device_rate_key(rates, sizes.rule, sizes.state))
     shards = rank_shards_in_order(sizes)
     unit_state = [sum(unit) for unit in sizes.state_units]  # as the store allocates them
     chosen = choose(requested, homes, shards, costs, sizes.pipeline_depth, sizes.cuda, unit_state)

@@ -16,7 +16,8 @@ runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit
                            NVMe: grad_bytes written per micro-batch, read back per later one and
                            once by the optimizer; device gradients with a CPU optimizer: the
                            shard staged d2h
-  optimizer                CPU Adam at `cpu_adam` params/s over the node's ranks (on a CPU
+  optimizer                CPU Adam at `cpu_adam` params/s over the node's ranks, or the rule's
+                           and state dtypes' measured `cpu_<rule>_<master>_<moments>` (on a CPU
                            device it runs on the cores compute uses); on a CUDA device
                            28 B/param at `device_adam`
   update on the device     a host/NVMe unit the planner steps on the device (StepOptions.on_device,
@@ -51,7 +52,7 @@ from ..overlap import policy_for
 from ..overlap.speculative import undo_bytes
 from ..params import ParamStore
 from .sizes import shard_numel
-from .step_on import UpdateCosts, cpu_adam_key
+from .step_on import UpdateCosts, cpu_rate_key, device_rate_key
 from .step_model import Schedule, StepShape, UnitWork, simulate
 from ..state import Location
 from ..tiers.homes import HOMES
@@ -148,10 +149,10 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
     numels = trainable + list(s.frozen)
     works: list[UnitWork] = []
     norm_bytes = 0
-    cpu_key = cpu_adam_key(rates, s.state)
+    cpu_key, device_key = cpu_rate_key(rates, s.rule, s.state), device_rate_key(rates, s.rule, s.state)
     staged = UpdateCosts.of(rates, s.state.bytes_per_param, s.grad_bytes, s.lp_bytes, cuda=cuda,
                             grads_on_device=grads_at.on_device, params_on_device=params_at.on_device,
-                            local_ranks=local_ranks, cpu_key=cpu_key)
+                            local_ranks=local_ranks, cpu_key=cpu_key, device_key=device_key)
     for i, n in enumerate(numels):
         is_trainable = i < len(trainable)
         p_shard = shard_numel(n, "params", s.stage, s.world_size)
@@ -177,7 +178,7 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             norm_bytes += s.grad_bytes * g_shard if grads_at.in_memory else 0  # a file's sums are kept as folded
             if device_step:  # [Note: choosing where each update runs]: staged in, stepped, staged out
                 w["device_step"], w["adam_on"] = True, "compute"
-                w["adam_s"] = (secs(staged.kernel_bytes * o_shard, "device_adam") if cuda else
+                w["adam_s"] = (secs(staged.kernel_bytes * o_shard, device_key) if cuda else
                                secs(o_shard * local_ranks, cpu_key))
                 w["stage_in_s"] = secs(staged.in_bytes * o_shard, link_in)
                 w["stage_out_s"] = secs(staged.out_bytes * o_shard, link_out)

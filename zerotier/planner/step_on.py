@@ -19,13 +19,15 @@ resource (the H2D link, the device, the D2H link). Per parameter of a unit's sha
 state's bytes per parameter, `StateLayout.bytes_per_param`):
 
   cpu       ranks_per_node / cpu_adam          (the node's cores, shared by its ranks; the rate
-                                               of the state's dtypes where `zerotier bench`
-                                               measured one, `cpu_adam_<master>_<moments>`, else
-                                               the fp32 rate `cpu_adam`)
+                                               of the rule and the state's dtypes where `zerotier
+                                               bench` measured it, `cpu_<rule>_<master>_<moments>`,
+                                               else the fp32 Adam rate `cpu_adam`: `cpu_rate_key`)
   device    in   (B + the gradient's bytes if the gradients are not on the device) / h2d
             kernel (2 B + the gradient's bytes) / device_adam   (state read and written, the
                                                gradient read: 28 B/param with fp32 Adam, the
-                                               DEVICE_ADAM_BYTES of predict.py)
+                                               DEVICE_ADAM_BYTES of predict.py; the rate of the
+                                               rule and dtypes, `device_<rule>_<master>_<moments>`,
+                                               where measured, else `device_adam`: `device_rate_key`)
             out  (B + the new parameters' bytes if the parameters are not on the device) / d2h
 
 The device side's time for units S is then max(in, kernel, out) x params(S), the pipeline's
@@ -77,11 +79,20 @@ def steps_on(requested: str, homes: Sequence[Location]) -> tuple[str, ...]:
     return tuple("device" if HOMES[home].on_device else off_device for home in homes)
 
 
-def cpu_adam_key(rates: dict[str, float], layout) -> str:
-    """The CPU Adam rate key for the state's dtypes: `cpu_adam_<master>_<moments>` where the node's
-    rates have it, else `cpu_adam` (measured with fp32 state)."""
-    key = f"cpu_adam_{layout.master}_{layout.moments}"
+def cpu_rate_key(rates: dict[str, float], rule, layout) -> str:
+    """The CPU update's rate key (params/s) for the update rule (`rule.name`) and the state's dtypes:
+    `cpu_<rule>_<master>_<moments>` where the node's rates have it (`zerotier bench adam` measures
+    it), else `cpu_adam` (fp32 Adam)."""
+    key = f"cpu_{rule.name}_{layout.master}_{layout.moments}"
     return key if key in rates else "cpu_adam"
+
+
+def device_rate_key(rates: dict[str, float], rule, layout) -> str:
+    """The device update's rate key (bytes/s of the kernel's traffic, UpdateCosts.kernel_bytes):
+    `device_<rule>_<master>_<moments>` where the node's rates have it (`zerotier bench step`
+    measures it on a CUDA device), else `device_adam`."""
+    key = f"device_{rule.name}_{layout.master}_{layout.moments}"
+    return key if key in rates else "device_adam"
 
 
 def device_staging_bytes(depth: int, largest_unit_state_bytes: int) -> int:
@@ -105,16 +116,17 @@ class UpdateCosts:
     @classmethod
     def of(cls, rates: dict[str, float], state_bytes: float, grad_bytes: int, lp_bytes: int, *, cuda: bool,
            grads_on_device: bool, params_on_device: bool, local_ranks: int = 1,
-           cpu_key: str = "cpu_adam") -> "UpdateCosts":
-        """From the node's rates; off CUDA the links are memory copies (`mem_copy`) and the
-        device's kernel runs on the CPU's cores (at `cpu_adam`, the native kernel's rate: a bound)."""
+           cpu_key: str = "cpu_adam", device_key: str = "device_adam") -> "UpdateCosts":
+        """From the node's rates (`cpu_key`, `device_key`: the update's rate keys, `cpu_rate_key` /
+        `device_rate_key`); off CUDA the links are memory copies (`mem_copy`) and the device's
+        kernel runs on the CPU's cores (at `cpu_key`, the native kernel's rate: a bound)."""
         in_bytes = state_bytes + (0 if grads_on_device else grad_bytes)
         out_bytes = state_bytes + (0 if params_on_device else lp_bytes)
         kernel_bytes = 2 * state_bytes + grad_bytes
         cpu = local_ranks / rates[cpu_key]
         link_in, link_out = ("h2d", "d2h") if cuda else ("mem_copy", "mem_copy")
         return cls(cpu=cpu, device_in=in_bytes / rates[link_in],
-                   device_kernel=kernel_bytes / rates["device_adam"] if cuda else cpu,
+                   device_kernel=kernel_bytes / rates[device_key] if cuda else cpu,
                    device_out=out_bytes / rates[link_out], in_bytes=in_bytes, out_bytes=out_bytes,
                    kernel_bytes=kernel_bytes, staged_bytes=in_bytes + out_bytes - state_bytes,
                    extra_bytes=in_bytes + out_bytes - 2 * state_bytes)
