@@ -66,7 +66,6 @@ from ..state import Location
 from ..tiers.homes import HOMES
 
 STEP_ON = ("cpu", "device", "auto")  # optimizer.step_on's values (config.py's Literal)
-DEVICE_RATE_KEYS = ("h2d", "d2h", "device_adam")
 
 
 def steps_on(requested: str, homes: Sequence[Location]) -> tuple[str, ...]:
