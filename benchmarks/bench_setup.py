@@ -25,7 +25,10 @@ that node's thread count and to every size of gpu_model.py, from the per-element
 here. What it assumes, phase by phase:
   fill, check, cast, optimizer, params, grads, rest   memory-bound: time x (memory here / the node's
            memory copy GB/s, measured with its threads); they scale with threads only as far as
-           the memory bandwidth does
+           the memory bandwidth does. Optimistic where a phase writes fresh memory (the optimizer's
+           state, the gradients, a block of a new size): here that runs at the first-touch rate
+           (page faults), which is assumed to scale as the copy rate does (madvise(MADV_HUGEPAGE)
+           made fresh blocks slower here: 0.2 against 0.9 GB/s, so the pool keeps 4 KiB pages)
   init     on the CPU: serial (torch's generator draws each tensor on one thread), the same time per
            element as here (the same per-core speed assumed); bench_gpu on the node draws on CUDA,
            so there it is the copy into the unit's block: 4 B per element over the node's D2H rate
@@ -35,9 +38,9 @@ here. What it assumes, phase by phase:
            (x the target's units over the run's)
   pinning  not measured without CUDA: the bytes the node's pool would pin are printed, at
            --pin-GBps when given (cudaHostRegister's rate)
-and the set-up = other + max(worker, caller, NVMe) with materializing ahead ([Note: materializing
-ahead] in zerotier/materialize.py: fill, init and check on the worker), other + worker + max(caller,
-NVMe) serially. Never a result on this shared 2-core machine: run it alone.
+and the set-up = other + max(worker, caller, NVMe, memory) with materializing ahead ([Note:
+materializing ahead] in zerotier/materialize.py: fill, init and check on the worker; memory: both
+threads' memory-bound phases share the node's bandwidth), other + worker + max(caller, NVMe) serially. Never a result on this shared 2-core machine: run it alone.
 """
 from __future__ import annotations
 
@@ -61,10 +64,12 @@ SMALL = {
     "30m": dict(vocab=8000, dim=512, layers=4, heads=8, ffn=1536, seq=256, batch=1, ckpt=False),
     "125m": dict(vocab=gm.VOCAB, dim=768, layers=12, heads=12, ffn=2048, seq=2048, batch=1, ckpt=False),
     "350m": dict(vocab=gm.VOCAB, dim=1024, layers=24, heads=16, ffn=2816, seq=2048, batch=1, ckpt=False),
+    # 0.94B: the largest whose optimizer-on-host cases fit a 24 GiB machine (18 B per parameter on the host)
+    "1b": dict(vocab=gm.VOCAB, dim=2048, layers=16, heads=16, ffn=5504, seq=2048, batch=1, ckpt=False),
 }
 SHAPES = {**SMALL, **gm.SIZES}
 PLACEMENTS = {"opt-host": "zt-opt-host", "nvme": "zt-params-nvme", "compact-nvme": "zt-compact-nvme",
-              "compact-host": "zt-compact-host"}
+              "compact-host": "zt-compact-host", "compact-auto": "zt-compact-auto"}
 WORKER = ("fill", "init", "check")  # [Note: materializing ahead]: on the worker thread when ahead
 CALLER = ("cast", "optimizer", "params", "grads", "rest", "nvme drain")
 # bytes read + written per element, by phase (estimates; lp = the parameters' dtype, state = the
@@ -161,10 +166,11 @@ def extrapolate(run: dict, here: dict, node: dict, sizes) -> dict:
             t["init"] = 4 * n / (d2h * 1e9)
         worker = sum(t[p] for p in WORKER)
         caller = sum(t[p] for p in CALLER)
+        memory = sum(t[p] for p in WORKER + CALLER if p != "init")  # one memory bus for both threads
         nvme = run["nvme_written"] / numel * n / (drive * 1e9) if drive and run["nvme_written"] else 0.0
         rest = per_unit * (SHAPES[size]["layers"] + 1)  # wrap "auto": a unit per layer + the root
         out["sizes"][size] = {"phases_s": t, "nvme_s": nvme, "other_s": rest,
-                              "ahead_s": rest + max(worker, caller, nvme),
+                              "ahead_s": rest + max(worker, caller, nvme, memory),
                               "serial_s": rest + worker + max(caller, nvme),
                               "pinned_bytes": run["pinned_bytes"] / numel * n if run["pinned_bytes"] else None}
     return out
