@@ -138,7 +138,8 @@ class Engine:
         optimizer_loc = self.plan.optimizer_units or placement["optimizer"]  # a tier, or one per unit (a split)
         rule = make_rule(cfg.optimizer.type)  # the update rule (optim/rules/)
         self.unit_optimizer = UnitOptimizer(self.units, cfg.optimizer, optimizer_loc, *tiers("optimizer"),
-                                            self.profiler, StateLayout.of(cfg.precision, rule), rule)
+                                            self.profiler, StateLayout.of(cfg.precision, rule), rule,
+                                            self.plan.optimizer_step_on, charge(self.device_tier, "device_step"))
         no_decay = exempt_from_decay(model, self.units, cfg.optimizer.no_weight_decay)  # checked before placing
         self.params = ParamStore(self.param_units, placement["params"], self.lp_dtype, *tiers("params"),
                                  self.sharding, placement["optimizer"],

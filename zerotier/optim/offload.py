@@ -8,7 +8,10 @@ starts (the policy decides when, the driver does it): `step()` over the units, e
 stepped in the gradient store and committed by the parameter store as it is yielded. The
 hyper-parameters come as data (rules/base.py's HyperTable), not a call back. The state, its placement, the NVMe pipeline ([Note: NVMe optimizer pipeline]) and the step
 counts are the store's (`self.state`); gradients that are not in host memory for a CPU update are
-staged by grad_staging.py ([Note: device gradients, host optimizer]).
+staged by grad_staging.py ([Note: device gradients, host optimizer]). Where each unit's update runs
+is apart from where its state lives ([Note: where the update runs] in planner/step_on.py): a
+host- or NVMe-homed unit whose plan says "device" is staged to the device for its update and back
+(device_staging.py, [Note: device staging]).
 
 Each parameter keeps its own step count (torch's per-parameter `step`): a
 parameter that received no gradient in an optimizer step is not updated at all,
@@ -28,7 +31,9 @@ from ..device import local_world_size
 from ..errors import ConfigError
 from ..state import Location, Unit
 from ..threads import UPDATER, owned
+from ..tiers.homes import HOMES
 from . import _kernels
+from .device_staging import DeviceStaging
 from .grad_staging import StagedGrads
 from .rules import AdamW, UpdateRule
 from .rules.base import HyperTable
@@ -41,14 +46,17 @@ class UnitOptimizer:
 
     def __init__(self, units: list[Unit], cfg: OptimizerConfig, loc: "Location | tuple[Location, ...]", device_tier,
                  host_pool, store, profiler=None, layout: StateLayout = StateLayout(),
-                 rule: UpdateRule | None = None):
+                 rule: UpdateRule | None = None, step_on: Sequence[str] = (), staging_tier=None):
         """loc: the tier of every unit's state, or each unit's tier by unit index ([Note: units on
         different tiers]; a split spans host and NVMe only). layout: the state's keys and dtypes
-        ([Note: optimizer state layout]), the keys `rule`'s (default: AdamW). store: the NVMe tier."""
+        ([Note: optimizer state layout]), the keys `rule`'s (default: AdamW). store: the NVMe tier.
+        step_on: "cpu" / "device" by unit index (Plan.optimizer_step_on; empty: every update where
+        its state lives). staging_tier: the device tier the staging of [Note: device staging] is
+        reserved from (the plan's device_step term; default: device_tier)."""
         self.units, self.cfg, self.layout = units, cfg, layout
         self.rule = rule if rule is not None else AdamW()
         locs = [loc] * len(units) if isinstance(loc, Location) else list(loc)
-        if not layout.exact and Location.DEVICE in locs and device_tier.device.type != "cpu":
+        if not layout.exact and any(HOMES[at].on_device for at in locs) and device_tier.device.type != "cpu":
             raise ConfigError(f"precision.master_dtype = {layout.master!r}, precision.moment_dtype = "
                               f"{layout.moments!r}: compact optimizer state is updated by the CPU kernel, and "
                               f"offload.optimizer puts it on {device_tier.device} (fp32 only there, torch's fused "
@@ -58,7 +66,12 @@ class UnitOptimizer:
         # auto: this process's cores, shared with the other ranks of the node
         self.threads = max(1, _kernels.default_threads() // local_world_size()) if cfg.threads == "auto" \
             else int(cfg.threads)
-        self.device = device_tier.device if locs and locs[0] is Location.DEVICE else torch.device("cpu")
+        self.device = device_tier.device if locs and HOMES[locs[0]].on_device else torch.device("cpu")
+        # [Note: device staging]: the units homed off the device whose update runs on it
+        staged = [u for u, at, on in zip(units, locs, step_on) if on == "device" and not HOMES[at].on_device]
+        self._staged = frozenset(u.index for u in staged)
+        self.staging = DeviceStaging(staged, {u.index: self.state.slots[u.index].layout for u in staged},
+                                     staging_tier or device_tier, profiler) if staged else None
         self._got: dict[int, frozenset[int] | None] = {}  # step(): parameters with a gradient, by unit
         self._keep_grads = False  # step(): the gradients are read after the update (not consumed)
         self.applied = 0  # unit updates begun so far (the engine tells a clean failure from a partial one)
@@ -75,6 +88,8 @@ class UnitOptimizer:
     def close(self) -> None:
         """Finish the state's NVMe I/O in flight and give its staging back. Idempotent."""
         self.state.close()
+        if self.staging is not None:
+            self.staging.close()
 
     # ------------------------------------------------------------------ step
 
@@ -110,15 +125,20 @@ class UnitOptimizer:
         self._keep_grads = keep_grads
         self._got = {u.index: got_of(u) for u in units} if got_of is not None else {}
         order = self.state.read_order(units)
-        first = grad_of(order[0]) if order else None
-        if first is not None and (not isinstance(first, torch.Tensor)  # a GradFile
-                                  or self.device.type == "cpu" and first.device.type == "cuda"):
-            grad_of = StagedGrads(order, grad_of, self.device_tier, self.host_pool, self.profiler)
+        first = grad_of(order[0]) if order else None  # every unit's gradient lives on the same tier
+        # a unit updated on the device reads a gradient tensor where it is ([Note: device staging])
+        direct = self._staged if isinstance(first, torch.Tensor) else frozenset()
+        host_order = [u for u in order if u.index not in direct]
+        staged = None
+        if host_order and (not isinstance(first, torch.Tensor)  # a GradFile
+                           or self.device.type == "cpu" and first.device.type == "cuda"):
+            staged = StagedGrads(host_order, grad_of, self.device_tier, self.host_pool, self.profiler)
+            grad_of = (lambda u, read=grad_of: read(u) if u.index in direct else staged(u)) if direct else staged
         try:
             yield from self._step(order, grad_of, out_of, hypers, grad_scale, drain)
         finally:
-            if isinstance(grad_of, StagedGrads):
-                grad_of.close()
+            if staged is not None:
+                staged.close()
 
     def _step(self, order, grad_of, out_of, hypers: HyperTable, grad_scale: float, drain: bool) -> Iterator[Unit]:
         state = self.state
@@ -163,15 +183,31 @@ class UnitOptimizer:
         for k in range(len(steps)):
             if got is None or k in got:
                 steps[k] += 1
-        n, layout = unit.shard_numel, slot.layout  # fixed at placement
+        whole = got is None and len(set(steps)) == 1 and len(set(hypers)) == 1  # one pass over the shard
+        if unit.index not in self._staged:
+            self._update_here(unit, raw, grad, out, hypers, grad_scale, got, steps, whole)
+            return
+        with self.staging.staged(unit, raw, grad, out, writes_all=whole) as (raw, grad, out):  # [Note: device staging]
+            self._update_here(unit, raw, grad, out, hypers, grad_scale, got, steps, whole)
+
+    def _on_device(self, unit: Unit, master: torch.Tensor) -> bool:
+        """The unit's update runs the rule's device variant: its state is on an accelerator, or staged
+        to the device ([Note: device staging]); else the native CPU kernel."""
+        return unit.index in self._staged or master.device.type != "cpu"
+
+    def _update_here(self, unit: Unit, raw: dict, grad, out, hypers: Sequence, grad_scale: float, got, steps,
+                     whole: bool) -> None:
+        """`_update`'s math where `raw` is: the CPU kernel, or the rule's device variant (state on an
+        accelerator, or staged to the device). `whole`: one pass over the shard, else per parameter."""
+        n, layout = unit.shard_numel, self.state.slots[unit.index].layout  # fixed at placement
         master = layout.typed("master", raw["master"], n)
         moments = {k: layout.typed(k, raw[k], n) for k in layout.moment_keys}
         if grad.device != master[0].device:
             grad = grad.to(master[0].device)
         prof = self.profiler
-        span = prof.compute_begin("optimizer" if master[0].device.type == "cpu" else "device-optimizer",
+        span = prof.compute_begin("device-optimizer" if self._on_device(unit, master[0]) else "optimizer",
                                   label=unit.key, numel=unit.numel) if prof is not None else None
-        if got is None and len(set(steps)) == 1 and len(set(hypers)) == 1:
+        if whole:
             self._apply(unit, master, moments, grad, out, [(0, n, steps[0], hypers[0])], grad_scale)
         else:
             ranges: list[list] = []  # [a, b, step, hyper]: slices of the shard to update
@@ -196,15 +232,17 @@ class UnitOptimizer:
         each), with the unit's layout (its slot's, fixed at placement). master and each moment:
         (values, tail) pairs, the layout's `typed` views ([Note: optimizer state layout]); on the CPU the rule's native variant runs them in one call, bf16
         masters, int8 runs and fp32 ranges ([Note: small parameters keep fp32 moments]) included;
-        on an accelerator the state is fp32 and the rule's device variant runs them."""
+        on the device (an accelerator, or state staged to it: [Note: device staging]), the rule's
+        device variant runs them, fp32 or compact state."""
         if not ranges:
             return
+        on_device = self._on_device(unit, master[0])
         layout = self.state.slots[unit.index].layout
         common = dict(grad=grad, out=out, unit_index=unit.index, shard_lo=unit.shard_lo,
                       bias_correction=self.cfg.bias_correction, grad_scale=grad_scale)
-        if master[0].device.type == "cpu":  # `out` is host memory too (ParamStore.out_buffer): one native call
+        if not on_device:  # `out` is host memory too (ParamStore.out_buffer): one native call
             layout.step_pieces(self.rule.cpu_pieces, master[0], moments, ranges, simd=self.cfg.simd,
                                threads=self.threads, **common)
-        else:  # fp32 state (the constructor refuses compact state on an accelerator)
+        else:
             layout.step_pieces(self.rule.device_pieces, master[0], moments, ranges, keep_grad=self._keep_grads,
                                **common)
