@@ -111,6 +111,8 @@ def step_figures(requests, phases: dict[str, tuple[int, int]]) -> dict:
            "idle_s": iv.length(idle) / 1e9,
            "read_bytes": sum(n for o, n, s, *_ in requests if o == "read" and a <= s < b),
            "write_bytes": sum(n for o, n, s, *_ in requests if o == "write" and a <= s < b)}
+    t = phases["step"][0]  # drive work on step()'s critical path: in flight as it starts, or issued in it
+    out["step_work_bytes"] = sum(n for _, n, s, e, _ in requests if s < t < (e or b) or t <= s < b)
     for name in PHASES:
         s, e = phases[name]
         for op in ("read", "write"):
@@ -185,7 +187,8 @@ def report(res: dict, skip: int) -> str:
                  f"(step / bound {med['wall_s'] / bound:.2f}x); drive idle {med['idle_s']:.2f} s "
                  f"({100 * med['idle_s'] / med['wall_s']:.0f}% of the step: forward {med['idle_forward_s']:.2f}, "
                  f"backward {med['idle_backward_s']:.2f}, step() {med['idle_step_s']:.2f}); busy with reads and "
-                 f"writes together {med['both_s']:.2f} s")
+                 f"writes together {med['both_s']:.2f} s; drive work left for step() (in flight as it starts or "
+                 f"issued in it) {med['step_work_bytes'] / 1e6:.0f} MB")
     lines.append("MB issued per phase (median): " + "; ".join(
         f"{ph}: " + ", ".join(f"{kind} {op} {med[f'{ph}_{kind}_{op}_bytes'] / 1e6:.0f}" for op in ("read", "write")
                               for kind in ("param", "state", "grad") if med[f"{ph}_{kind}_{op}_bytes"])

@@ -13,8 +13,9 @@ its read was dropped). So during the last backward the state reads of every unit
 as its gradient becomes final, where whole sets let `depth` units read and the rest waited for
 engine.step(), their reads on the step's critical path with the writes: on bench_planner's gpt2
 (a 38.7M-parameter root unit, six 7.1M blocks, depth 3) the backward issued 255 MB of state reads
-and step() 719 MB; packed, the backward issues all 975 MB (the root unit's 464 MB as it ends: its
-gradient is final last) and step() only writes (tools/drive_idle.py).
+and step() 719 MB; packed, the backward issues all 975 MB and step() only writes (the root unit's
+464 MB read at the backward's start: [Note: the last final unit's read] in state_store.py;
+tools/drive_idle.py).
 """
 from __future__ import annotations
 
