@@ -117,6 +117,11 @@ def run(sections: tuple[str, ...] = SECTIONS, *, size: int | None = None, params
     return results
 
 
+def _rule_pairs():
+    """Every (update rule, master dtype, moments dtype) the adam and step sections measure."""
+    return [(rule, master, moments) for rule in STEP_RULES for master, moments in STATE_PAIRS]
+
+
 def format_table(results: dict[str, Any]) -> str:
     """The measured figures as aligned text rows."""
     from .units import format_size
@@ -152,21 +157,18 @@ def format_table(results: dict[str, Any]) -> str:
         note = f"({adam['numel'] / 1e6:.0f}M params, {adam['simd']}, {adam['threads']} threads)"
         rows += [("cpu adam fp32", f"{adam['fp32_params_per_s'] / 1e9:7.2f} G params/s  {note}"),
                  ("cpu adam bf16 grad+out", f"{adam['bf16_params_per_s'] / 1e9:7.2f} G params/s")]
-        for rule in STEP_RULES:
-            for master, moments in STATE_PAIRS:
-                value = adam.get(f"{rule}_{master}_{moments}_params_per_s")
-                if value:
-                    rows.append((f"cpu {rule} {master} master, {moments} moments", f"{value / 1e9:7.2f} G params/s"))
+        for rule, master, moments in _rule_pairs():
+            value = adam.get(f"{rule}_{master}_{moments}_params_per_s")
+            if value:
+                rows.append((f"cpu {rule} {master} master, {moments} moments", f"{value / 1e9:7.2f} G params/s"))
     if "step" in results:
         step = results["step"]
         if step is None:
             rows.append(("device step", "skipped: no CUDA device (the update stays on the CPU)"))
         else:
-            for rule in STEP_RULES:
-                for master, moments in STATE_PAIRS:
-                    rows.append((f"device {rule} {master} master, {moments} moments",
-                                 f"{step[f'{rule}_{master}_{moments}_GBps']:7.2f} GB/s  (kernel bytes, "
-                                 f"{step['numel'] / 1e6:.0f}M params on {step['device']})"))
+            rows += [(f"device {rule} {master} master, {moments} moments",
+                      f"{step[f'{rule}_{master}_{moments}_GBps']:7.2f} GB/s  (kernel bytes, "
+                      f"{step['numel'] / 1e6:.0f}M params on {step['device']})") for rule, master, moments in _rule_pairs()]
     compute = results.get("compute")
     if compute:
         note = f"({compute['side']}^2 matmul on {compute['device']})"
@@ -270,9 +272,8 @@ def rates_from_file(path: str | os.PathLike) -> dict[str, float]:
 _FIGURES = {"pcie": {"h2d_pinned_GBps": 1e9, "d2h_pinned_GBps": 1e9},
             "io": {"read_GBps": 1e9, "overwrite_GBps": 1e9, "write_GBps": 1e9},
             "mem": {"copy_GBps": 0.5e9, "inplace_GBps": 1e9},
-            "adam": {"fp32_params_per_s": 1.0, **{f"{r}_{m}_{mo}_params_per_s": 1.0 for r in STEP_RULES
-                                                  for m, mo in STATE_PAIRS}},
-            "step": {f"{r}_{m}_{mo}_GBps": 1e9 for r in STEP_RULES for m, mo in STATE_PAIRS},
+            "adam": {"fp32_params_per_s": 1.0, **{f"{r}_{m}_{mo}_params_per_s": 1.0 for r, m, mo in _rule_pairs()}},
+            "step": {f"{r}_{m}_{mo}_GBps": 1e9 for r, m, mo in _rule_pairs()},
             "compute": {"fp32_flops": 1.0, "bf16_flops": 1.0}}
 # A figure is a number whose rate lies in this range (1 to 10^18 per second): outside it a
 # prediction is 0 s or overflows.
