@@ -11,7 +11,8 @@ from zerotier.planner.planner import make_plan
 from zerotier.planner.predict import StepOptions
 from zerotier.optim.rules import AdamW, Lion
 from zerotier.optim.state_layout import StateLayout
-from zerotier.planner.step_on import UpdateCosts, choose, cpu_rate_key, device_rate_key, steps_on
+from zerotier.optim.device_staging import DeviceStaging
+from zerotier.planner.step_on import UpdateCosts, choose, cpu_rate_key, device_rate_key, device_staging, steps_on
 from zerotier.state import Location
 
 CPU = torch.device("cpu")
@@ -64,6 +65,8 @@ RATES = {"cpu_adam": 1e4, "h2d": 12e4, "d2h": 12e4, "device_adam": 28e4, "mem_co
          "nvme_read": 1e12, "nvme_write": 1e12}
 COSTS = UpdateCosts.of(RATES, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True)
 SHARDS = [2000, 4000, 1000, 3000]  # unit index order; by size: units 1, 3, 0, 2
+# the engine's staging of the device units: fp32 state (three 4 B keys), a 2 B output, gradients on the device
+STAGING = device_staging([(4 * n,) * 3 for n in SHARDS], SHARDS, lp_itemsize=2, grad_itemsize=0)
 
 
 def test_the_greedy_split_by_hand():
@@ -73,28 +76,28 @@ def test_the_greedy_split_by_hand():
     # unit 2 (1000): cpu max(0.8, 0.6) = 0.8 vs max(0.7, 0.3 + 0.4 = 0.7) = 0.7 -> device
     # both sides finish at 0.7 s; every unit on the CPU takes 1.0 s
     assert COSTS.device_stage == pytest.approx(1e-4) and COSTS.device_fill == pytest.approx(2e-4)
-    s = choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, depth=3, cuda=True)
+    s = choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, cuda=True, staging=STAGING)
     assert s.units == ("device", "cpu", "device", "cpu")
     assert s.sides["cpu"][:2] == (2, 7000) and s.sides["cpu"][2] == pytest.approx(0.7)
     assert s.sides["device"][:2] == (2, 3000) and s.sides["device"][2] == pytest.approx(0.7)
-    # three units in flight of the largest device unit's state: 3 x 12 B x 2000
-    assert s.staging_bytes == 3 * 12 * 2000
+    # the engine's staging sets of the largest device unit (unit 0): 12 B of state + 2 B of output x 2000
+    assert s.staging_bytes == DeviceStaging.SETS * (12 + 2) * 2000
 
 
 def test_forced_sides_and_device_homed_units():
-    cpu = choose("cpu", (Location.HOST,) * 4, SHARDS, COSTS, depth=3, cuda=True)
+    cpu = choose("cpu", (Location.HOST,) * 4, SHARDS, COSTS, cuda=True, staging=STAGING)
     assert cpu.units == ("cpu",) * 4 and cpu.sides == {"cpu": (4, 10000, pytest.approx(1.0))}
     assert cpu.staging_bytes == 0
-    dev = choose("device", (Location.NVME,) * 4, SHARDS, COSTS, depth=2, cuda=True)
+    dev = choose("device", (Location.NVME,) * 4, SHARDS, COSTS, cuda=True, staging=STAGING)
     assert dev.units == ("device",) * 4 and dev.sides["device"][2] == pytest.approx(1.0 + 0.8)
-    assert dev.staging_bytes == 2 * 12 * 4000
+    assert dev.staging_bytes == DeviceStaging.SETS * (12 + 2) * 4000
     # state homed on the device is no choice: updated there, outside the split's sides
-    mixed = choose("auto", (Location.DEVICE, Location.HOST, Location.HOST, Location.HOST), SHARDS, COSTS, 3, True)
+    mixed = choose("auto", (Location.DEVICE, Location.HOST, Location.HOST, Location.HOST), SHARDS, COSTS, True, STAGING)
     assert mixed.units[0] == "device" and sum(n for n, _, _ in [mixed.sides[k] for k in mixed.sides]) == 3
 
 
 def test_without_cuda_auto_keeps_the_cpu():
-    s = choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, depth=3, cuda=False)
+    s = choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, cuda=False, staging=STAGING)
     assert s.units == ("cpu",) * 4 and s.staging_bytes == 0
 
 
@@ -103,7 +106,8 @@ def test_the_greedy_is_within_one_unit_of_the_balanced_optimum():
     two sides would meet if units could be cut (a bound no split beats), here on many unequal units."""
     costs = UpdateCosts.of(RATES, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True)
     shards = [1000 + 37 * i % 900 for i in range(40)]
-    s = choose("auto", (Location.HOST,) * 40, shards, costs, depth=3, cuda=True)
+    s = choose("auto", (Location.HOST,) * 40, shards, costs, cuda=True,
+               staging=device_staging([(4 * n,) * 3 for n in shards], shards, 2, 0))
     total = sum(shards)
     # cut units: cpu x = stage (total - x) + fill x largest: the meeting point is a lower bound
     bound = (costs.device_stage * total) * costs.cpu / (costs.cpu + costs.device_stage)
@@ -121,23 +125,26 @@ def cuda_plan(step_on, device=BIG, optimizer="host"):
 def test_the_plan_splits_prints_and_predicts_the_device_step():
     auto, cpu, dev = cuda_plan("auto"), cuda_plan("cpu"), cuda_plan("device")
     assert auto.optimizer_step_on == ("device", "cpu", "device", "cpu")
-    assert auto.needs["device_step"]["device"] == 3 * 12 * 2000 and cpu.needs["device_step"]["device"] == 0
-    assert auto.need["device"] - cpu.need["device"] == 3 * 12 * 2000
+    # the engine's staging sets of the largest device unit (unit 0): 12 B of state + 4 B of fp32 output x 2000
+    staged = DeviceStaging.SETS * (12 + 4) * 2000
+    assert auto.needs["device_step"]["device"] == staged and cpu.needs["device_step"]["device"] == 0
+    assert auto.need["device"] - cpu.need["device"] == staged
     # the device units' state crosses the link each way: 12 B x 3000 params at 12e4 B/s, in and out
     assert auto.breakdown["optimizer_staging"] == pytest.approx(2 * 0.3)
     assert cpu.breakdown["optimizer_staging"] == 0
     assert auto.predicted_step_s < cpu.predicted_step_s and auto.predicted_step_s < dev.predicted_step_s
     text = auto.summary()
     assert "optimizer step on (optimizer.step_on = auto): cpu 2 units, 0.0M params" in text
-    assert "device 2 units" in text and "staged on the device 70.31 KiB (in needed)" in text
+    assert "device 2 units" in text and f"staged on the device {staged / 1024:.2f} KiB (in needed)" in text
     assert auto.to_dict()["optimizer_step_sides"]["device"]["params"] == 3000
 
 
 def test_device_without_room_for_its_staging_is_refused_and_auto_keeps_the_cpu():
     room = cuda_plan("cpu").need["device"]
-    with pytest.raises(PlanDoesNotFit, match=r"optimizer\.step_on = 'device' stages the state of the units it updates "
-                                             r"on the device: 140\.62 KiB of device memory .* raise tiers\.device by "
-                                             r"140\.62 KiB"):  # 3 units in flight x 12 B x 4000
+    kib = DeviceStaging.SETS * (12 + 4) * 4000 / 1024  # the sets of the largest unit: state and output
+    with pytest.raises(PlanDoesNotFit, match=rf"optimizer\.step_on = 'device' stages the state of the units it updates "
+                                             rf"on the device: {kib:.2f} KiB of device memory .* raise tiers\.device by "
+                                             rf"{kib:.2f} KiB"):
         cuda_plan("device", device=room)
     assert cuda_plan("auto", device=room).optimizer_step_on == ("cpu",) * 4
 
@@ -151,8 +158,22 @@ def test_the_staging_counts_compact_state_as_the_store_allocates_it():
                                 precision=precision, alignment=1, step=StepOptions(step_on="device")),
                      Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=RATES))
     one_unit = plan.needs["optimizer"]["nvme"] // 2  # the NVMe term: the state and its one rewrite in flight
-    assert plan.needs["device_step"]["device"] == 3 * one_unit  # gradients and parameters on the device
+    # one staging set per DeviceStaging.SETS: the state, and the bf16 output (gradients on the device)
+    assert plan.needs["device_step"]["device"] == DeviceStaging.SETS * (one_unit + 2 * 5000)
     assert one_unit != round(plan.state_layout.bytes_per_param * 5000)
+
+
+@pytest.mark.parametrize("params", ["device", "host"])
+@pytest.mark.parametrize("gradients", ["device", "host"])
+def test_the_staging_term_is_the_engines_sets_whatever_the_params_and_gradients_homes(params, gradients):
+    """[Note: the device step's staging memory] on a CUDA node: the output is staged wherever the
+    parameters live (the engine stages it either way), the gradient only from off the device."""
+    p = make_plan(ModelFacts.of_sizes(SHARDS),
+                  PlanConfig(offload=OffloadConfig(params=params, gradients=gradients, optimizer="host"),
+                             alignment=1, step=StepOptions(step_on="device")),
+                  Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=RATES))
+    grad = 4 if gradients == "host" else 0  # fp32 gradients staged H2D beside the state
+    assert p.needs["device_step"]["device"] == DeviceStaging.SETS * (12 + 4 + grad) * 4000
 
 
 # --- the update's rates per rule and state dtype (issue 34 item 3) -----------------------------
@@ -187,7 +208,7 @@ def test_a_slower_device_rate_for_the_state_keeps_more_units_on_the_cpu():
     rates = {**RATES, "device_adamw_fp32_fp32": 14e4}
     costs = UpdateCosts.of(rates, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True,
                            device_key=device_rate_key(rates, AdamW(), StateLayout()))
-    s = choose("auto", (Location.HOST,) * 4, SHARDS, costs, depth=3, cuda=True)
+    s = choose("auto", (Location.HOST,) * 4, SHARDS, costs, cuda=True, staging=STAGING)
     assert s.units == ("device", "cpu", "cpu", "cpu")
     assert s.sides["cpu"][2] == pytest.approx(0.8) and s.sides["device"][2] == pytest.approx(0.8)
 

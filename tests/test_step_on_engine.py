@@ -10,7 +10,7 @@ import zerotier
 import zerotier.planner.step_on as planner_step_on
 from zerotier.models import TinyGPT, batches
 from zerotier.optim.device_staging import DeviceStaging
-from zerotier.optim.state_layout import StateLayout
+from zerotier.optim.state_terms import OptStateSizing
 
 VOCAB, SEQ, BATCH, LR = 64, 16, 4, 3e-3
 
@@ -207,17 +207,25 @@ def test_the_profile_shows_where_each_update_ran_and_the_staging_traffic(tmp_pat
         else:
             assert (key, "host", "device") not in moved and (key, "device", "host") not in moved
 @pytest.mark.pins("design#the-update-runs-where-the-plan-says-the-state-stays-home")
-def test_staging_is_reserved_from_the_device_tier_and_sized_by_its_term(tmp_path):
-    """The staging set is device-tier memory ([Note: device staging]): what the run reserves for it is at
-    most `DeviceStaging.staging_bytes` of the largest staged shard, and within the plan's device_step term."""
-    with zerotier.initialize(make_model(), config(tmp_path, "host", "device")) as engine:
+@pytest.mark.parametrize("params", ["device", "host"])
+@pytest.mark.parametrize("gradients", ["device", "host"])
+def test_staging_is_reserved_from_the_device_tier_and_sized_by_its_term(tmp_path, params, gradients):
+    """The staging set is device-tier memory ([Note: device staging]): what the run reserves for it is
+    `DeviceStaging.SETS x DeviceStaging.set_bytes` of the staged units, exactly the plan's device_step
+    term ([Note: the device step's staging memory]), wherever the parameters and gradients live."""
+    cfg = config(tmp_path, "host", "device", gradients=gradients)
+    cfg["offload"]["params"] = params
+    with zerotier.initialize(make_model(), cfg) as engine:
         train(engine, 0, 1)
         staging = engine.unit_optimizer.staging
         held = sum(b.numel() * b.element_size() for pool in (staging._state, staging._extra) for b in pool.values())
+        state = engine.unit_optimizer.state
+        state_set = OptStateSizing.staging_set(tuple(state.slots[u.index].layout.nbytes(k, u.shard_numel)
+                                                     for k in state.layout.keys) for u in engine.units)
         largest = max(u.shard_numel for u in engine.units)
-        layout = StateLayout.of(engine.settings.cfg.precision, engine.unit_optimizer.rule)
-        assert 0 < held <= DeviceStaging.staging_bytes(largest, layout, engine.lp_dtype.itemsize)
-        assert held <= engine.plan.needs["device_step"]["device"]  # within what the plan counts for it
+        # here the "device" is the CPU: the update reads host gradients where they are (no gradient staged)
+        assert 0 < held == DeviceStaging.SETS * DeviceStaging.set_bytes(state_set, largest, engine.lp_dtype.itemsize)
+        assert held == engine.plan.needs["device_step"]["device"]  # the plan counts what the engine reserves
         before = engine.device_tier.stats()["current"]
         staging.close()
         assert engine.device_tier.stats()["current"] == before - held

@@ -20,7 +20,9 @@ Stream/event invariant ([Note: copy streams and events] in tiers/device.py): no 
 written before the copies reading it completed, because a set is reused only by the next
 `staged(...)`, which begins after this one waited for its D2H tickets; every device tensor is
 allocated once, on the compute stream, and lives until close(). `SETS` (1) staging sets are
-alive at once: `staging_bytes` is the device memory the plan counts for them. On a CPU "device"
+alive at once, each `set_bytes` of device memory: the plan counts `SETS x set_bytes` of the
+device-stepped units ([Note: the device step's staging memory] in planner/step_on.py), the very
+figures the buffers are sized by. On a CPU "device"
 the same code runs: the copies go into separate buffers (the lagging device of the CPU suite
 copies late and poisons destinations, so a missing join fails there) and the rule's device
 variant runs on them instead of the native kernel.
@@ -34,25 +36,30 @@ import torch
 
 from ..state import Unit
 from .state_layout import StateLayout
+from .state_terms import OptStateSizing, UnitBytes
 
 
 class DeviceStaging:
     """The staging set of [Note: device staging], for the units `units` (their layouts `layouts`, by unit index)."""
 
-    SETS = 1  # units whose state is staged on the device at once
+    SETS = 1  # staging sets alive at once (units whose state is staged on the device at once)
 
     @staticmethod
-    def staging_bytes(largest_shard: int, layout: StateLayout, lp_itemsize: int, grad_itemsize: int = 0) -> int:
-        """Device bytes of the staging sets (the plan's term): per set, the state of the largest staged
-        shard in `layout`, its low-precision output, and its gradient when the gradients are in host
-        memory (`grad_itemsize`; 0 when they are on the device already)."""
-        return DeviceStaging.SETS * (layout.state_bytes(largest_shard) + largest_shard * (lp_itemsize + grad_itemsize))
+    def set_bytes(state_set: UnitBytes, largest_shard: int, lp_itemsize: int, grad_itemsize: int = 0) -> int:
+        """Device bytes of one staging set: `state_set`, per state key the largest staged unit's buffer
+        (OptStateSizing.staging_set of the staged units' key bytes); the low-precision output of the
+        largest staged shard; its gradient when the gradients are staged in from host memory
+        (`grad_itemsize`; 0 when the update reads them on the device). The plan's term is `SETS` of these."""
+        return sum(state_set) + largest_shard * (lp_itemsize + grad_itemsize)
 
     def __init__(self, units: list[Unit], layouts: dict[int, StateLayout], device_tier, profiler=None):
         self.device_tier, self.profiler = device_tier, profiler
         self.device = device_tier.device
         keys = next(iter(layouts.values())).keys
-        self._largest = {k: max(layouts[u.index].nbytes(k, u.shard_numel) for u in units) for k in keys}
+        # a set's buffers: set_bytes's figures, per key the largest staged unit's
+        state_set = OptStateSizing.staging_set(tuple(layouts[u.index].nbytes(k, u.shard_numel) for k in keys)
+                                               for u in units)
+        self._largest = dict(zip(keys, state_set))
         self._largest_shard = max(u.shard_numel for u in units)
         self._state: dict[str, torch.Tensor] = {}     # key -> uint8 device buffer (made at the first use)
         self._extra: dict[str, torch.Tensor] = {}     # "out" / "grad" -> device buffer, by dtype at first use

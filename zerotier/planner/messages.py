@@ -68,7 +68,7 @@ def device_step_does_not_fit(staging: int, free: int, budget: int) -> str:
     """optimizer.step_on = "device" without device room for the staged units ([Note: the device step's
     staging memory] in step_on.py)."""
     return (f"optimizer.step_on = 'device' stages the state of the units it updates on the device: "
-            f"{format_size(staging)} of device memory for the units in flight (optimizer.pipeline_depth of the "
-            f"largest), and {format_size(max(free, 0))} of tiers.device ({format_size(budget)}) is left after the rest "
-            f"of the plan: raise tiers.device by {format_size(staging - free)}, lower optimizer.pipeline_depth, or set "
+            f"{format_size(staging)} of device memory for its staging sets (the largest such unit's state, output "
+            f"and staged gradient), and {format_size(max(free, 0))} of tiers.device ({format_size(budget)}) is left "
+            f"after the rest of the plan: raise tiers.device by {format_size(staging - free)}, or set "
             f"optimizer.step_on = 'auto' (it keeps units on the CPU where the device lacks room) or 'cpu'")

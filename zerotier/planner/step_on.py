@@ -42,26 +42,31 @@ X's finish: the greedy is within one unit's update (its smallest units: placed l
 optimum. A device budget without room for the staged units in flight keeps every unit on the
 CPU; `device` forced without that room is refused (PlanDoesNotFit).
 
+
 Without a CUDA device (the "device" is the CPU) `auto` keeps every unit on the CPU: the device
 path would run torch ops on the very cores the native kernel uses, after copying the state into
 buffers of its own, so it cannot finish earlier; `device` still runs it there (CI tests that
 path on the CPU).
 
 [Note: the device step's staging memory]
-A unit stepped on the device takes device memory for its staged state while it is in flight:
-`device_staging_bytes(depth, largest_unit_state_bytes)` = depth x the largest device-stepped
-unit's staged bytes (its state as the store allocates it, `Sizes.state_units`: compact state's
-scales and rounding included; its gradient when the gradients are not on the device; its new
-parameters when the parameters are not), with depth = `optimizer.pipeline_depth` units in
-flight (one staged in, one stepped, one written back). The plan counts it as
-`needs["device_step"]["device"]`; the engine takes the same bytes from the device tier.
+A unit stepped on the device takes device memory for its staged state while it is in flight: the
+engine's staging sets ([Note: device staging] in optim/device_staging.py), `DeviceStaging.SETS`
+of them, each `DeviceStaging.set_bytes` of the device-stepped units: per state key the largest
+unit's buffer as the store allocates it (`Sizes.state_units`: compact state's scales and
+rounding included), the largest shard's low-precision output (staged whether or not the
+parameters are on the device), and its gradient where the engine stages it in: on a CUDA device
+with the gradients off it (`device_staging`; a CPU "device" reads host gradients where they are).
+The plan counts it as `needs["device_step"]["device"]`, the engine reserves the same buffers
+from the device tier: one function, so the two cannot disagree.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..optim.device_staging import DeviceStaging
+from ..optim.state_terms import OptStateSizing, UnitBytes
 from ..state import Location
 from ..tiers.homes import HOMES
 
@@ -94,9 +99,18 @@ def device_rate_key(rates: dict[str, float], rule, layout) -> str:
     return key if key in rates else "device_adam"
 
 
-def device_staging_bytes(depth: int, largest_unit_state_bytes: int) -> int:
-    """[Note: the device step's staging memory] Device bytes for `depth` units' staged state in flight."""
-    return depth * largest_unit_state_bytes
+def device_staging(unit_state: Sequence[UnitBytes], shards: Sequence[int], lp_itemsize: int,
+                   grad_itemsize: int) -> Callable[[Sequence[int]], int]:
+    """[Note: the device step's staging memory] The device bytes the engine's staging takes for the
+    device-stepped units of the given indices: `unit_state` each unit's state buffers (key bytes, unit
+    index order), `shards` its shard; `grad_itemsize` 0 where the update reads the gradients where they are."""
+    def staging(indices: Sequence[int]) -> int:
+        if not indices:
+            return 0
+        state_set = OptStateSizing.staging_set(unit_state[i] for i in indices)
+        return DeviceStaging.SETS * DeviceStaging.set_bytes(state_set, max(shards[i] for i in indices),
+                                                            lp_itemsize, grad_itemsize)
+    return staging
 
 
 @dataclass(frozen=True)
@@ -109,8 +123,6 @@ class UpdateCosts:
     in_bytes: float      # bytes per parameter staged in, and out; the kernel's bytes per parameter
     out_bytes: float
     kernel_bytes: float
-    staged_bytes: float  # device bytes per parameter one unit in flight takes (its state, gradient and new params)
-    extra_bytes: float   # of which its gradient and new parameters
 
     @classmethod
     def of(cls, rates: dict[str, float], state_bytes: float, grad_bytes: int, lp_bytes: int, *, cuda: bool,
@@ -127,8 +139,7 @@ class UpdateCosts:
         return cls(cpu=cpu, device_in=in_bytes / rates[link_in],
                    device_kernel=kernel_bytes / rates[device_key] if cuda else cpu,
                    device_out=out_bytes / rates[link_out], in_bytes=in_bytes, out_bytes=out_bytes,
-                   kernel_bytes=kernel_bytes, staged_bytes=in_bytes + out_bytes - state_bytes,
-                   extra_bytes=in_bytes + out_bytes - 2 * state_bytes)
+                   kernel_bytes=kernel_bytes)
 
     @property
     def device_stage(self) -> float:
@@ -155,15 +166,16 @@ class StepSplit:
     staging_bytes: int                          # [Note: the device step's staging memory]
 
 
-def choose(requested: str, homes: Sequence[Location], shards: Sequence[int], costs: UpdateCosts, depth: int,
-           cuda: bool, unit_state: Sequence[int] | None = None) -> StepSplit:
+def choose(requested: str, homes: Sequence[Location], shards: Sequence[int], costs: UpdateCosts, cuda: bool,
+           staging: Callable[[Sequence[int]], int]) -> StepSplit:
     """[Note: where the update runs] Each unit's side for `optimizer.step_on = requested`: forced,
     or split by the rates ("auto" with a CUDA device: [Note: choosing where each update runs]).
-    unit_state: each unit's state bytes as the store allocates them (None: shard x bytes per param)."""
+    staging: the device bytes of the staging for the device-stepped units of given indices
+    (`device_staging`)."""
     on = steps_on(requested, homes)  # checks `requested`; "auto" -> the CPU
     movable = [not HOMES[home].on_device for home in homes]
     if requested != "auto" or not cuda:
-        return summary(on, shards, movable, costs, depth, unit_state)
+        return summary(on, shards, movable, costs, staging)
     side = list(on)
     cpu_params = dev_params = largest = 0
     for i in sorted((i for i in range(len(shards)) if movable[i]), key=lambda i: (-shards[i], i)):
@@ -174,15 +186,14 @@ def choose(requested: str, homes: Sequence[Location], shards: Sequence[int], cos
             side[i], dev_params, largest = "device", dev_params + n, max(largest, n)
         else:
             cpu_params += n
-    return summary(tuple(side), shards, movable, costs, depth, unit_state)
+    return summary(tuple(side), shards, movable, costs, staging)
 
 
 def summary(side: Sequence[str], shards: Sequence[int], movable: Sequence[bool], costs: UpdateCosts,
-            depth: int, unit_state: Sequence[int] | None = None) -> StepSplit:
+            staging: Callable[[Sequence[int]], int]) -> StepSplit:
     """The split's sides (the units whose state is off the device) and its staging memory."""
     on = {s: [n for n, at, m in zip(shards, side, movable) if at == s and m] for s in ("cpu", "device")}
     sides = {s: (len(ns), sum(ns), costs.cpu_s(sum(ns)) if s == "cpu" else costs.device_s(sum(ns), max(ns)))
              for s, ns in on.items() if ns}
-    staged = max((round(costs.staged_bytes * n) if unit_state is None else unit_state[i] + round(costs.extra_bytes * n)
-                  for i, (n, at, m) in enumerate(zip(shards, side, movable)) if at == "device" and m), default=0)
-    return StepSplit(tuple(side), sides, device_staging_bytes(depth, staged))
+    staged = [i for i, (at, m) in enumerate(zip(side, movable)) if at == "device" and m]
+    return StepSplit(tuple(side), sides, staging(staged))
