@@ -68,21 +68,33 @@ def test_last_backward_reads_every_small_units_state_beside_a_large_one(params, 
             assert torch.equal(a[k], b[k]), k
 
 
-def test_the_unit_final_last_has_its_state_read_at_the_next_backwards_start(tmp_path):
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["plain", "speculated"])
+def test_the_unit_final_last_has_its_state_read_at_the_next_backwards_start(clip, tmp_path):
     """[Note: the last final unit's read] The root unit (embedding, tied head) is final last in
     backward: in the first window its state read is issued last; from the second window on, right
-    after the first unit's, so it runs under the backward instead of on step()'s critical path."""
+    after the first unit's, so it runs under the backward instead of on step()'s critical path.
+    Also when each unit is speculated as it becomes final (clipping, train.overlap auto)."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=4096, dim=64, layers=4, heads=2, seq=16)
     cfg = {"offload": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
-           "tiers": {"nvme_path": str(tmp_path)}, "train": {"handle_signals": False}}
+           "tiers": {"nvme_path": str(tmp_path)}, "train": {"handle_signals": False, "max_grad_norm": clip}}
     orders = []
     with zerotier.initialize(model, cfg) as engine:
+        state = engine.unit_optimizer.state
         root = next(u.index for u in engine.units if not u.name)
+        issue = state._issue_read
+
+        def issue_read(unit, block):
+            issue(unit, block)
+            if unit.index in state._reads and unit.index not in orders[-1]:
+                orders[-1].append(unit.index)
+        state._issue_read = issue_read
         for x, y in batches(4096, 16, 2, 3):
+            orders.append([])
             engine.backward(engine(x, y))
-            orders.append(list(engine.unit_optimizer.state._reads))
             engine.step()
+        speculated = engine.window.overlap.speculation.windows
+    assert speculated == (0 if clip is None else 3)
     assert orders[0][-1] == root, orders                        # nothing learnt yet: read as it became final
     assert [o.index(root) for o in orders[1:]] == [1, 1], orders  # next to the first unit final
     assert all(sorted(o) == sorted(orders[0]) for o in orders)    # the same reads, only earlier

@@ -3,6 +3,7 @@
     python tools/drive_idle.py                      # bench_planner's gpt2 (768 x 6, vocab 50257), params+opt on NVMe
     python tools/drive_idle.py --quick              # its --quick widths (256 x 4, vocab 8192): a smoke run
     python tools/drive_idle.py --placement opt-nvme --steps 6 --nvme-path /mnt/nvme
+    python tools/drive_idle.py --clip 1.0           # clipping on: each unit speculated as it becomes final
 
 Issue 34 item 4: the params+optimizer-on-NVMe step took 1.31x its drive bound (bytes written /
 write rate + bytes read / read rate, the rates fio's). A step can only come near that bound if
@@ -142,7 +143,7 @@ def run(args) -> dict:
     x = torch.randint(0, vocab, (args.batch, seq), generator=g)
     y = torch.randint(0, vocab, (args.batch, seq), generator=g)
     cfg = {"offload": PLACEMENTS[args.placement], "tiers": {"nvme_path": nvme_path},
-           "train": {"handle_signals": False}, "optimizer": {"pipeline_depth": args.depth} if args.depth else {}}
+           "train": {"handle_signals": False, "max_grad_norm": args.clip}, "optimizer": {"pipeline_depth": args.depth} if args.depth else {}}
     torch.manual_seed(0)
     steps = []
     with zerotier.initialize(factory("meta"), cfg, init_fn=init_fn) as engine:
@@ -202,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--placement", default="params+opt-nvme", help="a bench_planner placement (default params+opt-nvme)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5); the median skips the first 2")
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--clip", type=float, default=None, help="train.max_grad_norm (default off; on: the window's "
+                   "NVMe units are speculated during backward, train.overlap auto)")
     p.add_argument("--depth", type=int, default=0, help="optimizer.pipeline_depth (default: the config's)")
     p.add_argument("--sample-ms", type=float, default=1.0, help="completion polling period (default 1 ms)")
     p.add_argument("--probe-mib", type=int, default=512, help="MiB written and read to measure the drive")

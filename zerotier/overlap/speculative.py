@@ -236,8 +236,8 @@ class Speculative(OverlapPolicy):
         e, scale = self.rt, self._spec_scale
 
         def update(hypers):
+            e.unit_optimizer.state.prefetch(unit)  # NVMe: its read, and [Note: the last final unit's read]
             if not self.undo.speculate(unit, e.params.staged_out_bytes(unit)):
-                e.unit_optimizer.state.prefetch(unit)
                 return
             self._spec_hyper[unit.index] = hypers.of(unit.index)
             e.unit_optimizer.update([unit], e.grads, e.params, hypers, scale, drain=False, keep_grads=True,
