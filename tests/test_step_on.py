@@ -122,21 +122,49 @@ def cuda_plan(step_on, device=BIG, optimizer="host"):
                      Node(torch.device("cuda"), budgets={"device": device, "host": BIG, "nvme": BIG}, rates=RATES))
 
 
-def test_the_plan_splits_prints_and_predicts_the_device_step():
+def test_the_plan_prints_and_predicts_the_device_step_and_auto_weighs_the_serial_engine():
+    """[Note: the device step in the schedule]: the engine's optimizer thread waits for each device
+    unit, so the device's units run after the CPU's. With RATES a unit's device path (in, kernel, out:
+    3 s / 1e4 params) is slower than its CPU update (1 s / 1e4): the split balanced for two parallel
+    sides (0.7 s each) would take 0.7 + 3 x 0.3 = 1.6 s serially, every unit on the device 3.0 s,
+    every unit on the CPU 1.0 s: `auto` keeps the CPU."""
     auto, cpu, dev = cuda_plan("auto"), cuda_plan("cpu"), cuda_plan("device")
-    assert auto.optimizer_step_on == ("device", "cpu", "device", "cpu")
-    # the engine's staging sets of the largest device unit (unit 0): 12 B of state + 4 B of fp32 output x 2000
-    staged = DeviceStaging.SETS * (12 + 4) * 2000
-    assert auto.needs["device_step"]["device"] == staged and cpu.needs["device_step"]["device"] == 0
-    assert auto.need["device"] - cpu.need["device"] == staged
-    # the device units' state crosses the link each way: 12 B x 3000 params at 12e4 B/s, in and out
-    assert auto.breakdown["optimizer_staging"] == pytest.approx(2 * 0.3)
+    assert choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, True, STAGING).units == ("device", "cpu", "device", "cpu")
+    assert auto.optimizer_step_on == ("cpu",) * 4 and auto.predicted_step_s == cpu.predicted_step_s
+    assert dev.optimizer_step_on == ("device",) * 4
+    # the engine's staging sets of the largest device unit (unit 1): 12 B of state + 4 B of fp32 output x 4000
+    staged = DeviceStaging.SETS * (12 + 4) * 4000
+    assert dev.needs["device_step"]["device"] == staged and auto.needs["device_step"]["device"] == 0
+    assert dev.need["device"] - cpu.need["device"] == staged
+    # every unit's state crosses the link each way: 12 B x 10000 params at 12e4 B/s, in and out
+    assert dev.breakdown["optimizer_staging"] == pytest.approx(2 * 1.0)
     assert cpu.breakdown["optimizer_staging"] == 0
-    assert auto.predicted_step_s < cpu.predicted_step_s and auto.predicted_step_s < dev.predicted_step_s
-    text = auto.summary()
-    assert "optimizer step on (optimizer.step_on = auto): cpu 2 units, 0.0M params" in text
-    assert "device 2 units" in text and f"staged on the device {staged / 1024:.2f} KiB (in needed)" in text
-    assert auto.to_dict()["optimizer_step_sides"]["device"]["params"] == 3000
+    # serial: 1 s in + 1 s kernel + 1 s out per 1e4 params (no compute here); the CPU's 1.0 s of
+    # updates, plus its gradient staging and parameters' copy back where they do not hide
+    assert dev.predicted_step_s == pytest.approx(3.0) and 1.0 < cpu.predicted_step_s < 1.5
+    text = dev.summary()
+    assert "optimizer step on (optimizer.step_on = device):" in text
+    assert "device 4 units" in text and f"staged on the device {staged / 1024:.2f} KiB (in needed)" in text
+    assert dev.to_dict()["optimizer_step_sides"]["device"]["params"] == 10000
+
+
+@pytest.mark.pins("design#the-update-runs-where-the-plan-says-the-state-stays-home")
+def test_auto_puts_every_unit_on_a_faster_device_rather_than_the_balanced_split():
+    """A device path 10x faster (each stage 0.1 s / 1e4 params): the greedy split balanced for parallel
+    sides is (device, device, cpu, device), but serially it takes 0.1 (the CPU's unit 2) + 0.27 s, every
+    unit on the device 0.3 s, every unit on the CPU 1.0 s: `auto` takes every unit on the device."""
+    rates = {**RATES, "h2d": 120e4, "d2h": 120e4, "device_adam": 280e4}
+    costs = UpdateCosts.of(rates, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True)
+    assert choose("auto", (Location.HOST,) * 4, SHARDS, costs, True, STAGING).units == \
+        ("device", "device", "cpu", "device")
+    node = Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=rates)
+    plans = {on: make_plan(ModelFacts.of_sizes(SHARDS),
+                           PlanConfig(offload=OffloadConfig(params="device", gradients="device", optimizer="host"),
+                                      alignment=1, step=StepOptions(step_on=on)), node)
+             for on in ("auto", "cpu", "device")}
+    assert plans["auto"].optimizer_step_on == ("device",) * 4
+    assert plans["auto"].predicted_step_s == plans["device"].predicted_step_s
+    assert plans["auto"].predicted_step_s == pytest.approx(0.3) and plans["cpu"].predicted_step_s > 1.0
 
 
 def test_device_without_room_for_its_staging_is_refused_and_auto_keeps_the_cpu():
@@ -188,15 +216,21 @@ def test_a_slower_cpu_rate_for_the_state_moves_units_to_the_device():
     # unit 0 (2000): cpu max(1.2, 0.9) = 1.2 vs max(0.8, 0.5 + 0.6) = 1.1 -> device
     # unit 2 (1000): cpu max(1.0, 1.1) = 1.1 vs max(0.8, 0.6 + 0.6) = 1.2 -> cpu
     rates = {**RATES, "cpu_adamw_fp32_fp32": 0.5e4}
+    costs = UpdateCosts.of(rates, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True,
+                           cpu_key=cpu_rate_key(rates, AdamW(), StateLayout()))
+    s = choose("auto", (Location.HOST,) * 4, SHARDS, costs, True, STAGING)
+    assert s.units == ("device", "cpu", "cpu", "device")  # with cpu_adam alone: unit 2, not 3
+    assert s.sides["cpu"] == (2, 5000, pytest.approx(1.0))
+    assert s.sides["device"] == (2, 5000, pytest.approx(1.1))
+    assert choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, True, STAGING).units == ("device", "cpu", "device", "cpu")
+    # the plan reads the rate of its rule and state; the engine's device units run after the CPU's
+    # ([Note: the device step in the schedule]): 1.0 + 3 x 0.5 = 2.5 s split, 3.0 s device, 2.0 s CPU
     p = make_plan(ModelFacts.of_sizes(SHARDS),
                   PlanConfig(offload=OffloadConfig(params="device", gradients="device", optimizer="host"),
                              alignment=1, step=StepOptions(step_on="auto")),
                   Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=rates))
-    assert p.optimizer_step_on == ("device", "cpu", "cpu", "device")  # with cpu_adam alone: unit 2, not 3
-    assert p.optimizer_step_sides["cpu"] == (2, 5000, pytest.approx(1.0))
-    assert p.optimizer_step_sides["device"] == (2, 5000, pytest.approx(1.1))
     assert p.rate_sources["cpu_adamw_fp32_fp32"] == "given" and "cpu_adam" not in p.rate_sources
-    assert cuda_plan("auto").optimizer_step_on == ("device", "cpu", "device", "cpu")
+    assert p.optimizer_step_on == ("cpu",) * 4
 
 
 def test_a_slower_device_rate_for_the_state_keeps_more_units_on_the_cpu():

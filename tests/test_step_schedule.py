@@ -187,12 +187,17 @@ SPLIT = [UnitWork(forward_s=1, backward_s=2, adam_s=2),
                   stage_out_s=1)]
 
 
-def test_a_device_step_runs_beside_the_cpus():
-    # fwd 0-2, bwd1 2-4, bwd0 4-6. After backward: adam0 on the optimizer thread 6-8; unit 1 beside it:
-    # in 6-6.5 (h2d), kernel 6.5-7.5 (compute), out 7.5-8.5 (d2h) -> 8.5 s (both on the CPU: 10 s)
+@pytest.mark.pins("design#the-update-runs-where-the-plan-says-the-state-stays-home")
+def test_a_device_step_runs_after_the_cpus_on_the_optimizer_thread():
+    # fwd 0-2, bwd1 2-4, bwd0 4-6. After backward: adam0 on the optimizer thread 6-8; unit 1 in its
+    # turn, the thread waiting for its staging out (the engine's one staging set): in 8-8.5 (h2d),
+    # kernel 8.5-9.5 (compute), out 9.5-10.5 (d2h) -> 10.5 s (both on the CPU: 10 s)
     s = simulate(SPLIT, StepShape())
-    assert s.step_s == 8.5
-    assert s.critical["optimizer_staging"] == 1.5 and s.critical["optimizer"] == 1.0
-    assert sum(s.critical.values()) == pytest.approx(8.5)
+    assert s.step_s == 10.5
+    assert s.critical["optimizer_staging"] == 1.5 and s.critical["optimizer"] == 2.0 + 1.0
+    assert sum(s.critical.values()) == pytest.approx(10.5)
+    # unit 1 first in the thread's order: unit 0's CPU update waits for unit 1's staging out
+    flipped = simulate(SPLIT[::-1], StepShape())
+    assert flipped.step_s == 10.5
     both_cpu = [SPLIT[0], dataclasses.replace(SPLIT[0])]
     assert simulate(both_cpu, StepShape()).step_s == 10.0

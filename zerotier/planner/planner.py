@@ -249,10 +249,10 @@ def _place(offload: OffloadConfig, model: ModelFacts, config: PlanConfig, node: 
 def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Location, ...] | None, sizes: Sizes,
              rates: dict[str, float], local: int, free: dict[str, int], budgets: dict[str, int], per_rank_bytes: int,
              step_s):
-    """[Note: choosing where each update runs] Each unit's side; `auto` keeps the CPU where its split
-    does not shorten the whole step (`step_s(on_device)`: the schedule's, where the device's units share
-    compute and the links with the rest) or the device lacks room for its staging; `device` without
-    that room is refused ([Note: the device step's staging memory])."""
+    """[Note: choosing where each update runs] Each unit's side; `auto` takes the split, or every unit
+    on the device, only where it shortens the whole step (`step_s(on_device)`: the schedule's, where the
+    device's units share the optimizer thread, compute and the links with the rest) and the device has
+    room for its staging; `device` without that room is refused ([Note: the device step's staging memory])."""
     homes = units_on or (placement["optimizer"],) * len(sizes.unit_order)
     costs = UpdateCosts.of(rates, sizes.state.bytes_per_param, sizes.grad_bytes, sizes.lp_bytes, cuda=sizes.cuda,
                            grads_on_device=HOMES[placement["gradients"]].on_device,
@@ -266,8 +266,13 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
     chosen = choose(requested, homes, shards, costs, sizes.cuda, staging)
     cpu = choose("cpu", homes, shards, costs, sizes.cuda, staging)
     if requested == "auto" and chosen.units != cpu.units and chosen.staging_bytes <= free["device"]:
+        # the schedule runs the device's units after the CPU's, as the engine does ([Note: the device
+        # step in the schedule]): the split, every unit on the CPU, or every unit on the device, the
+        # fastest whole step (ties: the CPU, then the split)
+        every = choose("device", homes, shards, costs, sizes.cuda, staging)
+        candidates = [cpu, chosen] + ([every] if every.staging_bytes <= free["device"] else [])
         on = lambda split: tuple(side == "device" for side in split.units)  # noqa: E731
-        return chosen if step_s(on(chosen)) < step_s(on(cpu)) else cpu
+        return min(candidates, key=lambda split: step_s(on(split)))
     if chosen.staging_bytes <= free["device"]:
         return chosen
     if requested == "device":

@@ -58,11 +58,15 @@ What waits for what (the engine's schedule, engine.py and the stores' Notes):
 
 [Note: the device step in the schedule]
 A unit whose update the planner put on the device (`UnitWork.device_step`, [Note: choosing
-where each update runs] in step_on.py) leaves the optimizer thread: its state (read from NVMe
-first, as above) is staged in on `h2d`, stepped on `compute`, staged out on `d2h`, and only then
-written to NVMe or its parameters sent home. The device's units follow one another (one stream)
-beside the CPU's, at most `pipeline_depth` of them staged at once (a unit's staging in waits for
-the staging out of the unit that many earlier: its buffers).
+where each update runs] in step_on.py) runs on the optimizer thread in its turn, as the engine
+runs it ([Note: device staging] in optim/device_staging.py): its state (read from NVMe first, as
+above) is staged in on `h2d`, stepped on `compute`, staged out on `d2h`, and the thread waits for
+the staging out (one staging set) before it takes up the next unit; only then is the state
+written to NVMe or the parameters sent home. So the device's units do not run beside the CPU's:
+they follow them and one another, and only the I/O of other units (NVMe reads and writes,
+parameter write-backs) overlaps them. Not yet: device units asynchronous to the thread (their
+copies and kernel on the streams while the thread updates the CPU's units), which the split of
+step_on.py is balanced for.
 
 [Note: speculation in the schedule]
 With `speculative` (train.overlap: [Note: speculative step] in overlap/speculative.py) the
@@ -301,8 +305,6 @@ class _Updates:
                  home_write: dict[int, int]):
         self.g, self.units, self.shape, self.grad_final, self.home_write = g, units, shape, grad_final, home_write
         self.last_adam: int | None = None
-        self.last_device: int | None = None  # [Note: the device step in the schedule]
-        self.device_outs: list[int] = []
         self.writes: list[int] = []    # every unit's state write so far (a zero-second task off NVMe)
         self.commits: list[int] = []   # parameter write-backs, oldest first
         self.waits: list[int] = []     # what engine.step() waits for
@@ -345,18 +347,13 @@ class _Updates:
                 after = [final, g.add("speculation", u.adam_on, u.undo_s, after)]
             if i in restore and u.restore_s:
                 after = [g.add("speculation", u.adam_on, u.restore_s, after)]
-            if u.device_step:  # [Note: the device step in the schedule]: its own stream, not the thread's
-                after = [a for a in after if a != self.last_adam] + [self.last_device]
-                if len(self.device_outs) >= depth:
-                    after.append(self.device_outs[-depth])
+            if u.device_step:  # [Note: the device step in the schedule]: the thread waits for its staging out
                 staged_in = g.add("optimizer_staging", "h2d", u.stage_in_s, after)
                 kernel = g.add("optimizer", u.adam_on, u.adam_s, [staged_in])
-                self.last_device = kernel
-                self.device_outs.append(g.add("optimizer_staging", "d2h", u.stage_out_s, (kernel,)))
-                adam.append(self.device_outs[-1])
+                adam.append(g.add("optimizer_staging", "d2h", u.stage_out_s, (kernel,)))
             else:
                 adam.append(g.add("optimizer", u.adam_on, u.adam_s, after))
-                self.last_adam = adam[-1]
+            self.last_adam = adam[-1]
             if shape.state_on_nvme:
                 self.writes.append(g.add("optimizer_nvme", "nvme", u.state_write_s, (adam[-1],)))
                 self.waits.append(self.writes[-1])
