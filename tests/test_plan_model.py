@@ -491,3 +491,22 @@ def test_plan_measures_the_activations_of_its_inputs_and_estimates_them_without(
     guessed = zerotier.plan(model, tiers)
     assert guessed.activation_bytes == transformer_activation_bytes(32, 2, 4, 32, vocab=128, dtype_bytes=4)
     assert "estimated from the config: seq 32, micro-batch 1" in guessed.summary()
+
+
+def test_nvme_state_read_and_write_time_counts_the_units_buffers_as_the_store_allocates_them():
+    """Silently wrong before: the NVMe optimizer's read/write time took the layout's average bytes
+    per parameter (4.03 B with a bf16 master and int8 moments), while a unit of parameters below
+    FP32_MOMENT_NUMEL keeps fp32 moments: hand-computed, 2 x 1000 elements x (2 B bf16 master +
+    4 B exp_avg + 4 B exp_avg_sq) = 20,000 B read and written, as Sizes.state_units counts them."""
+    from zerotier.planner.predict import DEFAULT_RATES, predict
+    from zerotier.planner.sizes import Sizes
+    from zerotier.state import Location
+
+    layout = StateLayout(master="bf16", moments="int8")
+    s = Sizes(numels=(2000,), lp_bytes=2, grad_bytes=4, lookahead=0, stage=0, world_size=1, unit_order=(2000,),
+              unit_params=((1000, 1000),), state=layout)
+    placement = {"params": Location.DEVICE, "gradients": Location.DEVICE, "optimizer": Location.NVME}
+    schedule, used = predict(placement, s, "cpu", DEFAULT_RATES, local_ranks=1)
+    assert {"nvme_read", "nvme_write"} <= set(used)
+    expected = 20_000 / DEFAULT_RATES["nvme_read"] + 20_000 / DEFAULT_RATES["nvme_write"]
+    assert schedule.seconds["optimizer_nvme"] == pytest.approx(expected, rel=1e-12)

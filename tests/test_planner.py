@@ -131,13 +131,14 @@ def test_sharded_message_says_per_rank():
     with pytest.raises(PlanDoesNotFit, match=r"\(250 per rank: ZeRO stage 1 over 4 ranks; budgets are per rank\)"):
         plan([1000], device=8000 + buckets, host=0, nvme=0, offload=ALL_DEVICE, world_size=4, stage=1)
     # ...and sharding is what makes it fit (device: 9000 B of model state, the 1000 B full gradient
-    # kept beside its reduced shard, the 500 B updated bf16 shard awaiting its all-gather, the buckets;
-    # the optimizer's state is its 256-element padded shard, 72 B more than 250 elements', as the store
-    # allocates it: [Note: the optimizer's bytes per unit])
-    assert plan([1000], device=10572 + buckets, host=0, offload=ALL_DEVICE, world_size=4,
+    # kept beside its reduced shard, the 512 B updated bf16 shard awaiting its all-gather, the buckets;
+    # every shard is the partition's 256-element padded one, as the stores allocate it: the optimizer's
+    # state 72 B more than 250 elements' ([Note: the optimizer's bytes per unit]), the reduced fp32
+    # gradient 24 B more, the bf16 shard 12 B more (Sizes.held_shards))
+    assert plan([1000], device=10608 + buckets, host=0, offload=ALL_DEVICE, world_size=4,
                 stage=1).per_rank_bytes == 9000
     with pytest.raises(PlanDoesNotFit):
-        plan([1000], device=10571 + buckets, host=0, offload=ALL_DEVICE, world_size=4, stage=1)
+        plan([1000], device=10607 + buckets, host=0, offload=ALL_DEVICE, world_size=4, stage=1)
 
 
 def test_nvme_optimizer_needs_host_staging():
@@ -287,3 +288,33 @@ def test_does_not_fit_grammar(kind, verb):
     fits = {"params": 0, "gradients": 2 * n, "optimizer": 6 * n}[kind]
     with pytest.raises(PlanDoesNotFit, match=rf"^the {kind} of 1,000 parameters {verb} not fit within"):
         plan([n], device=fits, host=0, offload=ALL_DEVICE)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sharded_terms_count_the_partitions_padded_shards_as_the_stores_allocate_them(stage, world_size):
+    """Silently wrong before: the params and gradients terms (and the optimizer's updated shards)
+    counted ceil(numel / N) elements per rank, while the stores allocate each unit's partition
+    shard (padded to SHARD_ALIGN x N elements; the whole unit where stage 3 replicates it), up to
+    32 x N - 1 elements per unit more. The allocations below follow the stores' own rules:
+    ParamStore keeps its ZeRO-3 shard, MemoryGrads.place the full sum and (unless whole) the
+    reduced shard, ParamStore.out_shard the updated low-precision shard at ZeRO-1/2."""
+    from zerotier.dist.buckets import GradBucketer
+    from zerotier.dist.partition import stage_partitions
+
+    numels = [150_001, 100_003, 1_000, 77]  # none a multiple of 32 x N; stage 3 replicates the two small
+    zero = ZeroConfig(stage=stage)
+    parts = stage_partitions(numels, world_size, stage, zero.persistence_threshold)
+    p = plan(numels, world_size=world_size, stage=stage,
+             offload={"params": "host", "gradients": "host", "optimizer": "host"})
+    held = p.needs
+    if stage == 3:  # the parameters' homes: each unit's shard, on the host
+        assert held["params"]["host"] >= 2 * sum(part.shard_numel for part in parts)
+    grads = sum(part.numel + (0 if part.replicated and stage <= 1 else part.shard_numel) for part in parts)
+    landing = GradBucketer.staging_bytes(zero.reduce_bucket_size, 4, parts, alignment=1)
+    assert held["gradients"]["host"] - landing >= 4 * grads  # fp32 accumulators and reduced shards
+    if stage in (1, 2):  # the updated bf16 shard of every unit waits for its all-gather beside the state
+        from zerotier.optim.state_layout import StateLayout
+        from zerotier.optim.state_terms import OptStateSizing
+        state = sum(sum(OptStateSizing.key_bytes(StateLayout(), (n,), part)) for n, part in zip(numels, parts))
+        assert held["optimizer"]["host"] >= state + 2 * sum(part.shard_numel for part in parts)

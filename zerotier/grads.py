@@ -160,21 +160,22 @@ class GradStore:
         """The gradients' bytes per tier with accumulators in homes of class `home` ([Note: bytes per
         parameter] in planner/sizes.py; `s`: the planner's Sizes): the accumulators, their staging,
         and with several ranks the reduce buckets and the copies on each side of the reduce."""
-        n, tier = s.rank_numel("gradients"), home.location.value
-        need = home.plan_bytes(n, s.grad_bytes)
+        tier = home.location.value
+        need = home.plan_bytes(s.held_numel("gradients"), s.grad_bytes)
         if home.in_memory and not home.on_device and s.cuda and s.engine_buffers:
             need["host"] += GradStore.offload_staging_bytes(s.largest, s.lp_bytes, s.alignment)  # the D2H in flight
         if not home.in_memory:  # [Note: gradients on NVMe]: the full gradient is staging only
             if s.engine_buffers:
-                need["host"] += GradStore.nvme_staging_bytes(s.largest, s.rank_largest("gradients"), s.lp_bytes,
+                need["host"] += GradStore.nvme_staging_bytes(s.largest, s.held_largest("gradients"), s.lp_bytes,
                                                             s.grad_bytes, s.world_size, s.stage)
             if s.engine_buffers and s.world_size > 1 and s.stage == 1:  # the reduced shards' files too
-                need[tier] += s.grad_bytes * (s.numel // s.world_size)
+                need[tier] += s.grad_bytes * sum(s.shard_numels())
         elif s.engine_buffers and s.world_size > 1 and s.stage >= 1:
             # The engine keeps both the full gradient (the reduce-scatter input; freeing
-            # it per bucket is future work) and this rank's reduced shard, on the gradient
-            # tier. Stages >= 2 counted the shard above, stage 1 the full flat.
-            need[tier] += s.grad_bytes * (s.numel if n < s.numel else s.numel // s.world_size)
+            # it per bucket is future work) and this rank's reduced shard (the partition's
+            # padded shard), on the gradient tier. Stages >= 2 counted the shard above, stage 1
+            # the full flat.
+            need[tier] += s.grad_bytes * (s.numel if s.stage >= 2 else sum(s.shard_numels()))
         if s.engine_buffers and s.world_size > 1:  # the reduce buckets: fp32, on the device
             need["device"] += GradBucketer.buffer_bytes(s.reduce_bucket, 4, s.partitions())
             if not home.on_device:  # [Note: bucket memory]: host gradients cross by the tier's copies

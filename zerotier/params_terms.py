@@ -46,13 +46,13 @@ class ParamSizing:
         """The parameters' bytes per tier with homes of class `home` ([Note: bytes per parameter]);
         `s` is the planner's Sizes, frozen units included. The shards at rest, the fetched full units
         on the device, the pool blocks of moves through the host, and the collectives' buffers."""
-        need = home.plan_bytes(s.rank_numel("params"), s.lp_bytes)
+        need = home.plan_bytes(s.held_numel("params"), s.lp_bytes)
         if not home.on_device or s.stage >= 3:
             # fetched full units: the one computing, the one just done, the lookahead, and the
             # units enclosing them (resident for their module's whole forward/backward)
             need["device"] += min(sum(s.numels[:s.lookahead + 2]) + s.nested, s.numel) * s.lp_bytes
         if home.blocks_per_move:  # each fetch and write-back goes through a pool block (NVMe)
-            need["host"] += ParamSizing.host_staging_bytes(s.lookahead, s.rank_shards("params"), s.lp_bytes)
+            need["host"] += ParamSizing.host_staging_bytes(s.lookahead, s.held_shards("params"), s.lp_bytes)
         if s.engine_buffers and s.world_size > 1:
             sharded = [p for p in s.partitions() if not p.replicated]
             if s.stage >= 3 and not home.on_device:

@@ -84,9 +84,9 @@ class OptStateSizing:
         if not home.in_memory and units:
             need["host"] += OptStateSizing.staging_bytes(s.pipeline_depth, units)
         if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu and not home.on_device):
-            need["host"] += StagedGrads.staging_bytes(s.rank_largest("optimizer"), s.grad_bytes)
+            need["host"] += StagedGrads.staging_bytes(s.held_largest("optimizer"), s.grad_bytes)
         if s.engine_buffers and s.world_size > 1 and s.stage in (1, 2):
             # the updated low-precision shards wait on the optimizer's side for the all-gather
             need["device" if home.on_device else "host"] += ParamSizing.writeback_bytes(
-                s.rank_numel("optimizer"), s.lp_bytes)
+                s.held_numel("optimizer"), s.lp_bytes)
         return need

@@ -24,7 +24,8 @@ runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit
                            [Note: choosing where each update runs] in step_on.py): its state (and
                            gradient, when off the device) staged in, the kernel, its state (and new
                            parameters, when off the device) staged out, `optimizer_staging`
-  optimizer state on NVMe  12 B/param read and written per step
+  optimizer state on NVMe  each unit's state buffers read and written per step, as the store
+                           allocates them (`Sizes.state_units`: 12 B/param for fp32 AdamW)
   new parameters home      host->device copy when they live on a CUDA device, an NVMe write
                            when on NVMe; none when the home is the optimizer's memory
   global norm (clipping)   one read of every gradient: host or CPU device at `mem_read`,
@@ -187,9 +188,10 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             else:
                 w["adam_s"] = secs(o_shard * local_ranks, cpu_key)
                 w["adam_on"] = "cpu" if cuda else "compute"  # a CPU device's compute is the same cores
-            if unit_opt.read_rate:
-                w["state_read_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, unit_opt.read_rate)
-                w["state_write_s"] = secs(s.state.bytes_per_param * o_shard * local_ranks, unit_opt.write_rate)
+            if unit_opt.read_rate:  # the unit's state buffers as the store allocates them (Sizes.state_units)
+                state = sum(s.state_units[i])
+                w["state_read_s"] = secs(state * local_ranks, unit_opt.read_rate)
+                w["state_write_s"] = secs(state * local_ranks, unit_opt.write_rate)
             if speculated and speculated[i] and unit_opt.in_memory:  # the undo copy, and its restore
                 undo = undo_bytes(sum(s.state_units[i]), o_shard, s.lp_bytes)
                 if unit_opt.on_device and cuda:  # read and written on the device

@@ -10,8 +10,9 @@ G = bytes per gradient element:
   gradients   G * Psi          stage 2                          "P_os+g"
   optimizer  12 * Psi          stage 1 (fp32 master + m + v)    "P_os", K = 12
 
-`model_state_bytes` is that table summed; a sharded kind holds ceil(Psi / N) elements on
-the largest rank. The optimizer's term counts each unit's state buffers as the store allocates
+`model_state_bytes` is that table summed; in the paper a sharded kind holds ceil(Psi / N)
+elements on the largest rank. The stores' terms count each unit's shard as the partition makes
+it (`Sizes.held_shards`: padded to SHARD_ALIGN x N elements, whole where replicated). The optimizer's term counts each unit's state buffers as the store allocates
 them (`Sizes.state_units`, [Note: the optimizer's bytes per unit] in optim/state_terms.py):
 K per element on average, more where int8 blocks are padded, small parameters keep fp32
 moments, or a shard is padded to its partition's alignment. G has two accountings:
@@ -179,6 +180,29 @@ class Sizes:
     def rank_shards(self, kind: str) -> list[int]:
         return [shard_numel(n, kind, self.stage, self.world_size) for n in self.numels]
 
+    def held_shards(self, kind: str) -> list[int]:
+        """Every unit's elements of `kind` one rank's store allocates (numels order): the partition's
+        padded shard where the stage shards `kind` (`Partition.shard_numel`: SHARD_ALIGN x ranks
+        padding, the whole unit where it is replicated), else the whole unit. ceil(numel / N) understates it by up to 32 x N - 1 elements per unit.
+        Without the engine's buffers (the ZeRO paper's accounting) the paper's ceil(numel / N)."""
+        if not self.engine_buffers:
+            return self.rank_shards(kind)
+        if self.stage < SHARDED_FROM_STAGE[kind]:
+            return list(self.numels)
+        return self.shard_numels()
+
+    def held_numel(self, kind: str) -> int:
+        """This rank's elements of `kind` as its store allocates them (the paper's without engine buffers)."""
+        return sum(self.held_shards(kind)) if self.engine_buffers else self.rank_numel(kind)
+
+    def held_largest(self, kind: str) -> int:
+        return max(self.held_shards(kind), default=0)
+
+    def shard_numels(self) -> list[int]:
+        """Every unit's shard buffer of its partition (numels order): what a rank's store allocates
+        for a sharded kind, or for the reduced gradient beside a full one."""
+        return [p.shard_numel for p in self.partitions()]
+
     def partitions(self) -> list[Partition]:
         """Every unit's partition over the ranks, as Sharding.assign makes them (stage 0 replicates
         every unit, stage 3 those below zero.persistence_threshold)."""
@@ -215,7 +239,7 @@ def _nvme_rewrites(kind: str, s: Sizes) -> int:
     flight at once need their room too: the optimizer's `pipeline_depth` staging sets (a file per
     state key of the largest units' each, as the store sizes them: `Sizes.state_units`), the
     parameters' `lookahead + 2` write-backs (ParamStore.writes_in_flight)."""
-    shards = sorted(s.rank_shards(kind), reverse=True)
+    shards = sorted(s.held_shards(kind), reverse=True)
     if kind == "params":
         files, inflight = 1, ParamStore.writes_in_flight(s.lookahead)
         rewrite = s.lp_bytes * sum(shards[:inflight])
@@ -281,7 +305,7 @@ def split_bytes(units_on: tuple[Location, ...], s: Sizes) -> dict[str, int]:
         for t, b in bytes_for("optimizer", loc, part).items():
             need[t] += b
     if s.engine_buffers and (s.grads_on_nvme or s.grads_on_gpu):  # a split holds no unit on the device
-        need["host"] += StagedGrads.staging_bytes(s.rank_largest("optimizer"), s.grad_bytes)
+        need["host"] += StagedGrads.staging_bytes(s.held_largest("optimizer"), s.grad_bytes)
         need["host"] += 2 * (s.alignment - 1)
     return need
 
