@@ -23,8 +23,8 @@ gradient is final (`step(..., drain=False)`): the unit's writes stay in flight w
 unit is read, and `finish()` waits for them when engine.step() begins. Either way the step's
 writes are waited before it returns: an I/O error surfaces in the step that caused it. Whatever
 fails (a read, the update, a write refused at submit, as a full drive's fallocate refuses it),
-its ranges come back once its issued I/O has ended: a lost set is never found again, and after
-`depth` of them every step died in 'pop from an empty deque'.
+its ranges come back once its issued I/O has ended, so no failure leaves a staging set's ranges
+taken for good.
 
 [Note: the last final unit's read]
 The unit whose gradient is final last in a backward (the root unit, whose embedding is the first

@@ -46,8 +46,10 @@ class OptStateSizing:
 
     @staticmethod
     def staging_set(units: Iterable[UnitBytes]) -> UnitBytes:
-        """The blocks of one NVMe staging set ([Note: NVMe optimizer pipeline] in state_store.py):
-        per key, the largest of the NVMe units' buffers (`units`: their key_bytes)."""
+        """The state buffers of one staging set, per key the largest of the staged units' buffers
+        (`units`: their key_bytes): the NVMe pipeline's host-pool blocks ([Note: NVMe optimizer
+        pipeline] in state_store.py) and the device step's device buffers ([Note: device staging] in
+        device_staging.py)."""
         return tuple(max(column) for column in zip(*units))
 
     @staticmethod
@@ -60,7 +62,7 @@ class OptStateSizing:
                     layout: StateLayout = StateLayout()) -> int:
         """Host-pool blocks the optimizer holds at most at once (the planner rounds each up to
         io.alignment): a block per state key per unit on host (place), a set of them per pipeline
-        slot on NVMe (_make_sets), two gradient shards staged (grad_staging.StagedGrads) and, at
+        slot on NVMe (StagingSets), two gradient shards staged (grad_staging.StagedGrads) and, at
         ZeRO-1/2 over several ranks, each unit's updated shard until the gather (ParamStore.writeback_bytes)."""
         keys, home = len(layout.keys), HOMES[loc]
         blocks = keys * (home.blocks_at_rest * units + home.blocks_per_move * depth)
