@@ -336,14 +336,14 @@ class Ahead:
     before a failed initialize gives the model back ([Note: a failed initialize]).
     AHEAD = 0 is the serial path: `take` materializes in the caller's thread."""
 
-    def __init__(self, materializer: Materializer, units: list[Unit], ahead: int | None = None):
+    def __init__(self, materializer: Materializer, units: list[Unit]):
         self.materializer = materializer
         self._results: queue.Queue = queue.Queue()
-        self._room = threading.Semaphore(1 + (AHEAD if ahead is None else ahead))  # units holding bytes at once
+        self._room = threading.Semaphore(1 + AHEAD)  # units holding bytes at once
         self._stop = False
         self._thread = None
         self._threads = torch.get_num_threads()
-        if (AHEAD if ahead is None else ahead) and units and self._threads > 1:
+        if AHEAD and units and self._threads > 1:
             worker = max(1, self._threads // 4)
             cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
             self._thread = threading.Thread(target=self._run, args=(units, worker, cuda, torch.get_default_device()),
