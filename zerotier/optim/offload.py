@@ -77,7 +77,7 @@ class UnitOptimizer:
         self.applied = 0  # unit updates begun so far (the engine tells a clean failure from a partial one)
 
     @owned(UPDATER)
-    def rewind(self, kept: "dict[int, tuple[dict, list[int]]]", applied: int) -> int:
+    def rewind(self, kept: "dict[int, tuple[list, list[int]]]", applied: int) -> int:
         """An undo log's rollback ([Note: speculative step] in overlap/speculative.py): the state
         store puts the units back (`OptStateStore.rewind`), and `applied` is the count before the
         first of them. Returns the bytes copied back."""
