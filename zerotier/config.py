@@ -126,7 +126,8 @@ class OptimizerConfig(_Section):
     simd: Literal["auto", "avx512", "avx2", "scalar"] = "auto"
     pipeline_depth: int = 3                    # NVMe optimizer staging sets (reads ahead = depth - 2)
     # where a host/NVMe unit's update runs ([Note: where the update runs] in planner/step_on.py):
-    # cpu = the native CPU kernel; device = staged to the device and updated there; auto = the planner's split
+    # cpu = the native CPU kernel; device = staged to the device and updated there; auto = the planner's
+    # choice: the rate-balanced split, every unit on the CPU or every unit on the device, the fastest step
     step_on: Literal["cpu", "device", "auto"] = "auto"
 
 
