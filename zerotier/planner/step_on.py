@@ -13,9 +13,10 @@ the device is updated where it lives whatever the key says ("device"). "auto" le
 split the host/NVMe units between the two ([Note: choosing where each update runs]).
 
 [Note: choosing where each update runs]
-After backward the two sides run in parallel: the optimizer thread steps its units with the
-native CPU kernel, and the device steps its units on a pipeline of three stages, each on its own
-resource (the H2D link, the device, the D2H link). Per parameter of a unit's shard (B: the
+The split is balanced for the two sides running in parallel after backward (the engine to come,
+see the end of this note): the optimizer thread steps its units with the native CPU kernel, and
+the device steps its units on a pipeline of three stages, each on its own resource (the H2D
+link, the device, the D2H link). Per parameter of a unit's shard (B: the
 state's bytes per parameter, `StateLayout.bytes_per_param`):
 
   cpu       ranks_per_node / cpu_adam          (the node's cores, shared by its ranks; the rate
