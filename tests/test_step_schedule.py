@@ -49,11 +49,13 @@ def test_streamed_params_nvme_optimizer():
     # fetch0 0-1 (demand) and fetch1 1-2 (prefetched at the same demand); fwd0 1-2; fetch2 2-3
     # (issued at unit 1's demand); fwd1 2-3; fwd2 3-4. Backward 2, 1, 0: unit 2 was in use, so its
     # fetch is a demand 4-5, unit 1's prefetch 5-6; bwd2 5-7; fetch0 7-8; bwd1 7-9; bwd0 9-11.
-    # State reads start as gradients are final: read2 7-9, read1 9-11, read0 11-13 (3 sets free);
-    # adam2 11-12, adam1 12-13, adam0 13-14; writes queue behind read0: 13-15, 15-17, 17-19.
+    # State reads start as gradients are final, each unit taking a whole set: read2 7-9 and, at
+    # that first final, unit 0's (final last in the previous window: [Note: the last final unit's
+    # read]) 9-11, read1 11-13 (3 sets); step() in issue order: adam2 11-12, adam0 12-13, adam1
+    # 13-14; writes queue behind read1: 13-15, 15-17, 17-19. The drive is busy from 7 to 19.
     s = simulate(STREAMED, StepShape(**B))
     assert s.step_s == 19.0
-    assert s.critical["optimizer_nvme"] == 8.0  # the drive after backward: read0 and three writes
+    assert s.critical["optimizer_nvme"] == 12.0  # the drive 7-19: three reads and three writes
     assert sum(s.critical.values()) == pytest.approx(19.0)
 
 
@@ -67,8 +69,8 @@ def test_streamed_params_nvme_optimizer_early_step():
 
 
 def test_streamed_params_nvme_optimizer_clipped():
-    # the norm (3 s) 11-14 gates Adam, not the reads: adam2 14-15, write2 15-17, adam1 15-16,
-    # write1 17-19, adam0 16-17, write0 19-21
+    # the norm (3 s) 11-14 gates Adam, not the reads (read2 7-9, read0 9-11, read1 11-13): adam2
+    # 14-15, write2 15-17, adam0 15-16, write0 17-19, adam1 16-17, write1 19-21
     s = simulate(STREAMED, StepShape(clip=True, norm_s=3.0, **B))
     assert s.step_s == 21.0
     assert simulate(STREAMED, StepShape(clip=True, early_step=True, norm_s=3.0, **B)).step_s == 21.0  # no early step
@@ -76,8 +78,9 @@ def test_streamed_params_nvme_optimizer_clipped():
 
 def test_streamed_params_nvme_optimizer_accumulation_2():
     # the second pass starts at 11: fetch0 11-12, fetch1 12-13, fwd 12-15, fetch (demand) 15-16,
-    # prefetch 16-17, bwd2 16-18, fetch0 18-19, bwd1 18-20, bwd0 20-22; reads 18-20, 20-22, 22-24;
-    # adam 22-23, 23-24, 24-25; writes 24-26, 26-28, 28-30 -> 30 s
+    # prefetch 16-17, bwd2 16-18, fetch0 18-19, bwd1 18-20, bwd0 20-22; reads (2, then 0 at unit
+    # 2's final, then 1) 18-20, 20-22, 22-24; adam 22-23, 23-24, 24-25; writes 24-26, 26-28, 28-30
+    # -> 30 s
     s = simulate(STREAMED, StepShape(accum_steps=2, **B))
     assert s.step_s == 30.0
 
@@ -130,16 +133,20 @@ def test_speculation_of_the_units_within_the_allowance_only():
 
 
 def test_speculation_with_nvme_state_commit_and_rollback():
-    # B, clipped (norm 3 s, 11-14), every unit speculated: the early step's schedule, 22 s
-    # (test_streamed_params_nvme_optimizer_early_step), the norm hidden under it. Rollback: the
-    # speculative writes end at 22; the pre-step files are read again: read0 22-24, read1 24-26,
-    # read2 26-28 (three sets free), adam0 24-25, adam1 26-27, adam2 28-29; writes queue behind
-    # the reads: 28-30, 30-32, 32-34 -> 34 s
+    # B, clipped (norm 3 s, 11-14), every unit speculated. The optimizer thread takes unit 2 up at
+    # its final (7): prefetch(2) and, the window's first, unit 0's read (final last in the previous
+    # window, 7a33d74): read2 7-9, read0 9-11; adam2 9-10, write2 11-13; unit 1 (final 9) taken up
+    # at 10, a set free: read1 13-15 (behind write2, issued first), adam1 15-16, write1 16-18;
+    # unit 0 (final 11): its state was read, adam0 16-17, write0 18-20 -> 20 s (22 s with unit 0
+    # read when taken up, as test_streamed_params_nvme_optimizer_early_step), the norm hidden.
+    # Rollback: the speculative writes end at 20; the pre-step files are read again, in unit
+    # order, one ahead: read0 and read1 issued at 20 (20-22, 22-24), adam0 22-23, write0 24-26;
+    # at 23 read2 (a set free) 26-28; adam1 24-25, write1 28-30; adam2 28-29, write2 30-32 -> 32 s
     units = [dataclasses.replace(u, speculate=True) for u in STREAMED]
     shape = StepShape(clip=True, norm_s=3.0, speculative=True, **B)
-    assert simulate(units, shape).step_s == 22.0
+    assert simulate(units, shape).step_s == 20.0
     s = simulate(units, dataclasses.replace(shape, rollback=True))
-    assert s.step_s == 34.0 and s.seconds["optimizer_nvme"] == 24.0  # state read and written twice
+    assert s.step_s == 32.0 and s.seconds["optimizer_nvme"] == 24.0  # state read and written twice
 
 
 # C: a CPU device ([Note: a CPU device's copies take its cores]): forward 1 s, backward 2 s, the
@@ -201,3 +208,49 @@ def test_a_device_step_runs_after_the_cpus_on_the_optimizer_thread():
     assert flipped.step_s == 10.5
     both_cpu = [SPLIT[0], dataclasses.replace(SPLIT[0])]
     assert simulate(both_cpu, StepShape()).step_s == 10.0
+
+
+# D: [Note: the pipeline in the schedule]: one large unit (unit 0, final last: a model's root) and six
+# small ones, optimizer state on NVMe, 3 staging sets each the large unit's 4 MiB. forward 1 s,
+# backward 4 s, Adam 1 s each; the large unit's state read and write 4 s, a small one's 1 s.
+MiB = 1 << 20
+PACKED = [UnitWork(forward_s=1, backward_s=4, adam_s=1, state_read_s=4 if i == 0 else 1,
+                   state_write_s=4 if i == 0 else 1, state_bytes=((4 if i == 0 else 1) * MiB,))
+          for i in range(7)]
+
+
+def test_packed_staging_sets_read_every_unit_under_backward():
+    # forward 0-7; backward 6..0, 4 s each: unit k's gradient final at 11 + 4 (6 - k). Unit 6 takes
+    # set A (1 of 4 MiB), and at that first final unit 0 (final last in the previous window) an
+    # empty set B (4 of 4); 5, 4, 3 fit in A, 2 and 1 in C. Drive: read6 11-12, read0 12-16, read5
+    # 16-17, read4 19-20, read3 23-24, read2 27-28, read1 31-32: every read under backward (7-35).
+    # step() in issue order 6, 0, 5, 4, 3, 2, 1: Adam 35-42, writes w6 36-37, w0 37-41, w5 41-42,
+    # w4 42-43, w3 43-44, w2 44-45, w1 45-46 -> 46 s; on its critical path the drive only from w0
+    s = simulate(PACKED, StepShape(state_on_nvme=True))
+    assert s.step_s == 46.0
+    assert s.critical == {"forward": 7.0, "backward": 28.0, "optimizer": 2.0, "optimizer_nvme": 9.0}
+    # the same with the norm (0.5 s, 35-35.5) before the update: every read was issued, so only
+    # the update and the writes are after it: 46.5 s
+    assert simulate(PACKED, StepShape(state_on_nvme=True, clip=True, norm_s=0.5)).step_s == 46.5
+
+
+def test_whole_staging_sets_leave_reads_for_step():
+    # D's units without their bytes take a whole set each (the pipeline before packing): under
+    # backward only read6 11-12, read0 12-16 (its hint) and read5 16-17; 1, 2, 3, 4 find no room.
+    # step() in order 6, 0, 5, then 1, 2, 3, 4 (unit order), each read one ahead waiting for the
+    # oldest write: adam6 35-36, w6 36-37; adam0 36-37, w0 37-41; at 37 read1 waits w6 (37): drive
+    # 41-42; adam5 37-38, w5 42-43; at 38 read2 waits w0 (41): 43-44; adam1 42-43, w1 44-45; at 43
+    # read3 waits w5 (43): 45-46; adam2 44-45, w2 46-47; at 45 read4 waits w1 (45): 47-48; adam3
+    # 46-47, w3 48-49; adam4 48-49, w4 49-50 -> 50 s: 4 s more than packed
+    whole = [dataclasses.replace(u, state_bytes=()) for u in PACKED]
+    assert simulate(whole, StepShape(state_on_nvme=True)).step_s == 50.0
+
+
+def test_a_read_without_room_holds_the_optimizer_thread():
+    # three units (whole sets, 2 of them), read and write 1 s, Adam 2 s; forward 0-3, backward
+    # 3-6 (finals: 2 at 4, 1 at 5, 0 at 6). Under backward read2 4-5 and, its hint, read0 5-6;
+    # unit 1 finds no room. step() (order 2, 0, 1): adam2 6-8, w2 8-9; before unit 0 the thread
+    # reads one ahead, unit 1: no room, so it waits for the oldest write, w2 (9): read1 9-10 and
+    # adam0 9-11 (not 8-10), w0 11-12; adam1 11-13, w1 13-14 -> 14 s (13 s if the thread went on)
+    units = [UnitWork(forward_s=1, backward_s=1, adam_s=2, state_read_s=1, state_write_s=1) for _ in range(3)]
+    assert simulate(units, StepShape(state_on_nvme=True, pipeline_depth=2)).step_s == 14.0

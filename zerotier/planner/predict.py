@@ -192,6 +192,7 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
                 state = sum(s.state_units[i])
                 w["state_read_s"] = secs(state * local_ranks, unit_opt.read_rate)
                 w["state_write_s"] = secs(state * local_ranks, unit_opt.write_rate)
+                w["state_bytes"] = s.state_units[i]  # its ranges of the packed staging sets
             if speculated and speculated[i] and unit_opt.in_memory:  # the undo copy, and its restore
                 undo = undo_bytes(sum(s.state_units[i]), o_shard, s.lp_bytes)
                 if unit_opt.on_device and cuda:  # read and written on the device
@@ -214,7 +215,8 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
                       grad_writes=GradStore.nvme_writes_in_flight(), param_writes=ParamStore.writes_in_flight(s.lookahead),
                       clip=options.clip, early_step=options.early_step and not options.dynamic_scale,
                       speculative=speculated is not None, rollback=rollback,
-                      state_on_nvme=any(u.state_read_s for u in works), norm_s=norm_s, norm_on=norm_on,
+                      state_on_nvme=any(u.state_read_s for u in works), alignment=s.alignment,
+                      norm_s=norm_s, norm_on=norm_on,
                       streamed=streamed, cpu_device=not cuda)
     return simulate(works, shape), tuple(used)
 

@@ -44,12 +44,16 @@ What waits for what (the engine's schedule, engine.py and the stores' Notes):
     first, in that order, then the others in unit order ([Note: NVMe optimizer pipeline]).
   * with speculation, the updates under backward and their rollback: [Note: speculation in
     the schedule] below.
-  * NVMe optimizer state goes through `pipeline_depth` staging sets: a unit's read waits
-    for a free set (the write of the unit `pipeline_depth` earlier) and is issued when the
-    unit `pipeline_depth - 2` ahead of it starts; Adam waits for its read, the write follows
-    Adam. During the last backward the reads start as gradients become final, as far as sets
-    are free. A CPU optimizer reading device or NVMe gradients stages them one unit ahead
-    (two blocks: a unit's staging waits for the Adam two units earlier).
+  * NVMe optimizer state goes through `pipeline_depth` packed staging sets ([Note: the pipeline
+    in the schedule] in state_pipeline.py): a unit's read takes ranges of a set by its bytes. As
+    each gradient becomes final in the last backward (not with an early step), its read is issued
+    if it fits without waiting; at the window's first final, the read of the unit final last in the
+    previous window too. step() updates the units read first, in issue order; before each unit it
+    issues the reads of the next NVMe units up to `max(1, pipeline_depth - 2)` ahead, each waiting
+    for the oldest writes until it fits (the thread waits with it). Adam waits for its read, the
+    write follows Adam. An early or speculated unit reads its own state when the thread takes it
+    up. A CPU optimizer reading device or NVMe gradients stages them one unit ahead (two blocks: a
+    unit's staging waits for the Adam two units earlier).
   * the new parameters go home after each unit's Adam (`copyback_s`: host->device, or an
     NVMe write); NVMe write-backs stay in flight (at most lookahead + 2: the optimizer waits
     for the oldest) and the next fetch of the unit waits for its write.
@@ -71,11 +75,13 @@ step_on.py is balanced for.
 [Note: speculation in the schedule]
 With `speculative` (train.overlap: [Note: speculative step] in overlap/speculative.py) the
 units marked `speculate` update during the window's last backward as an early step does:
-each as its gradient becomes final, in backward order, on the optimizer thread, its NVMe
-state read when the thread takes it up and written after it (to shadow files); a speculated
-host or device unit first makes its undo copy (`undo_s`, on the optimizer's resource). The
-global norm still runs after backward; units not speculated (their undo copies did not fit
-the plan's allowance) update after it as without speculation. engine.step() returns when
+each as its gradient becomes final, in backward order, on the optimizer thread, which takes
+every unit up: prefetch(unit) (and at the first, the previous window's last final unit's read),
+then a speculated unit's read (waiting for room), update and write (to shadow files); a
+speculated host or device unit first makes its undo copy (`undo_s`, on the optimizer's
+resource). The global norm still runs after backward; units not speculated (their undo copies
+did not fit the plan's allowance) update after it and after the speculated writes (the policy's
+wait()), their reads issued under backward first, as without speculation. engine.step() returns when
 the norm and every update are done: the commit. The rollback (`rollback`): the same
 speculative work; once it and the norm are done, every unit is updated again, in unit
 order, after that point, as the non-speculative step does, each speculated host or device
@@ -98,6 +104,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from .state_pipeline import StatePipeline, on_nvme
+
 RESOURCES = ("compute", "cpu", "nvme", "h2d", "d2h")
 
 
@@ -115,6 +123,7 @@ class UnitWork:
     adam_s: float = 0.0
     state_read_s: float = 0.0    # NVMe optimizer state: master + moments read
     state_write_s: float = 0.0   # and written back
+    state_bytes: tuple[int, ...] = ()  # NVMe state: its buffers' bytes per key (none: it takes a whole set)
     copyback_s: float = 0.0      # the new parameters sent home
     copyback_on: str = "h2d"     # "h2d" (device home) or "nvme" (an NVMe home's write)
     encloses: bool = False       # resident for the whole pass (the root unit)
@@ -141,6 +150,7 @@ class StepShape:
     param_writes: int | None = None  # NVMe parameter write-backs in flight (ParamStore.writes_in_flight;
                                      # None: lookahead + 2, what it is)
     state_on_nvme: bool = False
+    alignment: int = 4096        # io.alignment: a unit's ranges of a staging set are rounded up to it
     norm_s: float = 0.0          # the global norm's pass over the gradients (clip only)
     norm_on: str = "compute"
     streamed: bool = False       # parameters fetched per use (off the device, or ZeRO-3)
@@ -265,35 +275,38 @@ def _gradient_out(g: _Graph, u: UnitWork, micro: int, after: int, folds: list[in
 
 
 def _optimizer(g: _Graph, units: list[UnitWork], shape: StepShape, grad_final: dict[int, int],
-               final_order: list[int], backward_end: int, home_write: dict[int, int]) -> list[int]:
+               final_order: list[int], backward_end: int, home_write: dict[int, int],
+               last_final: int | None) -> list[int]:
     """The window's update ([Note: NVMe optimizer pipeline], [Note: speculation in the schedule]);
-    returns the tasks engine.step() waits for."""
+    returns the tasks engine.step() waits for. `last_final`: the NVMe unit final last in the
+    previous window ([Note: the last final unit's read] in optim/state_store.py)."""
     trainable = [i for i in range(len(units)) if units[i].trainable]
     gate = backward_end
     if shape.clip:
         gate = g.add("grad_norm", shape.norm_on, shape.norm_s, (backward_end,))
-    up = _Updates(g, units, shape, grad_final, home_write)
+    up = _Updates(g, units, shape, grad_final, home_write, last_final)
     if shape.speculative:
         ahead = [i for i in final_order if units[i].speculate]
-        up.run(ahead, early=True, gate=None, undo=True)
+        up.speculate(final_order)
+        # engine.step() first waits for the speculated updates and their writes (the policy's wait())
+        after = g.add("speculation", None, 0.0, [gate] + up.waits)
+        up.pipe.drain()
         if not shape.rollback:
-            up.run([i for i in trainable if i not in ahead], early=False, gate=gate)
+            up.run(up.pipe.read_order([i for i in trainable if i not in ahead]), early=False, gate=after)
             return up.waits + [gate]
         # the global check disagreed: every speculated unit's work is over, then each is restored
         # and every unit is updated with the true coefficient, as the non-speculative step does
-        # (its NVMe reads start now: the old files again)
-        back = g.add("speculation", None, 0.0, [gate] + up.waits)
-        up.run(trainable, early=False, gate=back, restore=set(ahead), reads_from=back)
+        # (rewind drops the reads ahead: the old files are read again)
+        up.pipe.drop_reads()
+        up.run(trainable, early=False, gate=after, restore=set(ahead))
         return up.waits
     early = shape.early_step and not shape.clip
-    if early:
-        order = list(final_order)
-    elif shape.state_on_nvme:  # reads issued during backward first, as gradients became final
-        ahead = final_order[:shape.pipeline_depth]
-        order = ahead + [i for i in trainable if i not in ahead]
-    else:
-        order = trainable
-    up.run(order, early=early, gate=None if early else gate)
+    if early:  # each unit its own step([unit]) as its gradient is final; nothing prefetched
+        up.run(list(final_order), early=True, gate=None)
+        return up.waits
+    for i in final_order:  # prefetch(unit) as each gradient becomes final, where it fits
+        up.pipe.prefetch(i, grad_final[i])
+    up.run(up.pipe.read_order(trainable), early=False, gate=gate)  # reads issued during backward first
     return up.waits
 
 
@@ -302,45 +315,58 @@ class _Updates:
     sets, the optimizer thread and the write-backs in flight carry over from one run to the next."""
 
     def __init__(self, g: _Graph, units: list[UnitWork], shape: StepShape, grad_final: dict[int, int],
-                 home_write: dict[int, int]):
+                 home_write: dict[int, int], last_final: int | None = None):
         self.g, self.units, self.shape, self.grad_final, self.home_write = g, units, shape, grad_final, home_write
+        self.pipe = StatePipeline(g, units, shape, last_final)
         self.last_adam: int | None = None
-        self.writes: list[int] = []    # every unit's state write so far (a zero-second task off NVMe)
         self.commits: list[int] = []   # parameter write-backs, oldest first
         self.waits: list[int] = []     # what engine.step() waits for
 
+    def speculate(self, final_order: list[int]) -> None:
+        """[Note: speculation in the schedule]: the optimizer thread takes each unit up as its gradient
+        is final: prefetch(unit) (at the first, the previous window's last final too), then a
+        speculated unit's update, its own step([unit])."""
+        for i in final_order:
+            self.pipe.prefetch(i, self.g.add("speculation", None, 0.0, (self.grad_final[i], self.last_adam)))
+            if self.units[i].speculate:
+                self.run([i], early=True, gate=None, undo=True)
+
     def run(self, order: list[int], *, early: bool, gate: int | None, undo: bool = False,
-            restore: set[int] = frozenset(), reads_from: int | None = None) -> None:
+            restore: set[int] = frozenset()) -> None:
         """early: each unit's update starts when its gradient is final (its own step([unit])), else
-        after `gate`, NVMe reads ahead as the pipeline allows (the first `pipeline_depth` as the
-        gradients became final, or from `reads_from`). undo: each unit's undo copy first (a
-        speculated unit); restore: those units' undo copies put back first (a rollback)."""
-        g, units, shape = self.g, self.units, self.shape
+        after `gate` (UnitOptimizer._step: before each unit, the reads of the next NVMe units, up to
+        `depth - 2` ahead of it, waiting for the oldest writes where they do not fit; before a host
+        unit only where they fit). undo: each unit's undo copy first (a speculated unit); restore:
+        those units' undo copies put back first (a rollback)."""
+        g, units, shape, pipe = self.g, self.units, self.shape, self.pipe
         depth = shape.pipeline_depth
         ahead_reads = max(1, depth - 2)
         limit = shape.lookahead + 2 if shape.param_writes is None else shape.param_writes
+        nvme_order = [i for i in order if i in pipe.need]
+        done = 0
         adam: list[int] = []
         for k, i in enumerate(order):
             u = self.units[i]
             final = self.grad_final[i]
             read = staged = None
-            if shape.state_on_nvme:
-                # during backward (not early): the read starts when the gradient is final, if a set is free
-                if early:  # each unit is its own step([unit]): read when the thread takes it up
-                    issue = adam[k - 1] if k else final
-                elif k < depth:  # prefetch(unit) as its gradient became final: every set is free then
-                    issue = final if reads_from is None else reads_from
-                else:  # step() reads `depth - 2` units ahead of the one it updates
-                    issue = adam[k - ahead_reads - 1]
-                set_free = self.writes[-depth] if len(self.writes) >= depth else None
-                read = g.add("optimizer_nvme", "nvme", u.state_read_s, (issue, set_free))
+            stalled: list[int] = []
+            if i in pipe.need or (not early and nvme_order[done:]):
+                thread = self.last_adam if early else (adam[k - 1] if k else gate)
+                issue = final if thread is None else thread
+                for j in nvme_order[done: done + 1 + (0 if early else ahead_reads)]:
+                    stalled += pipe.read(j, issue, block=i in pipe.need)
+            if i in pipe.need:
+                done += 1
+                lease, read = pipe.reads.pop(i)
             if u.grad_stage_s or u.grad_read_s:  # two staging blocks: one unit ahead (early: none)
-                back = 1 if early else 2
-                issue = adam[k - back] if k >= back else (final if early else gate)
+                if early:  # its own step([unit]): staged when the thread takes it up
+                    issue = self.last_adam if self.last_adam is not None else final
+                else:
+                    issue = adam[k - 2] if k >= 2 else gate
                 res, comp, secs = (("nvme", "grads_nvme", u.grad_read_s) if u.grad_read_s else
                                    ("d2h", "grads_d2h", u.grad_stage_s))
                 staged = g.add(comp, res, secs, (issue, final))
-            after = [final, read, staged, self.last_adam, None if early else gate]
+            after = [final, read, staged, self.last_adam, None if early else gate] + stalled
             if len(self.commits) > limit:  # that many write-backs in flight: the oldest is waited
                 after.append(self.commits[-(limit + 1)])
             if undo and u.undo_s:  # [Note: speculation in the schedule]: the undo copy, then Adam
@@ -353,10 +379,10 @@ class _Updates:
                 adam.append(g.add("optimizer_staging", "d2h", u.stage_out_s, (kernel,)))
             else:
                 adam.append(g.add("optimizer", u.adam_on, u.adam_s, after))
-            self.last_adam = adam[-1]
-            if shape.state_on_nvme:
-                self.writes.append(g.add("optimizer_nvme", "nvme", u.state_write_s, (adam[-1],)))
-                self.waits.append(self.writes[-1])
+            self.last_adam = adam[-1]  # the optimizer thread's last unit (its update's last task)
+            if i in pipe.need:
+                pipe.writing.append((lease, g.add("optimizer_nvme", "nvme", u.state_write_s, (adam[-1],))))
+                self.waits.append(pipe.writing[-1][1])
             if u.copyback_s:
                 c = g.add("params_copyback", u.copyback_on, u.copyback_s, (adam[-1],))
                 self.commits.append(c)
@@ -372,6 +398,7 @@ def simulate(units: list[UnitWork], shape: StepShape, steps: int = 2) -> Schedul
     home_write: dict[int, int] = {}
     step_end: int | None = None
     ends: list[int | None] = []
+    last_final: int | None = None  # [Note: the last final unit's read]: none before the first window
     for s in range(steps):
         g.current_step = s
         begin = step_end
@@ -379,7 +406,10 @@ def simulate(units: list[UnitWork], shape: StepShape, steps: int = 2) -> Schedul
             prev, grad_final, final_order = _pass(g, units, shape, begin, m, home_write)
             begin = prev
         backward_end = g.add("backward", None, 0.0, [prev] + list(grad_final.values()))
-        waits = _optimizer(g, units, shape, grad_final, final_order, backward_end, home_write)
+        waits = _optimizer(g, units, shape, grad_final, final_order, backward_end, home_write, last_final)
+        prefetched = [i for i in final_order if on_nvme(units[i], shape)]
+        if not (shape.early_step and not shape.clip) or shape.speculative:  # prefetch() ran: its hint
+            last_final = prefetched[-1] if prefetched else None
         step_end = g.add("step", None, 0.0, [backward_end] + waits)
         ends.append(step_end)
     start, end, why = g.run()
