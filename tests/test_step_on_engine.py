@@ -77,7 +77,7 @@ def run(root, optimizer, step_on, precision=None, gradients="host", loop=None,
                  optimizer_cfg=optimizer_cfg)
     with zerotier.initialize(make_model(), cfg) as engine:
         assert engine.plan.optimizer_step_on == (step_on,) * len(engine.units)
-        assert (engine.unit_optimizer.staging is not None) == (step_on == "device")
+        assert (engine.unit_optimizer.device_staging is not None) == (step_on == "device")
         calls = variants_run(engine)
         train(engine, 0, 3)
         return engine.parameters_fp32(), stored(engine), calls
@@ -217,7 +217,7 @@ def test_staging_is_reserved_from_the_device_tier_and_sized_by_its_term(tmp_path
     cfg["offload"]["params"] = params
     with zerotier.initialize(make_model(), cfg) as engine:
         train(engine, 0, 1)
-        staging = engine.unit_optimizer.staging
+        staging = engine.unit_optimizer.device_staging
         held = sum(b.numel() * b.element_size() for pool in (staging._state, staging._extra) for b in pool.values())
         state = engine.unit_optimizer.state
         state_set = OptStateSizing.staging_set(tuple(state.slots[u.index].layout.nbytes(k, u.shard_numel)

@@ -69,9 +69,9 @@ class UnitOptimizer:
         self.device = device_tier.device if locs and HOMES[locs[0]].on_device else torch.device("cpu")
         # [Note: device staging]: the units homed off the device whose update runs on it
         staged = [u for u, at, on in zip(units, locs, step_on) if on == "device" and not HOMES[at].on_device]
-        self._staged = frozenset(u.index for u in staged)
-        self.staging = DeviceStaging(staged, {u.index: self.state.slots[u.index].layout for u in staged},
-                                     staging_tier or device_tier, profiler) if staged else None
+        self._device_staged = frozenset(u.index for u in staged)
+        self.device_staging = DeviceStaging(staged, {u.index: self.state.slots[u.index].layout for u in staged},
+                                            staging_tier or device_tier, profiler) if staged else None
         self._got: dict[int, frozenset[int] | None] = {}  # step(): parameters with a gradient, by unit
         self._keep_grads = False  # step(): the gradients are read after the update (not consumed)
         self.applied = 0  # unit updates begun so far (the engine tells a clean failure from a partial one)
@@ -88,8 +88,8 @@ class UnitOptimizer:
     def close(self) -> None:
         """Finish the state's NVMe I/O in flight and give its staging back. Idempotent."""
         self.state.close()
-        if self.staging is not None:
-            self.staging.close()
+        if self.device_staging is not None:
+            self.device_staging.close()
 
     # ------------------------------------------------------------------ step
 
@@ -127,7 +127,7 @@ class UnitOptimizer:
         order = self.state.read_order(units)
         first = grad_of(order[0]) if order else None  # every unit's gradient lives on the same tier
         # a unit updated on the device reads a gradient tensor where it is ([Note: device staging])
-        direct = self._staged if isinstance(first, torch.Tensor) else frozenset()
+        direct = self._device_staged if isinstance(first, torch.Tensor) else frozenset()
         host_order = [u for u in order if u.index not in direct]
         staged = None
         if host_order and (not isinstance(first, torch.Tensor)  # a GradFile
@@ -184,16 +184,17 @@ class UnitOptimizer:
             if got is None or k in got:
                 steps[k] += 1
         whole = got is None and len(set(steps)) == 1 and len(set(hypers)) == 1  # one pass over the shard
-        if unit.index not in self._staged:
+        if unit.index not in self._device_staged:
             self._update_here(unit, raw, grad, out, hypers, grad_scale, got, steps, whole)
             return
-        with self.staging.staged(unit, raw, grad, out, writes_all=whole) as (raw, grad, out):  # [Note: device staging]
+        # [Note: device staging]
+        with self.device_staging.staged(unit, raw, grad, out, writes_all=whole) as (raw, grad, out):
             self._update_here(unit, raw, grad, out, hypers, grad_scale, got, steps, whole)
 
     def _on_device(self, unit: Unit, master: torch.Tensor) -> bool:
         """The unit's update runs the rule's device variant: its state is on an accelerator, or staged
         to the device ([Note: device staging]); else the native CPU kernel."""
-        return unit.index in self._staged or master.device.type != "cpu"
+        return unit.index in self._device_staged or master.device.type != "cpu"
 
     def _update_here(self, unit: Unit, raw: dict, grad, out, hypers: Sequence, grad_scale: float, got, steps,
                      whole: bool) -> None:
