@@ -98,7 +98,7 @@ class OptStateStore(OptStateSizing):
         self.slots = [OptSlot(u, HOMES[at], {}, [0] * len(u.params), layout.for_unit(u)) for u, at in zip(units, locs)]
         self._nvme_units = [u for u in units if not self.slots[u.index].kind.in_memory]  # through the pipeline
         # [Note: NVMe optimizer pipeline]
-        self._staging: StagingSets | None = None  # made at the first NVMe step ([Note: packed staging sets])
+        self._host_staging: StagingSets | None = None  # made at the first NVMe step ([Note: packed staging sets])
         self._writing: collections.deque[tuple[Lease, list]] = collections.deque()  # (its ranges, write tickets)
         self._reads: dict[int, tuple[Lease, list]] = {}   # unit index -> (its ranges, read tickets), in issue order
         self._finals: list[int] = []          # NVMe units prefetched as final in this window, in order
@@ -223,7 +223,7 @@ class OptStateStore(OptStateSizing):
             yield lease.views
             writes = self._io(unit, lease.views, "optimizer-write")
         except BaseException:
-            self._staging.give_back(lease)  # [Note: NVMe optimizer pipeline]: the set comes back
+            self._host_staging.give_back(lease)  # [Note: NVMe optimizer pipeline]: the set comes back
             raise
         self._writing.append((lease, writes))
 
@@ -254,24 +254,24 @@ class OptStateStore(OptStateSizing):
     def _lease(self, unit: Unit, block: bool) -> Lease | None:
         """Ranges of the staging sets for `unit`'s state ([Note: packed staging sets]). `block`: wait for
         the oldest write-backs until they fit (unless none is left in flight: then None)."""
-        if self._staging is None:  # each key's block: the largest NVMe unit's (the planner's staging_bytes)
+        if self._host_staging is None:  # each key's block: the largest NVMe unit's (the planner's staging_bytes)
             keys = self.layout.keys
             largest = self.staging_set(tuple(self.slots[u.index].layout.nbytes(k, u.shard_numel) for k in keys)
                                        for u in self._nvme_units)
-            self._staging = StagingSets(self.host_pool, dict(zip(keys, largest)), self.depth)
+            self._host_staging = StagingSets(self.host_pool, dict(zip(keys, largest)), self.depth)
         while self._writing and all(t.done() for t in self._writing[0][1]):
             self._retire_write()
         layout = self.slots[unit.index].layout
         nbytes = {k: layout.nbytes(k, unit.shard_numel) for k in self.layout.keys}
         while True:
-            lease = self._staging.take(nbytes)
+            lease = self._host_staging.take(nbytes)
             if lease is not None or not block or not self._writing:
                 return lease
             self._retire_write()  # the oldest write-back must land before its ranges are reused
 
     def _retire_write(self) -> None:
         lease, tickets = self._writing.popleft()
-        self._staging.give_back(lease)
+        self._host_staging.give_back(lease)
         self._wait(tickets)
 
     def _issue_read(self, unit: Unit, block: bool) -> None:
@@ -281,7 +281,7 @@ class OptStateStore(OptStateSizing):
         try:
             self._reads[unit.index] = (lease, self._io(unit, lease.views, "optimizer-read"))
         except BaseException:
-            self._staging.give_back(lease)
+            self._host_staging.give_back(lease)
             raise
 
     def _io(self, unit: Unit, bufs: dict, reason: str) -> list:
@@ -349,7 +349,7 @@ class OptStateStore(OptStateSizing):
             except Exception:  # noqa: BLE001 - see the docstring
                 pass
             finally:
-                self._staging.give_back(lease)
+                self._host_staging.give_back(lease)
 
     # ------------------------------------------------------------------ access
 
@@ -448,6 +448,6 @@ class OptStateStore(OptStateSizing):
             self._drain_writes()
         except Exception:  # noqa: BLE001 - closing: errors were reported by the step that caused them
             pass
-        staging, self._staging = self._staging, None
+        staging, self._host_staging = self._host_staging, None
         if staging is not None:
             staging.close()
