@@ -266,7 +266,7 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
     chosen = choose(requested, homes, shards, costs, sizes.cuda, staging)
     cpu = choose("cpu", homes, shards, costs, sizes.cuda, staging)
     if requested == "auto" and chosen.units != cpu.units and chosen.staging_bytes <= free["device"]:
-        # the schedule runs the device's units after the CPU's, as the engine does ([Note: the device
+        # the schedule runs the device's units in turn with the CPU's, as the engine does ([Note: the device
         # step in the schedule]): the split, every unit on the CPU, or every unit on the device, the
         # fastest whole step (ties: the CPU, then the split)
         every = choose("device", homes, shards, costs, sizes.cuda, staging)

@@ -44,8 +44,8 @@ optimum. A device budget without room for the staged units in flight keeps every
 CPU; `device` forced without that room is refused (PlanDoesNotFit).
 
 The two sides in parallel are the engine to come: today its optimizer thread waits for each
-device unit's staging out before it takes up the next unit, so the device's units run after the
-CPU's, not beside them, and the step's schedule models that ([Note: the device step in the
+device unit's staging out before it takes up the next unit, so the device's units take their
+turn with the CPU's, not beside them, and the step's schedule models that ([Note: the device step in the
 schedule] in step_model.py). `auto` therefore takes, of this split, every unit on the CPU and
 every unit on the device, the one whose whole step the schedule predicts shortest (planner.py's
 `_step_on`): the plan predicts the engine as it runs.
