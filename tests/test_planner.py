@@ -298,7 +298,8 @@ def test_sharded_terms_count_the_partitions_padded_shards_as_the_stores_allocate
     shard (padded to SHARD_ALIGN x N elements; the whole unit where stage 3 replicates it), up to
     32 x N - 1 elements per unit more. The allocations below follow the stores' own rules:
     ParamStore keeps its ZeRO-3 shard, MemoryGrads.place the full sum and (unless whole) the
-    reduced shard, ParamStore.out_shard the updated low-precision shard at ZeRO-1/2."""
+    reduced shard, ParamStore.out_shard the updated low-precision shard at ZeRO-1/2, ParamStore.place
+    a ZeRO-3 unit's device flat padded for its gather."""
     from zerotier.dist.buckets import GradBucketer
     from zerotier.dist.partition import stage_partitions
 
@@ -308,8 +309,14 @@ def test_sharded_terms_count_the_partitions_padded_shards_as_the_stores_allocate
     p = plan(numels, world_size=world_size, stage=stage,
              offload={"params": "host", "gradients": "host", "optimizer": "host"})
     held = p.needs
-    if stage == 3:  # the parameters' homes: each unit's shard, on the host
+    if stage == 3:  # the parameters' homes: each unit's shard, on the host; the fetched units on the
+        # device padded for their all-gather (ParamStore.place: the partition's padded_numel)
         assert held["params"]["host"] >= 2 * sum(part.shard_numel for part in parts)
+        from zerotier.params_terms import ParamSizing
+        lookahead = PrefetchConfig().lookahead
+        flats = sorted((part.padded_numel for part in parts), reverse=True)
+        staged = ParamSizing.gather_staging_bytes(lookahead, [q.shard_numel for q in parts if not q.replicated], 2)
+        assert held["params"]["device"] - staged >= 2 * sum(flats[:lookahead + 2])
     grads = sum(part.numel + (0 if part.replicated and stage <= 1 else part.shard_numel) for part in parts)
     landing = GradBucketer.staging_bytes(zero.reduce_bucket_size, 4, parts, alignment=1)
     assert held["gradients"]["host"] - landing >= 4 * grads  # fp32 accumulators and reduced shards

@@ -50,7 +50,8 @@ class ParamSizing:
         if not home.on_device or s.stage >= 3:
             # fetched full units: the one computing, the one just done, the lookahead, and the
             # units enclosing them (resident for their module's whole forward/backward)
-            need["device"] += min(sum(s.numels[:s.lookahead + 2]) + s.nested, s.numel) * s.lp_bytes
+            flats = s.device_flats()  # ZeRO-3: padded for the gather (Sizes.device_flats)
+            need["device"] += min(sum(flats[:s.lookahead + 2]) + s.nested, sum(flats)) * s.lp_bytes
         if home.blocks_per_move:  # each fetch and write-back goes through a pool block (NVMe)
             need["host"] += ParamSizing.host_staging_bytes(s.lookahead, s.held_shards("params"), s.lp_bytes)
         if s.engine_buffers and s.world_size > 1:

@@ -23,7 +23,8 @@ moments, or a shard is padded to its partition's alignment. G has two accounting
 
 Working sets come on top of the model state, on the tier that pays for them:
   params off the device, or sharded (stage 3): the lookahead + 2 largest units on the device
-      (the gathered full units being computed and prefetched, the last one not yet released)
+      (the gathered full units being computed and prefetched, the last one not yet released;
+      at ZeRO-3 each padded to its partition's padded_numel, `Sizes.device_flats`)
       plus the units enclosing a fetched one (`state.nested_numel`: resident for their
       module's whole forward), at most the whole model; params on NVMe: host-pool
       blocks for the fetches and write-backs in flight, `ParamStore.host_staging_bytes`
@@ -197,6 +198,14 @@ class Sizes:
 
     def held_largest(self, kind: str) -> int:
         return max(self.held_shards(kind), default=0)
+
+    def device_flats(self) -> list[int]:
+        """Every unit's fetched full flat on the device, largest first, as ParamStore.place allocates
+        it: padded to the partition's padded_numel where ZeRO-3 gathers it (the all-gather fills it
+        in place), else the unit's numel (the paper's accounting: numel)."""
+        if not self.engine_buffers or self.stage < 3:
+            return list(self.numels)
+        return sorted((p.padded_numel for p in self.partitions()), reverse=True)
 
     def shard_numels(self) -> list[int]:
         """Every unit's shard buffer of its partition (numels order): what a rank's store allocates
