@@ -121,6 +121,33 @@ def test_memory_per_rank_matches_plan_within_10_percent():
             assert abs(actual - predicted) <= 0.10 * predicted, (stage, place, predicted, actual)
 
 
+def charged_rank(rank, world_size, stage, place):
+    """Each component's peak per tier against its term, the run checking them itself too."""
+    cfg = {"zero": {"stage": stage, "persistence_threshold": 200, "reduce_bucket_size": 4096},
+           "offload": {"params": place, "gradients": place, "optimizer": place}}
+    half = GLOBAL_BATCH // world_size
+    with zerotier.initialize(tiny_gpt(), cfg) as engine:
+        for x, y in global_batches():
+            engine.backward(engine(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]))
+            engine.step()
+        peaks = {"device": engine.device_tier.component_peaks(), "host": engine.host_pool.component_peaks()}
+        return {(kind, tier): (peak, engine.plan.needs[kind][tier]) for tier, by_kind in peaks.items()
+                for kind, peak in by_kind.items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("place", ["device", "host"])
+def test_updated_shards_waiting_for_the_gather_are_the_optimizers(monkeypatch, stage, place):
+    """ZeRO-1/2 on 2 ranks: each rank's new shards wait for the all-gather in buffers the plan counts
+    in the optimizer's term ([Note: write-back buffers of a gather] in zerotier/params.py); they were
+    charged to the parameters, whose peak on the device went 55,680 B over their term."""
+    monkeypatch.setenv("ZEROTIER_CHECK_PLAN", "1")
+    for rank_result in spawn(charged_rank, 2, stage, place, timeout_s=300):
+        assert rank_result[("optimizer", place)][0] > 0
+        for (kind, tier), (peak, term) in rank_result.items():
+            assert peak <= term, (kind, tier, peak, term)
+
+
 class Routed(torch.nn.Module):
     """A shared layer, three experts and a head; the caller picks the expert (rank-dependent
     routing, as an MoE router may do): expert 2 is used by no rank."""

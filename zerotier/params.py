@@ -34,7 +34,11 @@ side, else a pool block. `commit(unit)` then sends it home without waiting
 (`home.write_from`): an async NVMe write (the block returns to the pool when the write completes; the next
 fetch of the unit waits on the write's ticket and surfaces its error: params_writes.py), an async
 copy to the device, or (ZeRO-1/2) a bucketed all-gather into the full flat,
-finished by `finish_commits()` at the end of the step.
+finished by `finish_commits()` at the end of the step. [Note: write-back buffers of a gather]
+A ZeRO-1/2 rank's new shards wait for that gather in buffers on the optimizer's side: the plan
+counts them in the optimizer's term (ParamSizing.writeback_bytes in OptStateSizing.plan_terms),
+so they are allocated from `out_tiers`, the tiers charged to the optimizer ([Note: peaks per
+component] in tiers/base.py).
 
 """
 from __future__ import annotations
@@ -79,7 +83,7 @@ class ParamStore(ParamSizing):
     """[Note: a unit's parameter bytes]; its sizing (the planner's term) is ParamSizing's (params_terms.py)."""
 
     def __init__(self, units: list[Unit], loc: Location, lp_dtype: torch.dtype, device_tier, host_pool, store,
-                 sharding, out_loc: Location, lookahead: int = 0, profiler=None):
+                 sharding, out_loc: Location, out_tiers: tuple, lookahead: int = 0, profiler=None):
         self.units, self.loc, self.lp_dtype = units, loc, lp_dtype
         self.device_tier, self.host_pool, self.store, self.sharding = device_tier, host_pool, store, sharding
         self.home_kind = HOMES[loc]               # the class of every unit's home ([Note: homes])
@@ -87,6 +91,7 @@ class ParamStore(ParamSizing):
         self.device = device_tier.device
         self.out_on_device = HOMES[out_loc].on_device  # the optimizer's side; its temporaries count there
         self.out_device = self.device if self.out_on_device else torch.device("cpu")
+        self.out_tiers = out_tiers  # (device tier, host pool) [Note: write-back buffers of a gather]
         self.profiler = profiler              # None when profiling is off
         self.slots = [ParamSlot() for _ in units]  # by unit index
         self._states = SlotField(self.slots, "state")  # what transition() writes
@@ -344,7 +349,9 @@ class ParamStore(ParamSizing):
         write-back buffer, never the home, so the new parameters are not seen before commit()."""
         slot = self.slots[unit.index]
         if slot.out is None:
-            slot.out = self._temp(unit.shard_numel, self.out_on_device)
+            gathered = not unit.part.replicated and not self.sharding.gathered(unit)
+            slot.out = self._temp(unit.shard_numel, self.out_on_device,
+                                  self.out_tiers if gathered else None)  # [Note: write-back buffers of a gather]
         return tensor_of(slot.out)
 
     def staged_out_bytes(self, unit: Unit) -> int:
@@ -423,11 +430,13 @@ class ParamStore(ParamSizing):
             shard = tensor_of(moved)
         self.sharding.gather_params(unit, shard, target, done)
 
-    def _temp(self, numel: int, on_device: bool):
-        """A write-back temporary: a budgeted tensor on the device tier, else a host-pool block."""
+    def _temp(self, numel: int, on_device: bool, tiers: tuple | None = None):
+        """A write-back temporary: a budgeted tensor on the device tier, else a host-pool block, from
+        `tiers` (device tier, host pool; default the parameters' own)."""
+        device_tier, host_pool = tiers or (self.device_tier, self.host_pool)
         if not on_device:
-            return self.host_pool.alloc(numel * self.lp_dtype.itemsize, self.lp_dtype, "param write-back")
-        return self.device_tier.alloc((numel,), self.lp_dtype, "param write-back")
+            return host_pool.alloc(numel * self.lp_dtype.itemsize, self.lp_dtype, "param write-back")
+        return device_tier.alloc((numel,), self.lp_dtype, "param write-back")
 
     @owned(COMPUTE)
     def finish_commits(self) -> None:

@@ -142,7 +142,7 @@ class Engine:
                                             self.plan.optimizer_step_on, charge(self.device_tier, "device_step"))
         no_decay = exempt_from_decay(model, self.units, cfg.optimizer.no_weight_decay)  # checked before placing
         self.params = ParamStore(self.param_units, placement["params"], self.lp_dtype, *tiers("params"),
-                                 self.sharding, placement["optimizer"],
+                                 self.sharding, placement["optimizer"], tiers("optimizer")[:2],
                                  cfg.prefetch.lookahead if cfg.prefetch.enabled else 0, self.profiler)
         self.params.master_of = lambda unit: self.window.overlap.master_of(unit)  # [Note: a failed write-back]
         self.grads = GradStore(self.units, placement["gradients"], DTYPES[cfg.precision.accumulator_dtype],
