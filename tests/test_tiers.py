@@ -10,6 +10,7 @@ from zerotier.units import parse_size
 from zerotier.errors import BudgetError, ZerotierError
 from zerotier.io import FutureTicket
 from zerotier.tiers import BudgetedTier, DeviceTier, HostPool, make_device_tier
+from zerotier.tiers.base import Charged
 
 from concurrency import run_threads
 
@@ -114,6 +115,19 @@ def test_host_pool_best_fit_and_double_free():
     pool.free(tiny)
     with pytest.raises(ZerotierError, match="double free"):
         pool.free(tiny)
+
+
+def test_a_reused_blocks_slack_is_charged_to_nobody():
+    """[Note: a reused block's slack is the cache's]: best fit hands the optimizer a 3-page block
+    the parameters freed; the optimizer is charged the 2 pages it asked for, the plan's count."""
+    pool = HostPool(1 << 20, alignment=PAGE, pin=False)
+    full_flat = Charged(pool, "params").alloc(3 * PAGE)
+    pool.free(full_flat)
+    staging = Charged(pool, "optimizer").alloc(2 * PAGE - 1)
+    assert staging.capacity == 3 * PAGE and pool.stats()["reuses"] == 1 and pool.stats()["in_use"] == 3 * PAGE
+    assert pool.component_peaks() == {"params": 3 * PAGE, "optimizer": 2 * PAGE}
+    pool.free(staging)
+    assert pool.component_peaks()["optimizer"] == 2 * PAGE and pool._component_used == {"params": 0, "optimizer": 0}
 
 
 def test_host_pool_budget_trims_cache_first():

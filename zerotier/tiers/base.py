@@ -13,7 +13,8 @@ The tickets the tiers hand back are zerotier.io.ticket's (see [Note: tickets] th
 Under ZEROTIER_CHECK_PLAN=1 the engine hands each store (params, gradients, optimizer) its
 tiers through `Charged(tier, component)`: every call goes to the tier, and what a call
 allocates is charged to that component (a host-pool buffer carries its component to its
-free, a device tensor's is kept by its address, a storage refilled through the view is charged
+free, charged its request rounded up to the alignment: [Note: a reused block's slack is the
+cache's] in host.py; a device tensor's is kept by its address, a storage refilled through the view is charged
 to it and given back by it; an NVMe file to the component writing its key, from the write's
 issue, a rewrite's second file too while in flight, until the file is replaced or its write
 fails: a replaced file kept for reuse, [Note: NVMe file recycling] in nvme_files.py, is charged

@@ -28,6 +28,15 @@ one for the whole CPU suite) sees every block registered and unregistered by the
 rules, pinned or not, and refuses an overlapping registration as the driver would (712),
 so CI catches a leaked registration without a GPU.
 
+[Note: a reused block's slack is the cache's]
+Best fit hands out a cached block up to _BEST_FIT_SLACK times the rounded request (a block
+another store freed: ZeRO-1/2's gathered full flat of an NVMe home, twice a shard, taken by the
+optimizer's next staging block). Under ZEROTIER_CHECK_PLAN=1 the component is charged the
+rounded request, what its store asked for and the plan counts per block; the rest of the block
+is the cache's, charged to nobody, as the NVMe store's recycled files are ([Note: peaks per
+component] in base.py). The budget still counts the whole block; unlike a cached block, that
+slack is only given back when the buffer is freed.
+
 [Note: deferred free]
 A block must not be reused while an async copy or a file write still reads it.
 `free(buf, after=ticket)` parks the block until `ticket.done()`; only then does it
@@ -287,7 +296,7 @@ class HostPool(BudgetedTier):
                 pass
         tensor = block.data[:nbytes].view(dtype)
         component = charging()
-        self.charge(component, block.size)
+        self.charge(component, size)  # not block.size: [Note: a reused block's slack is the cache's]
         return HostBuffer(tensor=tensor, nbytes=nbytes, what=what, _block=block, component=component)
 
     def free(self, buf: HostBuffer, after: TicketLike | None = None, cache: bool = True) -> None:
@@ -300,7 +309,7 @@ class HostPool(BudgetedTier):
                 raise ZerotierError(f"host pool: double free of buffer {buf.what or ''} ({buf.nbytes} B)")
             buf._freed = True
             block = buf._block
-            self.charge(buf.component, -block.size)
+            self.charge(buf.component, -max(round_up(buf.nbytes, self.alignment), self.alignment))
             self._in_use -= block.size
             self._live -= 1
             if self._closed or not (cache or wait_for):
