@@ -24,6 +24,7 @@ import torch
 import zerotier
 from zerotier.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from zerotier.dist import spawn
+from zerotier.dist.partition import stage_partitions
 from zerotier.errors import TierIOError, ZerotierError
 from zerotier.grads import GradFile, GradStore
 from zerotier.models import TinyGPT, batches
@@ -371,8 +372,10 @@ def test_plan_counts_the_reduced_shard_files_at_stage_1():
                   world_size=4, stage=1)
     stage2 = plan([4000, 4000], {"params": "device", "gradients": "nvme", "optimizer": "host"},
                   world_size=4, stage=2)
-    assert stage1.need["nvme"] == 4 * 8000 + 4 * 2000 + 4 * 8000  # sums, shards, two rewrites
-    assert stage2.need["nvme"] == 4 * 2000 + 4 * 2000  # shards, two rewrites
+    shards = 2 * 1024  # each unit's 4000 / 4 ranks, padded to 32 elements as Sharding.assign pads them
+    assert [p.shard_numel for p in stage_partitions([4000, 4000], 4, 1, 0)] == [1024, 1024]
+    assert stage1.need["nvme"] == 4 * 8000 + 4 * shards + 4 * 8000  # sums, shards, two rewrites
+    assert stage2.need["nvme"] == 4 * shards + 4 * shards  # shards, two rewrites
 
 
 def test_auto_puts_gradients_on_nvme_when_the_host_cannot_hold_them():
