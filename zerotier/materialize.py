@@ -35,7 +35,8 @@ unit's flat (Unit.offsets): its parameters are views of it, `flat(unit)` hands t
 placement without a concatenation, `cast(unit, t, dtype)` makes the low-precision copy in
 the pool too, and `release(unit)` gives both up once the stores have copied what they keep
 (each store copies into blocks of its own) and the caller has dropped its views. They are
-kept as spares, one flat and one cast, for the next unit: a model's layers are units of one
+kept as spares (flats and casts, at most 1 + AHEAD of each: the units that may hold bytes at
+once, so a slow worker that finds two released before it takes one keeps both) for the next unit: a model's layers are units of one
 size, so the next one reuses them with their pages mapped (and, on CUDA, registered), where a
 fresh block per unit faulted in every page (and cudaHostRegister'ed it) again: on this
 machine the NaN fill ran at the 0.7-0.8 GB/s of first touch. A spare of another size goes
@@ -166,7 +167,7 @@ class Materializer:
         self._meta: list[tuple[dict, str, torch.Tensor]] = []  # (module dict, name, meta tensor) replaced
         # (frozen, unit index) -> the pool blocks of its materialized flat and its cast ([Note: materialization in the host pool])
         self._blocks: dict[tuple[bool, int], list[HostBuffer]] = {}
-        self._spares: dict[str, HostBuffer | None] = {"flat": None, "cast": None}  # released, for the next unit
+        self._spares: dict[str, list[HostBuffer]] = {"flat": [], "cast": []}  # released, for the next units
         self._spares_lock = threading.Lock()  # the worker takes flats, the caller releases them ([Note: materializing ahead])
 
     def undo(self) -> None:
@@ -229,23 +230,31 @@ class Materializer:
 
     def finish(self) -> None:
         """Give the spare blocks back to the system: every unit is placed."""
-        for kind in self._spares:
-            self._keep(kind, None)
+        with self._spares_lock:
+            spares = [b for kind in self._spares.values() for b in kind]
+            self._spares = {kind: [] for kind in self._spares}
+        for block in spares:
+            self.host_pool.free(block, cache=False)
 
     def _alloc(self, kind: str, nbytes: int, dtype: torch.dtype, what: str) -> HostBuffer:
-        """A block for a unit's flat or cast: the spare one when its size and dtype fit, else a new one,
-        the spare given back first ([Note: materialization in the host pool])."""
+        """A block for a unit's flat or cast: a spare one when its size and dtype fit, else a new one,
+        the spares of other sizes given back first ([Note: materialization in the host pool])."""
         with self._spares_lock:
-            spare, self._spares[kind] = self._spares[kind], None
-        if spare is not None and spare.nbytes == nbytes and spare.dtype == dtype:
-            return spare
-        if spare is not None:
-            self.host_pool.free(spare, cache=False)  # one-off size: back to the system
+            spares = self._spares[kind]
+            fit = next((b for b in spares if b.nbytes == nbytes and b.dtype == dtype), None)
+            if fit is not None:
+                spares.remove(fit)
+                return fit
+            others, self._spares[kind] = spares, []
+        for block in others:
+            self.host_pool.free(block, cache=False)  # one-off sizes: back to the system
         return self.host_pool.alloc(nbytes, dtype, what)
 
-    def _keep(self, kind: str, block: HostBuffer | None) -> None:
+    def _keep(self, kind: str, block: HostBuffer) -> None:
         with self._spares_lock:
-            old, self._spares[kind] = self._spares[kind], block
+            spares = self._spares[kind]
+            spares.append(block)
+            old = spares.pop(0) if len(spares) > 1 + AHEAD else None
         if old is not None:
             self.host_pool.free(old, cache=False)
 
