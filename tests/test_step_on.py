@@ -12,7 +12,7 @@ from zerotier.planner.predict import StepOptions
 from zerotier.optim.rules import AdamW, Lion
 from zerotier.optim.state_layout import StateLayout
 from zerotier.optim.device_staging import DeviceStaging
-from zerotier.planner.step_on import UpdateCosts, choose, cpu_rate_key, device_rate_key, device_staging, steps_on
+from zerotier.planner.step_on import UpdateCosts, choose, cpu_rate_key, device_rate_key, staging_bytes_of, steps_on
 from zerotier.state import Location
 
 CPU = torch.device("cpu")
@@ -66,7 +66,7 @@ RATES = {"cpu_adam": 1e4, "h2d": 12e4, "d2h": 12e4, "device_adam": 28e4, "mem_co
 COSTS = UpdateCosts.of(RATES, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True)
 SHARDS = [2000, 4000, 1000, 3000]  # unit index order; by size: units 1, 3, 0, 2
 # the engine's staging of the device units: fp32 state (three 4 B keys), a 2 B output, gradients on the device
-STAGING = device_staging([(4 * n,) * 3 for n in SHARDS], SHARDS, lp_itemsize=2, grad_itemsize=0)
+STAGING = staging_bytes_of([(4 * n,) * 3 for n in SHARDS], SHARDS, lp_itemsize=2, grad_itemsize=0)
 
 
 def test_the_greedy_split_by_hand():
@@ -107,7 +107,7 @@ def test_the_greedy_is_within_one_unit_of_the_balanced_optimum():
     costs = UpdateCosts.of(RATES, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True)
     shards = [1000 + 37 * i % 900 for i in range(40)]
     s = choose("auto", (Location.HOST,) * 40, shards, costs, cuda=True,
-               staging=device_staging([(4 * n,) * 3 for n in shards], shards, 2, 0))
+               staging=staging_bytes_of([(4 * n,) * 3 for n in shards], shards, 2, 0))
     total = sum(shards)
     # cut units: cpu x = stage (total - x) + fill x largest: the meeting point is a lower bound
     bound = (costs.device_stage * total) * costs.cpu / (costs.cpu + costs.device_stage)

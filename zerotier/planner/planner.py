@@ -48,7 +48,7 @@ from .report import whole_shortfall
 from .sizes import (KINDS, Sizes, auto_split, bytes_for, check_sharding, model_state_bytes, rank_shards_in_order,
                     split_bytes, split_units, tier_holds)
 from .speculation_plan import fit_speculation, predict_step
-from .step_on import UpdateCosts, choose, cpu_rate_key, device_rate_key, device_staging
+from .step_on import UpdateCosts, choose, cpu_rate_key, device_rate_key, staging_bytes_of
 
 
 def make_plan(model: ModelFacts, config: PlanConfig, node: Node) -> Plan:
@@ -262,7 +262,7 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
     shards = rank_shards_in_order(sizes)
     # the engine stages a gradient in only from off the device of a CUDA run ([Note: device staging])
     grads_staged = sizes.cuda and not HOMES[placement["gradients"]].on_device
-    staging = device_staging(sizes.state_units, shards, sizes.lp_bytes, sizes.grad_bytes if grads_staged else 0)
+    staging = staging_bytes_of(sizes.state_units, shards, sizes.lp_bytes, sizes.grad_bytes if grads_staged else 0)
     chosen = choose(requested, homes, shards, costs, sizes.cuda, staging)
     cpu = choose("cpu", homes, shards, costs, sizes.cuda, staging)
     if requested == "auto" and chosen.units != cpu.units and chosen.staging_bytes <= free["device"]:

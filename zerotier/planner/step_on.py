@@ -62,7 +62,7 @@ of them, each `DeviceStaging.set_bytes` of the device-stepped units: per state k
 unit's buffer as the store allocates it (`Sizes.state_units`: compact state's scales and
 rounding included), the largest shard's low-precision output (staged whether or not the
 parameters are on the device), and its gradient where the engine stages it in: on a CUDA device
-with the gradients off it (`device_staging`; a CPU "device" reads host gradients where they are).
+with the gradients off it (`staging_bytes_of`; a CPU "device" reads host gradients where they are).
 The plan counts it as `needs["device_step"]["device"]`, the engine reserves the same buffers
 from the device tier: one function, so the two cannot disagree.
 """
@@ -106,8 +106,8 @@ def device_rate_key(rates: dict[str, float], rule, layout) -> str:
     return key if key in rates else "device_adam"
 
 
-def device_staging(unit_state: Sequence[UnitBytes], shards: Sequence[int], lp_itemsize: int,
-                   grad_itemsize: int) -> Callable[[Sequence[int]], int]:
+def staging_bytes_of(unit_state: Sequence[UnitBytes], shards: Sequence[int], lp_itemsize: int,
+                     grad_itemsize: int) -> Callable[[Sequence[int]], int]:
     """[Note: the device step's staging memory] The device bytes the engine's staging takes for the
     device-stepped units of the given indices: `unit_state` each unit's state buffers (key bytes, unit
     index order), `shards` its shard; `grad_itemsize` 0 where the update reads the gradients where they are."""
@@ -178,7 +178,7 @@ def choose(requested: str, homes: Sequence[Location], shards: Sequence[int], cos
     """[Note: where the update runs] Each unit's side for `optimizer.step_on = requested`: forced,
     or split by the rates ("auto" with a CUDA device: [Note: choosing where each update runs]).
     staging: the device bytes of the staging for the device-stepped units of given indices
-    (`device_staging`)."""
+    (`staging_bytes_of`)."""
     on = steps_on(requested, homes)  # checks `requested`; "auto" -> the CPU
     movable = [not HOMES[home].on_device for home in homes]
     if requested != "auto" or not cuda:
