@@ -335,6 +335,43 @@ def test_materializing_ahead_gives_the_serial_weights(init_fn, placement, two_th
     assert not torch.equal(serial["a.bias"], serial["b.bias"])  # seeded per unit
 
 
+@pytest.mark.parametrize("threads", [2, 8])
+def test_materializing_ahead_gives_the_worker_one_thread_and_the_caller_all(threads, monkeypatch, tmp_path):
+    """[Note: materializing ahead] The worker draws on one thread while the caller keeps all T of
+    torch's threads for its memory-bound phases (not a share: T // 4 to the worker cost 14% at
+    T = 2), a thread started meanwhile begins with T, and T is torch's count after."""
+    import zerotier.materialize as materialize
+    monkeypatch.setattr(materialize, "AHEAD", 1)
+    worker, caller, started = [], [], []
+    unit_of, take_of = materialize.Materializer.unit, materialize.Ahead.take
+
+    def unit(self, u):
+        worker.append((threading.current_thread().name, torch.get_num_threads()))
+        return unit_of(self, u)
+
+    def take(self, u):
+        caller.append(torch.get_num_threads())
+        later = threading.Thread(target=lambda: started.append(torch.get_num_threads()))
+        later.start()
+        later.join()
+        return take_of(self, u)
+    monkeypatch.setattr(materialize.Materializer, "unit", unit)
+    monkeypatch.setattr(materialize.Ahead, "take", take)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.device("meta"):
+            model = _TiedStack()
+        with zerotier.initialize(model, {"train": {"wrap": ["Linear"]}}):
+            after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert worker and set(worker) == {("zerotier-materialize", 1)}, worker
+    assert caller and set(caller) == {threads}, caller
+    assert set(started) == {threads}, started
+    assert after == threads
+
+
 def test_materializing_ahead_holds_at_most_two_units(two_threads, monkeypatch, tmp_path):
     """Memory stays bounded by units: while one unit is placed, one more is materialized, never
     more (the plan counts both: materialize.pool_bytes), and every block is given back."""

@@ -331,11 +331,14 @@ class Ahead:
     meta units in their order while the caller places the ones before: at most 1 + AHEAD units
     hold materialized bytes at once (the one being placed, with its cast, and AHEAD flats; the
     plan counts them: pool_bytes), so memory stays bounded by units, never a whole model.
-    torch's thread budget (torch.get_num_threads(), T) is shared, not doubled: the worker's ops
-    run on T // 4 threads (at least 1) and the caller's on the rest, until close() gives the
-    caller T again (a team per thread, so no core is oversubscribed; a quarter because the
-    worker writes and reads ~12 B per parameter (fill, draw, check) against the caller's ~30
-    (master, moments, casts, parameters, gradients)). With T = 1 it is the serial path.
+    Threads: the worker's ops run on one thread and the caller keeps all T of torch's
+    (torch.get_num_threads()): the worker's longest phase, the draw, is serial anyway, while the
+    caller's phases (casts, the optimizer's copies) are memory-bound and lost ~half their speed
+    on a share (T // 4 to the worker cost 14% at T = 2: docs/benchmarks.md). So T + 1 threads
+    run, one of them mostly on serial draws. torch.set_num_threads is per thread here (OpenMP's
+    nthreads ICV: a team per thread), except that it also sets the count a thread started later
+    begins with, so the caller sets T again once the worker has set its 1. With T = 1 it is the
+    serial path.
     The weights are those of the serial path, bit for bit: each unit reseeds torch's generator
     from its own index ([Note: meta-device models]), the worker is the only thread drawing from
     it meanwhile (placement draws nothing), and it materializes the units in the serial order
@@ -351,17 +354,22 @@ class Ahead:
         self._room = threading.Semaphore(1 + AHEAD)  # units holding bytes at once
         self._stop = False
         self._thread = None
-        self._threads = torch.get_num_threads()
-        if AHEAD and units and self._threads > 1:
-            worker = max(1, self._threads // 4)
+        threads = torch.get_num_threads()
+        if AHEAD and units and threads > 1:
             cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-            self._thread = threading.Thread(target=self._run, args=(units, worker, cuda, torch.get_default_device()),
+            one_thread = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(units, one_thread, cuda, torch.get_default_device()),
                                             name="zerotier-materialize", daemon=True)
-            torch.set_num_threads(self._threads - worker)  # the caller's share, until close()
             self._thread.start()
+            one_thread.wait()
+            torch.set_num_threads(threads)  # threads started from now on begin with T, not the worker's 1
 
-    def _run(self, units: list[Unit], threads: int, cuda: int | None, default_device: torch.device) -> None:
-        torch.set_num_threads(threads)
+    def _run(self, units: list[Unit], one_thread: threading.Event, cuda: int | None,
+             default_device: torch.device) -> None:
+        try:
+            torch.set_num_threads(1)
+        finally:
+            one_thread.set()
         if cuda is not None:
             torch.cuda.set_device(cuda)
         if default_device.type != "cpu":
@@ -392,11 +400,9 @@ class Ahead:
         self._room.release()
 
     def close(self) -> None:
-        """Stop the worker (after the unit it is materializing), wait for it, and give the caller
-        torch's whole thread budget back."""
+        """Stop the worker (after the unit it is materializing) and wait for it."""
         if self._thread is not None:
             self._stop = True
             self._room.release()
             self._thread.join()
             self._thread = None
-            torch.set_num_threads(self._threads)
