@@ -510,3 +510,33 @@ def test_nvme_state_read_and_write_time_counts_the_units_buffers_as_the_store_al
     assert {"nvme_read", "nvme_write"} <= set(used)
     expected = 20_000 / DEFAULT_RATES["nvme_read"] + 20_000 / DEFAULT_RATES["nvme_write"]
     assert schedule.seconds["optimizer_nvme"] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_predict_sizes_each_ranks_io_and_update_by_the_shard_the_stores_allocate(world_size, monkeypatch):
+    """Silently wrong before: predict took ceil(numel / N) elements per rank, while the stores
+    allocate the partition's shard (Sizes.held_shard): padded to SHARD_ALIGN x N, and the whole
+    unit where ZeRO-3 replicates it (below zero.persistence_threshold). Hand-computed for a unit of
+    200,001 (sharded) and one of 1,000 (replicated) elements at ZeRO-3 with params, gradients on
+    NVMe and the optimizer on host: each rank reads, writes and updates its padded shard."""
+    import zerotier.planner.predict as predict_module
+    from zerotier.planner.predict import DEFAULT_RATES, predict
+    from zerotier.planner.sizes import Sizes
+    from zerotier.state import Location
+
+    works = []
+    monkeypatch.setattr(predict_module, "simulate", lambda w, shape: works.extend(w))
+    s = Sizes(numels=(200_001, 1000), lp_bytes=2, grad_bytes=4, lookahead=0, stage=3, world_size=world_size,
+              unit_order=(200_001, 1000), unit_params=((200_001,), (1000,)))
+    placement = {"params": Location.NVME, "gradients": Location.NVME, "optimizer": Location.HOST}
+    predict(placement, s, "cpu", DEFAULT_RATES, local_ranks=1)
+    grain = 32 * world_size
+    held = [-(-200_001 // grain) * grain // world_size, 1000]
+    assert held[0] != -(-200_001 // world_size)  # where ceil(numel / N) and the store differ
+    assert [s.held_shard(n, "optimizer") for n in s.numels] == held == s.held_shards("params")
+    cpu = predict_module.cpu_rate_key(DEFAULT_RATES, s.rule, s.state)
+    for w, n in zip(works, held):
+        assert w.fetch_nvme_s == pytest.approx(2 * n / DEFAULT_RATES["nvme_read"], rel=1e-12)
+        assert w.grad_write_s == pytest.approx(4 * n / DEFAULT_RATES["nvme_write"], rel=1e-12)
+        assert w.adam_s == pytest.approx(n / DEFAULT_RATES[cpu], rel=1e-12)
+        assert w.copyback_s == pytest.approx(2 * n / DEFAULT_RATES["nvme_write"], rel=1e-12)

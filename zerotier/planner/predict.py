@@ -52,7 +52,6 @@ from ..grads import GradStore
 from ..overlap import policy_for
 from ..overlap.speculative import undo_bytes
 from ..params import ParamStore
-from .sizes import shard_numel
 from .step_on import UpdateCosts, cpu_rate_key, device_rate_key
 from .step_model import Schedule, StepShape, UnitWork, simulate
 from ..state import Location
@@ -156,9 +155,7 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
                             local_ranks=local_ranks, cpu_key=cpu_key, device_key=device_key)
     for i, n in enumerate(numels):
         is_trainable = i < len(trainable)
-        p_shard = shard_numel(n, "params", s.stage, s.world_size)
-        g_shard = shard_numel(n, "gradients", s.stage, s.world_size)
-        o_shard = shard_numel(n, "optimizer", s.stage, s.world_size)
+        p_shard, g_shard, o_shard = (s.held_shard(n, kind) for kind in ("params", "gradients", "optimizer"))
         unit_opt = HOMES[optimizer_units[i]] if optimizer_units and is_trainable else opt_at
         device_step = is_trainable and i < len(options.on_device) and options.on_device[i] and not unit_opt.on_device
         w = dict(forward_s=compute.forward_s[i] if compute else 0.0,

@@ -182,15 +182,20 @@ class Sizes:
         return [shard_numel(n, kind, self.stage, self.world_size) for n in self.numels]
 
     def held_shards(self, kind: str) -> list[int]:
-        """Every unit's elements of `kind` one rank's store allocates (numels order): the partition's
+        """Every unit's elements of `kind` one rank's store allocates (numels order): `held_shard`."""
+        return [self.held_shard(n, kind) for n in self.numels]
+
+    def held_shard(self, numel: int, kind: str) -> int:
+        """The elements of `kind` one rank's store allocates for a unit of `numel`: the partition's
         padded shard where the stage shards `kind` (`Partition.shard_numel`: SHARD_ALIGN x ranks
-        padding, the whole unit where it is replicated), else the whole unit. ceil(numel / N) understates it by up to 32 x N - 1 elements per unit.
+        padding, the whole unit where it is replicated), else the whole unit. ceil(numel / N)
+        understates it by up to 32 x N - 1 elements per unit, and by all but 1/N of a replicated one.
         Without the engine's buffers (the ZeRO paper's accounting) the paper's ceil(numel / N)."""
         if not self.engine_buffers:
-            return self.rank_shards(kind)
+            return shard_numel(numel, kind, self.stage, self.world_size)
         if self.stage < SHARDED_FROM_STAGE[kind]:
-            return list(self.numels)
-        return self.shard_numels()
+            return numel
+        return stage_partitions([numel], self.world_size, self.stage, self.persistence)[0].shard_numel
 
     def held_numel(self, kind: str) -> int:
         """This rank's elements of `kind` as its store allocates them (the paper's without engine buffers)."""
