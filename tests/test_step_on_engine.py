@@ -218,7 +218,7 @@ def test_staging_is_reserved_from_the_device_tier_and_sized_by_its_term(tmp_path
     with zerotier.initialize(make_model(), cfg) as engine:
         train(engine, 0, 1)
         staging = engine.unit_optimizer.device_staging
-        held = sum(b.numel() * b.element_size() for pool in (staging._state, staging._extra) for b in pool.values())
+        held = staging.nbytes  # both sets made: the model has more device-stepped units than SETS
         state = engine.unit_optimizer.state
         state_set = OptStateSizing.staging_set(tuple(state.slots[u.index].layout.nbytes(k, u.shard_numel)
                                                      for k in state.layout.keys) for u in engine.units)
@@ -229,3 +229,73 @@ def test_staging_is_reserved_from_the_device_tier_and_sized_by_its_term(tmp_path
         before = engine.device_tier.stats()["current"]
         staging.close()
         assert engine.device_tier.stats()["current"] == before - held
+
+
+class _Watched:
+    """Every device update issued in a test ([Note: the asynchronous device step] in offload.py), and
+    whether each is retired, so a test can ask what was still in flight at a given moment."""
+
+    def __init__(self, monkeypatch):
+        import zerotier.optim.in_order as in_order
+        self.updates = []
+        watched = self
+
+        class Watched(in_order.InFlight):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.retired = False
+                watched.updates.append(self)
+
+            def retire(self):
+                super().retire()
+                self.retired = True
+
+        monkeypatch.setattr("zerotier.optim.offload.InFlight", Watched)
+
+    def copying_out(self) -> int:
+        """Device updates whose copies out are still running now."""
+        return sum(not u.retired and not u.done() for u in self.updates)
+
+    def in_flight(self) -> int:
+        return sum(not u.retired for u in self.updates)
+
+
+@pytest.mark.pins("design#a-device-update-does-not-hold-the-optimizer-thread")
+@pytest.mark.parametrize("optimizer", ["host", "nvme"])
+def test_cpu_units_update_while_device_updates_are_in_flight_and_leave_in_order(tmp_path, monkeypatch, optimizer):
+    """[Note: the asynchronous device step]: with one unit of four on the CPU, the native update of the
+    CPU unit runs while the previous device unit's copies out are still running (the lagging device
+    completes each copy 100 ms late here, longer than the units between), never more than
+    DeviceStaging.SETS device updates are in flight, and the parameter store commits the units in the order the optimizer took them up; the result
+    equals the all-CPU run within fp32 rounding."""
+    where = lambda n: ["cpu" if i == 1 else "device" for i in range(n)]  # noqa: E731 - 3 device units of 4
+    force(monkeypatch, where)
+    monkeypatch.setenv("ZEROTIER_LAGGING_DEVICE_MS", "100")
+    watched = _Watched(monkeypatch)
+    overlapped, most = [], [0]
+    taken, committed = [], []
+    with zerotier.initialize(make_model(), config(tmp_path / "split", optimizer)) as engine:
+        opt, rule = engine.unit_optimizer, engine.unit_optimizer.rule
+        cpu_pieces, device_pieces = rule.cpu_pieces, rule.device_pieces
+
+        def on_cpu(*args, **kwargs):
+            overlapped.append(watched.copying_out())
+            return cpu_pieces(*args, **kwargs)
+
+        def on_device(*args, **kwargs):
+            most[0] = max(most[0], watched.in_flight() + 1)  # this one is being issued
+            return device_pieces(*args, **kwargs)
+
+        rule.cpu_pieces, rule.device_pieces = on_cpu, on_device
+        update, commit = opt._update, engine.params.commit
+        opt._update = lambda unit, *a, **k: (taken.append(unit.index), update(unit, *a, **k))[1]
+        engine.params.commit = lambda unit: (committed.append(unit.index), commit(unit))[1]
+        train(engine, 0, 3)
+        split = engine.parameters_fp32()
+    assert any(overlapped), overlapped  # a CPU update ran beside a device update's copies out
+    assert 1 < most[0] <= DeviceStaging.SETS
+    assert committed == taken and len(taken) == 3 * len(engine.units)
+    force(monkeypatch, lambda n: ["cpu"] * n)
+    with zerotier.initialize(make_model(), config(tmp_path / "cpu", optimizer)) as engine:
+        train(engine, 0, 3)
+        assert_close(split, engine.parameters_fp32())

@@ -12,25 +12,23 @@ and:
      compute joins each copy's event (the compute stream waits, the host does not);
   2. hands the device views to the caller, which runs the update rule's device variant on them and
      writes the low-precision output into the staged output buffer, on the compute stream;
-  3. copies the state and the output D2H on the d2h stream, each copy waiting for the compute
-     stream first (copy_d2h), and waits for them on the host before it returns: the caller then
-     finds the new state in its home's bytes (the NVMe pipeline issues its write-back from them) and
-     the new parameters in `out`, as after the CPU update.
+  3. `Staged.stage_out()` copies the state and the output D2H on the d2h stream, each copy waiting
+     for the compute stream first (copy_d2h), and returns their tickets without waiting: once they
+     are done the caller finds the new state in its home's bytes (the NVMe pipeline issues its
+     write-back from them) and the new parameters in `out`, as after the CPU update. Until then
+     nobody reads or writes those host bytes ([Note: the asynchronous device step] in offload.py).
 Stream/event invariant ([Note: copy streams and events] in tiers/device.py): no staging buffer is
-written before the copies reading it completed, because a set is reused only by the next
-`staged(...)`, which begins after this one waited for its D2H tickets; every device tensor is
-allocated once, on the compute stream, and lives until close(). `SETS` (1) staging sets are
-alive at once, each `set_bytes` of device memory: the plan counts `SETS x set_bytes` of the
-device-stepped units ([Note: the device step's staging memory] in planner/step_on.py), the very
-figures the buffers are sized by. On a CPU "device"
+written before the copies reading it completed: the `SETS` (2) sets are taken in turn, and
+stage_in on a set first waits on the host for the D2H tickets of the unit that used it last
+(the caller has normally waited them already, to retire that unit); every device tensor is
+allocated once, on the compute stream, and lives until close(). Each set is `set_bytes` of device
+memory: the plan counts `SETS x set_bytes` of the device-stepped units ([Note: the device step's
+staging memory] in planner/step_on.py), the very figures the buffers are sized by. On a CPU "device"
 the same code runs: the copies go into separate buffers (the lagging device of the CPU suite
 copies late and poisons destinations, so a missing join fails there) and the rule's device
 variant runs on them instead of the native kernel.
 """
 from __future__ import annotations
-
-import contextlib
-from typing import Iterator
 
 import torch
 
@@ -40,9 +38,9 @@ from .state_terms import OptStateSizing, UnitBytes
 
 
 class DeviceStaging:
-    """The staging set of [Note: device staging], for the units `units` (their layouts `layouts`, by unit index)."""
+    """The staging sets of [Note: device staging], for the units `units` (their layouts `layouts`, by unit index)."""
 
-    SETS = 1  # staging sets alive at once (units whose state is staged on the device at once)
+    SETS = 2  # staging sets alive at once: device updates in flight (one staged in while one goes out)
 
     @staticmethod
     def set_bytes(state_set: UnitBytes, largest_shard: int, lp_itemsize: int, grad_itemsize: int = 0) -> int:
@@ -61,46 +59,46 @@ class DeviceStaging:
                                                for u in units)
         self._largest = dict(zip(keys, state_set))
         self._largest_shard = max(u.shard_numel for u in units)
-        self._state: dict[str, torch.Tensor] = {}     # key -> uint8 device buffer (made at the first use)
-        self._extra: dict[str, torch.Tensor] = {}     # "out" / "grad" -> device buffer, by dtype at first use
+        # per set: what -> device buffer (a state key: uint8; "out" / "grad": by dtype at first use)
+        self._sets: list[dict[str, torch.Tensor]] = [{} for _ in range(self.SETS)]
+        self._last: list[list] = [[] for _ in range(self.SETS)]  # per set: the D2H tickets of its last unit
+        self._turn = 0  # the set the next unit takes
 
-    def _buffer(self, what: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The set's device buffer `what` (a state key, "out" or "grad") as `numel` elements of `dtype`."""
-        pool = self._state if what in self._largest else self._extra
-        buf = pool.get(what)
+    def _buffer(self, bufs: dict, what: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A set's device buffer `what` (a state key, "out" or "grad") as `numel` elements of `dtype`."""
+        buf = bufs.get(what)
         if buf is None or buf.dtype != dtype:
             if buf is not None:
                 self.device_tier.free(buf)
-            size = self._largest[what] if what in self._largest else self._largest_shard
-            buf = pool[what] = self.device_tier.alloc((size,), dtype, f"optimizer device staging {what}")
+            size = self._largest.get(what, self._largest_shard)
+            buf = bufs[what] = self.device_tier.alloc((size,), dtype, f"optimizer device staging {what}")
         return buf[:numel]
 
-    @contextlib.contextmanager
-    def staged(self, unit: Unit, raw: dict, grad: torch.Tensor, out: "torch.Tensor | None",
-               writes_all: bool = True) -> Iterator[tuple]:
+    def stage_in(self, unit: Unit, raw: dict, grad: torch.Tensor, out: "torch.Tensor | None",
+                 writes_all: bool = True) -> "Staged":
         """[Note: device staging] `raw`: the unit's state bytes in host memory (key -> uint8), `grad` its
-        gradient shard, `out` where its new low-precision shard goes. Yields (raw, grad, out) on the
-        device for the update; after it, the state and the output are back in `raw` and `out`.
-        `writes_all`: the update writes every element of `out` (else `out` is staged in too, so the
-        elements it leaves, such as the shard's padding, go back as they were)."""
-        tier = self.device_tier
-        staged = {k: self._buffer(k, host.numel(), torch.uint8) for k, host in raw.items()}
+        gradient shard, `out` where its new low-precision shard goes. Returns the device views for the
+        update (compute has joined their copies in); its `stage_out()` sends the state and the output
+        back into `raw` and `out`. `writes_all`: the update writes every element of `out` (else `out` is
+        staged in too, so the elements it leaves, such as the shard's padding, go back as they were)."""
+        tier, turn = self.device_tier, self._turn
+        self._turn = (turn + 1) % self.SETS
+        for ticket in self._last[turn]:  # the set's previous unit has left it
+            ticket.wait()
+        self._last[turn] = []
+        bufs = self._sets[turn]
+        staged = {k: self._buffer(bufs, k, host.numel(), torch.uint8) for k, host in raw.items()}
         inbound = [(f"{unit.key}.{k}", k, staged[k], host) for k, host in raw.items()]
         if grad.device.type != self.device.type:  # a gradient in host memory (or staged there)
-            dev_grad = self._buffer("grad", grad.numel(), grad.dtype)
+            dev_grad = self._buffer(bufs, "grad", grad.numel(), grad.dtype)
             inbound.append((f"{unit.key}.grad", "grad", dev_grad, grad))
             grad = dev_grad
-        dev_out = None if out is None else self._buffer("out", out.numel(), out.dtype)
+        dev_out = None if out is None else self._buffer(bufs, "out", out.numel(), out.dtype)
         if dev_out is not None and not writes_all:
             inbound.append((unit.param_key, "param", dev_out, out))
         for ticket in self._copies(unit, inbound, "host", "device", "optimizer-read", tier.copy_h2d):
             tier.join(ticket)
-        yield staged, grad, dev_out
-        outbound = [(f"{unit.key}.{k}", k, raw[k], staged[k]) for k in raw]
-        if out is not None:
-            outbound.append((unit.param_key, "param", out, dev_out))
-        for ticket in self._copies(unit, outbound, "device", "host", "optimizer-write", tier.copy_d2h):
-            ticket.wait()
+        return Staged(self, turn, unit, raw, out, staged, grad, dev_out)
 
     def _copies(self, unit: Unit, pairs: list, src: str, dst: str, reason: str, copy) -> list:
         """Issue `copy(dst, src)` for each (name, role, dst tensor, src tensor), profiled as transfers of
@@ -116,9 +114,42 @@ class DeviceStaging:
                 prof.end(token, copy=ticket)
         return tickets
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the staging sets hold now (at most SETS x set_bytes: a set is made at its first use)."""
+        return sum(b.numel() * b.element_size() for bufs in self._sets for b in bufs.values())
+
     def close(self) -> None:
-        """Give the staging buffers back to the device tier. Idempotent."""
-        for pool in (self._state, self._extra):
-            for buf in pool.values():
+        """Wait for the copies out still in flight, then give the staging buffers back to the device
+        tier. Idempotent."""
+        for k, tickets in enumerate(self._last):
+            for ticket in tickets:
+                ticket.wait()
+            self._last[k] = []
+        for bufs in self._sets:
+            for buf in bufs.values():
                 self.device_tier.free(buf)
-            pool.clear()
+            bufs.clear()
+
+
+class Staged:
+    """One unit's state on a staging set: `raw` (key -> device uint8 view), `grad` and `out` (device
+    views) for the update; `stage_out()` after it ([Note: device staging])."""
+
+    def __init__(self, staging: DeviceStaging, turn: int, unit: Unit, host_raw: dict, host_out, raw: dict,
+                 grad: torch.Tensor, out: "torch.Tensor | None"):
+        self._staging, self._turn, self._unit = staging, turn, unit
+        self._host_raw, self._host_out = host_raw, host_out
+        self.raw, self.grad, self.out = raw, grad, out
+
+    def stage_out(self) -> list:
+        """Issue the D2H copies of the state and the output after the update (on the compute stream);
+        returns their tickets, not waited: the host bytes are the update's result once they are done."""
+        staging, unit = self._staging, self._unit
+        outbound = [(f"{unit.key}.{k}", k, self._host_raw[k], self.raw[k]) for k in self._host_raw]
+        if self._host_out is not None:
+            outbound.append((unit.param_key, "param", self._host_out, self.out))
+        tickets = staging._copies(unit, outbound, "device", "host", "optimizer-write",
+                                  staging.device_tier.copy_d2h)
+        staging._last[self._turn] = tickets
+        return tickets

@@ -13,6 +13,22 @@ is apart from where its state lives ([Note: where the update runs] in planner/st
 host- or NVMe-homed unit whose plan says "device" is staged to the device for its update and back
 (device_staging.py, [Note: device staging]).
 
+[Note: the asynchronous device step]
+A unit stepped on the device does not hold the optimizer thread: `_update` stages its state in,
+issues the update rule's device variant and the copies out on the device's streams, and returns
+their tickets; the thread goes on with the next unit (a CPU unit's native update runs while the
+device works), and the device unit is retired once its copies out are done: its NVMe home's
+write-back issued then (the staging set's ranges held until that write lands), its parameters
+committed then. `DeviceStaging.SETS` (2) device updates are in flight at most: a third waits for
+the oldest to retire (its staging set). Units leave `step()` in the order they were taken up
+(in_order.py: a CPU unit updated behind a device unit still in flight waits for it), so the
+parameter store commits and the gradient store releases as before. The thread retires every
+device update in flight before a unit whose NVMe read is not issued yet (the read may need the
+ranges they hold) and at the end of `step()`, which therefore returns with every update done, as
+before. Until a unit is retired, nobody reads or writes its host bytes (its state's home, or its
+staging set) or its output buffer: the copies out write them. After a failure every update in
+flight is waited for and its staging set's ranges come back (InOrder.abandon).
+
 Each parameter keeps its own step count (torch's per-parameter `step`): a
 parameter that received no gradient in an optimizer step is not updated at all,
 exactly as torch.optim.AdamW skips parameters whose `.grad` is None ([Note:
@@ -35,6 +51,7 @@ from ..tiers.homes import HOMES
 from . import _kernels
 from .device_staging import DeviceStaging
 from .grad_staging import StagedGrads
+from .in_order import InFlight, InOrder
 from .rules import AdamW, UpdateRule
 from .rules.base import HyperTable
 from .state_layout import StateLayout
@@ -145,28 +162,49 @@ class UnitOptimizer:
         ahead = max(1, state.depth - 2)
         nvme_order = [u for u in order if state.on_nvme(u)]
         done = 0  # NVMe units of `order` stepped so far
+        flight = InOrder()  # [Note: the asynchronous device step]
+        sets = DeviceStaging.SETS
         completed = False
         try:
             for unit in order:
                 hyper = [hypers.groups[g] for g in hypers.unit_groups[unit.index]]  # data, no call back
                 on_nvme = state.on_nvme(unit)
+                on_device = unit.index in self._device_staged
+                if on_nvme and not state.read_issued(unit):  # its read may need the sets device units hold
+                    yield from flight.settle_all()
+                elif on_device and flight.in_flight >= sets:  # its staging set is the oldest's
+                    yield from flight.settle(wait=1)
                 # [Note: units on different tiers]: before a host unit, only free sets
                 state.read_ahead(nvme_order[done: done + 1 + ahead], block=on_nvme)
-                if not on_nvme:
+                done += on_nvme
+                if on_device:
+                    raw = state.take_staged(unit) if on_nvme else state.live_state(unit)
+                    try:
+                        tickets = self._update(unit, raw, grad_of(unit), out_of(unit), hyper, grad_scale)
+                    except BaseException:
+                        if on_nvme:
+                            state.drop_staged(unit)
+                        raise
+                    flight.add(unit, InFlight(tickets, *((lambda u=unit: state.write_staged(u),
+                                                          lambda u=unit: state.drop_staged(u)) if on_nvme else ())))
+                elif on_nvme:
+                    with state.staged(unit) as bufs:  # [Note: NVMe optimizer pipeline]
+                        self._update(unit, bufs, grad_of(unit), out_of(unit), hyper, grad_scale)
+                    flight.add(unit)
+                else:
                     self._update(unit, state.live_state(unit), grad_of(unit), out_of(unit), hyper, grad_scale)
-                    yield unit
-                    continue
-                done += 1
-                with state.staged(unit) as bufs:  # [Note: NVMe optimizer pipeline]
-                    self._update(unit, bufs, grad_of(unit), out_of(unit), hyper, grad_scale)
-                yield unit
+                    flight.add(unit)
+                yield from flight.settle()
+            yield from flight.settle_all()
             completed = True
         finally:
+            if not completed:
+                flight.abandon()
             if drain or not completed:  # after an error every write is waited, and the error raised
                 state.finish()
 
     @owned(UPDATER)
-    def _update(self, unit: Unit, raw: dict, grad, out, hypers: Sequence, grad_scale: float) -> None:
+    def _update(self, unit: Unit, raw: dict, grad, out, hypers: Sequence, grad_scale: float) -> "list | None":
         """[Note: parameters without a gradient] Each parameter keeps its own step count and
         hyper-parameters, as in torch. When every parameter of the unit got a gradient and their
         counts and hyper-parameters agree (always, unless data-dependent control flow skipped one
@@ -175,7 +213,9 @@ class UnitOptimizer:
         and hyper-parameters (adjacent slices that share them as one range; on the CPU, all of
         them in one native call), and the slices of parameters without a gradient are left as
         they are (their new low-precision output is the cast of the unchanged master). `raw`: the
-        unit's state buffers ([Note: optimizer state layout])."""
+        unit's state buffers ([Note: optimizer state layout]). A unit staged to the device
+        ([Note: device staging]) returns the tickets of its copies out, not waited: `raw` and `out`
+        hold the update once they are done ([Note: the asynchronous device step])."""
         self.applied += 1  # from here on the unit's state may differ from before the step
         got = self._got.pop(unit.index, None)
         slot = self.state.slots[unit.index]
@@ -186,10 +226,10 @@ class UnitOptimizer:
         whole = got is None and len(set(steps)) == 1 and len(set(hypers)) == 1  # one pass over the shard
         if unit.index not in self._device_staged:
             self._update_here(unit, raw, grad, out, hypers, grad_scale, got, steps, whole)
-            return
-        # [Note: device staging]
-        with self.device_staging.staged(unit, raw, grad, out, writes_all=whole) as (raw, grad, out):
-            self._update_here(unit, raw, grad, out, hypers, grad_scale, got, steps, whole)
+            return None
+        staged = self.device_staging.stage_in(unit, raw, grad, out, writes_all=whole)
+        self._update_here(unit, staged.raw, staged.grad, staged.out, hypers, grad_scale, got, steps, whole)
+        return staged.stage_out()
 
     def _on_device(self, unit: Unit, master: torch.Tensor) -> bool:
         """The unit's update runs the rule's device variant: its state is on an accelerator, or staged

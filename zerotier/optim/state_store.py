@@ -102,6 +102,7 @@ class OptStateStore(OptStateSizing):
         self._writing: collections.deque[tuple[Lease, list]] = collections.deque()  # (its ranges, write tickets)
         self._reads: dict[int, tuple[Lease, list]] = {}   # unit index -> (its ranges, read tickets), in issue order
         self._finals: list[int] = []          # NVMe units prefetched as final in this window, in order
+        self._held: dict[int, Lease] = {}     # take_staged's leases, by unit index, until written or dropped
         self._last_final: int | None = None   # the last of them in the previous window ([Note: the last final unit's read])
         # [Note: initial NVMe writes] Initialization keeps the writes of up to `depth` units in flight
         # (their master blocks + one shared zeros block: within the staging the planner counts,
@@ -217,15 +218,47 @@ class OptStateStore(OptStateSizing):
     def staged(self, unit: Unit) -> Iterator[dict]:
         """An NVMe unit's state buffers (its read waited for) for the update inside the block; its
         write-back is issued after it, left in flight ([Note: NVMe optimizer pipeline])."""
+        bufs = self.take_staged(unit)
+        try:
+            yield bufs
+        except BaseException:
+            self.drop_staged(unit)
+            raise
+        self.write_staged(unit)
+
+    def read_issued(self, unit: Unit) -> bool:
+        """The unit's NVMe read is issued (take_staged will not need a set)."""
+        return unit.index in self._reads
+
+    @owned(UPDATER)
+    def take_staged(self, unit: Unit) -> dict:
+        """`staged`'s first half, for an update that outlives one call (the asynchronous device step:
+        [Note: the asynchronous device step] in offload.py): the unit's state buffers once its read
+        landed; the unit holds its ranges until write_staged or drop_staged."""
         lease, tickets = self._reads.pop(unit.index)
         try:
             self._wait(tickets)
-            yield lease.views
-            writes = self._io(unit, lease.views, "optimizer-write")
         except BaseException:
             self._host_staging.give_back(lease)  # [Note: NVMe optimizer pipeline]: the set comes back
             raise
+        self._held[unit.index] = lease
+        return lease.views
+
+    @owned(UPDATER)
+    def write_staged(self, unit: Unit) -> None:
+        """The update of take_staged's buffers is done: issue their write-back, left in flight."""
+        lease = self._held.pop(unit.index)
+        try:
+            writes = self._io(unit, lease.views, "optimizer-write")
+        except BaseException:
+            self._host_staging.give_back(lease)
+            raise
         self._writing.append((lease, writes))
+
+    @owned(UPDATER)
+    def drop_staged(self, unit: Unit) -> None:
+        """The update of take_staged's buffers failed: their ranges come back, nothing is written."""
+        self._host_staging.give_back(self._held.pop(unit.index))
 
     @owned(UPDATER)
     def finish(self) -> None:
