@@ -1,6 +1,8 @@
 """The NVMe optimizer pipeline's staging sets, packed ([Note: packed staging sets] in
 optim/staging_sets.py): units take aligned ranges of a set, not whole sets, so beside a large
 unit the last backward reads the state of every small one."""
+import time
+
 import pytest
 import torch
 
@@ -98,3 +100,63 @@ def test_the_unit_final_last_has_its_state_read_at_the_next_backwards_start(clip
     assert orders[0][-1] == root, orders                        # nothing learnt yet: read as it became final
     assert [o.index(root) for o in orders[1:]] == [1, 1], orders  # next to the first unit final
     assert all(sorted(o) == sorted(orders[0]) for o in orders)    # the same reads, only earlier
+
+
+class _InterruptedWrite:
+    """A state write in flight `lag` s longer than its drive's; with `interrupt`, a Ctrl-C (as a
+    second SIGINT raises it) interrupts its first wait(): it still reads its source until it is done."""
+
+    def __init__(self, ticket, src: torch.Tensor, lag: float, interrupt: bool):
+        self.ticket, self.interrupt = ticket, interrupt
+        self.span = (src.data_ptr(), src.data_ptr() + src.numel() * src.element_size())
+        self.ready_at = time.monotonic() + lag
+
+    def done(self) -> bool:
+        return self.ticket.done() and time.monotonic() >= self.ready_at
+
+    def wait(self):
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        time.sleep(max(0.0, self.ready_at - time.monotonic()))
+        return self.ticket.wait()
+
+
+def test_a_write_whose_wait_a_ctrl_c_interrupts_keeps_its_ranges_until_it_lands(tmp_path, monkeypatch):
+    """[Note: NVMe optimizer pipeline] A Ctrl-C while the store waits a unit's write-back (the first
+    of its tickets) is held until every ticket of it is done, then raised: only then do its ranges
+    of the staging set come back. Silently wrong before: the ranges came back before the wait, so
+    after the Ctrl-C the next read was handed ranges the write still read (the file would get the
+    other unit's bytes)."""
+    from zerotier.tiers.homes import NVMeHome
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
+    cfg = {"offload": {"params": "device", "gradients": "host", "optimizer": "nvme"},
+           "tiers": {"nvme_path": str(tmp_path)}, "optimizer": {"pipeline_depth": 3}, "train": {"handle_signals": False}}
+    with zerotier.initialize(model, cfg) as engine:
+        state = engine.unit_optimizer.state
+        first, second = engine.units[0], engine.units[1]
+        writes, write_from = [], NVMeHome.write_from
+
+        def slow_write(home, src):
+            interrupt = not writes  # the first key's write: the others are waited after it
+            ticket = _InterruptedWrite(write_from(home, src), src.tensor, lag=1.0 if interrupt else 0.0,
+                                       interrupt=interrupt)
+            writes.append(ticket)
+            return ticket
+        monkeypatch.setattr(NVMeHome, "write_from", slow_write)
+        state.read_ahead([first], block=True)
+        with state.staged(first):
+            pass  # the update: its write-back is issued after the block, left in flight
+        monkeypatch.undo()
+        assert len(writes) == len(state.layout.keys) > 1
+        with pytest.raises(KeyboardInterrupt):
+            state.finish()
+        in_flight = [w.span for w in writes if not w.done()]
+        state.read_ahead([second], block=True)  # the next read takes ranges of the staging sets
+        lease, tickets = state._reads[second.index]
+        taken = [(v.data_ptr(), v.data_ptr() + v.numel()) for v in lease.views.values()]
+        assert not [(a, b) for a in taken for b in in_flight if a[0] < b[1] and b[0] < a[1]], \
+            "a read was handed ranges a write still reads"
+        assert all(w.done() for w in writes)  # the Ctrl-C was raised once they had landed
+        state.drop_prefetched()

@@ -24,7 +24,8 @@ unit is read, and `finish()` waits for them when engine.step() begins. Either wa
 writes are waited before it returns: an I/O error surfaces in the step that caused it. Whatever
 fails (a read, the update, a write refused at submit, as a full drive's fallocate refuses it),
 its ranges come back once its issued I/O has ended, so no failure leaves a staging set's ranges
-taken for good.
+taken for good, and none hands them to another unit while a transfer still uses them (a Ctrl-C
+that lands in a wait is held until that transfer is done, then raised: `_wait`).
 
 [Note: the last final unit's read]
 The unit whose gradient is final last in a backward (the root unit, whose embedding is the first
@@ -303,9 +304,13 @@ class OptStateStore(OptStateSizing):
             self._retire_write()  # the oldest write-back must land before its ranges are reused
 
     def _retire_write(self) -> None:
+        """The oldest write-back waited, then its ranges given back (also when it failed: its
+        tickets are all done once _wait ends)."""
         lease, tickets = self._writing.popleft()
-        self._host_staging.give_back(lease)
-        self._wait(tickets)
+        try:
+            self._wait(tickets)
+        finally:
+            self._host_staging.give_back(lease)
 
     def _issue_read(self, unit: Unit, block: bool) -> None:
         lease = self._lease(unit, block)
@@ -328,11 +333,10 @@ class OptStateStore(OptStateSizing):
                 tickets.append(homes[k].read_into(HostBytes(bufs[k], padded=True)) if read
                                else homes[k].write_from(HostBytes(bufs[k])))
         except BaseException:  # refused at submit (a full drive's fallocate): the set's I/O ends first
-            for t in tickets:
-                try:
-                    t.wait()
-                except BaseException:  # noqa: BLE001 - the submit's error is the one raised
-                    pass
+            try:
+                self._wait(tickets)
+            except BaseException:  # noqa: BLE001 - the submit's error is the one raised
+                pass
             raise
         if self.profiler is None:
             return tickets
@@ -343,16 +347,23 @@ class OptStateStore(OptStateSizing):
                 for t, k in zip(tickets, self.layout.keys)]
 
     def _wait(self, tickets: list) -> None:
-        """Wait for every ticket (even after a failure), then raise the first error."""
+        """Wait for every ticket (even after a failure), then raise the first error. A Ctrl-C is
+        held until its ticket is done, as every other error ends with it ([Note: NVMe optimizer
+        pipeline]: the caller gives the buffers back once this ends, and I/O may not still use them)."""
         prof = self.profiler
         prof = prof if tickets and isinstance(tickets[0], Profiled) else None  # place(): plain store tickets
         token = prof.wait_begin(tickets[0].name) if prof is not None else None
         first = None
         for t in tickets:
-            try:
-                t.wait()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest landed
-                first = first or exc
+            while True:
+                try:
+                    t.wait()
+                except KeyboardInterrupt as exc:  # the I/O goes on: wait for it again
+                    first = first or exc
+                    continue
+                except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest landed
+                    first = first or exc
+                break
             if prof is not None:
                 t.record(prof)
         if token is not None:
