@@ -19,7 +19,11 @@ PLACEMENTS = {
     "device": {"params": "device", "gradients": "device", "optimizer": "device"},
     "host": {"params": "host", "gradients": "host", "optimizer": "host"},
     "nvme": {"params": "nvme", "gradients": "host", "optimizer": "nvme"},
+    # host state updated on the "device" ([Note: the asynchronous device step] in optim/offload.py): the new
+    # shard written in place into the device home at stages 0 and 3, gathered from the host at 1-2
+    "device-step": {"params": "device", "gradients": "device", "optimizer": "host"},
 }
+STEP_ON = {"device-step": "device"}
 
 
 def reference():
@@ -34,10 +38,11 @@ def train_rank(rank, world_size, nvme_dir):
         for name, offload in PLACEMENTS.items():
             cfg = {"zero": {"stage": stage, "persistence_threshold": 200, "reduce_bucket_size": 4096},
                    "offload": offload, "tiers": {"nvme_path": nvme_dir},
-                   "optimizer": {"lr": LR, "weight_decay": 0.01},
+                   "optimizer": {"lr": LR, "weight_decay": 0.01, "step_on": STEP_ON.get(name, "cpu")},
                    "train": {"grad_accum_steps": ACCUM, "max_grad_norm": 1.0}}
             losses = []
             with zerotier.initialize(tiny_gpt(), cfg) as engine:
+                assert (engine.unit_optimizer.device_staging is not None) == (name in STEP_ON)
                 for x, y in global_batches():
                     xs, ys = x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
                     loss = engine(xs, ys)

@@ -132,8 +132,9 @@ def test_the_plan_prints_and_predicts_the_device_step_and_auto_weighs_the_serial
     assert choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, True, STAGING).units == ("device", "cpu", "device", "cpu")
     assert auto.optimizer_step_on == ("cpu",) * 4 and auto.predicted_step_s == cpu.predicted_step_s
     assert dev.optimizer_step_on == ("device",) * 4
-    # the engine's staging sets of the largest device unit (unit 1): 12 B of state + 4 B of fp32 output x 4000
-    staged = DeviceStaging.SETS * (12 + 4) * 4000
+    # the engine's staging sets of the largest device unit (unit 1): 12 B of state x 4000 (the parameters'
+    # device home takes the new shard in place: ParamStore.device_out)
+    staged = DeviceStaging.SETS * 12 * 4000
     assert dev.needs["device_step"]["device"] == staged and auto.needs["device_step"]["device"] == 0
     assert dev.need["device"] - cpu.need["device"] == staged
     # every unit's state crosses the link each way: 12 B x 10000 params at 12e4 B/s, in and out
@@ -169,7 +170,7 @@ def test_auto_puts_every_unit_on_a_faster_device_rather_than_the_balanced_split(
 
 def test_device_without_room_for_its_staging_is_refused_and_auto_keeps_the_cpu():
     room = cuda_plan("cpu").need["device"]
-    kib = DeviceStaging.SETS * (12 + 4) * 4000 / 1024  # the sets of the largest unit: state and output
+    kib = DeviceStaging.SETS * 12 * 4000 / 1024  # the sets of the largest unit: its state (output in place)
     with pytest.raises(PlanDoesNotFit, match=rf"optimizer\.step_on = 'device' stages the state of the units it updates "
                                              rf"on the device: {kib:.2f} KiB of device memory .* raise tiers\.device by "
                                              rf"{kib:.2f} KiB"):
@@ -186,22 +187,23 @@ def test_the_staging_counts_compact_state_as_the_store_allocates_it():
                                 precision=precision, alignment=1, step=StepOptions(step_on="device")),
                      Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=RATES))
     one_unit = plan.needs["optimizer"]["nvme"] // 2  # the NVMe term: the state and its one rewrite in flight
-    # one staging set per DeviceStaging.SETS: the state, and the bf16 output (gradients on the device)
-    assert plan.needs["device_step"]["device"] == DeviceStaging.SETS * (one_unit + 2 * 5000)
+    # one staging set per DeviceStaging.SETS: the state (gradients on the device, the output in place)
+    assert plan.needs["device_step"]["device"] == DeviceStaging.SETS * one_unit
     assert one_unit != round(plan.state_layout.bytes_per_param * 5000)
 
 
 @pytest.mark.parametrize("params", ["device", "host"])
 @pytest.mark.parametrize("gradients", ["device", "host"])
 def test_the_staging_term_is_the_engines_sets_whatever_the_params_and_gradients_homes(params, gradients):
-    """[Note: the device step's staging memory] on a CUDA node: the output is staged wherever the
-    parameters live (the engine stages it either way), the gradient only from off the device."""
+    """[Note: the device step's staging memory] on a CUDA node: the output is staged unless the
+    parameters' device home takes it in place (one rank), the gradient only from off the device."""
     p = make_plan(ModelFacts.of_sizes(SHARDS),
                   PlanConfig(offload=OffloadConfig(params=params, gradients=gradients, optimizer="host"),
                              alignment=1, step=StepOptions(step_on="device")),
                   Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=RATES))
     grad = 4 if gradients == "host" else 0  # fp32 gradients staged H2D beside the state
-    assert p.needs["device_step"]["device"] == DeviceStaging.SETS * (12 + 4 + grad) * 4000
+    out = 4 if params == "host" else 0  # fp32 output staged out to a host home, written in place on the device
+    assert p.needs["device_step"]["device"] == DeviceStaging.SETS * (12 + out + grad) * 4000
 
 
 # --- the update's rates per rule and state dtype (issue 34 item 3) -----------------------------

@@ -174,13 +174,18 @@ def test_a_split_checkpoint_resumes_into_another_split_and_all_cpu_bitwise_on_wh
             train(engine, 3, 2)
             assert_close(engine.parameters_fp32(), expected)
 @pytest.mark.pins("design#the-update-runs-where-the-plan-says-the-state-stays-home")
-def test_the_profile_shows_where_each_update_ran_and_the_staging_traffic(tmp_path, monkeypatch):
+@pytest.mark.pins("design#a-device-update-does-not-hold-the-optimizer-thread")
+@pytest.mark.parametrize("params", ["device", "host"])
+def test_the_profile_shows_where_each_update_ran_and_the_staging_traffic(tmp_path, monkeypatch, params):
     """Each unit's update is a "device-optimizer" span where it ran on the device and an "optimizer"
     span where it ran on the CPU; each device update's staging is host->device and device->host
-    transfers of its state's bytes (and its new parameters back)."""
+    transfers of its state's bytes, and its new parameters: written in place where their home is on the
+    device (no transfer, no copy back: ParamStore.device_out), sent back to a host home."""
     force(monkeypatch, alternate("device"))
     steps = 2
-    with zerotier.initialize(make_model(), config(tmp_path, "host", profile=True)) as engine:
+    cfg = config(tmp_path, "host", profile=True)
+    cfg["offload"]["params"] = params
+    with zerotier.initialize(make_model(), cfg) as engine:
         train(engine, 0, steps)
         trace = engine.profiler.trace()
         where = dict(zip((u.key for u in engine.units), engine.plan.optimizer_step_on))
@@ -194,16 +199,21 @@ def test_the_profile_shows_where_each_update_ran_and_the_staging_traffic(tmp_pat
             kinds.setdefault(e["name"], set()).add(e["args"]["kind"])
     for key, on in where.items():
         assert kinds[key] == {"device-optimizer" if on == "device" else "optimizer"}, (key, kinds)
-    moved = {}
+    moved, copied_back = {}, {}
     for e in events:
         a = e.get("args", {})
         if e.get("cat") == "transfer" and a["reason"] in ("optimizer-read", "optimizer-write"):
             unit = a["tensor"].split(".")[0]
             moved[(unit, a["src"], a["dst"])] = moved.get((unit, a["src"], a["dst"]), 0) + a["bytes"]
+        if e.get("cat") == "transfer" and a["reason"] == "param-copyback":
+            unit = a["tensor"].split(".")[0]
+            copied_back[unit] = copied_back.get(unit, 0) + a["bytes"]
     for key, on in where.items():
         if on == "device":
             assert moved[(key, "host", "device")] == steps * state_bytes[key]
-            assert moved[(key, "device", "host")] == steps * (state_bytes[key] + lp[key])
+            back = lp[key] if params == "host" else 0  # a device home is written in place
+            assert moved[(key, "device", "host")] == steps * (state_bytes[key] + back)
+            assert key not in copied_back  # a host home gets the copy out itself; a device home the kernel's write
         else:
             assert (key, "host", "device") not in moved and (key, "device", "host") not in moved
 @pytest.mark.pins("design#the-update-runs-where-the-plan-says-the-state-stays-home")
@@ -224,7 +234,9 @@ def test_staging_is_reserved_from_the_device_tier_and_sized_by_its_term(tmp_path
                                                      for k in state.layout.keys) for u in engine.units)
         largest = max(u.shard_numel for u in engine.units)
         # here the "device" is the CPU: the update reads host gradients where they are (no gradient staged)
-        assert 0 < held == DeviceStaging.SETS * DeviceStaging.set_bytes(state_set, largest, engine.lp_dtype.itemsize)
+        # a device home takes the new parameters in place: no output buffer (ParamStore.device_out)
+        lp = engine.lp_dtype.itemsize if params == "host" else 0
+        assert 0 < held == DeviceStaging.SETS * DeviceStaging.set_bytes(state_set, largest, lp)
         assert held == engine.plan.needs["device_step"]["device"]  # the plan counts what the engine reserves
         before = engine.device_tier.stats()["current"]
         staging.close()

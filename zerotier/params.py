@@ -76,6 +76,7 @@ class ParamSlot:
     home: "Home | None" = None                      # [Note: homes] in tiers/homes.py
     fetch: "Fetch | None" = None                    # issued, not consumed yet
     out: object = None                              # out_buffer(): awaiting commit (updater thread)
+    written_in_place: bool = False                  # device_out(): the home holds the update (updater thread)
     failed_write: "BaseException | None" = None     # [Note: a failed write-back] in params_writes.py
 
 
@@ -344,6 +345,19 @@ class ParamStore(ParamSizing):
         return self.staged_out(unit)
 
     @owned(UPDATER)
+    def device_out(self, unit: Unit) -> "torch.Tensor | None":
+        """Where an update running on the device writes this rank's new shard ([Note: device staging] in
+        optim/device_staging.py): the home itself where it is device memory holding exactly that shard
+        (a replicated unit, or ZeRO-3's own shard), so nothing goes through the host and back; None
+        elsewhere (the update writes out_buffer(unit)). commit() then has nothing to send."""
+        slot = self.slots[unit.index]
+        home = slot.home.view() if slot.home.on_device else None
+        if home is None or not (unit.part.replicated or self.sharding.gathered(unit)):
+            return None
+        slot.written_in_place = True
+        return home
+
+    @owned(UPDATER)
     def staged_out(self, unit: Unit) -> torch.Tensor:
         """out_buffer for a speculated update ([Note: speculative step] in overlap/speculative.py): always a
         write-back buffer, never the home, so the new parameters are not seen before commit()."""
@@ -383,6 +397,9 @@ class ParamStore(ParamSizing):
         i, slot = unit.index, self.slots[unit.index]
         home = slot.home
         slot.version += 1
+        if slot.written_in_place:  # device_out(): the update wrote the home where it is
+            slot.written_in_place = False
+            return
         out, slot.out = slot.out, None
         nbytes = unit.shard_numel * self.lp_dtype.itemsize
         src = "host" if self.out_device.type == "cpu" else "device"

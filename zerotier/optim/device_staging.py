@@ -8,7 +8,8 @@ pool blocks, or the NVMe pipeline's staging set: pinned on CUDA, so the copies a
 and:
   1. copies each state key H2D on the device tier's h2d stream into the staging set (device
      tensors reserved from the device tier, one uint8 buffer per key sized to the largest staged
-     unit, plus the new low-precision output's and, for a gradient in host memory, the gradient's);
+     unit, plus the new low-precision output's unless the parameters' device home takes it in place
+     (ParamStore.device_out), and, for a gradient in host memory, the gradient's);
      compute joins each copy's event (the compute stream waits, the host does not);
   2. hands the device views to the caller, which runs the update rule's device variant on them and
      writes the low-precision output into the staged output buffer, on the compute stream;

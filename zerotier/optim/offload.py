@@ -120,7 +120,7 @@ class UnitOptimizer:
         until the window is validated)."""
         out_of = params.staged_out if speculative else params.out_buffer
         for unit in self.step(units, grads.shard, out_of, hypers, grad_scale, drain, got_of=grads.got,
-                              keep_grads=keep_grads):
+                              keep_grads=keep_grads, device_out_of=None if speculative else params.device_out):
             if not speculative:
                 grads.stepped(unit)
                 params.commit(unit)
@@ -129,7 +129,8 @@ class UnitOptimizer:
     def step(self, units: list[Unit], grad_of: Callable[[Unit], torch.Tensor],
              out_of: Callable[[Unit], torch.Tensor], hypers: HyperTable, grad_scale: float,
              drain: bool = True, got_of: Callable[[Unit], "frozenset[int] | None"] | None = None,
-             keep_grads: bool = False) -> Iterator[Unit]:
+             keep_grads: bool = False,
+             device_out_of: "Callable[[Unit], torch.Tensor | None] | None" = None) -> Iterator[Unit]:
         """Update `units`, yielding each once its master and its low-precision output are written.
         `grad_of(unit)`: the gradient shard to read; `out_of(unit)`: where the new params go;
         `hypers`: this step's hyper-parameters by group, and each unit's parameters' groups; `got_of(unit)`: the unit's
@@ -138,7 +139,9 @@ class UnitOptimizer:
         drain=False leaves NVMe write-backs in flight (an early update during backward: the
         next unit's read overlaps them); `state.finish()` waits for them. An fp32 gradient shard on
         the device is consumed (left scaled by `grad_scale`) unless `keep_grads`, for gradients
-        read after the update ([Note: the fused kernel reads the gradient in place] in rules/adamw.py)."""
+        read after the update ([Note: the fused kernel reads the gradient in place] in rules/adamw.py).
+        `device_out_of(unit)`: for a unit staged to the device, where on the device its new params may be
+        written in place (ParamStore.device_out), instead of `out_of(unit)` and a copy back."""
         self._keep_grads = keep_grads
         self._got = {u.index: got_of(u) for u in units} if got_of is not None else {}
         order = self.state.read_order(units)
@@ -152,12 +155,13 @@ class UnitOptimizer:
             staged = StagedGrads(host_order, grad_of, self.device_tier, self.host_pool, self.profiler)
             grad_of = (lambda u, read=grad_of: read(u) if u.index in direct else staged(u)) if direct else staged
         try:
-            yield from self._step(order, grad_of, out_of, hypers, grad_scale, drain)
+            yield from self._step(order, grad_of, out_of, hypers, grad_scale, drain, device_out_of)
         finally:
             if staged is not None:
                 staged.close()
 
-    def _step(self, order, grad_of, out_of, hypers: HyperTable, grad_scale: float, drain: bool) -> Iterator[Unit]:
+    def _step(self, order, grad_of, out_of, hypers: HyperTable, grad_scale: float, drain: bool,
+              device_out_of) -> Iterator[Unit]:
         state = self.state
         ahead = max(1, state.depth - 2)
         nvme_order = [u for u in order if state.on_nvme(u)]
@@ -180,7 +184,10 @@ class UnitOptimizer:
                 if on_device:
                     raw = state.take_staged(unit) if on_nvme else state.live_state(unit)
                     try:
-                        tickets = self._update(unit, raw, grad_of(unit), out_of(unit), hyper, grad_scale)
+                        in_place = device_out_of(unit) if device_out_of is not None else None
+                        out = out_of(unit) if in_place is None else in_place
+                        tickets = self._update(unit, raw, grad_of(unit), out, hyper, grad_scale,
+                                               in_place=in_place is not None)
                     except BaseException:
                         if on_nvme:
                             state.drop_staged(unit)
@@ -204,7 +211,8 @@ class UnitOptimizer:
                 state.finish()
 
     @owned(UPDATER)
-    def _update(self, unit: Unit, raw: dict, grad, out, hypers: Sequence, grad_scale: float) -> "list | None":
+    def _update(self, unit: Unit, raw: dict, grad, out, hypers: Sequence, grad_scale: float,
+                in_place: bool = False) -> "list | None":
         """[Note: parameters without a gradient] Each parameter keeps its own step count and
         hyper-parameters, as in torch. When every parameter of the unit got a gradient and their
         counts and hyper-parameters agree (always, unless data-dependent control flow skipped one
@@ -215,7 +223,8 @@ class UnitOptimizer:
         they are (their new low-precision output is the cast of the unchanged master). `raw`: the
         unit's state buffers ([Note: optimizer state layout]). A unit staged to the device
         ([Note: device staging]) returns the tickets of its copies out, not waited: `raw` and `out`
-        hold the update once they are done ([Note: the asynchronous device step])."""
+        hold the update once they are done ([Note: the asynchronous device step]); `in_place`: `out` is
+        device memory (the parameters' home, ParamStore.device_out) that the update writes itself."""
         self.applied += 1  # from here on the unit's state may differ from before the step
         got = self._got.pop(unit.index, None)
         slot = self.state.slots[unit.index]
@@ -227,8 +236,9 @@ class UnitOptimizer:
         if unit.index not in self._device_staged:
             self._update_here(unit, raw, grad, out, hypers, grad_scale, got, steps, whole)
             return None
-        staged = self.device_staging.stage_in(unit, raw, grad, out, writes_all=whole)
-        self._update_here(unit, staged.raw, staged.grad, staged.out, hypers, grad_scale, got, steps, whole)
+        staged = self.device_staging.stage_in(unit, raw, grad, None if in_place else out, writes_all=whole)
+        self._update_here(unit, staged.raw, staged.grad, out if in_place else staged.out, hypers, grad_scale, got,
+                          steps, whole)
         return staged.stage_out()
 
     def _on_device(self, unit: Unit, master: torch.Tensor) -> bool:

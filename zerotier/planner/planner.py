@@ -262,7 +262,11 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
     shards = rank_shards_in_order(sizes)
     # the engine stages a gradient in only from off the device of a CUDA run ([Note: device staging])
     grads_staged = sizes.cuda and not HOMES[placement["gradients"]].on_device
-    staging = staging_bytes_of(sizes.state_units, shards, sizes.lp_bytes, sizes.grad_bytes if grads_staged else 0)
+    # the new params go through the set unless each unit's device home holds its shard (ParamStore.device_out):
+    # every unit replicated (one rank, stage 0) or stage 3's own shard; at stages 1-2 the shards are gathered
+    out_in_place = HOMES[placement["params"]].on_device and (sizes.world_size == 1 or sizes.stage in (0, 3))
+    staging = staging_bytes_of(sizes.state_units, shards, 0 if out_in_place else sizes.lp_bytes,
+                               sizes.grad_bytes if grads_staged else 0)
     chosen = choose(requested, homes, shards, costs, sizes.cuda, staging)
     cpu = choose("cpu", homes, shards, costs, sizes.cuda, staging)
     if requested == "auto" and chosen.units != cpu.units and chosen.staging_bytes <= free["device"]:

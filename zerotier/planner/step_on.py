@@ -60,8 +60,9 @@ A unit stepped on the device takes device memory for its staged state while it i
 engine's staging sets ([Note: device staging] in optim/device_staging.py), `DeviceStaging.SETS`
 of them, each `DeviceStaging.set_bytes` of the device-stepped units: per state key the largest
 unit's buffer as the store allocates it (`Sizes.state_units`: compact state's scales and
-rounding included), the largest shard's low-precision output (staged whether or not the
-parameters are on the device), and its gradient where the engine stages it in: on a CUDA device
+rounding included), the largest shard's low-precision output unless the parameters' device
+home takes it in place (ParamStore.device_out: parameters on the device, one rank, ZeRO-0 or
+ZeRO-3, where every unit's home holds exactly its shard), and its gradient where the engine stages it in: on a CUDA device
 with the gradients off it (`staging_bytes_of`; a CPU "device" reads host gradients where they are).
 The plan counts it as `needs["device_step"]["device"]`, the engine reserves the same buffers
 from the device tier: one function, so the two cannot disagree.
