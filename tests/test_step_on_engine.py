@@ -311,3 +311,32 @@ def test_cpu_units_update_while_device_updates_are_in_flight_and_leave_in_order(
     with zerotier.initialize(make_model(), config(tmp_path / "cpu", optimizer)) as engine:
         train(engine, 0, 3)
         assert_close(split, engine.parameters_fp32())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", [None, {"master_dtype": "bf16", "moment_dtype": "int8"}], ids=["fp32", "compact"])
+@pytest.mark.parametrize("optimizer", ["host", "nvme"])
+def test_a_split_step_on_cuda_equals_the_cpu_step(tmp_path, monkeypatch, optimizer, precision):
+    """On a GPU ([Note: the asynchronous device step]): three units of four updated on the device, their
+    copies and kernels on the streams while the optimizer thread runs the native update of the fourth,
+    give the all-CPU run's result: fp32 parameters and state within 1e-6 relative (the two kernels'
+    rounding); compact state within bf16's resolution (the device variant's maps and seeds are the
+    CPU's: tests/test_device_pieces.py holds them to the native kernel's bytes)."""
+    results = {}
+    for name, where in (("split", lambda n: ["cpu" if i == 1 else "device" for i in range(n)]),
+                        ("cpu", lambda n: ["cpu"] * n)):
+        force(monkeypatch, where)
+        with zerotier.initialize(make_model(), config(tmp_path / name, optimizer, precision=precision)) as engine:
+            assert engine.device.type == "cuda"
+            assert list(engine.plan.optimizer_step_on) == where(len(engine.units))
+            calls = variants_run(engine)
+            train(engine, 0, 3)
+            results[name] = engine.parameters_fp32(), stored(engine), calls
+    (split, split_state, calls), (cpu, cpu_state, _) = results["split"], results["cpu"]
+    assert calls["device_pieces"] > 0 and calls["cpu_pieces"] > 0
+    assert_close(split, cpu, rel=1e-6 if precision is None else 2e-2)
+    if precision is None:
+        for key, (state, steps) in cpu_state.items():
+            assert split_state[key][1] == steps
+            assert_close({k: v.view(torch.float32) for k, v in split_state[key][0].items()},
+                         {k: v.view(torch.float32) for k, v in state.items()})
