@@ -1,5 +1,7 @@
 """Where each unit's optimizer update runs ([Note: where the update runs] in planner/step_on.py):
 `optimizer.step_on` -> `Plan.optimizer_step_on`, one "cpu" / "device" per trainable unit."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from zerotier.errors import ConfigError
 from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
 from zerotier.planner.messages import PlanDoesNotFit
 from zerotier.planner.planner import make_plan
-from zerotier.planner.predict import StepOptions
+from zerotier.planner.predict import StepOptions, UnitCompute
 from zerotier.optim.rules import AdamW, Lion
 from zerotier.optim.state_layout import StateLayout
 from zerotier.optim.device_staging import DeviceStaging
@@ -57,11 +59,12 @@ def test_an_unknown_step_on_is_a_config_error_naming_the_choices():
 
 
 # --- [Note: choosing where each update runs], hand-computed ---------------------------------------
-# fp32 AdamW state (12 B/param), gradients and parameters on the device: 12 B staged in and out,
-# the kernel 28 B. Rates chosen so each is 1 s per 1e4 params: CPU Adam 1e4 params/s, h2d = d2h =
-# 12e4 B/s, device_adam 28e4 B/s. The device side of units S: 1 s/1e4 x params(S) (its slowest
-# stage) + 2 s/1e4 x its largest unit (the other two stages: fill and drain).
-RATES = {"cpu_adam": 1e4, "h2d": 12e4, "d2h": 12e4, "device_adam": 28e4, "mem_copy": 1e12, "mem_read": 1e12,
+# fp32 AdamW state (12 B/param), fp32 parameters (4 B) and gradients on the device: 12 B of state
+# staged in and 4 B of new parameters committed to their device home (h2d), 12 B of state and the
+# 4 B new shard staged out (d2h), the kernel 28 B. Rates chosen so each is 1 s per 1e4 params: CPU
+# Adam 1e4 params/s, h2d = d2h = 16e4 B/s, device_adam 28e4 B/s. The device side of units S: 1 s/1e4
+# x params(S) (its slowest stage) + 2 s/1e4 x its largest unit (the other two stages: fill and drain).
+RATES = {"cpu_adam": 1e4, "h2d": 16e4, "d2h": 16e4, "device_adam": 28e4, "mem_copy": 1e12, "mem_read": 1e12,
          "nvme_read": 1e12, "nvme_write": 1e12}
 COSTS = UpdateCosts.of(RATES, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True)
 SHARDS = [2000, 4000, 1000, 3000]  # unit index order; by size: units 1, 3, 0, 2
@@ -122,12 +125,25 @@ def cuda_plan(step_on, device=BIG, optimizer="host"):
                      Node(torch.device("cuda"), budgets={"device": device, "host": BIG, "nvme": BIG}, rates=RATES))
 
 
-def test_the_plan_prints_and_predicts_the_device_step_and_auto_weighs_the_serial_engine():
-    """[Note: the device step in the schedule]: the engine's optimizer thread waits for each device
-    unit, so the device's units run after the CPU's. With RATES a unit's device path (in, kernel, out:
-    3 s / 1e4 params) is slower than its CPU update (1 s / 1e4): the split balanced for two parallel
-    sides (0.7 s each) would take 0.7 + 3 x 0.3 = 1.6 s serially, every unit on the device 3.0 s,
-    every unit on the CPU 1.0 s: `auto` keeps the CPU."""
+@pytest.fixture
+def two_sets(monkeypatch):
+    """The engine's two staging sets ([Note: the device step in the schedule]): the schedules below
+    are worked out for DeviceStaging.SETS = 2, whatever the engine's value when they run."""
+    monkeypatch.setattr(DeviceStaging, "SETS", 2)
+
+
+def test_the_plan_prints_and_predicts_the_device_step_and_auto_weighs_the_schedule(two_sets):
+    """[Note: the device step in the schedule], by hand (no compute: the step is the update). Per 1e4
+    params: the CPU 1 s; a device unit in 0.75 s (its 12 B of state), kernel 1 s, out 1 s (state and
+    shard), then its commit 0.25 s (h2d); a CPU unit's gradient staged out 0.25 s (d2h), its commit 0.25 s.
+    The balanced split (device, cpu, device, cpu): unit 0 in 0-0.15, kernel 0.15-0.35, out 0.35-0.55;
+    unit 1's gradient 0-0.1, CPU 0.1-0.5 (unit 0 not out yet); unit 2 in 0.5-0.575, kernel 0.575-0.675,
+    out 0.675-0.775; unit 3's gradient after unit 0's out 0.55-0.625, CPU 0.625-0.925; only then are
+    units 0 and 2 retired, and every commit waits for it: 0.925 + 0.05 + 0.1 + 0.025 + 0.075 = 1.175 s.
+    Every unit on the CPU: its gradients hidden but the first (0.05), 1.0 s of updates, unit 3's commit
+    0.075 s: 1.125 s. Every unit on the device: 2.25 s (its two sets: unit 2 waits for unit 0's out at
+    0.55, unit 3 for unit 1's at 1.25; unit 3 in 1.35-1.575, kernel 1.575-1.875, out 1.875-2.175,
+    commit 2.175-2.25). `auto` keeps the CPU: its commits are not held."""
     auto, cpu, dev = cuda_plan("auto"), cuda_plan("cpu"), cuda_plan("device")
     assert choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, True, STAGING).units == ("device", "cpu", "device", "cpu")
     assert auto.optimizer_step_on == ("cpu",) * 4 and auto.predicted_step_s == cpu.predicted_step_s
@@ -137,12 +153,12 @@ def test_the_plan_prints_and_predicts_the_device_step_and_auto_weighs_the_serial
     staged = DeviceStaging.SETS * 12 * 4000
     assert dev.needs["device_step"]["device"] == staged and auto.needs["device_step"]["device"] == 0
     assert dev.need["device"] - cpu.need["device"] == staged
-    # every unit's state crosses the link each way: 12 B x 10000 params at 12e4 B/s, in and out
-    assert dev.breakdown["optimizer_staging"] == pytest.approx(2 * 1.0)
+    # every unit's state crosses the link each way, and the new shard out: 10000 params x 12 B in, 16 B out
+    assert dev.breakdown["optimizer_staging"] == pytest.approx((12 + 16) * 10000 / 16e4)
     assert cpu.breakdown["optimizer_staging"] == 0
-    # serial: 1 s in + 1 s kernel + 1 s out per 1e4 params (no compute here); the CPU's 1.0 s of
-    # updates, plus its gradient staging and parameters' copy back where they do not hide
-    assert dev.predicted_step_s == pytest.approx(3.0) and 1.0 < cpu.predicted_step_s < 1.5
+    # the new shard comes back to the device home after a device step as after a CPU update: 4 B x 10000
+    assert dev.breakdown["params_copyback"] == pytest.approx(0.25) == cpu.breakdown["params_copyback"]
+    assert dev.predicted_step_s == pytest.approx(2.25) and cpu.predicted_step_s == pytest.approx(1.125)
     text = dev.summary()
     assert "optimizer step on (optimizer.step_on = device):" in text
     assert "device 4 units" in text and f"staged on the device {staged / 1024:.2f} KiB (in needed)" in text
@@ -150,11 +166,15 @@ def test_the_plan_prints_and_predicts_the_device_step_and_auto_weighs_the_serial
 
 
 @pytest.mark.pins("design#the-update-runs-where-the-plan-says-the-state-stays-home")
-def test_auto_puts_every_unit_on_a_faster_device_rather_than_the_balanced_split():
-    """A device path 10x faster (each stage 0.1 s / 1e4 params): the greedy split balanced for parallel
-    sides is (device, device, cpu, device), but serially it takes 0.1 (the CPU's unit 2) + 0.27 s, every
-    unit on the device 0.3 s, every unit on the CPU 1.0 s: `auto` takes every unit on the device."""
-    rates = {**RATES, "h2d": 120e4, "d2h": 120e4, "device_adam": 280e4}
+def test_auto_takes_the_balanced_split_beside_a_faster_device(two_sets):
+    """A device path 10x faster (each stage 0.1 s / 1e4 params): the greedy split (device, device, cpu,
+    device). Unit 0 in 0-0.015, kernel 0.015-0.035, out 0.035-0.055; unit 1 issued at once: in
+    0.015-0.045, kernel 0.045-0.085, out 0.085-0.125; unit 2's gradient 0.015-0.0175, CPU 0.0175-0.1175,
+    after which unit 0 is retired (its commit 0.1175-0.1225); unit 3 takes unit 0's set: in
+    0.1225-0.145, kernel 0.145-0.175, out 0.175-0.205; the step's end retires units 1 (0.125) and 3
+    (0.205), unit 3's commit 0.205-0.2125 -> 0.2125 s. Every unit on the device: 0.225 s, on the CPU:
+    1.0125 s. `auto` takes the split."""
+    rates = {**RATES, "h2d": 160e4, "d2h": 160e4, "device_adam": 280e4}
     costs = UpdateCosts.of(rates, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True)
     assert choose("auto", (Location.HOST,) * 4, SHARDS, costs, True, STAGING).units == \
         ("device", "device", "cpu", "device")
@@ -163,9 +183,34 @@ def test_auto_puts_every_unit_on_a_faster_device_rather_than_the_balanced_split(
                            PlanConfig(offload=OffloadConfig(params="device", gradients="device", optimizer="host"),
                                       alignment=1, step=StepOptions(step_on=on)), node)
              for on in ("auto", "cpu", "device")}
-    assert plans["auto"].optimizer_step_on == ("device",) * 4
-    assert plans["auto"].predicted_step_s == plans["device"].predicted_step_s
-    assert plans["auto"].predicted_step_s == pytest.approx(0.3) and plans["cpu"].predicted_step_s > 1.0
+    assert plans["auto"].optimizer_step_on == ("device", "device", "cpu", "device")
+    assert plans["auto"].predicted_step_s == pytest.approx(0.2125)
+    assert plans["device"].predicted_step_s == pytest.approx(0.225)
+    assert plans["cpu"].predicted_step_s == pytest.approx(1.0125)
+
+
+def test_auto_splits_a_7b_model_on_the_h200s_rates(two_sets):
+    """A 7B-like model (32 layers of 202M parameters and a 262M root: embedding and head; bf16
+    parameters on the device, gradients and optimizer on host, no overlap) at 4k tokens, with
+    benchmarks/nodes/h200.json's rates (CPU Adam 4.27 Gparam/s, PCIe 52 GB/s each way, the device's Adam
+    at the default 50 GB/s: not measured there). Every unit on the CPU puts 1.58 s of updates after
+    backward; the device's units beside the CPU's shorten the step, so `auto` takes a real split."""
+    from zerotier.bench import rates_from_file
+    rates = rates_from_file(Path(__file__).resolve().parents[1] / "benchmarks" / "nodes" / "h200.json")
+    numels = [202_000_000] * 32 + [262_000_000]
+    compute = UnitCompute((0.02,) * 32 + (0.03,), (0.06,) * 32 + (0.06,), (False,) * 32 + (True,))
+    node = Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=rates)
+    plans = {on: make_plan(ModelFacts.of_sizes(numels, compute=compute),
+                           PlanConfig(offload=OffloadConfig(params="device", gradients="host", optimizer="host"),
+                                      precision=PrecisionConfig(param_dtype="bf16"),
+                                      step=StepOptions(step_on=on, overlap="none", speculative=False)), node)
+             for on in ("auto", "cpu", "device")}
+    auto = plans["auto"]
+    on_device = auto.optimizer_step_on.count("device")
+    assert 0 < on_device < len(numels)  # a real split
+    assert auto.predicted_step_s < plans["cpu"].predicted_step_s < plans["device"].predicted_step_s
+    assert auto.critical["optimizer"] < plans["cpu"].critical["optimizer"]  # the CPU's updates, fewer of them
+    assert auto.breakdown["optimizer_staging"] > 0 and plans["cpu"].breakdown["optimizer_staging"] == 0
 
 
 def test_device_without_room_for_its_staging_is_refused_and_auto_keeps_the_cpu():
@@ -210,7 +255,7 @@ def test_the_staging_term_is_the_engines_sets_whatever_the_params_and_gradients_
 # `zerotier bench` writes cpu_<rule>_<master>_<moments> (params/s) and device_<rule>_<master>_<moments>
 # (kernel bytes/s); the planner reads the pair of its rule and state, else cpu_adam / device_adam.
 
-def test_a_slower_cpu_rate_for_the_state_moves_units_to_the_device():
+def test_a_slower_cpu_rate_for_the_state_moves_units_to_the_device(two_sets):
     # cpu_adamw_fp32_fp32 half of cpu_adam: 2 s / 1e4 params on the CPU; the device as before
     # (stage 1 s / 1e4, fill 2 s / 1e4 x the largest device unit). Greedy, largest first:
     # unit 1 (4000): cpu 0.8 vs device 1.2 -> cpu (0.8)
@@ -225,14 +270,19 @@ def test_a_slower_cpu_rate_for_the_state_moves_units_to_the_device():
     assert s.sides["cpu"] == (2, 5000, pytest.approx(1.0))
     assert s.sides["device"] == (2, 5000, pytest.approx(1.1))
     assert choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, True, STAGING).units == ("device", "cpu", "device", "cpu")
-    # the plan reads the rate of its rule and state; the engine's device units run after the CPU's
-    # ([Note: the device step in the schedule]): 1.0 + 3 x 0.5 = 2.5 s split, 3.0 s device, 2.0 s CPU
+    # the plan reads the rate of its rule and state, and its schedule ([Note: the device step in the
+    # schedule], two staging sets) runs the device's units beside the CPU's: unit 0 in 0-0.15, kernel
+    # 0.15-0.35, out 0.35-0.55; unit 1's gradient 0-0.1, CPU 0.1-0.9 (unit 0 retired after it); unit 2's
+    # gradient 0.1-0.125, CPU 0.9-1.1; commits 0, 1 0.9-1.05 and 2 1.1-1.125 (h2d); unit 3 in
+    # 1.125-1.35, kernel 1.35-1.65, out 1.65-1.95, commit 1.95-2.025 -> 2.025 s; every unit on the CPU
+    # 2.125 s (0.05 + 2.0 + its last commit 0.075), on the device 2.25 s: `auto` takes the split
     p = make_plan(ModelFacts.of_sizes(SHARDS),
                   PlanConfig(offload=OffloadConfig(params="device", gradients="device", optimizer="host"),
                              alignment=1, step=StepOptions(step_on="auto")),
                   Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=rates))
     assert p.rate_sources["cpu_adamw_fp32_fp32"] == "given" and "cpu_adam" not in p.rate_sources
-    assert p.optimizer_step_on == ("cpu",) * 4
+    assert p.optimizer_step_on == ("device", "cpu", "cpu", "device")
+    assert p.predicted_step_s == pytest.approx(2.025)
 
 
 def test_a_slower_device_rate_for_the_state_keeps_more_units_on_the_cpu():

@@ -187,27 +187,66 @@ def test_a_cpu_device_plan_puts_its_copies_on_the_critical_path():
     assert plan.critical["params_h2d"] == pytest.approx(4 * 0.04)
 
 
-# D: [Note: the device step in the schedule]: unit 0 updated on the CPU (2 s), unit 1 on the device
-# (staged in 0.5 s, kernel 1 s, staged out 1 s); forward 1 s, backward 2 s each.
-SPLIT = [UnitWork(forward_s=1, backward_s=2, adam_s=2),
-         UnitWork(forward_s=1, backward_s=2, adam_s=1, adam_on="compute", device_step=True, stage_in_s=0.5,
-                  stage_out_s=1)]
+# D: [Note: the device step in the schedule]: units 0 and 2 updated on the device (staged in 1 s,
+# kernel 1 s, staged out 1 s), units 1 and 3 on the CPU (2 s); forward 1 s, backward 1 s each.
+DEVICE = dict(adam_s=1, adam_on="compute", device_step=True, stage_in_s=1, stage_out_s=1)
+SPLIT = [UnitWork(forward_s=1, backward_s=1, **(DEVICE if i % 2 == 0 else dict(adam_s=2))) for i in range(4)]
 
 
 @pytest.mark.pins("design#the-update-runs-where-the-plan-says-the-state-stays-home")
-def test_a_device_step_runs_after_the_cpus_on_the_optimizer_thread():
-    # fwd 0-2, bwd1 2-4, bwd0 4-6. After backward: adam0 on the optimizer thread 6-8; unit 1 in its
-    # turn, the thread waiting for its staging out (the engine's one staging set): in 8-8.5 (h2d),
-    # kernel 8.5-9.5 (compute), out 9.5-10.5 (d2h) -> 10.5 s (both on the CPU: 10 s)
+def test_device_units_run_beside_the_cpus_on_a_cuda_device():
+    # forward 0-4, backward 4-8. The thread issues unit 0 at 8 and goes on: in 8-9 (h2d), kernel 9-10
+    # (compute), out 10-11 (d2h). Unit 1 on the CPU 8-10; the thread looks at unit 0 after it: not out
+    # yet (11). Unit 2 issued at 10 (one set in use of two): in 10-11, kernel 11-12, out 12-13. Unit 3
+    # on the CPU 10-12; after it unit 0 (out at 11) is retired at 12, unit 2 (13) not. The step's end
+    # retires unit 2 at 13 -> 13 s. On the critical path: the CPU's unit 1, then unit 2's three stages.
     s = simulate(SPLIT, StepShape())
-    assert s.step_s == 10.5
-    assert s.critical["optimizer_staging"] == 1.5 and s.critical["optimizer"] == 2.0 + 1.0
-    assert sum(s.critical.values()) == pytest.approx(10.5)
-    # unit 1 first in the thread's order: unit 0's CPU update waits for unit 1's staging out
-    flipped = simulate(SPLIT[::-1], StepShape())
-    assert flipped.step_s == 10.5
-    both_cpu = [SPLIT[0], dataclasses.replace(SPLIT[0])]
-    assert simulate(both_cpu, StepShape()).step_s == 10.0
+    assert s.step_s == 13.0
+    assert s.critical == {"forward": 4.0, "backward": 4.0, "optimizer": 2.0 + 1.0, "optimizer_staging": 2.0}
+    assert s.busy["cpu"] == 4.0 and s.busy["h2d"] == 2.0 and s.busy["d2h"] == 2.0
+    # every unit on the CPU: 8 + 4 x 2 = 16 s
+    assert simulate([UnitWork(forward_s=1, backward_s=1, adam_s=2)] * 4, StepShape()).step_s == 16.0
+
+
+def test_on_a_cpu_device_the_thread_waits_for_each_device_unit():
+    # StepShape.cpu_device: the "device" kernel and copies run on the thread's cores (compute), so the
+    # thread waits for each device unit's staging out: unit 0 8-11, unit 1 11-13, unit 2 13-16, unit 3
+    # 16-18 -> 18 s, serial as before the engine issued device units without waiting
+    s = simulate(SPLIT, StepShape(cpu_device=True))
+    assert s.step_s == 18.0
+    assert s.critical["optimizer_staging"] == 4.0 and s.critical["optimizer"] == 2 + 2 + 2
+    # an early step (each unit its own step([unit]) as its gradient is final) waits for each too, on a
+    # CUDA device: finals 3 at 5, 2 at 6, 1 at 7, 0 at 8; unit 3 (CPU) 5-7, unit 2 7-10 (in 7-8, kernel
+    # 8-9, out 9-10), unit 1 10-12, unit 0 12-15 -> 15 s (beside the thread it would end at 14)
+    assert simulate(SPLIT, StepShape(early_step=True)).step_s == 15.0
+
+
+def test_the_staging_sets_bound_the_device_units_in_flight():
+    # three device units (in 1 s, kernel 1 s, out 1 s), forward 0-3, backward 3-6. Two sets: unit 0
+    # in 6-7, kernel 7-8, out 8-9; unit 1 issued at 6 too, in 7-8 (the link), kernel 8-9, out 9-10;
+    # unit 2 needs unit 0's set: the thread waits for unit 0's staging out (9), then in 9-10, kernel
+    # 10-11, out 11-12 -> 12 s. Three sets: unit 2 in 8-9, kernel 9-10, out 10-11 -> 11 s. One set:
+    # each unit after the last one's staging out, 6-9, 9-12, 12-15 -> 15 s.
+    units = [UnitWork(forward_s=1, backward_s=1, **DEVICE) for _ in range(3)]
+    assert simulate(units, StepShape(device_sets=2)).step_s == 12.0
+    assert simulate(units, StepShape(device_sets=3)).step_s == 11.0
+    assert simulate(units, StepShape(device_sets=1)).step_s == 15.0
+
+
+def test_a_cpu_units_commit_waits_for_the_device_unit_before_it():
+    # unit 0 on the device (in 1 s, kernel 1 s, out 2 s), unit 1 on the CPU (1 s), each with a 0.5 s
+    # copy of its new parameters home (h2d). Forward 0-2, backward 2-4. Unit 0 in 4-5, kernel 5-6, out
+    # 6-8; unit 1 on the CPU 4-5, but its commit is held until unit 0 is retired (the step's end, 8):
+    # unit 0's commit 8-8.5 first (unit order), then unit 1's 8.5-9 -> 9 s (8.5 s if it went at 5)
+    units = [UnitWork(forward_s=1, backward_s=1, copyback_s=0.5, **{**DEVICE, "stage_out_s": 2}),
+             UnitWork(forward_s=1, backward_s=1, adam_s=1, copyback_s=0.5)]
+    s = simulate(units, StepShape())
+    assert s.step_s == 9.0 and s.critical["params_copyback"] == 1.0
+    # in the other order nothing is held: unit 0 (CPU) 4-5, its commit 5-5.5 takes the link first, so
+    # unit 1 (issued at 5) stages in 5.5-6.5, kernel 6.5-7.5, out 7.5-9.5; its commit after its
+    # retirement 9.5-10 -> 10 s
+    flipped = [dataclasses.replace(units[1]), dataclasses.replace(units[0])]
+    assert simulate(flipped, StepShape()).step_s == 10.0
 
 
 # D: [Note: the pipeline in the schedule]: one large unit (unit 0, final last: a model's root) and six
@@ -254,3 +293,29 @@ def test_a_read_without_room_holds_the_optimizer_thread():
     # adam0 9-11 (not 8-10), w0 11-12; adam1 11-13, w1 13-14 -> 14 s (13 s if the thread went on)
     units = [UnitWork(forward_s=1, backward_s=1, adam_s=2, state_read_s=1, state_write_s=1) for _ in range(3)]
     assert simulate(units, StepShape(state_on_nvme=True, pipeline_depth=2)).step_s == 14.0
+
+
+def test_a_blocking_read_retires_the_device_units_first():
+    # optimizer state on NVMe, one staging set (read 1 s, write 1 s); unit 0 on the CPU (1 s), unit 1
+    # on the device. Forward 0-2, backward 2-4: unit 1 final at 3, its read 3-4 takes the set (unit
+    # 0, final at 4, finds no room). step() takes unit 1 first (read first): issued at 4, in 4-5,
+    # kernel 5-6, out 6-7. Unit 0's read needs a set: the thread first retires unit 1 (its staging
+    # out, 7), whose write-back 7-8 gives the set back; unit 0 read 8-9, CPU 9-10, write 10-11 -> 11 s
+    units = [UnitWork(forward_s=1, backward_s=1, adam_s=1, state_read_s=1, state_write_s=1),
+             UnitWork(forward_s=1, backward_s=1, state_read_s=1, state_write_s=1, **DEVICE)]
+    s = simulate(units, StepShape(state_on_nvme=True, pipeline_depth=1))
+    assert s.step_s == 11.0
+    assert s.critical["optimizer_nvme"] == 1.0 + 1.0 + 1.0 + 1.0 and s.critical["optimizer_staging"] == 2.0
+
+
+def test_the_thread_retires_a_device_unit_after_the_first_cpu_update_it_outlasts():
+    # unit 0 on the device (in 1 s, kernel 1 s, out 1 s), units 1-3 on the CPU (2 s each), unit 1 with
+    # a 3 s commit. Forward 0-4, backward 4-8. Unit 0 in 8-9, kernel 9-10, out 10-11; units 1-3 on the
+    # CPU 8-10, 10-12, 12-14. The thread looks after each: at 10 unit 0 is not out yet, at 12 it is:
+    # retired at 12, so unit 1's held commit runs 12-15 -> 15 s (retired the moment it was out, 11:
+    # 14 s; only at the step's end, 14: 17 s)
+    units = [UnitWork(forward_s=1, backward_s=1, **DEVICE),
+             UnitWork(forward_s=1, backward_s=1, adam_s=2, copyback_s=3),
+             UnitWork(forward_s=1, backward_s=1, adam_s=2),
+             UnitWork(forward_s=1, backward_s=1, adam_s=2)]
+    assert simulate(units, StepShape()).step_s == 15.0

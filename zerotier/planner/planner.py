@@ -251,8 +251,8 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
              step_s):
     """[Note: choosing where each update runs] Each unit's side; `auto` takes the split, or every unit
     on the device, only where it shortens the whole step (`step_s(on_device)`: the schedule's, where the
-    device's units share the optimizer thread, compute and the links with the rest) and the device has
-    room for its staging; `device` without that room is refused ([Note: the device step's staging memory])."""
+    device's units share compute, the links and the drive with the rest) and the device has room for
+    its staging; `device` without that room is refused ([Note: the device step's staging memory])."""
     homes = units_on or (placement["optimizer"],) * len(sizes.unit_order)
     costs = UpdateCosts.of(rates, sizes.state.bytes_per_param, sizes.grad_bytes, sizes.lp_bytes, cuda=sizes.cuda,
                            grads_on_device=HOMES[placement["gradients"]].on_device,
@@ -270,9 +270,9 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
     chosen = choose(requested, homes, shards, costs, sizes.cuda, staging)
     cpu = choose("cpu", homes, shards, costs, sizes.cuda, staging)
     if requested == "auto" and chosen.units != cpu.units and chosen.staging_bytes <= free["device"]:
-        # the schedule runs the device's units in turn with the CPU's, as the engine does ([Note: the device
-        # step in the schedule]): the split, every unit on the CPU, or every unit on the device, the
-        # fastest whole step (ties: the CPU, then the split)
+        # the schedule runs the device's units as the engine does ([Note: the device step in the schedule]):
+        # the split, every unit on the CPU, or every unit on the device, the fastest whole step (ties: the
+        # CPU, then the split)
         every = choose("device", homes, shards, costs, sizes.cuda, staging)
         candidates = [cpu, chosen] + ([every] if every.staging_bytes <= free["device"] else [])
         on = lambda split: tuple(side == "device" for side in split.units)  # noqa: E731

@@ -22,12 +22,15 @@ runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit
                            28 B/param at `device_adam`
   update on the device     a host/NVMe unit the planner steps on the device (StepOptions.on_device,
                            [Note: choosing where each update runs] in step_on.py): its state (and
-                           gradient, when off the device) staged in, the kernel, its state (and new
-                           parameters, when off the device) staged out, `optimizer_staging`
+                           gradient, when off the device) staged in, the kernel, its state and new
+                           parameters staged out (into the parameter store's host output buffer,
+                           wherever the parameters live), `optimizer_staging`; with the parameters
+                           on a CUDA device, their commit copies them back (`params_copyback`)
   optimizer state on NVMe  each unit's state buffers read and written per step, as the store
                            allocates them (`Sizes.state_units`: 12 B/param for fp32 AdamW)
-  new parameters home      host->device copy when they live on a CUDA device, an NVMe write
-                           when on NVMe; none when the home is the optimizer's memory
+  new parameters home      host->device copy when they live on a CUDA device (after a CPU update
+                           or a device step of host/NVMe state alike), an NVMe write when on NVMe;
+                           none when the home is the optimizer's memory
   global norm (clipping)   one read of every gradient: host or CPU device at `mem_read`,
                            CUDA device gradients at 28 x device_adam bytes/s (its Adam's stream
                            rate), NVMe gradients none (their sums of squares are kept as folded)
@@ -49,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..grads import GradStore
+from ..optim.device_staging import DeviceStaging
 from ..overlap import policy_for
 from ..overlap.speculative import undo_bytes
 from ..params import ParamStore
@@ -200,8 +204,8 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             w["speculate"] = bool(speculated and speculated[i])
             if params_at.write_rate:
                 w["copyback_s"], w["copyback_on"] = secs(s.lp_bytes * o_shard * local_ranks, params_at.write_rate), "nvme"
-            elif cuda and not unit_opt.on_device and params_at.on_device and not device_step:
-                w["copyback_s"] = secs(s.lp_bytes * o_shard, "h2d")  # a device step writes them where they are
+            elif cuda and not unit_opt.on_device and params_at.on_device:  # a device step's too: staged out first
+                w["copyback_s"] = secs(s.lp_bytes * o_shard, "h2d")
         works.append(UnitWork(**w))
     if options.clip and grads_at.on_device and cuda:
         norm_s, norm_on = secs(norm_bytes / DEVICE_ADAM_BYTES, "device_adam"), "compute"
@@ -214,7 +218,7 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
                       speculative=speculated is not None, rollback=rollback,
                       state_on_nvme=any(u.state_read_s for u in works), alignment=s.alignment,
                       norm_s=norm_s, norm_on=norm_on,
-                      streamed=streamed, cpu_device=not cuda)
+                      streamed=streamed, cpu_device=not cuda, device_sets=DeviceStaging.SETS)
     return simulate(works, shape), tuple(used)
 
 

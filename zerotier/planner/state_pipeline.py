@@ -10,7 +10,9 @@ waited. `prefetch` (the backward's, never waiting) issues a read only where it f
 whose reads run under backward are those that fit by bytes, in final order, with the previous
 window's last final unit read at this window's first final ([Note: the last final unit's read]).
 A blocking read (step()'s, an early or speculated unit's own) waits for the oldest writes, one at
-a time, until it fits: the read, and the thread that issued it, wait for those writes. The store
+a time, until it fits: the read, and the thread that issued it, wait for those writes; with no
+write left in flight a read ahead is not issued (the store's `_lease` gives None), the unit's own
+read at its turn is let through (the engine would fail it: the plan's depth rules that out). The store
 also gives back writes found done without waiting; the model does not (it cannot know at build
 time), so a set may come back later in the model than in the engine, never earlier. A unit
 without `state_bytes` takes a whole set (the model before packing).
@@ -64,9 +66,11 @@ class StatePipeline:
         self.writing: list[tuple[int, int]] = []      # (set, write task), oldest first
         self.finals = 0
 
-    def read(self, i: int, issue, block: bool) -> list[int]:
+    def read(self, i: int, issue, block: bool, now: bool = False) -> list[int]:
         """`_issue_read`: unit i's read after `issue`, if it fits (`block`: after the oldest writes
-        until it does). Returns the writes waited for (the issuing thread waits for them too)."""
+        until it does, or until none is left: then not issued, unless `now`, the unit the thread
+        updates next, whose read the model lets through without room). Returns the writes waited
+        for (the issuing thread waits for them too)."""
         if i in self.reads or i not in self.need:
             return []
         waited: list[int] = []
@@ -76,7 +80,7 @@ class StatePipeline:
             self.sets.give_back(done)
             waited.append(write)
             s = self.sets.take(self.need[i])
-        if s is not None or block:
+        if s is not None or now:
             self.reads[i] = (s, self.g.add("optimizer_nvme", "nvme", self.units[i].state_read_s,
                                            (issue, *waited)))
         return waited

@@ -62,15 +62,31 @@ What waits for what (the engine's schedule, engine.py and the stores' Notes):
 
 [Note: the device step in the schedule]
 A unit whose update the planner put on the device (`UnitWork.device_step`, [Note: choosing
-where each update runs] in step_on.py) runs on the optimizer thread in its turn, as the engine
-runs it ([Note: device staging] in optim/device_staging.py): its state (read from NVMe first, as
-above) is staged in on `h2d`, stepped on `compute`, staged out on `d2h`, and the thread waits for
-the staging out (one staging set) before it takes up the next unit; only then is the state
-written to NVMe or the parameters sent home. So the device's units do not run beside the CPU's:
-they follow them and one another, and only the I/O of other units (NVMe reads and writes,
-parameter write-backs) overlaps them. Not yet: device units asynchronous to the thread (their
-copies and kernel on the streams while the thread updates the CPU's units), which the split of
-step_on.py is balanced for.
+where each update runs] in step_on.py) is issued by the optimizer thread in its turn, as the
+engine does ([Note: device staging] in optim/device_staging.py): its state (read from NVMe
+first: the thread waits for the read, as above) and gradient, when off the device, staged in on
+`h2d`, the kernel on `compute` after them, the state and the new low-precision shard staged out
+on `d2h` after it. On a CUDA device the thread does not wait: it goes on at once with the next
+unit, so the CPU's units update on `cpu` while the device's copies and kernels run on their own
+resources, the parallel sides the split of step_on.py is balanced for. The staging sets
+(`device_sets`, DeviceStaging.SETS) bound the units in flight: before the thread issues a device
+unit while that many are pending, it waits for the oldest one's staging out (its set), so device
+unit k stages in after device unit k - SETS stages out. A device unit is retired after its
+staging out: only then is its state written to NVMe and its parameters committed (sent home). The
+thread ([Note: the asynchronous device step] in optim/offload.py) retires it at the first of: the
+end of a unit it takes up (a CPU update, or a device unit's issue) after its staging out ended (it
+looks after each one: [Note: polled tasks] in task_graph.py), the set's reuse (the oldest unit,
+waited for; then any other done by then), before it takes up an NVMe unit whose read was not
+issued yet (every pending unit, waited for: their write-backs give sets back), the end of the
+step() call (every pending unit: engine.step() returns after every retirement and write).
+Commits stay in unit order: a CPU unit's parameter commit is held until every device unit before
+it is retired (its NVMe state write is not held). A device unit's write-back joins the pipeline's
+queue where the model retires it for good (the build cannot know which look found it done), so a
+blocking read may wait for other writes first; its commit counts among the write-backs in flight
+from its retirement on. Where it waits instead, the thread takes the unit's staging out as its own
+end (serial): on a CPU device (`cpu_device`: the "device" kernel runs on the thread's own cores),
+and for a unit updated in its own step([unit]) call (an early or speculated unit, whose call ends
+by retiring it).
 
 [Note: speculation in the schedule]
 With `speculative` (train.overlap: [Note: speculative step] in overlap/speculative.py) the
@@ -101,10 +117,10 @@ tasks' seconds by the ranks per node (`ranks_per_node` in planner.py); links are
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 from .state_pipeline import StatePipeline, on_nvme
+from .task_graph import TaskGraph
 
 RESOURCES = ("compute", "cpu", "nvme", "h2d", "d2h")
 
@@ -155,6 +171,7 @@ class StepShape:
     norm_on: str = "compute"
     streamed: bool = False       # parameters fetched per use (off the device, or ZeRO-3)
     cpu_device: bool = False     # h2d / d2h copies take compute's cores ([Note: a CPU device's copies take its cores])
+    device_sets: int = 2         # DeviceStaging.SETS: device units in flight ([Note: the device step in the schedule])
 
 
 @dataclass
@@ -167,59 +184,7 @@ class Schedule:
     busy: dict[str, float] = field(default_factory=dict)   # resource -> seconds of work in the step
 
 
-class _Graph:
-    def __init__(self, cpu_device: bool = False):
-        # [Note: a CPU device's copies take its cores]: the links are copies on compute's cores there
-        self.alias = {"h2d": "compute", "d2h": "compute"} if cpu_device else {}
-        self.component: list[str] = []
-        self.resource: list[str | None] = []
-        self.seconds: list[float] = []
-        self.after: list[tuple[int, ...]] = []
-        self.step: list[int] = []
-        self.current_step = 0
-
-    def add(self, component: str, resource: str | None, seconds: float, after=()) -> int:
-        self.component.append(component)
-        self.resource.append(self.alias.get(resource, resource) if seconds > 0 else None)  # nothing to do: no turn
-        self.seconds.append(max(0.0, float(seconds)))
-        self.after.append(tuple(a for a in after if a is not None))
-        self.step.append(self.current_step)
-        return len(self.seconds) - 1
-
-    def run(self) -> tuple[list[float], list[float], list[int | None]]:
-        """First come, first served per resource by ready time (ties: issue order). Returns each
-        task's start, end and the task it waited for last (None: nothing)."""
-        n = len(self.seconds)
-        waiting = [len(set(a)) for a in self.after]
-        users: list[list[int]] = [[] for _ in range(n)]
-        for t, deps in enumerate(self.after):
-            for d in set(deps):
-                users[d].append(t)
-        start, end = [0.0] * n, [0.0] * n
-        why: list[int | None] = [None] * n
-        free: dict[str, tuple[float, int | None]] = {}
-        ready = [(0.0, t) for t in range(n) if waiting[t] == 0]
-        heapq.heapify(ready)
-        while ready:
-            at, t = heapq.heappop(ready)
-            dep = max(self.after[t], key=lambda d: (end[d], d), default=None)
-            res = self.resource[t]
-            busy_until, last = free.get(res, (0.0, None)) if res is not None else (0.0, None)
-            if busy_until > at:
-                start[t], why[t] = busy_until, last
-            else:
-                start[t], why[t] = at, dep
-            end[t] = start[t] + self.seconds[t]
-            if res is not None:
-                free[res] = (end[t], t)
-            for u in users[t]:
-                waiting[u] -= 1
-                if waiting[u] == 0:
-                    heapq.heappush(ready, (max(end[d] for d in self.after[u]), u))
-        return start, end, why
-
-
-def _pass(g: _Graph, units: list[UnitWork], shape: StepShape, begin: int | None, micro: int,
+def _pass(g: TaskGraph, units: list[UnitWork], shape: StepShape, begin: int | None, micro: int,
           home_write: dict[int, int]) -> tuple[int, dict[int, int], list[int]]:
     """One micro-batch's forward and backward ([Note: the step schedule]). Returns the pass's last
     compute task, each unit's 'gradient final' task and the order they became final."""
@@ -263,7 +228,7 @@ def _pass(g: _Graph, units: list[UnitWork], shape: StepShape, begin: int | None,
     return prev, grad_final, final_order
 
 
-def _gradient_out(g: _Graph, u: UnitWork, micro: int, after: int, folds: list[int]) -> int:
+def _gradient_out(g: TaskGraph, u: UnitWork, micro: int, after: int, folds: list[int]) -> int:
     """A unit's fresh gradient leaves the device and, on NVMe, is folded into its file."""
     last = g.add("grads_d2h", "d2h", u.grad_d2h_s, (after,)) if u.grad_d2h_s else after
     if u.grad_write_s or u.grad_read_s:
@@ -274,7 +239,7 @@ def _gradient_out(g: _Graph, u: UnitWork, micro: int, after: int, folds: list[in
     return last
 
 
-def _optimizer(g: _Graph, units: list[UnitWork], shape: StepShape, grad_final: dict[int, int],
+def _optimizer(g: TaskGraph, units: list[UnitWork], shape: StepShape, grad_final: dict[int, int],
                final_order: list[int], backward_end: int, home_write: dict[int, int],
                last_final: int | None) -> list[int]:
     """The window's update ([Note: NVMe optimizer pipeline], [Note: speculation in the schedule]);
@@ -310,17 +275,29 @@ def _optimizer(g: _Graph, units: list[UnitWork], shape: StepShape, grad_final: d
     return up.waits
 
 
-class _Updates:
-    """The optimizer thread's units in the order given, one `run` per stretch of them; the staging
-    sets, the optimizer thread and the write-backs in flight carry over from one run to the next."""
+@dataclass
+class _Pending:
+    """A device unit issued and not yet retired ([Note: the device step in the schedule])."""
+    unit: int
+    lease: int | None   # its NVMe staging set (None: not NVMe, or a read let through without room)
+    retired: int        # its retirement: a polled task ([Note: polled tasks] in task_graph.py)
+    commit: int | None  # its parameters' write-back, after its retirement (issued in unit order)
 
-    def __init__(self, g: _Graph, units: list[UnitWork], shape: StepShape, grad_final: dict[int, int],
+
+class _Updates:
+    """The optimizer thread's units in the order given, one `run` per stretch of them (one engine.step()
+    call); the staging sets, the optimizer thread and the write-backs in flight carry over from one run
+    to the next."""
+
+    def __init__(self, g: TaskGraph, units: list[UnitWork], shape: StepShape, grad_final: dict[int, int],
                  home_write: dict[int, int], last_final: int | None = None):
         self.g, self.units, self.shape, self.grad_final, self.home_write = g, units, shape, grad_final, home_write
         self.pipe = StatePipeline(g, units, shape, last_final)
-        self.last_adam: int | None = None
+        self.last_adam: int | None = None  # the optimizer thread's last point
         self.commits: list[int] = []   # parameter write-backs, oldest first
         self.waits: list[int] = []     # what engine.step() waits for
+        self.pending: list[_Pending] = []  # device units in flight, oldest first (at most device_sets)
+        self.held: list[tuple[int, list[int]]] = []  # commits not issued yet: (write-back, device units before it)
 
     def speculate(self, final_order: list[int]) -> None:
         """[Note: speculation in the schedule]: the optimizer thread takes each unit up as its gradient
@@ -337,24 +314,32 @@ class _Updates:
         after `gate` (UnitOptimizer._step: before each unit, the reads of the next NVMe units, up to
         `depth - 2` ahead of it, waiting for the oldest writes where they do not fit; before a host
         unit only where they fit). undo: each unit's undo copy first (a speculated unit); restore:
-        those units' undo copies put back first (a rollback)."""
+        those units' undo copies put back first (a rollback). Device units: [Note: the device step in
+        the schedule]."""
         g, units, shape, pipe = self.g, self.units, self.shape, self.pipe
-        depth = shape.pipeline_depth
-        ahead_reads = max(1, depth - 2)
+        ahead_reads = max(1, shape.pipeline_depth - 2)
         limit = shape.lookahead + 2 if shape.param_writes is None else shape.param_writes
         nvme_order = [i for i in order if i in pipe.need]
         done = 0
-        adam: list[int] = []
+        thread_at: list[int] = []  # the thread's point after each unit of `order`
+        read_grad: list[int] = []  # where each unit's staged gradient was read last (its block free again)
         for k, i in enumerate(order):
-            u = self.units[i]
+            u = units[i]
             final = self.grad_final[i]
             read = staged = None
             stalled: list[int] = []
+            thread = self.last_adam if early else (thread_at[k - 1] if k else gate)
+            issued = u.device_step and not (early or shape.cpu_device)  # issued, not waited
+            if self.pending and i in pipe.need and i not in pipe.reads:
+                thread = self._retire(list(self.pending), thread)  # a blocking read: every device unit first
+            elif issued and len(self.pending) >= shape.device_sets:  # its staging set: the oldest unit's
+                thread = self._retire(self.pending[:1], thread)
+                self._look(thread)
             if i in pipe.need or (not early and nvme_order[done:]):
-                thread = self.last_adam if early else (adam[k - 1] if k else gate)
                 issue = final if thread is None else thread
                 for j in nvme_order[done: done + 1 + (0 if early else ahead_reads)]:
-                    stalled += pipe.read(j, issue, block=i in pipe.need)
+                    stalled += pipe.read(j, issue, block=i in pipe.need, now=j == i)
+            lease = None
             if i in pipe.need:
                 done += 1
                 lease, read = pipe.reads.pop(i)
@@ -362,39 +347,92 @@ class _Updates:
                 if early:  # its own step([unit]): staged when the thread takes it up
                     issue = self.last_adam if self.last_adam is not None else final
                 else:
-                    issue = adam[k - 2] if k >= 2 else gate
+                    issue = read_grad[k - 2] if k >= 2 else gate
                 res, comp, secs = (("nvme", "grads_nvme", u.grad_read_s) if u.grad_read_s else
                                    ("d2h", "grads_d2h", u.grad_stage_s))
                 staged = g.add(comp, res, secs, (issue, final))
-            after = [final, read, staged, self.last_adam, None if early else gate] + stalled
+            after = [final, read, staged, self.last_adam, thread, None if early else gate] + stalled
             if len(self.commits) > limit:  # that many write-backs in flight: the oldest is waited
                 after.append(self.commits[-(limit + 1)])
             if undo and u.undo_s:  # [Note: speculation in the schedule]: the undo copy, then Adam
                 after = [final, g.add("speculation", u.adam_on, u.undo_s, after)]
             if i in restore and u.restore_s:
                 after = [g.add("speculation", u.adam_on, u.restore_s, after)]
-            if u.device_step:  # [Note: the device step in the schedule]: the thread waits for its staging out
+            if issued:
+                point = g.add("optimizer", None, 0.0, after)
+                staged_in = g.add("optimizer_staging", "h2d", u.stage_in_s, (point,))
+                kernel = g.add("optimizer", u.adam_on, u.adam_s, (staged_in,))
+                out = g.add("optimizer_staging", "d2h", u.stage_out_s, (kernel,))
+                retired = g.add_polled("optimizer", (out,))
+                commit = g.add("params_copyback", u.copyback_on, u.copyback_s, (retired,)) if u.copyback_s else None
+                self.pending.append(_Pending(i, lease, retired, commit))
+                self._look(point)
+                thread_at.append(point)
+                read_grad.append(staged_in)
+                self.last_adam = point
+                continue
+            if u.device_step:  # serial: the thread waits for its staging out
                 staged_in = g.add("optimizer_staging", "h2d", u.stage_in_s, after)
-                kernel = g.add("optimizer", u.adam_on, u.adam_s, [staged_in])
-                adam.append(g.add("optimizer_staging", "d2h", u.stage_out_s, (kernel,)))
+                kernel = g.add("optimizer", u.adam_on, u.adam_s, (staged_in,))
+                last = g.add("optimizer_staging", "d2h", u.stage_out_s, (kernel,))
             else:
-                adam.append(g.add("optimizer", u.adam_on, u.adam_s, after))
-            self.last_adam = adam[-1]  # the optimizer thread's last unit (its update's last task)
-            if i in pipe.need:
-                pipe.writing.append((lease, g.add("optimizer_nvme", "nvme", u.state_write_s, (adam[-1],))))
-                self.waits.append(pipe.writing[-1][1])
-            if u.copyback_s:
-                c = g.add("params_copyback", u.copyback_on, u.copyback_s, (adam[-1],))
-                self.commits.append(c)
-                self.home_write[i] = c
-                if u.copyback_on != "nvme":
-                    self.waits.append(c)
-            self.waits.append(adam[-1])
+                last = g.add("optimizer", u.adam_on, u.adam_s, after)
+            self._look(last)
+            thread_at.append(last)
+            read_grad.append(last)
+            self.last_adam = last
+            self._write(i, last, lease)
+            if u.copyback_s:  # held until every device unit before it is retired: commits in unit order
+                c = g.add("params_copyback", u.copyback_on, u.copyback_s, [last] + [p.retired for p in self.pending])
+                self.held.append((c, [p.unit for p in self.pending]))
+                self._committed(i, c)
+            self._release()
+        if self.pending:  # engine.step() returns once every device unit is retired
+            self.last_adam = self._retire(list(self.pending), self.last_adam)
+
+    def _look(self, point: int) -> None:
+        """After each unit the thread retires the device units whose staging out is done by `point`."""
+        for p in self.pending:
+            self.g.poll(p.retired, point)
+
+    def _retire(self, pending: list[_Pending], point: int | None) -> int:
+        """The thread waits at `point` for these device units' staging out (oldest first), then writes
+        their state home and commits their parameters; returns the thread's point after it."""
+        for p in pending:
+            if point is not None:
+                self.g.poll(p.retired, point)
+            self._write(p.unit, p.retired, p.lease)
+            if p.commit is not None:  # before the held ones: those are after it in unit order
+                self.held.insert(0, (p.commit, []))
+                self._committed(p.unit, p.commit)
+            self.pending.remove(p)
+            self._release()
+        return self.g.add("optimizer", None, 0.0, [point] + [p.retired for p in pending])
+
+    def _write(self, i: int, last: int, lease: int | None) -> None:
+        """Unit i's update ended at `last` (a device unit's: its retirement): its NVMe state written back."""
+        pipe = self.pipe
+        if i in pipe.need:
+            pipe.writing.append((lease, self.g.add("optimizer_nvme", "nvme", self.units[i].state_write_s, (last,))))
+            self.waits.append(pipe.writing[-1][1])
+        self.waits.append(last)
+
+    def _committed(self, i: int, c: int) -> None:
+        self.home_write[i] = c
+        if self.units[i].copyback_on != "nvme":
+            self.waits.append(c)
+
+    def _release(self) -> None:
+        """Held commits whose earlier device units are all retired are issued: from then on they count
+        as write-backs in flight (the thread waits for the oldest beyond `param_writes`)."""
+        pending = {p.unit for p in self.pending}
+        while self.held and not pending.intersection(self.held[0][1]):
+            self.commits.append(self.held.pop(0)[0])
 
 
 def simulate(units: list[UnitWork], shape: StepShape, steps: int = 2) -> Schedule:
     """[Note: the step schedule] The steady-state step: `steps` steps back to back, the last one timed."""
-    g = _Graph(shape.cpu_device)
+    g = TaskGraph(shape.cpu_device)
     home_write: dict[int, int] = {}
     step_end: int | None = None
     ends: list[int | None] = []

@@ -13,23 +13,28 @@ the device is updated where it lives whatever the key says ("device"). "auto" le
 split the host/NVMe units between the two ([Note: choosing where each update runs]).
 
 [Note: choosing where each update runs]
-The split is balanced for the two sides running in parallel after backward (the engine to come,
-see the end of this note): the optimizer thread steps its units with the native CPU kernel, and
-the device steps its units on a pipeline of three stages, each on its own resource (the H2D
-link, the device, the D2H link). Per parameter of a unit's shard (B: the
-state's bytes per parameter, `StateLayout.bytes_per_param`):
+The split is balanced for the two sides running in parallel after backward, as the engine runs
+them on a CUDA device: the optimizer thread steps its units with the native CPU kernel, and
+issues the device's units without waiting for them, which then run on a pipeline of three
+stages, each on its own resource (the H2D link, the device, the D2H link). Per parameter of a
+unit's shard (B: the state's bytes per parameter, `StateLayout.bytes_per_param`):
 
   cpu       ranks_per_node / cpu_adam          (the node's cores, shared by its ranks; the rate
                                                of the rule and the state's dtypes where `zerotier
                                                bench` measured it, `cpu_<rule>_<master>_<moments>`,
                                                else the fp32 Adam rate `cpu_adam`: `cpu_rate_key`)
-  device    in   (B + the gradient's bytes if the gradients are not on the device) / h2d
+  device    in   (B + the gradient's bytes if the gradients are not on the device
+                  + the new parameters' bytes if they live on the device) / h2d
             kernel (2 B + the gradient's bytes) / device_adam   (state read and written, the
                                                gradient read: 28 B/param with fp32 Adam, the
                                                DEVICE_ADAM_BYTES of predict.py; the rate of the
                                                rule and dtypes, `device_<rule>_<master>_<moments>`,
                                                where measured, else `device_adam`: `device_rate_key`)
-            out  (B + the new parameters' bytes if the parameters are not on the device) / d2h
+            out  (B + the new parameters' bytes) / d2h
+
+The new low-precision shard always goes out to the parameter store's host output buffer, and a
+device-resident parameter home gets it back by the commit's H2D copy (`params_copyback` in
+predict.py), as after a CPU update: the engine does not yet write a device home in place.
 
 The device side's time for units S is then max(in, kernel, out) x params(S), the pipeline's
 slowest stage, plus its fill: the other two stages of the largest unit of S. The CPU's is
@@ -43,12 +48,16 @@ X's finish: the greedy is within one unit's update (its smallest units: placed l
 optimum. A device budget without room for the staged units in flight keeps every unit on the
 CPU; `device` forced without that room is refused (PlanDoesNotFit).
 
-The two sides in parallel are the engine to come: today its optimizer thread waits for each
-device unit's staging out before it takes up the next unit, so the device's units take their
-turn with the CPU's, not beside them, and the step's schedule models that ([Note: the device step in the
-schedule] in step_model.py). `auto` therefore takes, of this split, every unit on the CPU and
-every unit on the device, the one whose whole step the schedule predicts shortest (planner.py's
-`_step_on`): the plan predicts the engine as it runs.
+The step's schedule runs the device's units beside the CPU's as the engine does ([Note: the
+device step in the schedule] in step_model.py): issued in the thread's order, at most
+`DeviceStaging.SETS` in flight, their write-backs and commits after they are retired. What the
+split above leaves out, the schedule has: the thread's order (reads issued during backward first),
+the NVMe reads and writes both sides share, the commits held in unit order, and the links shared
+with the parameters' and gradients' copies. So `auto` takes, of this split, every unit on the CPU
+and every unit on the device, the one whose whole step the schedule predicts shortest
+(planner.py's `_step_on`): right under either model of the engine (in parallel on a CUDA device,
+in turn on the CPU's cores), and the plan predicts the engine as it runs. On a CUDA node the
+split usually wins now (tests/test_step_on.py).
 
 Without a CUDA device (the "device" is the CPU) `auto` keeps every unit on the CPU: the device
 path would run torch ops on the very cores the native kernel uses, after copying the state into
@@ -128,7 +137,8 @@ class UpdateCosts:
     device_in: float
     device_kernel: float
     device_out: float
-    in_bytes: float      # bytes per parameter staged in, and out; the kernel's bytes per parameter
+    in_bytes: float      # bytes per parameter staged in, and out; the kernel's bytes per parameter (the
+                         # device_in stage also carries the new shard's commit to a device home)
     out_bytes: float
     kernel_bytes: float
 
@@ -140,11 +150,12 @@ class UpdateCosts:
         `device_rate_key`); off CUDA the links are memory copies (`mem_copy`) and the device's
         kernel runs on the CPU's cores (at `cpu_key`, the native kernel's rate: a bound)."""
         in_bytes = state_bytes + (0 if grads_on_device else grad_bytes)
-        out_bytes = state_bytes + (0 if params_on_device else lp_bytes)
+        out_bytes = state_bytes + lp_bytes  # the new shard goes out to the host output buffer wherever its home is,
+        home_bytes = lp_bytes if params_on_device and cuda else 0  # and comes back to a device home (commit)
         kernel_bytes = 2 * state_bytes + grad_bytes
         cpu = local_ranks / rates[cpu_key]
         link_in, link_out = ("h2d", "d2h") if cuda else ("mem_copy", "mem_copy")
-        return cls(cpu=cpu, device_in=in_bytes / rates[link_in],
+        return cls(cpu=cpu, device_in=(in_bytes + home_bytes) / rates[link_in],
                    device_kernel=kernel_bytes / rates[device_key] if cuda else cpu,
                    device_out=out_bytes / rates[link_out], in_bytes=in_bytes, out_bytes=out_bytes,
                    kernel_bytes=kernel_bytes)
