@@ -189,28 +189,44 @@ def test_auto_takes_the_balanced_split_beside_a_faster_device(two_sets):
     assert plans["cpu"].predicted_step_s == pytest.approx(1.0125)
 
 
-def test_auto_splits_a_7b_model_on_the_h200s_rates(two_sets):
-    """A 7B-like model (32 layers of 202M parameters and a 262M root: embedding and head; bf16
-    parameters on the device, gradients and optimizer on host, no overlap) at 4k tokens, with
-    benchmarks/nodes/h200.json's rates (CPU Adam 4.27 Gparam/s, PCIe 52 GB/s each way, the device's Adam
-    at the default 50 GB/s: not measured there). Every unit on the CPU puts 1.58 s of updates after
-    backward; the device's units beside the CPU's shorten the step, so `auto` takes a real split."""
+def seven_b_plans(**step) -> dict:
+    """A 7B-like model (32 layers of 202M parameters and a 262M root: embedding and head; bf16 parameters
+    on the device, gradients and optimizer on host) at 4k tokens, with benchmarks/nodes/h200.json's rates
+    (CPU Adam 4.27 Gparam/s, PCIe 52 GB/s each way, the device's Adam at the default 50 GB/s: not
+    measured there): its plan for each optimizer.step_on."""
     from zerotier.bench import rates_from_file
     rates = rates_from_file(Path(__file__).resolve().parents[1] / "benchmarks" / "nodes" / "h200.json")
     numels = [202_000_000] * 32 + [262_000_000]
     compute = UnitCompute((0.02,) * 32 + (0.03,), (0.06,) * 32 + (0.06,), (False,) * 32 + (True,))
     node = Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=rates)
-    plans = {on: make_plan(ModelFacts.of_sizes(numels, compute=compute),
-                           PlanConfig(offload=OffloadConfig(params="device", gradients="host", optimizer="host"),
-                                      precision=PrecisionConfig(param_dtype="bf16"),
-                                      step=StepOptions(step_on=on, overlap="none", speculative=False)), node)
-             for on in ("auto", "cpu", "device")}
+    return {on: make_plan(ModelFacts.of_sizes(numels, compute=compute),
+                          PlanConfig(offload=OffloadConfig(params="device", gradients="host", optimizer="host"),
+                                     precision=PrecisionConfig(param_dtype="bf16"),
+                                     step=StepOptions(step_on=on, **step)), node)
+            for on in ("auto", "cpu", "device")}
+
+
+def test_auto_splits_a_7b_model_on_the_h200s_rates(two_sets):
+    """Without overlap every unit on the CPU puts 1.58 s of updates after backward; the device's units
+    beside the CPU's shorten the step, so `auto` takes a real split."""
+    plans = seven_b_plans(overlap="none", speculative=False)
     auto = plans["auto"]
     on_device = auto.optimizer_step_on.count("device")
-    assert 0 < on_device < len(numels)  # a real split
+    assert 0 < on_device < len(auto.optimizer_step_on)  # a real split
     assert auto.predicted_step_s < plans["cpu"].predicted_step_s < plans["device"].predicted_step_s
     assert auto.critical["optimizer"] < plans["cpu"].critical["optimizer"]  # the CPU's updates, fewer of them
     assert auto.breakdown["optimizer_staging"] > 0 and plans["cpu"].breakdown["optimizer_staging"] == 0
+
+
+def test_auto_weighs_the_step_the_plan_reports_speculation_included(two_sets):
+    """With train.overlap = "speculative" each speculated unit updates under backward in its own step
+    call, so a device unit there holds the thread and takes compute from backward: the split that
+    shortens the plain step lengthens this one. `auto` compares the candidates' speculative steps (the
+    plan's), not their plain ones, so it is never slower than a forced side (here: the CPU)."""
+    plans = seven_b_plans(overlap="speculative", speculative=True)
+    assert plans["auto"].speculative and plans["cpu"].speculative
+    assert plans["auto"].predicted_step_s == min(p.predicted_step_s for p in plans.values())
+    assert plans["auto"].optimizer_step_on == plans["cpu"].optimizer_step_on
 
 
 def test_device_without_room_for_its_staging_is_refused_and_auto_keeps_the_cpu():

@@ -319,3 +319,14 @@ def test_the_thread_retires_a_device_unit_after_the_first_cpu_update_it_outlasts
              UnitWork(forward_s=1, backward_s=1, adam_s=2),
              UnitWork(forward_s=1, backward_s=1, adam_s=2)]
     assert simulate(units, StepShape()).step_s == 15.0
+
+
+def test_a_speculated_device_units_undo_copy_is_the_threads_host_copy():
+    # speculation: unit 1 (final first, at 3) updated on the device under backward (its own step([unit]):
+    # the thread waits for it), after its undo copy (2 s) of its host state, which the optimizer thread
+    # makes (cpu), beside unit 0's backward (3-4): undo 3-5, in 5-6, kernel 6-7, out 7-8. Unit 0 (CPU,
+    # not speculated) after backward and the speculated work: 8-9 -> 9 s (10 s if the copy took compute)
+    units = [UnitWork(forward_s=1, backward_s=1, adam_s=1),
+             UnitWork(forward_s=1, backward_s=1, speculate=True, undo_s=2, restore_s=2, **DEVICE)]
+    s = simulate(units, StepShape(speculative=True))
+    assert s.step_s == 9.0 and s.busy["cpu"] == 2.0 + 1.0

@@ -208,9 +208,15 @@ def _place(offload: OffloadConfig, model: ModelFacts, config: PlanConfig, node: 
             sizes = dataclasses.replace(sizes, grads_on_gpu=device.type == "cuda" and HOMES[chosen].on_device,
                                         grads_on_nvme=not HOMES[chosen].in_memory)
     # [Note: where the update runs]: each unit's side, and the device memory its staging takes
-    def step_s(on_device: tuple[bool, ...]) -> float:
-        return predict(placement, sizes, device.type, rates, local, units_on, compute,
-                       dataclasses.replace(step, on_device=on_device))[0].step_s
+    def step_s(split) -> float:  # the step the plan reports with this split: its speculation included
+        options = dataclasses.replace(step, on_device=tuple(side == "device" for side in split.units))
+        room = dict(free, device=free["device"] - split.staging_bytes)
+        try:
+            spec = fit_speculation(options, placement, units_on, sizes, room, compute, sum(state_bytes.values()))
+        except PlanDoesNotFit:
+            return float("inf")  # raised below for the split chosen
+        return predict_step(placement, sizes, device.type, rates, local, units_on, compute, options,
+                            spec.units if spec.on else None)[0].step_s
     step_on = _step_on(step.step_on, placement, units_on, sizes, rates, local, free, budgets,
                        sum(state_bytes.values()), step_s)
     needs["device_step"] = _on_tiers(device=step_on.staging_bytes)
@@ -250,9 +256,10 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
              rates: dict[str, float], local: int, free: dict[str, int], budgets: dict[str, int], per_rank_bytes: int,
              step_s):
     """[Note: choosing where each update runs] Each unit's side; `auto` takes the split, or every unit
-    on the device, only where it shortens the whole step (`step_s(on_device)`: the schedule's, where the
-    device's units share compute, the links and the drive with the rest) and the device has room for
-    its staging; `device` without that room is refused ([Note: the device step's staging memory])."""
+    on the device, only where it shortens the whole step (`step_s(split)`: the step the plan reports,
+    speculation included, where the device's units share compute, the links and the drive with the
+    rest) and the device has room for its staging; `device` without that room is refused ([Note: the
+    device step's staging memory])."""
     homes = units_on or (placement["optimizer"],) * len(sizes.unit_order)
     costs = UpdateCosts.of(rates, sizes.state.bytes_per_param, sizes.grad_bytes, sizes.lp_bytes, cuda=sizes.cuda,
                            grads_on_device=HOMES[placement["gradients"]].on_device,
@@ -275,8 +282,7 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
         # CPU, then the split)
         every = choose("device", homes, shards, costs, sizes.cuda, staging)
         candidates = [cpu, chosen] + ([every] if every.staging_bytes <= free["device"] else [])
-        on = lambda split: tuple(side == "device" for side in split.units)  # noqa: E731
-        return min(candidates, key=lambda split: step_s(on(split)))
+        return min(candidates, key=step_s)
     if chosen.staging_bytes <= free["device"]:
         return chosen
     if requested == "device":

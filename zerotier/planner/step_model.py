@@ -354,10 +354,12 @@ class _Updates:
             after = [final, read, staged, self.last_adam, thread, None if early else gate] + stalled
             if len(self.commits) > limit:  # that many write-backs in flight: the oldest is waited
                 after.append(self.commits[-(limit + 1)])
+            # the undo copy is where the state lives: a device-stepped unit's in host memory, by the thread
+            copy_on = ("compute" if shape.cpu_device else "cpu") if u.device_step else u.adam_on
             if undo and u.undo_s:  # [Note: speculation in the schedule]: the undo copy, then Adam
-                after = [final, g.add("speculation", u.adam_on, u.undo_s, after)]
+                after = [final, g.add("speculation", copy_on, u.undo_s, after)]
             if i in restore and u.restore_s:
-                after = [g.add("speculation", u.adam_on, u.restore_s, after)]
+                after = [g.add("speculation", copy_on, u.restore_s, after)]
             if issued:
                 point = g.add("optimizer", None, 0.0, after)
                 staged_in = g.add("optimizer_staging", "h2d", u.stage_in_s, (point,))
