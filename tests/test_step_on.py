@@ -59,12 +59,12 @@ def test_an_unknown_step_on_is_a_config_error_naming_the_choices():
 
 
 # --- [Note: choosing where each update runs], hand-computed ---------------------------------------
-# fp32 AdamW state (12 B/param), fp32 parameters (4 B) and gradients on the device: 12 B of state
-# staged in and 4 B of new parameters committed to their device home (h2d), 12 B of state and the
-# 4 B new shard staged out (d2h), the kernel 28 B. Rates chosen so each is 1 s per 1e4 params: CPU
-# Adam 1e4 params/s, h2d = d2h = 16e4 B/s, device_adam 28e4 B/s. The device side of units S: 1 s/1e4
-# x params(S) (its slowest stage) + 2 s/1e4 x its largest unit (the other two stages: fill and drain).
-RATES = {"cpu_adam": 1e4, "h2d": 16e4, "d2h": 16e4, "device_adam": 28e4, "mem_copy": 1e12, "mem_read": 1e12,
+# fp32 AdamW state (12 B/param), gradients and parameters on the device (one rank: the new shard is
+# written in its home in place): 12 B staged in and out, the kernel 28 B. Rates chosen so each is 1 s
+# per 1e4 params: CPU Adam 1e4 params/s, h2d = d2h = 12e4 B/s, device_adam 28e4 B/s. The device side
+# of units S: 1 s/1e4 x params(S) (its slowest stage) + 2 s/1e4 x its largest unit (the other two
+# stages: fill and drain).
+RATES = {"cpu_adam": 1e4, "h2d": 12e4, "d2h": 12e4, "device_adam": 28e4, "mem_copy": 1e12, "mem_read": 1e12,
          "nvme_read": 1e12, "nvme_write": 1e12}
 COSTS = UpdateCosts.of(RATES, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True)
 SHARDS = [2000, 4000, 1000, 3000]  # unit index order; by size: units 1, 3, 0, 2
@@ -118,11 +118,11 @@ def test_the_greedy_is_within_one_unit_of_the_balanced_optimum():
     assert bound <= worst <= bound + costs.device_fill * max(shards) + costs.cpu * max(shards)
 
 
-def cuda_plan(step_on, device=BIG, optimizer="host"):
+def cuda_plan(step_on, device=BIG, optimizer="host", rates=RATES):
     offload = OffloadConfig(params="device", gradients="device", optimizer=optimizer)
     return make_plan(ModelFacts.of_sizes(SHARDS), PlanConfig(offload=offload, alignment=1,
                                                              step=StepOptions(step_on=step_on)),
-                     Node(torch.device("cuda"), budgets={"device": device, "host": BIG, "nvme": BIG}, rates=RATES))
+                     Node(torch.device("cuda"), budgets={"device": device, "host": BIG, "nvme": BIG}, rates=rates))
 
 
 @pytest.fixture
@@ -132,33 +132,36 @@ def two_sets(monkeypatch):
     monkeypatch.setattr(DeviceStaging, "SETS", 2)
 
 
+# the links at 16e4 B/s: per 1e4 params a device unit's 12 B of state in 0.75 s and out 0.75 s (the new
+# shard written in its device home in place), its kernel 1 s; a CPU unit's gradient staged out 0.25 s
+# (d2h), its update 1 s, its new parameters' commit 0.25 s (h2d)
+LINKS_16 = {**RATES, "h2d": 16e4, "d2h": 16e4}
+
+
 def test_the_plan_prints_and_predicts_the_device_step_and_auto_weighs_the_schedule(two_sets):
-    """[Note: the device step in the schedule], by hand (no compute: the step is the update). Per 1e4
-    params: the CPU 1 s; a device unit in 0.75 s (its 12 B of state), kernel 1 s, out 1 s (state and
-    shard), then its commit 0.25 s (h2d); a CPU unit's gradient staged out 0.25 s (d2h), its commit 0.25 s.
-    The balanced split (device, cpu, device, cpu): unit 0 in 0-0.15, kernel 0.15-0.35, out 0.35-0.55;
-    unit 1's gradient 0-0.1, CPU 0.1-0.5 (unit 0 not out yet); unit 2 in 0.5-0.575, kernel 0.575-0.675,
-    out 0.675-0.775; unit 3's gradient after unit 0's out 0.55-0.625, CPU 0.625-0.925; only then are
-    units 0 and 2 retired, and every commit waits for it: 0.925 + 0.05 + 0.1 + 0.025 + 0.075 = 1.175 s.
-    Every unit on the CPU: its gradients hidden but the first (0.05), 1.0 s of updates, unit 3's commit
-    0.075 s: 1.125 s. Every unit on the device: 2.25 s (its two sets: unit 2 waits for unit 0's out at
-    0.55, unit 3 for unit 1's at 1.25; unit 3 in 1.35-1.575, kernel 1.575-1.875, out 1.875-2.175,
-    commit 2.175-2.25). `auto` keeps the CPU: its commits are not held."""
-    auto, cpu, dev = cuda_plan("auto"), cuda_plan("cpu"), cuda_plan("device")
-    assert choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, True, STAGING).units == ("device", "cpu", "device", "cpu")
-    assert auto.optimizer_step_on == ("cpu",) * 4 and auto.predicted_step_s == cpu.predicted_step_s
+    """[Note: the device step in the schedule], by hand (no compute: the step is the update), LINKS_16.
+    The balanced split (device, cpu, device, cpu): unit 0 in 0-0.15, kernel 0.15-0.35, out 0.35-0.5;
+    unit 1's gradient 0-0.1, CPU 0.1-0.5, after which unit 0 (out at 0.5) is retired and unit 1's held
+    commit goes 0.5-0.6; unit 2 (issued at 0.5) in 0.6-0.675, kernel 0.675-0.775, out 0.775-0.85; unit
+    3's gradient 0.5-0.575, CPU 0.575-0.875, unit 2 retired then, unit 3's commit 0.875-0.95 -> 0.95 s.
+    Every unit on the CPU: the first gradient 0.05, 1.0 s of updates, the last commit 0.075: 1.125 s.
+    Every unit on the device: unit 2 waits for unit 0's set (0.5), unit 3 for unit 1's (out 0.85-1.15):
+    in 1.15-1.375, kernel 1.375-1.675, out 1.675-1.9 -> 1.9 s. `auto` takes the split."""
+    auto, cpu, dev = (cuda_plan(on, rates=LINKS_16) for on in ("auto", "cpu", "device"))
+    assert auto.optimizer_step_on == ("device", "cpu", "device", "cpu")
     assert dev.optimizer_step_on == ("device",) * 4
+    assert auto.predicted_step_s == pytest.approx(0.95)
+    assert cpu.predicted_step_s == pytest.approx(1.125) and dev.predicted_step_s == pytest.approx(1.9)
     # the engine's staging sets of the largest device unit (unit 1): 12 B of state x 4000 (the parameters'
     # device home takes the new shard in place: ParamStore.device_out)
     staged = DeviceStaging.SETS * 12 * 4000
-    assert dev.needs["device_step"]["device"] == staged and auto.needs["device_step"]["device"] == 0
+    assert dev.needs["device_step"]["device"] == staged and auto.needs["device_step"]["device"] == staged / 2
     assert dev.need["device"] - cpu.need["device"] == staged
-    # every unit's state crosses the link each way, and the new shard out: 10000 params x 12 B in, 16 B out
-    assert dev.breakdown["optimizer_staging"] == pytest.approx((12 + 16) * 10000 / 16e4)
+    # every unit's state crosses the link each way: 12 B x 10000 params at 16e4 B/s, in and out
+    assert dev.breakdown["optimizer_staging"] == pytest.approx(2 * 0.75)
     assert cpu.breakdown["optimizer_staging"] == 0
-    # the new shard comes back to the device home after a device step as after a CPU update: 4 B x 10000
-    assert dev.breakdown["params_copyback"] == pytest.approx(0.25) == cpu.breakdown["params_copyback"]
-    assert dev.predicted_step_s == pytest.approx(2.25) and cpu.predicted_step_s == pytest.approx(1.125)
+    # [Note: the new shard's way home]: written in place by a device step, copied back after a CPU update
+    assert dev.breakdown["params_copyback"] == 0 and cpu.breakdown["params_copyback"] == pytest.approx(0.25)
     text = dev.summary()
     assert "optimizer step on (optimizer.step_on = device):" in text
     assert "device 4 units" in text and f"staged on the device {staged / 1024:.2f} KiB (in needed)" in text
@@ -166,26 +169,22 @@ def test_the_plan_prints_and_predicts_the_device_step_and_auto_weighs_the_schedu
 
 
 @pytest.mark.pins("design#the-update-runs-where-the-plan-says-the-state-stays-home")
-def test_auto_takes_the_balanced_split_beside_a_faster_device(two_sets):
-    """A device path 10x faster (each stage 0.1 s / 1e4 params): the greedy split (device, device, cpu,
-    device). Unit 0 in 0-0.015, kernel 0.015-0.035, out 0.035-0.055; unit 1 issued at once: in
-    0.015-0.045, kernel 0.045-0.085, out 0.085-0.125; unit 2's gradient 0.015-0.0175, CPU 0.0175-0.1175,
-    after which unit 0 is retired (its commit 0.1175-0.1225); unit 3 takes unit 0's set: in
-    0.1225-0.145, kernel 0.145-0.175, out 0.175-0.205; the step's end retires units 1 (0.125) and 3
-    (0.205), unit 3's commit 0.205-0.2125 -> 0.2125 s. Every unit on the device: 0.225 s, on the CPU:
-    1.0125 s. `auto` takes the split."""
+def test_auto_puts_every_unit_on_a_faster_device_rather_than_the_balanced_split(two_sets):
+    """A device path 10x faster (in 0.075 s, kernel 0.1 s, out 0.075 s per 1e4 params): the greedy split
+    (device, device, cpu, device). Its schedule: unit 0 in 0-0.015, kernel 0.015-0.035, out 0.035-0.05;
+    unit 1 issued at once: in 0.015-0.045, kernel 0.045-0.085, out 0.085-0.115; unit 2's gradient
+    0.015-0.0175, CPU 0.0175-0.1175, units 0 and 1 retired after it, its commit 0.1175-0.12; unit 3
+    (unit 0's set) in 0.12-0.1425, kernel 0.1425-0.1725, out 0.1725-0.195 -> 0.195 s. Every unit on the
+    device: unit 2 waits for unit 0's set (0.05), in 0.05-0.0575, kernel 0.085-0.095, out 0.115-0.1225;
+    unit 3 for unit 1's (0.115): in 0.115-0.1375, kernel 0.1375-0.1675, out 0.1675-0.19 -> 0.19 s, no
+    commit on the link. Every unit on the CPU: 1.0125 s. `auto` takes every unit on the device."""
     rates = {**RATES, "h2d": 160e4, "d2h": 160e4, "device_adam": 280e4}
     costs = UpdateCosts.of(rates, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True)
     assert choose("auto", (Location.HOST,) * 4, SHARDS, costs, True, STAGING).units == \
         ("device", "device", "cpu", "device")
-    node = Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=rates)
-    plans = {on: make_plan(ModelFacts.of_sizes(SHARDS),
-                           PlanConfig(offload=OffloadConfig(params="device", gradients="device", optimizer="host"),
-                                      alignment=1, step=StepOptions(step_on=on)), node)
-             for on in ("auto", "cpu", "device")}
-    assert plans["auto"].optimizer_step_on == ("device", "device", "cpu", "device")
-    assert plans["auto"].predicted_step_s == pytest.approx(0.2125)
-    assert plans["device"].predicted_step_s == pytest.approx(0.225)
+    plans = {on: cuda_plan(on, rates=rates) for on in ("auto", "cpu", "device")}
+    assert plans["auto"].optimizer_step_on == ("device",) * 4
+    assert plans["auto"].predicted_step_s == plans["device"].predicted_step_s == pytest.approx(0.19)
     assert plans["cpu"].predicted_step_s == pytest.approx(1.0125)
 
 
@@ -287,18 +286,16 @@ def test_a_slower_cpu_rate_for_the_state_moves_units_to_the_device(two_sets):
     assert s.sides["device"] == (2, 5000, pytest.approx(1.1))
     assert choose("auto", (Location.HOST,) * 4, SHARDS, COSTS, True, STAGING).units == ("device", "cpu", "device", "cpu")
     # the plan reads the rate of its rule and state, and its schedule ([Note: the device step in the
-    # schedule], two staging sets) runs the device's units beside the CPU's: unit 0 in 0-0.15, kernel
-    # 0.15-0.35, out 0.35-0.55; unit 1's gradient 0-0.1, CPU 0.1-0.9 (unit 0 retired after it); unit 2's
-    # gradient 0.1-0.125, CPU 0.9-1.1; commits 0, 1 0.9-1.05 and 2 1.1-1.125 (h2d); unit 3 in
-    # 1.125-1.35, kernel 1.35-1.65, out 1.65-1.95, commit 1.95-2.025 -> 2.025 s; every unit on the CPU
-    # 2.125 s (0.05 + 2.0 + its last commit 0.075), on the device 2.25 s: `auto` takes the split
-    p = make_plan(ModelFacts.of_sizes(SHARDS),
-                  PlanConfig(offload=OffloadConfig(params="device", gradients="device", optimizer="host"),
-                             alignment=1, step=StepOptions(step_on="auto")),
-                  Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=rates))
+    # schedule], two staging sets, LINKS_16: the greedy split is the same) runs the device's units beside
+    # the CPU's: unit 0 in 0-0.15, kernel 0.15-0.35, out 0.35-0.5; unit 1's gradient 0-0.1, CPU 0.1-0.9
+    # (unit 0 retired after it), its commit 0.9-1.0; unit 2's gradient 0.15-0.175, CPU 0.9-1.1, its
+    # commit 1.1-1.125; unit 3 (issued at 1.1) in 1.125-1.35, kernel 1.35-1.65, out 1.65-1.875 -> 1.875 s;
+    # every unit on the CPU 2.125 s (0.05 + 2.0 + its last commit 0.075), on the device 1.9 s
+    p, cpu, dev = (cuda_plan(on, rates={**LINKS_16, "cpu_adamw_fp32_fp32": 0.5e4}) for on in ("auto", "cpu", "device"))
     assert p.rate_sources["cpu_adamw_fp32_fp32"] == "given" and "cpu_adam" not in p.rate_sources
     assert p.optimizer_step_on == ("device", "cpu", "cpu", "device")
-    assert p.predicted_step_s == pytest.approx(2.025)
+    assert p.predicted_step_s == pytest.approx(1.875)
+    assert cpu.predicted_step_s == pytest.approx(2.125) and dev.predicted_step_s == pytest.approx(1.9)
 
 
 def test_a_slower_device_rate_for_the_state_keeps_more_units_on_the_cpu():
@@ -331,3 +328,24 @@ def test_the_rate_keys_follow_the_rule_and_the_state_dtypes():
                        rates={"cpu_adam": 1e9, "cpu_adamw_bf16_int8": 1e4}))
     assert p.rate_sources["cpu_adamw_bf16_int8"] == "given" and "cpu_adam" not in p.rate_sources
     assert p.breakdown["optimizer"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("world_size, stage, in_place", [(1, 0, True), (2, 0, True), (2, 2, False), (2, 3, True)])
+def test_a_device_steps_new_shard_goes_home_in_place_or_by_the_commit(world_size, stage, in_place, monkeypatch):
+    """[Note: the new shard's way home], predict as the engine runs it (ParamStore.device_out): with the
+    parameters on the device and each home holding exactly the rank's shard (one rank, ZeRO-0, ZeRO-3)
+    the device step writes it in place: only the 12 B of state go out, no commit; at ZeRO-1/2 over
+    several ranks the 2 B shard goes out too and the commit brings it back (h2d), as after a CPU update."""
+    import zerotier.planner.predict as predict_module
+    from zerotier.planner.sizes import Sizes
+    works = []
+    monkeypatch.setattr(predict_module, "simulate", lambda w, shape: works.extend(w))
+    s = Sizes(numels=(64_000,), lp_bytes=2, grad_bytes=4, lookahead=0, stage=stage, world_size=world_size,
+              unit_order=(64_000,), unit_params=((64_000,),))
+    placement = {"params": Location.DEVICE, "gradients": Location.DEVICE, "optimizer": Location.HOST}
+    predict_module.predict(placement, s, "cuda", RATES, local_ranks=1, options=StepOptions(on_device=(True,)))
+    (w,) = works
+    n = s.held_shard(64_000, "optimizer")
+    assert w.device_step and w.stage_in_s == pytest.approx(12 * n / RATES["h2d"])
+    assert w.stage_out_s == pytest.approx((12 if in_place else 12 + 2) * n / RATES["d2h"])
+    assert w.copyback_s == (0 if in_place else pytest.approx(2 * n / RATES["h2d"]))

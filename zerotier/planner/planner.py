@@ -48,7 +48,7 @@ from .report import whole_shortfall
 from .sizes import (KINDS, Sizes, auto_split, bytes_for, check_sharding, model_state_bytes, rank_shards_in_order,
                     split_bytes, split_units, tier_holds)
 from .speculation_plan import fit_speculation, predict_step
-from .step_on import UpdateCosts, choose, cpu_rate_key, device_rate_key, staging_bytes_of
+from .step_on import UpdateCosts, choose, cpu_rate_key, device_rate_key, shard_in_place, staging_bytes_of
 
 
 def make_plan(model: ModelFacts, config: PlanConfig, node: Node) -> Plan:
@@ -261,17 +261,18 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
     rest) and the device has room for its staging; `device` without that room is refused ([Note: the
     device step's staging memory])."""
     homes = units_on or (placement["optimizer"],) * len(sizes.unit_order)
+    # the new params go through the set unless each unit's device home holds its shard (ParamStore.device_out):
+    # every unit replicated (one rank, stage 0) or stage 3's own shard; at stages 1-2 the shards are gathered
+    out_in_place = shard_in_place(HOMES[placement["params"]].on_device, sizes.world_size, sizes.stage)
     costs = UpdateCosts.of(rates, sizes.state.bytes_per_param, sizes.grad_bytes, sizes.lp_bytes, cuda=sizes.cuda,
                            grads_on_device=HOMES[placement["gradients"]].on_device,
-                           params_on_device=HOMES[placement["params"]].on_device, local_ranks=local,
+                           params_on_device=HOMES[placement["params"]].on_device,
+                           params_in_place=out_in_place, local_ranks=local,
                            cpu_key=cpu_rate_key(rates, sizes.rule, sizes.state),
                            device_key=device_rate_key(rates, sizes.rule, sizes.state))
     shards = rank_shards_in_order(sizes)
     # the engine stages a gradient in only from off the device of a CUDA run ([Note: device staging])
     grads_staged = sizes.cuda and not HOMES[placement["gradients"]].on_device
-    # the new params go through the set unless each unit's device home holds its shard (ParamStore.device_out):
-    # every unit replicated (one rank, stage 0) or stage 3's own shard; at stages 1-2 the shards are gathered
-    out_in_place = HOMES[placement["params"]].on_device and (sizes.world_size == 1 or sizes.stage in (0, 3))
     staging = staging_bytes_of(sizes.state_units, shards, 0 if out_in_place else sizes.lp_bytes,
                                sizes.grad_bytes if grads_staged else 0)
     chosen = choose(requested, homes, shards, costs, sizes.cuda, staging)

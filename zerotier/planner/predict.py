@@ -22,14 +22,15 @@ runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit
                            28 B/param at `device_adam`
   update on the device     a host/NVMe unit the planner steps on the device (StepOptions.on_device,
                            [Note: choosing where each update runs] in step_on.py): its state (and
-                           gradient, when off the device) staged in, the kernel, its state and new
-                           parameters staged out (into the parameter store's host output buffer,
-                           wherever the parameters live), `optimizer_staging`; with the parameters
-                           on a CUDA device, their commit copies them back (`params_copyback`)
+                           gradient, when off the device) staged in, the kernel, its state and,
+                           unless written in their device home in place, its new parameters staged
+                           out, `optimizer_staging`; a device home not written in place gets them
+                           back by the commit (`params_copyback`: [Note: the new shard's way home]
+                           in step_on.py)
   optimizer state on NVMe  each unit's state buffers read and written per step, as the store
                            allocates them (`Sizes.state_units`: 12 B/param for fp32 AdamW)
-  new parameters home      host->device copy when they live on a CUDA device (after a CPU update
-                           or a device step of host/NVMe state alike), an NVMe write when on NVMe;
+  new parameters home      host->device copy when they live on a CUDA device (after a CPU update,
+                           or a device step not written in place), an NVMe write when on NVMe;
                            none when the home is the optimizer's memory
   global norm (clipping)   one read of every gradient: host or CPU device at `mem_read`,
                            CUDA device gradients at 28 x device_adam bytes/s (its Adam's stream
@@ -56,7 +57,7 @@ from ..optim.device_staging import DeviceStaging
 from ..overlap import policy_for
 from ..overlap.speculative import undo_bytes
 from ..params import ParamStore
-from .step_on import UpdateCosts, cpu_rate_key, device_rate_key
+from .step_on import UpdateCosts, cpu_rate_key, device_rate_key, shard_in_place
 from .step_model import Schedule, StepShape, UnitWork, simulate
 from ..state import Location
 from ..tiers.homes import HOMES
@@ -154,8 +155,10 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
     works: list[UnitWork] = []
     norm_bytes = 0
     cpu_key, device_key = cpu_rate_key(rates, s.rule, s.state), device_rate_key(rates, s.rule, s.state)
+    in_place = shard_in_place(params_at.on_device, s.world_size, s.stage)
     staged = UpdateCosts.of(rates, s.state.bytes_per_param, s.grad_bytes, s.lp_bytes, cuda=cuda,
                             grads_on_device=grads_at.on_device, params_on_device=params_at.on_device,
+                            params_in_place=in_place,
                             local_ranks=local_ranks, cpu_key=cpu_key, device_key=device_key)
     for i, n in enumerate(numels):
         is_trainable = i < len(trainable)
@@ -204,8 +207,8 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             w["speculate"] = bool(speculated and speculated[i])
             if params_at.write_rate:
                 w["copyback_s"], w["copyback_on"] = secs(s.lp_bytes * o_shard * local_ranks, params_at.write_rate), "nvme"
-            elif cuda and not unit_opt.on_device and params_at.on_device:  # a device step's too: staged out first
-                w["copyback_s"] = secs(s.lp_bytes * o_shard, "h2d")
+            elif cuda and not unit_opt.on_device and params_at.on_device and not (device_step and in_place):
+                w["copyback_s"] = secs(s.lp_bytes * o_shard, "h2d")  # [Note: the new shard's way home]
         works.append(UnitWork(**w))
     if options.clip and grads_at.on_device and cuda:
         norm_s, norm_on = secs(norm_bytes / DEVICE_ADAM_BYTES, "device_adam"), "compute"

@@ -24,17 +24,21 @@ unit's shard (B: the state's bytes per parameter, `StateLayout.bytes_per_param`)
                                                bench` measured it, `cpu_<rule>_<master>_<moments>`,
                                                else the fp32 Adam rate `cpu_adam`: `cpu_rate_key`)
   device    in   (B + the gradient's bytes if the gradients are not on the device
-                  + the new parameters' bytes if they live on the device) / h2d
+                  + the new parameters' bytes if they come back to the device) / h2d
             kernel (2 B + the gradient's bytes) / device_adam   (state read and written, the
                                                gradient read: 28 B/param with fp32 Adam, the
                                                DEVICE_ADAM_BYTES of predict.py; the rate of the
                                                rule and dtypes, `device_<rule>_<master>_<moments>`,
                                                where measured, else `device_adam`: `device_rate_key`)
-            out  (B + the new parameters' bytes) / d2h
+            out  (B + the new parameters' bytes unless written in place) / d2h
 
-The new low-precision shard always goes out to the parameter store's host output buffer, and a
-device-resident parameter home gets it back by the commit's H2D copy (`params_copyback` in
-predict.py), as after a CPU update: the engine does not yet write a device home in place.
+[Note: the new shard's way home]
+Where the parameters' home is device memory holding exactly the unit's shard (one rank, ZeRO-0,
+or ZeRO-3's own shard: `shard_in_place`, ParamStore.device_out's rule), the device update writes
+the new shard there in place: nothing goes out or comes back, and the commit has nothing to copy.
+Elsewhere it goes out to the parameter store's host output buffer, and a device home (ZeRO-1/2
+over several ranks, gathered from there) gets it back by the commit's H2D copy, as after a CPU
+update (`params_copyback` in predict.py); a host or NVMe home is written from that buffer.
 
 The device side's time for units S is then max(in, kernel, out) x params(S), the pipeline's
 slowest stage, plus its fill: the other two stages of the largest unit of S. The CPU's is
@@ -116,6 +120,12 @@ def device_rate_key(rates: dict[str, float], rule, layout) -> str:
     return key if key in rates else "device_adam"
 
 
+def shard_in_place(params_on_device: bool, world_size: int, stage: int) -> bool:
+    """[Note: the new shard's way home] The device update writes each unit's new shard into its
+    parameters' home: device memory holding exactly this rank's shard (ParamStore.device_out)."""
+    return params_on_device and (world_size == 1 or stage in (0, 3))
+
+
 def staging_bytes_of(unit_state: Sequence[UnitBytes], shards: Sequence[int], lp_itemsize: int,
                      grad_itemsize: int) -> Callable[[Sequence[int]], int]:
     """[Note: the device step's staging memory] The device bytes the engine's staging takes for the
@@ -138,20 +148,24 @@ class UpdateCosts:
     device_kernel: float
     device_out: float
     in_bytes: float      # bytes per parameter staged in, and out; the kernel's bytes per parameter (the
-                         # device_in stage also carries the new shard's commit to a device home)
+                         # device_in stage also carries the new shard's commit back to a device home)
     out_bytes: float
     kernel_bytes: float
 
     @classmethod
     def of(cls, rates: dict[str, float], state_bytes: float, grad_bytes: int, lp_bytes: int, *, cuda: bool,
-           grads_on_device: bool, params_on_device: bool, local_ranks: int = 1,
+           grads_on_device: bool, params_on_device: bool, params_in_place: bool | None = None,
+           local_ranks: int = 1,
            cpu_key: str = "cpu_adam", device_key: str = "device_adam") -> "UpdateCosts":
         """From the node's rates (`cpu_key`, `device_key`: the update's rate keys, `cpu_rate_key` /
         `device_rate_key`); off CUDA the links are memory copies (`mem_copy`) and the device's
-        kernel runs on the CPU's cores (at `cpu_key`, the native kernel's rate: a bound)."""
+        kernel runs on the CPU's cores (at `cpu_key`, the native kernel's rate: a bound).
+        params_in_place: the update writes each new shard into its device home ([Note: the new shard's
+        way home]: `shard_in_place`; None: wherever the parameters are on the device, as at one rank)."""
+        in_place = params_on_device if params_in_place is None else params_in_place
         in_bytes = state_bytes + (0 if grads_on_device else grad_bytes)
-        out_bytes = state_bytes + lp_bytes  # the new shard goes out to the host output buffer wherever its home is,
-        home_bytes = lp_bytes if params_on_device and cuda else 0  # and comes back to a device home (commit)
+        out_bytes = state_bytes + (0 if in_place else lp_bytes)
+        home_bytes = lp_bytes if params_on_device and not in_place and cuda else 0  # the commit's copy back
         kernel_bytes = 2 * state_bytes + grad_bytes
         cpu = local_ranks / rates[cpu_key]
         link_in, link_out = ("h2d", "d2h") if cuda else ("mem_copy", "mem_copy")
