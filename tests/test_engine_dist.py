@@ -156,6 +156,37 @@ def test_updated_shards_waiting_for_the_gather_are_the_optimizers(monkeypatch, t
             assert peak <= term, (kind, tier, peak, term)
 
 
+def nvme_params_rank(rank, world_size, stage, nvme_dir):
+    """TinyGPT of 9 units (more than the plan's write-backs and fetches in flight), every unit's new
+    full flat gathered into one bucket; the run checks its peaks (ZEROTIER_CHECK_PLAN=1) and returns
+    the parameters' peak and term per tier."""
+    torch.manual_seed(0)
+    cfg = {"zero": {"stage": stage, "reduce_bucket_size": 4096}, "offload": PLACEMENTS["nvme"],
+           "tiers": {"nvme_path": nvme_dir}}
+    half = GLOBAL_BATCH // world_size
+    with zerotier.initialize(TinyGPT(vocab=64, dim=32, layers=8, heads=2, seq=16), cfg) as engine:
+        assert len(engine.units) > 2 * engine.cfg.prefetch.lookahead + 3
+        for x, y in global_batches():
+            engine.backward(engine(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]))
+            engine.step()
+        return {tier.name: (tier.component_peaks()["params"], engine.plan.needs["params"][tier.name])
+                for tier in (engine.host_pool, engine.store)}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_nvme_parameter_write_backs_of_a_gather_stay_within_the_plan(monkeypatch, tmp_path, stage):
+    """ZeRO-1/2 on 2 ranks, parameters on NVMe: each unit's gathered full flat is written home from a
+    pool block. Those writes were issued from the gather's completion without a limit, the blocks
+    taken at commit, so a bucket of every unit held every unit's block and second file at once: the
+    parameters went over their NVMe term (the plan counts lookahead + 2 write-backs in flight) and,
+    with more units than write-backs and fetches in flight, over their host term. Now the block is
+    taken when the gather lands and the writes in flight are bounded as a commit's are."""
+    monkeypatch.setenv("ZEROTIER_CHECK_PLAN", "1")
+    for rank_result in spawn(nvme_params_rank, 2, stage, str(tmp_path), timeout_s=300):
+        for tier, (peak, term) in rank_result.items():
+            assert 0 < peak <= term, (tier, peak, term)
+
+
 class Routed(torch.nn.Module):
     """A shared layer, three experts and a head; the caller picks the expert (rank-dependent
     routing, as an MoE router may do): expert 2 is used by no rank."""

@@ -426,22 +426,25 @@ class ParamStore(ParamSizing):
             prof.end(token, copy=None if home.checked_at_read else ticket)
 
     def _gather_commit(self, unit: Unit, out) -> None:
-        """ZeRO-1/2: all-gather every rank's new shard into the full flat at home."""
-        i, home = unit.index, self.slots[unit.index].home
-        shard = tensor_of(out)
+        """ZeRO-1/2: all-gather every rank's new shard into the full flat at home ([Note: a gather's write-back])."""
+        i, home, shard = unit.index, self.slots[unit.index].home, tensor_of(out)
         self._keep.append((out, None))
-        target, done = home.view(), None
-        if target is None:  # a file: gathered into a pool block, written home once the gather is done
-            full = self.host_pool.alloc(unit.numel * self.lp_dtype.itemsize, self.lp_dtype, unit.param_key)
+        target, done, full = home.view(), None, []
+        if target is None:  # a file: into a pool block taken when the gather lands (params_writes.py)
+            def land():
+                self.writes.make_room(i)
+                full.append(self.host_pool.alloc(unit.numel * self.lp_dtype.itemsize, self.lp_dtype, unit.param_key))
+                return full[0].tensor
 
             def write(_flat):
-                ticket = home.write_from(full)
-                self.host_pool.free(full, after=ticket)
+                ticket = home.write_from(full[0])
+                self.host_pool.free(full[0], after=ticket)
                 self.writes.record(i, ticket)
-            target, done = full.tensor, write
-        if shard.device.type != target.device.type:  # gather where the target lives
-            moved = self._temp(shard.numel(), on_device=target.device.type != "cpu")
-            copy = self.device_tier.copy_h2d if target.device.type != "cpu" else self.device_tier.copy_d2h
+            target, done = land, write
+        where = "cpu" if callable(target) else target.device.type
+        if shard.device.type != where:  # gather where the target lives
+            moved = self._temp(shard.numel(), on_device=where != "cpu")
+            copy = self.device_tier.copy_h2d if where != "cpu" else self.device_tier.copy_d2h
             copy(tensor_of(moved), shard).wait()
             self._keep.append((moved, None))
             shard = tensor_of(moved)

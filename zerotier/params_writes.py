@@ -11,6 +11,16 @@ gathered from every rank, which one rank cannot rebuild alone: there the fetch
 refuses and names load_checkpoint. So does it while a delayed update is pending
 (`Delayed.master_of`): that update moves the master past the weights the file must
 hold, and nothing keeps them ([Note: delayed update] in overlap/delayed.py).
+
+[Note: a gather's write-back]
+At ZeRO-1/2 over several ranks a file home is written from a pool block the unit's full flat
+is gathered into (ParamStore._gather_commit). The block is taken when the gather lands, not
+at commit (a bucket of every unit would hold every unit's block meanwhile), and only once at
+most `max_writes - 1` writes are in flight (`make_room`): so the blocks and the second files
+of the rewrites are at most `max_writes`, the largest units', as the plan counts them
+(ParamStore.host_staging_bytes, `_nvme_rewrites` in planner/sizes.py). The wait runs inside
+the gather's completion, which must not stop half-way (the rest of its bucket), so an older
+write's error is not raised there: it stays with its unit (`failed_write`) for its next fetch.
 """
 from __future__ import annotations
 
@@ -46,8 +56,22 @@ class WriteBacks:
                 break
             self.check([oldest])
 
+    def make_room(self, index: int) -> None:
+        """[Note: a gather's write-back] Wait for unit `index`'s earlier write and for the oldest until
+        fewer than `max_writes` are in flight; their errors stay with their units, raised at their fetch."""
+        while True:
+            with self._lock:
+                oldest = next(iter(self.tickets)) if len(self.tickets) >= self.max_writes else None
+                waiting = index if index in self.tickets else oldest
+            if waiting is None:
+                return
+            try:
+                self.check([waiting])
+            except Exception:  # noqa: BLE001 - recorded in failed_write by check(), raised at the unit's fetch
+                pass
+
     def record(self, index: int, ticket) -> None:
-        """Keep a write-back's ticket without bounding (issued from a gather's completion)."""
+        """Keep a write-back's ticket issued after make_room(index) (a gather's completion)."""
         with self._lock:
             self.tickets[index] = ticket
 

@@ -361,7 +361,9 @@ class ParamGatherer(_Bucketer):
     add(key, shard, partition, out_flat): `shard` is this rank's shard (partition.shard_numel
     elements); `out_flat` (contiguous, at least partition.numel elements) receives the
     gathered real elements; on_ready(key, out_flat) is called once they are there. `shard`
-    must stay unchanged and `out_flat` unread until then. A unit alone in its bucket whose
+    must stay unchanged and `out_flat` unread until then. `out_flat` may instead be a function
+    returning it, called when the gather lands (memory taken only then, not while the unit waits
+    for its bucket). A unit alone in its bucket whose
     `out_flat` has exactly `padded_numel` elements is gathered straight into it (no copies):
     allocate stage-3 gather buffers padded. Replicated units are copied (no communication).
     Shards and outputs are on one side: with `allocate_from(..., host_pool=)` both are host
@@ -376,12 +378,14 @@ class ParamGatherer(_Bucketer):
         self._pending_bytes = 0
 
     def add(self, key: Hashable, shard: torch.Tensor, partition: Partition, out_flat: torch.Tensor) -> None:
-        if shard.numel() != partition.shard_numel or out_flat.numel() < partition.numel:
+        if shard.numel() != partition.shard_numel:
             raise ValueError(f"ParamGatherer.add({key!r}): shard has {shard.numel()} elements (expected "
-                             f"{partition.shard_numel}), out_flat {out_flat.numel()} (expected >= {partition.numel})")
-        if not out_flat.is_contiguous():
-            raise ValueError(f"ParamGatherer.add({key!r}): out_flat must be contiguous")
+                             f"{partition.shard_numel})")
+        if not callable(out_flat):
+            self._check_out(key, partition, out_flat)
         with self._lock:
+            if callable(out_flat) and partition.replicated:
+                out_flat = self._check_out(key, partition, out_flat())
             if partition.replicated:
                 if out_flat.data_ptr() != shard.data_ptr():
                     out_flat.view(-1)[:partition.numel].copy_(shard.reshape(-1))
@@ -395,14 +399,21 @@ class ParamGatherer(_Bucketer):
             if self._pending_bytes >= self.bucket_bytes:
                 self.flush()
 
+    @staticmethod
+    def _check_out(key: Hashable, partition: Partition, out_flat: torch.Tensor) -> torch.Tensor:
+        if out_flat.numel() < partition.numel or not out_flat.is_contiguous():
+            raise ValueError(f"ParamGatherer.add({key!r}): out_flat must be contiguous with at least "
+                             f"{partition.numel} elements, has {out_flat.numel()}")
+        return out_flat
+
     def flush(self) -> None:
         with self._lock:
             if not self._pending:
                 return
             units, self._pending, self._pending_bytes = self._pending, [], 0
             key, shard, p, out = units[0]
-            if len(units) == 1 and out.numel() == p.padded_numel and out.dtype == shard.dtype \
-                    and shard.is_contiguous():
+            if len(units) == 1 and not callable(out) and out.numel() == p.padded_numel \
+                    and out.dtype == shard.dtype and shard.is_contiguous():
                 handle = self.comm.all_gather(out.view(-1), shard.view(-1), self.group)
                 self._launch(handle, lambda: self.on_ready(key, out))
                 return
@@ -417,6 +428,8 @@ class ParamGatherer(_Bucketer):
 
             def complete():
                 for (key, _, p, out), off, w in zip(units, offsets, widths):
+                    if callable(out):
+                        out = self._check_out(key, p, out())
                     unpack_rows(out.view(-1)[:p.numel], gathered[:, off:off + w], p.numel)
                     self.on_ready(key, out)
                 self._pool.give(buf)

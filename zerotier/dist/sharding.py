@@ -170,8 +170,9 @@ class Sharding:
 
     # ------------------------------------------------------------ parameters
 
-    def gather_params(self, unit: Unit, lp_shard: torch.Tensor, out_flat: torch.Tensor, done=None) -> None:
-        """Stages 1-2: all-gather the updated low-precision shard into the full flat `out_flat`."""
+    def gather_params(self, unit: Unit, lp_shard: torch.Tensor, out_flat, done=None) -> None:
+        """Stages 1-2: all-gather the updated low-precision shard into the full flat `out_flat` (or
+        a function returning it when the gather lands: ParamGatherer.add); then `done(out_flat)`."""
         self._keep.append(lp_shard)
         if done is not None:
             self._gather_done[unit.index] = done
