@@ -540,3 +540,23 @@ def test_predict_sizes_each_ranks_io_and_update_by_the_shard_the_stores_allocate
         assert w.grad_write_s == pytest.approx(4 * n / DEFAULT_RATES["nvme_write"], rel=1e-12)
         assert w.adam_s == pytest.approx(n / DEFAULT_RATES[cpu], rel=1e-12)
         assert w.copyback_s == pytest.approx(2 * n / DEFAULT_RATES["nvme_write"], rel=1e-12)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_over_several_ranks_the_schedule_has_no_per_unit_work_under_backward(world_size, monkeypatch):
+    """The overlap policies hand a unit to the optimizer thread during backward only at one rank
+    (overlap/base.py, early.py, speculative.py: `not sharding.active`): over several ranks predict's
+    shape has no early step and no state reads under backward (`StepShape.unit_final`)."""
+    import zerotier.planner.predict as predict_module
+    from zerotier.planner.predict import DEFAULT_RATES, StepOptions, predict
+    from zerotier.planner.sizes import Sizes
+    from zerotier.state import Location
+
+    shapes = []
+    monkeypatch.setattr(predict_module, "simulate", lambda w, shape: shapes.append(shape))
+    s = Sizes(numels=(4000, 4000), lp_bytes=2, grad_bytes=4, lookahead=0, stage=2, world_size=world_size,
+              unit_order=(4000, 4000), unit_params=((4000,), (4000,)))
+    placement = {"params": Location.DEVICE, "gradients": Location.HOST, "optimizer": Location.NVME}
+    predict(placement, s, "cuda", DEFAULT_RATES, local_ranks=1, options=StepOptions(early_step=True))
+    (shape,) = shapes
+    assert shape.unit_final == (world_size == 1) and shape.early_step == (world_size == 1)

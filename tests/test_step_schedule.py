@@ -330,3 +330,14 @@ def test_a_speculated_device_units_undo_copy_is_the_threads_host_copy():
              UnitWork(forward_s=1, backward_s=1, speculate=True, undo_s=2, restore_s=2, **DEVICE)]
     s = simulate(units, StepShape(speculative=True))
     assert s.step_s == 9.0 and s.busy["cpu"] == 2.0 + 1.0
+
+
+def test_over_several_ranks_no_state_read_starts_under_backward():
+    # B's units with `unit_final` off (Sharding.active: no policy sees a unit final during backward, so
+    # prefetch() never runs): backward ends at 11 as in B, then step() reads in unit order, one ahead:
+    # read0 11-13, read1 13-15; adam0 13-14, its write (issued at 14, before unit 1's read ahead of
+    # unit 2) 15-17, read2 17-19; adam1 15-16, write1 19-21; adam2 19-20, write2 21-23 -> 23 s (19 s
+    # with B's reads under backward)
+    assert simulate(STREAMED, StepShape(**B, unit_final=False)).step_s == 23.0
+    # nor does an early step run: the same 23 s
+    assert simulate(STREAMED, StepShape(**B, unit_final=False, early_step=True)).step_s == 23.0

@@ -46,7 +46,9 @@ Rates come from `zerotier bench` results saved on this node (`zerotier.bench.loa
 where present, else DEFAULT_RATES; the Plan records which (`rate_sources`). The CPU, its
 memory bus and the NVMe drive are shared by the ranks on one node (`ranks_per_node`): their
 per-rank time is the node's work over the node's rate; host<->device copies are per GPU.
-Collectives (several ranks) are not in the schedule.
+Collectives (several ranks) are not in the schedule; over several ranks no overlap policy sees a
+unit final during backward (overlap/base.py: `sharding.active`), so the schedule has no early
+step and no state read before step() there (`StepShape.unit_final`).
 """
 from __future__ import annotations
 
@@ -217,7 +219,8 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
         norm_on = "cpu" if cuda else "compute"
     shape = StepShape(lookahead=s.lookahead, pipeline_depth=s.pipeline_depth, accum_steps=options.accum_steps,
                       grad_writes=GradStore.nvme_writes_in_flight(), param_writes=ParamStore.writes_in_flight(s.lookahead),
-                      clip=options.clip, early_step=options.early_step and not options.dynamic_scale,
+                      clip=options.clip, unit_final=s.world_size == 1,  # overlap/base.py: not sharding.active
+                      early_step=options.early_step and not options.dynamic_scale and s.world_size == 1,
                       speculative=speculated is not None, rollback=rollback,
                       state_on_nvme=any(u.state_read_s for u in works), alignment=s.alignment,
                       norm_s=norm_s, norm_on=norm_on,

@@ -42,6 +42,8 @@ What waits for what (the engine's schedule, engine.py and the stores' Notes):
     thread; otherwise after backward (and, with clipping, after the global norm, a pass over
     every gradient: `norm_s`), units whose NVMe state reads were issued during backward
     first, in that order, then the others in unit order ([Note: NVMe optimizer pipeline]).
+    Over several ranks (`unit_final` off) no policy sees a unit final during backward (its reduced
+    shard lands at the end): no early step, no speculation, no state read before step().
   * with speculation, the updates under backward and their rollback: [Note: speculation in
     the schedule] below.
   * NVMe optimizer state goes through `pipeline_depth` packed staging sets ([Note: the pipeline
@@ -172,6 +174,8 @@ class StepShape:
     streamed: bool = False       # parameters fetched per use (off the device, or ZeRO-3)
     cpu_device: bool = False     # h2d / d2h copies take compute's cores ([Note: a CPU device's copies take its cores])
     device_sets: int = 2         # DeviceStaging.SETS: device units in flight ([Note: the device step in the schedule])
+    unit_final: bool = True      # the last backward hands each final unit to the overlap policy (prefetch,
+                                 # early step, speculation); not over several ranks (Sharding.active)
 
 
 @dataclass
@@ -265,11 +269,11 @@ def _optimizer(g: TaskGraph, units: list[UnitWork], shape: StepShape, grad_final
         up.pipe.drop_reads()
         up.run(trainable, early=False, gate=after, restore=set(ahead))
         return up.waits
-    early = shape.early_step and not shape.clip
+    early = shape.early_step and not shape.clip and shape.unit_final
     if early:  # each unit its own step([unit]) as its gradient is final; nothing prefetched
         up.run(list(final_order), early=True, gate=None)
         return up.waits
-    for i in final_order:  # prefetch(unit) as each gradient becomes final, where it fits
+    for i in final_order if shape.unit_final else ():  # prefetch(unit) as each is final, where it fits
         up.pipe.prefetch(i, grad_final[i])
     up.run(up.pipe.read_order(trainable), early=False, gate=gate)  # reads issued during backward first
     return up.waits
@@ -448,8 +452,8 @@ def simulate(units: list[UnitWork], shape: StepShape, steps: int = 2) -> Schedul
         backward_end = g.add("backward", None, 0.0, [prev] + list(grad_final.values()))
         waits = _optimizer(g, units, shape, grad_final, final_order, backward_end, home_write, last_final)
         prefetched = [i for i in final_order if on_nvme(units[i], shape)]
-        if not (shape.early_step and not shape.clip) or shape.speculative:  # prefetch() ran: its hint
-            last_final = prefetched[-1] if prefetched else None
+        if shape.unit_final and (not (shape.early_step and not shape.clip) or shape.speculative):
+            last_final = prefetched[-1] if prefetched else None  # prefetch() ran: its hint
         step_end = g.add("step", None, 0.0, [backward_end] + waits)
         ends.append(step_end)
     start, end, why = g.run()
