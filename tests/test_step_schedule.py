@@ -341,3 +341,18 @@ def test_over_several_ranks_no_state_read_starts_under_backward():
     assert simulate(STREAMED, StepShape(**B, unit_final=False)).step_s == 23.0
     # nor does an early step run: the same 23 s
     assert simulate(STREAMED, StepShape(**B, unit_final=False, early_step=True)).step_s == 23.0
+
+
+def test_a_retired_device_units_commit_goes_before_the_cpu_commits_it_held():
+    # one staging set, no parameter write-back left in flight (param_writes=0: before each unit the
+    # thread waits for the newest); NVMe parameter homes. Unit 0 on the device (in 1 s, kernel 1 s, out
+    # 1 s, its write-back 1 s), unit 1 on the CPU (1 s, write-back 2 s), unit 2 on the device. Forward
+    # 0-3, backward 3-6. Unit 0 in 6-7, kernel 7-8, out 8-9; unit 1 on the CPU 6-7, its commit held.
+    # Unit 2 needs the set: the thread retires unit 0 at 9; the write-backs go in unit order, unit 0's
+    # 9-10, then unit 1's 10-12, the newest, which unit 2 waits for: in 12-13, kernel 13-14, out 14-15
+    # -> 15 s (13 s if unit 1's had gone first and unit 2 waited for unit 0's)
+    nvme = dict(copyback_on="nvme")
+    units = [UnitWork(forward_s=1, backward_s=1, copyback_s=1, **nvme, **DEVICE),
+             UnitWork(forward_s=1, backward_s=1, adam_s=1, copyback_s=2, **nvme),
+             UnitWork(forward_s=1, backward_s=1, **DEVICE)]
+    assert simulate(units, StepShape(device_sets=1, param_writes=0)).step_s == 15.0
