@@ -340,3 +340,39 @@ def test_a_split_step_on_cuda_equals_the_cpu_step(tmp_path, monkeypatch, optimiz
             assert split_state[key][1] == steps
             assert_close({k: v.view(torch.float32) for k, v in split_state[key][0].items()},
                          {k: v.view(torch.float32) for k, v in state.items()})
+
+
+def test_a_gradient_block_a_device_copy_reads_is_given_back_only_once_that_copy_is_done():
+    """[Note: device gradients, host optimizer] under [Note: the asynchronous device step]: a unit
+    updated on the device copies its staged gradient block H2D and the thread does not wait; the block
+    goes back to the pool (where the next unit's read may take it) only after that copy is done."""
+    from types import SimpleNamespace
+
+    from zerotier.optim.grad_staging import StagedGrads
+    from zerotier.tiers import HostPool
+    from zerotier.tiers.device import DeviceTier
+
+    class Copy:  # a device copy still running until the test lets it finish
+        def __init__(self):
+            self.finished = False
+
+        def done(self):
+            return self.finished
+
+        def wait(self, timeout=None):
+            self.finished = True
+            return 0
+
+    units = [SimpleNamespace(index=i, key=f"u{i}") for i in range(3)]
+    grads = {u.index: torch.full((1000,), float(u.index)) for u in units}
+    pool = HostPool(1 << 20, pin=False)
+    freed = []
+    free = pool.free
+    pool.free = lambda block, *a, **k: (freed.append((block.what, copy.finished)), free(block, *a, **k))[1]
+    staged = StagedGrads(units, lambda u: grads[u.index], DeviceTier(1 << 20, "cpu"), pool)
+    assert torch.equal(staged(units[0]), grads[0])
+    copy = Copy()
+    staged.read_by(units[0], copy)
+    assert torch.equal(staged(units[1]), grads[1])  # unit 0's block goes back: after its copy
+    assert freed == [("u0.grad staging", True)]
+    staged.close()

@@ -97,9 +97,11 @@ class DeviceStaging:
         dev_out = None if out is None else self._buffer(bufs, "out", out.numel(), out.dtype)
         if dev_out is not None and not writes_all:
             inbound.append((unit.param_key, "param", dev_out, out))
-        for ticket in self._copies(unit, inbound, "host", "device", "optimizer-read", tier.copy_h2d):
+        tickets = self._copies(unit, inbound, "host", "device", "optimizer-read", tier.copy_h2d)
+        for ticket in tickets:
             tier.join(ticket)
-        return Staged(self, turn, unit, raw, out, staged, grad, dev_out)
+        grad_ticket = next((t for (_, role, _, _), t in zip(inbound, tickets) if role == "grad"), None)
+        return Staged(self, turn, unit, raw, out, staged, grad, dev_out, grad_ticket)
 
     def _copies(self, unit: Unit, pairs: list, src: str, dst: str, reason: str, copy) -> list:
         """Issue `copy(dst, src)` for each (name, role, dst tensor, src tensor), profiled as transfers of
@@ -135,13 +137,14 @@ class DeviceStaging:
 
 class Staged:
     """One unit's state on a staging set: `raw` (key -> device uint8 view), `grad` and `out` (device
-    views) for the update; `stage_out()` after it ([Note: device staging])."""
+    views) for the update; `stage_out()` after it ([Note: device staging]). `grad_ticket`: the copy of a
+    gradient staged in from host memory (None where the update reads it on the device)."""
 
     def __init__(self, staging: DeviceStaging, turn: int, unit: Unit, host_raw: dict, host_out, raw: dict,
-                 grad: torch.Tensor, out: "torch.Tensor | None"):
+                 grad: torch.Tensor, out: "torch.Tensor | None", grad_ticket=None):
         self._staging, self._turn, self._unit = staging, turn, unit
         self._host_raw, self._host_out = host_raw, host_out
-        self.raw, self.grad, self.out = raw, grad, out
+        self.raw, self.grad, self.out, self.grad_ticket = raw, grad, out, grad_ticket
 
     def stage_out(self) -> list:
         """Issue the D2H copies of the state and the output after the update (on the compute stream);

@@ -8,7 +8,11 @@ next unit's copy runs under this unit's update, and the update waits on that cop
 only. Gradients on NVMe (`grad_of` returns a `grads_nvme.GradFile`: [Note: gradients on
 NVMe] in grads_nvme.py) are read the same way, by the gradient store into the block
 (`read_into`), whatever the optimizer's tier. At most two staging blocks are alive
-(`StagedGrads.staging_bytes`, counted by the planner).
+(`StagedGrads.staging_bytes`, counted by the planner). A unit updated on the device copies its
+block H2D and the optimizer thread does not wait for that copy ([Note: the asynchronous device
+step] in offload.py): `read_by(unit, ticket)` names it, and the block is given back only once that
+copy is done (waited when the next unit is asked for: by then it has normally run), so the next
+read into the block cannot overwrite bytes the copy has not read yet.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ class StagedGrads:
         self._grad_of, self._device_tier, self._host_pool = grad_of, device_tier, host_pool
         self._profiler = profiler
         self._staged: dict[int, tuple] = {}  # unit index -> (pool block, copy or read ticket)
+        self._readers: dict[int, object] = {}  # unit index -> the device copy reading its block (read_by)
         self._current: int | None = None
 
     def _issue(self, unit: Unit) -> None:
@@ -61,8 +66,8 @@ class StagedGrads:
         self._staged[unit.index] = (block, ticket)
 
     def __call__(self, unit: Unit) -> torch.Tensor:
-        if self._current is not None:  # the previous unit's Adam is done with its block
-            self._host_pool.free(self._staged.pop(self._current)[0])
+        if self._current is not None:  # the previous unit's update is done with its block
+            self._give_back(self._current)
         self._issue(unit)
         nxt = self._next.get(unit.index)
         if nxt is not None:
@@ -74,13 +79,29 @@ class StagedGrads:
             ticket.record(self._profiler)
         return block.tensor
 
+    def read_by(self, unit: Unit, ticket) -> None:
+        """A device copy reads `unit`'s block: the block is kept until `ticket` is done."""
+        self._readers[unit.index] = ticket
+
+    def _give_back(self, index: int) -> None:
+        block = self._staged.pop(index)[0]
+        reader = self._readers.pop(index, None)
+        try:
+            if reader is not None:
+                reader.wait()
+        finally:
+            self._host_pool.free(block)
+
     def close(self) -> None:
         """Wait for the copies and reads still in flight and give their blocks back; an error of one
         no unit asked for is dropped (the next step reads afresh)."""
-        for block, ticket in self._staged.values():
-            try:
-                ticket.wait()
-            except Exception:  # noqa: BLE001 - see the docstring
-                pass
+        for index, (block, ticket) in self._staged.items():
+            for waited in (ticket, self._readers.get(index)):
+                try:
+                    if waited is not None:
+                        waited.wait()
+                except Exception:  # noqa: BLE001 - see the docstring
+                    pass
             self._host_pool.free(block)
         self._staged.clear()
+        self._readers.clear()

@@ -91,6 +91,7 @@ class UnitOptimizer:
                                             staging_tier or device_tier, profiler) if staged else None
         self._got: dict[int, frozenset[int] | None] = {}  # step(): parameters with a gradient, by unit
         self._keep_grads = False  # step(): the gradients are read after the update (not consumed)
+        self._staged_grads: StagedGrads | None = None  # step(): the gradients it stages into host blocks
         self.applied = 0  # unit updates begun so far (the engine tells a clean failure from a partial one)
 
     @owned(UPDATER)
@@ -149,16 +150,18 @@ class UnitOptimizer:
         # a unit updated on the device reads a gradient tensor where it is ([Note: device staging])
         direct = self._device_staged if isinstance(first, torch.Tensor) else frozenset()
         host_order = [u for u in order if u.index not in direct]
-        staged = None
+        staged = self._staged_grads = None
         if host_order and (not isinstance(first, torch.Tensor)  # a GradFile
                            or self.device.type == "cpu" and first.device.type == "cuda"):
-            staged = StagedGrads(host_order, grad_of, self.device_tier, self.host_pool, self.profiler)
+            staged = self._staged_grads = StagedGrads(host_order, grad_of, self.device_tier, self.host_pool,
+                                                      self.profiler)
             grad_of = (lambda u, read=grad_of: read(u) if u.index in direct else staged(u)) if direct else staged
         try:
             yield from self._step(order, grad_of, out_of, hypers, grad_scale, drain, device_out_of)
         finally:
             if staged is not None:
                 staged.close()
+            self._staged_grads = None
 
     def _step(self, order, grad_of, out_of, hypers: HyperTable, grad_scale: float, drain: bool,
               device_out_of) -> Iterator[Unit]:
@@ -237,6 +240,8 @@ class UnitOptimizer:
             self._update_here(unit, raw, grad, out, hypers, grad_scale, got, steps, whole)
             return None
         staged = self.device_staging.stage_in(unit, raw, grad, None if in_place else out, writes_all=whole)
+        if staged.grad_ticket is not None and self._staged_grads is not None:  # its block outlives the call
+            self._staged_grads.read_by(unit, staged.grad_ticket)
         self._update_here(unit, staged.raw, staged.grad, out if in_place else staged.out, hypers, grad_scale, got,
                           steps, whole)
         return staged.stage_out()
