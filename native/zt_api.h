@@ -25,8 +25,9 @@
 enum ZtDtype { ZT_F32 = 0, ZT_BF16 = 1, ZT_F16 = 2, ZT_Q8 = 3, ZT_NONE = -1 };
 #define ZT_QUANT_BLOCK 256  // QUANT_BLOCK in zerotier/optim/_kernels.py
 
-// SIMD levels, ordered: a higher level implies the lower ones are usable too.
-enum ZtSimd { ZT_SIMD_AUTO = -1, ZT_SIMD_SCALAR = 0, ZT_SIMD_AVX2 = 1, ZT_SIMD_AVX512 = 2 };
+// SIMD levels, ordered: a higher level implies the lower ones are usable too. AVX512_VBMI:
+// AVX-512 with byte permutes (Ice Lake, AMD Zen 4 and later), for 8-bit moments.
+enum ZtSimd { ZT_SIMD_AUTO = -1, ZT_SIMD_SCALAR = 0, ZT_SIMD_AVX2 = 1, ZT_SIMD_AVX512 = 2, ZT_SIMD_AVX512_VBMI = 3 };
 
 // Failure values of integer-returning exports, mirrored in zerotier/_native.py. The two
 // generic ones lie outside -errno's range (-4095..-1), which the I/O library returns as

@@ -123,7 +123,7 @@ class OptimizerConfig(_Section):
     no_weight_decay: tuple[str, ...] = ()      # parameter-name globs exempt from weight decay ("*.bias")
     bias_correction: bool = True
     threads: int | Literal["auto"] = "auto"    # CPU Adam threads; auto = physical cores
-    simd: Literal["auto", "avx512", "avx2", "scalar"] = "auto"
+    simd: Literal["auto", "avx512vbmi", "avx512", "avx2", "scalar"] = "auto"
     pipeline_depth: int = 3                    # NVMe optimizer staging sets (reads ahead = depth - 2)
     # where a host/NVMe unit's update runs ([Note: where the update runs] in planner/step_on.py):
     # cpu = the native CPU kernel; device = staged to the device and updated there; auto = the planner's

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import zerotier
 
 # CPU features the native Adam kernels and bf16/fp16 conversions can use.
-SIMD_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "fma", "f16c")
+SIMD_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vbmi", "avx512_bf16", "fma", "f16c")
 
 
 def collect(nvme_path: str | os.PathLike[str] = ".") -> dict[str, Any]:

@@ -8,12 +8,13 @@
 // moments fp32, bf16 (round to nearest even) or uint8 codes with one fp32 absmax per
 // QUANT_BLOCK elements.
 //
-// Three kernels compute the same math bit for bit: a scalar reference loop (the oracle
+// Four kernels compute the same math bit for bit: a scalar reference loop (the oracle
 // the SIMD paths are tested against, itself equal to adam_step_reference in Python),
-// AVX2+FMA+F16C and AVX-512 (F/BW/VL). The SIMD kernel is written once
-// (cpu/adam_simd.inc) over each ISA's vector helpers and compiled per ISA with a target
-// pragma, so the library itself needs only baseline x86-64 and picks a kernel at run
-// time (zt_cpu_simd_supported).
+// AVX2+FMA+F16C, AVX-512 (F/BW/VL, cpu/avx512_lanes.inc) and AVX-512 with VBMI (the same
+// lanes, 8-bit moments by byte permutes: cpu/vbmi_tables.inc). The SIMD kernel is written
+// once (cpu/adam_simd.inc) over each ISA's vector helpers and compiled per ISA with a
+// target pragma, so the library itself needs only baseline x86-64 and picks a kernel at
+// run time (zt_cpu_simd_supported).
 //
 // [Note: one rounding per operation] Every fp32 operation rounds once, in every kernel
 // and in the Python reference: no fused multiply-add (setup.py compiles with
@@ -314,11 +315,16 @@ inline float block_scale(float absmax) { return absmax > 0.0f ? absmax : 1.0f; }
 constexpr int32_t kQMargin = 8;
 constexpr int32_t kQMaxBuckets = 1 << 14;  // per sign
 
+// One 8-bit moment's tables: the bucket index of its midpoints and, for the kernels with
+// byte permutes, [Note: byte-permute tables] (cpu/vbmi_tables.inc).
 struct QIndex {
-  float mid[255];  // the midpoints it indexes (the cache's key)
+  float map[256], mid[255];  // the map and midpoints it indexes (the cache's key)
   int32_t lo = 0, hi = 0, shift = 0, mask = 0, nb = 0;  // nb: buckets per sign, the last one for >= hi
   bool recip = false;  // laid out for x * (1/scale): no threshold within kQMargin of an edge
   std::vector<int32_t> entries;  // [sign][bucket]: count << 24 | has threshold << 23 | threshold key
+  bool keys16 = false;  // the midpoints' 16-bit keys rise strictly: `levels` can be searched
+  int16_t levels[8][128];  // level L: the 16-bit keys of mid[j * 2^(8-L) + 2^(7-L) - 1], j < 2^L
+  uint8_t map_planes[4][256], mid_planes[4][256];  // byte k of map[i] / of mid[i] (mid[255] = inf)
 };
 
 inline uint32_t f32_bits(float f) {
@@ -389,10 +395,40 @@ bool qindex_layout(QIndex& q, const int32_t* mag, const bool* neg, int shift, in
   return true;
 }
 
+// x's 16-bit key: the top half of its bits made to order like x (a signed int16 compare),
+// the magnitude bits flipped for x < 0.
+inline int16_t key16(float x) {
+  int32_t u = (int32_t)f32_bits(x);
+  return (int16_t)((u ^ ((u >> 31) & 0x7fffffff)) >> 16);
+}
+
+// byte k of table[i] into planes[k][i]: what a byte permute reads a 256-entry fp32 table from.
+void byte_planes(const float* table, uint8_t (*planes)[256]) {
+  for (int i = 0; i < 256; ++i)
+    for (int k = 0; k < 4; ++k) planes[k][i] = (uint8_t)(f32_bits(table[i]) >> (8 * k));
+}
+
+// The midpoints' tables of [Note: byte-permute tables]: their byte planes and, when their
+// 16-bit keys rise strictly (at most one midpoint per key), the levels of the binary search
+// over them. Midpoints already checked sorted, finite and nonzero.
+void qindex_search_tables(QIndex& q) {
+  float mid[256];
+  memcpy(mid, q.mid, sizeof q.mid);
+  mid[255] = INFINITY;  // above every x the codes are taken of (finite)
+  byte_planes(mid, q.mid_planes);
+  q.keys16 = true;
+  for (int k = 1; k < 255; ++k) q.keys16 = q.keys16 && key16(mid[k - 1]) < key16(mid[k]);
+  memset(q.levels, 0, sizeof q.levels);
+  for (int L = 0; L < 8; ++L)
+    for (int j = 0; j < (1 << L); ++j) q.levels[L][j] = key16(mid[j * (1 << (8 - L)) + (1 << (7 - L)) - 1]);
+}
+
 // Builds the index of 255 sorted midpoints; q.entries stays empty (the kernels then run the
 // binary search) for tables it cannot index: unsorted, NaN, a zero or infinite midpoint.
-void qindex_build(QIndex& q, const float* mid) {
+void qindex_build(QIndex& q, const float* map, const float* mid) {
+  memcpy(q.map, map, sizeof q.map);
   memcpy(q.mid, mid, sizeof q.mid);
+  byte_planes(q.map, q.map_planes);
   int32_t mag[255];
   bool neg[255];
   int32_t tmin = 0x7f800000;
@@ -403,6 +439,7 @@ void qindex_build(QIndex& q, const float* mid) {
     neg[k] = u >> 31;
     tmin = std::min(tmin, mag[k]);
   }
+  qindex_search_tables(q);
   // Largest buckets first; for each size, bucket 0 starts up to one bucket below the
   // smallest threshold (in sixteenths), until no threshold is near an edge.
   bool found = false;
@@ -425,14 +462,15 @@ void qindex_build(QIndex& q, const float* mid) {
   if (!ok) q.entries.clear();
 }
 
-// The index of `mid` (255 midpoints), built once per thread and table: the kernels read
-// it; nullptr-free, but with empty entries where the table cannot be indexed.
-std::shared_ptr<const QIndex> qindex_for(const float* mid) {
+// The tables of `map` (256 values) and its `mid` (255 midpoints), built once per thread and
+// pair: the kernels read them; nullptr-free, but with empty entries (and no keys16) where the
+// midpoints cannot be indexed.
+std::shared_ptr<const QIndex> qindex_for(const float* map, const float* mid) {
   thread_local std::vector<std::shared_ptr<const QIndex>> cache;  // no lock: one per calling thread
   for (const auto& q : cache)
-    if (memcmp(q->mid, mid, sizeof q->mid) == 0) return q;
+    if (memcmp(q->mid, mid, sizeof q->mid) == 0 && memcmp(q->map, map, sizeof q->map) == 0) return q;
   auto q = std::make_shared<QIndex>();
-  qindex_build(*q, mid);
+  qindex_build(*q, map, mid);
   if (cache.size() >= 8) cache.erase(cache.begin());
   cache.push_back(q);
   return q;
@@ -498,6 +536,13 @@ int64_t adam_scalar(const ZtAdamArgs& a, const Coef& c, int64_t begin, int64_t e
     x = P##_mullo_epi32(x, P##_set1_epi32((int)0xc2b2ae35u));                                                 \
     return P##_xor_##S(x, P##_srli_epi32(x, 16));                                                             \
   }
+
+// The ISAs without byte permutes read an 8-bit moment per vector (vdequant) and find its codes
+// by the bucket index alone ([Note: 8-bit code search]); cpu/vbmi_tables.inc defines these for real.
+#define ZT_NO_BYTE_TABLES                                                                                     \
+  constexpr bool kByteTables = false;                                                                         \
+  inline void vdequant_block(const uint8_t*, int64_t, const QIndex&, F, float*) {}                            \
+  inline int64_t vcodes_exact(const float*, int64_t, uint8_t*, float, const QIndex&) { return 0; }
 
 // ---- AVX2 + FMA + F16C: 8 lanes ------------------------------------------------
 #pragma GCC push_options
@@ -614,6 +659,7 @@ inline F vsign(F x) {
   return _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_GT_OQ), _mm256_set1_ps(1.0f)),
                       _mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_LT_OQ), _mm256_set1_ps(-1.0f)));
 }
+ZT_NO_BYTE_TABLES
 #include "cpu/adam_simd.inc"
 #include "cpu/lion_simd.inc"
 }  // namespace
@@ -625,107 +671,37 @@ inline F vsign(F x) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 namespace avx512 {
 namespace {
-constexpr int W = 16;
-using F = __m512;
-ZT_LANE_ARITHMETIC(_mm512)
-inline F vload_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline F vload_grad(const void* g, int dt, int64_t i) {
-  if (dt == ZT_BF16) return vload_bf16((const uint16_t*)g + i);
-  if (dt == ZT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)g + i)));
-  return _mm512_loadu_ps((const float*)g + i);
-}
-using Count = int64_t;  // a compare yields a mask register: popcount it
-inline Count vcount_zero() { return 0; }
-inline Count vcount_nonfinite(Count acc, F g) {
-  return acc + __builtin_popcount(_mm512_cmp_ps_mask(_mm512_abs_ps(g), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ));
-}
-inline int64_t vcount_sum(Count acc) { return acc; }
-inline void vstore_bf16(uint16_t* dst, F p) {
-  __m512i u = _mm512_castps_si512(p);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  __mmask16 isnan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, isnan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(r));
-}
-ZT_FMIX32(__m512i, _mm512, si512)
-inline void vstore_bf16_sr(uint16_t* dst, F p, uint64_t counter) {
-  __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)counter),
-                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  __m512i r = _mm512_srli_epi32(vfmix32(_mm512_xor_si512(lo, _mm512_set1_epi32((int)sr_key(counter)))), 16);
-  __m512i u = _mm512_castps_si512(p);
-  __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
-  __mmask16 isnan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
-  h = _mm512_mask_or_epi32(h, isnan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(h));
-}
-inline void vstore_f16(uint16_t* dst, F p) {
-  _mm256_storeu_si256((__m256i*)dst, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
-}
-inline F vdequant(const uint8_t* codes, const float* map, F absmax) {
-  __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)codes));
-  return _mm512_mul_ps(_mm512_i32gather_ps(idx, map, 4), absmax);
-}
-ZT_QLOOKUP(__m512i, _mm512)
-// The AVX2 vcodes with 16 lanes and mask registers; the table is read by a gather (fast on
-// the Intel CPUs that have AVX-512).
-template <bool CHECK>
-inline bool vcodes(uint8_t* codes, F xn, const QLookup& t) {
-  __m512i u = _mm512_castps_si512(xn);
-  __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
-  __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-  __m512i r = _mm512_sub_epi32(_mm512_min_epi32(_mm512_max_epi32(a, t.lo), t.hi), t.lo);
-  __m512i b = _mm512_srl_epi32(r, t.shift);
-  __m512i idx = _mm512_mask_add_epi32(b, neg, b, t.nb);
-  __m512i e = _mm512_i32gather_epi32(idx, t.entries, 4);
-  __m512i low = _mm512_and_si512(r, t.mask);
-  __m512i key = _mm512_mask_xor_epi32(low, neg, low, t.mask);
-  __m512i thr = _mm512_and_si512(e, t.mask);
-  if (CHECK) {
-    __mmask16 near = _mm512_cmpgt_epi32_mask(t.margin, _mm512_abs_epi32(_mm512_sub_epi32(key, thr)));
-    if (near & _mm512_test_epi32_mask(e, _mm512_set1_epi32(1 << 23))) return false;
-  }
-  __m512i count = _mm512_srli_epi32(e, 24);
-  __m512i code = _mm512_mask_add_epi32(count, _mm512_cmpgt_epi32_mask(key, thr), count, _mm512_set1_epi32(1));
-  code = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(xn, xn, _CMP_ORD_Q), code);  // NaN: code 0
-  _mm_storeu_si128((__m128i*)codes, _mm512_cvtepi32_epi8(code));
-  return true;
-}
-inline float vabsmax(const float* x, int64_t len) {
-  F mx = _mm512_setzero_ps();
-  __mmask16 nan = 0;
-  int64_t j = 0;
-  for (; j + W <= len; j += W) {
-    F ax = _mm512_abs_ps(_mm512_loadu_ps(x + j));
-    nan |= _mm512_cmp_ps_mask(ax, ax, _CMP_UNORD_Q);
-    mx = _mm512_max_ps(mx, ax);
-  }
-  float tail = absmax_scalar(x + j, len - j);
-  if (nan || tail != tail) return NAN;
-  return std::max(tail, _mm512_reduce_max_ps(mx));
-}
-// lion_sign() per lane: +1, -1, or 0 (for +-0 and NaN).
-inline F vsign(F x) {
-  const F zero = _mm512_setzero_ps();
-  F r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
-  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
-}
+#include "cpu/avx512_lanes.inc"
+ZT_NO_BYTE_TABLES
 #include "cpu/adam_simd.inc"
 #include "cpu/lion_simd.inc"
 }  // namespace
 }  // namespace avx512
 #pragma GCC pop_options
+
+// ---- AVX-512 + VBMI: the same 16 lanes, 8-bit moments by byte permutes -----------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")
+namespace avx512vbmi {
+namespace {
+#include "cpu/avx512_lanes.inc"
+#include "cpu/vbmi_tables.inc"
+#include "cpu/adam_simd.inc"
+#include "cpu/lion_simd.inc"
+}  // namespace
+}  // namespace avx512vbmi
+#pragma GCC pop_options
 #undef ZT_LANE_ARITHMETIC
 #undef ZT_QLOOKUP
 #undef ZT_FMIX32
+#undef ZT_NO_BYTE_TABLES
 #endif  // ZT_X86
 
 namespace {
 
 Kernel pick_kernel(const ZtAdamArgs& a, int simd) {
 #ifdef ZT_X86
+  if (simd >= ZT_SIMD_AVX512_VBMI) return avx512vbmi::pick(a);
   if (simd >= ZT_SIMD_AVX512) return avx512::pick(a);
   if (simd >= ZT_SIMD_AVX2) return avx2::pick(a);
 #endif
@@ -734,6 +710,7 @@ Kernel pick_kernel(const ZtAdamArgs& a, int simd) {
 
 LionKernel pick_lion_kernel(const ZtLionArgs& a, int simd) {
 #ifdef ZT_X86
+  if (simd >= ZT_SIMD_AVX512_VBMI) return avx512vbmi::pick_lion(a);
   if (simd >= ZT_SIMD_AVX512) return avx512::pick_lion(a);
   if (simd >= ZT_SIMD_AVX2) return avx2::pick_lion(a);
 #endif
@@ -861,11 +838,11 @@ int64_t adam_step_multi(const ZtAdamArgs* args, int64_t count) {
                                            std::vector<std::shared_ptr<const QIndex>>& qindexes) {
     coefs.push_back(make_coef(a));
     if (a.exp_avg_dtype == ZT_Q8) {
-      qindexes.push_back(qindex_for(coefs.back().mid_m));
+      qindexes.push_back(qindex_for(coefs.back().map_m, coefs.back().mid_m));
       coefs.back().qi_m = qindexes.back().get();
     }
     if (a.exp_avg_sq_dtype == ZT_Q8) {
-      qindexes.push_back(qindex_for(coefs.back().mid_v));
+      qindexes.push_back(qindex_for(coefs.back().map_v, coefs.back().mid_v));
       coefs.back().qi_v = qindexes.back().get();
     }
     return pick_kernel(a, simd);
@@ -896,7 +873,7 @@ int64_t lion_step_multi(const ZtLionArgs* args, int64_t count) {
                                                std::vector<std::shared_ptr<const QIndex>>& qindexes) {
     coefs.push_back(make_lion_coef(a));
     if (a.exp_avg_dtype == ZT_Q8) {
-      qindexes.push_back(qindex_for(coefs.back().mid_m));
+      qindexes.push_back(qindex_for(coefs.back().map_m, coefs.back().mid_m));
       coefs.back().qi_m = qindexes.back().get();
     }
     return pick_lion_kernel(a, simd);

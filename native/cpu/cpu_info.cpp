@@ -6,7 +6,7 @@ ZT_API int zt_cpu_simd_supported(void) noexcept {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl"))
-    return ZT_SIMD_AVX512;
+    return __builtin_cpu_supports("avx512vbmi") ? ZT_SIMD_AVX512_VBMI : ZT_SIMD_AVX512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return ZT_SIMD_AVX2;
   return ZT_SIMD_SCALAR;
@@ -18,4 +18,5 @@ ZT_API int zt_cpu_simd_supported(void) noexcept {
 //    removed; zt_cpu_last_error and zt_adam_args_size added.
 // 3: ZtAdamArgs: `param` is `master` (fp32 or bf16); state dtypes, block scales, the
 //    quantization maps and the stochastic-rounding seed appended.
-ZT_API int zt_abi_version(void) noexcept { return 4; }
+// 5: ZtSimd level 3 (ZT_SIMD_AVX512_VBMI): zt_cpu_simd_supported() may return it.
+ZT_API int zt_abi_version(void) noexcept { return 5; }

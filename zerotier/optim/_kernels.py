@@ -5,7 +5,7 @@ entries the update rules (optim/rules/) call on (sub-ranges of) flat buffers; `C
 is built on the first. With the native library unavailable (or ZEROTIER_NATIVE=0) the
 same calls run `adam_step_reference()` / `lion_step_reference()` (kernel_math.py),
 pure-torch transcriptions of the scalar C loops that are also the test oracles: every
-native kernel (scalar, AVX2, AVX-512) is bitwise equal to them, for every state dtype.
+native kernel (scalar, AVX2, AVX-512, AVX-512 VBMI) is bitwise equal to them, for every state dtype.
 
 State dtypes ([Note: compact optimizer state] in kernel_math.py): the master is fp32 or bf16
 (stochastic rounding), each moment fp32, bf16 (round to nearest even) or uint8
@@ -24,8 +24,8 @@ from .. import _native
 from ..errors import ZerotierError
 from .kernel_math import QMAPS, QUANT_BLOCK, adam_step_reference, lion_step_reference
 
-SIMD_LEVELS = ("scalar", "avx2", "avx512")  # index == ZtSimd code
-_ABI_VERSION = 4  # zt_abi_version() in native/cpu/cpu_info.cpp; bump both together
+SIMD_LEVELS = ("scalar", "avx2", "avx512", "avx512vbmi")  # index == ZtSimd code
+_ABI_VERSION = 5  # zt_abi_version() in native/cpu/cpu_info.cpp; bump both together
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # ZtDtype
 _Q8 = 3  # ZtDtype ZT_Q8: uint8 codes of blockwise 8-bit quantization
 _STATE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: _Q8}  # moments' dtypes
@@ -116,7 +116,7 @@ def simd_levels_available() -> list[str]:
 
 
 def simd_level(requested: str = "auto") -> str:
-    """The kernel a call with `simd=requested` would use: avx512/avx2/scalar, or 'python'."""
+    """The kernel a call with `simd=requested` would use: avx512vbmi/avx512/avx2/scalar, or 'python'."""
     levels = simd_levels_available()
     if not levels:
         return "python"

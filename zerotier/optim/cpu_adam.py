@@ -25,7 +25,7 @@ class CPUAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) on CPU tensors, SIMD and multithreaded.
 
     Args beyond torch.optim.AdamW's: `threads` (default: the cores this process
-    may use), `simd` ("auto", "avx512", "avx2", "scalar"), `bias_correction`.
+    may use), `simd` ("auto", "avx512vbmi", "avx512", "avx2", "scalar"), `bias_correction`.
     Unsupported torch options (amsgrad, maximize, ...) raise instead of being ignored.
     """
 

@@ -1,7 +1,7 @@
 """The native CPU kernels' math in pure torch: 8-bit blockwise quantization of moments, stochastic
 rounding of a bf16 master, and the reference Adam(W) and Lion updates. The references are the
 fallback when native code is unavailable (ZEROTIER_NATIVE=0) and the oracle every native kernel
-(scalar, AVX2, AVX-512) is bitwise equal to, for every state dtype; `_kernels.py` (the only door to
+(scalar, AVX2, AVX-512 with and without VBMI) is bitwise equal to, for every state dtype; `_kernels.py` (the only door to
 native code) hands the kernels this module's quantization maps by pointer."""
 from __future__ import annotations
 
