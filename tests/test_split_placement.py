@@ -153,6 +153,17 @@ def test_auto_prefers_one_tier_when_it_fits_and_a_faster_split_otherwise():
     assert plan(numels, host=host - 1).optimizer_units.count(Location.HOST) == 4
 
 
+def test_explicit_fractions_count_the_elements_each_rank_holds():
+    """[Note: optimizer split] over 8 ranks (ZeRO-1): each unit's share is its optimizer shard as the
+    store allocates it (Sizes.held_shard: padded to 32 x 8 elements), not ceil(numel / 8). Units of 1, 1
+    and 512 elements hold 32, 32 and 64 per rank: midpoints 16/128, 48/128 and 96/128, so with 30% on
+    host only the first is there (by ceil: 1, 1, 64, midpoints 0.5/66 and 1.5/66 put both small ones there)."""
+    from zerotier.planner.sizes import Sizes, split_units
+    s = Sizes(numels=(512, 1, 1), lp_bytes=2, grad_bytes=4, lookahead=0, stage=1, world_size=8,
+              unit_order=(1, 1, 512), unit_params=((1,), (1,), (512,)))
+    assert split_units({"host": 0.3, "nvme": 0.7}, s) == (Location.HOST, Location.NVME, Location.NVME)
+
+
 def test_a_split_that_does_not_fit_names_the_missing_bytes():
     with pytest.raises(PlanDoesNotFit, match=r"split as offload.optimizer asks \(host 5 of 10 units, nvme 5 of "
                                              r"10 units\) does not fit.*more host") as ei:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerotier.config import OffloadConfig, PrecisionConfig
+from zerotier.config import OffloadConfig, PrecisionConfig, ZeroConfig
 from zerotier.errors import ConfigError
 from zerotier.planner.inputs import ModelFacts, Node, PlanConfig
 from zerotier.planner.messages import PlanDoesNotFit
@@ -264,6 +264,23 @@ def test_the_staging_term_is_the_engines_sets_whatever_the_params_and_gradients_
     grad = 4 if gradients == "host" else 0  # fp32 gradients staged H2D beside the state
     out = 4 if params == "host" else 0  # fp32 output staged out to a host home, written in place on the device
     assert p.needs["device_step"]["device"] == DeviceStaging.SETS * (12 + out + grad) * 4000
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_the_staging_term_sizes_each_ranks_shard_as_the_store_allocates_it(world_size):
+    """[Note: the device step's staging memory] over several ranks (ZeRO-2, everything on the host, a CUDA
+    node): each set holds the unit's state, its fp32 output and its fp32 gradient for this rank's shard,
+    the partition's padded shard (Sizes.held_shard, as the engine's staging allocates it). Silently
+    wrong before: the output and the gradient were sized by ceil(numel / N). Hand-computed for a unit of
+    4,000 elements: padded to a multiple of 32 x N."""
+    p = make_plan(ModelFacts.of_sizes([4000]),
+                  PlanConfig(offload=OffloadConfig(params="host", gradients="host", optimizer="host"),
+                             alignment=1, zero=ZeroConfig(stage=2), step=StepOptions(step_on="device")),
+                  Node(torch.device("cuda"), budgets={"device": BIG, "host": BIG, "nvme": BIG}, rates=RATES,
+                       world_size=world_size))
+    held = -(-4000 // (32 * world_size)) * 32
+    assert held != -(-4000 // world_size)  # where ceil(numel / N) and the store differ
+    assert p.needs["device_step"]["device"] == DeviceStaging.SETS * (12 + 4 + 4) * held
 
 
 # --- the update's rates per rule and state dtype (issue 34 item 3) -----------------------------

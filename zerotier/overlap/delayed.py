@@ -119,7 +119,7 @@ class Delayed(OverlapPolicy):
         """The plan's "delayed" term per tier ([Note: needs per component] in planner/planner.py):
         host_bytes of every unit's optimizer shard; `s` is the planner's Sizes."""
         need = dict.fromkeys(TIER_NAMES, 0)
-        need["host"] = host_bytes(s.rank_shards("optimizer"), s.grad_bytes, s.lp_bytes, s.alignment)
+        need["host"] = host_bytes(s.held_shards("optimizer"), s.grad_bytes, s.lp_bytes, s.alignment)
         return need
 
     @staticmethod

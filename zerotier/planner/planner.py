@@ -45,7 +45,7 @@ from .messages import PlanDoesNotFit, device_step_does_not_fit, does_not_fit, sp
 from .predict import COMPONENTS, DEFAULT_RATES, bound_by, predict
 from .record import Plan
 from .report import whole_shortfall
-from .sizes import (KINDS, Sizes, auto_split, bytes_for, check_sharding, model_state_bytes, rank_shards_in_order,
+from .sizes import (KINDS, Sizes, auto_split, bytes_for, check_sharding, held_shards_in_order, model_state_bytes,
                     split_bytes, split_units, tier_holds)
 from .speculation_plan import fit_speculation, predict_step
 from .step_on import UpdateCosts, choose, cpu_rate_key, device_rate_key, shard_in_place, staging_bytes_of
@@ -270,7 +270,7 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
                            params_in_place=out_in_place, local_ranks=local,
                            cpu_key=cpu_rate_key(rates, sizes.rule, sizes.state),
                            device_key=device_rate_key(rates, sizes.rule, sizes.state))
-    shards = rank_shards_in_order(sizes)
+    shards = held_shards_in_order(sizes)
     # the engine stages a gradient in only from off the device of a CUDA run ([Note: device staging])
     grads_staged = sizes.cuda and not HOMES[placement["gradients"]].on_device
     staging = staging_bytes_of(sizes.state_units, shards, 0 if out_in_place else sizes.lp_bytes,

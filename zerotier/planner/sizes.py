@@ -175,12 +175,6 @@ class Sizes:
     def rank_numel(self, kind: str) -> int:
         return shard_numel(self.numel, kind, self.stage, self.world_size)
 
-    def rank_largest(self, kind: str) -> int:
-        return shard_numel(self.largest, kind, self.stage, self.world_size)
-
-    def rank_shards(self, kind: str) -> list[int]:
-        return [shard_numel(n, kind, self.stage, self.world_size) for n in self.numels]
-
     def held_shards(self, kind: str) -> list[int]:
         """Every unit's elements of `kind` one rank's store allocates (numels order): `held_shard`."""
         return [self.held_shard(n, kind) for n in self.numels]
@@ -286,14 +280,15 @@ STORE_TERMS = {"params": ParamStore.plan_terms, "gradients": GradStore.plan_term
 """Each kind's term: (home class, Sizes) -> bytes per tier, from the store that holds it."""
 
 
-def rank_shards_in_order(s: Sizes) -> list[int]:
-    return [shard_numel(n, "optimizer", s.stage, s.world_size) for n in s.unit_order]
+def held_shards_in_order(s: Sizes) -> list[int]:
+    """Every unit's optimizer shard as this rank's store allocates it (`Sizes.held_shard`), in unit order."""
+    return [s.held_shard(n, "optimizer") for n in s.unit_order]
 
 
 def split_units(fractions: dict[str, float], s: Sizes) -> tuple[Location, ...]:
     """[Note: optimizer split] Each unit's tier for explicit fractions (fastest tier first, as
-    config.py orders them): the tier whose share of the elements holds the unit's midpoint."""
-    shards = rank_shards_in_order(s)
+    config.py orders them): the tier whose share of this rank's held elements holds the unit's midpoint."""
+    shards = held_shards_in_order(s)
     total, before, out = max(sum(shards), 1), 0, []
     for n in shards:
         mid, bound = (before + n / 2) / total, 0.0

@@ -32,7 +32,7 @@ from ..tiers.homes import HOMES
 from ..units import format_size
 from .messages import PlanDoesNotFit
 from .predict import StepOptions, UnitCompute, predict
-from .sizes import Sizes, rank_shards_in_order
+from .sizes import Sizes, held_shards_in_order
 from .step_model import Schedule
 
 
@@ -62,7 +62,7 @@ def fit_speculation(step: StepOptions, placement: dict[str, Location], units_on:
         return SpeculationFit(False, "off (auto: no clipping and no dynamic loss scale, nothing waits for the "
                                    "whole gradient)")
     setting = "on (train.overlap = 'speculative')" if wanted is True else f"on (auto: {why})"
-    shards = rank_shards_in_order(s)
+    shards = held_shards_in_order(s)
     tiers = units_on or (placement["optimizer"],) * len(shards)
     nvme = sum(shadow_bytes(unit, s.alignment) for unit, at in zip(s.state_units, tiers)
                if not HOMES[at].in_memory)
