@@ -25,7 +25,7 @@ from ..errors import ZerotierError
 from .kernel_math import QMAPS, QUANT_BLOCK, adam_step_reference, lion_step_reference
 
 SIMD_LEVELS = ("scalar", "avx2", "avx512", "avx512vbmi")  # index == ZtSimd code
-_ABI_VERSION = 5  # zt_abi_version() in native/cpu/cpu_info.cpp; bump both together
+_ABI_VERSION = 4  # zt_abi_version() in native/cpu/cpu_info.cpp; bump both together
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # ZtDtype
 _Q8 = 3  # ZtDtype ZT_Q8: uint8 codes of blockwise 8-bit quantization
 _STATE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: _Q8}  # moments' dtypes
