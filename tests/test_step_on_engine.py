@@ -248,11 +248,11 @@ class _Watched:
     whether each is retired, so a test can ask what was still in flight at a given moment."""
 
     def __init__(self, monkeypatch):
-        import zerotier.optim.in_order as in_order
+        import zerotier.optim.offload as offload
         self.updates = []
         watched = self
 
-        class Watched(in_order.InFlight):
+        class Watched(offload.InFlight):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 self.retired = False
