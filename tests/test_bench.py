@@ -90,12 +90,14 @@ def test_planner_uses_loaded_rates(bench_file):
                          Node(torch.device("cpu"), budgets={"device": 10**12, "host": 10**12, "nvme": 0}))
 
     assumed = plan()
-    assert assumed.rate_sources == {"cpu_adam": "default"} and assumed.to_dict()["predicted_step_s"] is None
-    bench.save({"adam": {"fp32_params_per_s": 1e7}})
+    assert assumed.rate_sources == {"cpu_adam": "default", "mem_read": "default"}
+    assert assumed.to_dict()["predicted_step_s"] is None
+    bench.save({"adam": {"fp32_params_per_s": 1e7}, "mem": {"sumsq_GBps": 40000.0}})
     measured = plan()
-    assert measured.rate_sources == {"cpu_adam": "measured"}
-    assert measured.predicted_step_s == pytest.approx(1.0)  # 1e7 params at 1e7 params/s
-    assert measured.to_dict()["predicted_step_s"] == pytest.approx(1.0)
+    assert measured.rate_sources == {"cpu_adam": "measured", "mem_read": "measured"}
+    # 1e7 params at 1e7 params/s, after the global norm: 40 MB of gradients at 4e13 B/s
+    assert measured.predicted_step_s == pytest.approx(1.0 + 1e-6)
+    assert measured.to_dict()["predicted_step_s"] == pytest.approx(1.0 + 1e-6)
     assert "cpu_adam measured" in measured.summary()
 
 
@@ -108,7 +110,11 @@ def test_cli_bench_sections_in_process(bench_file, tmp_path, capsys):
     assert bench.load_rates()["cpu_adam"] > 0
     assert main(["bench", "mem", "--size", "8MiB", "--json", "--no-save"]) == 0
     mem = json.loads(capsys.readouterr().out)
-    assert mem["inplace_GBps"] > 0 and mem["copy_GBps"] > 0
+    assert mem["inplace_GBps"] > 0 and mem["copy_GBps"] > 0 and mem["sumsq_GBps"] > 0
+    # the planner's mem_read is the global norm's pass (the engine's sum of squares), else the in-place rate
+    assert bench.entry_rates({"mem": mem})["mem_read"] == pytest.approx(mem["sumsq_GBps"] * 1e9)
+    assert bench.entry_rates({"mem": {"inplace_GBps": 3.0, "copy_GBps": 2.0}})["mem_read"] == 3e9
+    assert bench.entry_rates({"mem": {"copy_GBps": 2.0}})["mem_read"] == 2e9  # a read pass at least matches a copy
     assert main(["bench", "io", "--size", "bogus"]) == 1
     assert "--size: invalid size" in capsys.readouterr().err
 

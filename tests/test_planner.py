@@ -174,12 +174,13 @@ def test_auto_uses_nvme_when_host_is_short():
 # --- step-time prediction depends on the rates --------------------------------------------------
 
 def test_prediction_scales_with_rates_and_labels_them():
-    slow = plan([10**6], offload={"optimizer": "host"}, rates={"cpu_adam": 1e6})
-    fast = plan([10**6], offload={"optimizer": "host"}, rates={"cpu_adam": 1e9})
-    assert slow.predicted_step_s == pytest.approx(1.0) and fast.predicted_step_s == pytest.approx(1e-3)
-    assert slow.rate_sources == {"cpu_adam": "given"}
+    # the global norm reads 4 MB of gradients at mem_read (4e12 B/s: 1 us) before the update
+    slow = plan([10**6], offload={"optimizer": "host"}, rates={"cpu_adam": 1e6, "mem_read": 4e12})
+    fast = plan([10**6], offload={"optimizer": "host"}, rates={"cpu_adam": 1e9, "mem_read": 4e12})
+    assert slow.predicted_step_s == pytest.approx(1.0 + 1e-6) and fast.predicted_step_s == pytest.approx(1e-3 + 1e-6)
+    assert slow.rate_sources == {"cpu_adam": "given", "mem_read": "given"}
     unmeasured = plan([10**6], offload={"optimizer": "host"})
-    assert unmeasured.rate_sources == {"cpu_adam": "default"} and not unmeasured.rates_measured
+    assert unmeasured.rate_sources == {"cpu_adam": "default", "mem_read": "default"} and not unmeasured.rates_measured
     assert unmeasured.to_dict()["predicted_step_s"] is None
     assert "run `zerotier bench` for a step-time prediction" in unmeasured.summary()
 

@@ -138,8 +138,15 @@ def two_sets(monkeypatch):
 LINKS_16 = {**RATES, "h2d": 16e4, "d2h": 16e4}
 
 
+def norm_s(rates) -> float:
+    """The global norm every window computes before the update (predict.py: the device gradients' 4 B
+    per param read at device_adam bytes/s): every schedule below starts after it."""
+    return 4 * sum(SHARDS) / rates["device_adam"]
+
+
 def test_the_plan_prints_and_predicts_the_device_step_and_auto_weighs_the_schedule(two_sets):
-    """[Note: the device step in the schedule], by hand (no compute: the step is the update), LINKS_16.
+    """[Note: the device step in the schedule], by hand (no compute: the step is the update), LINKS_16,
+    every time below after the global norm (`norm_s`).
     The balanced split (device, cpu, device, cpu): unit 0 in 0-0.15, kernel 0.15-0.35, out 0.35-0.5;
     unit 1's gradient 0-0.1, CPU 0.1-0.5, after which unit 0 (out at 0.5) is retired and unit 1's held
     commit goes 0.5-0.6; unit 2 (issued at 0.5) in 0.6-0.675, kernel 0.675-0.775, out 0.775-0.85; unit
@@ -150,8 +157,9 @@ def test_the_plan_prints_and_predicts_the_device_step_and_auto_weighs_the_schedu
     auto, cpu, dev = (cuda_plan(on, rates=LINKS_16) for on in ("auto", "cpu", "device"))
     assert auto.optimizer_step_on == ("device", "cpu", "device", "cpu")
     assert dev.optimizer_step_on == ("device",) * 4
-    assert auto.predicted_step_s == pytest.approx(0.95)
-    assert cpu.predicted_step_s == pytest.approx(1.125) and dev.predicted_step_s == pytest.approx(1.9)
+    norm = norm_s(LINKS_16)
+    assert auto.predicted_step_s == pytest.approx(0.95 + norm)
+    assert cpu.predicted_step_s == pytest.approx(1.125 + norm) and dev.predicted_step_s == pytest.approx(1.9 + norm)
     # the engine's staging sets of the largest device unit (unit 1): 12 B of state x 4000 (the parameters'
     # device home takes the new shard in place: ParamStore.device_out)
     staged = DeviceStaging.SETS * 12 * 4000
@@ -177,15 +185,17 @@ def test_auto_puts_every_unit_on_a_faster_device_rather_than_the_balanced_split(
     (unit 0's set) in 0.12-0.1425, kernel 0.1425-0.1725, out 0.1725-0.195 -> 0.195 s. Every unit on the
     device: unit 2 waits for unit 0's set (0.05), in 0.05-0.0575, kernel 0.085-0.095, out 0.115-0.1225;
     unit 3 for unit 1's (0.115): in 0.115-0.1375, kernel 0.1375-0.1675, out 0.1675-0.19 -> 0.19 s, no
-    commit on the link. Every unit on the CPU: 1.0125 s. `auto` takes every unit on the device."""
+    commit on the link. Every unit on the CPU: 1.0125 s. `auto` takes every unit on the device. (Every
+    time after the global norm, `norm_s`.)"""
     rates = {**RATES, "h2d": 160e4, "d2h": 160e4, "device_adam": 280e4}
     costs = UpdateCosts.of(rates, 12, 4, 4, cuda=True, grads_on_device=True, params_on_device=True)
     assert choose("auto", (Location.HOST,) * 4, SHARDS, costs, True, STAGING).units == \
         ("device", "device", "cpu", "device")
     plans = {on: cuda_plan(on, rates=rates) for on in ("auto", "cpu", "device")}
     assert plans["auto"].optimizer_step_on == ("device",) * 4
-    assert plans["auto"].predicted_step_s == plans["device"].predicted_step_s == pytest.approx(0.19)
-    assert plans["cpu"].predicted_step_s == pytest.approx(1.0125)
+    norm = norm_s(rates)
+    assert plans["auto"].predicted_step_s == plans["device"].predicted_step_s == pytest.approx(0.19 + norm)
+    assert plans["cpu"].predicted_step_s == pytest.approx(1.0125 + norm)
 
 
 def seven_b_plans(**step) -> dict:
@@ -307,12 +317,14 @@ def test_a_slower_cpu_rate_for_the_state_moves_units_to_the_device(two_sets):
     # the CPU's: unit 0 in 0-0.15, kernel 0.15-0.35, out 0.35-0.5; unit 1's gradient 0-0.1, CPU 0.1-0.9
     # (unit 0 retired after it), its commit 0.9-1.0; unit 2's gradient 0.15-0.175, CPU 0.9-1.1, its
     # commit 1.1-1.125; unit 3 (issued at 1.1) in 1.125-1.35, kernel 1.35-1.65, out 1.65-1.875 -> 1.875 s;
-    # every unit on the CPU 2.125 s (0.05 + 2.0 + its last commit 0.075), on the device 1.9 s
+    # every unit on the CPU 2.125 s (0.05 + 2.0 + its last commit 0.075), on the device 1.9 s; every
+    # time after the global norm (norm_s)
     p, cpu, dev = (cuda_plan(on, rates={**LINKS_16, "cpu_adamw_fp32_fp32": 0.5e4}) for on in ("auto", "cpu", "device"))
     assert p.rate_sources["cpu_adamw_fp32_fp32"] == "given" and "cpu_adam" not in p.rate_sources
     assert p.optimizer_step_on == ("device", "cpu", "cpu", "device")
-    assert p.predicted_step_s == pytest.approx(1.875)
-    assert cpu.predicted_step_s == pytest.approx(2.125) and dev.predicted_step_s == pytest.approx(1.9)
+    norm = norm_s(LINKS_16)
+    assert p.predicted_step_s == pytest.approx(1.875 + norm)
+    assert cpu.predicted_step_s == pytest.approx(2.125 + norm) and dev.predicted_step_s == pytest.approx(1.9 + norm)
 
 
 def test_a_slower_device_rate_for_the_state_keeps_more_units_on_the_cpu():

@@ -104,23 +104,24 @@ SPEC = dict(clip=True, norm_s=1.0, speculative=True)
 def test_speculation_commit_updates_under_backward_like_an_early_step():
     # backward 6-18: bwd2 6-12, bwd1 12-16, bwd0 16-18. As each gradient is final: d2h2 12-12.5,
     # undo2 12.5-13, adam2 13-14, copy2 14-14.25; d2h1 16-16.5, undo1 16.5-17, adam1 17-18, copy1
-    # 18-18.25; d2h0 18-18.5, undo0 18.5-19, adam0 19-20, copy0 20-20.25; the norm 18-19 on compute
-    # -> 20.25 s (22.75 s without speculation: test_device_params_host_optimizer_clipped)
+    # 18-18.25; d2h0 18-18.5, undo0 18.5-19, adam0 19-20, copy0 20-20.25; the norm after the speculated
+    # updates (the policy's wait() before it) 20-21 on compute -> 21 s (22.75 s without speculation:
+    # test_device_params_host_optimizer_clipped)
     s = simulate(SPECULATED, StepShape(**SPEC))
-    assert s.step_s == 20.25
+    assert s.step_s == 21.0
     assert s.critical["speculation"] == 1.0 and s.critical["optimizer"] == 2.0  # undo0 + undo1 / adam1 + adam0
-    assert sum(s.critical.values()) == pytest.approx(20.25)
+    assert s.critical["grad_norm"] == 1.0 and sum(s.critical.values()) == pytest.approx(21.0)
 
 
 def test_speculation_rollback_redoes_every_unit_after_the_norm():
-    # the speculative work as above ends at 20.25 (copy0), then in unit order after it: d2h0
-    # 20.25-20.75, restore0 20.75-21.25, adam0 21.25-22.25, copy0 22.25-22.5; d2h1 20.75-21.25,
-    # restore1 22.25-22.75, adam1 22.75-23.75, copy1 23.75-24; d2h2 (after adam0) 22.25-22.75,
-    # restore2 23.75-24.25, adam2 24.25-25.25, copy2 25.25-25.5 -> 25.5 s
+    # the speculative work as above, the norm after it 20-21, then in unit order after the norm: d2h0
+    # 21-21.5, restore0 21.5-22, adam0 22-23, copy0 23-23.25; d2h1 21.5-22, restore1 23-23.5, adam1
+    # 23.5-24.5, copy1 24.5-24.75; d2h2 (after adam0) 23-23.5, restore2 24.5-25, adam2 25-26, copy2
+    # 26-26.25 -> 26.25 s
     s = simulate(SPECULATED, StepShape(rollback=True, **SPEC))
-    assert s.step_s == 25.5
+    assert s.step_s == 26.25
     assert s.seconds["optimizer"] == 6.0 and s.seconds["speculation"] == 3.0  # each Adam twice, undo + restore
-    assert sum(s.critical.values()) == pytest.approx(25.5)
+    assert sum(s.critical.values()) == pytest.approx(26.25)
 
 
 def test_speculation_of_the_units_within_the_allowance_only():
@@ -137,16 +138,17 @@ def test_speculation_with_nvme_state_commit_and_rollback():
     # its final (7): prefetch(2) and, the window's first, unit 0's read (final last in the previous
     # window, 7a33d74): read2 7-9, read0 9-11; adam2 9-10, write2 11-13; unit 1 (final 9) taken up
     # at 10, a set free: read1 13-15 (behind write2, issued first), adam1 15-16, write1 16-18;
-    # unit 0 (final 11): its state was read, adam0 16-17, write0 18-20 -> 20 s (22 s with unit 0
-    # read when taken up, as test_streamed_params_nvme_optimizer_early_step), the norm hidden.
-    # Rollback: the speculative writes end at 20; the pre-step files are read again, in unit
-    # order, one ahead: read0 and read1 issued at 20 (20-22, 22-24), adam0 22-23, write0 24-26;
-    # at 23 read2 (a set free) 26-28; adam1 24-25, write1 28-30; adam2 28-29, write2 30-32 -> 32 s
+    # unit 0 (final 11): its state was read, adam0 16-17, write0 18-20; the norm after the speculated
+    # updates and their writes (the policy's wait()) 20-23 -> 23 s (25 s with unit 0 read when taken
+    # up, as test_streamed_params_nvme_optimizer_early_step).
+    # Rollback: the norm ends at 23; the pre-step files are read again, in unit order, one ahead:
+    # read0 and read1 issued at 23 (23-25, 25-27), adam0 25-26, write0 27-29; at 26 read2 (a set
+    # free) 29-31; adam1 27-28, write1 31-33; adam2 31-32, write2 33-35 -> 35 s
     units = [dataclasses.replace(u, speculate=True) for u in STREAMED]
     shape = StepShape(clip=True, norm_s=3.0, speculative=True, **B)
-    assert simulate(units, shape).step_s == 20.0
+    assert simulate(units, shape).step_s == 23.0
     s = simulate(units, dataclasses.replace(shape, rollback=True))
-    assert s.step_s == 32.0 and s.seconds["optimizer_nvme"] == 24.0  # state read and written twice
+    assert s.step_s == 35.0 and s.seconds["optimizer_nvme"] == 24.0  # state read and written twice
 
 
 # C: a CPU device ([Note: a CPU device's copies take its cores]): forward 1 s, backward 2 s, the
@@ -305,7 +307,9 @@ def test_a_blocking_read_retires_the_device_units_first():
              UnitWork(forward_s=1, backward_s=1, state_read_s=1, state_write_s=1, **DEVICE)]
     s = simulate(units, StepShape(state_on_nvme=True, pipeline_depth=1))
     assert s.step_s == 11.0
-    assert s.critical["optimizer_nvme"] == 1.0 + 1.0 + 1.0 + 1.0 and s.critical["optimizer_staging"] == 2.0
+    # on the critical path: write1, read0, write0 (unit 1's read ends with backward, at 4: the walk takes
+    # backward through the global norm, 0 s here), the staging in and out
+    assert s.critical["optimizer_nvme"] == 1.0 + 1.0 + 1.0 and s.critical["optimizer_staging"] == 2.0
 
 
 def test_the_thread_retires_a_device_unit_after_the_first_cpu_update_it_outlasts():
@@ -356,3 +360,16 @@ def test_a_retired_device_units_commit_goes_before_the_cpu_commits_it_held():
              UnitWork(forward_s=1, backward_s=1, adam_s=1, copyback_s=2, **nvme),
              UnitWork(forward_s=1, backward_s=1, **DEVICE)]
     assert simulate(units, StepShape(device_sets=1, param_writes=0)).step_s == 15.0
+
+
+def test_the_global_norm_runs_every_window_clipping_or_not():
+    # engine.step() computes the global norm every window (engine/window.py: the clip factor, the
+    # overflow check, engine.grad_norm()), after the updates started during backward (the policy's
+    # wait()). One unit, forward 0-1, backward 1-2, norm 2 s, Adam 1 s on the CPU:
+    #   no clipping: the norm 2-4, then Adam 4-5 -> 5 s (3 s if the norm ran only with clipping)
+    #   early step: Adam as the gradient is final, 2-3; the norm after it 3-5 -> 5 s
+    unit = [UnitWork(forward_s=1, backward_s=1, adam_s=1)]
+    s = simulate(unit, StepShape(norm_s=2.0, norm_on="compute"))
+    assert s.step_s == 5.0 and s.critical["grad_norm"] == 2.0
+    early = simulate(unit, StepShape(norm_s=2.0, norm_on="compute", early_step=True))
+    assert early.step_s == 5.0 and early.critical["optimizer"] == 1.0 and early.critical["grad_norm"] == 2.0

@@ -132,6 +132,8 @@ def format_table(results: dict[str, Any]) -> str:
         note = f"({format_size(mem['bytes'])} buffer, {mem['threads']} threads; read+write bytes)"
         rows += [("memory in-place mul_", f"{mem['inplace_GBps']:7.2f} GB/s  {note}"),
                  ("memory copy_", f"{mem['copy_GBps']:7.2f} GB/s")]
+        if "sumsq_GBps" in mem:
+            rows.append(("gradient norm pass", f"{mem['sumsq_GBps']:7.2f} GB/s  (the engine's sum of squares, read only)"))
     if "pcie" in results:
         pcie = results["pcie"]
         if pcie is None:
@@ -271,7 +273,7 @@ def rates_from_file(path: str | os.PathLike) -> dict[str, float]:
 # The figures entry_rates reads, by section, with the factor to the rate's unit (bytes, flop or params /s).
 _FIGURES = {"pcie": {"h2d_pinned_GBps": 1e9, "d2h_pinned_GBps": 1e9},
             "io": {"read_GBps": 1e9, "overwrite_GBps": 1e9, "write_GBps": 1e9},
-            "mem": {"copy_GBps": 0.5e9, "inplace_GBps": 1e9},
+            "mem": {"copy_GBps": 0.5e9, "inplace_GBps": 1e9, "sumsq_GBps": 1e9},
             "adam": {"fp32_params_per_s": 1.0, **{f"{r}_{m}_{mo}_params_per_s": 1.0 for r, m, mo in _rule_pairs()}},
             "step": {f"{r}_{m}_{mo}_GBps": 1e9 for r, m, mo in _rule_pairs()},
             "compute": {"fp32_flops": 1.0, "bf16_flops": 1.0}}
@@ -312,8 +314,10 @@ def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
     compute_fp32 / compute_bf16 (matmul flop/s); only the keys measured. NVMe figures taken
     without O_DIRECT (page cache) are left out. nvme_write is the overwrite rate (a step's
     writes), the fresh-file rate only in files saved before it was measured. The memory
-    figures count read + write bytes: a copy of B bytes moves 2B (mem_copy is half of copy_),
-    a read pass moves B (mem_read is the in-place rate)."""
+    figures count read + write bytes: a copy of B bytes moves 2B (mem_copy is half of copy_);
+    mem_read is the global norm's read pass, the engine's sum-of-squares kernel over B bytes
+    (files written before it was measured: the in-place rate, else the copy's read + write bytes/s,
+    which a read-only pass of the same memory at least matches)."""
     if not entry:
         return None
     rates: dict[str, float] = {}
@@ -328,7 +332,9 @@ def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
             "h2d": (pcie, "h2d_pinned_GBps", 1e9), "d2h": (pcie, "d2h_pinned_GBps", 1e9),
             "nvme_read": (io, "read_GBps", 1e9),
             "nvme_write": (io, "overwrite_GBps" if "overwrite_GBps" in io else "write_GBps", 1e9),
-            "mem_copy": (mem, "copy_GBps", 0.5e9), "mem_read": (mem, "inplace_GBps", 1e9),
+            "mem_copy": (mem, "copy_GBps", 0.5e9),
+            "mem_read": (mem, next((f for f in ("sumsq_GBps", "inplace_GBps", "copy_GBps") if f in mem),
+                                   "sumsq_GBps"), 1e9),
             "cpu_adam": (adam, "fp32_params_per_s", 1.0),
             "device_adam": (step, "adamw_fp32_fp32_GBps", 1e9),
             "compute_fp32": (compute, "fp32_flops", 1.0), "compute_bf16": (compute, "bf16_flops", 1.0),

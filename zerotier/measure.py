@@ -79,7 +79,8 @@ def _best_seconds(fn: Callable[[], None], repeat: int) -> float:
 
 
 def bench_memory(nbytes: int, repeat: int = 5, tick: Tick = _noop) -> dict[str, Any]:
-    """In-place `mul_` and `copy_` bandwidth over `nbytes` buffers, all torch threads."""
+    """In-place `mul_` and `copy_` bandwidth over `nbytes` buffers, all torch threads, and the rate of
+    the engine's gradient sum of squares (the global norm's read pass: `optim._kernels.grad_sumsq`)."""
     import torch
 
     from .envinfo import usable_memory
@@ -98,9 +99,13 @@ def bench_memory(nbytes: int, repeat: int = 5, tick: Tick = _noop) -> dict[str, 
     dst.copy_(buf)
     copy = 2 * 4 * n / _best_seconds(lambda: dst.copy_(buf), repeat)
     tick("memory: copy_")
+    from .optim import _kernels  # the engine's global-norm pass: one read of every gradient
+    sumsq = 4 * n / _best_seconds(lambda: _kernels.grad_sumsq(buf), repeat)
+    tick("memory: gradient sum of squares")
     # the node's RAM, for plans made elsewhere with this file ([Note: the plan against the machine])
     return {"bytes": 4 * n, "threads": torch.get_num_threads(),
-            "inplace_GBps": inplace / 1e9, "copy_GBps": copy / 1e9, "total_bytes": usable_memory().total}
+            "inplace_GBps": inplace / 1e9, "copy_GBps": copy / 1e9, "sumsq_GBps": sumsq / 1e9,
+            "total_bytes": usable_memory().total}
 
 
 def bench_pcie(nbytes: int, repeat: int = 5, tick: Tick = _noop) -> dict[str, Any] | None:

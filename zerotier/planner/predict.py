@@ -32,9 +32,11 @@ runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit
   new parameters home      host->device copy when they live on a CUDA device (after a CPU update,
                            or a device step not written in place), an NVMe write when on NVMe;
                            none when the home is the optimizer's memory
-  global norm (clipping)   one read of every gradient: host or CPU device at `mem_read`,
-                           CUDA device gradients at 28 x device_adam bytes/s (its Adam's stream
-                           rate), NVMe gradients none (their sums of squares are kept as folded)
+  global norm              every window (engine.step() always computes it: the clip factor, the
+                           overflow check, engine.grad_norm()), one read of every gradient: host
+                           or CPU device at `mem_read` (the engine's sum-of-squares kernel),
+                           CUDA device gradients at device_adam bytes/s (its Adam kernel's stream
+                           rate; it was divided by 28 B/param before, a unit slip), NVMe gradients none (their sums of squares are kept as folded)
   speculative step         a speculated host (device) unit's undo copy, `overlap.speculative.undo_bytes`,
                            copied at `mem_copy` (read and written at `device_adam` bytes/s on a
                            CUDA device) before its update, and back on a rollback; NVMe units
@@ -212,10 +214,10 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             elif cuda and not unit_opt.on_device and params_at.on_device and not (device_step and in_place):
                 w["copyback_s"] = secs(s.lp_bytes * o_shard, "h2d")  # [Note: the new shard's way home]
         works.append(UnitWork(**w))
-    if options.clip and grads_at.on_device and cuda:
-        norm_s, norm_on = secs(norm_bytes / DEVICE_ADAM_BYTES, "device_adam"), "compute"
+    if grads_at.on_device and cuda:  # the global norm: every window, clipping or not (engine/window.py)
+        norm_s, norm_on = secs(norm_bytes, "device_adam"), "compute"  # read at the Adam kernel's stream rate
     else:
-        norm_s = secs(norm_bytes * local_ranks, "mem_read") if options.clip else 0.0  # the node's memory bus
+        norm_s = secs(norm_bytes * local_ranks, "mem_read")  # the node's memory bus
         norm_on = "cpu" if cuda else "compute"
     shape = StepShape(lookahead=s.lookahead, pipeline_depth=s.pipeline_depth, accum_steps=options.accum_steps,
                       grad_writes=GradStore.nvme_writes_in_flight(), param_writes=ParamStore.writes_in_flight(s.lookahead),

@@ -39,9 +39,11 @@ What waits for what (the engine's schedule, engine.py and the stores' Notes):
     next backward waits for the oldest ([Note: gradients on NVMe]).
   * the optimizer, in the window's last micro-batch: with `early_step` (no clipping) each
     unit's Adam starts as soon as its gradient is final, in backward order, on the optimizer
-    thread; otherwise after backward (and, with clipping, after the global norm, a pass over
-    every gradient: `norm_s`), units whose NVMe state reads were issued during backward
-    first, in that order, then the others in unit order ([Note: NVMe optimizer pipeline]).
+    thread; otherwise after backward and the global norm (a pass over every gradient, `norm_s`:
+    engine.step() computes it every window, clipping or not), units whose NVMe state reads were
+    issued during backward first, in that order, then the others in unit order ([Note: NVMe
+    optimizer pipeline]). The norm waits for the updates started during backward and their
+    writes (the policy's wait() before it); with an early step the step ends after it.
     Over several ranks (`unit_final` off) no policy sees a unit final during backward (its reduced
     shard lands at the end): no early step, no speculation, no state read before step().
   * with speculation, the updates under backward and their rollback: [Note: speculation in
@@ -169,7 +171,7 @@ class StepShape:
                                      # None: lookahead + 2, what it is)
     state_on_nvme: bool = False
     alignment: int = 4096        # io.alignment: a unit's ranges of a staging set are rounded up to it
-    norm_s: float = 0.0          # the global norm's pass over the gradients (clip only)
+    norm_s: float = 0.0          # the global norm's pass over the gradients (every window)
     norm_on: str = "compute"
     streamed: bool = False       # parameters fetched per use (off the device, or ZeRO-3)
     cpu_device: bool = False     # h2d / d2h copies take compute's cores ([Note: a CPU device's copies take its cores])
@@ -250,33 +252,36 @@ def _optimizer(g: TaskGraph, units: list[UnitWork], shape: StepShape, grad_final
     returns the tasks engine.step() waits for. `last_final`: the NVMe unit final last in the
     previous window ([Note: the last final unit's read] in optim/state_store.py)."""
     trainable = [i for i in range(len(units)) if units[i].trainable]
-    gate = backward_end
-    if shape.clip:
-        gate = g.add("grad_norm", shape.norm_on, shape.norm_s, (backward_end,))
+
+    def norm(after) -> int:  # the global norm, every window, after the policy's wait() ([Note: the step schedule])
+        return g.add("grad_norm", shape.norm_on, shape.norm_s, tuple(after))
+
     up = _Updates(g, units, shape, grad_final, home_write, last_final)
     if shape.speculative:
         ahead = [i for i in final_order if units[i].speculate]
         up.speculate(final_order)
-        # engine.step() first waits for the speculated updates and their writes (the policy's wait())
-        after = g.add("speculation", None, 0.0, [gate] + up.waits)
+        # engine.step() first waits for the speculated updates and their writes (the policy's wait()),
+        # then computes the norm
+        gate = norm([g.add("speculation", None, 0.0, [backward_end] + up.updated)])
         up.pipe.drain()
         if not shape.rollback:
-            up.run(up.pipe.read_order([i for i in trainable if i not in ahead]), early=False, gate=after)
+            up.run(up.pipe.read_order([i for i in trainable if i not in ahead]), early=False, gate=gate)
             return up.waits + [gate]
         # the global check disagreed: every speculated unit's work is over, then each is restored
         # and every unit is updated with the true coefficient, as the non-speculative step does
         # (rewind drops the reads ahead: the old files are read again)
         up.pipe.drop_reads()
-        up.run(trainable, early=False, gate=after, restore=set(ahead))
-        return up.waits
+        up.run(trainable, early=False, gate=gate, restore=set(ahead))
+        return up.waits + [gate]
     early = shape.early_step and not shape.clip and shape.unit_final
     if early:  # each unit its own step([unit]) as its gradient is final; nothing prefetched
         up.run(list(final_order), early=True, gate=None)
-        return up.waits
+        return up.waits + [norm([backward_end] + up.updated)]
     for i in final_order if shape.unit_final else ():  # prefetch(unit) as each is final, where it fits
         up.pipe.prefetch(i, grad_final[i])
+    gate = norm([backward_end])
     up.run(up.pipe.read_order(trainable), early=False, gate=gate)  # reads issued during backward first
-    return up.waits
+    return up.waits + [gate]
 
 
 @dataclass
@@ -300,6 +305,7 @@ class _Updates:
         self.last_adam: int | None = None  # the optimizer thread's last point
         self.commits: list[int] = []   # parameter write-backs, oldest first
         self.waits: list[int] = []     # what engine.step() waits for
+        self.updated: list[int] = []   # each update's end and its NVMe state write: what the policy's wait() waits for
         self.pending: list[_Pending] = []  # device units in flight, oldest first (at most device_sets)
         self.held: list[tuple[int, list[int]]] = []  # commits not issued yet: (write-back, device units before it)
 
@@ -421,7 +427,9 @@ class _Updates:
         if i in pipe.need:
             pipe.writing.append((lease, self.g.add("optimizer_nvme", "nvme", self.units[i].state_write_s, (last,))))
             self.waits.append(pipe.writing[-1][1])
+            self.updated.append(pipe.writing[-1][1])
         self.waits.append(last)
+        self.updated.append(last)
 
     def _committed(self, i: int, c: int) -> None:
         self.home_write[i] = c
