@@ -562,3 +562,33 @@ def test_over_several_ranks_the_schedule_has_no_per_unit_work_under_backward(wor
     predict(placement, s, "cuda", DEFAULT_RATES, local_ranks=1, options=StepOptions(early_step=True))
     (shape,) = shapes
     assert shape.unit_final == (world_size == 1) and shape.early_step == (world_size == 1)
+
+
+def test_small_blocks_are_timed_over_enough_runs_for_a_median_that_holds(monkeypatch):
+    """[Note: timing small units] in planner/unit_timing.py: a block of a fraction of a millisecond (and
+    the root's own work) is timed until its runs last MIN_TIMED_S together (at most MAX_RUNS), not
+    `repeat` times; with that floor at 0 each is timed `repeat` times after its warm-up, as a large
+    block is."""
+    from zerotier.models import TinyGPT
+    from zerotier.planner import unit_timing
+
+    enough = unit_timing._enough
+
+    def timed_runs(floor: float) -> list[int]:
+        monkeypatch.setattr(unit_timing, "MIN_TIMED_S", floor)
+        runs = []
+
+        def counted(fwd, bwd, repeat):
+            done = enough(fwd, bwd, repeat)
+            if done:
+                runs.append(len(fwd))
+            return done
+        monkeypatch.setattr(unit_timing, "_enough", counted)
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=32, dim=16, layers=2, heads=2, seq=8)  # two blocks of one signature: timed once
+        unit_timing.measure(model, (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))),
+                            torch.device("cpu"), torch.float32, repeat=2)
+        return runs  # the block's, then the root's
+
+    assert timed_runs(0.0) == [2, 2]
+    assert all(n >= 10 for n in timed_runs(0.25)), "a sub-millisecond block timed only `repeat` times"

@@ -10,8 +10,11 @@ guessed, and a model that exists only on the meta device never exists whole:
      the first block of each signature (class, parameter shapes, input shapes) and every
      block's output is kept (one micro-batch's activations, what training saves anyway);
   2. each distinct block: its tensors made resident, a forward on its captured inputs and
-     a backward from a random gradient of its output, each timed (median of `repeat`
-     after a warm-up); blocks of the same signature share the figures;
+     a backward from a random gradient of its output, each timed (the median of at least
+     `repeat` runs after a warm-up, and of more while the timed runs last under MIN_TIMED_S
+     together: a block of a few milliseconds is timed over dozens of runs, whose median
+     holds still where three runs' did not: [Note: timing small units]); blocks of the same
+     signature share the figures;
   3. the root's own work (embeddings, head, loss): the model's forward and backward with
      every block replaced by a stand-in returning its captured output (tied to the block's
      input so the gradient flows back to the embeddings), the root's tensors resident.
@@ -27,6 +30,13 @@ do not change a dense model's time; data-dependent work (MoE routing) is measure
 these weights only. A wrapped module nested inside a block is timed inside the block (its
 own unit gets no compute of its own). The loss is the output itself when a scalar, its
 `.loss`, else the sum of its first tensor.
+
+[Note: timing small units]
+bench_planner --quick's blocks run a few milliseconds each. Three timed runs after one warm-up gave
+the same GPT-2 shape a backward of 39-70 ms from one plan to the next on this VM (the first plan of
+a process the slowest), against 45 ms for plain torch; the step prediction moved with it by 30%.
+So the runs go on until they last MIN_TIMED_S together (at most MAX_RUNS): the large blocks of a
+real model take `repeat` runs as before, small ones enough for a median that holds.
 
 [Note: a block's inputs, fresh per run]
 A block may change an object among its inputs: a Hugging Face decoder layer appends its keys and
@@ -49,6 +59,15 @@ from torch.utils import _pytree as pytree
 from .activations import SavedBytes
 from .predict import UnitCompute
 from ..state import build_units, wrapped_modules
+
+
+MIN_TIMED_S = 0.25  # [Note: timing small units]: a block's timed runs last at least this long together
+MAX_RUNS = 64
+
+
+def _enough(fwd: list[float], bwd: list[float], repeat: int) -> bool:
+    """[Note: timing small units] At least `repeat` timed runs, and MIN_TIMED_S of them (or MAX_RUNS)."""
+    return len(fwd) >= repeat and (sum(fwd) + sum(bwd) >= MIN_TIMED_S or len(fwd) >= MAX_RUNS)
 
 
 def measure(model: torch.nn.Module, inputs: tuple | Callable[[], tuple], device: torch.device,
@@ -224,7 +243,8 @@ def _time_block(module, args, kwargs, clock: _Clock, repeat: int) -> tuple[float
 
     fwd, bwd = [], []
     saved = SavedBytes(_own_tensors(module))  # [Note: activation memory], in the warm-up run
-    for i in range(repeat + 1):  # [Note: a block's inputs, fresh per run]
+    i = 0
+    while not _enough(fwd, bwd, repeat):  # [Note: a block's inputs, fresh per run]
         a, kw = pytree.tree_map(leaf, copy.deepcopy((args, kwargs)))
         with saved if i == 0 else contextlib.nullcontext():
             tf, out = clock(lambda: module(*a, **kw))
@@ -234,6 +254,7 @@ def _time_block(module, args, kwargs, clock: _Clock, repeat: int) -> tuple[float
         if i:  # the first run warms caches and kernels up
             fwd.append(tf)
             bwd.append(tb)
+        i += 1
     return statistics.median(fwd), statistics.median(bwd), saved.bytes
 
 
@@ -264,13 +285,15 @@ def _time_root(model, blocks, modules, outputs, args, clock: _Clock, repeat: int
     try:
         for name in blocks:
             modules[name].forward = stand_in(name)
-        for i in range(repeat + 1):
+        i = 0
+        while not _enough(fwd, bwd, repeat):  # [Note: timing small units]
             with saved if i == 0 else contextlib.nullcontext():
                 tf, out = clock(lambda: _loss(model(*args)))
             tb, _ = clock(lambda: out.backward())
             if i:
                 fwd.append(tf)
                 bwd.append(tb)
+            i += 1
     finally:
         for name in blocks:
             modules[name].__dict__.pop("forward", None)  # the class's forward again
