@@ -195,8 +195,12 @@ class UnitOptimizer:
                         if on_nvme:
                             state.drop_staged(unit)
                         raise
-                    flight.add(unit, InFlight(tickets, *((lambda u=unit: state.write_staged(u),
-                                                          lambda u=unit: state.drop_staged(u)) if on_nvme else ())))
+                    if on_nvme:  # its staging set's ranges are held until its write-back is issued
+                        update = InFlight(tickets, on_done=lambda u=unit: state.write_staged(u),
+                                          on_failed=lambda u=unit: state.drop_staged(u))
+                    else:
+                        update = InFlight(tickets)
+                    flight.add(unit, update)
                 elif on_nvme:
                     with state.staged(unit) as bufs:  # [Note: NVMe optimizer pipeline]
                         self._update(unit, bufs, grad_of(unit), out_of(unit), hyper, grad_scale)
