@@ -37,7 +37,7 @@ setup(
         Extension(
             "zerotier._zt_cpu",
             sources=["native/cpu/adam.cpp", "native/cpu/threadpool.cpp", "native/cpu/cpu_info.cpp"],
-            depends=["native/cpu/adam_simd.inc", "native/cpu/avx512_lanes.inc", "native/cpu/vbmi_tables.inc", "native/cpu/lion.inc", "native/cpu/lion_simd.inc", "native/cpu/threadpool.h", "native/zt_api.h"],
+            depends=["native/cpu/adam_simd.inc", "native/cpu/avx512_lanes.inc", "native/cpu/vbmi_tables.inc", "native/cpu/lion.inc", "native/cpu/lion_simd.inc", "native/cpu/sumsq_simd.inc", "native/cpu/threadpool.h", "native/zt_api.h"],
             include_dirs=["native"],
             # no a*b+c contraction: the kernels equal the Python reference bit for bit
             # ([Note: one rounding per operation] in native/cpu/adam.cpp)

@@ -3,8 +3,11 @@
 Tolerance (stated once, used everywhere): after 100 steps at lr=1e-2 on N(0,1)
 parameters, |ours - torch| <= 1e-5*|torch| + 5e-6. The kernels compute the same
 formula as torch's fused CPU AdamW; differences come from FMA contraction and
-operation order (a few ulp of the per-step update, accumulated).
+operation order (a few ulp of the per-step update, accumulated). The gradient
+sum of squares (grad_sumsq, the global norm's pass): 1e-6 relative to the double sum.
 """
+import math
+
 import pytest
 import torch
 
@@ -260,6 +263,27 @@ def test_bad_buffers_are_clear_errors():
     w_t.grad = torch.ones(4, 4)
     with pytest.raises(ZerotierError, match="not contiguous"):
         opt.step()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("size", [0, 1, 7, 4095, 4097, 100_003, 300_007])
+def test_grad_sumsq_matches_double_reference_and_propagates_nonfinite(level, dtype, size, use_level):
+    """The global norm's sum of squares of grad * scale, at every SIMD level: within 1e-6 of the
+    double sum (float partial sums per 4096-element block), over lengths that leave vector and
+    scalar tails (300_007 spreads over 4 threads); an inf or a NaN anywhere (first, middle, last
+    element: the tail) makes it inf or NaN."""
+    simd = use_level(level)
+    grad = (torch.randn(size, generator=torch.Generator().manual_seed(size)) * 3).to(dtype)
+    scale = 0.37
+    expected = float(((grad.double() * scale) ** 2).sum())
+    assert zo.grad_sumsq(grad, scale=scale, threads=4, simd=simd) == pytest.approx(expected, rel=1e-6, abs=0)
+    for at in sorted({0, size // 2, size - 1} if size else set()):
+        bad = grad.clone()
+        bad[at] = float("-inf")
+        assert zo.grad_sumsq(bad, scale=scale, threads=4, simd=simd) == float("inf"), at
+        bad[size - 1 - at] = float("nan")
+        assert math.isnan(zo.grad_sumsq(bad, scale=scale, threads=4, simd=simd)), at
 
 
 @pytest.mark.parametrize("level", [lv for lv in LEVELS if lv != "python"])

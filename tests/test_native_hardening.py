@@ -191,8 +191,10 @@ def test_native_failure_codes_carry_the_function_and_reason(cpu_lib, io_lib):
     assert str(err) == "native call zt_adam_step_multi failed: args[0].n = -5 < 0 [ZT_ERR_ARGS]"
 
     out = ctypes.c_double()
-    rc = cpu_lib.zt_grad_sumsq(None, 7, 10, 1.0, 1, ctypes.byref(out))
+    rc = cpu_lib.zt_grad_sumsq(None, 7, 10, 1.0, 1, -1, ctypes.byref(out))
     assert rc == _native.ERR_ARGS and b"dtype 7" in cpu_lib.zt_cpu_last_error()
+    rc = cpu_lib.zt_grad_sumsq(ctypes.byref(out), 0, 1, 1.0, 1, 99, ctypes.byref(out))
+    assert rc == _native.ERR_SIMD and b"SIMD level 99 is not supported" in cpu_lib.zt_cpu_last_error()
 
     with pytest.raises(NativeError, match=r"^native call zt_io_inflight failed: NULL engine handle .*\[ZT_ERR_HANDLE\]$"):
         io_native._checked(io_lib, "zt_io_inflight", io_lib.zt_io_inflight(None))

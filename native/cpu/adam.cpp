@@ -95,6 +95,9 @@ struct Coef {
 
 // A kernel steps elements [begin, end) of one buffer; begin is a block start.
 using Kernel = int64_t (*)(const ZtAdamArgs&, const Coef&, int64_t, int64_t);
+// zt_grad_sumsq's per-thread part: the sum of squares of grad[i] * scale over [begin, end).
+using SumsqKernel = double (*)(const void* grad, int64_t begin, int64_t end, float scale);
+constexpr int64_t kSumsqBlock = 4096;  // elements per float partial sum (a multiple of every 4 * W)
 
 Coef make_coef(const ZtAdamArgs& a) {
   Coef c;
@@ -515,7 +518,9 @@ int64_t adam_scalar(const ZtAdamArgs& a, const Coef& c, int64_t begin, int64_t e
   inline F vsub(F a, F b) { return P##_sub_ps(a, b); }                                                        \
   inline F vmul(F a, F b) { return P##_mul_ps(a, b); }                                                        \
   inline F vdiv(F a, F b) { return P##_div_ps(a, b); }                                                        \
-  inline F vsqrt(F a) { return P##_sqrt_ps(a); }
+  inline F vsqrt(F a) { return P##_sqrt_ps(a); }                                                              \
+  /* fused, one rounding for a*b+c: for the sum of squares only (sumsq_simd.inc), never in Adam/Lion */       \
+  inline F vfmadd(F a, F b, F c) { return P##_fmadd_ps(a, b, c); }
 // A QIndex's constants, broadcast to integer vectors I.
 #define ZT_QLOOKUP(I, P)                                                                                      \
   struct QLookup {                                                                                            \
@@ -662,6 +667,7 @@ inline F vsign(F x) {
 ZT_NO_BYTE_TABLES
 #include "cpu/adam_simd.inc"
 #include "cpu/lion_simd.inc"
+#include "cpu/sumsq_simd.inc"
 }  // namespace
 }  // namespace avx2
 #pragma GCC pop_options
@@ -675,6 +681,7 @@ namespace {
 ZT_NO_BYTE_TABLES
 #include "cpu/adam_simd.inc"
 #include "cpu/lion_simd.inc"
+#include "cpu/sumsq_simd.inc"
 }  // namespace
 }  // namespace avx512
 #pragma GCC pop_options
@@ -715,6 +722,38 @@ LionKernel pick_lion_kernel(const ZtLionArgs& a, int simd) {
   if (simd >= ZT_SIMD_AVX2) return avx2::pick_lion(a);
 #endif
   return lion_scalar;
+}
+
+// The scalar sum of squares: the same blocks as sumsq_simd.inc, 8 float lanes per block.
+template <int DT>
+double sumsq_scalar(const void* grad, int64_t begin, int64_t end, float scale) {
+  double acc = 0.0;
+  for (int64_t b = begin; b < end; b += kSumsqBlock) {
+    int64_t e = std::min<int64_t>(end, b + kSumsqBlock);
+    float lanes[8] = {0};
+    int64_t i = b;
+    for (; i + 8 <= e; i += 8)
+      for (int l = 0; l < 8; ++l) {
+        float g = load_grad_scalar(grad, DT, i + l) * scale;
+        lanes[l] += g * g;
+      }
+    for (; i < e; ++i) {
+      float g = load_grad_scalar(grad, DT, i) * scale;
+      lanes[0] += g * g;
+    }
+    for (int l = 0; l < 8; ++l) acc += lanes[l];
+  }
+  return acc;
+}
+
+SumsqKernel pick_sumsq_kernel(int dtype, int simd) {
+#ifdef ZT_X86
+  if (simd >= ZT_SIMD_AVX512) return avx512::pick_sumsq(dtype);  // VBMI adds nothing to a sum
+  if (simd >= ZT_SIMD_AVX2) return avx2::pick_sumsq(dtype);
+#endif
+  if (dtype == ZT_BF16) return sumsq_scalar<ZT_BF16>;
+  if (dtype == ZT_F16) return sumsq_scalar<ZT_F16>;
+  return sumsq_scalar<ZT_F32>;
 }
 
 // Elements per thread below which waking workers costs more than it saves.
@@ -899,37 +938,22 @@ ZT_API int64_t zt_lion_step_multi(const ZtLionArgs* args, int64_t count) {
   return zt::guard<int64_t>("zt_lion_step_multi", ZT_ERR_EXCEPTION, [&] { return lion_step_multi(args, count); });
 }
 
-// Sum of squares of load(i) * scale over [begin, end): 8 independent float accumulators per
-// block of 4096, folded into double — fast, and accurate enough for a norm (relative error ~1e-7).
-template <class Load>
-double sumsq_range(Load load, int64_t begin, int64_t end, float scale) {
-  double acc = 0.0;
-  for (int64_t b = begin; b < end; b += 4096) {
-    int64_t e = std::min<int64_t>(end, b + 4096);
-    float lanes[8] = {0};
-    int64_t i = b;
-    for (; i + 8 <= e; i += 8)
-      for (int l = 0; l < 8; ++l) {
-        float g = load(i + l) * scale;
-        lanes[l] += g * g;
-      }
-    for (; i < e; ++i) {
-      float g = load(i) * scale;
-      lanes[0] += g * g;
-    }
-    for (int l = 0; l < 8; ++l) acc += lanes[l];
-  }
-  return acc;
-}
-
 // Sum of squares of (grad * scale) in double, for global grad-norm clipping of
-// host-resident gradients, stored in *out. Non-finite values propagate (the sum becomes
-// inf/NaN). Returns 0, ZT_ERR_ARGS or ZT_ERR_EXCEPTION (message in zt_cpu_last_error()).
-ZT_API int32_t zt_grad_sumsq(const void* grad, int32_t dtype, int64_t n, float scale, int32_t threads,
+// host-resident gradients, stored in *out: float partial sums per block of kSumsqBlock
+// folded into double, relative error ~1e-7. Non-finite values propagate (the sum becomes
+// inf/NaN). simd: a ZtSimd level (ZT_SIMD_AUTO: the best this CPU runs). Returns 0,
+// ZT_ERR_ARGS, ZT_ERR_SIMD or ZT_ERR_EXCEPTION (message in zt_cpu_last_error()).
+ZT_API int32_t zt_grad_sumsq(const void* grad, int32_t dtype, int64_t n, float scale, int32_t threads, int32_t simd,
                              double* out) {
   return zt::guard<int32_t>("zt_grad_sumsq", ZT_ERR_EXCEPTION, [&]() -> int32_t {
     if (!out || (n > 0 && !grad) || dtype < ZT_F32 || dtype > ZT_F16)
       return zt::set_error("zt_grad_sumsq", "NULL buffer or dtype %d is not a ZtDtype", dtype), ZT_ERR_ARGS;
+    const int supported = zt_cpu_simd_supported();
+    simd = simd == ZT_SIMD_AUTO ? supported : simd;
+    if (simd < ZT_SIMD_SCALAR || simd > supported)
+      return zt::set_error("zt_grad_sumsq", "SIMD level %d is not supported by this CPU (best: %d)", simd, supported),
+             ZT_ERR_SIMD;
+    const SumsqKernel kernel = pick_sumsq_kernel(dtype, simd);
     *out = 0.0;
     if (n <= 0) return 0;
     threads = threads > 0 ? threads : zt::hardware_threads();
@@ -939,15 +963,7 @@ ZT_API int32_t zt_grad_sumsq(const void* grad, int32_t dtype, int64_t n, float s
     zt::ThreadPool::instance().run(threads, [&](int tid, int nt) {
       int64_t per = (n + nt - 1) / nt;
       int64_t begin = std::min<int64_t>(n, per * tid), end = std::min<int64_t>(n, begin + per);
-      double acc = 0.0;
-      switch (dtype) {  // one loop per dtype: the load inlines and the lanes vectorize
-        case ZT_BF16: acc = sumsq_range([&](int64_t i) { return bf16_to_f32(((const uint16_t*)grad)[i]); },
-                                        begin, end, scale); break;
-        case ZT_F16: acc = sumsq_range([&](int64_t i) { return f16_to_f32(((const uint16_t*)grad)[i]); },
-                                       begin, end, scale); break;
-        default: acc = sumsq_range([&](int64_t i) { return ((const float*)grad)[i]; }, begin, end, scale);
-      }
-      partial[tid] = acc;
+      partial[tid] = kernel(grad, begin, end, scale);
     });
     double total = 0.0;
     for (int t = 0; t < threads; ++t) total += partial[t];

@@ -20,4 +20,5 @@ ZT_API int zt_cpu_simd_supported(void) noexcept {
 //    quantization maps and the stochastic-rounding seed appended.
 // (ZtSimd level 3, ZT_SIMD_AVX512_VBMI, needed no bump: bindings that know 3 levels read a
 // library's 3 as "avx512" and those that know 4 read an older library's 2 as before.)
-ZT_API int zt_abi_version(void) noexcept { return 4; }
+// 5: zt_grad_sumsq takes a ZtSimd level (before `out`) and has AVX2 / AVX-512 kernels.
+ZT_API int zt_abi_version(void) noexcept { return 5; }

@@ -25,7 +25,7 @@ from ..errors import ZerotierError
 from .kernel_math import QMAPS, QUANT_BLOCK, adam_step_reference, lion_step_reference
 
 SIMD_LEVELS = ("scalar", "avx2", "avx512", "avx512vbmi")  # index == ZtSimd code
-_ABI_VERSION = 4  # zt_abi_version() in native/cpu/cpu_info.cpp; bump both together
+_ABI_VERSION = 5  # zt_abi_version() in native/cpu/cpu_info.cpp; bump both together
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # ZtDtype
 _Q8 = 3  # ZtDtype ZT_Q8: uint8 codes of blockwise 8-bit quantization
 _STATE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: _Q8}  # moments' dtypes
@@ -75,7 +75,7 @@ def abi_mismatch(lib: ctypes.CDLL) -> str | None:
         lib.zt_lion_step_multi.restype = ctypes.c_int64
         lib.zt_lion_args_size.restype = ctypes.c_int64
         lib.zt_grad_sumsq.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float,
-                                      ctypes.c_int32, ctypes.POINTER(ctypes.c_double)]
+                                      ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_double)]
         lib.zt_grad_sumsq.restype = ctypes.c_int32
         lib.zt_cpu_simd_supported.restype = ctypes.c_int
         lib.zt_cpu_last_error.restype = ctypes.c_char_p
@@ -318,16 +318,19 @@ def lion_step_multi(buffers, *, lr, beta1, beta2, weight_decay, grad_scale=1.0, 
     return int(result)
 
 
-def grad_sumsq(grad: torch.Tensor, scale: float = 1.0, threads: int | None = None) -> float:
-    """Sum of squares of grad*scale (fp32/bf16/fp16 CPU contiguous), in double."""
+def grad_sumsq(grad: torch.Tensor, scale: float = 1.0, threads: int | None = None, simd: str = "auto") -> float:
+    """Sum of squares of grad*scale (fp32/bf16/fp16 CPU contiguous), in double (relative error
+    ~1e-7: float partial sums per 4096 elements); inf/NaN in the buffer propagate."""
     _check_buffer(grad, "grad", grad.numel(), tuple(_DTYPE_CODES))
-    lib = _lib()
-    if lib is None:
+    level = simd_level(simd)
+    if level == "python":
         g = grad.double() * scale
         return float((g * g).sum())
+    lib = _lib()
     out = ctypes.c_double()
     rc = lib.zt_grad_sumsq(grad.data_ptr(), _DTYPE_CODES[grad.dtype], grad.numel(), scale,
-                           threads if threads is not None else default_threads(), ctypes.byref(out))
+                           threads if threads is not None else default_threads(), SIMD_LEVELS.index(level),
+                           ctypes.byref(out))
     if rc < 0:
         raise _native.error(lib.zt_cpu_last_error, "zt_grad_sumsq", rc)
     return out.value
