@@ -56,6 +56,20 @@ def test_nvme_write_peak_is_the_overwrite_a_step_does(tmp_path, bench_file):
     assert bench.load_rates()["nvme_write"] == pytest.approx(0.2e9)
 
 
+def test_the_drives_cpu_share_is_measured_and_becomes_the_planners(tmp_path, bench_file):
+    """[Note: the drive's CPU share]: bench io times all-core work beside a stream of reads and writes;
+    the slowdown is the planner's nvme_cpu_share (a fraction, checked as one), shown in the table."""
+    out = measure.bench_io(tmp_path, 1 << 20, repeat=1)
+    assert 0.0 <= out["cpu_share"] <= 10.0
+    assert "cpu slowdown under nvme" in bench.format_table({"io": out})
+    bench.save({"io": {**out, "o_direct": True, "cpu_share": 0.26}})
+    assert bench.load_rates()["nvme_cpu_share"] == pytest.approx(0.26)
+    bench.save({"io": {**out, "o_direct": True, "cpu_share": -1.0}})
+    assert "nvme_cpu_share" not in bench.load_rates()  # this node's cache: a bad figure is left out
+    with pytest.raises(ConfigError, match=r"io\.cpu_share: expected the measured slowdown"):
+        bench.rates_from_file(bench_file)  # a file the user names is checked strictly
+
+
 def test_save_and_load_rates_round_trip(bench_file):
     assert bench.load_rates() is None
     results = {"io": {"read_GBps": 7.5, "write_GBps": 4.0, "o_direct": True, "path": "/x"},

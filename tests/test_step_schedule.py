@@ -373,3 +373,31 @@ def test_the_global_norm_runs_every_window_clipping_or_not():
     assert s.step_s == 5.0 and s.critical["grad_norm"] == 2.0
     early = simulate(unit, StepShape(norm_s=2.0, norm_on="compute", early_step=True))
     assert early.step_s == 5.0 and early.critical["optimizer"] == 1.0 and early.critical["grad_norm"] == 2.0
+
+
+def test_the_drive_takes_a_share_of_the_cores():
+    """[Note: the drive's share of the cores]: an NVMe task of s seconds brings io_share x s seconds on
+    the cores (compute on a CPU device), ready at the transfer's end; work that becomes ready while it
+    runs waits behind it. A read 0-2 s, compute A 0-3 s (ready at once), compute B after the read:
+    without the share B runs 3-4; with 0.5 the read's 1 s on the cores runs 3-4 and B 4-5."""
+    from zerotier.planner.task_graph import TaskGraph
+
+    for share, b_start in ((0.0, 3.0), (0.5, 4.0)):
+        g = TaskGraph(cpu_device=True, io_share=share)
+        read = g.add("optimizer_nvme", "nvme", 2.0)
+        g.add("forward", "compute", 3.0)
+        b = g.add("backward", "compute", 1.0, (read,))
+        start, end, _ = g.run()
+        assert start[b] == b_start and max(end) == b_start + 1.0
+
+
+def test_the_drives_share_is_absorbed_where_the_cores_wait_for_it():
+    """The streamed case of B on a CUDA device is drive-bound (the drive busy 7-19 s): the share of its
+    12 s (6 s at 0.5) lands on the CPU Adam's cores between its updates and the step stays 19 s; on a
+    CPU device, where compute and the updates share those cores, the step grows by 2 s (22 -> 24)."""
+    for cpu_device, before, after in ((False, 19.0, 19.0), (True, 22.0, 24.0)):
+        plain = simulate(STREAMED, StepShape(**B, cpu_device=cpu_device))
+        shared = simulate(STREAMED, StepShape(**B, cpu_device=cpu_device, io_share=0.5))
+        assert (plain.step_s, shared.step_s) == (before, after)
+        assert shared.seconds["nvme_cpu"] == 6.0 and "nvme_cpu" not in plain.seconds
+        assert sum(shared.critical.values()) == pytest.approx(after)

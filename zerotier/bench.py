@@ -7,7 +7,9 @@ Sections (each a function returning a dict of figures; GB = 1e9 bytes):
   io    NVMe write of one fresh file, overwrites of it and reads through zerotier's own engine
         (`open_engine(IOConfig())`, O_DIRECT, aligned buffers), in a temp subdir removed after;
         the overwrite is what training's step writes do (recycled swap files, [Note: NVMe file
-        recycling]) and is the planner's and the profiler's nvme_write peak
+        recycling]) and is the planner's and the profiler's nvme_write peak; and cpu_share, how
+        much slower all-core CPU work runs while the drive reads and writes ([Note: the drive's
+        CPU share] in measure.py): the planner's nvme_cpu_share
   adam  CPU Adam throughput (params/s) of `zerotier.optim.adam_step`: fp32 grads, and the
         mixed form (bf16 grads in, bf16 params out); and each update rule's native variant per
         optimizer state dtype pair (fp32 grads, the engine's call and threads): the planner's
@@ -50,7 +52,7 @@ from .measure import (DEVICE_STEP_SIZES, QUICK_SIZES, SIZES, STATE_PAIRS, STEP_R
 FORMAT = 1
 SECTIONS = ("mem", "pcie", "io", "adam", "step", "compute")
 # progress-bar ticks per section (pcie, step: CUDA only)
-STEPS = {"mem": 2, "pcie": 4, "io": 3, "adam": 2 + len(STEP_RULES), "step": len(STEP_RULES), "compute": 2}
+STEPS = {"mem": 2, "pcie": 4, "io": 4, "adam": 2 + len(STEP_RULES), "step": len(STEP_RULES), "compute": 2}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,6 +151,9 @@ def format_table(results: dict[str, Any]) -> str:
         if io.get("overwrite_GBps"):
             rows.append(("nvme overwrite", f"{io['overwrite_GBps']:7.2f} GB/s  (a step's swap writes)"))
         rows.append(("nvme read", f"{io['read_GBps']:7.2f} GB/s"))
+        if io.get("cpu_share") is not None:
+            rows.append(("cpu slowdown under nvme", f"{100 * io['cpu_share']:6.1f} %     (all-core work while the drive "
+                                                    "reads and writes: the planner's nvme_cpu_share)"))
         if io.get("crc32c_GBps"):  # the checksum of every swap file, on the writing/reading thread
             rate = io.get("overwrite_GBps") or io["write_GBps"]   # a step's swap writes are overwrites
             rows.append(("swap checksum crc32c", f"{io['crc32c_GBps']:7.2f} GB/s  (one core; "
@@ -282,6 +287,11 @@ _FIGURES = {"pcie": {"h2d_pinned_GBps": 1e9, "d2h_pinned_GBps": 1e9},
 _RATE_RANGE = (1.0, 1e18)
 
 
+def _is_share(value: Any) -> bool:
+    """A slowdown fraction ([Note: the drive's CPU share]): from 0 (none) to 10 (eleven times slower)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 10.0
+
+
 def _is_rate(value: Any, factor: float) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and _RATE_RANGE[0] <= value * factor <= _RATE_RANGE[1])
@@ -302,6 +312,9 @@ def _check_entry(path: Path, host: str, entry: Any) -> None:
             if value is not None and not _is_rate(value, factor):
                 raise ConfigError(f"{where}.{section}.{field}: expected a measured rate, a number from "
                                   f"{_RATE_RANGE[0] / factor:g} to {_RATE_RANGE[1] / factor:g}, got {value!r}")
+        if section == "io" and figures.get("cpu_share") is not None and not _is_share(figures["cpu_share"]):
+            raise ConfigError(f"{where}.io.cpu_share: expected the measured slowdown, a number from 0 to 10, got "
+                              f"{figures['cpu_share']!r}")
         if section == "io" and not isinstance(figures.get("o_direct", False), bool):
             raise ConfigError(f"{where}.io.o_direct: expected true or false, got {figures['o_direct']!r}")
 
@@ -317,7 +330,8 @@ def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
     figures count read + write bytes: a copy of B bytes moves 2B (mem_copy is half of copy_);
     mem_read is the global norm's read pass, the engine's sum-of-squares kernel over B bytes
     (files written before it was measured: the in-place rate, else the copy's read + write bytes/s,
-    which a read-only pass of the same memory at least matches)."""
+    which a read-only pass of the same memory at least matches). nvme_cpu_share is a fraction, not a
+    rate: io's cpu_share ([Note: the drive's CPU share] in measure.py)."""
     if not entry:
         return None
     rates: dict[str, float] = {}
@@ -342,5 +356,7 @@ def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
         value = section.get(field)
         if _is_rate(value, factor) and (section is not io or io.get("o_direct")):
             rates[key] = float(value) * factor
+    if _is_share(io.get("cpu_share")) and io.get("o_direct"):  # [Note: the drive's CPU share]: a fraction
+        rates["nvme_cpu_share"] = float(io["cpu_share"])
     return rates or None
 

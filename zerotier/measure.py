@@ -193,6 +193,8 @@ def bench_io(directory: str | os.PathLike, nbytes: int, cfg=None, tick: Tick = _
                 tick("io: overwrite")
                 read_s = min(read() for _ in range(repeat))
                 tick("io: read")
+                cpu_share = _drive_cpu_share(eng, fd, path, nbytes, cfg)
+                tick("io: the drive's CPU share")
             finally:
                 os.close(fd)
         last = len(pieces) - 1  # the last `window` chunks are in the buffers: check full ones
@@ -212,7 +214,84 @@ def bench_io(directory: str | os.PathLike, nbytes: int, cfg=None, tick: Tick = _
     return {"path": os.path.abspath(os.fspath(directory)), "bytes": nbytes, "backend": backend,
             "o_direct": direct, "block_size": cfg.block_size, "queue_depth": cfg.queue_depth,
             "write_GBps": nbytes / write_s / 1e9, "overwrite_GBps": nbytes / overwrite_s / 1e9,
-            "read_GBps": nbytes / read_s / 1e9, "crc32c_GBps": crc_gbps}
+            "read_GBps": nbytes / read_s / 1e9, "crc32c_GBps": crc_gbps, "cpu_share": cpu_share}
+
+
+# [Note: the drive's CPU share]
+# Moving data over the drive costs CPU: the kernel's side of each request (on this VM's virtual disk,
+# the interrupts and completions), and the checksum zerotier computes over every swap file
+# (io.checksum, on the I/O thread). Measured on the 2-core VM in 2026-11: plain torch forward +
+# backward of a small GPT took 84.5 ms alone and 106-107 ms while the drive read (1.6 GB/s) or wrote
+# (2.5 GB/s) without pause in another thread: 26% slower, reading or writing alike. So `cpu_share` is
+# the fraction by which all-core CPU work (compute on a CPU device, CPU Adam on a GPU node) slows
+# while the drive moves data at its rate: a probe of all-core matmuls timed alone and beside a stream
+# of alternating reads and writes (checksummed as the store's are), alternately, medians; 0 where no
+# slowdown shows. The step model charges it ([Note: the drive's share of the cores] in
+# planner/task_graph.py).
+
+
+def _drive_cpu_share(eng, fd: int, path: str, nbytes: int, cfg, rounds: int = 5) -> float:
+    """[Note: the drive's CPU share] Slowdown of all-core matmuls while reads and writes stream."""
+    import statistics
+    import threading
+
+    import crc32c
+    import torch
+
+    from .io import aligned_empty
+
+    crc = crc32c.crc32c if cfg.checksum == "crc32c" else None  # as the store's files (tiers/nvme_files.py)
+    a, out = torch.randn(256, 256), torch.empty(256, 256)
+    runs = 1
+    while True:  # calibrate: a probe of about 0.1 s
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            torch.mm(a, a, out=out)
+        took = time.perf_counter() - t0
+        if took >= 0.02 or runs >= 1 << 20:
+            break
+        runs *= 4
+    runs = max(1, int(runs * 0.1 / max(took, 1e-9)))
+
+    def probe() -> float:
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            torch.mm(a, a, out=out)
+        return time.perf_counter() - t0
+
+    stop = threading.Event()
+    piece = min(4 << 20, nbytes)  # the store's requests: a few MB, several in flight (nbytes: aligned)
+    slots = [aligned_empty(piece, cfg.alignment) for _ in range(4)]
+    span = nbytes - piece + cfg.alignment
+
+    def stream() -> None:  # reads and writes in turn over the file, four requests in flight
+        k, inflight = 0, []
+        while not stop.is_set():
+            buf = slots[k % len(slots)]
+            off = (k * piece) % span // cfg.alignment * cfg.alignment
+            if len(inflight) == 4:
+                inflight.pop(0).wait()
+            if k % 2:
+                inflight.append(eng.read(fd, buf, off, path))
+            else:
+                if crc is not None:
+                    crc(buf.numpy())
+                inflight.append(eng.write(fd, buf, off, path))
+            k += 1
+        for ticket in inflight:
+            ticket.wait()
+
+    alone, beside = [], []
+    for _ in range(rounds):
+        alone.append(probe())
+        stop.clear()
+        worker = threading.Thread(target=stream, name="zerotier-bench-io-stream", daemon=True)
+        worker.start()
+        time.sleep(0.01)  # the stream under way
+        beside.append(probe())
+        stop.set()
+        worker.join()
+    return max(0.0, statistics.median(beside) / statistics.median(alone) - 1.0)
 
 
 def _check_transfer(got: int, want: int, op: str, path: str) -> None:

@@ -69,16 +69,18 @@ from ..tiers.homes import HOMES
 # Rates assumed when none were measured on this node (bytes/s, params/s, flop/s);
 # `zerotier bench` measures the real ones. Figures: GUIDE.md section 3 and PCIe 4 x16.
 DEFAULT_RATES = {"h2d": 20e9, "d2h": 20e9, "nvme_read": 7e9, "nvme_write": 4.5e9, "cpu_adam": 1.9e9,
-                 "device_adam": 50e9, "mem_copy": 5e9, "mem_read": 10e9}
+                 "device_adam": 50e9, "mem_copy": 5e9, "mem_read": 10e9,
+                 "nvme_cpu_share": 0.0}  # a fraction, not a rate ([Note: the drive's CPU share]): unmeasured, none
 DEVICE_ADAM_BYTES = 28  # fp32 master, m, v read and written, the gradient read: bytes per param per step
 
 COMPONENTS = ("forward", "backward", "params_h2d", "params_nvme", "grads_d2h", "grads_nvme", "grad_norm", "optimizer",
-              "optimizer_nvme", "optimizer_staging", "params_copyback", "speculation")  # Plan.breakdown's keys
+              "optimizer_nvme", "optimizer_staging", "params_copyback", "speculation",
+              "nvme_cpu")  # Plan.breakdown's keys; nvme_cpu: [Note: the drive's share of the cores]
 # bound-by groups of the alternatives table: component -> resource a user can change
 BOUND_BY = {"forward": "compute", "backward": "compute", "grad_norm": "compute",
             "params_h2d": "PCIe", "grads_d2h": "PCIe", "params_copyback": "PCIe",
             "optimizer_staging": "PCIe", "params_nvme": "NVMe", "grads_nvme": "NVMe", "optimizer_nvme": "NVMe", "optimizer": "CPU Adam",
-            "speculation": "CPU Adam"}
+            "speculation": "CPU Adam", "nvme_cpu": "NVMe"}
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,9 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
     else:
         norm_s = secs(norm_bytes * local_ranks, "mem_read")  # the node's memory bus
         norm_on = "cpu" if cuda else "compute"
+    io_share = rates.get("nvme_cpu_share", 0.0)  # [Note: the drive's share of the cores]
+    if io_share > 0 and any(u.fetch_nvme_s or u.grad_write_s or u.state_read_s or u.copyback_on == "nvme" for u in works):
+        used.append("nvme_cpu_share")
     shape = StepShape(lookahead=s.lookahead, pipeline_depth=s.pipeline_depth, accum_steps=options.accum_steps,
                       grad_writes=GradStore.nvme_writes_in_flight(), param_writes=ParamStore.writes_in_flight(s.lookahead),
                       clip=options.clip, unit_final=s.world_size == 1,  # overlap/base.py: not sharding.active
@@ -226,7 +231,7 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
                       speculative=speculated is not None, rollback=rollback,
                       state_on_nvme=any(u.state_read_s for u in works), alignment=s.alignment,
                       norm_s=norm_s, norm_on=norm_on,
-                      streamed=streamed, cpu_device=not cuda, device_sets=DeviceStaging.SETS)
+                      streamed=streamed, cpu_device=not cuda, device_sets=DeviceStaging.SETS, io_share=io_share)
     return simulate(works, shape), tuple(used)
 
 

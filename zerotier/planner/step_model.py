@@ -8,6 +8,7 @@ tasks it waits for, in the order the engine issues them:
   compute    each unit's forward and backward                    the compute stream / thread
   cpu        CPU Adam per unit (optimizer thread)                 its threads take every core
   nvme       parameter / gradient / optimizer-state reads and writes   one drive, shared by direction
+             (each takes a share of the cores as well: [Note: the drive's share of the cores] in task_graph.py)
   h2d, d2h   parameter fetches and copy-backs, gradient copies    one link per direction
 On a CPU device, compute and CPU Adam are the same cores: both run on `compute` (predict.py
 sets adam_on), so an early step does not overlap backward there; so do its copies
@@ -178,6 +179,8 @@ class StepShape:
     device_sets: int = 2         # DeviceStaging.SETS: device units in flight ([Note: the device step in the schedule])
     unit_final: bool = True      # the last backward hands each final unit to the overlap policy (prefetch,
                                  # early step, speculation); not over several ranks (Sharding.active)
+    io_share: float = 0.0        # the cores' slowdown while the drive moves data ([Note: the drive's share of the
+                                 # cores] in task_graph.py)
 
 
 @dataclass
@@ -446,7 +449,7 @@ class _Updates:
 
 def simulate(units: list[UnitWork], shape: StepShape, steps: int = 2) -> Schedule:
     """[Note: the step schedule] The steady-state step: `steps` steps back to back, the last one timed."""
-    g = TaskGraph(shape.cpu_device)
+    g = TaskGraph(shape.cpu_device, shape.io_share)
     home_write: dict[int, int] = {}
     step_end: int | None = None
     ends: list[int | None] = []

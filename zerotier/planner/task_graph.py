@@ -9,6 +9,15 @@ notices it there. When every poll ended earlier, the last one is where the threa
 forced point): the task starts as soon as `after` is done. So a device unit is retired at the first CPU
 update the optimizer thread ends after its staging out, or where the thread must wait for it ([Note: the
 device step in the schedule] in step_model.py). A poll must not depend on its polled task.
+
+[Note: the drive's share of the cores]
+While the drive moves data, all-core CPU work runs slower by `io_share` (`zerotier bench io`'s
+cpu_share, [Note: the drive's CPU share] in measure.py: the kernel's side of the requests and the
+swap files' checksums). So each NVMe task of s seconds brings a task of io_share x s seconds
+("nvme_cpu") on the cores' resource: `compute` on a CPU device (torch's threads and the "device"
+update take every core there), else `cpu` (the CPU Adam's threads). It follows its transfer (ready
+at the transfer's end, nothing waits for it): work on those cores that becomes ready while it runs
+waits behind it, as that work is slowed over the transfer; cores idle over the transfer absorb it.
 """
 from __future__ import annotations
 
@@ -16,9 +25,11 @@ import heapq
 
 
 class TaskGraph:
-    def __init__(self, cpu_device: bool = False):
+    def __init__(self, cpu_device: bool = False, io_share: float = 0.0):
         # [Note: a CPU device's copies take its cores]: the links are copies on compute's cores there
         self.alias = {"h2d": "compute", "d2h": "compute"} if cpu_device else {}
+        self.io_share = io_share                               # [Note: the drive's share of the cores]
+        self.cores = "compute" if cpu_device else "cpu"
         self.component: list[str] = []
         self.resource: list[str | None] = []
         self.seconds: list[float] = []
@@ -33,7 +44,10 @@ class TaskGraph:
         self.seconds.append(max(0.0, float(seconds)))
         self.after.append(tuple(a for a in after if a is not None))
         self.step.append(self.current_step)
-        return len(self.seconds) - 1
+        t = len(self.seconds) - 1
+        if resource == "nvme" and seconds > 0 and self.io_share > 0:  # [Note: the drive's share of the cores]
+            self.add("nvme_cpu", self.cores, self.io_share * seconds, (t,))
+        return t
 
     def add_polled(self, component: str, after=()) -> int:
         """A zero-second task noticed at the first of its polls after `after` ([Note: polled tasks]); the

@@ -49,11 +49,11 @@ def rollback_warning(rolled: int, windows: int, planned: float | None) -> str | 
 # The verdict names the component furthest from the plan in seconds: the one whose rate or
 # overlap the prediction got most wrong. Components the trace does not time (grad_norm: inside
 # the step, not a span of its own) are listed with the plan's figure only, as is the speculative
-# step's undo copies and restores (speculation: inside the optimizer's spans); its rollback rate
-# is compared beside ([Note: speculation counters], speculation_comparison).
+# step's undo copies and restores (speculation: inside the optimizer's spans) and the drive's share
+# of the cores (nvme_cpu: compute and Adam slowed, not a span); its rollback rate is compared beside ([Note: speculation counters], speculation_comparison).
 
 
-_UNTIMED = ("grad_norm", "speculation")  # plan components the trace has no span of
+_UNTIMED = ("grad_norm", "speculation", "nvme_cpu")  # plan components the trace has no span of
 
 
 def _component(t: dict) -> str | None:
