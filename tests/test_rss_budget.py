@@ -51,6 +51,20 @@ def test_freed_unit_sized_memory_leaves_the_process():
     assert retained < 8 * MiB, retained  # 159 MiB without the pin
 
 
+def test_the_planners_unit_timing_runs_under_the_engines_allocator():
+    """[Note: units timed under the engine's allocator] Measuring the units of a CPU plan pins glibc's
+    mmap threshold as the engine's host pool will: the same freed temporaries leave the process."""
+    setup = ("import torch\nfrom zerotier.models import TinyGPT\nfrom zerotier.planner import unit_timing\n"
+             "x = torch.randint(0, 64, (2, 8))\n"
+             "unit_timing.measure(TinyGPT(vocab=64, dim=32, layers=1, seq=8), (x, x), torch.device('cpu'), "
+             "torch.float32, repeat=1)\n")
+    script = setup + _RETENTION.replace("pool = HostPool(1 << 30, pin=False)  # [Note: heap bound]: pins the threshold",
+                                        "")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["retained"] < 8 * MiB
+
+
 def test_run_rss_growth_within_budgets(tmp_path):
     """A meta-built TinyGPT (dim 256, 2 layers), params, gradients and optimizer state on NVMe,
     host 256 MiB, device 128 MiB: initialize and two steps grow the process by at most the two

@@ -38,6 +38,17 @@ a process the slowest), against 45 ms for plain torch; the step prediction moved
 So the runs go on until they last MIN_TIMED_S together (at most MAX_RUNS): the large blocks of a
 real model take `repeat` runs as before, small ones enough for a median that holds.
 
+[Note: units timed under the engine's allocator]
+On a CPU device, compute's temporaries come from glibc's malloc, and the engine pins its mmap
+threshold at 4 MiB when it makes its host pool ([Note: heap bound] in tiers/host.py): from then
+on every temporary of 4 MiB or more (the quick GPT-2's logits, their gradient, the embedding's
+gradient: 60 MB a step) is a fresh mapping, page-faulted in on each use. Before the pin, glibc's
+threshold rises to the largest chunk freed and such temporaries are reused from the heap. Plain
+torch in an unpinned process measured 65 ms a step with 2 page faults; the engine's step of the
+same model 91-94 ms with 15,300 (1.8 us each on this VM), and plain torch after the pin faulted
+as often and ran as slowly. So `measure` pins the threshold first (`bound_heap`, as the engine
+will), and the units' times include what the engine's step pays for its temporaries.
+
 [Note: a block's inputs, fresh per run]
 A block may change an object among its inputs: a Hugging Face decoder layer appends its keys and
 values to the model's KV cache (`past_key_values`, on while `use_cache` is, the default), an
@@ -59,6 +70,7 @@ from torch.utils import _pytree as pytree
 from .activations import SavedBytes
 from .predict import UnitCompute
 from ..state import build_units, wrapped_modules
+from ..tiers.host import bound_heap
 
 
 MIN_TIMED_S = 0.25  # [Note: timing small units]: a block's timed runs last at least this long together
@@ -73,6 +85,8 @@ def _enough(fwd: list[float], bwd: list[float], repeat: int) -> bool:
 def measure(model: torch.nn.Module, inputs: tuple | Callable[[], tuple], device: torch.device,
             dtype: torch.dtype, wrap="auto", repeat: int = 3) -> UnitCompute:
     """[Note: measuring units] Forward and backward seconds of every unit for one micro-batch."""
+    if device.type == "cpu":
+        bound_heap()  # [Note: units timed under the engine's allocator]
     args = inputs() if callable(inputs) else inputs
     if not isinstance(args, tuple):
         args = (args,)

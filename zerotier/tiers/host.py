@@ -77,6 +77,8 @@ the same run (pinned at 1 MiB) keeps 11 MB of free heap, RSS 309 MB, initialize'
 unmapped every op (TinyGPT 768 x 6 layers, batch 4 x 128, median step 8.0 s -> 10.8-16.4 s;
 at 4 MiB 7.6-9.6 s: noise on this loaded machine). benchmarks/bench_rss_budget.py;
 docs/tiers.md § RSS beyond the budgets. A threshold the user set (MALLOC_MMAP_THRESHOLD_) is kept.
+The planner's unit timing pins it too, so its compute pays what the step's temporaries cost here
+([Note: units timed under the engine's allocator] in planner/unit_timing.py).
 """
 from __future__ import annotations
 
