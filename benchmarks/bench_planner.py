@@ -5,11 +5,11 @@ clipping x accumulation.
     python benchmarks/bench_planner.py                         # every case, GPT-2-small-like widths
     python benchmarks/bench_planner.py --models gpt2 --placements device opt-nvme --dtypes fp32 --accum 1 4
 
-Each case, each round: the node's rates measured by `zerotier bench` (quick), then
-`zerotier.plan(meta_model, config, inputs=batch, rates=...)` (compute measured one unit at a time,
-[Note: measuring units]), then the engine trains the same shape on the same batch for `--steps`
-steps (profiling on), and the median step after the first two (the trace is recorded in step 1)
-is compared with the prediction. The component furthest from the plan comes from the profile
+Each case, each round: the engine trains the model on one batch for `--steps` steps (profiling
+on); half-way, while it waits, the node's rates are measured by `zerotier bench` (quick) and
+`zerotier.plan(meta_model, config, inputs=batch, rates=...)` predicts the step (compute measured
+one unit at a time, [Note: measuring units]); the median step after the first two (the trace is
+recorded in step 1) is compared with the prediction. The component furthest from the plan comes from the profile
 ([Note: measured against the plan]).
 
 [Note: rounds, not one run]
@@ -17,7 +17,8 @@ This 2-core VM's speed moves by 20-50% from one minute to the next with nothing 
 (plain torch's forward and backward of the quick GPT-2, alone, measured 22/41 ms in one minute and
 32/62 ms in the next), so a prediction made from rates of a minute ago and a step measured now
 disagree by that much whatever the model gets right. So each comparison is of figures taken
-together (the case's rates, its plan and its steps, within seconds), and the cases go round
+together (the case's rates and its plan are measured half-way through its steps, within seconds
+of them, the engine waiting), and the cases go round
 `--rounds` times (every case in a round, then the next round: a slow minute lands in one round of
 each case, not in every round of one), each case judged by the median of its rounds' errors.
 """
@@ -151,20 +152,25 @@ def run_case(name, factory, vocab, seq, placement, dtype, clip, accum, args, nvm
            "precision": {"param_dtype": dtype}, "train": {"grad_accum_steps": accum, "handle_signals": False,
                                                           "max_grad_norm": 1.0 if clip else None},
            "profile": {"enabled": True, "record_function": False}}
-    rates = measure_rates(nvme_path)
-    plan = zerotier.plan(factory("meta"), cfg, inputs=(x, y), rates=rates, repeat=args.repeat)
     torch.manual_seed(0)
     model = factory("meta")
     times = []
     with zerotier.initialize(model, cfg, init_fn=init_fn) as engine:
-        for step in range(args.steps):
-            t0 = time.perf_counter()
-            for _ in range(accum):
-                engine.backward(engine(x, y))
-                engine.step()
-            times.append(time.perf_counter() - t0)
+        def steps(n):
+            for _ in range(n):
+                t0 = time.perf_counter()
+                for _ in range(accum):
+                    engine.backward(engine(x, y))
+                    engine.step()
+                times.append(time.perf_counter() - t0)
+
+        steps(args.steps // 2)
+        engine.synchronize()  # its write-backs done: the drive is the bench's alone
+        rates = measure_rates(nvme_path)  # [Note: rounds, not one run]: between the steps it is compared with
+        plan = zerotier.plan(factory("meta"), cfg, inputs=(x, y), rates=rates, repeat=args.repeat)
+        steps(args.steps - args.steps // 2)
         trace = engine.profiler.trace()
-    measured = statistics.median(times[2:])
+    measured = statistics.median(times[2:])  # the first two: warm-up (the trace is recorded in step 1)
     _, line = plan_comparison(trace, plan.to_dict())
     return {"model": name, "placement": placement, "dtype": dtype, "clip": clip, "accum": accum,
             "predicted_s": plan.predicted_step_s, "measured_s": measured,
@@ -181,8 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"))
     p.add_argument("--clip", nargs="+", choices=("off", "on"))
     p.add_argument("--accum", nargs="+", type=int)
-    p.add_argument("--steps", type=int, default=8, help="steps per case and round; the median is over steps 3.. "
-                   "(default 8)")
+    p.add_argument("--steps", type=int, default=12, help="steps per case and round, half before the rates and the "
+                   "plan are measured, half after; the median is over steps 3.. (default 12)")
     p.add_argument("--rounds", type=int, default=3, help="times round every case, each with its own rates, plan and "
                    "steps; a case's error is the median of its rounds' ([Note: rounds, not one run]; default 3)")
     p.add_argument("--batch", type=int, default=4)

@@ -104,14 +104,15 @@ def test_planner_uses_loaded_rates(bench_file):
                          Node(torch.device("cpu"), budgets={"device": 10**12, "host": 10**12, "nvme": 0}))
 
     assumed = plan()
-    assert assumed.rate_sources == {"cpu_adam": "default", "mem_read": "default"}
+    assert assumed.rate_sources == {"mem_copy": "default", "cpu_adam": "default", "mem_read": "default"}
     assert assumed.to_dict()["predicted_step_s"] is None
-    bench.save({"adam": {"fp32_params_per_s": 1e7}, "mem": {"sumsq_GBps": 40000.0}})
+    bench.save({"adam": {"fp32_params_per_s": 1e7}, "mem": {"sumsq_GBps": 40000.0, "copy_GBps": 20000.0}})
     measured = plan()
-    assert measured.rate_sources == {"cpu_adam": "measured", "mem_read": "measured"}
-    # 1e7 params at 1e7 params/s, after the global norm: 40 MB of gradients at 4e13 B/s
-    assert measured.predicted_step_s == pytest.approx(1.0 + 1e-6)
-    assert measured.to_dict()["predicted_step_s"] == pytest.approx(1.0 + 1e-6)
+    assert measured.rate_sources == {"mem_copy": "measured", "cpu_adam": "measured", "mem_read": "measured"}
+    # the hook's copy of 40 MB of fresh gradients at mem_copy (1e13 B/s: 4 us), then 1e7 params at 1e7
+    # params/s, after the global norm: 40 MB of gradients at 4e13 B/s
+    assert measured.predicted_step_s == pytest.approx(1.0 + 5e-6)
+    assert measured.to_dict()["predicted_step_s"] == pytest.approx(1.0 + 5e-6)
     assert "cpu_adam measured" in measured.summary()
 
 

@@ -174,13 +174,17 @@ def test_auto_uses_nvme_when_host_is_short():
 # --- step-time prediction depends on the rates --------------------------------------------------
 
 def test_prediction_scales_with_rates_and_labels_them():
-    # the global norm reads 4 MB of gradients at mem_read (4e12 B/s: 1 us) before the update
-    slow = plan([10**6], offload={"optimizer": "host"}, rates={"cpu_adam": 1e6, "mem_read": 4e12})
-    fast = plan([10**6], offload={"optimizer": "host"}, rates={"cpu_adam": 1e9, "mem_read": 4e12})
-    assert slow.predicted_step_s == pytest.approx(1.0 + 1e-6) and fast.predicted_step_s == pytest.approx(1e-3 + 1e-6)
-    assert slow.rate_sources == {"cpu_adam": "given", "mem_read": "given"}
+    # the hook copies each fresh gradient (2 MB of bf16) into the gradients' accumulator at mem_copy (2e12
+    # B/s: 1 us; a CPU device's "device" gradients too), and the global norm reads 4 MB of fp32 gradients at
+    # mem_read (4e12 B/s: 1 us) before the update
+    given = {"mem_read": 4e12, "mem_copy": 2e12}
+    slow = plan([10**6], offload={"optimizer": "host"}, rates={"cpu_adam": 1e6, **given})
+    fast = plan([10**6], offload={"optimizer": "host"}, rates={"cpu_adam": 1e9, **given})
+    assert slow.predicted_step_s == pytest.approx(1.0 + 2e-6) and fast.predicted_step_s == pytest.approx(1e-3 + 2e-6)
+    assert slow.rate_sources == {"mem_copy": "given", "cpu_adam": "given", "mem_read": "given"}
     unmeasured = plan([10**6], offload={"optimizer": "host"})
-    assert unmeasured.rate_sources == {"cpu_adam": "default", "mem_read": "default"} and not unmeasured.rates_measured
+    assert unmeasured.rate_sources == {"mem_copy": "default", "cpu_adam": "default", "mem_read": "default"}
+    assert not unmeasured.rates_measured
     assert unmeasured.to_dict()["predicted_step_s"] is None
     assert "run `zerotier bench` for a step-time prediction" in unmeasured.summary()
 

@@ -179,8 +179,8 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             if params_at.read_rate:  # from a drive (ranks per node share it), then over the link
                 w["fetch_nvme_s"] = secs(s.lp_bytes * p_shard * local_ranks, params_at.read_rate)
         if is_trainable:
-            if not grads_at.on_device:  # the fresh gradient leaves the device (a CPU device: a copy)
-                w["grad_d2h_s"] = secs(s.lp_bytes * n, link_out)
+            if not grads_at.on_device or not cuda:  # the fresh gradient leaves the device (a CPU device: a copy,
+                w["grad_d2h_s"] = secs(s.lp_bytes * n, link_out)  # into device gradients' accumulator too)
             if grads_at.write_rate:
                 w["grad_write_s"] = secs(s.grad_bytes * g_shard * local_ranks, grads_at.write_rate)
                 w["grad_read_s"] = secs(s.grad_bytes * g_shard * local_ranks, grads_at.read_rate)

@@ -16,8 +16,9 @@ sets adam_on), so an early step does not overlap backward there; so do its copie
 
 [Note: a CPU device's copies take its cores]
 On a CPU device the "link" between host and device memory is a memory copy made by a thread:
-the compute thread itself for a gradient (copied or added into its host accumulator inside
-the backward hook: grads_memory.py / grads_nvme.py `accumulate`), a fetch worker for a
+the compute thread itself for a gradient (copied or added into its accumulator inside the
+backward hook: grads_memory.py / grads_nvme.py `accumulate`; gradients kept on the "device" are
+copied into theirs the same way), a fetch worker for a
 prefetched parameter (params.py; a demand fetch: the compute thread). torch's intra-op threads
 already take every core for compute, so such a copy does not run beside compute, as a DMA
 engine does on a GPU: it takes the cores compute uses for its duration. With
