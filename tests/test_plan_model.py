@@ -194,6 +194,22 @@ def test_bench_compute_section_times_a_matmul():
     assert "matmul fp32" in format_table({"compute": out})
 
 
+def test_the_optimizers_reads_count_where_the_plan_counts_them():
+    """[Note: measured against the plan]: the optimizer's read of a gradient file is the plan's grads_nvme
+    (gradients on NVMe: bench_planner's grads-nvme case showed 18-24 ms of optimizer_nvme against a
+    plan of none), and the device step's host<->device copies are its optimizer_staging."""
+    from zerotier.profiler.versus_plan import _component
+
+    def t(role, src, dst, reason="optimizer-read"):
+        return {"role": role, "src": src, "dst": dst, "reason": reason}
+    assert _component(t("grad", "nvme", "host")) == "grads_nvme"
+    assert _component(t("exp_avg", "nvme", "host")) == "optimizer_nvme"
+    assert _component(t("exp_avg", "host", "nvme", "optimizer-write")) == "optimizer_nvme"
+    assert _component(t("exp_avg", "host", "device")) == "optimizer_staging"
+    assert _component(t("grad", "host", "device")) == "optimizer_staging"
+    assert _component(t("exp_avg", "device", "host", "optimizer-write")) == "optimizer_staging"
+
+
 def test_profile_puts_each_component_beside_the_plan_and_names_the_furthest(tmp_path):
     """[Note: measured against the plan]: a crafted step of forward 10 ms, backward 20 ms, an NVMe
     optimizer-state read of 3 ms and write of 4 ms around 3 ms of Adam; the plan expected the drive

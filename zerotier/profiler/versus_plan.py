@@ -41,8 +41,10 @@ def rollback_warning(rolled: int, windows: int, planned: float | None) -> str | 
 # the same work measured in the trace, per step (the window's totals over its steps):
 #   forward / backward / optimizer   compute spans of that kind (optimizer: CPU or device)
 #   params_h2d / params_nvme         prefetch and demand transfers: to the device / from nvme
-#   grads_d2h / grads_nvme           grad-offload transfers: device->host / to or from nvme
-#   optimizer_nvme                   optimizer-read and optimizer-write transfers
+#   grads_d2h / grads_nvme           grad-offload transfers: device->host / to or from nvme; and the
+#                                    optimizer's read of a gradient file (optimizer-read, role grad)
+#   optimizer_nvme                   optimizer-read and optimizer-write transfers of the state to/from nvme
+#   optimizer_staging                the same between host and device (the device step's staging)
 #   params_copyback                  param-copyback transfers
 # Transfer seconds are the union of their spans (concurrent transfers count once), so a
 # component's figure is the time its resource was busy with it, as the plan's seconds are.
@@ -63,7 +65,9 @@ def _component(t: dict) -> str | None:
     if reason == "grad-offload":
         return "grads_nvme" if "nvme" in (src, dst) else "grads_d2h"
     if reason in ("optimizer-read", "optimizer-write"):
-        return "optimizer_nvme"
+        if "nvme" not in (src, dst):  # the device step's copies ([Note: the device step in the schedule])
+            return "optimizer_staging"
+        return "grads_nvme" if t.get("role") == "grad" else "optimizer_nvme"  # a gradient read from its file
     if reason == "param-copyback":
         return "params_nvme" if dst == "nvme" else "params_copyback"
     return None
