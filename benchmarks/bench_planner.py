@@ -135,8 +135,10 @@ def init_fn(module):
 def measure_rates(nvme_path: str) -> dict:
     """The node's rates now ([Note: rounds, not one run]): `zerotier bench --quick`, a few seconds."""
     from zerotier import bench
+    from zerotier.engine import overhead
 
-    return bench.entry_rates(bench.run(bench.SECTIONS, quick=True, path=nvme_path, progress=lambda _: None))
+    return bench.entry_rates(bench.run(bench.SECTIONS + (bench.ENGINE,), quick=True, path=nvme_path,
+                                       progress=lambda _: None, engine=overhead.measure))
 
 
 def run_case(name, factory, vocab, seq, placement, dtype, clip, accum, args, nvme_path):

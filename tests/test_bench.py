@@ -70,6 +70,24 @@ def test_the_drives_cpu_share_is_measured_and_becomes_the_planners(tmp_path, ben
         bench.rates_from_file(bench_file)  # a file the user names is checked strictly
 
 
+def test_the_engines_own_time_is_measured_and_becomes_the_planners(bench_file):
+    """[Note: the engine's own time]: `bench engine` times the engine's forward and backward against plain
+    torch's on a small TinyGPT, per unit; the planner reads them (checked as seconds, 0 to 1)."""
+    from zerotier.engine import overhead
+
+    out = bench.run((bench.ENGINE,), engine=overhead.measure, quick=True, progress=lambda _: None)["engine"]
+    assert out["units"] == overhead.LAYERS + 1 and out["plain_forward_s"] > 0 and out["plain_backward_s"] > 0
+    assert 0.0 <= out["forward_per_unit_s"] < 1.0 and 0.0 <= out["backward_per_unit_s"] < 1.0
+    assert "engine backward, per unit" in bench.format_table({"engine": out})
+    bench.save({"engine": {**out, "forward_per_unit_s": 0.001, "backward_per_unit_s": 0.002}})
+    assert (bench.load_rates()["engine_forward_s"], bench.load_rates()["engine_backward_s"]) == (0.001, 0.002)
+    bench.save({"engine": {**out, "backward_per_unit_s": 5.0}})
+    with pytest.raises(ConfigError, match=r"engine\.backward_per_unit_s: expected the measured seconds per unit"):
+        bench.rates_from_file(bench_file)
+    with pytest.raises(ValueError, match="measured by the engine's own function"):
+        bench.run((bench.ENGINE,))
+
+
 def test_save_and_load_rates_round_trip(bench_file):
     assert bench.load_rates() is None
     results = {"io": {"read_GBps": 7.5, "write_GBps": 4.0, "o_direct": True, "path": "/x"},

@@ -81,6 +81,29 @@ def test_auto_takes_the_fastest_placement_that_fits_not_the_first():
     assert all(r["tiers"]["host"] <= budgets["host"] for r in plan.alternatives)  # only what fits
 
 
+def test_a_cpu_devices_units_carry_the_engines_own_time():
+    """[Note: the engine's own time]: `zerotier bench engine`'s seconds per unit are added to each unit's
+    forward and backward on a CPU device (the hooks take compute's cores there), not on a CUDA device.
+    Two units of 10 + 20 ms, all on the device: 2 x (1 + 2) ms more compute, the step 6 ms longer."""
+    numels = [100_000] * 2
+    compute = UnitCompute((0.01,) * 2, (0.02,) * 2, (False,) * 2)
+    rates = {"cpu_adam": 1e12, "mem_copy": 1e15, "mem_read": 1e15}
+    offload = OffloadConfig(params="device", gradients="device", optimizer="device")
+
+    def plan(device, **extra):
+        return make_plan(ModelFacts.of_sizes(numels, compute=compute), PlanConfig(offload=offload),
+                         Node(torch.device(device), budgets={"device": 10**9, "host": 10**9, "nvme": 0},
+                              rates={**rates, **extra}))
+    plain = plan("cpu")
+    own = plan("cpu", engine_forward_s=0.001, engine_backward_s=0.002)
+    assert own.breakdown["forward"] == pytest.approx(plain.breakdown["forward"] + 0.002)
+    assert own.breakdown["backward"] == pytest.approx(plain.breakdown["backward"] + 0.004)
+    assert own.predicted_step_s == pytest.approx(plain.predicted_step_s + 0.006)
+    assert own.rate_sources["engine_forward_s"] == "given" and "engine_forward_s" not in plain.rate_sources
+    cuda = plan("cuda", engine_forward_s=0.001, engine_backward_s=0.002)
+    assert cuda.predicted_step_s == pytest.approx(plan("cuda").predicted_step_s)  # hidden under the device's queue
+
+
 def test_cli_plan_with_inputs_prints_the_step_and_the_alternatives(bench_file, tmp_path):
     (tmp_path / "tinyplan.py").write_text(textwrap.dedent("""
         import torch

@@ -20,6 +20,10 @@ Sections (each a function returning a dict of figures; GB = 1e9 bytes):
         the planner keeps every update there on the CPU)
   compute  the compute device's dense matmul rate (flop/s, fp32 and bf16): what `zerotier plan
         --rates FILE` scales measured unit times by ([Note: another node's rates] in planning.py)
+  engine  the engine's own host time per unit in a forward and a backward ([Note: the engine's own
+        time] in engine/overhead.py): the planner's engine_forward_s / engine_backward_s. Measured
+        by the engine's function, which the caller passes (`run(..., engine=...)`: the CLI does);
+        not in SECTIONS, the ones this module measures by itself
 
 Results are merged into a JSON file, per host (a home directory may be shared by nodes):
 
@@ -43,7 +47,7 @@ import time
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import ConfigError
 from .measure import (DEVICE_STEP_SIZES, QUICK_SIZES, SIZES, STATE_PAIRS, STEP_RULES, Tick, adam_numel, bench_adam,
@@ -51,8 +55,9 @@ from .measure import (DEVICE_STEP_SIZES, QUICK_SIZES, SIZES, STATE_PAIRS, STEP_R
 
 FORMAT = 1
 SECTIONS = ("mem", "pcie", "io", "adam", "step", "compute")
+ENGINE = "engine"  # measured by engine/overhead.py's `measure`, given to run() by its caller
 # progress-bar ticks per section (pcie, step: CUDA only)
-STEPS = {"mem": 2, "pcie": 4, "io": 4, "adam": 2 + len(STEP_RULES), "step": len(STEP_RULES), "compute": 2}
+STEPS = {"mem": 2, "pcie": 4, "io": 4, "adam": 2 + len(STEP_RULES), "step": len(STEP_RULES), "compute": 2, ENGINE: 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,10 +92,12 @@ class Progress:
 
 
 def run(sections: tuple[str, ...] = SECTIONS, *, size: int | None = None, params: int | None = None,
-        quick: bool = False, path: str | os.PathLike = ".", progress: Tick | None = None) -> dict[str, Any]:
+        quick: bool = False, path: str | os.PathLike = ".", progress: Tick | None = None,
+        engine: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
     """Measure `sections`; returns {section: figures} (pcie, step: None without CUDA).
 
-    size: bytes for mem/pcie/io (default SIZES, or QUICK_SIZES with quick); params: Adam numel.
+    size: bytes for mem/pcie/io (default SIZES, or QUICK_SIZES with quick); params: Adam numel;
+    engine: the measuring function of the ENGINE section (zerotier.engine.overhead.measure).
     """
     import torch
 
@@ -114,6 +121,11 @@ def run(sections: tuple[str, ...] = SECTIONS, *, size: int | None = None, params
                                                 tick=tick)
         elif section == "compute":
             results["compute"] = bench_compute(table["compute"], repeat=3, tick=tick)
+        elif section == ENGINE:
+            if engine is None:
+                raise ValueError("bench section 'engine' is measured by the engine's own function: "
+                                 "run(..., engine=zerotier.engine.overhead.measure)")
+            results[ENGINE] = engine(rounds=7 if quick else 15, tick=tick)
         else:
             raise ValueError(f"unknown bench section {section!r}; choose from {', '.join(SECTIONS)}")
     return results
@@ -181,6 +193,11 @@ def format_table(results: dict[str, Any]) -> str:
         note = f"({compute['side']}^2 matmul on {compute['device']})"
         rows += [("matmul fp32", f"{compute['fp32_flops'] / 1e12:7.3f} TFLOP/s  {note}"),
                  ("matmul bf16", f"{compute['bf16_flops'] / 1e12:7.3f} TFLOP/s")]
+    eng = results.get(ENGINE)
+    if eng:
+        note = f"(a unit of a {eng['units']}-unit TinyGPT, engine minus plain torch, {eng['threads']} threads)"
+        rows += [("engine forward, per unit", f"{eng['forward_per_unit_s'] * 1e3:7.3f} ms  {note}"),
+                 ("engine backward, per unit", f"{eng['backward_per_unit_s'] * 1e3:7.3f} ms")]
     width = max((len(k) for k, _ in rows), default=0)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -281,10 +298,16 @@ _FIGURES = {"pcie": {"h2d_pinned_GBps": 1e9, "d2h_pinned_GBps": 1e9},
             "mem": {"copy_GBps": 0.5e9, "inplace_GBps": 1e9, "sumsq_GBps": 1e9},
             "adam": {"fp32_params_per_s": 1.0, **{f"{r}_{m}_{mo}_params_per_s": 1.0 for r, m, mo in _rule_pairs()}},
             "step": {f"{r}_{m}_{mo}_GBps": 1e9 for r, m, mo in _rule_pairs()},
-            "compute": {"fp32_flops": 1.0, "bf16_flops": 1.0}}
+            "compute": {"fp32_flops": 1.0, "bf16_flops": 1.0},
+            ENGINE: {}}  # seconds per unit, not rates: checked by _is_unit_seconds
 # A figure is a number whose rate lies in this range (1 to 10^18 per second): outside it a
 # prediction is 0 s or overflows.
 _RATE_RANGE = (1.0, 1e18)
+
+
+def _is_unit_seconds(value: Any) -> bool:
+    """The engine's own time per unit ([Note: the engine's own time]): from 0 to 1 s."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
 
 
 def _is_share(value: Any) -> bool:
@@ -312,6 +335,11 @@ def _check_entry(path: Path, host: str, entry: Any) -> None:
             if value is not None and not _is_rate(value, factor):
                 raise ConfigError(f"{where}.{section}.{field}: expected a measured rate, a number from "
                                   f"{_RATE_RANGE[0] / factor:g} to {_RATE_RANGE[1] / factor:g}, got {value!r}")
+        if section == ENGINE:
+            for field in ("forward_per_unit_s", "backward_per_unit_s"):
+                if figures.get(field) is not None and not _is_unit_seconds(figures[field]):
+                    raise ConfigError(f"{where}.engine.{field}: expected the measured seconds per unit, a number "
+                                      f"from 0 to 1, got {figures[field]!r}")
         if section == "io" and figures.get("cpu_share") is not None and not _is_share(figures["cpu_share"]):
             raise ConfigError(f"{where}.io.cpu_share: expected the measured slowdown, a number from 0 to 10, got "
                               f"{figures['cpu_share']!r}")
@@ -358,5 +386,9 @@ def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
             rates[key] = float(value) * factor
     if _is_share(io.get("cpu_share")) and io.get("o_direct"):  # [Note: the drive's CPU share]: a fraction
         rates["nvme_cpu_share"] = float(io["cpu_share"])
+    engine = entry.get(ENGINE) if isinstance(entry.get(ENGINE), dict) else {}
+    for key, field in (("engine_forward_s", "forward_per_unit_s"), ("engine_backward_s", "backward_per_unit_s")):
+        if _is_unit_seconds(engine.get(field)):  # [Note: the engine's own time] in engine/overhead.py
+            rates[key] = float(engine[field])
     return rates or None
 

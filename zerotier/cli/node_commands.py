@@ -108,11 +108,14 @@ def print_rows(rows: list[tuple[str, str]]) -> None:
 
 
 def bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", nargs="?", default="all", choices=("all", "mem", "pcie", "io", "adam", "step", "compute"),
+    parser.add_argument("what", nargs="?", default="all",
+                        choices=("all", "mem", "pcie", "io", "adam", "step", "compute", "engine"),
                         help="what to measure: all (default), mem (memory bandwidth), pcie (host<->GPU "
-                             "copies), io (NVMe read/write with zerotier's engine), adam (CPU Adam, per "
-                             "optimizer state dtype), step (the optimizer update on the GPU, per state dtype), compute "
-                             "(matmul rate of the compute device: `zerotier plan --rates` scales unit times by it)")
+                             "copies), io (NVMe read/write with zerotier's engine, and how much it slows the CPU), "
+                             "adam (CPU Adam, per optimizer state dtype), step (the optimizer update on the GPU, per "
+                             "state dtype), compute (matmul rate of the compute device: `zerotier plan --rates` "
+                             "scales unit times by it), engine (the engine's own host time per unit, which a CPU "
+                             "device's step adds to compute)")
     parser.add_argument("--path", "--nvme-path", dest="path", default=".", metavar="DIR",
                         help="directory on the drive to test; a temp subdir is made and removed "
                              "(default: the current directory)")
@@ -132,16 +135,18 @@ def bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from zerotier import bench
+    from zerotier.engine import overhead
     from zerotier.units import parse_size
 
-    sections = bench.SECTIONS if args.what == "all" else (args.what,)
+    sections = bench.SECTIONS + (bench.ENGINE,) if args.what == "all" else (args.what,)
     size = parse_size(args.size, "--size") if args.size is not None else None
     if size == 0:
         raise ZerotierError("--size: must be > 0")
     params = parameter_count(args.params) if args.params is not None else None
     if "io" in sections:
         _check_writable_dir(args.path, "--path/--nvme-path")
-    results = bench.run(sections, size=size, params=params, quick=args.quick, path=args.path)
+    results = bench.run(sections, size=size, params=params, quick=args.quick, path=args.path,
+                        engine=overhead.measure)
     if args.json:
         print(json.dumps(results[args.what] if args.what != "all" else results, indent=2))
     else:

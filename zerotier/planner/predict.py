@@ -166,13 +166,19 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
                             grads_on_device=grads_at.on_device, params_on_device=params_at.on_device,
                             params_in_place=in_place,
                             local_ranks=local_ranks, cpu_key=cpu_key, device_key=device_key)
+    # [Note: the engine's own time] (engine/overhead.py): its hooks' host time per unit, on a CPU device's cores
+    engine_f, engine_b = (0.0, 0.0) if cuda or not compute else \
+        (rates.get("engine_forward_s", 0.0), rates.get("engine_backward_s", 0.0))
+    for key, value in (("engine_forward_s", engine_f), ("engine_backward_s", engine_b)):
+        if value > 0:
+            used.append(key)
     for i, n in enumerate(numels):
         is_trainable = i < len(trainable)
         p_shard, g_shard, o_shard = (s.held_shard(n, kind) for kind in ("params", "gradients", "optimizer"))
         unit_opt = HOMES[optimizer_units[i]] if optimizer_units and is_trainable else opt_at
         device_step = is_trainable and i < len(options.on_device) and options.on_device[i] and not unit_opt.on_device
-        w = dict(forward_s=compute.forward_s[i] if compute else 0.0,
-                 backward_s=compute.backward_s[i] if compute else 0.0,
+        w = dict(forward_s=compute.forward_s[i] + engine_f if compute else 0.0,
+                 backward_s=compute.backward_s[i] + engine_b if compute else 0.0,
                  encloses=bool(compute and compute.encloses[i]), trainable=is_trainable)
         if streamed:
             w["fetch_h2d_s"] = secs(s.lp_bytes * n, link_in)
