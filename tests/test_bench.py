@@ -165,6 +165,18 @@ def test_progress_bar_counts_to_total():
     assert lines[1].startswith("zerotier bench: 100%|") and "2/2" in lines[1]
 
 
+def test_each_section_ticks_as_often_as_its_bar_counts(tmp_path):
+    """STEPS is each section's share of the bar: a section ticking more (the memory section's third tick,
+    the sum of squares, once ran past a bar of 2) draws a bar past 100%."""
+    from zerotier.engine import overhead
+
+    for section in ("mem", "io", "adam", "compute", bench.ENGINE):
+        ticks = []
+        bench.run((section,), size=1 << 20, params=100_000, quick=True, path=tmp_path, progress=ticks.append,
+                  engine=overhead.measure)
+        assert len(ticks) == bench.STEPS[section], (section, ticks)
+
+
 def test_progress_bar_on_a_terminal_is_tqdms():
     import io
 

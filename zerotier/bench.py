@@ -57,7 +57,7 @@ FORMAT = 1
 SECTIONS = ("mem", "pcie", "io", "adam", "step", "compute")
 ENGINE = "engine"  # measured by engine/overhead.py's `measure`, given to run() by its caller
 # progress-bar ticks per section (pcie, step: CUDA only)
-STEPS = {"mem": 2, "pcie": 4, "io": 4, "adam": 2 + len(STEP_RULES), "step": len(STEP_RULES), "compute": 2, ENGINE: 1}
+STEPS = {"mem": 3, "pcie": 4, "io": 4, "adam": 2 + len(STEP_RULES), "step": len(STEP_RULES), "compute": 2, ENGINE: 1}
 
 
 # ---------------------------------------------------------------------------------------------
