@@ -199,10 +199,10 @@ def test_pcie_without_cuda_is_skipped_with_a_note_and_no_progress_bar(monkeypatc
     assert bench.run(("pcie",)) == {"pcie": None}
     assert capsys.readouterr().err == ""
     assert "skipped: no CUDA" in bench.format_table({"pcie": None})
-    monkeypatch.setattr(bench, "bench_memory", lambda *a, tick, **k: (tick("m1"), tick("m2"), {})[-1])
+    monkeypatch.setattr(bench, "bench_memory", lambda *a, tick, **k: (tick("m1"), tick("m2"), tick("m3"), {})[-1])
     bench.run(("mem", "pcie"))
     err = capsys.readouterr().err
-    assert "2/2" in err and "pcie" not in err and "/6" not in err
+    assert "3/3" in err and "pcie" not in err and "/7" not in err
 
 
 @pytest.mark.cuda

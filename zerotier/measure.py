@@ -227,8 +227,8 @@ def bench_io(directory: str | os.PathLike, nbytes: int, cfg=None, tick: Tick = _
 # while the drive moves data at its rate: a probe of all-core matmuls timed alone and beside a stream
 # of alternating reads and writes (checksummed as the store's are), in turn, the median of the pairs'
 # ratios; 0 where no slowdown shows. Matmuls and the quick GPT-2's forward + backward as the probe
-# agree here (0.27 and 0.26 without checksums, 0.34 and 0.36 with them). The step model charges it ([Note: the drive's share of the cores] in
-# planner/task_graph.py).
+# agree here (0.27 and 0.26 without checksums, 0.34 and 0.36 with them). The step model charges it
+# ([Note: the drive's share of the cores] in planner/task_graph.py).
 
 
 def _drive_cpu_share(eng, fd: int, path: str, nbytes: int, cfg, rounds: int = 7) -> float:
