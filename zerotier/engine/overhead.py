@@ -54,23 +54,20 @@ def measure(rounds: int = 15, tick: Callable[[str], None] = lambda _: None) -> d
     try:
         units = len(engine.units)
 
-        def plain_pass() -> tuple[float, float]:
+        def timed(forward, backward, clear) -> tuple[float, float]:
             t0 = time.perf_counter()
-            loss = plain(x, x)
+            loss = forward()
             t1 = time.perf_counter()
-            loss.backward()
+            backward(loss)
             t2 = time.perf_counter()
-            plain.zero_grad(set_to_none=True)
+            clear()
             return t1 - t0, t2 - t1
 
+        def plain_pass() -> tuple[float, float]:
+            return timed(lambda: plain(x, x), lambda loss: loss.backward(), lambda: plain.zero_grad(set_to_none=True))
+
         def engine_pass() -> tuple[float, float]:
-            t0 = time.perf_counter()
-            loss = engine(x, x)
-            t1 = time.perf_counter()
-            engine.backward(loss)
-            t2 = time.perf_counter()
-            engine.zero_grad()
-            return t1 - t0, t2 - t1
+            return timed(lambda: engine(x, x), engine.backward, engine.zero_grad)
 
         for _ in range(3):  # warm-up: first calls, allocator
             plain_pass()
