@@ -5,12 +5,13 @@ clipping x accumulation.
     python benchmarks/bench_planner.py                         # every case, GPT-2-small-like widths
     python benchmarks/bench_planner.py --models gpt2 --placements device opt-nvme --dtypes fp32 --accum 1 4
 
-Each case, each round: the engine trains the model on one batch for `--steps` steps (profiling
-on); half-way, while it waits, the node's rates are measured by `zerotier bench` (quick) and
-`zerotier.plan(meta_model, config, inputs=batch, rates=...)` predicts the step (compute measured
-one unit at a time, [Note: measuring units]); the median step after the first two (the trace is
-recorded in step 1) is compared with the prediction. The component furthest from the plan comes from the profile
-([Note: measured against the plan]).
+Each case, each round: the engine trains the model on one batch (profiling on): two steps of
+warm-up, then, while it waits, the node's rates are measured by `zerotier bench` (quick); then
+`--blocks` blocks of `--steps` steps, each followed by `zerotier.plan(meta_model, config,
+inputs=batch, rates=...)`, which predicts the step (compute measured one unit at a time,
+[Note: measuring units]). The median of the blocks' steps is compared with the median of their
+predictions. The component furthest from the plan comes from the profile ([Note: measured
+against the plan]).
 
 [Note: rounds, not one run]
 This 2-core VM's speed moves by 20-50% from one minute to the next with nothing else running
@@ -21,6 +22,15 @@ together (the case's rates and its plan are measured half-way through its steps,
 of them, the engine waiting), and the cases go round
 `--rounds` times (every case in a round, then the next round: a slow minute lands in one round of
 each case, not in every round of one), each case judged by the median of its rounds' errors.
+
+[Note: steps and plans in turn]
+Within a case the machine drifts too: the quick GPT-2 on the device alone, one plan after each
+block of six steps, measured steps of 96-114 ms and predictions of 85-104 ms that moved
+independently (-23% to +6% from one block to the next). One plan beside twelve steps compared
+one sample of the machine's speed with an average of twelve. So steps and plans go in turn, and
+each side is a median over the same minute. What this does not remove: the drive's rate, measured
+once per round, moves between rounds (1.0-1.8 GB/s reads within minutes), and the NVMe cases'
+rounds still spread over 20-45 points.
 """
 from __future__ import annotations
 
@@ -156,7 +166,7 @@ def run_case(name, factory, vocab, seq, placement, dtype, clip, accum, args, nvm
            "profile": {"enabled": True, "record_function": False}}
     torch.manual_seed(0)
     model = factory("meta")
-    times = []
+    times, predicted, plan = [], [], None
     with zerotier.initialize(model, cfg, init_fn=init_fn) as engine:
         def steps(n):
             for _ in range(n):
@@ -166,17 +176,22 @@ def run_case(name, factory, vocab, seq, placement, dtype, clip, accum, args, nvm
                     engine.step()
                 times.append(time.perf_counter() - t0)
 
-        steps(args.steps // 2)
+        steps(2)  # warm-up (the trace is recorded in step 1): not counted
+        del times[:]
         engine.synchronize()  # its write-backs done: the drive is the bench's alone
-        rates = measure_rates(nvme_path)  # [Note: rounds, not one run]: between the steps it is compared with
-        plan = zerotier.plan(factory("meta"), cfg, inputs=(x, y), rates=rates, repeat=args.repeat)
-        steps(args.steps - args.steps // 2)
+        rates = measure_rates(nvme_path)  # [Note: rounds, not one run]: beside the steps it is compared with
+        for _ in range(args.blocks):  # [Note: steps and plans in turn]
+            steps(args.steps)
+            engine.synchronize()
+            plan = zerotier.plan(factory("meta"), cfg, inputs=(x, y), rates=rates, repeat=args.repeat)
+            predicted.append(plan.predicted_step_s)
         trace = engine.profiler.trace()
-    measured = statistics.median(times[2:])  # the first two: warm-up (the trace is recorded in step 1)
+    measured = statistics.median(times)
+    prediction = statistics.median(predicted)
     _, line = plan_comparison(trace, plan.to_dict())
     return {"model": name, "placement": placement, "dtype": dtype, "clip": clip, "accum": accum,
-            "predicted_s": plan.predicted_step_s, "measured_s": measured,
-            "error_pct": 100 * (plan.predicted_step_s - measured) / measured, "bound_by": plan.bound_by,
+            "predicted_s": prediction, "measured_s": measured,
+            "error_pct": 100 * (prediction - measured) / measured, "bound_by": plan.bound_by,
             "furthest": line.split("furthest from the plan: ")[-1]}
 
 
@@ -189,8 +204,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"))
     p.add_argument("--clip", nargs="+", choices=("off", "on"))
     p.add_argument("--accum", nargs="+", type=int)
-    p.add_argument("--steps", type=int, default=12, help="steps per case and round, half before the rates and the "
-                   "plan are measured, half after; the median is over steps 3.. (default 12)")
+    p.add_argument("--steps", type=int, default=5, help="steps per block: each block of steps is followed by a plan; "
+                   "the measured step is the median over the blocks' steps (default 5)")
+    p.add_argument("--blocks", type=int, default=3, help="blocks of steps and plans in turn per case and round "
+                   "([Note: steps and plans in turn]; default 3)")
     p.add_argument("--rounds", type=int, default=3, help="times round every case, each with its own rates, plan and "
                    "steps; a case's error is the median of its rounds' ([Note: rounds, not one run]; default 3)")
     p.add_argument("--batch", type=int, default=4)

@@ -227,10 +227,17 @@ def _finite_positive(figures: dict, suffix: str) -> list[str]:
     return keys
 
 
-def test_the_cpu_update_is_measured_per_rule_and_state_dtype(bench_file):
+def test_the_cpu_update_is_measured_per_rule_and_state_dtype(bench_file, monkeypatch):
     """Issue 34 item 1: `zerotier bench adam` measures each rule's native update per state dtype pair
     (the engine's call), and load_rates gives them to the planner as cpu_<rule>_<master>_<moments>."""
+    from zerotier.optim.state_layout import StateLayout
+
+    outs = []  # [Note: the CPU rate's new parameters]: timed writing them out, in the master's dtype
+    step_pieces = StateLayout.step_pieces
+    monkeypatch.setattr(StateLayout, "step_pieces", lambda self, *a, **kw: (
+        outs.append((kw["out"].dtype, a[1].dtype)), step_pieces(self, *a, **kw))[1])
     out = measure.bench_state_rates(4096 * 3, repeat=1, threads=1)
+    assert outs and all(dtype == master for dtype, master in outs)
     want = {f"{r}_{m}_{mo}_params_per_s" for r in ("adamw", "lion") for m in ("fp32", "bf16")
             for mo in ("fp32", "bf16", "int8")}
     assert set(_finite_positive(out, "_params_per_s")) == want and out["state_threads"] == 1

@@ -176,11 +176,13 @@ def test_auto_uses_nvme_when_host_is_short():
 def test_prediction_scales_with_rates_and_labels_them():
     # the hook copies each fresh gradient (2 MB of bf16) into the gradients' accumulator at mem_copy (2e12
     # B/s: 1 us; a CPU device's "device" gradients too), and the global norm reads 4 MB of fp32 gradients at
-    # mem_read (4e12 B/s: 1 us) before the update
+    # mem_read (4e12 B/s: 1 us) before the update; the update writes bf16 parameters: 30 of the 32 B/param its
+    # rate is measured at ([Note: the CPU rate's new parameters])
     given = {"mem_read": 4e12, "mem_copy": 2e12}
     slow = plan([10**6], offload={"optimizer": "host"}, rates={"cpu_adam": 1e6, **given})
     fast = plan([10**6], offload={"optimizer": "host"}, rates={"cpu_adam": 1e9, **given})
-    assert slow.predicted_step_s == pytest.approx(1.0 + 2e-6) and fast.predicted_step_s == pytest.approx(1e-3 + 2e-6)
+    assert slow.predicted_step_s == pytest.approx(30 / 32 + 2e-6)
+    assert fast.predicted_step_s == pytest.approx(30 / 32 * 1e-3 + 2e-6)
     assert slow.rate_sources == {"mem_copy": "given", "cpu_adam": "given", "mem_read": "given"}
     unmeasured = plan([10**6], offload={"optimizer": "host"})
     assert unmeasured.rate_sources == {"mem_copy": "default", "cpu_adam": "default", "mem_read": "default"}

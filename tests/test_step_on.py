@@ -14,7 +14,7 @@ from zerotier.planner.predict import StepOptions, UnitCompute
 from zerotier.optim.rules import AdamW, Lion
 from zerotier.optim.state_layout import StateLayout
 from zerotier.optim.device_staging import DeviceStaging
-from zerotier.planner.step_on import UpdateCosts, choose, cpu_rate_key, device_rate_key, staging_bytes_of, steps_on
+from zerotier.planner.step_on import UpdateCosts, choose, cpu_out_scale, cpu_rate_key, device_rate_key, staging_bytes_of, steps_on
 from zerotier.state import Location
 
 CPU = torch.device("cpu")
@@ -70,6 +70,19 @@ COSTS = UpdateCosts.of(RATES, 12, 4, 4, cuda=True, grads_on_device=True, params_
 SHARDS = [2000, 4000, 1000, 3000]  # unit index order; by size: units 1, 3, 0, 2
 # the engine's staging of the device units: fp32 state (three 4 B keys), a 2 B output, gradients on the device
 STAGING = staging_bytes_of([(4 * n,) * 3 for n in SHARDS], SHARDS, lp_itemsize=2, grad_itemsize=0)
+
+
+def test_the_cpu_rate_counts_the_new_parameters_bytes():
+    """[Note: the CPU rate's new parameters]: the bench's rate is of the kernel writing the new parameters in
+    the master's dtype; the engine writes them in the parameters'. fp32 AdamW: 2 x 12 B of state + 4 B of
+    gradient + 4 B out = 32 B; bf16 parameters 30 B: 30/32 of the time. bf16 master and moments (6 B), bf16
+    parameters: as measured."""
+    assert COSTS.cpu == pytest.approx(1e-4)
+    bf16_params = UpdateCosts.of(RATES, 12, 4, 2, cuda=True, grads_on_device=True, params_on_device=True)
+    assert bf16_params.cpu == pytest.approx(1e-4 * 30 / 32)
+    compact = UpdateCosts.of(RATES, 6, 4, 2, cuda=True, grads_on_device=True, params_on_device=True, master_bytes=2)
+    assert compact.cpu == pytest.approx(1e-4)
+    assert cpu_out_scale(12, 4, 2, 4) == pytest.approx(30 / 32)
 
 
 def test_the_greedy_split_by_hand():

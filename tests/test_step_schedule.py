@@ -401,3 +401,25 @@ def test_the_drives_share_is_absorbed_where_the_cores_wait_for_it():
         assert (plain.step_s, shared.step_s) == (before, after)
         assert shared.seconds["nvme_cpu"] == 6.0 and "nvme_cpu" not in plain.seconds
         assert sum(shared.critical.values()) == pytest.approx(after)
+
+
+# E: [Note: the root's backward comes in two parts]: a root (forward 1, backward 4 of which the
+# embeddings' tail 2; state read 2, write 1) and two blocks (forward 1, backward 1; read 1, write 1),
+# Adam 0.5 each, optimizer state on NVMe (3 staging sets, one unit each).
+def _root_and_blocks(tail: float) -> list[UnitWork]:
+    root = UnitWork(forward_s=1, backward_s=4, backward_tail_s=tail, encloses=True, adam_s=0.5, state_read_s=2,
+                    state_write_s=1)
+    block = UnitWork(forward_s=1, backward_s=1, adam_s=0.5, state_read_s=1, state_write_s=1)
+    return [root, block, block]
+
+
+def test_the_roots_backward_tail_runs_after_the_blocks():
+    # forward 0-3; the root's head 3-5, block 2 5-6 (final: its read 6-7, and at the window's first final
+    # the root's, final last before: 7-9), block 1 6-7 (read 9-10), the root's tail 7-9, backward's end.
+    # step(): units in read order: adam2 9-9.5, write2 10-11; adam0 9.5-10, write0 11-12; adam1 10-10.5,
+    # write1 12-13 -> 13 s.
+    # Without the tail the root's 4 s come first (3-7): block 2 7-8 (read 8-9, the root's 9-11), block 1 8-9
+    # (read 11-12); adam2 9-9.5, adam0 11-11.5, adam1 12-12.5; writes 12-13, 13-14, 14-15 -> 15 s.
+    split = simulate(_root_and_blocks(2), StepShape(state_on_nvme=True))
+    assert split.step_s == 13.0 and split.critical["backward"] == 3.0
+    assert simulate(_root_and_blocks(0), StepShape(state_on_nvme=True)).step_s == 15.0

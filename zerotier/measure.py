@@ -303,7 +303,9 @@ def _check_transfer(got: int, want: int, op: str, path: str) -> None:
 
 
 def bench_adam(numel: int, repeat: int = 3, tick: Tick = _noop) -> dict[str, Any]:
-    """Params/s of `adam_step` on fp32 buffers, and with bf16 grads in / bf16 params out."""
+    """Params/s of `adam_step` on fp32 buffers writing the new fp32 parameters out, as the engine's
+    update does ([Note: the CPU rate's new parameters] in planner/step_on.py), and with bf16 grads in /
+    bf16 params out."""
     import torch
 
     from .optim._kernels import adam_step, default_threads, simd_level
@@ -320,8 +322,9 @@ def bench_adam(numel: int, repeat: int = 3, tick: Tick = _noop) -> dict[str, Any
         step[0] += 1
         adam_step(master, exp_avg, exp_avg_sq, g, step=step[0], param_out=param_out, **hyper)
 
-    run(grad)
-    out["fp32_params_per_s"] = numel / _best_seconds(lambda: run(grad), repeat)
+    param_fp32 = torch.empty(numel)
+    run(grad, param_fp32)
+    out["fp32_params_per_s"] = numel / _best_seconds(lambda: run(grad, param_fp32), repeat)
     tick("adam: fp32")
     grad_bf16 = grad.to(torch.bfloat16)
     param_bf16 = torch.empty(numel, dtype=torch.bfloat16)
@@ -365,7 +368,8 @@ def _timed_steps(step_once, repeat: int, sync=None) -> float:
 def bench_state_rates(numel: int, repeat: int = 3, tick: Tick = _noop, threads: int | None = None) -> dict[str, Any]:
     """Params/s of each rule's native CPU variant (`UpdateRule.cpu_pieces` through
     `StateLayout.step_pieces`, the engine's call) per state dtype pair of STATE_PAIRS, fp32 gradients
-    in, at the engine's thread count (`optimizer.threads = "auto"`: the cores over the node's ranks):
+    in, the new parameters out in the master's dtype ([Note: the CPU rate's new parameters] in
+    planner/step_on.py), at the engine's thread count (`optimizer.threads = "auto"`: the cores over the node's ranks):
     `<rule>_<master>_<moments>_params_per_s`, the planner's `cpu_<rule>_<master>_<moments>`."""
     import torch
 
@@ -380,14 +384,15 @@ def bench_state_rates(numel: int, repeat: int = 3, tick: Tick = _noop, threads: 
         rule = make_rule(name)
         for master_dtype, moment_dtype in STATE_PAIRS:
             layout, master, moments, hyper = _unit_state(rule, master_dtype, moment_dtype, numel, "cpu")
+            params_out = torch.empty_like(master)
 
             def step_once(step: int) -> None:
-                layout.step_pieces(rule.cpu_pieces, master, moments, [(0, numel, step, hyper)], grad=grad, out=None,
+                layout.step_pieces(rule.cpu_pieces, master, moments, [(0, numel, step, hyper)], grad=grad, out=params_out,
                                    unit_index=0, shard_lo=0, grad_scale=1.0, bias_correction=True, simd="auto",
                                    threads=threads)
             seconds = _timed_steps(step_once, repeat)
             out[f"{name}_{master_dtype}_{moment_dtype}_params_per_s"] = numel / seconds
-            del layout, master, moments
+            del layout, master, moments, params_out
         tick(f"adam: {name} per state dtype")
     return out
 

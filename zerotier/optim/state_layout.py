@@ -106,6 +106,10 @@ class StateLayout:
         return sum(self.nbytes(k, n) for k in self.keys)
 
     @property
+    def master_itemsize(self) -> int:
+        return STATE_DTYPES[self.master].itemsize
+
+    @property
     def bytes_per_param(self) -> float:
         """The state's bytes per element, block scales included, of parameters with int8 moments
         (what the planner counts; fp32 moments of small parameters are 6 B more per element)."""

@@ -268,6 +268,7 @@ def _step_on(requested: str, placement: dict[str, Location], units_on: tuple[Loc
                            grads_on_device=HOMES[placement["gradients"]].on_device,
                            params_on_device=HOMES[placement["params"]].on_device,
                            params_in_place=out_in_place, local_ranks=local,
+                           master_bytes=sizes.state.master_itemsize,
                            cpu_key=cpu_rate_key(rates, sizes.rule, sizes.state),
                            device_key=device_rate_key(rates, sizes.rule, sizes.state))
     shards = held_shards_in_order(sizes)

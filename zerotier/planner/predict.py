@@ -18,7 +18,9 @@ runs it; the critical path of that schedule is `Plan.predicted_step_s`. Per unit
                            shard staged d2h
   optimizer                CPU Adam at `cpu_adam` params/s over the node's ranks, or the rule's
                            and state dtypes' measured `cpu_<rule>_<master>_<moments>` (on a CPU
-                           device it runs on the cores compute uses); on a CUDA device
+                           device it runs on the cores compute uses; scaled by the new
+                           parameters' bytes: [Note: the CPU rate's new parameters] in
+                           step_on.py); on a CUDA device
                            28 B/param at `device_adam`
   update on the device     a host/NVMe unit the planner steps on the device (StepOptions.on_device,
                            [Note: choosing where each update runs] in step_on.py): its state (and
@@ -61,7 +63,7 @@ from ..optim.device_staging import DeviceStaging
 from ..overlap import policy_for
 from ..overlap.speculative import undo_bytes
 from ..params import ParamStore
-from .step_on import UpdateCosts, cpu_rate_key, device_rate_key, shard_in_place
+from .step_on import UpdateCosts, cpu_out_scale, cpu_rate_key, device_rate_key, shard_in_place
 from .step_model import Schedule, StepShape, UnitWork, simulate
 from ..state import Location
 from ..tiers.homes import HOMES
@@ -92,10 +94,12 @@ class UnitCompute:
     backward_s: tuple[float, ...]
     encloses: tuple[bool, ...]
     activation_bytes: int = 0  # what one micro-batch's forward saves for backward ([Note: activation memory])
+    backward_tail_s: tuple[float, ...] = ()  # of an enclosing unit's backward, the part after every block's
+                                             # ([Note: the root's backward comes in two parts] in step_model.py)
 
     def scaled(self, factor: float) -> "UnitCompute":
         return UnitCompute(tuple(t * factor for t in self.forward_s), tuple(t * factor for t in self.backward_s),
-                           self.encloses, self.activation_bytes)
+                           self.encloses, self.activation_bytes, tuple(t * factor for t in self.backward_tail_s))
 
 
 @dataclass(frozen=True)
@@ -164,8 +168,9 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
     in_place = shard_in_place(params_at.on_device, s.world_size, s.stage)
     staged = UpdateCosts.of(rates, s.state.bytes_per_param, s.grad_bytes, s.lp_bytes, cuda=cuda,
                             grads_on_device=grads_at.on_device, params_on_device=params_at.on_device,
-                            params_in_place=in_place,
-                            local_ranks=local_ranks, cpu_key=cpu_key, device_key=device_key)
+                            params_in_place=in_place, local_ranks=local_ranks, master_bytes=s.state.master_itemsize,
+                            cpu_key=cpu_key, device_key=device_key)
+    cpu_scale = cpu_out_scale(s.state.bytes_per_param, s.grad_bytes, s.lp_bytes, s.state.master_itemsize)
     # [Note: the engine's own time] (engine/overhead.py): its hooks' host time per unit, on a CPU device's cores
     engine_f, engine_b = (0.0, 0.0) if cuda or not compute else \
         (rates.get("engine_forward_s", 0.0), rates.get("engine_backward_s", 0.0))
@@ -179,7 +184,8 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
         device_step = is_trainable and i < len(options.on_device) and options.on_device[i] and not unit_opt.on_device
         w = dict(forward_s=compute.forward_s[i] + engine_f if compute else 0.0,
                  backward_s=compute.backward_s[i] + engine_b if compute else 0.0,
-                 encloses=bool(compute and compute.encloses[i]), trainable=is_trainable)
+                 encloses=bool(compute and compute.encloses[i]), trainable=is_trainable,
+                 backward_tail_s=compute.backward_tail_s[i] if compute and compute.backward_tail_s else 0.0)
         if streamed:
             w["fetch_h2d_s"] = secs(s.lp_bytes * n, link_in)
             if params_at.read_rate:  # from a drive (ranks per node share it), then over the link
@@ -196,13 +202,13 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             if device_step:  # [Note: choosing where each update runs]: staged in, stepped, staged out
                 w["device_step"], w["adam_on"] = True, "compute"
                 w["adam_s"] = (secs(staged.kernel_bytes * o_shard, device_key) if cuda else
-                               secs(o_shard * local_ranks, cpu_key))
+                               secs(o_shard * local_ranks, cpu_key) * cpu_scale)
                 w["stage_in_s"] = secs(staged.in_bytes * o_shard, link_in)
                 w["stage_out_s"] = secs(staged.out_bytes * o_shard, link_out)
             elif unit_opt.on_device and cuda:
                 w["adam_s"], w["adam_on"] = secs(DEVICE_ADAM_BYTES * o_shard, "device_adam"), "compute"
             else:
-                w["adam_s"] = secs(o_shard * local_ranks, cpu_key)
+                w["adam_s"] = secs(o_shard * local_ranks, cpu_key) * cpu_scale  # [Note: the CPU rate's new parameters]
                 w["adam_on"] = "cpu" if cuda else "compute"  # a CPU device's compute is the same cores
             if unit_opt.read_rate:  # the unit's state buffers as the store allocates them (Sizes.state_units)
                 state = sum(s.state_units[i])

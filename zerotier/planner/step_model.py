@@ -14,6 +14,16 @@ On a CPU device, compute and CPU Adam are the same cores: both run on `compute` 
 sets adam_on), so an early step does not overlap backward there; so do its copies
 ([Note: a CPU device's copies take its cores]).
 
+[Note: the root's backward comes in two parts]
+The root's backward is the loss and the head first, the embeddings last, after every block's; a
+tied embedding sums its two gradients there too. unit_timing times the second part apart
+(`backward_tail_s`: from the first block's input having its gradient to backward's end), and
+the schedule runs it after the other units' backward. What it changes: the units final before
+it start their state reads (and the previous window's last final unit, [Note: the last final
+unit's read]) that much earlier. The quick tied GPT with its state on NVMe: the engine's reads
+began 22 ms before backward's end, where the schedule put all of the root's backward first and
+predicted the step 15% long.
+
 [Note: a CPU device's copies take its cores]
 On a CPU device the "link" between host and device memory is a memory copy made by a thread:
 the compute thread itself for a gradient (copied or added into its accumulator inside the
@@ -34,7 +44,8 @@ What waits for what (the engine's schedule, engine.py and the stores' Notes):
     use was released (a unit in use is not fetched twice), or at its own demand; compute of
     a unit waits for its fetch. A pass's first unit is fetched at its own demand.
   * an enclosing unit (the root: `UnitWork.encloses`) is fetched at the pass's start and its
-    backward compute runs first (the loss and the head), its gradient is final at the end.
+    backward compute runs first (the loss and the head), but for its tail, after every other
+    unit's ([Note: the root's backward comes in two parts]); its gradient is final at the end.
   * gradients: host gradients with a CUDA device are copied out (d2h) after the unit's
     backward; NVMe gradients are folded after it (the window's first micro-batch writes the
     file, later ones read, add and write it), at most `grad_writes` folds in flight: the
@@ -149,6 +160,8 @@ class UnitWork:
     copyback_s: float = 0.0      # the new parameters sent home
     copyback_on: str = "h2d"     # "h2d" (device home) or "nvme" (an NVMe home's write)
     encloses: bool = False       # resident for the whole pass (the root unit)
+    backward_tail_s: float = 0.0  # an enclosing unit's: the part of backward_s after the others' backward
+                                  # ([Note: the root's backward comes in two parts])
     trainable: bool = True       # frozen units have no gradient and no optimizer work
     adam_on: str = "cpu"         # "cpu", or "compute" (optimizer on the device, or a CPU device)
     speculate: bool = False      # its update runs under backward, speculated ([Note: speculation in the schedule])
@@ -226,11 +239,14 @@ def _pass(g: TaskGraph, units: list[UnitWork], shape: StepShape, begin: int | No
         after = [prev, fetched.get(pos)]
         if backward and len(folds) >= shape.grad_writes > 0:
             after.append(folds[-shape.grad_writes])  # accumulate waits for the oldest fold in flight
-        prev = g.add("backward" if backward else "forward", "compute", u.backward_s if backward else u.forward_s,
-                     after)
+        prev = g.add("backward" if backward else "forward", "compute",
+                     u.backward_s - u.backward_tail_s if backward else u.forward_s, after)
         if backward and u.trainable and not u.encloses:
             grad_final[i] = _gradient_out(g, u, micro, prev, folds)
             final_order.append(i)
+    for i in outer:  # [Note: the root's backward comes in two parts]: its tail after the others'
+        if units[i].backward_tail_s:
+            prev = g.add("backward", "compute", units[i].backward_tail_s, (prev,))
     for i in outer:  # the enclosing unit's gradient is complete at backward's end
         if units[i].trainable:
             grad_final[i] = _gradient_out(g, units[i], micro, prev, folds)

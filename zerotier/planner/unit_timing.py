@@ -17,7 +17,10 @@ guessed, and a model that exists only on the meta device never exists whole:
      signature share the figures;
   3. the root's own work (embeddings, head, loss): the model's forward and backward with
      every block replaced by a stand-in returning its captured output (tied to the block's
-     input so the gradient flows back to the embeddings), the root's tensors resident.
+     input so the gradient flows back to the embeddings), the root's tensors resident. Of its
+     backward, the part after the first block's input has its gradient is timed apart: the
+     embeddings' backward, which the engine runs after every block's ([Note: the root's
+     backward comes in two parts]).
 
 The warm-up runs of steps 2 and 3 also count the bytes their forward saves for backward, summed
 over every block and the root: one micro-batch's activations ([Note: activation memory] in
@@ -109,15 +112,17 @@ def measure(model: torch.nn.Module, inputs: tuple | Callable[[], tuple], device:
                     timed[key] = _time_block(modules[name], *captured.inputs[key], clock, repeat)
             fwd[name], bwd[name], saved = timed[key]
             activations += saved
-        fwd[""], bwd[""], saved = _time_root(model, blocks, modules, captured.outputs, args, clock, repeat)
+        fwd[""], bwd[""], root_tail, saved = _time_root(model, blocks, modules, captured.outputs, args, clock, repeat)
         activations += saved
     by_unit = {}
     for unit in units:  # a module's trainable unit carries its compute (else its frozen one)
         by_unit.setdefault(unit.name, unit.index)
-    forward_s, backward_s = [0.0] * len(units), [0.0] * len(units)
+    forward_s, backward_s, tail_s = [0.0] * len(units), [0.0] * len(units), [0.0] * len(units)
     for name, index in by_unit.items():
         forward_s[index], backward_s[index] = fwd.get(name, 0.0), bwd.get(name, 0.0)
-    return UnitCompute(tuple(forward_s), tuple(backward_s), tuple(u.name == "" for u in units), activations)
+        tail_s[index] = root_tail if name == "" else 0.0
+    return UnitCompute(tuple(forward_s), tuple(backward_s), tuple(u.name == "" for u in units), activations,
+                       tuple(tail_s))
 
 
 def _to(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -183,6 +188,23 @@ class _Resident:
 class _Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+
+    def mark(self):
+        """A point in the device's work now (from a hook inside a timed call), for `since`."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def since(self, mark) -> float:
+        """Seconds from `mark` to the end of the device's work so far."""
+        if not self.cuda:
+            return time.perf_counter() - mark
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return mark.elapsed_time(end) / 1e3
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         if self.cuda:
@@ -277,14 +299,20 @@ def _own_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
 
 
-def _time_root(model, blocks, modules, outputs, args, clock: _Clock, repeat: int) -> tuple[float, float, int]:
-    """Step 3: the model with every block standing in by its captured output; and the bytes the
-    root's own forward saves for backward."""
+def _time_root(model, blocks, modules, outputs, args, clock: _Clock,
+               repeat: int) -> tuple[float, float, float, int]:
+    """Step 3: the model with every block standing in by its captured output: its forward, its
+    backward and the backward's tail (after the first block's input has its gradient); and the
+    bytes the root's own forward saves for backward."""
+    reached: list = []  # this run's mark: the first block's input has its gradient
+
     def stand_in(name):
         def forward(*a, **kw):
             x = next((t for t in pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor) and t.requires_grad),
                      None)
             tie = [x is not None]
+            if x is not None and name == blocks[0]:
+                x.register_hook(lambda grad: reached.append(clock.mark()))
 
             def attach(t):
                 if tie[0] and isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -294,7 +322,7 @@ def _time_root(model, blocks, modules, outputs, args, clock: _Clock, repeat: int
             return pytree.tree_map(attach, outputs[name])
         return forward
 
-    fwd, bwd = [], []
+    fwd, bwd, tail = [], [], []
     saved = SavedBytes(_own_tensors(model))
     try:
         for name in blocks:
@@ -303,16 +331,18 @@ def _time_root(model, blocks, modules, outputs, args, clock: _Clock, repeat: int
         while not _enough(fwd, bwd, repeat):  # [Note: timing small units]
             with saved if i == 0 else contextlib.nullcontext():
                 tf, out = clock(lambda: _loss(model(*args)))
-            tb, _ = clock(lambda: out.backward())
+            reached.clear()
+            tb, tt = clock(lambda: (out.backward(), clock.since(reached[0]) if reached else 0.0)[1])
             if i:
                 fwd.append(tf)
                 bwd.append(tb)
+                tail.append(min(tt, tb))
             i += 1
     finally:
         for name in blocks:
             modules[name].__dict__.pop("forward", None)  # the class's forward again
         model.zero_grad(set_to_none=True)
-    return statistics.median(fwd), statistics.median(bwd), saved.bytes
+    return statistics.median(fwd), statistics.median(bwd), statistics.median(tail), saved.bytes
 
 
 def _loss(out) -> torch.Tensor:
