@@ -91,7 +91,7 @@ def test_the_engines_own_time_is_measured_and_becomes_the_planners(bench_file):
 def test_save_and_load_rates_round_trip(bench_file):
     assert bench.load_rates() is None
     results = {"io": {"read_GBps": 7.5, "write_GBps": 4.0, "o_direct": True, "path": "/x"},
-               "adam": {"fp32_params_per_s": 2.0e9, "bf16_params_per_s": 2.2e9},
+               "adam": {"fp32_params_per_s": 2.0e9, "bf16_params_per_s": 2.2e9, "params_out": True},
                "pcie": None}  # CPU-only: skipped
     assert bench.save(results) == bench_file
     assert bench.load_rates() == {"nvme_read": 7.5e9, "nvme_write": 4.0e9, "cpu_adam": 2.0e9}
@@ -124,7 +124,8 @@ def test_planner_uses_loaded_rates(bench_file):
     assumed = plan()
     assert assumed.rate_sources == {"mem_copy": "default", "cpu_adam": "default", "mem_read": "default"}
     assert assumed.to_dict()["predicted_step_s"] is None
-    bench.save({"adam": {"fp32_params_per_s": 1e7}, "mem": {"sumsq_GBps": 40000.0, "copy_GBps": 20000.0}})
+    bench.save({"adam": {"fp32_params_per_s": 1e7, "params_out": True},
+                "mem": {"sumsq_GBps": 40000.0, "copy_GBps": 20000.0}})
     measured = plan()
     assert measured.rate_sources == {"mem_copy": "measured", "cpu_adam": "measured", "mem_read": "measured"}
     # the hook's copy of 40 MB of fresh gradients at mem_copy (1e13 B/s: 4 us), then 1e7 params at 1e7
@@ -244,11 +245,14 @@ def test_the_cpu_update_is_measured_per_rule_and_state_dtype(bench_file, monkeyp
     table = bench.format_table({"adam": {**out, "numel": 1, "simd": "x", "threads": 1, "fp32_params_per_s": 1e9,
                                          "bf16_params_per_s": 1e9}})
     assert "cpu adamw bf16 master, int8 moments" in table and "cpu lion fp32 master, fp32 moments" in table
-    bench.save({"adam": {"fp32_params_per_s": 1e9, **out}})
+    bench.save({"adam": {"fp32_params_per_s": 1e9, "params_out": True, **out}})
     rates = bench.load_rates()
+    assert "cpu_params_out" not in rates  # timed writing the new parameters, as the engine's update does
     assert rates["cpu_adamw_bf16_int8"] == out["adamw_bf16_int8_params_per_s"]
     assert rates["cpu_lion_fp32_int8"] == out["lion_fp32_int8_params_per_s"] and rates["cpu_adam"] == 1e9
     assert not any(k.startswith("device_") for k in rates)  # no device step measured, none written
+    bench.save({"adam": {"fp32_params_per_s": 1e9}})  # a file from before: timed without them
+    assert bench.load_rates()["cpu_params_out"] == 0.0
 
 
 def test_the_device_update_is_measured_on_the_device_it_is_given(bench_file):

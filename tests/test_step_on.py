@@ -83,6 +83,10 @@ def test_the_cpu_rate_counts_the_new_parameters_bytes():
     compact = UpdateCosts.of(RATES, 6, 4, 2, cuda=True, grads_on_device=True, params_on_device=True, master_bytes=2)
     assert compact.cpu == pytest.approx(1e-4)
     assert cpu_out_scale(12, 4, 2, 4) == pytest.approx(30 / 32)
+    # a bench file from before (cpu_params_out 0: timed without them): fp32 parameters move 32 of 28 B
+    before = UpdateCosts.of({**RATES, "cpu_params_out": 0.0}, 12, 4, 4, cuda=True, grads_on_device=True,
+                            params_on_device=True)
+    assert before.cpu == pytest.approx(1e-4 * 32 / 28)
 
 
 def test_the_greedy_split_by_hand():

@@ -358,7 +358,9 @@ def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
     figures count read + write bytes: a copy of B bytes moves 2B (mem_copy is half of copy_);
     mem_read is the global norm's read pass, the engine's sum-of-squares kernel over B bytes
     (files written before it was measured: the in-place rate, else the copy's read + write bytes/s,
-    which a read-only pass of the same memory at least matches). nvme_cpu_share is a fraction, not a
+    which a read-only pass of the same memory at least matches). cpu_params_out 0 marks CPU update rates
+    timed without the new parameters written ([Note: the CPU rate's new parameters] in planner/step_on.py).
+    nvme_cpu_share is a fraction, not a
     rate: io's cpu_share ([Note: the drive's CPU share] in measure.py)."""
     if not entry:
         return None
@@ -384,6 +386,8 @@ def entry_rates(entry: dict[str, Any] | None) -> dict[str, float] | None:
         value = section.get(field)
         if _is_rate(value, factor) and (section is not io or io.get("o_direct")):
             rates[key] = float(value) * factor
+    if any(key.startswith("cpu_") for key in rates) and adam.get("params_out") is not True:
+        rates["cpu_params_out"] = 0.0  # timed before the update's new parameters were: [Note: the CPU rate's new parameters]
     if _is_share(io.get("cpu_share")) and io.get("o_direct"):  # [Note: the drive's CPU share]: a fraction
         rates["nvme_cpu_share"] = float(io["cpu_share"])
     engine = entry.get(ENGINE) if isinstance(entry.get(ENGINE), dict) else {}

@@ -315,7 +315,8 @@ def bench_adam(numel: int, repeat: int = 3, tick: Tick = _noop) -> dict[str, Any
     exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
     grad = torch.randn(numel, generator=gen) * 1e-3
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-    out: dict[str, Any] = {"numel": numel, "simd": simd_level(), "threads": default_threads()}
+    out: dict[str, Any] = {"numel": numel, "simd": simd_level(), "threads": default_threads(),
+                           "params_out": True}  # [Note: the CPU rate's new parameters]: timed writing them
     step = [0]
 
     def run(g, param_out=None) -> None:

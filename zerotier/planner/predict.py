@@ -63,7 +63,7 @@ from ..optim.device_staging import DeviceStaging
 from ..overlap import policy_for
 from ..overlap.speculative import undo_bytes
 from ..params import ParamStore
-from .step_on import UpdateCosts, cpu_out_scale, cpu_rate_key, device_rate_key, shard_in_place
+from .step_on import UpdateCosts, cpu_out_scale, cpu_rate_key, device_rate_key, out_bytes_at, shard_in_place
 from .step_model import Schedule, StepShape, UnitWork, simulate
 from ..state import Location
 from ..tiers.homes import HOMES
@@ -170,7 +170,8 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
                             grads_on_device=grads_at.on_device, params_on_device=params_at.on_device,
                             params_in_place=in_place, local_ranks=local_ranks, master_bytes=s.state.master_itemsize,
                             cpu_key=cpu_key, device_key=device_key)
-    cpu_scale = cpu_out_scale(s.state.bytes_per_param, s.grad_bytes, s.lp_bytes, s.state.master_itemsize)
+    cpu_scale = cpu_out_scale(s.state.bytes_per_param, s.grad_bytes, s.lp_bytes,
+                              out_bytes_at(rates, s.state.master_itemsize))
     # [Note: the engine's own time] (engine/overhead.py): its hooks' host time per unit, on a CPU device's cores
     engine_f, engine_b = (0.0, 0.0) if cuda or not compute else \
         (rates.get("engine_forward_s", 0.0), rates.get("engine_backward_s", 0.0))

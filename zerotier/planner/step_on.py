@@ -37,7 +37,10 @@ The native kernel also writes each unit's new parameters out (ParamStore.out_buf
 parameters' dtype. `zerotier bench adam` times it writing them in the master's dtype (fp32
 Adam: 32 B/param moved, against 28 without them: 1.42 against 1.79 G params/s on this VM at 8M
 parameters). The kernel is bound by memory, so a rate measured so is scaled by the bytes moved
-(`cpu_out_scale`): 2 x the state's bytes + the gradient's + the new parameters'. Timed without
+(`cpu_out_scale`): 2 x the state's bytes + the gradient's + the new parameters'. A bench file
+written before (benchmarks/nodes/h200.json) has rates timed without them: its rates carry
+`cpu_params_out` 0 (`bench.entry_rates`), and they are scaled from the bytes moved without any
+(`out_bytes_at`). Timed without
 them, the rate overstated the engine's update by 25% or more (the quick GPT-2's 5.3M parameters
 took 5.5 ms a step, against 3.0 ms planned).
 
@@ -121,11 +124,17 @@ def cpu_rate_key(rates: dict[str, float], rule, layout) -> str:
     return key if key in rates else "cpu_adam"
 
 
-def cpu_out_scale(state_bytes: float, grad_bytes: int, lp_bytes: int, master_bytes: int) -> float:
+def cpu_out_scale(state_bytes: float, grad_bytes: int, lp_bytes: int, bench_out_bytes: float) -> float:
     """[Note: the CPU rate's new parameters]: the CPU update's seconds per parameter writing the new
-    parameters in `lp_bytes`, over those of the bench's call (writing them in `master_bytes`)."""
+    parameters in `lp_bytes`, over those of the bench's call (writing `bench_out_bytes`: `out_bytes_at`)."""
     moved = 2 * state_bytes + grad_bytes
-    return (moved + lp_bytes) / (moved + master_bytes)
+    return (moved + lp_bytes) / (moved + bench_out_bytes)
+
+
+def out_bytes_at(rates: dict[str, float], master_bytes: int) -> float:
+    """The new parameters' bytes per parameter in the bench's timed call: the master's itemsize, or
+    none for rates timed without them (`cpu_params_out` 0)."""
+    return master_bytes * rates.get("cpu_params_out", 1.0)
 
 
 def device_rate_key(rates: dict[str, float], rule, layout) -> str:
@@ -184,7 +193,8 @@ class UpdateCosts:
         out_bytes = state_bytes + (0 if in_place else lp_bytes)
         home_bytes = lp_bytes if params_on_device and not in_place and cuda else 0  # the commit's copy back
         kernel_bytes = 2 * state_bytes + grad_bytes
-        cpu = local_ranks / rates[cpu_key] * cpu_out_scale(state_bytes, grad_bytes, lp_bytes, master_bytes)
+        cpu = local_ranks / rates[cpu_key] * cpu_out_scale(state_bytes, grad_bytes, lp_bytes,
+                                                            out_bytes_at(rates, master_bytes))
         link_in, link_out = ("h2d", "d2h") if cuda else ("mem_copy", "mem_copy")
         return cls(cpu=cpu, device_in=(in_bytes + home_bytes) / rates[link_in],
                    device_kernel=kernel_bytes / rates[device_key] if cuda else cpu,
