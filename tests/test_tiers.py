@@ -130,6 +130,28 @@ def test_a_reused_blocks_slack_is_charged_to_nobody():
     assert pool.component_peaks()["optimizer"] == 2 * PAGE and pool._component_used == {"params": 0, "optimizer": 0}
 
 
+def test_the_slack_in_use_stays_within_the_plans_spare():
+    """[Note: a reused block's slack is the cache's]: a plan's host need of 3 pages. 2 pages are freed,
+    then 1 and 2 pages are asked for (3: what the plan said fits). At a budget of 3 pages, unbounded,
+    best fit hands the 2-page block out for the 1-page request and the next 2 pages no longer fit (4
+    pages in use); within the slack limit (0: no spare) the 1 page gets a block of its own and the 2
+    reuse the cached one. With a page to spare (a 4-page budget) the reuse and its page of slack fit."""
+    def run(budget, slack_limit):
+        pool = HostPool(budget, alignment=PAGE, pin=False, slack_limit=slack_limit)
+        try:
+            pool.free(pool.alloc(2 * PAGE))
+            one = pool.alloc(PAGE)
+            two = pool.alloc(2 * PAGE)
+            return one.capacity, two.capacity, pool.stats()["reuses"]
+        finally:
+            pool.close()
+
+    with pytest.raises(BudgetError):
+        run(3 * PAGE, None)
+    assert run(3 * PAGE, 0) == (PAGE, 2 * PAGE, 1)
+    assert run(4 * PAGE, PAGE) == (2 * PAGE, 2 * PAGE, 1)
+
+
 def test_host_pool_budget_trims_cache_first():
     pool = HostPool(8 * PAGE, alignment=PAGE, pin=False)
     a = pool.alloc(4 * PAGE)

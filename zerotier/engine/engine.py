@@ -125,7 +125,8 @@ class Engine:
         # every host byte is a block of the pinned aligned host pool (tiers.host).
         self.device_tier = make_device_tier(self.plan.budgets["device"], self.device, timing=cfg.profile.enabled)
         self.host_pool = HostPool(self.plan.budgets["host"], alignment=cfg.io.alignment,
-                                  pin=self.device.type == "cuda")
+                                  pin=self.device.type == "cuda",  # [Note: a reused block's slack is the cache's]
+                                  slack_limit=self.plan.budgets["host"] - self.plan.need["host"])
         # None when profiling is off: every call site is one `if prof is not None:` (zero cost).
         self.profiler = Profiler.from_config(cfg.profile, self._residency, device=self.device,
                                              unit_names={u.key: u.name for u in self.param_units},

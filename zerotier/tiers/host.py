@@ -35,7 +35,12 @@ optimizer's next staging block). Under ZEROTIER_CHECK_PLAN=1 the component is ch
 rounded request, what its store asked for and the plan counts per block; the rest of the block
 is the cache's, charged to nobody, as the NVMe store's recycled files are ([Note: peaks per
 component] in base.py). The budget still counts the whole block; unlike a cached block, that
-slack is only given back when the buffer is freed.
+slack is only given back when the buffer is freed. So the slack in use is held within
+`slack_limit`, the budget's spare over the plan's host need (the engine sets it): the plan counts
+every block at its rounded request, so blocks in use never pass the budget by more than what the
+plan left spare, and the pool never refuses an allocation the plan said fits. At an exact budget
+only exact sizes are reused. (Unbounded, a 28 KiB staging block served by a cached 52 KiB one
+took the pool's live total 12 KiB past the plan's host need in three CHECK_PLAN tests.)
 
 [Note: deferred free]
 A block must not be reused while an async copy or a file write still reads it.
@@ -239,7 +244,7 @@ class HostPool(BudgetedTier):
     degrades to ordinary aligned memory (the copies it feeds are synchronous there).
     """
 
-    def __init__(self, budget: int, alignment: int = 4096, pin: bool = True) -> None:
+    def __init__(self, budget: int, alignment: int = 4096, pin: bool = True, slack_limit: int | None = None) -> None:
         super().__init__("host", budget, hint="Raise tiers.host, or move optimizer state to nvme "
                                               "(offload.optimizer = \"nvme\").")
         if alignment <= 0 or alignment & (alignment - 1):
@@ -255,6 +260,8 @@ class HostPool(BudgetedTier):
         self._parked: list[tuple[_Block, TicketLike]] = []  # [Note: deferred free]
         self._parked_bytes = 0
         self._in_use = 0
+        self._slack = 0  # blocks in use: their bytes beyond the rounded requests ([Note: a reused block's slack is the cache's])
+        self.slack_limit = budget if slack_limit is None else max(0, slack_limit)
         self._live = 0
         self._alloc_calls = 0
         self._reuses = 0
@@ -289,6 +296,7 @@ class HostPool(BudgetedTier):
                                                    refuse=not self._parked)
                 if block is not None:
                     self._in_use += block.size
+                    self._slack += block.size - size
                     self._live += 1
                     break
                 ticket = self._parked[0][1]
@@ -311,8 +319,10 @@ class HostPool(BudgetedTier):
                 raise ZerotierError(f"host pool: double free of buffer {buf.what or ''} ({buf.nbytes} B)")
             buf._freed = True
             block = buf._block
-            self.charge(buf.component, -max(round_up(buf.nbytes, self.alignment), self.alignment))
+            size = max(round_up(buf.nbytes, self.alignment), self.alignment)
+            self.charge(buf.component, -size)
             self._in_use -= block.size
+            self._slack -= block.size - size
             self._live -= 1
             if self._closed or not (cache or wait_for):
                 self._drop_block(block)
@@ -362,6 +372,8 @@ class HostPool(BudgetedTier):
         if i == len(self._free_sizes) or self._free_sizes[i] > size * _BEST_FIT_SLACK:
             return None
         best = self._free_sizes[i]
+        if best != size and self._slack + best - size > self.slack_limit:
+            return None  # [Note: a reused block's slack is the cache's]: a block of its own size instead
         blocks = self._free[best]
         block = blocks.pop()
         if not blocks:
