@@ -437,3 +437,18 @@ def test_checkpoint_with_bad_values_is_refused_and_changes_nothing(bad, moments,
         engine.load_checkpoint(compact_checkpoint)
         train(engine, 1, 2)
         assert all(bool(torch.isfinite(w).all()) for w in engine.parameters_fp32().values())
+
+
+def test_a_run_at_the_plans_exact_host_budget_trains(tmp_path):
+    """[Note: a reused block's slack is the cache's] in tiers/host.py: int8 moments on NVMe with the
+    speculative step, the host budget set to the plan's host need exactly. Best fit's slack, unbounded,
+    took the blocks in use past it and the pool refused a parameter write-back the plan counted
+    (BudgetError: 12 KiB asked, 4.7 KiB free of 572.7 KiB); within the budget's spare it trains."""
+    with zerotier.initialize(make_model(), config(NVME, tmp_path / "a", "fp32", "int8")) as engine:
+        need = engine.plan.need["host"]
+        assert engine.plan.speculative
+    cfg = config(NVME, tmp_path / "b", "fp32", "int8")
+    cfg["tiers"]["host"] = int(need)
+    with zerotier.initialize(make_model(), cfg) as engine:
+        train(engine, 0, 6)
+        assert engine.host_pool.slack_limit == 0 and engine.host_pool.stats()["reuses"] > 0
