@@ -22,9 +22,8 @@ together (the case's rates and its plan are measured half-way through its steps,
 of them, the engine waiting), and the cases go round
 `--rounds` times (every case in a round, then the next round: a slow minute lands in one round of
 each case, not in every round of one), each case judged by the median of its rounds' errors. Seven by default: a NVMe case's rounds
-spread over 20-45 points (the drive's rate moves as much), and with five the median of a case
-within 10% fell outside it in about one run of two (12 and 13 of 13 in two runs of 5 and 7 rounds
-of the same model, 2026-11-28).
+spread over 20-45 points (the drive's rate moves as much); two runs of the same model on
+2026-11-28 had 12 of 13 cases within 10% with 5 rounds and 13 of 13 with 7.
 
 [Note: steps and plans in turn]
 Within a case the machine drifts too: the quick GPT-2 on the device alone, one plan after each
