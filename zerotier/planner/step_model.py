@@ -15,14 +15,11 @@ sets adam_on), so an early step does not overlap backward there; so do its copie
 ([Note: a CPU device's copies take its cores]).
 
 [Note: the root's backward comes in two parts]
-The root's backward is the loss and the head first, the embeddings last, after every block's; a
-tied embedding sums its two gradients there too. unit_timing times the second part apart
-(`backward_tail_s`: from the first block's input having its gradient to backward's end), and
-the schedule runs it after the other units' backward. What it changes: the units final before
-it start their state reads (and the previous window's last final unit, [Note: the last final
-unit's read]) that much earlier. The quick tied GPT with its state on NVMe: the engine's reads
-began 22 ms before backward's end, where the schedule put all of the root's backward first and
-predicted the step 15% long.
+The root's backward is the head and the loss first, the embeddings (a tied one's sum too) last,
+after every block's: unit_timing times that tail apart (`backward_tail_s`), the schedule runs it
+after the others' backward, and the units final before it start their state reads that much
+earlier (the quick tied GPT, state on NVMe: 22 ms before backward's end in the engine; put first,
+the schedule predicted the step 15% long).
 
 [Note: a CPU device's copies take its cores]
 On a CPU device the "link" between host and device memory is a memory copy made by a thread:
@@ -160,8 +157,7 @@ class UnitWork:
     copyback_s: float = 0.0      # the new parameters sent home
     copyback_on: str = "h2d"     # "h2d" (device home) or "nvme" (an NVMe home's write)
     encloses: bool = False       # resident for the whole pass (the root unit)
-    backward_tail_s: float = 0.0  # an enclosing unit's: the part of backward_s after the others' backward
-                                  # ([Note: the root's backward comes in two parts])
+    backward_tail_s: float = 0.0  # the encloser's, after the others' ([Note: the root's backward comes in two parts])
     trainable: bool = True       # frozen units have no gradient and no optimizer work
     adam_on: str = "cpu"         # "cpu", or "compute" (optimizer on the device, or a CPU device)
     speculate: bool = False      # its update runs under backward, speculated ([Note: speculation in the schedule])
