@@ -63,7 +63,7 @@ from ..optim.device_staging import DeviceStaging
 from ..overlap import policy_for
 from ..overlap.speculative import undo_bytes
 from ..params import ParamStore
-from .step_on import UpdateCosts, cpu_out_scale, cpu_rate_key, device_rate_key, out_bytes_at, shard_in_place
+from .step_on import UpdateCosts, cpu_rate_key, device_rate_key, shard_in_place
 from .step_model import Schedule, StepShape, UnitWork, simulate
 from ..state import Location
 from ..tiers.homes import HOMES
@@ -170,8 +170,6 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
                             grads_on_device=grads_at.on_device, params_on_device=params_at.on_device,
                             params_in_place=in_place, local_ranks=local_ranks, master_bytes=s.state.master_itemsize,
                             cpu_key=cpu_key, device_key=device_key)
-    cpu_scale = cpu_out_scale(s.state.bytes_per_param, s.grad_bytes, s.lp_bytes,
-                              out_bytes_at(rates, s.state.master_itemsize))
     # [Note: the engine's own time] (engine/overhead.py): its hooks' host time per unit, on a CPU device's cores
     engine_f, engine_b = (0.0, 0.0) if cuda or not compute else \
         (rates.get("engine_forward_s", 0.0), rates.get("engine_backward_s", 0.0))
@@ -203,13 +201,13 @@ def predict(placement: dict[str, Location], s, device_type: str, rates: dict[str
             if device_step:  # [Note: choosing where each update runs]: staged in, stepped, staged out
                 w["device_step"], w["adam_on"] = True, "compute"
                 w["adam_s"] = (secs(staged.kernel_bytes * o_shard, device_key) if cuda else
-                               secs(o_shard * local_ranks, cpu_key) * cpu_scale)
+                               secs(o_shard * local_ranks, cpu_key) * staged.cpu_scale)
                 w["stage_in_s"] = secs(staged.in_bytes * o_shard, link_in)
                 w["stage_out_s"] = secs(staged.out_bytes * o_shard, link_out)
             elif unit_opt.on_device and cuda:
                 w["adam_s"], w["adam_on"] = secs(DEVICE_ADAM_BYTES * o_shard, "device_adam"), "compute"
             else:
-                w["adam_s"] = secs(o_shard * local_ranks, cpu_key) * cpu_scale  # [Note: the CPU rate's new parameters]
+                w["adam_s"] = secs(o_shard * local_ranks, cpu_key) * staged.cpu_scale  # [Note: the CPU rate's new parameters]
                 w["adam_on"] = "cpu" if cuda else "compute"  # a CPU device's compute is the same cores
             if unit_opt.read_rate:  # the unit's state buffers as the store allocates them (Sizes.state_units)
                 state = sum(s.state_units[i])

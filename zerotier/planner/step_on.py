@@ -176,6 +176,7 @@ class UpdateCosts:
                          # device_in stage also carries the new shard's commit back to a device home)
     out_bytes: float
     kernel_bytes: float
+    cpu_scale: float = 1.0  # [Note: the CPU rate's new parameters]: in `cpu`, the rate's scale by the bytes moved
 
     @classmethod
     def of(cls, rates: dict[str, float], state_bytes: float, grad_bytes: int, lp_bytes: int, *, cuda: bool,
@@ -193,13 +194,13 @@ class UpdateCosts:
         out_bytes = state_bytes + (0 if in_place else lp_bytes)
         home_bytes = lp_bytes if params_on_device and not in_place and cuda else 0  # the commit's copy back
         kernel_bytes = 2 * state_bytes + grad_bytes
-        cpu = local_ranks / rates[cpu_key] * cpu_out_scale(state_bytes, grad_bytes, lp_bytes,
-                                                            out_bytes_at(rates, master_bytes))
+        cpu_scale = cpu_out_scale(state_bytes, grad_bytes, lp_bytes, out_bytes_at(rates, master_bytes))
+        cpu = local_ranks / rates[cpu_key] * cpu_scale
         link_in, link_out = ("h2d", "d2h") if cuda else ("mem_copy", "mem_copy")
         return cls(cpu=cpu, device_in=(in_bytes + home_bytes) / rates[link_in],
                    device_kernel=kernel_bytes / rates[device_key] if cuda else cpu,
                    device_out=out_bytes / rates[link_out], in_bytes=in_bytes, out_bytes=out_bytes,
-                   kernel_bytes=kernel_bytes)
+                   kernel_bytes=kernel_bytes, cpu_scale=cpu_scale)
 
     @property
     def device_stage(self) -> float:

@@ -332,7 +332,11 @@ def _time_root(model, blocks, modules, outputs, args, clock: _Clock,
             with saved if i == 0 else contextlib.nullcontext():
                 tf, out = clock(lambda: _loss(model(*args)))
             reached.clear()
-            tb, tt = clock(lambda: (out.backward(), clock.since(reached[0]) if reached else 0.0)[1])
+
+            def backward() -> float:  # the seconds since the first block's input had its gradient
+                out.backward()
+                return clock.since(reached[0]) if reached else 0.0
+            tb, tt = clock(backward)
             if i:
                 fwd.append(tf)
                 bwd.append(tb)

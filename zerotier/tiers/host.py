@@ -260,7 +260,7 @@ class HostPool(BudgetedTier):
         self._parked: list[tuple[_Block, TicketLike]] = []  # [Note: deferred free]
         self._parked_bytes = 0
         self._in_use = 0
-        self._slack = 0  # blocks in use: their bytes beyond the rounded requests ([Note: a reused block's slack is the cache's])
+        self._slack = 0  # in-use blocks' bytes past their requests ([Note: a reused block's slack is the cache's])
         self.slack_limit = budget if slack_limit is None else max(0, slack_limit)
         self._live = 0
         self._alloc_calls = 0
@@ -282,7 +282,7 @@ class HostPool(BudgetedTier):
             raise ValueError(f"host pool: {nbytes} B is not a whole number of {dtype} elements")
         if self._closed:
             raise ZerotierError("host pool is closed")
-        size = max(round_up(nbytes, self.alignment), self.alignment)
+        size = self._block_size(nbytes)
         with self._lock:
             self._alloc_calls += 1
         while True:
@@ -319,7 +319,7 @@ class HostPool(BudgetedTier):
                 raise ZerotierError(f"host pool: double free of buffer {buf.what or ''} ({buf.nbytes} B)")
             buf._freed = True
             block = buf._block
-            size = max(round_up(buf.nbytes, self.alignment), self.alignment)
+            size = self._block_size(buf.nbytes)
             self.charge(buf.component, -size)
             self._in_use -= block.size
             self._slack -= block.size - size
@@ -366,6 +366,10 @@ class HostPool(BudgetedTier):
             _unregister_all(self._registered)
 
     # ----------------------------------------------------------------- internals
+
+    def _block_size(self, nbytes: int) -> int:
+        """A request's block size: rounded up to the alignment (what its component is charged)."""
+        return max(round_up(nbytes, self.alignment), self.alignment)
 
     def _take_cached_locked(self, size: int) -> _Block | None:
         i = bisect.bisect_left(self._free_sizes, size)
